@@ -1,0 +1,10 @@
+#!/usr/bin/env bash
+# Runs the whole test suite on a fresh machine: fetches the default model (once, verified by
+# sha256), builds in release mode (debug-built candle is ~70x slower) and runs every test.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-2}"
+cargo build --release --bins
+./target/release/lift-serve fetch-model
+# One test at a time: concurrent training tests oversubscribe a 2-core machine badly.
+cargo test --release -- --test-threads=1

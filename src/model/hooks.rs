@@ -1,0 +1,87 @@
+//! Extension points of the decoder, used by adapters (Gated Memory, LoRA), the FltLM soft mask and
+//! anything that needs intermediate hidden states. The decoder calls them identically on the
+//! inference and the trainable path, so an adapter is implemented once.
+
+use candle_core::{Result, Tensor};
+
+/// The linear projections of one decoder layer, the targets of LoRA.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Projection {
+    Q,
+    K,
+    V,
+    O,
+    Gate,
+    Up,
+    Down,
+}
+
+impl Projection {
+    pub const ALL: [Projection; 7] = [
+        Projection::Q,
+        Projection::K,
+        Projection::V,
+        Projection::O,
+        Projection::Gate,
+        Projection::Up,
+        Projection::Down,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Projection::Q => "q_proj",
+            Projection::K => "k_proj",
+            Projection::V => "v_proj",
+            Projection::O => "o_proj",
+            Projection::Gate => "gate_proj",
+            Projection::Up => "up_proj",
+            Projection::Down => "down_proj",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|p| p.name() == s || p.name().trim_end_matches("_proj") == s)
+    }
+}
+
+/// A per-document adapter over the frozen decoder. Implementations hold their own parameters;
+/// on the inference path they must use detached copies (no autograd graph in the KV cache).
+pub trait Adapter: Send + Sync {
+    /// Extra output added to projection `proj` of `layer` for input `x` (LoRA). `None`: unchanged.
+    fn linear_delta(&self, _layer: usize, _proj: Projection, _x: &Tensor) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
+
+    /// Mixes each head's attention output with the adapter's own output before `o_proj`
+    /// (Gated Memory). `q_pre_rope` and `attn` are `[batch, heads, seq, head_dim]`.
+    fn mix_attention(&self, _layer: usize, _q_pre_rope: &Tensor, attn: Tensor) -> Result<Tensor> {
+        Ok(attn)
+    }
+
+    /// The lowest layer this adapter touches; layers below it need no autograd graph.
+    fn first_layer(&self) -> usize {
+        0
+    }
+}
+
+/// Per-forward-pass hooks: additive attention bias and a look at hidden states between layers.
+/// FltLM computes chunk scores from layer N's output (`after_layer`) and then masks the attention
+/// of the layers above it (`attention_bias`), all in one pass.
+pub trait ForwardHooks {
+    /// Called with the residual stream `[batch, seq, hidden]` after `layer` has run.
+    fn after_layer(&mut self, _layer: usize, _hidden: &Tensor) -> Result<()> {
+        Ok(())
+    }
+
+    /// Additive bias on the attention logits of `layer`, broadcastable to
+    /// `[batch, heads, q_len, k_len]`, for queries at absolute positions `q_start..q_start+q_len`
+    /// and keys `0..k_len`. `None`: no bias.
+    fn attention_bias(&self, _layer: usize, _q_start: usize, _q_len: usize, _k_len: usize) -> Result<Option<Tensor>> {
+        Ok(None)
+    }
+}
+
+/// Hooks that do nothing.
+pub struct NoHooks;
+impl ForwardHooks for NoHooks {}

@@ -1,0 +1,493 @@
+//! The Llama-family decoder (Llama 1–3, Qwen2, Mistral; SmolLM2 is Llama) with two forward paths
+//! over one set of frozen weights:
+//! - `forward`: inference with a KV cache, candle's fused kernels and quantized matmuls;
+//! - `forward_train`: differentiable ops only (our fused ops with hand-written backward), float
+//!   weights that never receive gradients, so `backward()` reaches adapter parameters only.
+//! Both call the same adapter and forward hooks at the same places.
+
+use super::config::ModelConfig;
+use super::hooks::{Adapter, ForwardHooks, Projection};
+use super::ops;
+use super::weights::Linear;
+use candle_core::{DType, Device, IndexOp, Result, Tensor};
+
+pub struct DecoderLayer {
+    pub attn_norm: Tensor,
+    pub q: Linear,
+    pub k: Linear,
+    pub v: Linear,
+    pub o: Linear,
+    pub ffn_norm: Tensor,
+    pub gate: Linear,
+    pub up: Linear,
+    pub down: Linear,
+}
+
+impl DecoderLayer {
+    fn linear(&self, p: Projection) -> &Linear {
+        match p {
+            Projection::Q => &self.q,
+            Projection::K => &self.k,
+            Projection::V => &self.v,
+            Projection::O => &self.o,
+            Projection::Gate => &self.gate,
+            Projection::Up => &self.up,
+            Projection::Down => &self.down,
+        }
+    }
+}
+
+pub struct Decoder {
+    pub config: ModelConfig,
+    /// f32 `[vocab, hidden]`; rows are looked up for inputs (and serve as the head when tied).
+    pub embed: Tensor,
+    pub layers: Vec<DecoderLayer>,
+    pub norm: Tensor,
+    pub lm_head: Linear,
+    /// RoPE tables `[max_positions, head_dim / 2]`.
+    cos: Tensor,
+    sin: Tensor,
+    device: Device,
+    /// Prompts of at least this many rows go through float matmuls (compute-bound); shorter ones
+    /// (decode) through the quantized weights (memory-bound). `usize::MAX`: always quantized.
+    pub float_prefill_min_rows: usize,
+}
+
+/// Which positions' logits `forward` returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Logits {
+    Last,
+    All,
+}
+
+/// Per-sequence-batch key/value cache for the inference path; grows by doubling.
+pub struct KvCache {
+    layers: Vec<Option<(Tensor, Tensor)>>,
+    len: usize,
+    capacity: usize,
+}
+
+impl KvCache {
+    pub fn new(num_layers: usize) -> Self {
+        Self { layers: (0..num_layers).map(|_| None).collect(), len: 0, capacity: 0 }
+    }
+
+    /// Tokens already in the cache (the position of the next token).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Bytes held by the cache buffers.
+    pub fn bytes(&self) -> usize {
+        self.layers
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+            .sum()
+    }
+
+    /// A deep copy (so a shared prompt prefix can be extended by several requests).
+    pub fn fork(&self) -> Result<Self> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|l| match l {
+                Some((k, v)) => Ok(Some((k.copy()?, v.copy()?))),
+                None => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(Self { layers, len: self.len, capacity: self.capacity })
+    }
+
+    /// Forgets everything after the first `len` tokens.
+    pub fn truncate(&mut self, len: usize) {
+        self.len = self.len.min(len);
+    }
+
+    /// Appends `k`, `v` (`[b, kv_heads, t, d]`) for `layer` and returns views of the whole cache.
+    /// `self.len` is advanced by `commit` once every layer has appended.
+    fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let t = k.dim(2)?;
+        let needed = self.len + t;
+        if layer == 0 && needed > self.capacity {
+            let new_cap = needed.max(self.capacity * 2).max(64);
+            for entry in self.layers.iter_mut() {
+                if let Some((ok, ov)) = entry.take() {
+                    let (b, h, _, d) = ok.dims4()?;
+                    let nk = Tensor::zeros((b, h, new_cap, d), ok.dtype(), ok.device())?;
+                    let nv = Tensor::zeros((b, h, new_cap, d), ov.dtype(), ov.device())?;
+                    if self.len > 0 {
+                        nk.slice_set(&ok.narrow(2, 0, self.len)?, 2, 0)?;
+                        nv.slice_set(&ov.narrow(2, 0, self.len)?, 2, 0)?;
+                    }
+                    *entry = Some((nk, nv));
+                }
+            }
+            self.capacity = new_cap;
+        }
+        let entry = &mut self.layers[layer];
+        if entry.is_none() {
+            let (b, h, _, d) = k.dims4()?;
+            let nk = Tensor::zeros((b, h, self.capacity, d), k.dtype(), k.device())?;
+            let nv = Tensor::zeros((b, h, self.capacity, d), v.dtype(), v.device())?;
+            *entry = Some((nk, nv));
+        }
+        let (ck, cv) = entry.as_ref().expect("cache entry initialised above");
+        ck.slice_set(&k.contiguous()?, 2, self.len)?;
+        cv.slice_set(&v.contiguous()?, 2, self.len)?;
+        Ok((ck.narrow(2, 0, needed)?, cv.narrow(2, 0, needed)?))
+    }
+
+    fn commit(&mut self, t: usize) {
+        self.len += t;
+    }
+}
+
+impl Decoder {
+    pub fn new(
+        config: ModelConfig,
+        embed: Tensor,
+        layers: Vec<DecoderLayer>,
+        norm: Tensor,
+        lm_head: Linear,
+        device: &Device,
+    ) -> Result<Self> {
+        let (cos, sin) = rope_tables(&config, device)?;
+        Ok(Self {
+            config,
+            embed,
+            layers,
+            norm,
+            lm_head,
+            cos,
+            sin,
+            device: device.clone(),
+            float_prefill_min_rows: 16,
+        })
+    }
+
+    pub fn device(&self) -> &Device {
+        &self.device
+    }
+
+    /// Input embeddings `[b, t, hidden]` for token ids `[b, t]` (f32; callers may perturb them).
+    pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
+        let (b, t) = ids.dims2()?;
+        let flat = ids.flatten_all()?;
+        self.embed.index_select(&flat, 0)?.reshape((b, t, self.config.hidden_size))
+    }
+
+    fn rope_slice(&self, start: usize, len: usize) -> Result<(Tensor, Tensor)> {
+        let max = self.cos.dim(0)?;
+        if start + len > max {
+            candle_core::bail!(
+                "sequence of {} tokens exceeds the model's {} positions",
+                start + len,
+                max
+            );
+        }
+        Ok((self.cos.narrow(0, start, len)?, self.sin.narrow(0, start, len)?))
+    }
+
+    /// Inference forward over ids `[b, t]` appended after what `cache` holds.
+    /// Returns logits `[b, vocab]` (`Logits::Last`) or `[b, t, vocab]` (`Logits::All`).
+    pub fn forward(
+        &self,
+        ids: &Tensor,
+        cache: &mut KvCache,
+        adapter: Option<&dyn Adapter>,
+        hooks: &mut dyn ForwardHooks,
+        which: Logits,
+    ) -> Result<Tensor> {
+        let x = self.embed(ids)?;
+        self.forward_embeds(&x, cache, adapter, hooks, which)
+    }
+
+    /// Inference forward from embeddings `[b, t, hidden]`.
+    pub fn forward_embeds(
+        &self,
+        x: &Tensor,
+        cache: &mut KvCache,
+        adapter: Option<&dyn Adapter>,
+        hooks: &mut dyn ForwardHooks,
+        which: Logits,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let start = cache.len();
+        let (cos, sin) = self.rope_slice(start, t)?;
+        let float = b * t >= self.float_prefill_min_rows;
+        let mask = causal_mask(t, start, self.config.sliding_window, &self.device)?;
+        let mut x = x.clone();
+        for (li, layer) in self.layers.iter().enumerate() {
+            let ctx = LayerCtx { li, adapter, float, start };
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, self.config.rms_norm_eps as f32)?;
+            let attn = self.attention_infer(&ctx, layer, &h, &cos, &sin, mask.as_ref(), Some(&mut *cache), hooks)?;
+            x = (x + attn)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, self.config.rms_norm_eps as f32)?;
+            let gate = ctx.linear(layer, Projection::Gate, &h)?;
+            let up = ctx.linear(layer, Projection::Up, &h)?;
+            let mlp = ctx.linear(layer, Projection::Down, &(candle_nn::ops::silu(&gate)? * up)?)?;
+            x = (x + mlp)?;
+            hooks.after_layer(li, &x)?;
+        }
+        cache.commit(t);
+        let x = match which {
+            Logits::Last => x.i((.., t - 1..t, ..))?,
+            Logits::All => x,
+        };
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, self.config.rms_norm_eps as f32)?;
+        let logits = if float && which == Logits::All {
+            self.lm_head.forward_float(&x)?
+        } else {
+            self.lm_head.forward(&x)?
+        };
+        match which {
+            Logits::Last => logits.squeeze(1),
+            Logits::All => Ok(logits),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn attention_infer(
+        &self,
+        ctx: &LayerCtx,
+        layer: &DecoderLayer,
+        h: &Tensor,
+        cos: &Tensor,
+        sin: &Tensor,
+        mask: Option<&Tensor>,
+        cache: Option<&mut KvCache>,
+        hooks: &mut dyn ForwardHooks,
+    ) -> Result<Tensor> {
+        let cfg = &self.config;
+        let (b, t, _) = h.dims3()?;
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let q = ctx.linear(layer, Projection::Q, h)?;
+        let k = ctx.linear(layer, Projection::K, h)?;
+        let v = ctx.linear(layer, Projection::V, h)?;
+        let q = q.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()?;
+        let k = k.reshape((b, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
+        let v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
+        let q_rot = candle_nn::rotary_emb::rope(&q, cos, sin)?;
+        let k_rot = candle_nn::rotary_emb::rope(&k, cos, sin)?;
+        let (k_all, v_all) = match cache {
+            Some(cache) => cache.append(ctx.li, &k_rot, &v)?,
+            None => (k_rot, v),
+        };
+        let tk = k_all.dim(2)?;
+        let bias = hooks.attention_bias(ctx.li, ctx.start, t, tk)?;
+
+        // Grouped-query attention without materialising repeated KV heads: the `g` query heads
+        // that share a KV head are stacked along the sequence axis.
+        let g = cfg.kv_groups();
+        let scale = 1.0 / (hd as f64).sqrt();
+        let qg = (q_rot.reshape((b, nkv, g * t, hd))? * scale)?;
+        let scores = qg.matmul(&k_all.t()?)?.reshape((b, nh, t, tk))?;
+        let scores = match mask {
+            Some(m) => scores.broadcast_add(m)?,
+            None => scores,
+        };
+        let scores = match bias {
+            Some(bias) => scores.broadcast_add(&bias)?,
+            None => scores,
+        };
+        let probs = candle_nn::ops::softmax_last_dim(&scores)?;
+        let attn = probs
+            .reshape((b, nkv, g * t, tk))?
+            .matmul(&v_all.contiguous()?)?
+            .reshape((b, nh, t, hd))?;
+        let attn = match ctx.adapter {
+            Some(a) => a.mix_attention(ctx.li, &q, attn)?,
+            None => attn,
+        };
+        let attn = attn.transpose(1, 2)?.reshape((b, t, nh * hd))?;
+        ctx.linear(layer, Projection::O, &attn)
+    }
+
+    /// Trainable forward from embeddings `[b, t, hidden]` (positions `0..t`). Returns the final
+    /// normalised hidden states `[b, t, hidden]`; apply `logits_train` at the positions that need
+    /// them (the vocabulary projection of every position is the single largest activation).
+    pub fn forward_train(
+        &self,
+        x: &Tensor,
+        adapter: Option<&dyn Adapter>,
+        hooks: &mut dyn ForwardHooks,
+    ) -> Result<Tensor> {
+        let cfg = &self.config;
+        let (b, t, _) = x.dims3()?;
+        let (cos, sin) = self.rope_slice(0, t)?;
+        let eps = cfg.rms_norm_eps as f32;
+        // Layers below the first adapted one see no trainable input: run them on the fast
+        // inference kernels (no graph is recorded for them either way).
+        let first_trainable = if x.track_op() { 0 } else { adapter.map_or(usize::MAX, |a| a.first_layer()) };
+        let window_bias = match cfg.sliding_window {
+            Some(w) if t > w => causal_mask(t, 0, Some(w), &self.device)?,
+            _ => None,
+        };
+        let mut x = x.clone();
+        for (li, layer) in self.layers.iter().enumerate() {
+            if li < first_trainable {
+                let ctx = LayerCtx { li, adapter, float: true, start: 0 };
+                let mask = causal_mask(t, 0, cfg.sliding_window, &self.device)?;
+                let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+                let attn = self.attention_infer(&ctx, layer, &h, &cos, &sin, mask.as_ref(), None, hooks)?;
+                x = (x + attn)?;
+                let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+                let gate = ctx.linear(layer, Projection::Gate, &h)?;
+                let up = ctx.linear(layer, Projection::Up, &h)?;
+                x = (&x + ctx.linear(layer, Projection::Down, &ops::silu_mul(&gate, &up)?)?)?;
+                hooks.after_layer(li, &x)?;
+                continue;
+            }
+            let h = ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let q = train_linear(adapter, li, layer, Projection::Q, &h)?;
+            let k = train_linear(adapter, li, layer, Projection::K, &h)?;
+            let v = train_linear(adapter, li, layer, Projection::V, &h)?;
+            let q = q.reshape((b, t, cfg.num_heads, cfg.head_dim))?.transpose(1, 2)?.contiguous()?;
+            let k = k.reshape((b, t, cfg.num_kv_heads, cfg.head_dim))?.transpose(1, 2)?.contiguous()?;
+            let v = v.reshape((b, t, cfg.num_kv_heads, cfg.head_dim))?.transpose(1, 2)?.contiguous()?;
+            let q_rot = ops::rope(&q, &cos, &sin)?;
+            let k_rot = ops::rope(&k, &cos, &sin)?;
+            let k_rep = repeat_kv(&k_rot, cfg.kv_groups())?;
+            let v_rep = repeat_kv(&v, cfg.kv_groups())?;
+            let bias = hooks.attention_bias(li, 0, t, t)?;
+            let bias = match (bias, &window_bias) {
+                (Some(b), Some(w)) => Some(b.broadcast_add(w)?),
+                (Some(b), None) => Some(b),
+                (None, Some(w)) => Some(w.clone()),
+                (None, None) => None,
+            };
+            let scale = 1.0 / (cfg.head_dim as f64).sqrt();
+            let attn = ops::causal_attention(&q_rot, &k_rep, &v_rep, scale, bias.as_ref())?;
+            let attn = match adapter {
+                Some(a) => a.mix_attention(li, &q, attn)?,
+                None => attn,
+            };
+            let attn = attn.transpose(1, 2)?.reshape((b, t, cfg.num_heads * cfg.head_dim))?;
+            let o = train_linear(adapter, li, layer, Projection::O, &attn)?;
+            x = (x + o)?;
+            let h = ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+            let gate = train_linear(adapter, li, layer, Projection::Gate, &h)?;
+            let up = train_linear(adapter, li, layer, Projection::Up, &h)?;
+            let mlp = train_linear(adapter, li, layer, Projection::Down, &ops::silu_mul(&gate, &up)?)?;
+            x = (x + mlp)?;
+            hooks.after_layer(li, &x)?;
+        }
+        ops::rms_norm(&x, &self.norm, eps)
+    }
+
+    /// Vocabulary logits for hidden states `[.., hidden]` on the trainable path.
+    pub fn logits_train(&self, hidden: &Tensor) -> Result<Tensor> {
+        self.lm_head.forward_train(hidden)
+    }
+
+    /// Dequantizes every weight now instead of at the first training step.
+    pub fn prepare_float_weights(&self) -> Result<()> {
+        self.lm_head.float_weight()?;
+        for l in &self.layers {
+            for p in Projection::ALL {
+                l.linear(p).float_weight()?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Bytes of KV cache needed to hold `tokens` tokens in context (f32, batch 1).
+    pub fn kv_cache_bytes(&self, tokens: usize) -> usize {
+        let c = &self.config;
+        2 * c.num_layers * c.num_kv_heads * c.head_dim * tokens * DType::F32.size_in_bytes()
+    }
+}
+
+/// What one layer's inference step needs to know.
+struct LayerCtx<'a> {
+    li: usize,
+    adapter: Option<&'a dyn Adapter>,
+    float: bool,
+    start: usize,
+}
+
+impl LayerCtx<'_> {
+    fn linear(&self, layer: &DecoderLayer, p: Projection, x: &Tensor) -> Result<Tensor> {
+        let lin = layer.linear(p);
+        let y = if self.float { lin.forward_float(x)? } else { lin.forward(x)? };
+        match self.adapter {
+            Some(a) => match a.linear_delta(self.li, p, x)? {
+                Some(d) => y + d,
+                None => Ok(y),
+            },
+            None => Ok(y),
+        }
+    }
+}
+
+fn train_linear(
+    adapter: Option<&dyn Adapter>,
+    li: usize,
+    layer: &DecoderLayer,
+    p: Projection,
+    x: &Tensor,
+) -> Result<Tensor> {
+    let y = layer.linear(p).forward_train(x)?;
+    match adapter {
+        Some(a) => match a.linear_delta(li, p, x)? {
+            Some(d) => y + d,
+            None => Ok(y),
+        },
+        None => Ok(y),
+    }
+}
+
+/// `[b, kv_heads, t, d]` → `[b, kv_heads * groups, t, d]`, query head `h` using KV head `h / groups`.
+pub fn repeat_kv(x: &Tensor, groups: usize) -> Result<Tensor> {
+    if groups == 1 {
+        return Ok(x.clone());
+    }
+    let (b, h, t, d) = x.dims4()?;
+    x.unsqueeze(2)?
+        .expand((b, h, groups, t, d))?
+        .reshape((b, h * groups, t, d))
+}
+
+/// Additive causal mask `[t, start + t]` for queries at `start..start+t` (None when no key is hidden).
+pub fn causal_mask(t: usize, start: usize, window: Option<usize>, device: &Device) -> Result<Option<Tensor>> {
+    let tk = start + t;
+    let hides = |i: usize, j: usize| {
+        let qpos = start + i;
+        j > qpos || window.is_some_and(|w| qpos >= w && j <= qpos - w)
+    };
+    let any = (0..t).any(|i| (0..tk).any(|j| hides(i, j)));
+    if !any {
+        return Ok(None);
+    }
+    let data: Vec<f32> = (0..t)
+        .flat_map(|i| (0..tk).map(move |j| (i, j)))
+        .map(|(i, j)| if hides(i, j) { f32::NEG_INFINITY } else { 0.0 })
+        .collect();
+    Tensor::from_vec(data, (t, tk), device).map(Some)
+}
+
+fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
+    let inv = cfg.rope_inv_freq();
+    let scale = cfg.rope_position_scale();
+    let n = cfg.max_position_embeddings.max(1);
+    let half = inv.len();
+    let mut cos = Vec::with_capacity(n * half);
+    let mut sin = Vec::with_capacity(n * half);
+    for p in 0..n {
+        for f in &inv {
+            // f64 for the angle: positions times frequencies lose precision in f32 at long range.
+            let a = (p as f64 * scale as f64) * *f as f64;
+            cos.push(a.cos() as f32);
+            sin.push(a.sin() as f32);
+        }
+    }
+    Ok((
+        Tensor::from_vec(cos, (n, half), device)?,
+        Tensor::from_vec(sin, (n, half), device)?,
+    ))
+}

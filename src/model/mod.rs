@@ -1,0 +1,118 @@
+//! The base model: configuration, loaders (GGUF, Hugging Face), the Llama-family decoder with its
+//! inference and trainable paths, tokenizer, chat template and generation.
+
+pub mod chat;
+pub mod config;
+pub mod generate;
+pub mod gguf;
+pub mod hf;
+pub mod hooks;
+pub mod llama;
+pub mod ops;
+pub mod tokenizer;
+pub mod weights;
+
+pub use chat::{ChatMessage, ChatTemplate};
+pub use config::{Architecture, ModelConfig};
+pub use hooks::{Adapter, ForwardHooks, NoHooks, Projection};
+pub use llama::{Decoder, KvCache, Logits};
+pub use tokenizer::TextTokenizer;
+
+use anyhow::{Context, Result};
+use candle_core::Device;
+use sha2::{Digest, Sha256};
+use std::io::{Read, Seek, SeekFrom};
+use std::path::{Path, PathBuf};
+
+/// Where the base model came from and how to recognise it again (adapters record this).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct ModelInfo {
+    /// Short id used by the API (`/v1/models`), e.g. `SmolLM2-135M-Instruct.Q4_1`.
+    pub id: String,
+    pub path: PathBuf,
+    pub format: String,
+    /// Hash of the weight files' sizes, heads and tails: cheap, and different for any other model.
+    pub fingerprint: String,
+}
+
+pub struct Model {
+    pub decoder: Decoder,
+    pub tokenizer: TextTokenizer,
+    pub chat_template: ChatTemplate,
+    pub info: ModelInfo,
+}
+
+impl Model {
+    /// Loads a `.gguf` file or a Hugging Face model directory.
+    pub fn load(path: &Path, device: &Device) -> Result<Self> {
+        if !path.exists() {
+            anyhow::bail!("{}: model not found (run `lift-serve fetch-model` for the default model)", path.display());
+        }
+        let (decoder, tokenizer, chat_template, format, files, name) = if path.is_dir() {
+            let parts = hf::load(path, device)?;
+            let mut files: Vec<PathBuf> = std::fs::read_dir(path)?
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| {
+                    p.extension().is_some_and(|e| e == "safetensors") || p.file_name().is_some_and(|n| n == "config.json")
+                })
+                .collect();
+            files.sort();
+            (parts.decoder, parts.tokenizer, parts.chat_template, "hf", files, None)
+        } else {
+            let parts = gguf::load(path, device)?;
+            (parts.decoder, parts.tokenizer, parts.chat_template, "gguf", vec![path.to_path_buf()], parts.name)
+        };
+        let stem = if path.is_dir() {
+            path.file_name().map(|s| s.to_string_lossy().to_string())
+        } else {
+            path.file_stem().map(|s| s.to_string_lossy().to_string())
+        };
+        let id = stem.or(name).unwrap_or_else(|| "model".into());
+        let fingerprint = fingerprint(&files)?;
+        tracing::info!(model = %id, format, layers = decoder.config.num_layers, hidden = decoder.config.hidden_size, "model loaded");
+        Ok(Self {
+            decoder,
+            tokenizer,
+            chat_template,
+            info: ModelInfo { id, path: path.to_path_buf(), format: format.into(), fingerprint },
+        })
+    }
+
+    pub fn config(&self) -> &ModelConfig {
+        &self.decoder.config
+    }
+
+    pub fn device(&self) -> &Device {
+        self.decoder.device()
+    }
+
+    /// Renders chat messages with the model's template and tokenizes them (special tokens written
+    /// by the template are parsed as such; no extra BOS when the template already wrote one).
+    pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
+        let text = self.chat_template.render(messages, true)?;
+        let add_bos = match self.tokenizer.bos_token() {
+            Some((bos, _)) => !text.starts_with(&bos),
+            None => false,
+        };
+        self.tokenizer.encode(&text, add_bos)
+    }
+}
+
+fn fingerprint(files: &[PathBuf]) -> Result<String> {
+    const PART: u64 = 1 << 20;
+    let mut h = Sha256::new();
+    for path in files {
+        let mut f = std::fs::File::open(path).with_context(|| format!("{}: cannot open", path.display()))?;
+        let len = f.metadata()?.len();
+        h.update(len.to_le_bytes());
+        let mut buf = vec![0u8; PART.min(len) as usize];
+        f.read_exact(&mut buf)?;
+        h.update(&buf);
+        if len > PART {
+            f.seek(SeekFrom::Start(len - PART.min(len)))?;
+            f.read_exact(&mut buf)?;
+            h.update(&buf);
+        }
+    }
+    Ok(hex::encode(&h.finalize()[..16]))
+}

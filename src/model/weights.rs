@@ -1,0 +1,102 @@
+//! Frozen base-model weights. Each linear layer keeps the file's representation for inference
+//! (quantized blocks stay quantized) and a float copy for the trainable path, made on first use.
+
+use super::ops;
+use candle_core::quantized::{QMatMul, QTensor};
+use candle_core::{DType, Module, Result, Tensor};
+use std::sync::{Arc, OnceLock};
+
+pub struct Linear {
+    /// Inference weight: quantized matmul, or a float matmul for float files.
+    infer: QMatMul,
+    /// Source of the float copy when the file is quantized.
+    quantized: Option<Arc<QTensor>>,
+    /// f32 `[out, in]`, frozen: never a `Var`, never receives a gradient.
+    float: OnceLock<Tensor>,
+    bias: Option<Tensor>,
+    out_dim: usize,
+    in_dim: usize,
+}
+
+impl Linear {
+    /// Weight `[out, in]` as stored in a GGUF file; float types are dequantized right away.
+    pub fn from_qtensor(q: QTensor, bias: Option<Tensor>) -> Result<Self> {
+        let (out_dim, in_dim) = q.shape().dims2()?;
+        let q = Arc::new(q);
+        let infer = QMatMul::from_arc(q.clone())?;
+        let float = OnceLock::new();
+        let quantized = match &infer {
+            QMatMul::Tensor(t) => {
+                let _ = float.set(t.to_dtype(DType::F32)?);
+                None
+            }
+            _ => Some(q),
+        };
+        Ok(Self { infer, quantized, float, bias, out_dim, in_dim })
+    }
+
+    /// Float weight `[out, in]` (any float dtype; kept as f32).
+    pub fn from_tensor(w: Tensor, bias: Option<Tensor>) -> Result<Self> {
+        let w = w.to_dtype(DType::F32)?;
+        let (out_dim, in_dim) = w.dims2()?;
+        let float = OnceLock::new();
+        let _ = float.set(w.clone());
+        let bias = bias.map(|b| b.to_dtype(DType::F32)).transpose()?;
+        Ok(Self { infer: QMatMul::Tensor(w), quantized: None, float, bias, out_dim, in_dim })
+    }
+
+    pub fn out_dim(&self) -> usize {
+        self.out_dim
+    }
+
+    pub fn in_dim(&self) -> usize {
+        self.in_dim
+    }
+
+    pub fn is_quantized(&self) -> bool {
+        self.quantized.is_some()
+    }
+
+    /// The f32 copy, dequantized once on first call.
+    pub fn float_weight(&self) -> Result<&Tensor> {
+        if let Some(w) = self.float.get() {
+            return Ok(w);
+        }
+        let q = self
+            .quantized
+            .as_ref()
+            .ok_or_else(|| candle_core::Error::Msg("linear layer without weights".into()))?;
+        let w = q.dequantize(&q.device())?.to_dtype(DType::F32)?;
+        Ok(self.float.get_or_init(|| w))
+    }
+
+    /// Inference path: quantized matmul when the file is quantized.
+    pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let y = self.infer.forward(x)?;
+        self.add_bias(y)
+    }
+
+    /// Inference path through the float weights: faster than block-quantized dot products for
+    /// long prompts (prefill), where the matmul is compute-bound.
+    pub fn forward_float(&self, x: &Tensor) -> Result<Tensor> {
+        let y = ops::frozen_linear(x, self.float_weight()?)?;
+        self.add_bias(y)
+    }
+
+    /// Trainable path: float weights, gradient flows to `x` only.
+    pub fn forward_train(&self, x: &Tensor) -> Result<Tensor> {
+        self.forward_float(x)
+    }
+
+    fn add_bias(&self, y: Tensor) -> Result<Tensor> {
+        match &self.bias {
+            Some(b) => y.broadcast_add(b),
+            None => Ok(y),
+        }
+    }
+}
+
+/// A float tensor of a norm or embedding: always dequantized.
+pub fn dequantize(q: &QTensor) -> Result<Tensor> {
+    q.dequantize(&q.device())?.to_dtype(DType::F32)
+}

@@ -1,0 +1,26 @@
+//! Process-wide settings for fast CPU work: allocator behaviour and device choice.
+
+use anyhow::Result;
+use candle_core::Device;
+
+/// Keeps glibc from returning large buffers to the OS after every training step (measured: a
+/// 15–20% slowdown from repeated mmap/munmap of multi-megabyte activations).
+pub fn tune_allocator() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    unsafe {
+        libc::mallopt(libc::M_MMAP_MAX, 0);
+        libc::mallopt(libc::M_TRIM_THRESHOLD, 1 << 30);
+    }
+}
+
+/// `cpu`, `cuda` or `cuda:N`.
+pub fn device(spec: &str) -> Result<Device> {
+    match spec {
+        "cpu" => Ok(Device::Cpu),
+        s if s.starts_with("cuda") => {
+            let ordinal = s.strip_prefix("cuda:").map(str::parse::<usize>).transpose()?.unwrap_or(0);
+            Ok(Device::new_cuda(ordinal)?)
+        }
+        other => anyhow::bail!("unknown device '{other}' (cpu, cuda, cuda:N)"),
+    }
+}
