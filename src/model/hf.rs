@@ -24,7 +24,7 @@ pub fn load(dir: &Path, device: &Device) -> Result<HfParts> {
     }
     let config = ModelConfig::from_hf_json(&config_path)?;
     let tokenizer = TextTokenizer::from_hf_dir(dir)?;
-    let chat_template = read_chat_template(dir, &tokenizer)?;
+    let chat_template = ChatTemplate::from_hf_dir(dir, &tokenizer)?;
     let weights = Weights::open(dir)?;
 
     let get = |name: &str| weights.get(name, device);
@@ -59,40 +59,6 @@ pub fn load(dir: &Path, device: &Device) -> Result<HfParts> {
     };
     let decoder = Decoder::new(config, embed, layers, norm, lm_head, device)?;
     Ok(HfParts { decoder, tokenizer, chat_template })
-}
-
-/// `chat_template.jinja`, or `chat_template` in `tokenizer_config.json` (a string, or a list of
-/// named templates of which "default" is used); ChatML when the model ships none.
-fn read_chat_template(dir: &Path, tok: &TextTokenizer) -> Result<ChatTemplate> {
-    let jinja = dir.join("chat_template.jinja");
-    let bos = tok.bos_token().map(|b| b.0);
-    let eos = tok.eos_token();
-    if jinja.exists() {
-        let src = std::fs::read_to_string(&jinja).with_context(|| format!("{}: cannot read", jinja.display()))?;
-        return ChatTemplate::new(&src, bos, eos).with_context(|| format!("{}: chat template", jinja.display()));
-    }
-    let cfg_path = dir.join("tokenizer_config.json");
-    if !cfg_path.exists() {
-        return Ok(ChatTemplate::chatml());
-    }
-    let text = std::fs::read_to_string(&cfg_path).with_context(|| format!("{}: cannot read", cfg_path.display()))?;
-    let cfg: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", cfg_path.display()))?;
-    let src = match cfg.get("chat_template") {
-        Some(serde_json::Value::String(s)) => Some(s.clone()),
-        Some(serde_json::Value::Array(list)) => list
-            .iter()
-            .find(|t| t.get("name").and_then(|n| n.as_str()) == Some("default"))
-            .or_else(|| list.first())
-            .and_then(|t| t.get("template"))
-            .and_then(|t| t.as_str())
-            .map(str::to_string),
-        _ => None,
-    };
-    match src {
-        Some(src) => ChatTemplate::new(&src, bos, eos).with_context(|| format!("{}: chat_template", cfg_path.display())),
-        None => Ok(ChatTemplate::chatml()),
-    }
 }
 
 /// The safetensors shards of a model and which file holds each tensor.

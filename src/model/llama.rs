@@ -48,6 +48,11 @@ pub struct Decoder {
     cos: Tensor,
     sin: Tensor,
     device: Device,
+    /// RoPE rotates adjacent pairs (2i, 2i+1) instead of halves (i, i + d/2). llama.cpp stores
+    /// llama-architecture q/k rows permuted for this; keeping the file's layout keeps our
+    /// arithmetic identical to llama.cpp/candle (quantized matmuls re-round activations to 8 bits,
+    /// so even a reordered dot product shows up in the logits).
+    pub rope_interleaved: bool,
     /// Prompts of at least this many rows go through float matmuls (compute-bound); shorter ones
     /// (decode) through the quantized weights (memory-bound). `usize::MAX`: always quantized.
     pub float_prefill_min_rows: usize,
@@ -166,6 +171,7 @@ impl Decoder {
             cos,
             sin,
             device: device.clone(),
+            rope_interleaved: false,
             float_prefill_min_rows: 16,
         })
     }
@@ -207,6 +213,14 @@ impl Decoder {
         self.forward_embeds(&x, cache, adapter, hooks, which)
     }
 
+    /// Last-position logits of a fresh prompt with a given float-matmul threshold (for comparing
+    /// the quantized and float arithmetic in tests and benchmarks).
+    pub fn forward_with_float_threshold(&self, ids: &Tensor, min_rows: usize) -> Result<Tensor> {
+        let x = self.embed(ids)?;
+        let mut cache = KvCache::new(self.layers.len());
+        self.forward_inner(&x, &mut cache, None, &mut super::hooks::NoHooks, Logits::Last, min_rows)
+    }
+
     /// Inference forward from embeddings `[b, t, hidden]`.
     pub fn forward_embeds(
         &self,
@@ -216,10 +230,22 @@ impl Decoder {
         hooks: &mut dyn ForwardHooks,
         which: Logits,
     ) -> Result<Tensor> {
+        self.forward_inner(x, cache, adapter, hooks, which, self.float_prefill_min_rows)
+    }
+
+    fn forward_inner(
+        &self,
+        x: &Tensor,
+        cache: &mut KvCache,
+        adapter: Option<&dyn Adapter>,
+        hooks: &mut dyn ForwardHooks,
+        which: Logits,
+        float_min_rows: usize,
+    ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
         let start = cache.len();
         let (cos, sin) = self.rope_slice(start, t)?;
-        let float = b * t >= self.float_prefill_min_rows;
+        let float = b * t >= float_min_rows;
         let mask = causal_mask(t, start, self.config.sliding_window, &self.device)?;
         let mut x = x.clone();
         for (li, layer) in self.layers.iter().enumerate() {
@@ -272,8 +298,9 @@ impl Decoder {
         let q = q.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()?;
         let k = k.reshape((b, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
         let v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
-        let q_rot = candle_nn::rotary_emb::rope(&q, cos, sin)?;
-        let k_rot = candle_nn::rotary_emb::rope(&k, cos, sin)?;
+        let rope = if self.rope_interleaved { candle_nn::rotary_emb::rope_i } else { candle_nn::rotary_emb::rope };
+        let q_rot = rope(&q, cos, sin)?;
+        let k_rot = rope(&k, cos, sin)?;
         let (k_all, v_all) = match cache {
             Some(cache) => cache.append(ctx.li, &k_rot, &v)?,
             None => (k_rot, v),
@@ -281,12 +308,19 @@ impl Decoder {
         let tk = k_all.dim(2)?;
         let bias = hooks.attention_bias(ctx.li, ctx.start, t, tk)?;
 
-        // Grouped-query attention without materialising repeated KV heads: the `g` query heads
-        // that share a KV head are stacked along the sequence axis.
         let g = cfg.kv_groups();
         let scale = 1.0 / (hd as f64).sqrt();
-        let qg = (q_rot.reshape((b, nkv, g * t, hd))? * scale)?;
-        let scores = qg.matmul(&k_all.t()?)?.reshape((b, nh, t, tk))?;
+        // Decode (one query row): the `g` query heads sharing a KV head are stacked so the cache
+        // is read as is, never copied. Prompts: KV heads repeated, the same matmul shapes as
+        // llama.cpp/candle (see `rope_interleaved` for why the arithmetic should match).
+        let (scores, v_used) = if t == 1 && g > 1 {
+            let qg = q_rot.reshape((b, nkv, g, hd))?;
+            let s = (qg.matmul(&k_all.t()?)? * scale)?.reshape((b, nh, 1, tk))?;
+            (s, None)
+        } else {
+            let k_rep = repeat_kv(&k_all, g)?.contiguous()?;
+            ((q_rot.matmul(&k_rep.t()?)? * scale)?, Some(repeat_kv(&v_all, g)?.contiguous()?))
+        };
         let scores = match mask {
             Some(m) => scores.broadcast_add(m)?,
             None => scores,
@@ -296,10 +330,10 @@ impl Decoder {
             None => scores,
         };
         let probs = candle_nn::ops::softmax_last_dim(&scores)?;
-        let attn = probs
-            .reshape((b, nkv, g * t, tk))?
-            .matmul(&v_all.contiguous()?)?
-            .reshape((b, nh, t, hd))?;
+        let attn = match v_used {
+            Some(v) => probs.matmul(&v)?,
+            None => probs.reshape((b, nkv, g, tk))?.matmul(&v_all)?.reshape((b, nh, 1, hd))?,
+        };
         let attn = match ctx.adapter {
             Some(a) => a.mix_attention(ctx.li, &q, attn)?,
             None => attn,
@@ -350,8 +384,9 @@ impl Decoder {
             let q = q.reshape((b, t, cfg.num_heads, cfg.head_dim))?.transpose(1, 2)?.contiguous()?;
             let k = k.reshape((b, t, cfg.num_kv_heads, cfg.head_dim))?.transpose(1, 2)?.contiguous()?;
             let v = v.reshape((b, t, cfg.num_kv_heads, cfg.head_dim))?.transpose(1, 2)?.contiguous()?;
-            let q_rot = ops::rope(&q, &cos, &sin)?;
-            let k_rot = ops::rope(&k, &cos, &sin)?;
+            let rope = if self.rope_interleaved { ops::rope_interleaved } else { ops::rope };
+            let q_rot = rope(&q, &cos, &sin)?;
+            let k_rot = rope(&k, &cos, &sin)?;
             let k_rep = repeat_kv(&k_rot, cfg.kv_groups())?;
             let v_rep = repeat_kv(&v, cfg.kv_groups())?;
             let bias = hooks.attention_bias(li, 0, t, t)?;
@@ -479,11 +514,13 @@ fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
     let mut cos = Vec::with_capacity(n * half);
     let mut sin = Vec::with_capacity(n * half);
     for p in 0..n {
+        // f32 throughout, as llama.cpp and candle compute the angles: the quantized matmuls round
+        // activations to 8 bits, so an ulp of difference here can show up in the logits.
+        let pos = p as f32 * scale;
         for f in &inv {
-            // f64 for the angle: positions times frequencies lose precision in f32 at long range.
-            let a = (p as f64 * scale as f64) * *f as f64;
-            cos.push(a.cos() as f32);
-            sin.push(a.sin() as f32);
+            let a = pos * *f;
+            cos.push(a.cos());
+            sin.push(a.sin());
         }
     }
     Ok((

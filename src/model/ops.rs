@@ -45,3 +45,17 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, bias: Op
     let s = match bias { Some(b) => s.broadcast_add(b)?, None => s };
     softmax_last_dim(&s)?.matmul(&v.contiguous()?)
 }
+
+/// Interleaved RoPE (pairs 2i, 2i+1), as rotate-half RoPE on de-interleaved dims.
+pub fn rope_interleaved(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    let to_halves: Vec<u32> = (0..d as u32).step_by(2).chain((1..d as u32).step_by(2)).collect();
+    let mut back = vec![0u32; d];
+    for (i, &j) in to_halves.iter().enumerate() {
+        back[j as usize] = i as u32;
+    }
+    let to_halves = Tensor::new(to_halves, x.device())?;
+    let back = Tensor::new(back, x.device())?;
+    let y = rope(&x.index_select(&to_halves, 3)?, cos, sin)?;
+    y.index_select(&back, 3)
+}

@@ -1,0 +1,148 @@
+//! Runtime benchmark on the default model: f32 matmul FLOP rate (the yardstick), prefill and
+//! decode tokens/s, and one adapter training step (forward + backward to a Gated Memory adapter
+//! on every layer + AdamW) at 256 and 512 tokens. Prints medians of several runs.
+//!
+//!   RAYON_NUM_THREADS=2 cargo bench --bench runtime            (BENCH_RUNS=5 by default)
+//! Compare with PyTorch eager in the same run: benches/torch_reference.sh
+
+use candle_core::{DType, Device, Tensor};
+use candle_nn::optim::{AdamW, Optimizer, ParamsAdamW};
+use lift_serve::adapters::GatedMemory;
+use lift_serve::model::{ops, KvCache, Logits, Model, NoHooks};
+use std::time::Instant;
+
+fn median(mut xs: Vec<f64>) -> f64 {
+    xs.sort_by(|a, b| a.total_cmp(b));
+    xs[xs.len() / 2]
+}
+
+fn time_runs(runs: usize, warmup: usize, mut f: impl FnMut()) -> Vec<f64> {
+    for _ in 0..warmup {
+        f();
+    }
+    (0..runs)
+        .map(|_| {
+            let t = Instant::now();
+            f();
+            t.elapsed().as_secs_f64()
+        })
+        .collect()
+}
+
+fn tokens(n: usize, vocab: usize) -> Vec<u32> {
+    let mut rng = lift_serve::testing::Rng::new(7);
+    (0..n).map(|_| ((rng.next_f32() + 1.0) * 0.5 * (vocab as f32 - 300.0)) as u32 + 100).collect()
+}
+
+/// Forward FLOPs of a prefill of `t` tokens (matmuls only; logits of the last position only).
+fn prefill_flops(m: &Model, t: usize) -> f64 {
+    let c = m.config();
+    let (h, i, hd) = (c.hidden_size as f64, c.intermediate_size as f64, c.head_dim as f64);
+    let (nh, nkv) = (c.num_heads as f64, c.num_kv_heads as f64);
+    let per_tok = 2.0 * (h * nh * hd * 2.0 + h * nkv * hd * 2.0 + 3.0 * h * i);
+    let attn = 2.0 * 2.0 * nh * hd * (t as f64) * (t as f64 + 1.0) / 2.0; // causal half of QKᵀ and PV
+    c.num_layers as f64 * (per_tok * t as f64 + attn) + 2.0 * h * c.vocab_size as f64
+}
+
+fn main() -> anyhow::Result<()> {
+    lift_serve::runtime::tune_allocator();
+    let runs: usize = std::env::var("BENCH_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
+    let only = std::env::var("BENCH_ONLY").unwrap_or_default();
+    let want = |name: &str| only.is_empty() || only.split(',').any(|o| o == name);
+    let dev = Device::Cpu;
+    println!("threads: {}  runs: {runs}", rayon::current_num_threads());
+
+    // Yardstick: a large f32 matmul through the same gemm candle uses everywhere.
+    let n = 2048;
+    let a = Tensor::randn(0f32, 1.0, (n, n), &dev)?;
+    let b = Tensor::randn(0f32, 1.0, (n, n), &dev)?;
+    let mm = median(time_runs(runs, 1, || {
+        a.matmul(&b).unwrap();
+    }));
+    let mm_gflops = 2.0 * (n as f64).powi(3) / mm / 1e9;
+    println!("matmul f32 {n}x{n}x{n}: {:.3} s  {mm_gflops:.1} GFLOP/s", mm);
+
+    let path = lift_serve::fetch::resolve_model(None)?;
+    let mut model = Model::load(&path, &dev)?;
+    model.decoder.prepare_float_weights()?;
+    let cfg = model.config().clone();
+    let layers = cfg.num_layers;
+
+    if want("prefill") {
+        for &t in &[512usize, 2048] {
+            let ids = Tensor::new(tokens(t, cfg.vocab_size).as_slice(), &dev)?.unsqueeze(0)?;
+            for (label, threshold) in [("float", 16usize), ("quantized", usize::MAX)] {
+                if label == "quantized" && t > 512 {
+                    continue;
+                }
+                model.decoder.float_prefill_min_rows = threshold;
+                let s = median(time_runs(runs.min(3).max(1), 1, || {
+                    model.decoder.forward(&ids, &mut KvCache::new(layers), None, &mut NoHooks, Logits::Last).unwrap();
+                }));
+                let gflops = prefill_flops(&model, t) / s / 1e9;
+                println!(
+                    "prefill {t:>5} tokens ({label:>9}): {s:.3} s  {:>7.1} tok/s  {gflops:.1} GFLOP/s = {:.0}% of matmul",
+                    t as f64 / s,
+                    100.0 * gflops / mm_gflops
+                );
+            }
+        }
+        model.decoder.float_prefill_min_rows = 16;
+    }
+
+    if want("decode") {
+        let prompt = Tensor::new(tokens(128, cfg.vocab_size).as_slice(), &dev)?.unsqueeze(0)?;
+        let steps = 64;
+        let mut cache = KvCache::new(layers);
+        let mut logits = model.decoder.forward(&prompt, &mut cache, None, &mut NoHooks, Logits::Last)?;
+        let mut times = Vec::new();
+        for _ in 0..steps {
+            let t = Instant::now();
+            let next = logits.argmax(1)?.to_vec1::<u32>()?[0];
+            let x = Tensor::new(&[next], &dev)?.unsqueeze(0)?;
+            logits = model.decoder.forward(&x, &mut cache, None, &mut NoHooks, Logits::Last)?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        let s = median(times);
+        println!("decode after 128-token prompt: {:.1} ms/token  {:.1} tok/s (median of {steps})", s * 1e3, 1.0 / s);
+    }
+
+    if want("train") {
+        for &t in &[256usize, 512] {
+            let all: Vec<usize> = (0..layers).collect();
+            let adapter = GatedMemory::new(&cfg, &all, false, 1, &dev)?;
+            let mut opt = AdamW::new(
+                adapter.vars().to_vec(),
+                ParamsAdamW { lr: 1e-3, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 1e-4 },
+            )?;
+            let toks = tokens(t + 1, cfg.vocab_size);
+            let input = Tensor::new(&toks[..t], &dev)?.unsqueeze(0)?;
+            let target = Tensor::new(&toks[1..], &dev)?;
+            let weights = Tensor::ones(t, DType::F32, &dev)?;
+            let mut fwd = Vec::new();
+            let mut bwd = Vec::new();
+            let steps = time_runs(runs, 1, || {
+                let t0 = Instant::now();
+                let emb = model.decoder.embed(&input).unwrap();
+                let h = model.decoder.forward_train(&emb, Some(&adapter), &mut NoHooks).unwrap();
+                let logits = model.decoder.logits_train(&h.squeeze(0).unwrap()).unwrap();
+                let loss = ops::cross_entropy_masked(&logits, &target, &weights).unwrap();
+                let t1 = Instant::now();
+                let grads = loss.backward().unwrap();
+                let t2 = Instant::now();
+                opt.step(&grads).unwrap();
+                fwd.push((t1 - t0).as_secs_f64());
+                bwd.push((t2 - t1).as_secs_f64());
+            });
+            let s = median(steps);
+            println!(
+                "train step {t:>4} tokens (gated memory, {} params, all {layers} layers): {s:.3} s  {:.0} tok/s  (forward {:.3} s, backward {:.3} s)",
+                adapter.num_parameters(),
+                t as f64 / s,
+                median(fwd),
+                median(bwd)
+            );
+        }
+    }
+    Ok(())
+}
