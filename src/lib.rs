@@ -5,6 +5,7 @@
 
 pub mod adapters;
 pub mod fetch;
+pub mod lift;
 pub mod model;
 pub mod runtime;
 pub mod testing;

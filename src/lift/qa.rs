@@ -1,0 +1,1 @@
+//! Auxiliary QA generation (filled in by the QA work).
