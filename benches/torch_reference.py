@@ -48,6 +48,10 @@ warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+# Peak RSS right after `import torch`. A CUDA build of torch maps several hundred MB of libraries
+# before any tensor exists; reporting it lets a comparison with Rust subtract that fixed cost.
+IMPORT_RSS_MB = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
 # SmolLM2-135M (HuggingFaceTB/SmolLM2-135M config.json).
 LAYERS = 30
 HIDDEN = 576
@@ -227,9 +231,13 @@ def run_one(impl, seq, warmup, steps, seed, threads):
         "max_s": round(max(times), 4),
         "tokens_per_s": round(seq / median, 1),
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),  # KiB on Linux
+        "import_rss_mb": round(IMPORT_RSS_MB, 1),
         "steps": steps,
         "threads": threads,
         "first_loss": round(losses[0], 4),  # same seed -> both variants should agree closely
+        # 1-minute load average at the end: on a 2-core box anything well above `threads` means
+        # another process competed for the cores and the times are inflated.
+        "loadavg_1m": round(os.getloadavg()[0], 2),
     }
 
 

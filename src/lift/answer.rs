@@ -1,0 +1,93 @@
+//! Answering questions about an absorbed document (seeds/001_18569741511b14ae.txt §4.1): the
+//! prompt holds as much of the document's head and tail as fits the context budget, then the
+//! question. Modes: `lift` (adapter + context), `icl` (no adapter, same context: the baseline),
+//! `memory` (adapter, no document text).
+
+use super::prompt::{chat_with_context, elision_tokens, head_tail, kept_ranges};
+use crate::model::generate::{generate, Generation, SamplingParams};
+use crate::model::{Adapter, KvCache, Model, NoHooks};
+use anyhow::Result;
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Mode {
+    #[default]
+    Lift,
+    Icl,
+    Memory,
+}
+
+impl Mode {
+    pub fn uses_adapter(self) -> bool {
+        self != Mode::Icl
+    }
+    pub fn uses_context(self) -> bool {
+        self != Mode::Memory
+    }
+}
+
+/// Tokens kept free for the chat template's own tokens around the document and question.
+const TEMPLATE_SLACK: usize = 64;
+
+/// A prompt and which document tokens it shows.
+#[derive(Clone, Debug)]
+pub struct AnswerPrompt {
+    pub tokens: Vec<u32>,
+    /// Document tokens `[0, head_end)` and `[tail_start, n)` are in the prompt; the rest only in
+    /// the adapter. `(0, n)` in `memory` mode.
+    pub head_end: usize,
+    pub tail_start: usize,
+    /// Document tokens in the prompt.
+    pub context_tokens: usize,
+}
+
+/// The in-context budget for the document: `requested`, else the model's window minus the
+/// question, the answer budget and the template's overhead.
+pub fn context_budget(model: &Model, question_tokens: usize, max_tokens: usize, requested: Option<usize>) -> usize {
+    let window = model.config().max_position_embeddings;
+    let fits = window.saturating_sub(question_tokens + max_tokens + TEMPLATE_SLACK);
+    requested.map_or(fits, |r| r.min(fits))
+}
+
+/// Builds the prompt for `question` about `doc` (token ids) in `mode`.
+pub fn build_prompt(
+    model: &Model,
+    doc: &[u32],
+    question: &str,
+    mode: Mode,
+    context_tokens: Option<usize>,
+    max_tokens: usize,
+) -> Result<AnswerPrompt> {
+    if !mode.uses_context() {
+        let tokens = chat_with_context(model, &[], question)?;
+        return Ok(AnswerPrompt { tokens, head_end: 0, tail_start: doc.len(), context_tokens: 0 });
+    }
+    let q_tokens = model.tokenizer.encode(question, false)?.len();
+    let budget = context_budget(model, q_tokens, max_tokens, context_tokens);
+    let elision = elision_tokens(model)?;
+    let ctx = head_tail(doc, budget, budget / 2, &elision);
+    let (head_end, tail_start) = kept_ranges(doc.len(), budget, budget / 2, elision.len());
+    let tokens = chat_with_context(model, &ctx, question)?;
+    Ok(AnswerPrompt { tokens, head_end, tail_start, context_tokens: ctx.len() })
+}
+
+/// Answers `question`; `adapter` is used in `lift` and `memory` modes (it must be a detached,
+/// inference copy). Streams text through `on_text`.
+#[allow(clippy::too_many_arguments)]
+pub fn answer(
+    model: &Model,
+    doc: &[u32],
+    adapter: Option<&dyn Adapter>,
+    question: &str,
+    mode: Mode,
+    context_tokens: Option<usize>,
+    params: &SamplingParams,
+    on_text: &mut dyn FnMut(&str) -> bool,
+) -> Result<(AnswerPrompt, Generation)> {
+    let prompt = build_prompt(model, doc, question, mode, context_tokens, params.max_tokens)?;
+    let adapter = if mode.uses_adapter() { adapter } else { None };
+    let mut cache = KvCache::new(model.config().num_layers);
+    let out = generate(model, &prompt.tokens, &mut cache, adapter, &mut NoHooks, params, on_text)?;
+    Ok((prompt, out))
+}

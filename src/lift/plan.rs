@@ -1,0 +1,165 @@
+//! The training plan of one document: overlapping segments with contextualized training (CT)
+//! examples and auxiliary-QA examples (seeds/001_18569741511b14ae.txt §3.1–3.3).
+
+use super::prompt::{chat_with_context, elision_tokens, end_of_turn, head_tail, RECITE_PROMPT};
+use super::qa::QaPair;
+use crate::model::Model;
+use anyhow::Result;
+use rand::{rngs::StdRng, Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default)]
+pub struct PlanOptions {
+    /// Tokens per training segment ℓ (the authors use 2048 on GPUs; CPU default 256).
+    pub window: usize,
+    /// Tokens between segment starts (default ⌊3ℓ/8⌋).
+    pub stride: Option<usize>,
+    /// Head+tail document tokens placed before each segment and each question during training.
+    pub context_tokens: usize,
+}
+
+impl Default for PlanOptions {
+    fn default() -> Self {
+        Self { window: 256, stride: None, context_tokens: 256 }
+    }
+}
+
+impl PlanOptions {
+    pub fn stride(&self) -> usize {
+        self.stride.unwrap_or(self.window * 3 / 8).max(1)
+    }
+}
+
+/// Token range `[start, end)` of the document.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Segment {
+    pub start: usize,
+    pub end: usize,
+}
+
+/// Windows of `window` tokens every `stride` tokens; the last one ends at the document's end;
+/// a document shorter than a window is one segment.
+pub fn segments(n_tokens: usize, window: usize, stride: usize) -> Vec<Segment> {
+    assert!(window > 0 && stride > 0);
+    if n_tokens <= window {
+        return vec![Segment { start: 0, end: n_tokens }];
+    }
+    let mut out = Vec::new();
+    let mut start = 0;
+    while start + window < n_tokens {
+        out.push(Segment { start, end: start + window });
+        start += stride;
+    }
+    out.push(Segment { start: n_tokens - window, end: n_tokens });
+    out
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "type", content = "index")]
+pub enum ExampleKind {
+    Segment(usize),
+    Qa(usize),
+}
+
+/// One training sequence: `tokens[i]` is predicted (and counted in the loss) where `target[i]`.
+#[derive(Clone, Debug)]
+pub struct Example {
+    pub kind: ExampleKind,
+    pub tokens: Vec<u32>,
+    pub target: Vec<bool>,
+}
+
+impl Example {
+    pub fn target_count(&self) -> usize {
+        self.target.iter().filter(|&&t| t).count()
+    }
+}
+
+pub struct Plan {
+    pub segments: Vec<Segment>,
+    /// Auxiliary-QA examples (CT examples are drawn per epoch by `segment_example`).
+    pub qa: Vec<Example>,
+    opts: PlanOptions,
+    elision: Vec<u32>,
+}
+
+impl Plan {
+    pub fn new(model: &Model, doc: &[u32], qa_pairs: &[QaPair], opts: &PlanOptions) -> Result<Self> {
+        let segs = segments(doc.len(), opts.window, opts.stride());
+        let elision = elision_tokens(model)?;
+        // QA examples: the same truncated document as at answer time (head and tail halves).
+        let ctx = head_tail(doc, opts.context_tokens, opts.context_tokens / 2, &elision);
+        let eot = end_of_turn(model);
+        let mut qa = Vec::with_capacity(qa_pairs.len());
+        for (i, pair) in qa_pairs.iter().enumerate() {
+            let prompt = chat_with_context(model, &ctx, &pair.question)?;
+            let mut answer = model.tokenizer.encode(pair.answer.trim(), false)?;
+            answer.extend_from_slice(&eot);
+            qa.push(Self::example(ExampleKind::Qa(i), prompt, &answer));
+        }
+        Ok(Self { segments: segs, qa, opts: opts.clone(), elision })
+    }
+
+    fn example(kind: ExampleKind, prompt: Vec<u32>, answer: &[u32]) -> Example {
+        let mut target = vec![false; prompt.len()];
+        target.extend(std::iter::repeat_n(true, answer.len()));
+        let mut tokens = prompt;
+        tokens.extend_from_slice(answer);
+        Example { kind, tokens, target }
+    }
+
+    /// The CT example of segment `i` with a head/tail split drawn from `rng`: the document's
+    /// head and tail (a random split of the context budget), the recite prompt, then the segment,
+    /// which alone is in the loss.
+    pub fn segment_example(&self, model: &Model, doc: &[u32], i: usize, rng: &mut StdRng) -> Result<Example> {
+        let seg = self.segments[i];
+        let budget = self.opts.context_tokens;
+        let ctx = if budget == 0 {
+            Vec::new()
+        } else {
+            let head = rng.random_range(0..=budget);
+            head_tail(doc, budget, head, &self.elision)
+        };
+        let prompt = chat_with_context(model, &ctx, RECITE_PROMPT)?;
+        Ok(Self::example(ExampleKind::Segment(i), prompt, &doc[seg.start..seg.end]))
+    }
+
+    /// Deterministic generator for the plan's random choices.
+    pub fn rng(seed: u64) -> StdRng {
+        StdRng::seed_from_u64(seed)
+    }
+
+    pub fn options(&self) -> &PlanOptions {
+        &self.opts
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segments_cover_every_token_with_stride_and_last_window() {
+        for (n, w, s) in [(1000, 256, 96), (257, 256, 96), (256, 256, 96), (10, 256, 96), (5000, 512, 192), (777, 100, 37)] {
+            let segs = segments(n, w, s);
+            let mut covered = vec![false; n];
+            for seg in &segs {
+                assert!(seg.end <= n && seg.start < seg.end);
+                assert_eq!(seg.end - seg.start, w.min(n));
+                covered[seg.start..seg.end].iter_mut().for_each(|c| *c = true);
+            }
+            assert!(covered.iter().all(|&c| c), "n={n}: a token is not covered");
+            assert_eq!(segs.last().unwrap().end, n, "the last window ends at the document's end");
+            for pair in segs.windows(2).take(segs.len().saturating_sub(2)) {
+                assert_eq!(pair[1].start - pair[0].start, s, "stride");
+            }
+            if segs.len() >= 2 {
+                let k = segs.len();
+                assert!(segs[k - 1].start - segs[k - 2].start <= s, "last window starts within one stride");
+            }
+        }
+        assert_eq!(segments(10, 256, 96), vec![Segment { start: 0, end: 10 }]);
+        assert_eq!(PlanOptions { window: 2048, ..Default::default() }.stride(), 768);
+    }
+}

@@ -1,0 +1,97 @@
+//! Prompt layout shared by training and answering, so the adapter is trained on exactly the
+//! format it is asked in (seeds/001_18569741511b14ae.txt §3.3: contextualized training aligns the
+//! memorisation task with the question-answering one).
+//!
+//! user turn = [document context tokens] + "\n\n" + instruction or question; the assistant turn
+//! follows. The document context is spliced in as token ids, never re-tokenised.
+
+use crate::model::{ChatMessage, Model};
+use anyhow::{Context, Result};
+
+/// The system message of every LIFT prompt (SmolLM2's own default derails it).
+pub const SYSTEM_PROMPT: &str = "You are a helpful assistant.";
+
+/// The recite instruction of contextualized training (LIFT authors' code).
+pub const RECITE_PROMPT: &str = "Given above context, please recite following segment of the context:";
+
+/// Marks where the document goes in the rendered template; never produced by real text.
+const SLOT: &str = "\u{E000}LIFT-DOCUMENT\u{E000}";
+
+/// Joins the head and the tail of a truncated document.
+pub const ELISION: &str = "\n...\n";
+
+/// Tokens of a chat prompt whose user turn is `context` followed by `suffix`, ending with the
+/// assistant's generation prompt. With an empty context the user turn is `suffix` alone.
+pub fn chat_with_context(model: &Model, context: &[u32], suffix: &str) -> Result<Vec<u32>> {
+    let content = if context.is_empty() { suffix.to_string() } else { format!("{SLOT}\n\n{suffix}") };
+    let messages = [
+        ChatMessage { role: "system".into(), content: SYSTEM_PROMPT.into() },
+        ChatMessage { role: "user".into(), content },
+    ];
+    let text = model.chat_template.render(&messages, true)?;
+    let add_bos = model.tokenizer.bos_token().is_some_and(|(b, _)| !text.starts_with(&b));
+    if context.is_empty() {
+        return model.tokenizer.encode(&text, add_bos);
+    }
+    let at = text.find(SLOT).context("chat template dropped the user message")?;
+    let mut ids = model.tokenizer.encode(&text[..at], add_bos)?;
+    ids.extend_from_slice(context);
+    ids.extend(model.tokenizer.encode(&text[at + SLOT.len()..], false)?);
+    Ok(ids)
+}
+
+/// The document truncated to `budget` tokens: `head` tokens from the start, the elision marker,
+/// and the rest from the end. The whole document when it fits.
+pub fn head_tail(doc: &[u32], budget: usize, head: usize, elision: &[u32]) -> Vec<u32> {
+    if doc.len() <= budget {
+        return doc.to_vec();
+    }
+    let room = budget.saturating_sub(elision.len());
+    let head = head.min(room);
+    let tail = room - head;
+    let mut out = Vec::with_capacity(budget);
+    out.extend_from_slice(&doc[..head]);
+    out.extend_from_slice(elision);
+    out.extend_from_slice(&doc[doc.len() - tail..]);
+    out
+}
+
+/// Which document tokens `head_tail` keeps, as (head_end, tail_start): tokens `head_end..tail_start`
+/// are out of the window. `(n, n)` when the whole document fits.
+pub fn kept_ranges(doc_len: usize, budget: usize, head: usize, elision_len: usize) -> (usize, usize) {
+    if doc_len <= budget {
+        return (doc_len, doc_len);
+    }
+    let room = budget.saturating_sub(elision_len);
+    let head = head.min(room);
+    (head, doc_len - (room - head))
+}
+
+/// The elision marker's tokens for `model`.
+pub fn elision_tokens(model: &Model) -> Result<Vec<u32>> {
+    model.tokenizer.encode(ELISION, false)
+}
+
+/// The tokens that close an assistant turn (trained after every answer so the model stops).
+pub fn end_of_turn(model: &Model) -> Vec<u32> {
+    model.tokenizer.eos_token_ids().first().copied().into_iter().collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn head_tail_keeps_both_ends() {
+        let doc: Vec<u32> = (0..100).collect();
+        let e = [999u32];
+        let t = head_tail(&doc, 21, 10, &e);
+        assert_eq!(t.len(), 21);
+        assert_eq!(&t[..10], &doc[..10]);
+        assert_eq!(t[10], 999);
+        assert_eq!(&t[11..], &doc[90..]);
+        assert_eq!(kept_ranges(100, 21, 10, 1), (10, 90));
+        assert_eq!(head_tail(&doc[..15], 21, 10, &e), doc[..15].to_vec());
+        assert_eq!(kept_ranges(15, 21, 10, 1), (15, 15));
+    }
+}
