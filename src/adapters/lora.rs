@@ -294,7 +294,7 @@ mod tests {
     use super::*;
     use crate::model::config::Architecture;
 
-    pub(crate) fn smollm2_135m() -> ModelConfig {
+    fn smollm2_135m() -> ModelConfig {
         ModelConfig {
             architecture: Architecture::Llama,
             vocab_size: 49152,

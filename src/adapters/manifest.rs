@@ -345,8 +345,8 @@ fn parse_bundle(
         }
         bail!("{}: tensors do not match {MANIFEST_FILE}: {}", apath.display(), diffs.join("; "));
     }
-    let (adapter, extras): (Vec<(String, Tensor)>, Vec<(String, Tensor)>) =
-        tensors.into_iter().partition(|(n, _)| n.starts_with(ADAPTER_PREFIX));
+    type Named = Vec<(String, Tensor)>;
+    let (adapter, extras): (Named, Named) = tensors.into_iter().partition(|(n, _)| n.starts_with(ADAPTER_PREFIX));
     let adapter = AnyAdapter::from_named_tensors(manifest.kind, cfg, manifest.lora.as_ref(), adapter)
         .with_context(|| format!("{}: not a valid {} adapter for this base model", apath.display(), manifest.kind))?;
     let bundle = AdapterBundle { adapter, extras: extras.into_iter().collect() };

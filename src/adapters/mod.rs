@@ -296,3 +296,93 @@ impl AdapterBundle {
         Ok(())
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::Architecture;
+
+    fn smollm2_135m() -> ModelConfig {
+        ModelConfig {
+            architecture: Architecture::Llama,
+            vocab_size: 49152,
+            hidden_size: 576,
+            intermediate_size: 1536,
+            num_layers: 30,
+            num_heads: 9,
+            num_kv_heads: 3,
+            head_dim: 64,
+            rms_norm_eps: 1e-5,
+            rope_theta: 100000.0,
+            rope_scaling: None,
+            max_position_embeddings: 8192,
+            tie_word_embeddings: true,
+            attention_bias: false,
+            sliding_window: None,
+        }
+    }
+
+    #[test]
+    fn adapter_sizes_on_smollm2_135m() {
+        let c = smollm2_135m();
+        // Gated Memory, all 30 layers, no bias: per layer 9 heads × (64·128 + 128·64 + 64·8 + 8·1).
+        let gm = GatedMemory::parameter_count(&c, 30, false);
+        assert_eq!(gm, 30 * 9 * (64 * 128 + 128 * 64 + 64 * 8 + 8));
+        assert_eq!(gm, 4_564_080);
+        // LoRA r = 128 on all seven projections of all 30 layers.
+        let lora = LoraConfig::default().num_parameters(&c);
+        assert_eq!(lora, 39_075_840);
+        eprintln!("135M: gated memory {gm} params / {} bytes; LoRA r=128 {lora} params / {} bytes", gm * 4, lora * 4);
+    }
+
+    #[test]
+    fn kind_names_are_snake_case() {
+        assert_eq!(serde_json::to_string(&AdapterKind::GatedMemory).unwrap(), "\"gated_memory\"");
+        assert_eq!(serde_json::from_str::<AdapterKind>("\"lora\"").unwrap(), AdapterKind::Lora);
+        assert_eq!(AdapterKind::GatedMemory.to_string(), "gated_memory");
+    }
+
+    #[test]
+    fn named_tensors_round_trip_and_bad_names_are_refused() {
+        let mut c = smollm2_135m();
+        c.num_layers = 3;
+        c.hidden_size = 32;
+        c.intermediate_size = 48;
+        c.num_heads = 2;
+        c.num_kv_heads = 1;
+        c.head_dim = 16;
+        let dev = candle_core::Device::Cpu;
+        let gm = AnyAdapter::GatedMemory(GatedMemory::new(&c, &[2, 0], false, 1, &dev).unwrap());
+        let names: Vec<String> = gm.named_tensors().into_iter().map(|x| x.0).collect();
+        assert_eq!(names[0], "layers.0.mem_w1");
+        assert_eq!(names.len(), 8);
+        let back = AnyAdapter::from_named_tensors(AdapterKind::GatedMemory, &c, None, gm.named_tensors()).unwrap();
+        assert_eq!(back.layers(), vec![0, 2]);
+        assert_eq!(back.num_parameters(), gm.num_parameters());
+        assert_eq!(back.bytes(), 4 * gm.num_parameters());
+        assert_eq!(gm.vars().len(), 8);
+
+        let cfg = LoraConfig { rank: 2, alpha: 4.0, targets: vec![Projection::Up, Projection::Q], layers: vec![1] };
+        let lora = AnyAdapter::Lora(Lora::new(&c, &cfg, 3, &dev).unwrap());
+        let names: Vec<String> = lora.named_tensors().into_iter().map(|x| x.0).collect();
+        assert_eq!(names, ["layers.1.q_proj.lora_a", "layers.1.q_proj.lora_b", "layers.1.up_proj.lora_a", "layers.1.up_proj.lora_b"]);
+        let rebuilt = AnyAdapter::from_named_tensors(AdapterKind::Lora, &c, Some(&cfg), lora.named_tensors()).unwrap();
+        assert_eq!(rebuilt.lora_config(), lora.lora_config());
+
+        // Missing LoraConfig, a missing factor, a wrong shape, a foreign name, a layer out of range.
+        assert!(AnyAdapter::from_named_tensors(AdapterKind::Lora, &c, None, lora.named_tensors()).is_err());
+        let mut t = lora.named_tensors();
+        t.pop();
+        assert!(AnyAdapter::from_named_tensors(AdapterKind::Lora, &c, Some(&cfg), t).is_err());
+        let mut t = lora.named_tensors();
+        t[0].1 = candle_core::Tensor::zeros((32, 3), candle_core::DType::F32, &dev).unwrap();
+        let e = AnyAdapter::from_named_tensors(AdapterKind::Lora, &c, Some(&cfg), t).err().unwrap().to_string();
+        assert!(e.contains("q_proj") && e.contains("[32, 3]"), "{e}");
+        let mut t = gm.named_tensors();
+        t.push(("layers.0.bogus".into(), t[0].1.clone()));
+        assert!(AnyAdapter::from_named_tensors(AdapterKind::GatedMemory, &c, None, t).is_err());
+        let mut t = gm.named_tensors();
+        t[0].0 = "layers.7.mem_w1".into();
+        assert!(AnyAdapter::from_named_tensors(AdapterKind::GatedMemory, &c, None, t).is_err());
+    }
+}
