@@ -150,6 +150,78 @@ impl GatedMemory {
     pub fn num_parameters(&self) -> usize {
         self.layers.values().flat_map(|l| l.named().into_iter().map(|(_, t)| t.elem_count())).sum()
     }
+
+    /// Names and shapes of one layer's tensors (in `GatedMemoryLayer::named` order) for a model.
+    pub fn layer_shapes(cfg: &ModelConfig, bias: bool) -> Vec<(&'static str, Vec<usize>)> {
+        let (h, d) = (cfg.num_heads, cfg.head_dim);
+        let s = (d as f64).sqrt().floor() as usize;
+        let mut v = vec![("mem_w1", vec![h, d, 2 * d])];
+        if bias {
+            v.push(("mem_b1", vec![h, 1, 2 * d]));
+        }
+        v.push(("mem_w2", vec![h, 2 * d, d]));
+        if bias {
+            v.push(("mem_b2", vec![h, 1, d]));
+        }
+        v.push(("gate_w1", vec![h, d, s]));
+        if bias {
+            v.push(("gate_b1", vec![h, 1, s]));
+        }
+        v.push(("gate_w2", vec![h, s, 1]));
+        v
+    }
+
+    /// Parameters of an adapter on `num_layers` layers of a model (without allocating it).
+    pub fn parameter_count(cfg: &ModelConfig, num_layers: usize, bias: bool) -> usize {
+        let per_layer: usize = Self::layer_shapes(cfg, bias).iter().map(|(_, s)| s.iter().product::<usize>()).sum();
+        per_layer * num_layers
+    }
+
+    /// Builds one layer from its named tensors (names as in `GatedMemoryLayer::named`), checking
+    /// names, shapes and dtype (f32) against the model. Biases: all three or none.
+    pub fn layer_from_named(
+        cfg: &ModelConfig,
+        layer: usize,
+        mut tensors: BTreeMap<String, Tensor>,
+    ) -> Result<GatedMemoryLayer> {
+        let bias = tensors.contains_key("mem_b1") || tensors.contains_key("mem_b2") || tensors.contains_key("gate_b1");
+        let mut take = |name: &str, shape: &[usize]| -> Result<Tensor> {
+            let Some(t) = tensors.remove(name) else {
+                candle_core::bail!("Gated Memory layers.{layer}.{name} is missing");
+            };
+            if t.dims() != shape {
+                candle_core::bail!("Gated Memory layers.{layer}.{name}: shape {:?}, expected {shape:?}", t.dims());
+            }
+            if t.dtype() != candle_core::DType::F32 {
+                candle_core::bail!("Gated Memory layers.{layer}.{name}: dtype {:?}, expected F32", t.dtype());
+            }
+            Ok(t)
+        };
+        let shapes: BTreeMap<&str, Vec<usize>> = Self::layer_shapes(cfg, bias).into_iter().collect();
+        let mut opt = |name: &str| -> Result<Option<Tensor>> {
+            if bias {
+                take(name, &shapes[name]).map(Some)
+            } else {
+                Ok(None)
+            }
+        };
+        let mem_b1 = opt("mem_b1")?;
+        let mem_b2 = opt("mem_b2")?;
+        let gate_b1 = opt("gate_b1")?;
+        let l = GatedMemoryLayer {
+            mem_w1: take("mem_w1", &shapes["mem_w1"])?,
+            mem_b1,
+            mem_w2: take("mem_w2", &shapes["mem_w2"])?,
+            mem_b2,
+            gate_w1: take("gate_w1", &shapes["gate_w1"])?,
+            gate_b1,
+            gate_w2: take("gate_w2", &shapes["gate_w2"])?,
+        };
+        if let Some(name) = tensors.keys().next() {
+            candle_core::bail!("Gated Memory layers.{layer}.{name}: unknown tensor");
+        }
+        Ok(l)
+    }
 }
 
 impl Adapter for GatedMemory {
