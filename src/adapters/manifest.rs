@@ -44,6 +44,12 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 pub const FORMAT_VERSION: u32 = 1;
 pub const ADAPTER_FILE: &str = "adapter.safetensors";
 pub const MANIFEST_FILE: &str = "manifest.json";
+/// The absorbed document's text (the answering prompt shows its head and tail).
+pub const DOCUMENT_FILE: &str = "document.txt";
+/// The auxiliary QA pairs the adapter was trained on (for inspection).
+pub const QA_FILE: &str = "qa.json";
+/// Files that may sit beside an adapter and travel with it in one atomic save.
+pub const ATTACHMENTS: [&str; 2] = [DOCUMENT_FILE, QA_FILE];
 
 /// The base model an adapter was trained on. `fingerprint` decides; the rest is for people and
 /// for a clear error.
@@ -231,8 +237,14 @@ fn shapes_of(bundle: &AdapterBundle) -> BTreeMap<String, Vec<usize>> {
 
 /// Writes `bundle` and `manifest` to `dir` atomically (see the module documentation): a reader
 /// sees the old adapter or the new one, complete. `manifest` must describe `bundle`
-/// ([`Manifest::new`]); its `adapter_sha256` is filled in here.
-pub fn save(dir: &Path, bundle: &AdapterBundle, manifest: &Manifest) -> Result<()> {
+/// ([`Manifest::new`]); its `adapter_sha256` is filled in here. `attachments` (names from
+/// [`ATTACHMENTS`]) are written in the same atomic step.
+pub fn save(dir: &Path, bundle: &AdapterBundle, manifest: &Manifest, attachments: &[(&str, &[u8])]) -> Result<()> {
+    for (name, _) in attachments {
+        if !ATTACHMENTS.contains(name) {
+            bail!("{}: '{name}' is not a known adapter attachment", dir.display());
+        }
+    }
     bundle.validate()?;
     manifest
         .check_describes(bundle)
@@ -256,6 +268,9 @@ pub fn save(dir: &Path, bundle: &AdapterBundle, manifest: &Manifest) -> Result<(
     std::fs::create_dir(&staging).with_context(|| format!("{}: cannot create staging directory", staging.display()))?;
     let result = (|| -> Result<()> {
         write_synced(&staging.join(ADAPTER_FILE), &data)?;
+        for (name, bytes) in attachments {
+            write_synced(&staging.join(name), bytes)?;
+        }
         write_synced(&staging.join(MANIFEST_FILE), &json)?;
         sync_dir(&staging)?;
         publish(&staging, dir, &parent, &name)?;
@@ -442,7 +457,8 @@ fn check_replaceable(dir: &Path) -> Result<()> {
     for entry in std::fs::read_dir(dir).with_context(|| format!("{}: cannot list", dir.display()))? {
         let entry = entry?;
         let n = entry.file_name();
-        if n != ADAPTER_FILE && n != MANIFEST_FILE {
+        let known = n == ADAPTER_FILE || n == MANIFEST_FILE || ATTACHMENTS.iter().any(|a| n == *a);
+        if !known {
             bail!(
                 "{}: exists and holds '{}', which is not part of an adapter; refusing to replace it",
                 dir.display(),

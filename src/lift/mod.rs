@@ -16,7 +16,6 @@ use anyhow::Result;
 use plan::{Plan, PlanOptions};
 use qa::{QaOptions, QaPair, QaProgress};
 use serde::{Deserialize, Serialize};
-use sha2::{Digest, Sha256};
 use std::time::Instant;
 use trainer::{Progress, TrainOptions, TrainReport};
 
@@ -87,10 +86,6 @@ pub struct Absorbed {
     pub doc_tokens: Vec<u32>,
 }
 
-pub fn document_sha256(text: &str) -> String {
-    hex::encode(Sha256::digest(text.as_bytes()))
-}
-
 /// Absorbs `text` into a new adapter. `cancel` is polled between steps.
 pub fn absorb(
     model: &Model,
@@ -140,11 +135,11 @@ pub fn absorb(
     )?;
 
     on_event(AbsorbEvent::Stage(AbsorbStage::Saving));
-    let bundle = AdapterBundle { adapter: adapter.detached(), extras: Default::default() };
+    let bundle = AdapterBundle::new(adapter.detached());
     let manifest = Manifest::new(
         &bundle,
         BaseModelRef::of(model),
-        DocumentRef { sha256: document_sha256(text), tokens: doc.len(), title: title.map(str::to_string) },
+        DocumentRef::new(text, doc.len(), title.map(str::to_string)),
         serde_json::to_value(opts)?,
         serde_json::json!({
             "steps": report.steps,
