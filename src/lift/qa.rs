@@ -1,14 +1,1836 @@
-//! Auxiliary QA generation (placeholder type until the QA work lands).
+//! Auxiliary QA for LIFT (seeds/001 §3.2, App. A.3): question/answer pairs about the document,
+//! trained alongside the document segments (loss on the answer only).
+//!
+//! Two sources, both from the document alone:
+//! - **Model**: the loaded model reads 16 consecutive sentences with the paper's App. A.3 prompt and
+//!   writes `Question:/Answer:/Evidence:`; the evidence must occur verbatim in the document (it is
+//!   located in the whole document, preferring the window), the answer must be grounded in the
+//!   window, and failures are retried (greedy first, then seeded sampling). Windows are spread
+//!   evenly over the whole document, one per `sentences_per_pair` sentences.
+//! - **Extractive**: a deterministic rule-based generator over fact-bearing sentences (numbers,
+//!   dates, capitalised names, quoted strings, `X is Y` copulas, possessives, `named/called Z`),
+//!   several differently-worded questions per fact, with short answers and a full-sentence answer.
+//!   It always contributes (how a fact is worded decides whether it is recalled later) and fills
+//!   the quota when the model produces too few valid pairs, so absorption never trains without QA.
+//!
+//! The result is capped by `max_pairs` with even coverage over the document (first one wording per
+//! fact everywhere, then further wordings), deduplicated, and deterministic for a given seed.
+
+use super::text::{list_marker_len, split_sentences, Span};
+use crate::model::generate::{generate, prefill, SamplingParams};
+use crate::model::{ChatMessage, KvCache, Model, NoHooks};
+use anyhow::Result;
+use std::collections::{HashMap, HashSet};
+use std::time::Instant;
+
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum QaSource {
     Model,
     Extractive,
 }
+
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct QaPair {
     pub question: String,
     pub answer: String,
+    /// Verbatim document text: `doc[evidence_span.0..evidence_span.1] == evidence`.
     pub evidence: String,
+    /// Byte offsets in the document.
     pub evidence_span: (usize, usize),
     pub source: QaSource,
+}
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct QaOptions {
+    /// Coverage: one model-generated pair per this many sentences (windows spread evenly).
+    pub sentences_per_pair: usize,
+    /// Cap on all pairs (model + extractive); extractive pairs are thinned evenly to fit.
+    pub max_pairs: usize,
+    /// Floor: the extractive generator (and, failing that, plain cloze questions) fills up to it.
+    pub min_pairs: usize,
+    /// Consecutive sentences shown to the model (the paper's 16).
+    pub window_sentences: usize,
+    /// Extra attempts per window after the first (greedy) one; the paper's 5.
+    pub retries: usize,
+    pub use_model: bool,
+    /// Tokens the model may write per attempt.
+    pub max_new_tokens: usize,
+    /// Differently-worded extractive questions per fact (short, full-sentence, cloze, typed, ...).
+    pub wordings_per_fact: usize,
+    pub seed: u64,
+}
+
+impl Default for QaOptions {
+    fn default() -> Self {
+        Self {
+            sentences_per_pair: 8,
+            max_pairs: 256,
+            min_pairs: 10,
+            window_sentences: 16,
+            retries: 5,
+            use_model: true,
+            max_new_tokens: 128,
+            wordings_per_fact: 4,
+            seed: 0,
+        }
+    }
+}
+
+/// Progress of model generation: windows done out of total, valid model pairs so far.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct QaProgress {
+    pub done: usize,
+    pub total: usize,
+    pub valid: usize,
+}
+
+/// What happened during [`generate_qa_with_stats`] (for logs and reports).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct QaStats {
+    pub sentences: usize,
+    pub windows: usize,
+    pub attempts: usize,
+    pub generated_tokens: usize,
+    pub model_valid: usize,
+    pub rejected_parse: usize,
+    pub rejected_evidence: usize,
+    pub rejected_answer: usize,
+    pub rejected_duplicate: usize,
+    /// The model stopped being asked after its first windows all failed.
+    pub model_gave_up: bool,
+    pub model_seconds: f64,
+    /// Extractive pairs available before the `max_pairs` cap, and kept after it.
+    pub extractive_candidates: usize,
+    pub extractive: usize,
+    /// Plain cloze pairs added to reach `min_pairs` when facts were scarce.
+    pub fallback: usize,
+    pub total: usize,
+}
+
+/// Returned (inside `anyhow::Error`) when `cancel` asked generation to stop.
+#[derive(Debug, thiserror::Error)]
+#[error("QA generation cancelled")]
+pub struct Cancelled;
+
+/// System message for QA generation: small instruct models derail with their default one.
+pub const SYSTEM_PROMPT: &str = "You are a helpful assistant.";
+
+/// Sampling temperature / top-p of the retries (the first attempt is greedy).
+const RETRY_TEMPERATURE: f64 = 0.8;
+const RETRY_TOP_P: f64 = 0.95;
+/// Stop asking the model when this many windows in a row, from the start, gave nothing valid.
+const GIVE_UP_AFTER_FAILED_WINDOWS: usize = 3;
+/// Facts taken from one sentence by the extractive generator.
+const MAX_FACTS_PER_SENTENCE: usize = 2;
+
+/// The paper's App. A.3 instruction (the Narrativeqa variant, which asks for names and dates).
+pub fn qa_prompt(context: &str) -> String {
+    format!(
+        "You are given a piece of text as the context. You should generate ONLY one question and the corresponding \
+         answer according to the context. You should also select one or more sentences directly from the original \
+         context as the evidence. The evidences must be EXACTLY SAME ADJACENT sentences retrieved from the context; \
+         KEEP the special tokens in the sentences. Please answer in the following format:\n\
+         Question: [question]\n\nAnswer: [answer]\n\nEvidence: [evidence]\n\n\
+         Please DON'T output quotes when outputting evidences. The question should focus on the details like names, \
+         dates, e.t.c. The following is the piece of text: {context}"
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parsing the model's output
+// ---------------------------------------------------------------------------------------------
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Label {
+    Question,
+    Answer,
+    Evidence,
+}
+
+/// If `line` starts a labelled field ("Question:", "**Answer:**", "2. Evidence 1:", "Q:"), the
+/// label and the rest of the line.
+fn label_of(line: &str) -> Option<(Label, &str)> {
+    let mut s = line.trim();
+    // Leading markdown / list decoration.
+    loop {
+        let before = s.len();
+        s = s.trim_start_matches(['#', '>', '*', '_', '-', '•']).trim_start();
+        let m = list_marker_len(s);
+        if m > 0 {
+            s = s[m..].trim_start();
+        }
+        if s.len() == before {
+            break;
+        }
+    }
+    const NAMES: &[(&str, Label)] = &[
+        ("question", Label::Question),
+        ("answer", Label::Answer),
+        ("evidences", Label::Evidence),
+        ("evidence", Label::Evidence),
+        ("q", Label::Question),
+        ("a", Label::Answer),
+    ];
+    for &(name, label) in NAMES {
+        let Some(head) = s.get(..name.len()) else { continue };
+        if !head.eq_ignore_ascii_case(name) {
+            continue;
+        }
+        let mut rest = s[name.len()..].trim_start_matches(['*', '_', ' ']);
+        if name.len() > 1 {
+            rest = rest.trim_start_matches(|c: char| c.is_ascii_digit()).trim_start_matches(['*', '_', ' ']);
+        }
+        let rest = rest.strip_prefix(':').or_else(|| rest.strip_prefix('：'))?;
+        return Some((label, rest.trim_start_matches(['*', '_']).trim()));
+    }
+    None
+}
+
+/// Trims a field: whitespace, markdown bold, a template-style `[...]` wrapper, wrapping quotes.
+fn clean_field(s: &str) -> String {
+    let mut t = s.trim();
+    loop {
+        let before = t;
+        t = t.trim_matches(['*', '_']).trim();
+        if t.starts_with('[') && t.ends_with(']') && t.len() >= 2 {
+            t = t[1..t.len() - 1].trim();
+        }
+        for (a, b) in [('"', '"'), ('“', '”'), ('\'', '\''), ('`', '`')] {
+            if t.len() >= 2 && t.starts_with(a) && t.ends_with(b) {
+                t = t[a.len_utf8()..t.len() - b.len_utf8()].trim();
+            }
+        }
+        if t == before {
+            break;
+        }
+    }
+    t.split_whitespace().collect::<Vec<_>>().join(" ")
+}
+
+/// Fields of the first complete Question → Answer → Evidence triple, and whether the evidence was
+/// finished (a newline or another label followed it).
+fn parse_fields(output: &str) -> Option<(String, String, String, bool)> {
+    let mut q: Option<String> = None;
+    let mut a: Option<String> = None;
+    let mut e: Option<String> = None;
+    let mut current: Option<Label> = None;
+    let mut evidence_done = false;
+    let lines: Vec<&str> = output.split('\n').collect();
+    for (i, raw) in lines.iter().enumerate() {
+        let last_line = i + 1 == lines.len();
+        if let Some((label, rest)) = label_of(raw) {
+            match label {
+                Label::Question if e.is_some() => {
+                    evidence_done = true;
+                    break;
+                }
+                Label::Question => {
+                    q = Some(rest.to_string());
+                    a = None;
+                }
+                Label::Answer if q.is_some() && e.is_none() => a = Some(rest.to_string()),
+                Label::Evidence if a.is_some() && e.is_none() => e = Some(rest.to_string()),
+                _ => {
+                    current = None;
+                    continue;
+                }
+            }
+            current = Some(label);
+            if label == Label::Evidence && !rest.is_empty() && !last_line {
+                evidence_done = true;
+                break;
+            }
+            continue;
+        }
+        let line = raw.trim();
+        let field = match current {
+            Some(Label::Question) => q.as_mut(),
+            Some(Label::Answer) => a.as_mut(),
+            Some(Label::Evidence) => e.as_mut(),
+            None => None,
+        };
+        let Some(field) = field else { continue };
+        if line.is_empty() {
+            // A blank line ends a field that has content (the paper's format has blank lines
+            // between fields); an empty field may still get its content on a later line.
+            if !field.trim().is_empty() {
+                if current == Some(Label::Evidence) {
+                    evidence_done = true;
+                    break;
+                }
+                current = None;
+            }
+            continue;
+        }
+        if !field.is_empty() {
+            field.push(' ');
+        }
+        field.push_str(line);
+        if current == Some(Label::Evidence) && !last_line {
+            evidence_done = true;
+            break;
+        }
+    }
+    let (q, a, e) = (clean_field(&q?), clean_field(&a?), clean_field(&e?));
+    let placeholder = |s: &str, p: &str| s.eq_ignore_ascii_case(p) || s.is_empty();
+    if placeholder(&q, "question") || placeholder(&a, "answer") || placeholder(&e, "evidence") {
+        return None;
+    }
+    Some((q, a, e, evidence_done))
+}
+
+/// Parses `Question: … Answer: … Evidence: …` (the paper's format, with or without blank lines,
+/// `**Question:**` markdown, leading numbering, content on the next line). `None` when a field is
+/// missing, empty or still the template placeholder.
+pub fn parse_qa(output: &str) -> Option<(String, String, String)> {
+    parse_fields(output).map(|(q, a, e, _)| (q, a, e))
+}
+
+/// Whether generation can stop: a full triple whose evidence has been ended by a newline or by a
+/// second question.
+fn triple_complete(output: &str) -> bool {
+    parse_fields(output).is_some_and(|f| f.3)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Locating evidence
+// ---------------------------------------------------------------------------------------------
+
+const QUOTES: &[char] = &['"', '\'', '“', '”', '‘', '’', '`', '«', '»'];
+
+/// All matches of `evidence` in `doc` (verbatim after trimming quotes/whitespace, tolerating only
+/// differences in runs of whitespace), starting and ending on word boundaries.
+fn find_all(doc: &str, evidence: &str, limit: usize) -> Vec<(usize, usize)> {
+    let e = evidence.trim().trim_matches(|c: char| c.is_whitespace() || QUOTES.contains(&c));
+    let words: Vec<&str> = e.split_whitespace().collect();
+    let Some(first) = words.first() else { return Vec::new() };
+    let mut out = Vec::new();
+    let is_word = |c: char| c.is_alphanumeric();
+    for (start, _) in doc.match_indices(first) {
+        if out.len() >= limit {
+            break;
+        }
+        if first.starts_with(is_word) && doc[..start].chars().next_back().is_some_and(is_word) {
+            continue;
+        }
+        let mut pos = start + first.len();
+        let mut ok = true;
+        for w in &words[1..] {
+            let rest = &doc[pos..];
+            let trimmed = rest.trim_start();
+            if trimmed.len() == rest.len() || !trimmed.starts_with(w) {
+                ok = false;
+                break;
+            }
+            pos += rest.len() - trimmed.len() + w.len();
+        }
+        if !ok {
+            continue;
+        }
+        let last = words[words.len() - 1];
+        if last.ends_with(is_word) && doc[pos..].chars().next().is_some_and(is_word) {
+            continue;
+        }
+        out.push((start, pos));
+    }
+    out
+}
+
+/// Byte span of `evidence` in `doc`: verbatim (after trimming quotes/whitespace; only runs of
+/// whitespace may differ), on word boundaries; `None` when it does not occur.
+pub fn locate_evidence(doc: &str, evidence: &str) -> Option<(usize, usize)> {
+    locate_evidence_near(doc, evidence, None)
+}
+
+/// Like [`locate_evidence`], preferring an occurrence inside `prefer` (a byte range), and
+/// accepting the evidence without a final `.`/`!`/`?` the document lacks.
+pub fn locate_evidence_near(doc: &str, evidence: &str, prefer: Option<(usize, usize)>) -> Option<(usize, usize)> {
+    let pick = |hits: Vec<(usize, usize)>| -> Option<(usize, usize)> {
+        prefer
+            .and_then(|(ps, pe)| hits.iter().copied().find(|&(s, e)| s >= ps && e <= pe))
+            .or_else(|| hits.first().copied())
+    };
+    if let Some(hit) = pick(find_all(doc, evidence, 64)) {
+        return Some(hit);
+    }
+    let trimmed = evidence.trim().trim_end_matches(|c: char| c.is_whitespace() || QUOTES.contains(&c));
+    let stripped = trimmed.trim_end_matches(['.', '!', '?']);
+    if stripped.len() < trimmed.len() && !stripped.trim().is_empty() {
+        return pick(find_all(doc, stripped, 64));
+    }
+    None
+}
+
+// ---------------------------------------------------------------------------------------------
+// Words, normalisation, deduplication
+// ---------------------------------------------------------------------------------------------
+
+const STOPWORDS: &[&str] = &[
+    "a", "an", "the", "and", "or", "but", "nor", "so", "yet", "of", "in", "on", "at", "to", "for", "from", "by",
+    "with", "about", "as", "into", "onto", "over", "under", "after", "before", "during", "since", "until", "than",
+    "that", "this", "these", "those", "there", "here", "it", "its", "he", "she", "they", "them", "his", "her",
+    "their", "we", "our", "us", "you", "your", "i", "me", "my", "mine", "is", "are", "was", "were", "be", "been",
+    "being", "am", "do", "does", "did", "has", "have", "had", "will", "would", "can", "could", "should", "shall",
+    "may", "might", "must", "not", "no", "yes", "if", "then", "when", "where", "which", "who", "whom", "whose",
+    "what", "why", "how", "all", "any", "each", "every", "some", "such", "also", "very", "just", "only", "too",
+    "one", "both", "either", "neither", "while", "because", "although", "though", "however", "thus", "hence",
+    "according", "document", "text", "up", "out", "off", "again", "more", "most", "other", "own", "same", "per",
+    "via", "between", "through", "across", "against", "among", "within", "without", "near", "upon", "toward",
+    "towards", "like", "unlike", "once", "now", "still", "even", "ever", "never", "always", "often", "many", "much",
+];
+
+fn is_stopword(w: &str) -> bool {
+    STOPWORDS.contains(&w.to_lowercase().as_str())
+}
+
+/// Lower-case alphanumeric tokens.
+fn tokens(s: &str) -> Vec<String> {
+    s.split(|c: char| !c.is_alphanumeric()).filter(|t| !t.is_empty()).map(|t| t.to_lowercase()).collect()
+}
+
+fn content_tokens(s: &str) -> Vec<String> {
+    tokens(s).into_iter().filter(|t| !is_stopword(t)).collect()
+}
+
+/// Normalised question text for deduplication.
+pub fn normalize_question(q: &str) -> String {
+    tokens(q).join(" ")
+}
+
+fn first_char_upper(s: &str) -> String {
+    let mut c = s.chars();
+    match c.next() {
+        Some(f) => f.to_uppercase().chain(c).collect(),
+        None => String::new(),
+    }
+}
+
+fn squeeze(s: &str) -> String {
+    let joined = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    joined.replace(" ,", ",").replace(" .", ".").replace(" ;", ";").replace(" :", ":").replace(" ?", "?")
+}
+
+/// Removes final sentence punctuation (and closers after it).
+fn strip_final(s: &str) -> &str {
+    s.trim().trim_end_matches(['.', '!', '?', ';', ':', ',', '…', '"', '”', '’', ')']).trim_end()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Model generation
+// ---------------------------------------------------------------------------------------------
+
+/// Sentence windows `[s0, s1)` for `count` pairs, centred on evenly spaced chunks of the document.
+fn spread_windows(n: usize, window: usize, count: usize) -> Vec<(usize, usize)> {
+    let window = window.max(1);
+    if n == 0 || count == 0 {
+        return Vec::new();
+    }
+    if n <= window {
+        return vec![(0, n); count];
+    }
+    (0..count)
+        .map(|i| {
+            let centre = (i as f64 + 0.5) * n as f64 / count as f64;
+            let s0 = (centre - window as f64 / 2.0).round().max(0.0) as usize;
+            let s0 = s0.min(n - window);
+            (s0, s0 + window)
+        })
+        .collect()
+}
+
+fn mix_seed(seed: u64, a: u64, b: u64) -> u64 {
+    let mut x = seed ^ a.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ b.wrapping_mul(0xC2B2_AE3D_27D4_EB4F);
+    x ^= x >> 33;
+    x = x.wrapping_mul(0xFF51_AFD7_ED55_8CCD);
+    x ^= x >> 33;
+    x
+}
+
+enum Verdict {
+    Valid(QaPair),
+    Parse,
+    Evidence,
+    Answer,
+}
+
+/// Checks one model output against the document and the window it was shown.
+fn validate_model_output(doc: &str, window: (usize, usize), output: &str) -> Verdict {
+    let Some((q, a, e)) = parse_qa(output) else { return Verdict::Parse };
+    let q_words = q.split_whitespace().count();
+    if !(3..=60).contains(&q_words) || !q.chars().any(char::is_alphabetic) {
+        return Verdict::Parse;
+    }
+    let Some((s, t)) = locate_evidence_near(doc, &e, Some(window)) else { return Verdict::Evidence };
+    let evidence = &doc[s..t];
+    if evidence.split_whitespace().count() < 3 {
+        return Verdict::Evidence;
+    }
+    // The answer must be short enough, grounded in the window/evidence, and not given away by
+    // the question.
+    let a_content = content_tokens(&a);
+    if a.split_whitespace().count() > 60 || a_content.is_empty() {
+        return Verdict::Answer;
+    }
+    let window_tokens: HashSet<String> = tokens(&doc[window.0..window.1]).into_iter().chain(tokens(evidence)).collect();
+    let ev_tokens: HashSet<String> = tokens(evidence).into_iter().collect();
+    let grounded = a_content.iter().filter(|t| window_tokens.contains(*t)).count();
+    if grounded * 2 < a_content.len() || !a_content.iter().any(|t| ev_tokens.contains(t)) {
+        return Verdict::Answer;
+    }
+    let q_tokens: HashSet<String> = tokens(&q).into_iter().collect();
+    if a_content.iter().all(|t| q_tokens.contains(t)) {
+        return Verdict::Answer;
+    }
+    let question = if q.ends_with('?') { q } else { format!("{}?", strip_final(&q)) };
+    Verdict::Valid(QaPair {
+        question,
+        answer: a,
+        evidence: evidence.to_string(),
+        evidence_span: (s, t),
+        source: QaSource::Model,
+    })
+}
+
+/// Generates auxiliary QA pairs for `doc`: model pairs from windows spread over the whole document
+/// plus extractive pairs (see the module docs). `progress` is called as model windows finish;
+/// `cancel` is polled between and during generations (an `Err` wrapping [`Cancelled`] results).
+pub fn generate_qa(
+    model: &Model,
+    doc: &str,
+    opts: &QaOptions,
+    progress: &mut dyn FnMut(&QaProgress),
+    cancel: &dyn Fn() -> bool,
+) -> Result<Vec<QaPair>> {
+    generate_qa_with_stats(model, doc, opts, progress, cancel).map(|(pairs, _)| pairs)
+}
+
+/// [`generate_qa`], also returning what happened.
+pub fn generate_qa_with_stats(
+    model: &Model,
+    doc: &str,
+    opts: &QaOptions,
+    progress: &mut dyn FnMut(&QaProgress),
+    cancel: &dyn Fn() -> bool,
+) -> Result<(Vec<QaPair>, QaStats)> {
+    let sentences = split_sentences(doc);
+    let mut stats = QaStats { sentences: sentences.len(), ..Default::default() };
+    let max_pairs = opts.max_pairs.max(1);
+    let target = if opts.use_model && !sentences.is_empty() {
+        sentences.len().div_ceil(opts.sentences_per_pair.max(1)).min(max_pairs)
+    } else {
+        0
+    };
+    let windows = spread_windows(sentences.len(), opts.window_sentences, target);
+    stats.windows = windows.len();
+    let mut model_pairs: Vec<QaPair> = Vec::new();
+    let mut seen_q: HashSet<String> = HashSet::new();
+    let mut seen_ae: HashSet<(String, (usize, usize))> = HashSet::new();
+    let mut prog = QaProgress { done: 0, total: windows.len(), valid: 0 };
+    progress(&prog);
+    let t0 = Instant::now();
+    let mut seen_windows: HashSet<(usize, usize)> = HashSet::new();
+    for (wi, &(s0, s1)) in windows.iter().enumerate() {
+        if cancel() {
+            return Err(Cancelled.into());
+        }
+        if stats.model_gave_up {
+            break;
+        }
+        let span = (sentences[s0].start, sentences[s1 - 1].end);
+        let repeated = !seen_windows.insert((s0, s1));
+        let valid = generate_for_window(model, doc, span, wi, repeated, opts, cancel, &mut stats, &mut |pair| {
+            let qn = normalize_question(&pair.question);
+            let ae = (normalize_question(&pair.answer), pair.evidence_span);
+            if seen_q.contains(&qn) || seen_ae.contains(&ae) {
+                return false;
+            }
+            seen_q.insert(qn);
+            seen_ae.insert(ae);
+            model_pairs.push(pair);
+            true
+        })?;
+        if valid {
+            stats.model_valid += 1;
+        }
+        prog.done = wi + 1;
+        prog.valid = stats.model_valid;
+        progress(&prog);
+        if stats.model_valid == 0 && wi + 1 >= GIVE_UP_AFTER_FAILED_WINDOWS && wi + 1 < windows.len() {
+            tracing::warn!(windows = wi + 1, "the model produced no valid QA pair; the extractive generator fills in");
+            stats.model_gave_up = true;
+        }
+    }
+    stats.model_seconds = t0.elapsed().as_secs_f64();
+
+    // Extractive pairs: everything the rules find, minus questions the model already asked, thinned
+    // evenly to the remaining budget.
+    let budget = max_pairs.saturating_sub(model_pairs.len());
+    let cands: Vec<Candidate> = extractive_candidates(doc, &sentences, opts)
+        .into_iter()
+        .filter(|c| !seen_q.contains(&normalize_question(&c.pair.question)))
+        .collect();
+    stats.extractive_candidates = cands.len();
+    let mut chosen = select_even(cands, budget);
+    stats.extractive = chosen.len();
+    for c in &chosen {
+        seen_q.insert(normalize_question(&c.pair.question));
+    }
+    // Never train without QA: plain cloze questions when facts were too scarce.
+    let have = model_pairs.len() + chosen.len();
+    let floor = opts.min_pairs.min(max_pairs);
+    if have < floor {
+        let extra: Vec<Candidate> = fallback_candidates(doc, &sentences)
+            .into_iter()
+            .filter(|c| !seen_q.contains(&normalize_question(&c.pair.question)))
+            .collect();
+        let extra = select_even(extra, floor - have);
+        stats.fallback = extra.len();
+        chosen.extend(extra);
+    }
+    let mut all: Vec<(usize, usize, QaPair)> = model_pairs.into_iter().map(|p| (p.evidence_span.0, 0, p)).collect();
+    all.extend(chosen.into_iter().map(|c| (c.pair.evidence_span.0, 1 + c.rank, c.pair)));
+    all.sort_by_key(|&(pos, rank, _)| (pos, rank));
+    let pairs: Vec<QaPair> = all.into_iter().map(|(_, _, p)| p).collect();
+    stats.total = pairs.len();
+    tracing::info!(
+        sentences = stats.sentences,
+        windows = stats.windows,
+        model = stats.model_valid,
+        extractive = stats.extractive,
+        fallback = stats.fallback,
+        seconds = stats.model_seconds,
+        "auxiliary QA generated"
+    );
+    Ok((pairs, stats))
+}
+
+/// Runs the attempts for one window until a valid, new pair is accepted by `accept`.
+#[allow(clippy::too_many_arguments)]
+fn generate_for_window(
+    model: &Model,
+    doc: &str,
+    span: (usize, usize),
+    wi: usize,
+    repeated: bool,
+    opts: &QaOptions,
+    cancel: &dyn Fn() -> bool,
+    stats: &mut QaStats,
+    accept: &mut dyn FnMut(QaPair) -> bool,
+) -> Result<bool> {
+    let messages = [ChatMessage::new("system", SYSTEM_PROMPT), ChatMessage::new("user", qa_prompt(&doc[span.0..span.1]))];
+    let ids = model.encode_chat(&messages)?;
+    let max_pos = model.config().max_position_embeddings;
+    if ids.len() < 2 || ids.len() + opts.max_new_tokens.max(1) > max_pos {
+        tracing::debug!(tokens = ids.len(), "QA window prompt too long for the model; skipped");
+        stats.rejected_parse += 1;
+        return Ok(false);
+    }
+    // The prompt is prefilled once; attempts continue from copies of its cache.
+    let mut base = KvCache::new(model.config().num_layers);
+    prefill(model, &ids[..ids.len() - 1], &mut base, None, &mut NoHooks)?;
+    let attempts = 1 + opts.retries;
+    for attempt in 0..attempts {
+        if cancel() {
+            return Err(Cancelled.into());
+        }
+        // A window seen before starts with sampling (greedy would repeat the same pair).
+        let sampled = attempt > 0 || repeated;
+        let params = SamplingParams {
+            max_tokens: opts.max_new_tokens.max(1),
+            temperature: if sampled { RETRY_TEMPERATURE } else { 0.0 },
+            top_p: if sampled { RETRY_TOP_P } else { 1.0 },
+            seed: mix_seed(opts.seed, wi as u64 + 1, attempt as u64 + 1),
+            stop: Vec::new(),
+        };
+        let mut text = String::new();
+        let mut cancelled = false;
+        let mut cache = base.fork()?;
+        let out = generate(model, &ids[ids.len() - 1..], &mut cache, None, &mut NoHooks, &params, &mut |piece| {
+            text.push_str(piece);
+            if cancel() {
+                cancelled = true;
+                return false;
+            }
+            !triple_complete(&text)
+        })?;
+        stats.attempts += 1;
+        stats.generated_tokens += out.tokens.len();
+        if cancelled {
+            return Err(Cancelled.into());
+        }
+        match validate_model_output(doc, span, &out.text) {
+            Verdict::Valid(pair) => {
+                tracing::debug!(window = wi, attempt, question = %pair.question, answer = %pair.answer, "model QA pair");
+                if accept(pair) {
+                    return Ok(true);
+                }
+                stats.rejected_duplicate += 1;
+            }
+            Verdict::Parse => stats.rejected_parse += 1,
+            Verdict::Evidence => stats.rejected_evidence += 1,
+            Verdict::Answer => stats.rejected_answer += 1,
+        }
+        tracing::trace!(window = wi, attempt, output = %out.text, "QA attempt rejected");
+    }
+    Ok(false)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Extractive generation
+// ---------------------------------------------------------------------------------------------
+
+/// One extractive pair with its wording rank (0 = the most direct question for the fact) and the
+/// index of its fact in document order.
+#[derive(Clone, Debug)]
+struct Candidate {
+    rank: usize,
+    fact: usize,
+    pair: QaPair,
+}
+
+/// Keeps at most `budget` candidates: rank by rank (every fact's first wording before any fact's
+/// second), thinning a rank evenly over the document when it does not fit. Drops repeated
+/// questions.
+fn select_even(mut cands: Vec<Candidate>, budget: usize) -> Vec<Candidate> {
+    let mut seen = HashSet::new();
+    cands.retain(|c| seen.insert(normalize_question(&c.pair.question)));
+    let max_rank = cands.iter().map(|c| c.rank).max().unwrap_or(0);
+    let mut out = Vec::new();
+    for rank in 0..=max_rank {
+        let left = budget - out.len();
+        if left == 0 {
+            break;
+        }
+        let group: Vec<&Candidate> = cands.iter().filter(|c| c.rank == rank).collect();
+        if group.len() <= left {
+            out.extend(group.into_iter().cloned());
+        } else {
+            let n = group.len();
+            out.extend((0..left).map(|i| group[((2 * i + 1) * n) / (2 * left)].clone()));
+        }
+    }
+    out.sort_by_key(|c| (c.fact, c.rank));
+    out
+}
+
+/// Deterministic rule-based QA over the document's fact-bearing sentences (no model): for each
+/// fact, up to `wordings_per_fact` differently-worded questions with short and full-sentence
+/// answers; capped by `max_pairs` with even coverage, topped up with plain cloze questions to
+/// `min_pairs` when facts are scarce.
+pub fn extractive_qa(doc: &str, sentences: &[Span], opts: &QaOptions) -> Vec<QaPair> {
+    let max_pairs = opts.max_pairs.max(1);
+    let mut chosen = select_even(extractive_candidates(doc, sentences, opts), max_pairs);
+    let floor = opts.min_pairs.min(max_pairs);
+    if chosen.len() < floor {
+        let seen: HashSet<String> = chosen.iter().map(|c| normalize_question(&c.pair.question)).collect();
+        let extra: Vec<Candidate> = fallback_candidates(doc, sentences)
+            .into_iter()
+            .filter(|c| !seen.contains(&normalize_question(&c.pair.question)))
+            .collect();
+        chosen.extend(select_even(extra, floor - chosen.len()));
+    }
+    chosen.sort_by_key(|c| (c.pair.evidence_span.0, c.rank));
+    chosen.into_iter().map(|c| c.pair).collect()
+}
+
+#[derive(Clone, Debug)]
+struct Word<'a> {
+    /// Byte range of the whole whitespace-delimited token within the body.
+    raw: (usize, usize),
+    /// Byte range of the token without surrounding punctuation.
+    core: (usize, usize),
+    text: &'a str,
+}
+
+impl Word<'_> {
+    fn lower(&self) -> String {
+        self.text.to_lowercase()
+    }
+    fn capitalised(&self) -> bool {
+        self.text.chars().next().is_some_and(char::is_uppercase)
+    }
+    fn starts_lower(&self) -> bool {
+        self.text.chars().next().is_some_and(char::is_lowercase)
+    }
+    fn has_digit(&self) -> bool {
+        self.text.chars().any(|c| c.is_ascii_digit())
+    }
+}
+
+fn words_of(body: &str) -> Vec<Word<'_>> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    for tok in body.split_whitespace() {
+        let start = i + body[i..].find(tok).unwrap_or(0);
+        let end = start + tok.len();
+        i = end;
+        let lead = tok.len() - tok.trim_start_matches(|c: char| !c.is_alphanumeric() && c != '$' && c != '£' && c != '€').len();
+        let inner = &tok[lead..];
+        let mut core = inner.trim_end_matches(|c: char| !c.is_alphanumeric() && c != '%');
+        // Possessive 's is not part of the word.
+        for suffix in ["'s", "’s"] {
+            if let Some(c) = core.strip_suffix(suffix) {
+                core = c;
+            }
+        }
+        // Dotted abbreviations keep their final dot ("p.m.", "U.S.").
+        let cs = start + lead;
+        let mut ce = cs + core.len();
+        if core.contains('.') && body[ce..end].starts_with('.') {
+            ce += 1;
+        }
+        if core.is_empty() {
+            out.push(Word { raw: (start, end), core: (start, start), text: "" });
+        } else {
+            out.push(Word { raw: (start, end), core: (cs, ce), text: &body[cs..ce] });
+        }
+    }
+    out
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Number,
+    /// A number followed by the noun it counts ("42 rooms"); `noun` is that word's index.
+    Count { noun: usize },
+    Year,
+    Date,
+    Time,
+    Person,
+    Place,
+    /// A name of something else; `head` is the index of a generic head noun ("Company") if any.
+    Thing { head: Option<usize> },
+    Quote,
+    /// A short descriptive predicate ("a small fishing town").
+    Phrase,
+}
+
+#[derive(Clone, Debug)]
+struct Entity {
+    /// Byte range in the body (the answer text).
+    s: usize,
+    e: usize,
+    /// Word range `[w0, w1)`.
+    w0: usize,
+    w1: usize,
+    kind: Kind,
+    /// Preposition word right before the entity.
+    prep: Option<usize>,
+}
+
+const MONTHS: &[&str] = &[
+    "january", "february", "march", "april", "may", "june", "july", "august", "september", "october", "november",
+    "december", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec",
+];
+const WEEKDAYS: &[&str] = &["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"];
+const TITLES: &[&str] = &[
+    "mr", "mrs", "ms", "miss", "dr", "prof", "professor", "sir", "dame", "lady", "lord", "king", "queen", "prince",
+    "princess", "captain", "capt", "general", "gen", "colonel", "col", "lieutenant", "lt", "sergeant", "sgt", "judge",
+    "president", "senator", "governor", "mayor", "father", "mother", "sister", "brother", "uncle", "aunt", "saint",
+    "st", "rev", "reverend", "bishop", "detective", "inspector", "officer", "agent", "chief", "director", "doctor",
+];
+const PLACE_HEADS: &[&str] = &[
+    "city", "town", "village", "county", "state", "province", "country", "republic", "kingdom", "island", "islands",
+    "river", "lake", "sea", "ocean", "mountain", "mountains", "mount", "valley", "bay", "coast", "street", "road",
+    "avenue", "square", "park", "bridge", "station", "airport", "harbor", "harbour", "port", "district", "region",
+    "hall", "tower", "castle", "palace", "church", "cathedral", "museum", "library", "hotel", "office", "building",
+    "house", "center", "centre", "hospital", "forest", "desert", "peninsula", "canal", "gate", "plaza", "market",
+];
+const ORG_HEADS: &[&str] = &[
+    "company", "corporation", "corp", "inc", "ltd", "llc", "group", "bank", "university", "college", "school",
+    "institute", "academy", "council", "committee", "department", "ministry", "agency", "association", "society",
+    "foundation", "party", "club", "team", "army", "navy", "fund", "trust", "press", "times", "journal", "project",
+    "program", "programme", "prize", "award", "act", "treaty", "war", "festival", "conference", "union", "league",
+];
+const CONNECTORS: &[&str] = &["of", "de", "da", "del", "della", "di", "du", "van", "von", "der", "den", "la", "le", "y", "bin", "al"];
+const PREPOSITIONS: &[&str] = &[
+    "in", "on", "at", "by", "from", "to", "into", "near", "during", "since", "until", "before", "after", "with",
+    "for", "of", "about", "across", "through", "toward", "towards", "inside", "outside", "behind", "beside", "under",
+    "over", "between", "among", "around", "past",
+];
+const COPULAS: &[&str] = &["is", "are", "was", "were"];
+const AUXILIARIES: &[&str] = &["is", "are", "was", "were", "has", "have", "had", "will", "would", "can", "could"];
+const PRONOUN_SUBJECTS: &[&str] = &[
+    "it", "this", "that", "there", "he", "she", "they", "these", "those", "we", "i", "you", "here", "which", "who",
+    "what", "one", "all", "some", "each", "both",
+];
+const NAMING_VERBS: &[&str] = &["named", "called", "titled", "entitled", "nicknamed", "dubbed", "known"];
+const IRREGULAR_PARTICIPLES: &[&str] = &[
+    "born", "held", "built", "made", "known", "given", "taken", "written", "found", "seen", "sold", "paid", "kept",
+    "left", "sent", "told", "begun", "chosen", "done", "drawn", "driven", "fallen", "grown", "hidden", "led", "lost",
+    "meant", "met", "put", "read", "set", "shown", "shut", "spent", "stolen", "struck", "thrown", "understood",
+    "won", "worn", "bought", "brought", "caught", "taught", "thought", "sung", "run", "hung", "laid", "lit", "sold",
+];
+const ADVERBS: &[&str] = &["first", "later", "originally", "also", "once", "still", "then", "now", "formally", "officially", "finally", "recently"];
+
+fn is_participle(w: &str) -> bool {
+    let l = w.to_lowercase();
+    (l.len() > 4 && l.ends_with("ed")) || IRREGULAR_PARTICIPLES.contains(&l.as_str())
+}
+
+fn is_year(w: &str) -> bool {
+    let t = w.strip_suffix('s').unwrap_or(w);
+    t.len() == 4 && t.chars().all(|c| c.is_ascii_digit()) && (1000..=2199).contains(&t.parse::<u32>().unwrap_or(0))
+}
+
+fn is_day(w: &str) -> bool {
+    let t = w.trim_end_matches(|c: char| c.is_alphabetic());
+    !t.is_empty() && t.len() <= 2 && t.chars().all(|c| c.is_ascii_digit()) && (1..=31).contains(&t.parse::<u32>().unwrap_or(0))
+}
+
+fn is_time(w: &str) -> bool {
+    let mut parts = w.split(':');
+    matches!((parts.next(), parts.next()), (Some(h), Some(m)) if !h.is_empty() && h.len() <= 2 && m.len() == 2
+        && h.chars().all(|c| c.is_ascii_digit()) && m.chars().all(|c| c.is_ascii_digit()))
+}
+
+/// Per-document knowledge used by the rules: capitalised words seen in mid-sentence (so a
+/// sentence-initial capitalised word is a name only if it is also capitalised elsewhere).
+struct Lexicon {
+    proper: HashSet<String>,
+}
+
+impl Lexicon {
+    fn new(doc: &str, sentences: &[Span]) -> Self {
+        let mut proper = HashSet::new();
+        for s in sentences {
+            let words = words_of(s.text(doc));
+            for (i, w) in words.iter().enumerate().skip(1) {
+                let prev_raw = &s.text(doc)[words[i - 1].raw.0..words[i - 1].raw.1];
+                let after_break = prev_raw.ends_with(['.', ':', '!', '?', '"', '“']);
+                if w.capitalised() && !after_break && !is_stopword(w.text) {
+                    proper.insert(w.text.to_string());
+                }
+            }
+        }
+        Self { proper }
+    }
+}
+
+/// A sentence prepared for the rules: body (list marker dropped), its words and doc offset.
+struct Sent<'a> {
+    body: &'a str,
+    offset: usize,
+    words: Vec<Word<'a>>,
+}
+
+impl<'a> Sent<'a> {
+    fn new(doc: &'a str, span: &Span) -> Option<Self> {
+        let text = span.text(doc);
+        let marker = list_marker_len(text);
+        let text2 = &text[marker..];
+        let hashes = text2.len() - text2.trim_start_matches(['#', '>']).trim_start().len();
+        let lead = marker + hashes;
+        let body = &text[lead..];
+        let words = words_of(body);
+        let n_alpha = words.iter().filter(|w| w.text.chars().any(char::is_alphabetic)).count();
+        let punct = strip_final(body).len() < body.trim_end().len();
+        // Skip headings and fragments.
+        if words.len() < 4 || n_alpha < 3 || (!punct && words.len() < 6) || words.len() > 80 || hashes > 0 {
+            return None;
+        }
+        Some(Self { body, offset: span.start + lead, words })
+    }
+
+    fn text(&self, w0: usize, w1: usize) -> &'a str {
+        if w0 >= w1 {
+            return "";
+        }
+        &self.body[self.words[w0].raw.0..self.words[w1 - 1].raw.1]
+    }
+
+    /// Text of words `[w0, w1)` without final punctuation.
+    fn phrase(&self, w0: usize, w1: usize) -> String {
+        strip_final(self.text(w0, w1)).to_string()
+    }
+
+    /// Whether the raw token of word `i` ends with punctuation that breaks a name run.
+    fn breaks_after(&self, i: usize) -> bool {
+        let w = &self.words[i];
+        let raw = &self.body[w.raw.0..w.raw.1];
+        let after = &raw[w.core.1 - w.raw.0..];
+        let after = after.trim_start_matches(['\'', '’']).trim_start_matches('s');
+        !after.is_empty() && !(after == "." && is_title(w.text))
+    }
+
+    fn is_possessive(&self, i: usize) -> bool {
+        let w = &self.words[i];
+        let raw = &self.body[w.raw.0..w.raw.1];
+        let after = &raw[w.core.1 - w.raw.0..];
+        after.starts_with("'s") || after.starts_with("’s")
+    }
+}
+
+fn is_title(w: &str) -> bool {
+    TITLES.contains(&w.to_lowercase().trim_end_matches('.'))
+}
+
+/// Finds numbers, dates, times, names and quoted strings in a sentence.
+fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
+    let ws = &s.words;
+    let n = ws.len();
+    let mut used = vec![false; n];
+    let mut out = Vec::new();
+    let prep_before = |i: usize| -> Option<usize> {
+        (i > 0 && PREPOSITIONS.contains(&ws[i - 1].lower().as_str()) && !s.breaks_after(i - 1)).then(|| i - 1)
+    };
+    let push = |out: &mut Vec<Entity>, used: &mut Vec<bool>, w0: usize, w1: usize, kind: Kind| {
+        if w0 >= w1 || used[w0..w1].iter().any(|&u| u) {
+            return;
+        }
+        used[w0..w1].iter_mut().for_each(|u| *u = true);
+        out.push(Entity { s: ws[w0].core.0, e: ws[w1 - 1].core.1, w0, w1, kind, prep: prep_before(w0) });
+    };
+    // Quoted strings.
+    for (open, close) in [('"', '"'), ('“', '”')] {
+        let mut from = 0;
+        while let Some(a) = s.body[from..].find(open).map(|p| p + from) {
+            let inner_start = a + open.len_utf8();
+            let Some(b) = s.body[inner_start..].find(close).map(|p| p + inner_start) else { break };
+            let inner = s.body[inner_start..b].trim_end_matches([',', '.']);
+            let count = inner.split_whitespace().count();
+            let w0 = ws.iter().position(|w| w.raw.0 <= inner_start && inner_start < w.raw.1.max(w.raw.0 + 1));
+            let w1 = ws.iter().rposition(|w| w.raw.0 < b);
+            if let (Some(w0), Some(w1)) = (w0, w1) {
+                if (1..=10).contains(&count) && w0 <= w1 && !used[w0..=w1].iter().any(|&u| u) && !inner.trim().is_empty() {
+                    used[w0..=w1].iter_mut().for_each(|u| *u = true);
+                    let start = inner_start + (s.body[inner_start..].len() - s.body[inner_start..].trim_start().len());
+                    out.push(Entity { s: start, e: inner_start + inner.trim_end().len(), w0, w1: w1 + 1, kind: Kind::Quote, prep: prep_before(w0) });
+                }
+            }
+            from = b + close.len_utf8();
+        }
+    }
+    // Dates: "March 3, 1999", "3 March 1999", "March 1999", "March 3"; weekdays.
+    let mut i = 0;
+    while i < n {
+        let l = ws[i].lower();
+        let month = MONTHS.contains(&l.trim_end_matches('.')) && ws[i].capitalised();
+        if month {
+            let mut w0 = i;
+            let mut w1 = i + 1;
+            if i > 0 && is_day(ws[i - 1].text) && !s.breaks_after(i - 1) {
+                w0 = i - 1;
+            }
+            if w1 < n && is_day(ws[w1].text) && !s.breaks_after(i) {
+                w1 += 1;
+            }
+            if w1 < n && is_year(ws[w1].text) && (!s.breaks_after(w1 - 1) || s.body[ws[w1 - 1].raw.0..ws[w1 - 1].raw.1].ends_with(',')) {
+                w1 += 1;
+            }
+            // "May" alone is a verb more often than not.
+            if w1 - w0 > 1 || (l != "may" && l != "march") {
+                push(&mut out, &mut used, w0, w1, Kind::Date);
+            }
+            i = w1;
+            continue;
+        }
+        if WEEKDAYS.contains(&l.as_str()) && ws[i].capitalised() {
+            push(&mut out, &mut used, i, i + 1, Kind::Date);
+        }
+        i += 1;
+    }
+    // Numbers, years, times.
+    for i in 0..n {
+        if used[i] || !ws[i].has_digit() {
+            continue;
+        }
+        let t = ws[i].text;
+        if is_time(t) {
+            let w1 = if i + 1 < n && matches!(ws[i + 1].lower().as_str(), "a.m." | "p.m." | "a.m" | "p.m" | "am" | "pm") { i + 2 } else { i + 1 };
+            push(&mut out, &mut used, i, w1, Kind::Time);
+        } else if i + 1 < n && matches!(ws[i + 1].lower().as_str(), "a.m." | "p.m." | "a.m" | "p.m" | "am" | "pm" | "o'clock") {
+            push(&mut out, &mut used, i, i + 2, Kind::Time);
+        } else if is_year(t) {
+            push(&mut out, &mut used, i, i + 1, Kind::Year);
+        } else {
+            let mut w1 = i + 1;
+            if w1 < n && matches!(ws[w1].lower().as_str(), "hundred" | "thousand" | "million" | "billion" | "trillion" | "percent" | "per") {
+                w1 += if ws[w1].lower() == "per" && w1 + 1 < n { 2 } else { 1 };
+            }
+            let counted = w1 < n
+                && !s.breaks_after(w1 - 1)
+                && ws[w1].starts_lower()
+                && ws[w1].text.chars().all(char::is_alphabetic)
+                && !is_stopword(ws[w1].text)
+                && !t.contains(['%', '$', '£', '€']);
+            let kind = if counted { Kind::Count { noun: w1 } } else { Kind::Number };
+            push(&mut out, &mut used, i, w1, kind);
+        }
+    }
+    // Capitalised names (runs, with connectors inside: "Bank of England").
+    let mut i = 0;
+    while i < n {
+        let cap = |j: usize| -> bool {
+            let w = &ws[j];
+            !used[j]
+                && w.capitalised()
+                && w.text.chars().any(char::is_alphabetic)
+                && w.text != "I"
+                && !MONTHS.contains(&w.lower().as_str())
+                && !WEEKDAYS.contains(&w.lower().as_str())
+        };
+        if !cap(i) || (is_stopword(ws[i].text) && !is_title(ws[i].text)) {
+            i += 1;
+            continue;
+        }
+        let mut j = i + 1;
+        while j < n && !s.breaks_after(j - 1) && !s.is_possessive(j - 1) {
+            if cap(j) && !is_stopword(ws[j].text) {
+                j += 1;
+            } else if CONNECTORS.contains(&ws[j].lower().as_str()) && j + 1 < n && cap(j + 1) && !s.breaks_after(j) {
+                j += 2;
+            } else {
+                break;
+            }
+        }
+        let w0 = i;
+        let single = j - w0 == 1;
+        let at_start = w0 == 0 || s.body[..ws[w0].raw.0].trim_end().ends_with([':', '"', '“', '(']);
+        let titled = is_title(ws[w0].text) || (w0 > 0 && is_title(ws[w0 - 1].text));
+        let only_title = (w0..j).all(|k| is_title(ws[k].text));
+        let known = lex.proper.contains(ws[w0].text) || s.is_possessive(w0) || !single;
+        if only_title || (at_start && single && !known) {
+            i = j;
+            continue;
+        }
+        let lowers: Vec<String> = (w0..j).map(|k| ws[k].lower()).collect();
+        let has = |list: &[&str]| lowers.iter().rposition(|l| list.contains(&l.as_str()));
+        let prep = prep_before(w0).map(|p| ws[p].lower());
+        let the_before = w0 > 0 && ws[w0 - 1].lower() == "the";
+        let kind = if let Some(h) = has(ORG_HEADS) {
+            Kind::Thing { head: Some(w0 + h) }
+        } else if let Some(h) = has(PLACE_HEADS) {
+            if matches!(prep.as_deref(), Some("in" | "at" | "from" | "to" | "near" | "into")) {
+                Kind::Place
+            } else {
+                Kind::Thing { head: Some(w0 + h) }
+            }
+        } else if titled {
+            Kind::Person
+        } else if matches!(prep.as_deref(), Some("in" | "at" | "from" | "to" | "near" | "into" | "across" | "through")) {
+            Kind::Place
+        } else if !the_before && !single && j - w0 <= 3 && !lowers.iter().any(|l| CONNECTORS.contains(&l.as_str())) {
+            Kind::Person
+        } else if !the_before
+            && j < n
+            && matches!(ws[j].lower().as_str(), "said" | "says" | "told" | "asked" | "wrote" | "replied" | "explained" | "founded" | "married" | "died")
+        {
+            Kind::Person
+        } else {
+            Kind::Thing { head: None }
+        };
+        push(&mut out, &mut used, w0, j, kind);
+        i = j;
+    }
+    out.sort_by_key(|e| e.w0);
+    out
+}
+
+/// The sentence's copula ("X is Y") split: (copula word index) when the subject is a real noun
+/// phrase (not a pronoun, no leading preposition, no comma) of at most 12 words.
+fn copula_split(s: &Sent) -> Option<usize> {
+    let ws = &s.words;
+    let c = ws.iter().position(|w| AUXILIARIES.contains(&w.lower().as_str()))?;
+    if c == 0 || c > 12 || c + 1 >= ws.len() {
+        return None;
+    }
+    let subj = s.text(0, c);
+    if subj.contains([',', ';', ':', '(']) {
+        return None;
+    }
+    let first = ws[0].lower();
+    if (c == 1 && PRONOUN_SUBJECTS.contains(&first.as_str())) || PREPOSITIONS.contains(&first.as_str()) || first == "there" {
+        return None;
+    }
+    if ["when", "if", "while", "although", "because", "as", "after", "before", "since", "once"].contains(&first.as_str()) {
+        return None;
+    }
+    Some(c)
+}
+
+/// Lower-cases the first letter of a noun phrase moved into the middle of a question, unless it
+/// starts with a name or acronym.
+fn decap(phrase: &str, lex: &Lexicon) -> String {
+    let first = phrase.split_whitespace().next().unwrap_or("");
+    let possessive = first.ends_with("'s") || first.ends_with("’s");
+    let core = first.trim_end_matches("'s").trim_end_matches("’s").trim_matches(|c: char| !c.is_alphanumeric());
+    let acronym = core.chars().count() > 1 && core.chars().all(|c| !c.is_lowercase());
+    let next_capitalised = phrase.split_whitespace().nth(1).is_some_and(|w| w.chars().next().is_some_and(char::is_uppercase));
+    let name = lex.proper.contains(core) || acronym || is_title(core) || possessive || next_capitalised;
+    if is_stopword(core) || !name {
+        let mut c = phrase.chars();
+        match c.next() {
+            Some(f) => f.to_lowercase().chain(c).collect(),
+            None => String::new(),
+        }
+    } else {
+        phrase.to_string()
+    }
+}
+
+const CLAUSE_WORDS: &[&str] = &["and", "or", "but", "who", "which", "that", "when", "where", "while", "because", "although", "so"];
+const COMMON_VERBS: &[&str] = &[
+    "met", "saw", "gave", "became", "won", "led", "left", "wrote", "made", "took", "got", "sold", "bought", "found",
+    "built", "told", "said", "went", "came", "ran", "paid", "kept", "held", "sent", "lost", "began", "chose", "drew",
+    "drove", "ate", "fell", "flew", "grew", "hid", "knew", "meant", "put", "read", "set", "showed", "spent", "stole",
+    "struck", "threw", "understood", "wore", "brought", "caught", "taught", "thought", "sang", "hung", "laid", "lit",
+    "joined", "moved", "lives", "lived", "works", "worked", "owns", "owned", "runs", "leads", "holds", "keeps",
+    "visited", "married", "remains", "remained", "contains", "contained", "includes", "included", "cost", "costs",
+];
+
+/// Whether word `w` looks like a verb (so a phrase may start or end next to it).
+fn verbish(w: &Word) -> bool {
+    let l = w.lower();
+    w.starts_lower() && (AUXILIARIES.contains(&l.as_str()) || is_participle(&l) || COMMON_VERBS.contains(&l.as_str()))
+}
+
+/// The entity as a whole phrase: start word (including a determiner before it) when the entity
+/// can be replaced or moved without breaking the sentence; `None` when it sits inside a larger
+/// noun phrase ("the Lisbon office").
+fn constituent(s: &Sent, ent: &Entity) -> Option<usize> {
+    let ws = &s.words;
+    let n = ws.len();
+    let mut cs = ent.w0;
+    if cs > 0 && matches!(ws[cs - 1].lower().as_str(), "the" | "a" | "an") && !s.breaks_after(cs - 1) {
+        cs -= 1;
+    }
+    let numeric = matches!(ent.kind, Kind::Number | Kind::Count { .. } | Kind::Year);
+    let start_ok = cs == 0
+        || (numeric && cs == ent.w0)
+        || s.body[..ws[cs].raw.0].trim_end().ends_with([',', ':', ';', '(', '—', '"', '“'])
+        || PREPOSITIONS.contains(&ws[cs - 1].lower().as_str())
+        || verbish(&ws[cs - 1]);
+    let end_ok = ent.w1 == n
+        || s.breaks_after(ent.w1 - 1)
+        || matches!(ent.kind, Kind::Count { .. })
+        || PREPOSITIONS.contains(&ws[ent.w1].lower().as_str())
+        || CLAUSE_WORDS.contains(&ws[ent.w1].lower().as_str())
+        || verbish(&ws[ent.w1]);
+    (start_ok && end_ok).then_some(cs)
+}
+
+/// A wh-phrase standing in for an entity ("which year", "how many", "whom", "which company").
+fn wh_phrase(s: &Sent, ent: &Entity, subject: bool) -> String {
+    match ent.kind {
+        Kind::Number => "what number".to_string(),
+        Kind::Count { .. } => "how many".to_string(),
+        Kind::Year => "which year".to_string(),
+        Kind::Date => "what date".to_string(),
+        Kind::Time => "what time".to_string(),
+        Kind::Person if subject => "who".to_string(),
+        Kind::Person => "whom".to_string(),
+        Kind::Place => "which place".to_string(),
+        Kind::Thing { head: Some(h) } => format!("which {}", s.words[h].lower()),
+        Kind::Thing { head: None } => "what name".to_string(),
+        Kind::Quote | Kind::Phrase => "what".to_string(),
+    }
+}
+
+/// Type noun for "Which … is X?" questions ("" when there is none).
+fn kind_noun(kind: Kind) -> &'static str {
+    match kind {
+        Kind::Number | Kind::Count { .. } => "number",
+        Kind::Year => "year",
+        Kind::Date => "date",
+        Kind::Time => "time",
+        Kind::Person => "person",
+        Kind::Place => "place",
+        Kind::Thing { .. } | Kind::Quote => "name",
+        Kind::Phrase => "",
+    }
+}
+
+/// Questions for one fact, most direct first: (question, answer).
+struct Fact {
+    questions: Vec<(String, String)>,
+}
+
+fn question(s: &str) -> String {
+    format!("{}?", first_char_upper(&squeeze(strip_final(s))))
+}
+
+/// The direct wh-question for an entity, when the sentence's shape allows one.
+fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>) -> (Option<String>, Option<String>, Option<String>) {
+    let ws = &s.words;
+    let n = ws.len();
+    let prep_word = ent.prep.map(|p| ws[p].lower());
+    let cs = constituent(s, ent);
+    let (mut direct, mut typed, mut tense) = (None, None, None);
+
+    if let Some(c) = copula {
+        let cop = ws[c].lower();
+        let subject = decap(&s.phrase(0, c), lex);
+        let mut p0 = c + 1;
+        while p0 < n && ADVERBS.contains(&ws[p0].lower().as_str()) {
+            p0 += 1;
+        }
+        let participle = p0 < n && is_participle(ws[p0].text);
+        let det = |i: usize| matches!(ws[i].lower().as_str(), "the" | "a" | "an");
+        let pred_start = ent.w0 == p0 || (ent.w0 == p0 + 1 && (ent.prep == Some(p0) || det(p0)));
+        let is_cop = COPULAS.contains(&cop.as_str());
+        if is_cop && pred_start && ent.w1 == n && !participle {
+            // "X is Y": What/Who/When/Where is X?
+            let wh = match ent.kind {
+                Kind::Person => "Who",
+                Kind::Year | Kind::Date | Kind::Time => "When",
+                Kind::Place => "Where",
+                _ if ent.prep == Some(p0) && matches!(prep_word.as_deref(), Some("in" | "at" | "near" | "on")) => "Where",
+                _ => "What",
+            };
+            direct = Some(format!("{wh} {cop} {subject}?"));
+            let noun = kind_noun(ent.kind);
+            typed = Some(if noun.is_empty() || ent.prep == Some(p0) {
+                format!("What does the document say {subject} {cop}?")
+            } else {
+                format!("Which {noun} {cop} {subject}?")
+            });
+            let other = match cop.as_str() {
+                "is" => "was",
+                "was" => "is",
+                "are" => "were",
+                _ => "are",
+            };
+            tense = Some(format!("{wh} {other} {subject}?"));
+        } else if ent.w0 > c && cs.is_some() {
+            // "X was founded in 1998 by Y" → When was X founded by Y? / By whom was X founded in 1998?
+            let cs = cs.unwrap_or(ent.w0);
+            let with_prep = matches!(ent.prep, Some(p) if p + 1 == cs && p > c);
+            let a = if with_prep { cs - 1 } else { cs };
+            let b = match ent.kind {
+                Kind::Count { noun } if noun == ent.w1 && noun < n => noun + 1,
+                _ => ent.w1,
+            };
+            let wh = match (ent.kind, prep_word.as_deref()) {
+                (Kind::Person, Some("by")) if with_prep => "By whom".to_string(),
+                (Kind::Year | Kind::Date | Kind::Time, Some("in" | "on" | "at" | "during")) if with_prep => "When".to_string(),
+                (Kind::Place, Some("in" | "at" | "near")) if with_prep => "Where".to_string(),
+                (Kind::Place, Some("from")) if with_prep => "From where".to_string(),
+                (Kind::Place, Some(p)) if with_prep => format!("{} which place", first_char_upper(p)),
+                (Kind::Count { noun }, _) if !with_prep => format!("How many {}", ws[noun].lower()),
+                (Kind::Person, Some(p)) if with_prep => format!("{} whom", first_char_upper(p)),
+                (_, Some(p)) if with_prep => format!("{} what", first_char_upper(p)),
+                (Kind::Person, _) => "Who".to_string(),
+                _ => "What".to_string(),
+            };
+            // An appositive after the entity (", a retired sea captain") is dropped.
+            let after = if b < n && !s.body[ws[ent.w1 - 1].core.1..ws[b].raw.0].contains(',') { s.text(b, n) } else { "" };
+            let rest = squeeze(strip_final(&format!("{} {}", s.text(c + 1, a), after)));
+            let (aux, tail) = match cop.as_str() {
+                "has" | "have" | "had" if !participle => {
+                    (if cop == "had" { "did" } else if cop == "has" { "does" } else { "do" }.to_string(), format!("have {rest}"))
+                }
+                _ => (cop.clone(), rest),
+            };
+            if !tail.trim().is_empty() || is_cop {
+                direct = Some(question(&format!("{wh} {aux} {subject} {tail}")));
+            }
+        }
+        // Possessive subject: "Anna's favourite colour is green." → Whose favourite colour is green?
+        if ent.w0 == 0 && ent.w1 < c && s.is_possessive(ent.w1 - 1) {
+            direct = Some(question(&format!("Whose {}", s.text(ent.w1, n))));
+        }
+    }
+    // Naming: "a dog named Rex" → What is the name of the dog? / "The ship was called the Aurora."
+    if direct.is_none() && ent.w0 >= 1 {
+        let mut v = ent.w0 - 1;
+        if v >= 1 && ws[v].lower() == "the" {
+            v -= 1;
+        }
+        let verb = ws[v].lower();
+        if NAMING_VERBS.contains(&verb.as_str()) && !(verb == "known" && prep_word.as_deref() != Some("as")) {
+            let det = (v.saturating_sub(5)..v)
+                .rev()
+                .find(|&d| ["a", "an", "the", "his", "her", "their", "its", "our", "my", "your"].contains(&ws[d].lower().as_str()));
+            if v >= 1 && COPULAS.contains(&ws[v - 1].lower().as_str()) && v >= 2 {
+                let subject = decap(&s.phrase(0, v - 1), lex);
+                direct = Some(question(&format!("What {} {} {}", ws[v - 1].lower(), subject, verb)));
+            } else if let Some(d) = det.filter(|&d| d + 1 < v) {
+                let np = s.phrase(d + 1, v);
+                direct = Some(question(&format!("What is the name of the {np}")));
+                typed = Some(question(&format!("What was the {np} called")));
+            }
+        }
+    }
+    // Subject position: "Maria Santos founded the company." → Who founded the company?
+    // (also after an introductory phrase: "In 1998, Maria Santos founded …" → "In 1998, who founded …")
+    if direct.is_none() {
+        if let Some(cs) = cs {
+            let intro = cs == 0 || s.body[..s.words[cs].raw.0].trim_end().ends_with(',');
+            let verb_next = ent.w1 < n && ws[ent.w1].starts_lower() && !s.breaks_after(ent.w1 - 1);
+            if intro && verb_next {
+                let (wh, rest_from) = match ent.kind {
+                    Kind::Thing { head: Some(h) } => (format!("which {}", ws[h].lower()), ent.w1),
+                    Kind::Count { noun } if noun == ent.w1 => (format!("how many {}", ws[noun].lower()), noun + 1),
+                    Kind::Person => ("who".to_string(), ent.w1),
+                    _ => ("what".to_string(), ent.w1),
+                };
+                if rest_from < n {
+                    let prefix = &s.body[..ws[cs].raw.0];
+                    direct = Some(question(&format!("{prefix}{wh} {}", s.text(rest_from, n))));
+                }
+            }
+        }
+    }
+    (direct, typed, tense)
+}
+
+/// The sentence with the entity replaced in place by a wh-phrase ("The hotel has how many rooms?",
+/// "Maria Santos founded the company in which year?"); an introductory "In 1998," moves to the end.
+fn in_situ_question(s: &Sent, ent: &Entity) -> Option<String> {
+    let ws = &s.words;
+    let cs = constituent(s, ent)?;
+    let with_prep = matches!(ent.prep, Some(p) if p + 1 == cs);
+    let a = if with_prep { cs - 1 } else { cs };
+    let intro = a == 0 || s.body[..ws[a].raw.0].trim_end().ends_with(',');
+    let subject = intro && !with_prep && ent.w1 < ws.len() && ws[ent.w1].starts_lower();
+    let wh = wh_phrase(s, ent, subject || (a == 0 && !with_prep));
+    let wh = if with_prep { format!("{} {wh}", ws[a].lower()) } else { wh };
+    let (mut start, mut end) = if a == cs && cs == ent.w0 { (ent.s, ent.e) } else { (ws[a].core.0, ent.e) };
+    // A quoted name is replaced with its quotes.
+    for (o, c) in [('"', '"'), ('“', '”')] {
+        if s.body[..start].ends_with(o) && s.body[end..].starts_with(c) {
+            start -= o.len_utf8();
+            end += c.len_utf8();
+        }
+    }
+    let after = &s.body[end..];
+    if a == 0 && with_prep && after.starts_with(',') {
+        // "In 1998, X did Y." → "X did Y in which year?"
+        let rest = first_char_upper(strip_final(after[1..].trim()));
+        return Some(question(&format!("{rest} {wh}")));
+    }
+    let q = format!("{}{}{}", &s.body[..start], wh, after);
+    Some(question(&q))
+}
+
+fn make_fact(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>) -> Option<Fact> {
+    let answer = s.body[ent.s..ent.e].to_string();
+    if answer.trim().is_empty() || content_tokens(&answer).is_empty() {
+        return None;
+    }
+    let full = squeeze(s.body.trim());
+    let cloze_text = squeeze(&format!("{}___{}", &s.body[..ent.s], &s.body[ent.e..]));
+    let cloze = format!("Complete the sentence from the document: {cloze_text}");
+    let (direct, typed, tense) = direct_question(s, lex, ent, copula);
+    let in_situ = in_situ_question(s, ent);
+    let direct = direct.or_else(|| in_situ.clone());
+    let mut questions = Vec::new();
+    match &direct {
+        Some(d) => {
+            questions.push((d.clone(), answer.clone()));
+            questions.push((format!("According to the document, {}", decap(d, lex)), full.clone()));
+            questions.push((cloze, answer.clone()));
+        }
+        None => {
+            questions.push((cloze, answer.clone()));
+            questions.push((format!("Which sentence of the document mentions {answer}?"), full.clone()));
+        }
+    }
+    let mut alts: Vec<String> = Vec::new();
+    alts.extend(typed);
+    if in_situ != direct {
+        alts.extend(in_situ);
+    }
+    alts.extend(tense);
+    if let Some(d) = &direct {
+        alts.push(format!("{}, according to the document?", strip_final(d)));
+        alts.push(format!("Answer briefly: {d}"));
+    }
+    for alt in alts {
+        questions.push((alt, answer.clone()));
+    }
+    questions.push((format!("Fill in the blank with the exact words from the document: {cloze_text}"), answer.clone()));
+    if matches!(ent.kind, Kind::Person | Kind::Place | Kind::Thing { .. }) {
+        questions.push((format!("What does the document say about {answer}?"), full.clone()));
+    }
+    if let Some(d) = &direct {
+        questions.push((format!("Quote the sentence of the document that answers: {d}"), full));
+    }
+    Some(Fact { questions })
+}
+
+/// All extractive candidates in document order (before the `max_pairs` cap).
+fn extractive_candidates(doc: &str, sentences: &[Span], opts: &QaOptions) -> Vec<Candidate> {
+    let lex = Lexicon::new(doc, sentences);
+    let per_fact = opts.wordings_per_fact.max(1);
+    let mut out = Vec::new();
+    let mut fact_idx = 0;
+    for span in sentences {
+        let Some(s) = Sent::new(doc, span) else { continue };
+        let copula = copula_split(&s);
+        let mut ents = find_entities(&s, &lex);
+        // The predicate of a short copula is a fact in itself ("The museum is a former prison").
+        if let Some(c) = copula {
+            let n = s.words.len();
+            let mut p0 = c + 1;
+            while p0 < n && ADVERBS.contains(&s.words[p0].lower().as_str()) {
+                p0 += 1;
+            }
+            let pred_words = n - p0;
+            let covered = ents.iter().any(|e| e.w0 <= p0 + 1 && e.w1 == n && e.w0 >= p0);
+            if COPULAS.contains(&s.words[c].lower().as_str())
+                && (1..=10).contains(&pred_words)
+                && !covered
+                && !is_participle(s.words[p0].text)
+                && !ents.iter().any(|e| e.w0 >= p0)
+            {
+                let start = s.words[p0].core.0;
+                let end = s.words[n - 1].core.1;
+                ents.push(Entity { s: start, e: end, w0: p0, w1: n, kind: Kind::Phrase, prep: None });
+            }
+        }
+        // Priority: predicates of copulas and naming, numbers/dates, then names.
+        let score = |e: &Entity| -> (usize, usize) {
+            let pred = copula.is_some_and(|c| e.w0 > c && e.w1 == s.words.len());
+            let p = match e.kind {
+                _ if pred => 0,
+                Kind::Number | Kind::Count { .. } | Kind::Year | Kind::Date | Kind::Time => 1,
+                Kind::Person | Kind::Quote => 2,
+                Kind::Place | Kind::Thing { .. } => 3,
+                Kind::Phrase => 4,
+            };
+            (p, e.w0)
+        };
+        ents.sort_by_key(score);
+        let mut taken = 0;
+        for ent in &ents {
+            if taken >= MAX_FACTS_PER_SENTENCE {
+                break;
+            }
+            let Some(fact) = make_fact(&s, &lex, ent, copula) else { continue };
+            taken += 1;
+            let ev = (s.offset, s.offset + s.body.len());
+            let mut seen = HashSet::new();
+            let mut rank = 0;
+            for (q, a) in fact.questions {
+                if rank >= per_fact {
+                    break;
+                }
+                if !seen.insert(normalize_question(&q)) {
+                    continue;
+                }
+                out.push(Candidate {
+                    rank,
+                    fact: fact_idx,
+                    pair: QaPair {
+                        question: q,
+                        answer: a,
+                        evidence: doc[ev.0..ev.1].to_string(),
+                        evidence_span: ev,
+                        source: QaSource::Extractive,
+                    },
+                });
+                rank += 1;
+            }
+            fact_idx += 1;
+        }
+    }
+    out
+}
+
+/// Plain cloze questions over any sentence of six words or more (used only to reach `min_pairs`).
+fn fallback_candidates(doc: &str, sentences: &[Span]) -> Vec<Candidate> {
+    let mut out = Vec::new();
+    for (i, span) in sentences.iter().enumerate() {
+        let text = span.text(doc);
+        let words = words_of(text);
+        if words.len() < 6 {
+            continue;
+        }
+        // The last content word, blanked.
+        let Some(k) = words.iter().rposition(|w| w.text.len() >= 3 && !is_stopword(w.text) && w.text.chars().all(char::is_alphanumeric))
+        else {
+            continue;
+        };
+        let w = &words[k];
+        let cloze = squeeze(&format!("{}___{}", &text[..w.core.0], &text[w.core.1..]));
+        let pair = |q: String, a: String, rank| Candidate {
+            rank,
+            fact: i,
+            pair: QaPair {
+                question: q,
+                answer: a,
+                evidence: text.to_string(),
+                evidence_span: (span.start, span.end),
+                source: QaSource::Extractive,
+            },
+        };
+        out.push(pair(format!("Complete the sentence from the document: {cloze}"), w.text.to_string(), 0));
+        let half = words.len() / 2;
+        let head = squeeze(&text[..words[half - 1].raw.1]);
+        let tail = text[words[half].raw.0..].to_string();
+        out.push(pair(format!("Continue this sentence from the document: {head} ..."), tail, 1));
+    }
+    out
+}
+
+/// Counts pairs per source (for logs and tests).
+pub fn count_by_source(pairs: &[QaPair]) -> HashMap<&'static str, usize> {
+    let mut m = HashMap::new();
+    for p in pairs {
+        *m.entry(match p.source {
+            QaSource::Model => "model",
+            QaSource::Extractive => "extractive",
+        })
+        .or_insert(0) += 1;
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(super) const PARAGRAPH: &str = "The Harbor Museum opened in 1987 in the old customs house. \
+The museum was founded by Elena Marsh, a retired sea captain. \
+Its first director was Tomas Berg. \
+The collection holds 4,200 objects from the age of sail. \
+Most visitors come in the summer. \
+The vault code at the Lisbon office is 4417. \
+The museum's oldest ship model is called \"Morning Star\". \
+On March 3, 1999, a fire damaged the east wing. \
+The restoration cost 2.5 million euros. \
+Anna's favourite exhibit is the brass telescope. \
+The library has 12,000 books about navigation. \
+In 2005, Maria Santos became the chief curator. \
+The museum is a popular place for school trips. \
+Every winter the staff repaint the figureheads. \
+The annual lecture takes place at 7:30 p.m. on the first Friday of October. \
+Visitors can reach the museum from Central Station in ten minutes.";
+
+    fn opts() -> QaOptions {
+        QaOptions { max_pairs: 1000, ..Default::default() }
+    }
+
+    fn extract(doc: &str, opts: &QaOptions) -> Vec<QaPair> {
+        extractive_qa(doc, &split_sentences(doc), opts)
+    }
+
+    fn assert_verbatim(doc: &str, pairs: &[QaPair]) {
+        for p in pairs {
+            let (s, e) = p.evidence_span;
+            assert_eq!(&doc[s..e], p.evidence, "evidence not at its span: {p:?}");
+            assert!(!p.question.trim().is_empty() && !p.answer.trim().is_empty(), "{p:?}");
+        }
+    }
+
+    fn find<'a>(pairs: &'a [QaPair], q: &str) -> Option<&'a QaPair> {
+        pairs.iter().find(|p| p.question == q)
+    }
+
+    #[test]
+    fn parse_paper_format_and_variants() {
+        let want = Some(("Who founded the museum?".to_string(), "Elena Marsh".to_string(), "The museum was founded by Elena Marsh.".to_string()));
+        let paper = "Question: Who founded the museum?\n\nAnswer: Elena Marsh\n\nEvidence: The museum was founded by Elena Marsh.";
+        assert_eq!(parse_qa(paper), want);
+        let compact = "Question: Who founded the museum?\nAnswer: Elena Marsh\nEvidence: The museum was founded by Elena Marsh.\n";
+        assert_eq!(parse_qa(compact), want);
+        let markdown = "Here is a question:\n\n**Question:** Who founded the museum?\n**Answer:** Elena Marsh\n**Evidence:** The museum was founded by Elena Marsh.";
+        assert_eq!(parse_qa(markdown), want);
+        let bold_outside = "**Question**: Who founded the museum?\n**Answer**: Elena Marsh\n**Evidence**: The museum was founded by Elena Marsh.";
+        assert_eq!(parse_qa(bold_outside), want);
+        let numbered = "1. Question: Who founded the museum?\n2. Answer: Elena Marsh\n3. Evidence: The museum was founded by Elena Marsh.";
+        assert_eq!(parse_qa(numbered), want);
+        let next_line = "Question 1:\nWho founded the museum?\n\nAnswer:\nElena Marsh\n\nEvidence:\n\"The museum was founded by Elena Marsh.\"";
+        assert_eq!(parse_qa(next_line), want);
+        let short_labels = "Q: Who founded the museum?\nA: [Elena Marsh]\nEvidence: The museum was founded by Elena Marsh.";
+        assert_eq!(parse_qa(short_labels), want);
+        let lower = "question: Who founded the museum?\nanswer: Elena Marsh\nevidence: The museum was founded by Elena Marsh.";
+        assert_eq!(parse_qa(lower), want);
+        // Only the first triple counts.
+        let two = format!("{compact}\nQuestion: Another?\nAnswer: x\nEvidence: y");
+        assert_eq!(parse_qa(&two), want);
+    }
+
+    #[test]
+    fn parse_rejects_malformed() {
+        assert_eq!(parse_qa(""), None);
+        assert_eq!(parse_qa("The museum was founded by Elena Marsh."), None);
+        assert_eq!(parse_qa("Question: Who founded the museum?\nAnswer: Elena Marsh"), None);
+        assert_eq!(parse_qa("Question: Who founded the museum?\nEvidence: The museum was founded."), None);
+        assert_eq!(parse_qa("Answer: Elena Marsh\nEvidence: The museum was founded by Elena Marsh."), None);
+        assert_eq!(parse_qa("Question: Who?\nAnswer:\nEvidence: The museum was founded."), None);
+        assert_eq!(parse_qa("Question: [question]\n\nAnswer: [answer]\n\nEvidence: [evidence]"), None);
+        // Evidence before the answer is out of order.
+        assert_eq!(parse_qa("Question: Who?\nEvidence: The museum was founded.\nAnswer: Elena"), None);
+    }
+
+    #[test]
+    fn completion_waits_for_the_end_of_the_evidence() {
+        assert!(!triple_complete("Question: Who?\nAnswer: Elena\nEvidence: The museum was"));
+        assert!(triple_complete("Question: Who?\nAnswer: Elena\nEvidence: The museum was founded.\n"));
+        assert!(triple_complete("Question: Who?\n\nAnswer: Elena\n\nEvidence:\nThe museum was founded.\n"));
+        assert!(!triple_complete("Question: Who?\nAnswer: Elena\nEvidence:\n"));
+        assert!(!triple_complete("Question: Who?\nAnswer: Elena"));
+    }
+
+    #[test]
+    fn evidence_must_be_verbatim() {
+        let doc = "The museum opened in 1987.  It was founded by\nElena Marsh. The museum opened again.";
+        assert_eq!(locate_evidence(doc, "The museum opened in 1987."), Some((0, 26)));
+        // Whitespace runs may differ; quotes and surrounding whitespace are trimmed.
+        let (s, e) = locate_evidence(doc, " \"It was founded by Elena Marsh.\" ").unwrap();
+        assert_eq!(&doc[s..e], "It was founded by\nElena Marsh.");
+        // A missing final period is accepted (the rest is verbatim).
+        let (s, e) = locate_evidence(doc, "The museum opened in 1987").unwrap();
+        assert_eq!(&doc[s..e], "The museum opened in 1987");
+        // Anything else is rejected.
+        assert_eq!(locate_evidence(doc, "The museum opened in 1988."), None);
+        assert_eq!(locate_evidence(doc, "the museum opened in 1987."), None);
+        assert_eq!(locate_evidence(doc, "The museum was founded by Elena Marsh."), None);
+        assert_eq!(locate_evidence(doc, "useum opened"), None, "must start on a word boundary");
+        assert_eq!(locate_evidence(doc, "   "), None);
+        // Prefers an occurrence inside the window.
+        let first = locate_evidence(doc, "The museum opened").unwrap();
+        let near = locate_evidence_near(doc, "The museum opened", Some((40, doc.len()))).unwrap();
+        assert_eq!(first.0, 0);
+        assert!(near.0 > 40 && &doc[near.0..near.1] == "The museum opened");
+    }
+
+    #[test]
+    fn model_outputs_are_validated_against_the_document() {
+        let doc = PARAGRAPH;
+        let window = (0, doc.len());
+        let ok = "Question: Who founded the museum?\nAnswer: Elena Marsh\nEvidence: The museum was founded by Elena Marsh, a retired sea captain.\n";
+        match validate_model_output(doc, window, ok) {
+            Verdict::Valid(p) => {
+                assert_eq!(p.source, QaSource::Model);
+                assert_eq!(&doc[p.evidence_span.0..p.evidence_span.1], p.evidence);
+            }
+            _ => panic!("valid pair rejected"),
+        }
+        let invented = "Question: Who founded the museum?\nAnswer: Elena Marsh\nEvidence: Elena Marsh founded the museum in 1850.\n";
+        assert!(matches!(validate_model_output(doc, window, invented), Verdict::Evidence));
+        let ungrounded = "Question: Who founded the museum?\nAnswer: Napoleon Bonaparte\nEvidence: The museum was founded by Elena Marsh, a retired sea captain.\n";
+        assert!(matches!(validate_model_output(doc, window, ungrounded), Verdict::Answer));
+        let given_away = "Question: What did Elena Marsh do?\nAnswer: Elena Marsh\nEvidence: The museum was founded by Elena Marsh, a retired sea captain.\n";
+        assert!(matches!(validate_model_output(doc, window, given_away), Verdict::Answer));
+        assert!(matches!(validate_model_output(doc, window, "I cannot do that."), Verdict::Parse));
+    }
+
+    #[test]
+    fn extractive_wordings_short_and_full_answers() {
+        let pairs = extract(PARAGRAPH, &opts());
+        assert_verbatim(PARAGRAPH, &pairs);
+        let sentence = "The vault code at the Lisbon office is 4417.";
+        let about: Vec<&QaPair> = pairs.iter().filter(|p| p.evidence == sentence).collect();
+        assert!(about.len() >= 4, "several wordings per fact: {about:#?}");
+        assert_eq!(find(&pairs, "What is the vault code at the Lisbon office?").unwrap().answer, "4417");
+        assert_eq!(find(&pairs, "According to the document, what is the vault code at the Lisbon office?").unwrap().answer, sentence);
+        assert_eq!(find(&pairs, "Complete the sentence from the document: The vault code at the Lisbon office is ___.").unwrap().answer, "4417");
+        assert_eq!(find(&pairs, "Which number is the vault code at the Lisbon office?").unwrap().answer, "4417");
+        // Names, dates, places, counts, possessives, naming.
+        assert_eq!(find(&pairs, "By whom was the museum founded?").unwrap().answer, "Elena Marsh");
+        assert_eq!(find(&pairs, "Who was its first director?").unwrap().answer, "Tomas Berg");
+        assert_eq!(find(&pairs, "A fire damaged the east wing on what date?").unwrap().answer, "March 3, 1999");
+        assert_eq!(find(&pairs, "How many books does the library have about navigation?").unwrap().answer, "12,000");
+        assert_eq!(find(&pairs, "Whose favourite exhibit is the brass telescope?").unwrap().answer, "Anna");
+        assert_eq!(find(&pairs, "What is the museum's oldest ship model called?").unwrap().answer, "Morning Star");
+        assert_eq!(find(&pairs, "In 2005, who became the chief curator?").unwrap().answer, "Maria Santos");
+        assert_eq!(find(&pairs, "From where can visitors reach the museum in ten minutes?").unwrap().answer, "Central Station");
+        // Every fact has short answers and a full-sentence answer.
+        let full = pairs.iter().filter(|p| p.answer == p.evidence).count();
+        let short = pairs.iter().filter(|p| p.answer.len() < p.evidence.len() / 2).count();
+        assert!(full >= 8 && short >= 20, "full {full}, short {short}");
+        // No repeated questions; all extractive.
+        let qs: HashSet<String> = pairs.iter().map(|p| normalize_question(&p.question)).collect();
+        assert_eq!(qs.len(), pairs.len());
+        assert!(pairs.iter().all(|p| p.source == QaSource::Extractive));
+    }
+
+    #[test]
+    fn extractive_is_deterministic_and_covers_the_whole_text() {
+        let o = QaOptions { max_pairs: 1000, wordings_per_fact: 4, ..Default::default() };
+        let a = extract(PARAGRAPH, &o);
+        let b = extract(PARAGRAPH, &o);
+        assert_eq!(serde_json::to_string(&a).unwrap(), serde_json::to_string(&b).unwrap());
+        let has = |needle: &str| a.iter().any(|p| p.answer.contains(needle) && p.answer != p.evidence);
+        assert!(has("1987") && has("4417") && has("March 3, 1999") && has("Central Station"));
+        // Wordings per fact are capped.
+        let mut per: HashMap<(usize, String), usize> = HashMap::new();
+        for p in &a {
+            if p.answer != p.evidence {
+                *per.entry((p.evidence_span.0, p.answer.clone())).or_default() += 1;
+            }
+        }
+        assert!(per.values().all(|&n| n <= 4));
+
+        // A tight cap keeps the start, middle and end covered.
+        let small = QaOptions { max_pairs: 8, min_pairs: 0, ..Default::default() };
+        let few = extract(PARAGRAPH, &small);
+        assert_eq!(few.len(), 8);
+        assert_verbatim(PARAGRAPH, &few);
+        let third = PARAGRAPH.len() / 3;
+        assert!(few.iter().any(|p| p.evidence_span.0 < third));
+        assert!(few.iter().any(|p| p.evidence_span.0 >= third && p.evidence_span.0 < 2 * third));
+        assert!(few.iter().any(|p| p.evidence_span.0 >= 2 * third));
+    }
+
+    #[test]
+    fn extractive_fills_min_pairs_without_facts() {
+        let doc = "the old cat slept under the warm kitchen stove all afternoon.\n\n\
+                   a gentle rain kept falling on the quiet garden outside.\n\n\
+                   nobody in the house wanted to go out into the cold wet evening.";
+        let o = QaOptions { min_pairs: 5, ..Default::default() };
+        let pairs = extract(doc, &o);
+        assert!(pairs.len() >= 5, "{pairs:#?}");
+        assert_verbatim(doc, &pairs);
+        assert!(extract("", &o).is_empty());
+    }
+
+    #[test]
+    fn windows_spread_over_the_document() {
+        let w = spread_windows(100, 16, 5);
+        assert_eq!(w.len(), 5);
+        assert_eq!(w[0].0, 2);
+        assert!(w.iter().all(|&(a, b)| b - a == 16 && b <= 100));
+        assert!(w.windows(2).all(|p| p[0].0 < p[1].0));
+        assert!(w[4].1 >= 96);
+        assert_eq!(spread_windows(10, 16, 2), vec![(0, 10), (0, 10)]);
+        assert!(spread_windows(0, 16, 2).is_empty());
+        let all = spread_windows(160, 16, 10);
+        assert_eq!(all.first().unwrap().0, 0);
+        assert_eq!(all.last().unwrap().1, 160);
+    }
+
+    #[test]
+    fn generate_qa_with_a_tiny_model_falls_back_to_extractive() {
+        use crate::testing::{write_hf, TinySpec};
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_hf(&dir.path().join("tiny"), &TinySpec::default()).unwrap();
+        let model = Model::load(&path, &candle_core::Device::Cpu).unwrap();
+        let o = QaOptions { retries: 1, max_new_tokens: 8, min_pairs: 12, max_pairs: 40, ..Default::default() };
+        let mut reports = Vec::new();
+        let (pairs, stats) =
+            generate_qa_with_stats(&model, PARAGRAPH, &o, &mut |p| reports.push((p.done, p.total)), &|| false).unwrap();
+        assert_eq!(stats.windows, 2);
+        assert_eq!(reports.first(), Some(&(0, 2)));
+        assert_eq!(reports.last(), Some(&(2, 2)));
+        assert!(pairs.len() >= 12 && pairs.len() <= 40, "{}", pairs.len());
+        assert_verbatim(PARAGRAPH, &pairs);
+        let qs: HashSet<String> = pairs.iter().map(|p| normalize_question(&p.question)).collect();
+        assert_eq!(qs.len(), pairs.len());
+        let again = generate_qa(&model, PARAGRAPH, &o, &mut |_| {}, &|| false).unwrap();
+        assert_eq!(serde_json::to_string(&pairs).unwrap(), serde_json::to_string(&again).unwrap());
+        // Cancellation is an error that says so.
+        let err = generate_qa(&model, PARAGRAPH, &o, &mut |_| {}, &|| true).unwrap_err();
+        assert!(err.downcast_ref::<Cancelled>().is_some());
+        // Without the model: extractive only.
+        let no_model = QaOptions { use_model: false, ..o };
+        let pairs = generate_qa(&model, PARAGRAPH, &no_model, &mut |_| {}, &|| false).unwrap();
+        assert!(pairs.len() >= 12 && pairs.iter().all(|p| p.source == QaSource::Extractive));
+    }
+
+    #[test]
+    fn sentence_spans_feed_extractive_evidence() {
+        let doc = "# Notes\n\n- The gate code is 9021.\n- Dr. Ruth Klein runs the lab.\n\nShe joined in 2019.";
+        let pairs = extract(doc, &opts());
+        assert_verbatim(doc, &pairs);
+        assert!(pairs.iter().any(|p| p.answer == "9021" && p.evidence == "The gate code is 9021."));
+        assert!(pairs.iter().any(|p| p.answer.contains("Ruth Klein")));
+        assert!(pairs.iter().any(|p| p.answer == "2019"));
+        assert!(!pairs.iter().any(|p| p.evidence.contains("Notes")));
+    }
 }
