@@ -278,3 +278,22 @@ fn bad_model_files_give_clear_errors() {
     let err = format!("{:#}", Model::load(&dir.path().join("nope.gguf"), &Device::Cpu).err().unwrap());
     assert!(err.contains("nope.gguf") && err.contains("not found"), "{err}");
 }
+
+#[test]
+fn interleaved_rope_matches_candle_and_is_differentiable() {
+    let dev = Device::Cpu;
+    let mut rng = lift_serve::testing::Rng::new(11);
+    let (b, h, t, d) = (1, 3, 5, 8);
+    let x = Tensor::from_vec(rng.vec(b * h * t * d, 1.0), (b, h, t, d), &dev).unwrap();
+    let cos = Tensor::from_vec(rng.vec(t * d / 2, 1.0), (t, d / 2), &dev).unwrap();
+    let sin = Tensor::from_vec(rng.vec(t * d / 2, 1.0), (t, d / 2), &dev).unwrap();
+    let want = candle_nn::rotary_emb::rope_i(&x, &cos, &sin).unwrap();
+    let got = ops::rope_interleaved(&x, &cos, &sin).unwrap();
+    assert!(max_abs_diff(&want, &got) < 1e-6);
+    // Gradient against the slow (composite, differentiable) interleaved RoPE.
+    let xv = candle_core::Var::from_tensor(&x).unwrap();
+    let r = Tensor::from_vec(rng.vec(b * h * t * d, 1.0), (b, h, t, d), &dev).unwrap();
+    let g1 = (ops::rope_interleaved(xv.as_tensor(), &cos, &sin).unwrap() * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    let g2 = (candle_nn::rotary_emb::rope_i_slow(xv.as_tensor(), &cos, &sin).unwrap() * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    assert!(max_abs_diff(g1.get(xv.as_tensor()).unwrap(), g2.get(xv.as_tensor()).unwrap()) < 1e-5);
+}

@@ -21,7 +21,7 @@ use trainer::{Progress, TrainOptions, TrainReport};
 
 /// Everything that shapes an adapter. Part of a document's content address: the same text with
 /// the same options on the same base model is the same adapter.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AbsorbOptions {
     pub adapter: AdapterKind,

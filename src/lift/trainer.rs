@@ -120,15 +120,17 @@ impl AdamW {
         let bc1 = 1.0 - o.beta1.powi(self.t as i32);
         let bc2 = 1.0 - o.beta2.powi(self.t as i32);
         for i in 0..self.vars.len() {
-            let g = &grads[i];
+            // Gradients of a product with a `Var` carry an autograd graph back to that step's
+            // activations; optimizer state built from them would chain every step's graph.
+            let g = &grads[i].detach();
             let m = ((&self.m[i] * o.beta1)? + (g * (1.0 - o.beta1))?)?;
             let v = ((&self.v[i] * o.beta2)? + (g.sqr()? * (1.0 - o.beta2))?)?;
             let update = ((&m / bc1)? / ((&v / bc2)?.sqrt()? + o.eps)?)?;
             let var = &self.vars[i];
-            let decayed = (var.as_tensor() * (1.0 - lr * o.weight_decay))?;
+            let decayed = (var.as_tensor().detach() * (1.0 - lr * o.weight_decay))?;
             var.set(&(decayed - (update * lr)?)?)?;
-            self.m[i] = m;
-            self.v[i] = v;
+            self.m[i] = m.detach();
+            self.v[i] = v.detach();
         }
         Ok(())
     }
@@ -208,7 +210,7 @@ pub fn train(
                     let g: Vec<Tensor> = vars
                         .iter()
                         .map(|v| match grads.get(v.as_tensor()) {
-                            Some(g) => Ok(g.clone()),
+                            Some(g) => Ok(g.detach()),
                             None => v.zeros_like(),
                         })
                         .collect::<candle_core::Result<_>>()?;
