@@ -27,6 +27,10 @@ The current director is Mikkel Strand.";
 
 #[test]
 fn generate_qa_on_the_default_model() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     let path = lift_serve::fetch::resolve_model(None).expect("default model (run `lift-serve fetch-model`)");
     let model = Model::load(&path, &Device::Cpu).expect("default model loads");
     let opts = QaOptions { max_new_tokens: 96, retries: 3, ..Default::default() };
