@@ -33,7 +33,7 @@ fn generate_qa_on_the_default_model() {
         .try_init();
     let path = lift_serve::fetch::resolve_model(None).expect("default model (run `lift-serve fetch-model`)");
     let model = Model::load(&path, &Device::Cpu).expect("default model loads");
-    let opts = QaOptions { max_new_tokens: 96, retries: 3, ..Default::default() };
+    let opts = QaOptions { max_new_tokens: 80, retries: 3, ..Default::default() };
     let t0 = Instant::now();
     let mut last = None;
     let (pairs, stats) = generate_qa_with_stats(&model, DOC, &opts, &mut |p| last = Some((p.done, p.total, p.valid)), &|| false)
@@ -65,5 +65,6 @@ fn generate_qa_on_the_default_model() {
     // Facts at the start, middle and end of the document are asked about.
     let asked = |needle: &str| pairs.iter().any(|p| p.answer.contains(needle) && p.answer != p.evidence);
     assert!(asked("1962") && asked("LKN-7") && asked("Mikkel Strand"));
-    assert!(secs < 180.0, "QA generation took {secs:.0} s");
+    // A couple of minutes on an idle 2-core machine; generous for a busy one.
+    assert!(secs < 420.0, "QA generation took {secs:.0} s");
 }

@@ -117,10 +117,11 @@ pub struct Cancelled;
 pub const SYSTEM_PROMPT: &str = "You are a helpful assistant.";
 
 /// Sampling temperature / top-p of the retries (the first attempt is greedy).
-const RETRY_TEMPERATURE: f64 = 0.8;
-const RETRY_TOP_P: f64 = 0.95;
-/// Stop asking the model when this many windows in a row, from the start, gave nothing valid.
-const GIVE_UP_AFTER_FAILED_WINDOWS: usize = 3;
+const RETRY_TEMPERATURE: f64 = 0.5;
+const RETRY_TOP_P: f64 = 0.9;
+/// Stop asking the model once at least this many windows were tried and fewer than one in ten
+/// gave a valid pair (a small model can cost minutes per window on a CPU for nothing).
+const GIVE_UP_AFTER_WINDOWS: usize = 3;
 /// Facts taken from one sentence by the extractive generator.
 const MAX_FACTS_PER_SENTENCE: usize = 2;
 
@@ -426,14 +427,67 @@ enum Verdict {
     Answer,
 }
 
+/// The first sentence of `text` when more follows it.
+fn first_sentence(text: &str) -> Option<String> {
+    let spans = split_sentences(text);
+    (spans.len() > 1).then(|| spans[0].text(text).to_string())
+}
+
+/// Drops a meta preamble the model repeats before the real question ("What is the answer to the
+/// question: Who built it?" → "Who built it?").
+fn clean_question(q: &str) -> String {
+    if let Some(pos) = q.rfind(':') {
+        let tail = q[pos + 1..].trim();
+        if tail.ends_with('?') && tail.split_whitespace().count() >= 3 && q[..pos].to_lowercase().contains("question") {
+            return tail.to_string();
+        }
+    }
+    q.to_string()
+}
+
+/// Locates the evidence; when the whole is not verbatim, keeps the longest run of its sentences
+/// that are verbatim and adjacent in the document (models often quote faithfully, then drift).
+fn locate_evidence_sentences(doc: &str, evidence: &str, window: (usize, usize)) -> Option<(usize, usize)> {
+    if let Some(hit) = locate_evidence_near(doc, evidence, Some(window)) {
+        return Some(hit);
+    }
+    let spans = split_sentences(evidence);
+    if spans.len() < 2 {
+        return None;
+    }
+    let hits: Vec<Option<(usize, usize)>> = spans.iter().map(|s| locate_evidence_near(doc, s.text(evidence), Some(window))).collect();
+    let mut best: Option<(usize, usize)> = None;
+    let mut i = 0;
+    while i < hits.len() {
+        let Some(mut run) = hits[i] else {
+            i += 1;
+            continue;
+        };
+        let mut j = i + 1;
+        while let Some(Some(next)) = hits.get(j) {
+            if next.0 < run.1 || !doc[run.1..next.0].trim().is_empty() {
+                break;
+            }
+            run.1 = next.1;
+            j += 1;
+        }
+        if best.is_none_or(|b| run.1 - run.0 > b.1 - b.0) {
+            best = Some(run);
+        }
+        i = j;
+    }
+    best
+}
+
 /// Checks one model output against the document and the window it was shown.
 fn validate_model_output(doc: &str, window: (usize, usize), output: &str) -> Verdict {
     let Some((q, a, e)) = parse_qa(output) else { return Verdict::Parse };
+    let q = clean_question(&q);
     let q_words = q.split_whitespace().count();
     if !(3..=60).contains(&q_words) || !q.chars().any(char::is_alphabetic) {
         return Verdict::Parse;
     }
-    let Some((s, t)) = locate_evidence_near(doc, &e, Some(window)) else { return Verdict::Evidence };
+    let Some((s, t)) = locate_evidence_sentences(doc, &e, window) else { return Verdict::Evidence };
     let evidence = &doc[s..t];
     if evidence.split_whitespace().count() < 3 {
         return Verdict::Evidence;
@@ -532,10 +586,15 @@ pub fn generate_qa_with_stats(
         prog.done = wi + 1;
         prog.valid = stats.model_valid;
         progress(&prog);
-        if stats.model_valid == 0 && wi + 1 >= GIVE_UP_AFTER_FAILED_WINDOWS && wi + 1 < windows.len() {
-            tracing::warn!(windows = wi + 1, "the model produced no valid QA pair; the extractive generator fills in");
+        let tried = wi + 1;
+        if tried >= GIVE_UP_AFTER_WINDOWS && stats.model_valid * 10 < tried && tried < windows.len() {
+            tracing::warn!(windows = tried, valid = stats.model_valid, "the model rarely produces valid QA pairs; the extractive generator fills in");
             stats.model_gave_up = true;
         }
+    }
+    if prog.done < prog.total {
+        prog.done = prog.total;
+        progress(&prog);
     }
     stats.model_seconds = t0.elapsed().as_secs_f64();
 
@@ -662,10 +721,14 @@ fn generate_for_window(
             let forwarded = cache.len().saturating_sub(ids.len());
             fed.extend_from_slice(&ids[keep..]);
             fed.extend_from_slice(&out.tokens[..forwarded.min(out.tokens.len())]);
-            let field = out.text.trim_start().split('\n').next().unwrap_or("").trim().to_string();
-            // A question must be one, and question and answer must end within their budget.
+            let mut field = out.text.trim_start().split('\n').next().unwrap_or("").trim().to_string();
+            // A question must be one, and question and answer must end within their budget (an
+            // answer cut off after its first sentence keeps that sentence).
             let truncated = out.finish_reason == FinishReason::Length && !out.text.trim_start().contains('\n');
-            if field.is_empty() || (fi == 0 && !field.contains('?')) || (fi < 2 && truncated) {
+            if truncated && fi == 1 {
+                field = first_sentence(&field).unwrap_or_default();
+            }
+            if field.is_empty() || (fi == 0 && !field.contains('?')) || (fi == 0 && truncated) {
                 tracing::trace!(window = wi, attempt, reply = %format!("{reply} {field}"), "QA attempt abandoned");
                 complete = false;
                 break;
@@ -1013,7 +1076,7 @@ impl<'a> Sent<'a> {
         let raw = &self.body[w.raw.0..w.raw.1];
         let after = &raw[w.core.1 - w.raw.0..];
         let after = after.trim_start_matches(['\'', '’']).trim_start_matches('s');
-        !after.is_empty() && !(after == "." && is_title(w.text))
+        !(after.is_empty() || (after == "." && is_title(w.text)))
     }
 
     fn is_possessive(&self, i: usize) -> bool {
@@ -1198,11 +1261,13 @@ fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
             && !(single && ws[w0].text.chars().all(|c| !c.is_lowercase()))
         {
             Kind::Place
-        } else if !the_before && !single && j - w0 <= 3 && !lowers.iter().any(|l| CONNECTORS.contains(&l.as_str())) {
-            Kind::Person
         } else if !the_before
-            && j < n
-            && matches!(ws[j].lower().as_str(), "said" | "says" | "told" | "asked" | "wrote" | "replied" | "explained" | "founded" | "married" | "died")
+            && ((!single && j - w0 <= 3 && !lowers.iter().any(|l| CONNECTORS.contains(&l.as_str())))
+                || (j < n
+                    && matches!(
+                        ws[j].lower().as_str(),
+                        "said" | "says" | "told" | "asked" | "wrote" | "replied" | "explained" | "founded" | "married" | "died"
+                    )))
         {
             Kind::Person
         } else {
@@ -1819,6 +1884,18 @@ Visitors can reach the museum from Central Station in ten minutes.";
         let given_away = "Question: What did Elena Marsh do?\nAnswer: Elena Marsh\nEvidence: The museum was founded by Elena Marsh, a retired sea captain.\n";
         assert!(matches!(validate_model_output(doc, window, given_away), Verdict::Answer));
         assert!(matches!(validate_model_output(doc, window, "I cannot do that."), Verdict::Parse));
+        // Evidence that drifts after verbatim sentences keeps the verbatim, adjacent run; a meta
+        // preamble before the question is dropped.
+        let drift = "Question: What is the answer to the question: Who was the first director?\nAnswer: Tomas Berg\n\
+                     Evidence: The museum was founded by Elena Marsh, a retired sea captain. Its first director was Tomas Berg. It had 900 rooms.";
+        match validate_model_output(doc, window, drift) {
+            Verdict::Valid(p) => {
+                assert_eq!(p.question, "Who was the first director?");
+                assert_eq!(p.evidence, "The museum was founded by Elena Marsh, a retired sea captain. Its first director was Tomas Berg.");
+                assert_eq!(&doc[p.evidence_span.0..p.evidence_span.1], p.evidence);
+            }
+            _ => panic!("drifting evidence rejected"),
+        }
     }
 
     #[test]
