@@ -36,8 +36,9 @@ fn generate_qa_on_the_default_model() {
     let opts = QaOptions { max_new_tokens: 80, retries: 3, ..Default::default() };
     let t0 = Instant::now();
     let mut last = None;
-    let (pairs, stats) = generate_qa_with_stats(&model, DOC, &opts, &mut |p| last = Some((p.done, p.total, p.valid)), &|| false)
-        .expect("generation runs");
+    let (pairs, stats) =
+        generate_qa_with_stats(&model, DOC, &opts, &mut |p| last = Some((p.done, p.total, p.valid)), &|| false)
+            .expect("generation runs");
     let secs = t0.elapsed().as_secs_f64();
     for p in &pairs {
         eprintln!("[{:?}] {}  =>  {}   (evidence {:?})", p.source, p.question, p.answer, p.evidence_span);

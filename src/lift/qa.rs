@@ -342,15 +342,15 @@ pub fn locate_evidence_near(doc: &str, evidence: &str, prefer: Option<(usize, us
 const STOPWORDS: &[&str] = &[
     "a", "an", "the", "and", "or", "but", "nor", "so", "yet", "of", "in", "on", "at", "to", "for", "from", "by",
     "with", "about", "as", "into", "onto", "over", "under", "after", "before", "during", "since", "until", "than",
-    "that", "this", "these", "those", "there", "here", "it", "its", "he", "she", "they", "them", "his", "her",
-    "their", "we", "our", "us", "you", "your", "i", "me", "my", "mine", "is", "are", "was", "were", "be", "been",
-    "being", "am", "do", "does", "did", "has", "have", "had", "will", "would", "can", "could", "should", "shall",
-    "may", "might", "must", "not", "no", "yes", "if", "then", "when", "where", "which", "who", "whom", "whose",
-    "what", "why", "how", "all", "any", "each", "every", "some", "such", "also", "very", "just", "only", "too",
-    "one", "both", "either", "neither", "while", "because", "although", "though", "however", "thus", "hence",
-    "according", "document", "text", "up", "out", "off", "again", "more", "most", "other", "own", "same", "per",
-    "via", "between", "through", "across", "against", "among", "within", "without", "near", "upon", "toward",
-    "towards", "like", "unlike", "once", "now", "still", "even", "ever", "never", "always", "often", "many", "much",
+    "that", "this", "these", "those", "there", "here", "it", "its", "he", "she", "they", "them", "his", "her", "their",
+    "we", "our", "us", "you", "your", "i", "me", "my", "mine", "is", "are", "was", "were", "be", "been", "being", "am",
+    "do", "does", "did", "has", "have", "had", "will", "would", "can", "could", "should", "shall", "may", "might",
+    "must", "not", "no", "yes", "if", "then", "when", "where", "which", "who", "whom", "whose", "what", "why", "how",
+    "all", "any", "each", "every", "some", "such", "also", "very", "just", "only", "too", "one", "both", "either",
+    "neither", "while", "because", "although", "though", "however", "thus", "hence", "according", "document", "text",
+    "up", "out", "off", "again", "more", "most", "other", "own", "same", "per", "via", "between", "through", "across",
+    "against", "among", "within", "without", "near", "upon", "toward", "towards", "like", "unlike", "once", "now",
+    "still", "even", "ever", "never", "always", "often", "many", "much",
 ];
 
 fn is_stopword(w: &str) -> bool {
@@ -455,7 +455,8 @@ fn locate_evidence_sentences(doc: &str, evidence: &str, window: (usize, usize)) 
     if spans.len() < 2 {
         return None;
     }
-    let hits: Vec<Option<(usize, usize)>> = spans.iter().map(|s| locate_evidence_near(doc, s.text(evidence), Some(window))).collect();
+    let hits: Vec<Option<(usize, usize)>> =
+        spans.iter().map(|s| locate_evidence_near(doc, s.text(evidence), Some(window))).collect();
     let mut best: Option<(usize, usize)> = None;
     let mut i = 0;
     while i < hits.len() {
@@ -588,7 +589,11 @@ pub fn generate_qa_with_stats(
         progress(&prog);
         let tried = wi + 1;
         if tried >= GIVE_UP_AFTER_WINDOWS && stats.model_valid * 10 < tried && tried < windows.len() {
-            tracing::warn!(windows = tried, valid = stats.model_valid, "the model rarely produces valid QA pairs; the extractive generator fills in");
+            tracing::warn!(
+                windows = tried,
+                valid = stats.model_valid,
+                "the model rarely produces valid QA pairs; the extractive generator fills in"
+            );
             stats.model_gave_up = true;
         }
     }
@@ -658,7 +663,8 @@ fn generate_for_window(
     stats: &mut QaStats,
     accept: &mut dyn FnMut(QaPair) -> bool,
 ) -> Result<bool> {
-    let messages = [ChatMessage::new("system", SYSTEM_PROMPT), ChatMessage::new("user", qa_prompt(&doc[span.0..span.1]))];
+    let messages =
+        [ChatMessage::new("system", SYSTEM_PROMPT), ChatMessage::new("user", qa_prompt(&doc[span.0..span.1]))];
     let prompt_text = model.chat_template.render(&messages, true)?;
     let add_bos = model.tokenizer.bos_token().is_some_and(|(bos, _)| !prompt_text.starts_with(&bos));
     let encode = |assistant: &str| model.tokenizer.encode(&format!("{prompt_text}{assistant}"), add_bos);
@@ -675,7 +681,8 @@ fn generate_for_window(
     let mut base = KvCache::new(model.config().num_layers);
     prefill(model, base_ids, &mut base, None, &mut NoHooks)?;
     // (label written for the model, then the field it writes, with its token budget)
-    let fields: [(&str, usize); 3] = [("Question:", max_new / 2), ("\n\nAnswer:", max_new / 2), ("\n\nEvidence:", max_new)];
+    let fields: [(&str, usize); 3] =
+        [("Question:", max_new / 2), ("\n\nAnswer:", max_new / 2), ("\n\nEvidence:", max_new)];
     for attempt in 0..1 + opts.retries {
         if cancel() {
             return Err(Cancelled.into());
@@ -847,7 +854,8 @@ fn words_of(body: &str) -> Vec<Word<'_>> {
         let start = i + body[i..].find(tok).unwrap_or(0);
         let end = start + tok.len();
         i = end;
-        let lead = tok.len() - tok.trim_start_matches(|c: char| !c.is_alphanumeric() && c != '$' && c != '£' && c != '€').len();
+        let lead = tok.len()
+            - tok.trim_start_matches(|c: char| !c.is_alphanumeric() && c != '$' && c != '£' && c != '€').len();
         let inner = &tok[lead..];
         let mut core = inner.trim_end_matches(|c: char| !c.is_alphanumeric() && c != '%');
         // Possessive 's is not part of the word.
@@ -875,14 +883,18 @@ fn words_of(body: &str) -> Vec<Word<'_>> {
 enum Kind {
     Number,
     /// A number followed by the noun it counts ("42 rooms"); `noun` is that word's index.
-    Count { noun: usize },
+    Count {
+        noun: usize,
+    },
     Year,
     Date,
     Time,
     Person,
     Place,
     /// A name of something else; `head` is the index of a generic head noun ("Company") if any.
-    Thing { head: Option<usize> },
+    Thing {
+        head: Option<usize>,
+    },
     Quote,
     /// An identifier mixing letters and digits ("LKN-7", "A4").
     Code,
@@ -932,12 +944,13 @@ const ORG_HEADS: &[&str] = &[
     "foundation", "party", "club", "team", "army", "navy", "fund", "trust", "press", "times", "journal", "project",
     "program", "programme", "prize", "award", "act", "treaty", "war", "festival", "conference", "union", "league",
 ];
-const CONNECTORS: &[&str] = &["of", "de", "da", "del", "della", "di", "du", "van", "von", "der", "den", "la", "le", "y", "bin", "al"];
+const CONNECTORS: &[&str] =
+    &["of", "de", "da", "del", "della", "di", "du", "van", "von", "der", "den", "la", "le", "y", "bin", "al"];
 const PREPOSITIONS: &[&str] = &[
-    "in", "on", "at", "by", "from", "to", "into", "near", "during", "since", "until", "before", "after", "with",
-    "for", "of", "about", "across", "through", "toward", "towards", "inside", "outside", "behind", "beside", "under",
-    "over", "between", "among", "around", "past", "above", "below", "beneath", "along", "beyond", "opposite",
-    "off", "outside", "throughout", "within", "without", "against", "upon", "via", "like", "than",
+    "in", "on", "at", "by", "from", "to", "into", "near", "during", "since", "until", "before", "after", "with", "for",
+    "of", "about", "across", "through", "toward", "towards", "inside", "outside", "behind", "beside", "under", "over",
+    "between", "among", "around", "past", "above", "below", "beneath", "along", "beyond", "opposite", "off", "outside",
+    "throughout", "within", "without", "against", "upon", "via", "like", "than",
 ];
 const COPULAS: &[&str] = &["is", "are", "was", "were"];
 const AUXILIARIES: &[&str] = &["is", "are", "was", "were", "has", "have", "had", "will", "would", "can", "could"];
@@ -949,10 +962,13 @@ const NAMING_VERBS: &[&str] = &["named", "called", "titled", "entitled", "nickna
 const IRREGULAR_PARTICIPLES: &[&str] = &[
     "born", "held", "built", "made", "known", "given", "taken", "written", "found", "seen", "sold", "paid", "kept",
     "left", "sent", "told", "begun", "chosen", "done", "drawn", "driven", "fallen", "grown", "hidden", "led", "lost",
-    "meant", "met", "put", "read", "set", "shown", "shut", "spent", "stolen", "struck", "thrown", "understood",
-    "won", "worn", "bought", "brought", "caught", "taught", "thought", "sung", "run", "hung", "laid", "lit", "sold",
+    "meant", "met", "put", "read", "set", "shown", "shut", "spent", "stolen", "struck", "thrown", "understood", "won",
+    "worn", "bought", "brought", "caught", "taught", "thought", "sung", "run", "hung", "laid", "lit", "sold",
 ];
-const ADVERBS: &[&str] = &["first", "later", "originally", "also", "once", "still", "then", "now", "formally", "officially", "finally", "recently"];
+const ADVERBS: &[&str] = &[
+    "first", "later", "originally", "also", "once", "still", "then", "now", "formally", "officially", "finally",
+    "recently",
+];
 
 fn is_participle(w: &str) -> bool {
     let l = w.to_lowercase();
@@ -974,7 +990,10 @@ fn is_year(w: &str) -> bool {
 
 fn is_day(w: &str) -> bool {
     let t = w.trim_end_matches(|c: char| c.is_alphabetic());
-    !t.is_empty() && t.len() <= 2 && t.chars().all(|c| c.is_ascii_digit()) && (1..=31).contains(&t.parse::<u32>().unwrap_or(0))
+    !t.is_empty()
+        && t.len() <= 2
+        && t.chars().all(|c| c.is_ascii_digit())
+        && (1..=31).contains(&t.parse::<u32>().unwrap_or(0))
 }
 
 fn is_time(w: &str) -> bool {
@@ -1069,7 +1088,8 @@ impl<'a> Sent<'a> {
         if words.len() < 4 || n_alpha < 3 || (!punct && words.len() < 6) || words.len() > 80 || hashes > 0 {
             return None;
         }
-        let markup = body.chars().filter(|c| matches!(c, '$' | '\\' | '{' | '}' | '^' | '=' | '|' | '<' | '>' | '~')).count();
+        let markup =
+            body.chars().filter(|c| matches!(c, '$' | '\\' | '{' | '}' | '^' | '=' | '|' | '<' | '>' | '~')).count();
         let letters = body.chars().filter(|c| c.is_alphabetic() || c.is_whitespace()).count();
         let initials = words.iter().filter(|w| {
             let raw = &body[w.raw.0..w.raw.1];
@@ -1077,7 +1097,8 @@ impl<'a> Sent<'a> {
             matches!((c.next(), c.next()), (Some(a), Some('.')) if a.is_uppercase())
         });
         let lower = body.to_lowercase();
-        let bibliography = ["arxiv", "doi:", "pp.", "proceedings", "isbn"].iter().any(|k| lower.contains(k)) || body.starts_with('*');
+        let bibliography =
+            ["arxiv", "doi:", "pp.", "proceedings", "isbn"].iter().any(|k| lower.contains(k)) || body.starts_with('*');
         if markup > 0 || letters * 10 < body.chars().count() * 7 || initials.count() >= 3 || bibliography {
             return None;
         }
@@ -1116,7 +1137,9 @@ impl<'a> Sent<'a> {
 /// "DON'T", "can't", "We'll" (not "O'Hara").
 fn is_contraction(w: &str) -> bool {
     let l = w.to_lowercase().replace('’', "'");
-    l.contains('\'') && (["n't", "'ll", "'re", "'ve", "'d", "'m"].iter().any(|s| l.ends_with(s)) || !w.chars().any(char::is_lowercase))
+    l.contains('\'')
+        && (["n't", "'ll", "'re", "'ve", "'d", "'m"].iter().any(|s| l.ends_with(s))
+            || !w.chars().any(char::is_lowercase))
 }
 
 const KINSHIP: &[&str] = &[
@@ -1168,10 +1191,21 @@ fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
             let w0 = ws.iter().position(|w| w.raw.0 <= inner_start && inner_start < w.raw.1.max(w.raw.0 + 1));
             let w1 = ws.iter().rposition(|w| w.raw.0 < b);
             if let (Some(w0), Some(w1)) = (w0, w1) {
-                if (1..=10).contains(&count) && w0 <= w1 && !used[w0..=w1].iter().any(|&u| u) && !inner.trim().is_empty() {
+                if (1..=10).contains(&count)
+                    && w0 <= w1
+                    && !used[w0..=w1].iter().any(|&u| u)
+                    && !inner.trim().is_empty()
+                {
                     used[w0..=w1].iter_mut().for_each(|u| *u = true);
                     let start = inner_start + (s.body[inner_start..].len() - s.body[inner_start..].trim_start().len());
-                    out.push(Entity { s: start, e: inner_start + inner.trim_end().len(), w0, w1: w1 + 1, kind: Kind::Quote, prep: prep_before(w0) });
+                    out.push(Entity {
+                        s: start,
+                        e: inner_start + inner.trim_end().len(),
+                        w0,
+                        w1: w1 + 1,
+                        kind: Kind::Quote,
+                        prep: prep_before(w0),
+                    });
                 }
             }
             from = b + close.len_utf8();
@@ -1191,7 +1225,10 @@ fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
             if w1 < n && is_day(ws[w1].text) && !s.breaks_after(i) {
                 w1 += 1;
             }
-            if w1 < n && is_year(ws[w1].text) && (!s.breaks_after(w1 - 1) || s.body[ws[w1 - 1].raw.0..ws[w1 - 1].raw.1].ends_with(',')) {
+            if w1 < n
+                && is_year(ws[w1].text)
+                && (!s.breaks_after(w1 - 1) || s.body[ws[w1 - 1].raw.0..ws[w1 - 1].raw.1].ends_with(','))
+            {
                 w1 += 1;
             }
             // "May" alone is a verb more often than not.
@@ -1220,9 +1257,16 @@ fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
         }
         let t = ws[i].text;
         if is_time(t) {
-            let w1 = if i + 1 < n && matches!(ws[i + 1].lower().as_str(), "a.m." | "p.m." | "a.m" | "p.m" | "am" | "pm") { i + 2 } else { i + 1 };
+            let w1 = if i + 1 < n && matches!(ws[i + 1].lower().as_str(), "a.m." | "p.m." | "a.m" | "p.m" | "am" | "pm")
+            {
+                i + 2
+            } else {
+                i + 1
+            };
             push(&mut out, &mut used, i, w1, Kind::Time);
-        } else if i + 1 < n && matches!(ws[i + 1].lower().as_str(), "a.m." | "p.m." | "a.m" | "p.m" | "am" | "pm" | "o'clock") {
+        } else if i + 1 < n
+            && matches!(ws[i + 1].lower().as_str(), "a.m." | "p.m." | "a.m" | "p.m" | "am" | "pm" | "o'clock")
+        {
             push(&mut out, &mut used, i, i + 2, Kind::Time);
         } else if is_year(t) {
             push(&mut out, &mut used, i, i + 1, Kind::Year);
@@ -1230,7 +1274,12 @@ fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
             push(&mut out, &mut used, i, i + 1, Kind::Code);
         } else {
             let mut w1 = i + 1;
-            if w1 < n && matches!(ws[w1].lower().as_str(), "hundred" | "thousand" | "million" | "billion" | "trillion" | "percent" | "per") {
+            if w1 < n
+                && matches!(
+                    ws[w1].lower().as_str(),
+                    "hundred" | "thousand" | "million" | "billion" | "trillion" | "percent" | "per"
+                )
+            {
                 w1 += if ws[w1].lower() == "per" && w1 + 1 < n { 2 } else { 1 };
             }
             let counted = w1 < n
@@ -1303,7 +1352,16 @@ fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
                 || (j < n
                     && matches!(
                         ws[j].lower().as_str(),
-                        "said" | "says" | "told" | "asked" | "wrote" | "replied" | "explained" | "founded" | "married" | "died"
+                        "said"
+                            | "says"
+                            | "told"
+                            | "asked"
+                            | "wrote"
+                            | "replied"
+                            | "explained"
+                            | "founded"
+                            | "married"
+                            | "died"
                     )))
         {
             Kind::Person
@@ -1332,10 +1390,15 @@ fn copula_split(s: &Sent) -> Option<usize> {
         return None;
     }
     let first = ws[0].lower();
-    if (c == 1 && PRONOUN_SUBJECTS.contains(&first.as_str())) || PREPOSITIONS.contains(&first.as_str()) || first == "there" {
+    if (c == 1 && PRONOUN_SUBJECTS.contains(&first.as_str()))
+        || PREPOSITIONS.contains(&first.as_str())
+        || first == "there"
+    {
         return None;
     }
-    if ["when", "if", "while", "although", "because", "as", "after", "before", "since", "once"].contains(&first.as_str()) {
+    if ["when", "if", "while", "although", "because", "as", "after", "before", "since", "once"]
+        .contains(&first.as_str())
+    {
         return None;
     }
     Some(c)
@@ -1348,7 +1411,8 @@ fn decap(phrase: &str, lex: &Lexicon) -> String {
     let possessive = first.ends_with("'s") || first.ends_with("’s");
     let core = first.trim_end_matches("'s").trim_end_matches("’s").trim_matches(|c: char| !c.is_alphanumeric());
     let acronym = core.chars().count() > 1 && core.chars().all(|c| !c.is_lowercase());
-    let next_capitalised = phrase.split_whitespace().nth(1).is_some_and(|w| w.chars().next().is_some_and(char::is_uppercase));
+    let next_capitalised =
+        phrase.split_whitespace().nth(1).is_some_and(|w| w.chars().next().is_some_and(char::is_uppercase));
     let inner_caps = core.chars().skip(1).any(char::is_uppercase);
     let name = lex.proper.contains(core) || acronym || inner_caps || is_title(core) || possessive || next_capitalised;
     if is_stopword(core) || !name {
@@ -1362,7 +1426,8 @@ fn decap(phrase: &str, lex: &Lexicon) -> String {
     }
 }
 
-const CLAUSE_WORDS: &[&str] = &["and", "or", "but", "who", "which", "that", "when", "where", "while", "because", "although", "so"];
+const CLAUSE_WORDS: &[&str] =
+    &["and", "or", "but", "who", "which", "that", "when", "where", "while", "because", "although", "so"];
 const COMMON_VERBS: &[&str] = &[
     "met", "saw", "gave", "became", "won", "led", "left", "wrote", "made", "took", "got", "sold", "bought", "found",
     "built", "told", "said", "went", "came", "ran", "paid", "kept", "held", "sent", "lost", "began", "chose", "drew",
@@ -1453,7 +1518,12 @@ fn question(s: &str) -> String {
 }
 
 /// The direct wh-question for an entity, when the sentence's shape allows one.
-fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>) -> (Option<String>, Option<String>, Option<String>) {
+fn direct_question(
+    s: &Sent,
+    lex: &Lexicon,
+    ent: &Entity,
+    copula: Option<usize>,
+) -> (Option<String>, Option<String>, Option<String>) {
     let ws = &s.words;
     let n = ws.len();
     let prep_word = ent.prep.map(|p| ws[p].lower());
@@ -1479,7 +1549,9 @@ fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>)
                 Kind::Person => "Who",
                 Kind::Year | Kind::Date | Kind::Time => "When",
                 Kind::Place => "Where",
-                _ if ent.prep == Some(p0) && matches!(prep_word.as_deref(), Some("in" | "at" | "near" | "on")) => "Where",
+                _ if ent.prep == Some(p0) && matches!(prep_word.as_deref(), Some("in" | "at" | "near" | "on")) => {
+                    "Where"
+                }
                 _ => "What",
             };
             direct = Some(format!("{wh} {cop} {subject}?"));
@@ -1507,7 +1579,9 @@ fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>)
             };
             let wh = match (ent.kind, prep_word.as_deref()) {
                 (Kind::Person, Some("by")) if with_prep => "By whom".to_string(),
-                (Kind::Year | Kind::Date | Kind::Time, Some("in" | "on" | "at" | "during")) if with_prep => "When".to_string(),
+                (Kind::Year | Kind::Date | Kind::Time, Some("in" | "on" | "at" | "during")) if with_prep => {
+                    "When".to_string()
+                }
                 (Kind::Place, Some("in" | "at" | "near")) if with_prep => "Where".to_string(),
                 (Kind::Place, Some("from")) if with_prep => "From where".to_string(),
                 (Kind::Place, Some(p)) if with_prep => format!("{} which place", first_char_upper(p)),
@@ -1518,16 +1592,25 @@ fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>)
                 _ => "What".to_string(),
             };
             // An appositive after the entity (", a retired sea captain") is dropped.
-            let after = if b < n && !s.body[ws[ent.w1 - 1].core.1..ws[b].raw.0].contains(',') { s.text(b, n) } else { "" };
+            let after =
+                if b < n && !s.body[ws[ent.w1 - 1].core.1..ws[b].raw.0].contains(',') { s.text(b, n) } else { "" };
             let rest = squeeze(strip_final(&format!("{} {}", s.text(c + 1, a), after)));
             let possession = matches!(cop.as_str(), "has" | "have" | "had") && !participle;
             if possession && !matches!(ent.kind, Kind::Count { .. }) {
                 return (None, None, None);
             }
             let (aux, tail) = match cop.as_str() {
-                "has" | "have" | "had" if !participle => {
-                    (if cop == "had" { "did" } else if cop == "has" { "does" } else { "do" }.to_string(), format!("have {rest}"))
-                }
+                "has" | "have" | "had" if !participle => (
+                    if cop == "had" {
+                        "did"
+                    } else if cop == "has" {
+                        "does"
+                    } else {
+                        "do"
+                    }
+                    .to_string(),
+                    format!("have {rest}"),
+                ),
                 _ => (cop.clone(), rest),
             };
             if !tail.trim().is_empty() || is_cop {
@@ -1547,9 +1630,9 @@ fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>)
         }
         let verb = ws[v].lower();
         if NAMING_VERBS.contains(&verb.as_str()) && !(verb == "known" && prep_word.as_deref() != Some("as")) {
-            let det = (v.saturating_sub(5)..v)
-                .rev()
-                .find(|&d| ["a", "an", "the", "his", "her", "their", "its", "our", "my", "your"].contains(&ws[d].lower().as_str()));
+            let det = (v.saturating_sub(5)..v).rev().find(|&d| {
+                ["a", "an", "the", "his", "her", "their", "its", "our", "my", "your"].contains(&ws[d].lower().as_str())
+            });
             if v >= 1 && COPULAS.contains(&ws[v - 1].lower().as_str()) && v >= 2 {
                 let subject = decap(&s.phrase(0, v - 1), lex);
                 direct = Some(question(&format!("What {} {} {}", ws[v - 1].lower(), subject, verb)));
@@ -1564,12 +1647,17 @@ fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>)
     if direct.is_none() && matches!(ent.kind, Kind::Person | Kind::Place | Kind::Thing { .. }) && ent.w0 >= 2 {
         let before_comma = s.body[..ws[ent.w0].raw.0].trim_end().ends_with(',');
         let after_comma = ent.w1 == n || s.body[ent.e..].starts_with(',');
-        let det = (ent.w0.saturating_sub(6)..ent.w0 - 1)
-            .rev()
-            .find(|&d| ["a", "an", "the", "his", "her", "their", "its", "our", "my", "your"].contains(&ws[d].lower().as_str()));
+        let det = (ent.w0.saturating_sub(6)..ent.w0 - 1).rev().find(|&d| {
+            ["a", "an", "the", "his", "her", "their", "its", "our", "my", "your"].contains(&ws[d].lower().as_str())
+        });
         if let (true, true, Some(d)) = (before_comma, after_comma, det) {
             let np = s.phrase(d, ent.w0);
-            if !np.contains(',') && (d == 0 || s.body[..ws[d].raw.0].trim_end().ends_with(',') || PREPOSITIONS.contains(&ws[d - 1].lower().as_str()) || verbish(&ws[d - 1])) {
+            if !np.contains(',')
+                && (d == 0
+                    || s.body[..ws[d].raw.0].trim_end().ends_with(',')
+                    || PREPOSITIONS.contains(&ws[d - 1].lower().as_str())
+                    || verbish(&ws[d - 1]))
+            {
                 direct = Some(question(&format!("What is the name of {}", decap(&np, lex))));
             }
         }
@@ -1764,7 +1852,9 @@ fn fallback_candidates(doc: &str, sentences: &[Span]) -> Vec<Candidate> {
             continue;
         }
         // The last content word, blanked.
-        let Some(k) = words.iter().rposition(|w| w.text.len() >= 3 && !is_stopword(w.text) && w.text.chars().all(char::is_alphanumeric))
+        let Some(k) = words
+            .iter()
+            .rposition(|w| w.text.len() >= 3 && !is_stopword(w.text) && w.text.chars().all(char::is_alphanumeric))
         else {
             continue;
         };
@@ -1846,7 +1936,11 @@ Visitors can reach the museum from Central Station in ten minutes.";
 
     #[test]
     fn parse_paper_format_and_variants() {
-        let want = Some(("Who founded the museum?".to_string(), "Elena Marsh".to_string(), "The museum was founded by Elena Marsh.".to_string()));
+        let want = Some((
+            "Who founded the museum?".to_string(),
+            "Elena Marsh".to_string(),
+            "The museum was founded by Elena Marsh.".to_string(),
+        ));
         let paper = "Question: Who founded the museum?\n\nAnswer: Elena Marsh\n\nEvidence: The museum was founded by Elena Marsh.";
         assert_eq!(parse_qa(paper), want);
         let compact = "Question: Who founded the museum?\nAnswer: Elena Marsh\nEvidence: The museum was founded by Elena Marsh.\n";
@@ -1859,9 +1953,11 @@ Visitors can reach the museum from Central Station in ten minutes.";
         assert_eq!(parse_qa(numbered), want);
         let next_line = "Question 1:\nWho founded the museum?\n\nAnswer:\nElena Marsh\n\nEvidence:\n\"The museum was founded by Elena Marsh.\"";
         assert_eq!(parse_qa(next_line), want);
-        let short_labels = "Q: Who founded the museum?\nA: [Elena Marsh]\nEvidence: The museum was founded by Elena Marsh.";
+        let short_labels =
+            "Q: Who founded the museum?\nA: [Elena Marsh]\nEvidence: The museum was founded by Elena Marsh.";
         assert_eq!(parse_qa(short_labels), want);
-        let lower = "question: Who founded the museum?\nanswer: Elena Marsh\nevidence: The museum was founded by Elena Marsh.";
+        let lower =
+            "question: Who founded the museum?\nanswer: Elena Marsh\nevidence: The museum was founded by Elena Marsh.";
         assert_eq!(parse_qa(lower), want);
         // Only the first triple counts.
         let two = format!("{compact}\nQuestion: Another?\nAnswer: x\nEvidence: y");
@@ -1930,7 +2026,10 @@ Visitors can reach the museum from Central Station in ten minutes.";
         match validate_model_output(doc, window, drift) {
             Verdict::Valid(p) => {
                 assert_eq!(p.question, "Who was the first director?");
-                assert_eq!(p.evidence, "The museum was founded by Elena Marsh, a retired sea captain. Its first director was Tomas Berg.");
+                assert_eq!(
+                    p.evidence,
+                    "The museum was founded by Elena Marsh, a retired sea captain. Its first director was Tomas Berg."
+                );
                 assert_eq!(&doc[p.evidence_span.0..p.evidence_span.1], p.evidence);
             }
             _ => panic!("drifting evidence rejected"),
@@ -1945,8 +2044,16 @@ Visitors can reach the museum from Central Station in ten minutes.";
         let about: Vec<&QaPair> = pairs.iter().filter(|p| p.evidence == sentence).collect();
         assert!(about.len() >= 4, "several wordings per fact: {about:#?}");
         assert_eq!(find(&pairs, "What is the vault code at the Lisbon office?").unwrap().answer, "4417");
-        assert_eq!(find(&pairs, "According to the document, what is the vault code at the Lisbon office?").unwrap().answer, sentence);
-        assert_eq!(find(&pairs, "Complete the sentence from the document: The vault code at the Lisbon office is ___.").unwrap().answer, "4417");
+        assert_eq!(
+            find(&pairs, "According to the document, what is the vault code at the Lisbon office?").unwrap().answer,
+            sentence
+        );
+        assert_eq!(
+            find(&pairs, "Complete the sentence from the document: The vault code at the Lisbon office is ___.")
+                .unwrap()
+                .answer,
+            "4417"
+        );
         assert_eq!(find(&pairs, "Which number is the vault code at the Lisbon office?").unwrap().answer, "4417");
         // Names, dates, places, counts, possessives, naming.
         assert_eq!(find(&pairs, "By whom was the museum founded?").unwrap().answer, "Elena Marsh");
@@ -1956,7 +2063,10 @@ Visitors can reach the museum from Central Station in ten minutes.";
         assert_eq!(find(&pairs, "Whose favourite exhibit is the brass telescope?").unwrap().answer, "Anna");
         assert_eq!(find(&pairs, "What is the museum's oldest ship model called?").unwrap().answer, "Morning Star");
         assert_eq!(find(&pairs, "In 2005, who became the chief curator?").unwrap().answer, "Maria Santos");
-        assert_eq!(find(&pairs, "From where can visitors reach the museum in ten minutes?").unwrap().answer, "Central Station");
+        assert_eq!(
+            find(&pairs, "From where can visitors reach the museum in ten minutes?").unwrap().answer,
+            "Central Station"
+        );
         // Every fact has short answers and a full-sentence answer.
         let full = pairs.iter().filter(|p| p.answer == p.evidence).count();
         let short = pairs.iter().filter(|p| p.answer.len() < p.evidence.len() / 2).count();
@@ -2065,10 +2175,10 @@ Visitors can reach the museum from Central Station in ten minutes.";
     fn random_text_never_breaks_the_rules() {
         // Pseudo-random "documents" of words, numbers, names, punctuation, quotes and non-ASCII.
         let pieces = [
-            "the", "museum", "Anna", "Berg's", "is", "was", "in", "1987", "3.14", "4,200", "LKN-7", "Dr.", "U.S.", "\"Star\"",
-            "“Moon”", "(see", "p.", "12)", "Zürich", "日本", "😀", "e.g.", "March", "3,", "named", "called", ",", ".", "!",
-            "?", "...", "\n", "\n\n", "- ", "# ", "1. ", "'s", "—", "$x$", "{", "}", "has", "42", "rooms", "by", "Maria",
-            "Santos", "at", "7:30", "p.m.", "Tuesday",
+            "the", "museum", "Anna", "Berg's", "is", "was", "in", "1987", "3.14", "4,200", "LKN-7", "Dr.", "U.S.",
+            "\"Star\"", "“Moon”", "(see", "p.", "12)", "Zürich", "日本", "😀", "e.g.", "March", "3,", "named",
+            "called", ",", ".", "!", "?", "...", "\n", "\n\n", "- ", "# ", "1. ", "'s", "—", "$x$", "{", "}", "has",
+            "42", "rooms", "by", "Maria", "Santos", "at", "7:30", "p.m.", "Tuesday",
         ];
         let mut state = 0x2545_F491_4F6C_DD1Du64;
         for _ in 0..200 {
@@ -2094,7 +2204,9 @@ Visitors can reach the museum from Central Station in ten minutes.";
     #[test]
     #[ignore]
     fn print_extractive() {
-        let doc = std::env::var("QA_DOC").map(|p| std::fs::read_to_string(p).unwrap()).unwrap_or_else(|_| PARAGRAPH.to_string());
+        let doc = std::env::var("QA_DOC")
+            .map(|p| std::fs::read_to_string(p).unwrap())
+            .unwrap_or_else(|_| PARAGRAPH.to_string());
         let o = QaOptions { max_pairs: 100_000, ..Default::default() };
         for p in extract(&doc, &o) {
             eprintln!("{}  =>  {}", p.question, p.answer);
