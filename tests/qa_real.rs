@@ -3,7 +3,7 @@
 //! generator completes them, every pair's evidence is verbatim in the document.
 
 use candle_core::Device;
-use lift_serve::lift::qa::{generate_qa_with_stats, normalize_question, QaOptions, QaSource};
+use lift_serve::lift::qa::{count_by_source, generate_qa_with_stats, normalize_question, QaOptions, QaSource};
 use lift_serve::model::Model;
 use std::collections::HashSet;
 use std::time::Instant;
@@ -33,7 +33,7 @@ fn generate_qa_on_the_default_model() {
         .try_init();
     let path = lift_serve::fetch::resolve_model(None).expect("default model (run `lift-serve fetch-model`)");
     let model = Model::load(&path, &Device::Cpu).expect("default model loads");
-    let opts = QaOptions { max_new_tokens: 80, retries: 3, ..Default::default() };
+    let opts = QaOptions { max_new_tokens: 64, retries: 2, ..Default::default() };
     let t0 = Instant::now();
     let mut last = None;
     let (pairs, stats) =
@@ -46,6 +46,7 @@ fn generate_qa_on_the_default_model() {
     let model_n = pairs.iter().filter(|p| p.source == QaSource::Model).count();
     let extractive_n = pairs.len() - model_n;
     eprintln!("stats: {}", serde_json::to_string(&stats).unwrap());
+    eprintln!("by source: {:?}", count_by_source(&pairs));
     eprintln!(
         "QA pairs: {} total, {model_n} from the model ({} windows, {} attempts, {} tokens), {extractive_n} extractive; {secs:.1} s",
         pairs.len(),

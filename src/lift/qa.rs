@@ -1,20 +1,31 @@
 //! Auxiliary QA for LIFT (seeds/001 §3.2, App. A.3): question/answer pairs about the document,
 //! trained alongside the document segments (loss on the answer only).
 //!
-//! Two sources, both from the document alone:
-//! - **Model**: the loaded model reads 16 consecutive sentences with the paper's App. A.3 prompt and
-//!   writes `Question:/Answer:/Evidence:`; the evidence must occur verbatim in the document (it is
-//!   located in the whole document, preferring the window), the answer must be grounded in the
-//!   window, and failures are retried (greedy first, then seeded sampling). Windows are spread
-//!   evenly over the whole document, one per `sentences_per_pair` sentences.
+//! Two sources, both from the document alone (never from an evaluation set):
+//! - **Model**: the loaded model reads 16 consecutive sentences with the paper's App. A.3 prompt
+//!   (the Narrativeqa variant, "focus on the details like names, dates") and answers in its
+//!   `Question:/Answer:/Evidence:` format. The reply is scaffolded: the model writes each field
+//!   after its label and the next label is appended for it (a 135M model otherwise rarely writes
+//!   an evidence line). The evidence must occur verbatim in the document (located in the whole
+//!   document, preferring the window; a reply that quotes some sentences verbatim and then drifts
+//!   keeps its longest verbatim run of adjacent sentences), every name and number in the answer and
+//!   most of its words must occur in the window, and the answer must not be given away by the
+//!   question. Failures are retried (greedy first, then seeded sampling). Windows are spread evenly
+//!   over the whole document, one per `sentences_per_pair` sentences; once several windows gave
+//!   (almost) nothing valid the model is no longer asked.
 //! - **Extractive**: a deterministic rule-based generator over fact-bearing sentences (numbers,
 //!   dates, capitalised names, quoted strings, `X is Y` copulas, possessives, `named/called Z`),
-//!   several differently-worded questions per fact, with short answers and a full-sentence answer.
-//!   It always contributes (how a fact is worded decides whether it is recalled later) and fills
-//!   the quota when the model produces too few valid pairs, so absorption never trains without QA.
+//!   several differently-worded questions per fact (a direct wh-question, "According to the
+//!   document, …" with the full sentence as answer, a cloze, a typed or in-place variant, …). It
+//!   always contributes — how a fact's question is worded decides whether it is recalled later —
+//!   and fills the quota when the model produces too few valid pairs, so absorption never trains
+//!   without QA; when facts are scarce, plain cloze questions top up to `min_pairs`.
 //!
 //! The result is capped by `max_pairs` with even coverage over the document (first one wording per
-//! fact everywhere, then further wordings), deduplicated, and deterministic for a given seed.
+//! fact everywhere, then further wordings), sorted by position in the document and deterministic
+//! for a given seed. Deduplication: no two pairs share a normalised question; model pairs also
+//! never repeat an (answer, evidence) of another model pair, while the extractive wordings of one
+//! fact share theirs on purpose.
 
 use super::text::{list_marker_len, split_sentences, Span};
 use crate::model::generate::{generate, prefill, FinishReason, SamplingParams};
@@ -54,7 +65,8 @@ pub struct QaOptions {
     /// Extra attempts per window after the first (greedy) one; the paper's 5.
     pub retries: usize,
     pub use_model: bool,
-    /// Tokens the model may write per attempt.
+    /// Tokens the model may write per attempt: the evidence may use all of them, the question and
+    /// the answer half each (a question or answer still unfinished then is dropped).
     pub max_new_tokens: usize,
     /// Differently-worded extractive questions per fact (short, full-sentence, cloze, typed, ...).
     pub wordings_per_fact: usize,
@@ -97,7 +109,7 @@ pub struct QaStats {
     pub rejected_evidence: usize,
     pub rejected_answer: usize,
     pub rejected_duplicate: usize,
-    /// The model stopped being asked after its first windows all failed.
+    /// The model stopped being asked: after at least 3 windows, fewer than 1 in 10 gave a pair.
     pub model_gave_up: bool,
     pub model_seconds: f64,
     /// Extractive pairs available before the `max_pairs` cap, and kept after it.
@@ -1362,10 +1374,9 @@ fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
                             | "founded"
                             | "married"
                             | "died"
-                    )))
+                    ))
+                || (w0..j).all(|k| lex.person_like.contains(ws[k].text)))
         {
-            Kind::Person
-        } else if (w0..j).all(|k| lex.person_like.contains(ws[k].text)) && !the_before {
             Kind::Person
         } else {
             Kind::Thing { head: None }
@@ -2188,7 +2199,7 @@ Visitors can reach the museum from Central Station in ten minutes.";
                 state ^= state >> 7;
                 state ^= state << 17;
                 doc.push_str(pieces[(state % pieces.len() as u64) as usize]);
-                if state % 3 != 0 {
+                if !state.is_multiple_of(3) {
                     doc.push(' ');
                 }
             }
