@@ -3,7 +3,7 @@
 //! generator completes them, every pair's evidence is verbatim in the document.
 
 use candle_core::Device;
-use lift_serve::lift::qa::{generate_qa_with_stats, normalize_question, QaOptions, QaSource};
+use lift_serve::lift::qa::{count_by_source, generate_qa_with_stats, normalize_question, QaOptions, QaSource};
 use lift_serve::model::Model;
 use std::collections::HashSet;
 use std::time::Instant;
@@ -27,13 +27,18 @@ The current director is Mikkel Strand.";
 
 #[test]
 fn generate_qa_on_the_default_model() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
     let path = lift_serve::fetch::resolve_model(None).expect("default model (run `lift-serve fetch-model`)");
     let model = Model::load(&path, &Device::Cpu).expect("default model loads");
-    let opts = QaOptions { max_new_tokens: 96, retries: 3, ..Default::default() };
+    let opts = QaOptions { max_new_tokens: 64, retries: 2, ..Default::default() };
     let t0 = Instant::now();
     let mut last = None;
-    let (pairs, stats) = generate_qa_with_stats(&model, DOC, &opts, &mut |p| last = Some((p.done, p.total, p.valid)), &|| false)
-        .expect("generation runs");
+    let (pairs, stats) =
+        generate_qa_with_stats(&model, DOC, &opts, &mut |p| last = Some((p.done, p.total, p.valid)), &|| false)
+            .expect("generation runs");
     let secs = t0.elapsed().as_secs_f64();
     for p in &pairs {
         eprintln!("[{:?}] {}  =>  {}   (evidence {:?})", p.source, p.question, p.answer, p.evidence_span);
@@ -41,6 +46,7 @@ fn generate_qa_on_the_default_model() {
     let model_n = pairs.iter().filter(|p| p.source == QaSource::Model).count();
     let extractive_n = pairs.len() - model_n;
     eprintln!("stats: {}", serde_json::to_string(&stats).unwrap());
+    eprintln!("by source: {:?}", count_by_source(&pairs));
     eprintln!(
         "QA pairs: {} total, {model_n} from the model ({} windows, {} attempts, {} tokens), {extractive_n} extractive; {secs:.1} s",
         pairs.len(),
@@ -61,5 +67,6 @@ fn generate_qa_on_the_default_model() {
     // Facts at the start, middle and end of the document are asked about.
     let asked = |needle: &str| pairs.iter().any(|p| p.answer.contains(needle) && p.answer != p.evidence);
     assert!(asked("1962") && asked("LKN-7") && asked("Mikkel Strand"));
-    assert!(secs < 180.0, "QA generation took {secs:.0} s");
+    // A couple of minutes on an idle 2-core machine; generous for a busy one.
+    assert!(secs < 420.0, "QA generation took {secs:.0} s");
 }

@@ -1,23 +1,34 @@
 //! Auxiliary QA for LIFT (seeds/001 §3.2, App. A.3): question/answer pairs about the document,
 //! trained alongside the document segments (loss on the answer only).
 //!
-//! Two sources, both from the document alone:
-//! - **Model**: the loaded model reads 16 consecutive sentences with the paper's App. A.3 prompt and
-//!   writes `Question:/Answer:/Evidence:`; the evidence must occur verbatim in the document (it is
-//!   located in the whole document, preferring the window), the answer must be grounded in the
-//!   window, and failures are retried (greedy first, then seeded sampling). Windows are spread
-//!   evenly over the whole document, one per `sentences_per_pair` sentences.
+//! Two sources, both from the document alone (never from an evaluation set):
+//! - **Model**: the loaded model reads 16 consecutive sentences with the paper's App. A.3 prompt
+//!   (the Narrativeqa variant, "focus on the details like names, dates") and answers in its
+//!   `Question:/Answer:/Evidence:` format. The reply is scaffolded: the model writes each field
+//!   after its label and the next label is appended for it (a 135M model otherwise rarely writes
+//!   an evidence line). The evidence must occur verbatim in the document (located in the whole
+//!   document, preferring the window; a reply that quotes some sentences verbatim and then drifts
+//!   keeps its longest verbatim run of adjacent sentences), every name and number in the answer and
+//!   most of its words must occur in the window, and the answer must not be given away by the
+//!   question. Failures are retried (greedy first, then seeded sampling). Windows are spread evenly
+//!   over the whole document, one per `sentences_per_pair` sentences; once several windows gave
+//!   (almost) nothing valid the model is no longer asked.
 //! - **Extractive**: a deterministic rule-based generator over fact-bearing sentences (numbers,
 //!   dates, capitalised names, quoted strings, `X is Y` copulas, possessives, `named/called Z`),
-//!   several differently-worded questions per fact, with short answers and a full-sentence answer.
-//!   It always contributes (how a fact is worded decides whether it is recalled later) and fills
-//!   the quota when the model produces too few valid pairs, so absorption never trains without QA.
+//!   several differently-worded questions per fact (a direct wh-question, "According to the
+//!   document, …" with the full sentence as answer, a cloze, a typed or in-place variant, …). It
+//!   always contributes — how a fact's question is worded decides whether it is recalled later —
+//!   and fills the quota when the model produces too few valid pairs, so absorption never trains
+//!   without QA; when facts are scarce, plain cloze questions top up to `min_pairs`.
 //!
 //! The result is capped by `max_pairs` with even coverage over the document (first one wording per
-//! fact everywhere, then further wordings), deduplicated, and deterministic for a given seed.
+//! fact everywhere, then further wordings), sorted by position in the document and deterministic
+//! for a given seed. Deduplication: no two pairs share a normalised question; model pairs also
+//! never repeat an (answer, evidence) of another model pair, while the extractive wordings of one
+//! fact share theirs on purpose.
 
 use super::text::{list_marker_len, split_sentences, Span};
-use crate::model::generate::{generate, prefill, SamplingParams};
+use crate::model::generate::{generate, prefill, FinishReason, SamplingParams};
 use crate::model::{ChatMessage, KvCache, Model, NoHooks};
 use anyhow::Result;
 use std::collections::{HashMap, HashSet};
@@ -54,7 +65,8 @@ pub struct QaOptions {
     /// Extra attempts per window after the first (greedy) one; the paper's 5.
     pub retries: usize,
     pub use_model: bool,
-    /// Tokens the model may write per attempt.
+    /// Tokens the model may write per attempt: the evidence may use all of them, the question and
+    /// the answer half each (a question or answer still unfinished then is dropped).
     pub max_new_tokens: usize,
     /// Differently-worded extractive questions per fact (short, full-sentence, cloze, typed, ...).
     pub wordings_per_fact: usize,
@@ -97,7 +109,7 @@ pub struct QaStats {
     pub rejected_evidence: usize,
     pub rejected_answer: usize,
     pub rejected_duplicate: usize,
-    /// The model stopped being asked after its first windows all failed.
+    /// The model stopped being asked: after at least 3 windows, fewer than 1 in 10 gave a pair.
     pub model_gave_up: bool,
     pub model_seconds: f64,
     /// Extractive pairs available before the `max_pairs` cap, and kept after it.
@@ -117,10 +129,11 @@ pub struct Cancelled;
 pub const SYSTEM_PROMPT: &str = "You are a helpful assistant.";
 
 /// Sampling temperature / top-p of the retries (the first attempt is greedy).
-const RETRY_TEMPERATURE: f64 = 0.8;
-const RETRY_TOP_P: f64 = 0.95;
-/// Stop asking the model when this many windows in a row, from the start, gave nothing valid.
-const GIVE_UP_AFTER_FAILED_WINDOWS: usize = 3;
+const RETRY_TEMPERATURE: f64 = 0.5;
+const RETRY_TOP_P: f64 = 0.9;
+/// Stop asking the model once at least this many windows were tried and fewer than one in ten
+/// gave a valid pair (a small model can cost minutes per window on a CPU for nothing).
+const GIVE_UP_AFTER_WINDOWS: usize = 3;
 /// Facts taken from one sentence by the extractive generator.
 const MAX_FACTS_PER_SENTENCE: usize = 2;
 
@@ -205,40 +218,30 @@ fn clean_field(s: &str) -> String {
             break;
         }
     }
-    t.split_whitespace().collect::<Vec<_>>().join(" ")
+    let marker = list_marker_len(t);
+    t[marker..].split_whitespace().collect::<Vec<_>>().join(" ")
 }
 
-/// Fields of the first complete Question → Answer → Evidence triple, and whether the evidence was
-/// finished (a newline or another label followed it).
-fn parse_fields(output: &str) -> Option<(String, String, String, bool)> {
+/// Parses `Question: … Answer: … Evidence: …` (the paper's format, with or without blank lines,
+/// `**Question:**` markdown, leading numbering, content on the next line). Question and answer may
+/// continue over following lines up to a blank line or the next label; the evidence is one line.
+/// Only the first triple counts. `None` when a field is missing, out of order, empty or still the
+/// template placeholder.
+pub fn parse_qa(output: &str) -> Option<(String, String, String)> {
     let mut q: Option<String> = None;
     let mut a: Option<String> = None;
     let mut e: Option<String> = None;
     let mut current: Option<Label> = None;
-    let mut evidence_done = false;
-    let lines: Vec<&str> = output.split('\n').collect();
-    for (i, raw) in lines.iter().enumerate() {
-        let last_line = i + 1 == lines.len();
+    for raw in output.split('\n') {
         if let Some((label, rest)) = label_of(raw) {
             match label {
-                Label::Question if e.is_some() => {
-                    evidence_done = true;
-                    break;
-                }
-                Label::Question => {
-                    q = Some(rest.to_string());
-                    a = None;
-                }
-                Label::Answer if q.is_some() && e.is_none() => a = Some(rest.to_string()),
-                Label::Evidence if a.is_some() && e.is_none() => e = Some(rest.to_string()),
-                _ => {
-                    current = None;
-                    continue;
-                }
+                Label::Question if a.is_none() => q = Some(rest.to_string()),
+                Label::Answer if q.is_some() && a.is_none() => a = Some(rest.to_string()),
+                Label::Evidence if a.is_some() => e = Some(rest.to_string()),
+                _ => break,
             }
             current = Some(label);
-            if label == Label::Evidence && !rest.is_empty() && !last_line {
-                evidence_done = true;
+            if label == Label::Evidence && !rest.is_empty() {
                 break;
             }
             continue;
@@ -252,13 +255,9 @@ fn parse_fields(output: &str) -> Option<(String, String, String, bool)> {
         };
         let Some(field) = field else { continue };
         if line.is_empty() {
-            // A blank line ends a field that has content (the paper's format has blank lines
-            // between fields); an empty field may still get its content on a later line.
+            // A blank line ends a field that has content; an empty field may still get its
+            // content on a later line.
             if !field.trim().is_empty() {
-                if current == Some(Label::Evidence) {
-                    evidence_done = true;
-                    break;
-                }
                 current = None;
             }
             continue;
@@ -267,8 +266,7 @@ fn parse_fields(output: &str) -> Option<(String, String, String, bool)> {
             field.push(' ');
         }
         field.push_str(line);
-        if current == Some(Label::Evidence) && !last_line {
-            evidence_done = true;
+        if current == Some(Label::Evidence) {
             break;
         }
     }
@@ -277,20 +275,7 @@ fn parse_fields(output: &str) -> Option<(String, String, String, bool)> {
     if placeholder(&q, "question") || placeholder(&a, "answer") || placeholder(&e, "evidence") {
         return None;
     }
-    Some((q, a, e, evidence_done))
-}
-
-/// Parses `Question: … Answer: … Evidence: …` (the paper's format, with or without blank lines,
-/// `**Question:**` markdown, leading numbering, content on the next line). `None` when a field is
-/// missing, empty or still the template placeholder.
-pub fn parse_qa(output: &str) -> Option<(String, String, String)> {
-    parse_fields(output).map(|(q, a, e, _)| (q, a, e))
-}
-
-/// Whether generation can stop: a full triple whose evidence has been ended by a newline or by a
-/// second question.
-fn triple_complete(output: &str) -> bool {
-    parse_fields(output).is_some_and(|f| f.3)
+    Some((q, a, e))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -369,15 +354,15 @@ pub fn locate_evidence_near(doc: &str, evidence: &str, prefer: Option<(usize, us
 const STOPWORDS: &[&str] = &[
     "a", "an", "the", "and", "or", "but", "nor", "so", "yet", "of", "in", "on", "at", "to", "for", "from", "by",
     "with", "about", "as", "into", "onto", "over", "under", "after", "before", "during", "since", "until", "than",
-    "that", "this", "these", "those", "there", "here", "it", "its", "he", "she", "they", "them", "his", "her",
-    "their", "we", "our", "us", "you", "your", "i", "me", "my", "mine", "is", "are", "was", "were", "be", "been",
-    "being", "am", "do", "does", "did", "has", "have", "had", "will", "would", "can", "could", "should", "shall",
-    "may", "might", "must", "not", "no", "yes", "if", "then", "when", "where", "which", "who", "whom", "whose",
-    "what", "why", "how", "all", "any", "each", "every", "some", "such", "also", "very", "just", "only", "too",
-    "one", "both", "either", "neither", "while", "because", "although", "though", "however", "thus", "hence",
-    "according", "document", "text", "up", "out", "off", "again", "more", "most", "other", "own", "same", "per",
-    "via", "between", "through", "across", "against", "among", "within", "without", "near", "upon", "toward",
-    "towards", "like", "unlike", "once", "now", "still", "even", "ever", "never", "always", "often", "many", "much",
+    "that", "this", "these", "those", "there", "here", "it", "its", "he", "she", "they", "them", "his", "her", "their",
+    "we", "our", "us", "you", "your", "i", "me", "my", "mine", "is", "are", "was", "were", "be", "been", "being", "am",
+    "do", "does", "did", "has", "have", "had", "will", "would", "can", "could", "should", "shall", "may", "might",
+    "must", "not", "no", "yes", "if", "then", "when", "where", "which", "who", "whom", "whose", "what", "why", "how",
+    "all", "any", "each", "every", "some", "such", "also", "very", "just", "only", "too", "one", "both", "either",
+    "neither", "while", "because", "although", "though", "however", "thus", "hence", "according", "document", "text",
+    "up", "out", "off", "again", "more", "most", "other", "own", "same", "per", "via", "between", "through", "across",
+    "against", "among", "within", "without", "near", "upon", "toward", "towards", "like", "unlike", "once", "now",
+    "still", "even", "ever", "never", "always", "often", "many", "much",
 ];
 
 fn is_stopword(w: &str) -> bool {
@@ -454,28 +439,86 @@ enum Verdict {
     Answer,
 }
 
+/// The first sentence of `text` when more follows it.
+fn first_sentence(text: &str) -> Option<String> {
+    let spans = split_sentences(text);
+    (spans.len() > 1).then(|| spans[0].text(text).to_string())
+}
+
+/// Drops a meta preamble the model repeats before the real question ("What is the answer to the
+/// question: Who built it?" → "Who built it?").
+fn clean_question(q: &str) -> String {
+    if let Some(pos) = q.rfind(':') {
+        let tail = q[pos + 1..].trim();
+        if tail.ends_with('?') && tail.split_whitespace().count() >= 3 && q[..pos].to_lowercase().contains("question") {
+            return tail.to_string();
+        }
+    }
+    q.to_string()
+}
+
+/// Locates the evidence; when the whole is not verbatim, keeps the longest run of its sentences
+/// that are verbatim and adjacent in the document (models often quote faithfully, then drift).
+fn locate_evidence_sentences(doc: &str, evidence: &str, window: (usize, usize)) -> Option<(usize, usize)> {
+    if let Some(hit) = locate_evidence_near(doc, evidence, Some(window)) {
+        return Some(hit);
+    }
+    let spans = split_sentences(evidence);
+    if spans.len() < 2 {
+        return None;
+    }
+    let hits: Vec<Option<(usize, usize)>> =
+        spans.iter().map(|s| locate_evidence_near(doc, s.text(evidence), Some(window))).collect();
+    let mut best: Option<(usize, usize)> = None;
+    let mut i = 0;
+    while i < hits.len() {
+        let Some(mut run) = hits[i] else {
+            i += 1;
+            continue;
+        };
+        let mut j = i + 1;
+        while let Some(Some(next)) = hits.get(j) {
+            if next.0 < run.1 || !doc[run.1..next.0].trim().is_empty() {
+                break;
+            }
+            run.1 = next.1;
+            j += 1;
+        }
+        if best.is_none_or(|b| run.1 - run.0 > b.1 - b.0) {
+            best = Some(run);
+        }
+        i = j;
+    }
+    best
+}
+
 /// Checks one model output against the document and the window it was shown.
 fn validate_model_output(doc: &str, window: (usize, usize), output: &str) -> Verdict {
     let Some((q, a, e)) = parse_qa(output) else { return Verdict::Parse };
+    let q = clean_question(&q);
     let q_words = q.split_whitespace().count();
     if !(3..=60).contains(&q_words) || !q.chars().any(char::is_alphabetic) {
         return Verdict::Parse;
     }
-    let Some((s, t)) = locate_evidence_near(doc, &e, Some(window)) else { return Verdict::Evidence };
+    let Some((s, t)) = locate_evidence_sentences(doc, &e, window) else { return Verdict::Evidence };
     let evidence = &doc[s..t];
     if evidence.split_whitespace().count() < 3 {
         return Verdict::Evidence;
     }
-    // The answer must be short enough, grounded in the window/evidence, and not given away by
-    // the question.
+    // The answer must be short enough, grounded in the window/evidence (every name and number
+    // in it, and most other words), and not given away by the question.
     let a_content = content_tokens(&a);
-    if a.split_whitespace().count() > 60 || a_content.is_empty() {
+    if a.split_whitespace().count() > 40 || a_content.is_empty() {
         return Verdict::Answer;
     }
     let window_tokens: HashSet<String> = tokens(&doc[window.0..window.1]).into_iter().chain(tokens(evidence)).collect();
     let ev_tokens: HashSet<String> = tokens(evidence).into_iter().collect();
     let grounded = a_content.iter().filter(|t| window_tokens.contains(*t)).count();
-    if grounded * 2 < a_content.len() || !a_content.iter().any(|t| ev_tokens.contains(t)) {
+    let names_grounded = a
+        .split(|c: char| !c.is_alphanumeric())
+        .filter(|w| w.chars().next().is_some_and(|c| c.is_uppercase() || c.is_ascii_digit()) && !is_stopword(w))
+        .all(|w| window_tokens.contains(&w.to_lowercase()));
+    if grounded * 4 < a_content.len() * 3 || !names_grounded || !a_content.iter().any(|t| ev_tokens.contains(t)) {
         return Verdict::Answer;
     }
     let q_tokens: HashSet<String> = tokens(&q).into_iter().collect();
@@ -556,10 +599,19 @@ pub fn generate_qa_with_stats(
         prog.done = wi + 1;
         prog.valid = stats.model_valid;
         progress(&prog);
-        if stats.model_valid == 0 && wi + 1 >= GIVE_UP_AFTER_FAILED_WINDOWS && wi + 1 < windows.len() {
-            tracing::warn!(windows = wi + 1, "the model produced no valid QA pair; the extractive generator fills in");
+        let tried = wi + 1;
+        if tried >= GIVE_UP_AFTER_WINDOWS && stats.model_valid * 10 < tried && tried < windows.len() {
+            tracing::warn!(
+                windows = tried,
+                valid = stats.model_valid,
+                "the model rarely produces valid QA pairs; the extractive generator fills in"
+            );
             stats.model_gave_up = true;
         }
+    }
+    if prog.done < prog.total {
+        prog.done = prog.total;
+        progress(&prog);
     }
     stats.model_seconds = t0.elapsed().as_secs_f64();
 
@@ -606,6 +658,11 @@ pub fn generate_qa_with_stats(
 }
 
 /// Runs the attempts for one window until a valid, new pair is accepted by `accept`.
+///
+/// The paper's prompt is used unchanged; the reply is scaffolded in its own format: the model
+/// writes the question after `Question:`, then `Answer:` and `Evidence:` are appended for it and
+/// it writes each field up to the end of its line. Small models otherwise drift (a 135M model
+/// rarely wrote an `Evidence:` line unprompted).
 #[allow(clippy::too_many_arguments)]
 fn generate_for_window(
     model: &Model,
@@ -618,48 +675,92 @@ fn generate_for_window(
     stats: &mut QaStats,
     accept: &mut dyn FnMut(QaPair) -> bool,
 ) -> Result<bool> {
-    let messages = [ChatMessage::new("system", SYSTEM_PROMPT), ChatMessage::new("user", qa_prompt(&doc[span.0..span.1]))];
-    let ids = model.encode_chat(&messages)?;
+    let messages =
+        [ChatMessage::new("system", SYSTEM_PROMPT), ChatMessage::new("user", qa_prompt(&doc[span.0..span.1]))];
+    let prompt_text = model.chat_template.render(&messages, true)?;
+    let add_bos = model.tokenizer.bos_token().is_some_and(|(bos, _)| !prompt_text.starts_with(&bos));
+    let encode = |assistant: &str| model.tokenizer.encode(&format!("{prompt_text}{assistant}"), add_bos);
+    let prompt_ids = encode("")?;
     let max_pos = model.config().max_position_embeddings;
-    if ids.len() < 2 || ids.len() + opts.max_new_tokens.max(1) > max_pos {
-        tracing::debug!(tokens = ids.len(), "QA window prompt too long for the model; skipped");
+    let max_new = opts.max_new_tokens.max(8);
+    if prompt_ids.len() < 2 || prompt_ids.len() + 2 * max_new + 16 > max_pos {
+        tracing::debug!(tokens = prompt_ids.len(), "QA window prompt too long for the model; skipped");
         stats.rejected_parse += 1;
         return Ok(false);
     }
     // The prompt is prefilled once; attempts continue from copies of its cache.
+    let base_ids = &prompt_ids[..prompt_ids.len() - 1];
     let mut base = KvCache::new(model.config().num_layers);
-    prefill(model, &ids[..ids.len() - 1], &mut base, None, &mut NoHooks)?;
-    let attempts = 1 + opts.retries;
-    for attempt in 0..attempts {
+    prefill(model, base_ids, &mut base, None, &mut NoHooks)?;
+    // (label written for the model, then the field it writes, with its token budget)
+    let fields: [(&str, usize); 3] =
+        [("Question:", max_new / 2), ("\n\nAnswer:", max_new / 2), ("\n\nEvidence:", max_new)];
+    for attempt in 0..1 + opts.retries {
         if cancel() {
             return Err(Cancelled.into());
         }
         // A window seen before starts with sampling (greedy would repeat the same pair).
         let sampled = attempt > 0 || repeated;
-        let params = SamplingParams {
-            max_tokens: opts.max_new_tokens.max(1),
-            temperature: if sampled { RETRY_TEMPERATURE } else { 0.0 },
-            top_p: if sampled { RETRY_TOP_P } else { 1.0 },
-            seed: mix_seed(opts.seed, wi as u64 + 1, attempt as u64 + 1),
-            stop: Vec::new(),
-        };
-        let mut text = String::new();
-        let mut cancelled = false;
         let mut cache = base.fork()?;
-        let out = generate(model, &ids[ids.len() - 1..], &mut cache, None, &mut NoHooks, &params, &mut |piece| {
-            text.push_str(piece);
-            if cancel() {
-                cancelled = true;
-                return false;
+        let mut fed: Vec<u32> = base_ids.to_vec();
+        let mut reply = String::new();
+        let mut complete = true;
+        for (fi, &(label, budget)) in fields.iter().enumerate() {
+            reply.push_str(label);
+            let ids = encode(&reply)?;
+            // Reuse the cached prefix; feed the rest (at least one token).
+            let mut keep = fed.iter().zip(&ids).take_while(|(a, b)| a == b).count();
+            if keep >= ids.len() {
+                keep = ids.len() - 1;
             }
-            !triple_complete(&text)
-        })?;
-        stats.attempts += 1;
-        stats.generated_tokens += out.tokens.len();
-        if cancelled {
-            return Err(Cancelled.into());
+            cache.truncate(keep);
+            fed.truncate(keep);
+            let params = SamplingParams {
+                max_tokens: budget,
+                temperature: if sampled { RETRY_TEMPERATURE } else { 0.0 },
+                top_p: if sampled { RETRY_TOP_P } else { 1.0 },
+                seed: mix_seed(opts.seed, wi as u64 + 1, (attempt * 4 + fi) as u64 + 1),
+                stop: Vec::new(),
+            };
+            let mut text = String::new();
+            let mut cancelled = false;
+            let out = generate(model, &ids[keep..], &mut cache, None, &mut NoHooks, &params, &mut |piece| {
+                text.push_str(piece);
+                if cancel() {
+                    cancelled = true;
+                    return false;
+                }
+                // The field ends with its line.
+                !text.trim_start().contains('\n')
+            })?;
+            stats.generated_tokens += out.tokens.len();
+            if cancelled {
+                return Err(Cancelled.into());
+            }
+            let forwarded = cache.len().saturating_sub(ids.len());
+            fed.extend_from_slice(&ids[keep..]);
+            fed.extend_from_slice(&out.tokens[..forwarded.min(out.tokens.len())]);
+            let mut field = out.text.trim_start().split('\n').next().unwrap_or("").trim().to_string();
+            // A question must be one, and question and answer must end within their budget (an
+            // answer cut off after its first sentence keeps that sentence).
+            let truncated = out.finish_reason == FinishReason::Length && !out.text.trim_start().contains('\n');
+            if truncated && fi == 1 {
+                field = first_sentence(&field).unwrap_or_default();
+            }
+            if field.is_empty() || (fi == 0 && !field.contains('?')) || (fi == 0 && truncated) {
+                tracing::trace!(window = wi, attempt, reply = %format!("{reply} {field}"), "QA attempt abandoned");
+                complete = false;
+                break;
+            }
+            reply.push(' ');
+            reply.push_str(&field);
         }
-        match validate_model_output(doc, span, &out.text) {
+        stats.attempts += 1;
+        if !complete {
+            stats.rejected_parse += 1;
+            continue;
+        }
+        match validate_model_output(doc, span, &reply) {
             Verdict::Valid(pair) => {
                 tracing::debug!(window = wi, attempt, question = %pair.question, answer = %pair.answer, "model QA pair");
                 if accept(pair) {
@@ -671,7 +772,7 @@ fn generate_for_window(
             Verdict::Evidence => stats.rejected_evidence += 1,
             Verdict::Answer => stats.rejected_answer += 1,
         }
-        tracing::trace!(window = wi, attempt, output = %out.text, "QA attempt rejected");
+        tracing::trace!(window = wi, attempt, reply = %reply, "QA attempt rejected");
     }
     Ok(false)
 }
@@ -765,7 +866,8 @@ fn words_of(body: &str) -> Vec<Word<'_>> {
         let start = i + body[i..].find(tok).unwrap_or(0);
         let end = start + tok.len();
         i = end;
-        let lead = tok.len() - tok.trim_start_matches(|c: char| !c.is_alphanumeric() && c != '$' && c != '£' && c != '€').len();
+        let lead = tok.len()
+            - tok.trim_start_matches(|c: char| !c.is_alphanumeric() && c != '$' && c != '£' && c != '€').len();
         let inner = &tok[lead..];
         let mut core = inner.trim_end_matches(|c: char| !c.is_alphanumeric() && c != '%');
         // Possessive 's is not part of the word.
@@ -793,15 +895,21 @@ fn words_of(body: &str) -> Vec<Word<'_>> {
 enum Kind {
     Number,
     /// A number followed by the noun it counts ("42 rooms"); `noun` is that word's index.
-    Count { noun: usize },
+    Count {
+        noun: usize,
+    },
     Year,
     Date,
     Time,
     Person,
     Place,
     /// A name of something else; `head` is the index of a generic head noun ("Company") if any.
-    Thing { head: Option<usize> },
+    Thing {
+        head: Option<usize>,
+    },
     Quote,
+    /// An identifier mixing letters and digits ("LKN-7", "A4").
+    Code,
     /// A short descriptive predicate ("a small fishing town").
     Phrase,
 }
@@ -823,6 +931,11 @@ const MONTHS: &[&str] = &[
     "january", "february", "march", "april", "may", "june", "july", "august", "september", "october", "november",
     "december", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec",
 ];
+const NUMBER_WORDS: &[&str] = &[
+    "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve", "thirteen", "fourteen",
+    "fifteen", "sixteen", "seventeen", "eighteen", "nineteen", "twenty", "thirty", "forty", "fifty", "sixty",
+    "seventy", "eighty", "ninety", "hundred", "thousand", "dozen", "dozens", "hundreds", "thousands", "millions",
+];
 const WEEKDAYS: &[&str] = &["monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"];
 const TITLES: &[&str] = &[
     "mr", "mrs", "ms", "miss", "dr", "prof", "professor", "sir", "dame", "lady", "lord", "king", "queen", "prince",
@@ -843,11 +956,13 @@ const ORG_HEADS: &[&str] = &[
     "foundation", "party", "club", "team", "army", "navy", "fund", "trust", "press", "times", "journal", "project",
     "program", "programme", "prize", "award", "act", "treaty", "war", "festival", "conference", "union", "league",
 ];
-const CONNECTORS: &[&str] = &["of", "de", "da", "del", "della", "di", "du", "van", "von", "der", "den", "la", "le", "y", "bin", "al"];
+const CONNECTORS: &[&str] =
+    &["of", "de", "da", "del", "della", "di", "du", "van", "von", "der", "den", "la", "le", "y", "bin", "al"];
 const PREPOSITIONS: &[&str] = &[
-    "in", "on", "at", "by", "from", "to", "into", "near", "during", "since", "until", "before", "after", "with",
-    "for", "of", "about", "across", "through", "toward", "towards", "inside", "outside", "behind", "beside", "under",
-    "over", "between", "among", "around", "past",
+    "in", "on", "at", "by", "from", "to", "into", "near", "during", "since", "until", "before", "after", "with", "for",
+    "of", "about", "across", "through", "toward", "towards", "inside", "outside", "behind", "beside", "under", "over",
+    "between", "among", "around", "past", "above", "below", "beneath", "along", "beyond", "opposite", "off", "outside",
+    "throughout", "within", "without", "against", "upon", "via", "like", "than",
 ];
 const COPULAS: &[&str] = &["is", "are", "was", "were"];
 const AUXILIARIES: &[&str] = &["is", "are", "was", "were", "has", "have", "had", "will", "would", "can", "could"];
@@ -859,14 +974,25 @@ const NAMING_VERBS: &[&str] = &["named", "called", "titled", "entitled", "nickna
 const IRREGULAR_PARTICIPLES: &[&str] = &[
     "born", "held", "built", "made", "known", "given", "taken", "written", "found", "seen", "sold", "paid", "kept",
     "left", "sent", "told", "begun", "chosen", "done", "drawn", "driven", "fallen", "grown", "hidden", "led", "lost",
-    "meant", "met", "put", "read", "set", "shown", "shut", "spent", "stolen", "struck", "thrown", "understood",
-    "won", "worn", "bought", "brought", "caught", "taught", "thought", "sung", "run", "hung", "laid", "lit", "sold",
+    "meant", "met", "put", "read", "set", "shown", "shut", "spent", "stolen", "struck", "thrown", "understood", "won",
+    "worn", "bought", "brought", "caught", "taught", "thought", "sung", "run", "hung", "laid", "lit", "sold",
 ];
-const ADVERBS: &[&str] = &["first", "later", "originally", "also", "once", "still", "then", "now", "formally", "officially", "finally", "recently"];
+const ADVERBS: &[&str] = &[
+    "first", "later", "originally", "also", "once", "still", "then", "now", "formally", "officially", "finally",
+    "recently",
+];
 
 fn is_participle(w: &str) -> bool {
     let l = w.to_lowercase();
     (l.len() > 4 && l.ends_with("ed")) || IRREGULAR_PARTICIPLES.contains(&l.as_str())
+}
+
+/// Letters and digits mixed, other than ordinals and decades ("2nd", "1990s").
+fn is_code(w: &str) -> bool {
+    let digits = w.trim_end_matches(|c: char| c.is_ascii_alphabetic());
+    let suffix = &w[digits.len()..];
+    let ordinal = digits.chars().all(|c| c.is_ascii_digit()) && matches!(suffix, "st" | "nd" | "rd" | "th" | "s");
+    w.chars().any(|c| c.is_alphabetic()) && !ordinal
 }
 
 fn is_year(w: &str) -> bool {
@@ -876,7 +1002,10 @@ fn is_year(w: &str) -> bool {
 
 fn is_day(w: &str) -> bool {
     let t = w.trim_end_matches(|c: char| c.is_alphabetic());
-    !t.is_empty() && t.len() <= 2 && t.chars().all(|c| c.is_ascii_digit()) && (1..=31).contains(&t.parse::<u32>().unwrap_or(0))
+    !t.is_empty()
+        && t.len() <= 2
+        && t.chars().all(|c| c.is_ascii_digit())
+        && (1..=31).contains(&t.parse::<u32>().unwrap_or(0))
 }
 
 fn is_time(w: &str) -> bool {
@@ -889,22 +1018,63 @@ fn is_time(w: &str) -> bool {
 /// sentence-initial capitalised word is a name only if it is also capitalised elsewhere).
 struct Lexicon {
     proper: HashSet<String>,
+    /// Words seen in two-word capitalised names or after a kinship word ("Thomas Reed", "his
+    /// sister Margaret"): alone later, they still name a person.
+    person_like: HashSet<String>,
 }
 
 impl Lexicon {
+    /// Words capitalised in mid-sentence more often than they appear in lower case, counted
+    /// over prose sentences only (title-case headings would make every word a name).
     fn new(doc: &str, sentences: &[Span]) -> Self {
-        let mut proper = HashSet::new();
-        for s in sentences {
-            let words = words_of(s.text(doc));
-            for (i, w) in words.iter().enumerate().skip(1) {
-                let prev_raw = &s.text(doc)[words[i - 1].raw.0..words[i - 1].raw.1];
-                let after_break = prev_raw.ends_with(['.', ':', '!', '?', '"', '“']);
-                if w.capitalised() && !after_break && !is_stopword(w.text) {
-                    proper.insert(w.text.to_string());
+        let mut capitalised: HashMap<&str, usize> = HashMap::new();
+        let mut lower: HashMap<String, usize> = HashMap::new();
+        let mut person_like = HashSet::new();
+        let head = |w: &str| {
+            let l = w.to_lowercase();
+            ORG_HEADS.contains(&l.as_str()) || PLACE_HEADS.contains(&l.as_str()) || is_stopword(&l) || is_title(&l)
+        };
+        for span in sentences {
+            let Some(s) = Sent::new(doc, span) else { continue };
+            for (i, w) in s.words.iter().enumerate() {
+                if w.capitalised() && !head(w.text) && w.text.chars().any(char::is_lowercase) {
+                    let prev = i.checked_sub(1).map(|p| s.words[p].lower());
+                    if prev.as_deref().is_some_and(|p| KINSHIP.contains(&p.trim_end_matches('.'))) {
+                        person_like.insert(w.text.to_string());
+                    }
+                    if let Some(next) = s.words.get(i + 1) {
+                        let pair = next.capitalised()
+                            && !head(next.text)
+                            && next.text.chars().any(char::is_lowercase)
+                            && !s.breaks_after(i)
+                            && prev.as_deref() != Some("the")
+                            && s.words.get(i + 2).is_none_or(|w3| !w3.capitalised());
+                        if pair {
+                            person_like.insert(w.text.to_string());
+                            person_like.insert(next.text.to_string());
+                        }
+                    }
+                }
+                if w.starts_lower() {
+                    *lower.entry(w.text.to_string()).or_default() += 1;
+                    continue;
+                }
+                if i == 0 || !w.capitalised() || is_stopword(w.text) {
+                    continue;
+                }
+                let prev = &s.words[i - 1];
+                let prev_raw = &s.body[prev.raw.0..prev.raw.1];
+                if !prev_raw.ends_with(['.', ':', '!', '?', '"', '“']) {
+                    *capitalised.entry(w.text).or_default() += 1;
                 }
             }
         }
-        Self { proper }
+        let proper = capitalised
+            .into_iter()
+            .filter(|(w, n)| *n > lower.get(&w.to_lowercase()).copied().unwrap_or(0))
+            .map(|(w, _)| w.to_string())
+            .collect();
+        Self { proper, person_like }
     }
 }
 
@@ -926,8 +1096,22 @@ impl<'a> Sent<'a> {
         let words = words_of(body);
         let n_alpha = words.iter().filter(|w| w.text.chars().any(char::is_alphabetic)).count();
         let punct = strip_final(body).len() < body.trim_end().len();
-        // Skip headings and fragments.
+        // Skip headings, fragments, formulas, code and bibliography entries.
         if words.len() < 4 || n_alpha < 3 || (!punct && words.len() < 6) || words.len() > 80 || hashes > 0 {
+            return None;
+        }
+        let markup =
+            body.chars().filter(|c| matches!(c, '$' | '\\' | '{' | '}' | '^' | '=' | '|' | '<' | '>' | '~')).count();
+        let letters = body.chars().filter(|c| c.is_alphabetic() || c.is_whitespace()).count();
+        let initials = words.iter().filter(|w| {
+            let raw = &body[w.raw.0..w.raw.1];
+            let mut c = raw.chars();
+            matches!((c.next(), c.next()), (Some(a), Some('.')) if a.is_uppercase())
+        });
+        let lower = body.to_lowercase();
+        let bibliography =
+            ["arxiv", "doi:", "pp.", "proceedings", "isbn"].iter().any(|k| lower.contains(k)) || body.starts_with('*');
+        if markup > 0 || letters * 10 < body.chars().count() * 7 || initials.count() >= 3 || bibliography {
             return None;
         }
         Some(Self { body, offset: span.start + lead, words })
@@ -951,7 +1135,7 @@ impl<'a> Sent<'a> {
         let raw = &self.body[w.raw.0..w.raw.1];
         let after = &raw[w.core.1 - w.raw.0..];
         let after = after.trim_start_matches(['\'', '’']).trim_start_matches('s');
-        !after.is_empty() && !(after == "." && is_title(w.text))
+        !(after.is_empty() || (after == "." && is_title(w.text)))
     }
 
     fn is_possessive(&self, i: usize) -> bool {
@@ -962,6 +1146,19 @@ impl<'a> Sent<'a> {
     }
 }
 
+/// "DON'T", "can't", "We'll" (not "O'Hara").
+fn is_contraction(w: &str) -> bool {
+    let l = w.to_lowercase().replace('’', "'");
+    l.contains('\'')
+        && (["n't", "'ll", "'re", "'ve", "'d", "'m"].iter().any(|s| l.ends_with(s))
+            || !w.chars().any(char::is_lowercase))
+}
+
+const KINSHIP: &[&str] = &[
+    "sister", "brother", "wife", "husband", "son", "daughter", "mother", "father", "friend", "colleague", "uncle",
+    "aunt", "cousin", "nephew", "niece", "partner", "grandmother", "grandfather", "mr", "mrs", "ms", "dr",
+];
+
 fn is_title(w: &str) -> bool {
     TITLES.contains(&w.to_lowercase().trim_end_matches('.'))
 }
@@ -970,7 +1167,20 @@ fn is_title(w: &str) -> bool {
 fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
     let ws = &s.words;
     let n = ws.len();
-    let mut used = vec![false; n];
+    // Words inside brackets (citations, asides, equation numbers) are not asked about.
+    let mut used: Vec<bool> = {
+        let mut depth = 0i32;
+        let mut inside = vec![false; s.body.len() + 1];
+        for (i, c) in s.body.char_indices() {
+            match c {
+                '(' | '[' => depth += 1,
+                ')' | ']' => depth = (depth - 1).max(0),
+                _ => {}
+            }
+            inside[i] = depth > 0;
+        }
+        ws.iter().map(|w| inside[w.core.0]).collect()
+    };
     let mut out = Vec::new();
     let prep_before = |i: usize| -> Option<usize> {
         (i > 0 && PREPOSITIONS.contains(&ws[i - 1].lower().as_str()) && !s.breaks_after(i - 1)).then(|| i - 1)
@@ -993,10 +1203,21 @@ fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
             let w0 = ws.iter().position(|w| w.raw.0 <= inner_start && inner_start < w.raw.1.max(w.raw.0 + 1));
             let w1 = ws.iter().rposition(|w| w.raw.0 < b);
             if let (Some(w0), Some(w1)) = (w0, w1) {
-                if (1..=10).contains(&count) && w0 <= w1 && !used[w0..=w1].iter().any(|&u| u) && !inner.trim().is_empty() {
+                if (1..=10).contains(&count)
+                    && w0 <= w1
+                    && !used[w0..=w1].iter().any(|&u| u)
+                    && !inner.trim().is_empty()
+                {
                     used[w0..=w1].iter_mut().for_each(|u| *u = true);
                     let start = inner_start + (s.body[inner_start..].len() - s.body[inner_start..].trim_start().len());
-                    out.push(Entity { s: start, e: inner_start + inner.trim_end().len(), w0, w1: w1 + 1, kind: Kind::Quote, prep: prep_before(w0) });
+                    out.push(Entity {
+                        s: start,
+                        e: inner_start + inner.trim_end().len(),
+                        w0,
+                        w1: w1 + 1,
+                        kind: Kind::Quote,
+                        prep: prep_before(w0),
+                    });
                 }
             }
             from = b + close.len_utf8();
@@ -1016,7 +1237,10 @@ fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
             if w1 < n && is_day(ws[w1].text) && !s.breaks_after(i) {
                 w1 += 1;
             }
-            if w1 < n && is_year(ws[w1].text) && (!s.breaks_after(w1 - 1) || s.body[ws[w1 - 1].raw.0..ws[w1 - 1].raw.1].ends_with(',')) {
+            if w1 < n
+                && is_year(ws[w1].text)
+                && (!s.breaks_after(w1 - 1) || s.body[ws[w1 - 1].raw.0..ws[w1 - 1].raw.1].ends_with(','))
+            {
                 w1 += 1;
             }
             // "May" alone is a verb more often than not.
@@ -1031,22 +1255,43 @@ fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
         }
         i += 1;
     }
-    // Numbers, years, times.
+    // Numbers, years, times; spelled-out numbers when they count something ("four people").
     for i in 0..n {
+        if !used[i] && NUMBER_WORDS.contains(&ws[i].lower().as_str()) && i + 1 < n && !s.breaks_after(i) {
+            let next = &ws[i + 1];
+            if next.starts_lower() && next.text.chars().all(char::is_alphabetic) && !is_stopword(next.text) {
+                push(&mut out, &mut used, i, i + 1, Kind::Count { noun: i + 1 });
+            }
+            continue;
+        }
         if used[i] || !ws[i].has_digit() {
             continue;
         }
         let t = ws[i].text;
         if is_time(t) {
-            let w1 = if i + 1 < n && matches!(ws[i + 1].lower().as_str(), "a.m." | "p.m." | "a.m" | "p.m" | "am" | "pm") { i + 2 } else { i + 1 };
+            let w1 = if i + 1 < n && matches!(ws[i + 1].lower().as_str(), "a.m." | "p.m." | "a.m" | "p.m" | "am" | "pm")
+            {
+                i + 2
+            } else {
+                i + 1
+            };
             push(&mut out, &mut used, i, w1, Kind::Time);
-        } else if i + 1 < n && matches!(ws[i + 1].lower().as_str(), "a.m." | "p.m." | "a.m" | "p.m" | "am" | "pm" | "o'clock") {
+        } else if i + 1 < n
+            && matches!(ws[i + 1].lower().as_str(), "a.m." | "p.m." | "a.m" | "p.m" | "am" | "pm" | "o'clock")
+        {
             push(&mut out, &mut used, i, i + 2, Kind::Time);
         } else if is_year(t) {
             push(&mut out, &mut used, i, i + 1, Kind::Year);
+        } else if is_code(t) {
+            push(&mut out, &mut used, i, i + 1, Kind::Code);
         } else {
             let mut w1 = i + 1;
-            if w1 < n && matches!(ws[w1].lower().as_str(), "hundred" | "thousand" | "million" | "billion" | "trillion" | "percent" | "per") {
+            if w1 < n
+                && matches!(
+                    ws[w1].lower().as_str(),
+                    "hundred" | "thousand" | "million" | "billion" | "trillion" | "percent" | "per"
+                )
+            {
                 w1 += if ws[w1].lower() == "per" && w1 + 1 < n { 2 } else { 1 };
             }
             let counted = w1 < n
@@ -1068,6 +1313,7 @@ fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
                 && w.capitalised()
                 && w.text.chars().any(char::is_alphabetic)
                 && w.text != "I"
+                && !is_contraction(w.text)
                 && !MONTHS.contains(&w.lower().as_str())
                 && !WEEKDAYS.contains(&w.lower().as_str())
         };
@@ -1076,7 +1322,7 @@ fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
             continue;
         }
         let mut j = i + 1;
-        while j < n && !s.breaks_after(j - 1) && !s.is_possessive(j - 1) {
+        while j < n && !s.breaks_after(j - 1) && !s.is_possessive(j - 1) && ws[j].raw.0 == ws[j].core.0 {
             if cap(j) && !is_stopword(ws[j].text) {
                 j += 1;
             } else if CONNECTORS.contains(&ws[j].lower().as_str()) && j + 1 < n && cap(j + 1) && !s.breaks_after(j) {
@@ -1109,13 +1355,27 @@ fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
             }
         } else if titled {
             Kind::Person
-        } else if matches!(prep.as_deref(), Some("in" | "at" | "from" | "to" | "near" | "into" | "across" | "through")) {
+        } else if matches!(prep.as_deref(), Some("in" | "at" | "from" | "to" | "near" | "into" | "across" | "through"))
+            && !(single && ws[w0].text.chars().all(|c| !c.is_lowercase()))
+        {
             Kind::Place
-        } else if !the_before && !single && j - w0 <= 3 && !lowers.iter().any(|l| CONNECTORS.contains(&l.as_str())) {
-            Kind::Person
         } else if !the_before
-            && j < n
-            && matches!(ws[j].lower().as_str(), "said" | "says" | "told" | "asked" | "wrote" | "replied" | "explained" | "founded" | "married" | "died")
+            && ((!single && j - w0 <= 3 && !lowers.iter().any(|l| CONNECTORS.contains(&l.as_str())))
+                || (j < n
+                    && matches!(
+                        ws[j].lower().as_str(),
+                        "said"
+                            | "says"
+                            | "told"
+                            | "asked"
+                            | "wrote"
+                            | "replied"
+                            | "explained"
+                            | "founded"
+                            | "married"
+                            | "died"
+                    ))
+                || (w0..j).all(|k| lex.person_like.contains(ws[k].text)))
         {
             Kind::Person
         } else {
@@ -1141,10 +1401,15 @@ fn copula_split(s: &Sent) -> Option<usize> {
         return None;
     }
     let first = ws[0].lower();
-    if (c == 1 && PRONOUN_SUBJECTS.contains(&first.as_str())) || PREPOSITIONS.contains(&first.as_str()) || first == "there" {
+    if (c == 1 && PRONOUN_SUBJECTS.contains(&first.as_str()))
+        || PREPOSITIONS.contains(&first.as_str())
+        || first == "there"
+    {
         return None;
     }
-    if ["when", "if", "while", "although", "because", "as", "after", "before", "since", "once"].contains(&first.as_str()) {
+    if ["when", "if", "while", "although", "because", "as", "after", "before", "since", "once"]
+        .contains(&first.as_str())
+    {
         return None;
     }
     Some(c)
@@ -1157,8 +1422,10 @@ fn decap(phrase: &str, lex: &Lexicon) -> String {
     let possessive = first.ends_with("'s") || first.ends_with("’s");
     let core = first.trim_end_matches("'s").trim_end_matches("’s").trim_matches(|c: char| !c.is_alphanumeric());
     let acronym = core.chars().count() > 1 && core.chars().all(|c| !c.is_lowercase());
-    let next_capitalised = phrase.split_whitespace().nth(1).is_some_and(|w| w.chars().next().is_some_and(char::is_uppercase));
-    let name = lex.proper.contains(core) || acronym || is_title(core) || possessive || next_capitalised;
+    let next_capitalised =
+        phrase.split_whitespace().nth(1).is_some_and(|w| w.chars().next().is_some_and(char::is_uppercase));
+    let inner_caps = core.chars().skip(1).any(char::is_uppercase);
+    let name = lex.proper.contains(core) || acronym || inner_caps || is_title(core) || possessive || next_capitalised;
     if is_stopword(core) || !name {
         let mut c = phrase.chars();
         match c.next() {
@@ -1170,7 +1437,8 @@ fn decap(phrase: &str, lex: &Lexicon) -> String {
     }
 }
 
-const CLAUSE_WORDS: &[&str] = &["and", "or", "but", "who", "which", "that", "when", "where", "while", "because", "although", "so"];
+const CLAUSE_WORDS: &[&str] =
+    &["and", "or", "but", "who", "which", "that", "when", "where", "while", "because", "although", "so"];
 const COMMON_VERBS: &[&str] = &[
     "met", "saw", "gave", "became", "won", "led", "left", "wrote", "made", "took", "got", "sold", "bought", "found",
     "built", "told", "said", "went", "came", "ran", "paid", "kept", "held", "sent", "lost", "began", "chose", "drew",
@@ -1196,14 +1464,21 @@ fn constituent(s: &Sent, ent: &Entity) -> Option<usize> {
     if cs > 0 && matches!(ws[cs - 1].lower().as_str(), "the" | "a" | "an") && !s.breaks_after(cs - 1) {
         cs -= 1;
     }
-    let numeric = matches!(ent.kind, Kind::Number | Kind::Count { .. } | Kind::Year);
+    let numeric = matches!(ent.kind, Kind::Number | Kind::Count { .. } | Kind::Year | Kind::Code);
+    // A label's number ("Table 9", "Room 12") is part of a name.
+    let prev = ent.w0.checked_sub(1).map(|p| &ws[p]);
+    if numeric && prev.is_some_and(|p| p.capitalised() && !is_stopword(p.text) && !s.breaks_after(ent.w0 - 1)) {
+        return None;
+    }
     let start_ok = cs == 0
         || (numeric && cs == ent.w0)
         || s.body[..ws[cs].raw.0].trim_end().ends_with([',', ':', ';', '(', '—', '"', '“'])
         || PREPOSITIONS.contains(&ws[cs - 1].lower().as_str())
         || verbish(&ws[cs - 1]);
+    let intro = cs == 0 || s.body[..ws[cs].raw.0].trim_end().ends_with(',');
     let end_ok = ent.w1 == n
         || s.breaks_after(ent.w1 - 1)
+        || (intro && ws[ent.w1].starts_lower())
         || matches!(ent.kind, Kind::Count { .. })
         || PREPOSITIONS.contains(&ws[ent.w1].lower().as_str())
         || CLAUSE_WORDS.contains(&ws[ent.w1].lower().as_str())
@@ -1223,7 +1498,8 @@ fn wh_phrase(s: &Sent, ent: &Entity, subject: bool) -> String {
         Kind::Person => "whom".to_string(),
         Kind::Place => "which place".to_string(),
         Kind::Thing { head: Some(h) } => format!("which {}", s.words[h].lower()),
-        Kind::Thing { head: None } => "what name".to_string(),
+        Kind::Thing { head: None } => "what".to_string(),
+        Kind::Code => "what code".to_string(),
         Kind::Quote | Kind::Phrase => "what".to_string(),
     }
 }
@@ -1238,6 +1514,7 @@ fn kind_noun(kind: Kind) -> &'static str {
         Kind::Person => "person",
         Kind::Place => "place",
         Kind::Thing { .. } | Kind::Quote => "name",
+        Kind::Code => "code",
         Kind::Phrase => "",
     }
 }
@@ -1252,7 +1529,12 @@ fn question(s: &str) -> String {
 }
 
 /// The direct wh-question for an entity, when the sentence's shape allows one.
-fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>) -> (Option<String>, Option<String>, Option<String>) {
+fn direct_question(
+    s: &Sent,
+    lex: &Lexicon,
+    ent: &Entity,
+    copula: Option<usize>,
+) -> (Option<String>, Option<String>, Option<String>) {
     let ws = &s.words;
     let n = ws.len();
     let prep_word = ent.prep.map(|p| ws[p].lower());
@@ -1270,13 +1552,17 @@ fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>)
         let det = |i: usize| matches!(ws[i].lower().as_str(), "the" | "a" | "an");
         let pred_start = ent.w0 == p0 || (ent.w0 == p0 + 1 && (ent.prep == Some(p0) || det(p0)));
         let is_cop = COPULAS.contains(&cop.as_str());
-        if is_cop && pred_start && ent.w1 == n && !participle {
+        // "X is Y, a …": the appositive does not belong in the question.
+        let apposed = ent.w1 < n && s.body[ent.e..].starts_with(',');
+        if is_cop && pred_start && (ent.w1 == n || apposed) && !participle {
             // "X is Y": What/Who/When/Where is X?
             let wh = match ent.kind {
                 Kind::Person => "Who",
                 Kind::Year | Kind::Date | Kind::Time => "When",
                 Kind::Place => "Where",
-                _ if ent.prep == Some(p0) && matches!(prep_word.as_deref(), Some("in" | "at" | "near" | "on")) => "Where",
+                _ if ent.prep == Some(p0) && matches!(prep_word.as_deref(), Some("in" | "at" | "near" | "on")) => {
+                    "Where"
+                }
                 _ => "What",
             };
             direct = Some(format!("{wh} {cop} {subject}?"));
@@ -1293,7 +1579,7 @@ fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>)
                 _ => "are",
             };
             tense = Some(format!("{wh} {other} {subject}?"));
-        } else if ent.w0 > c && cs.is_some() {
+        } else if ent.w0 > c && cs.is_some() && (!is_cop || participle) {
             // "X was founded in 1998 by Y" → When was X founded by Y? / By whom was X founded in 1998?
             let cs = cs.unwrap_or(ent.w0);
             let with_prep = matches!(ent.prep, Some(p) if p + 1 == cs && p > c);
@@ -1304,7 +1590,9 @@ fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>)
             };
             let wh = match (ent.kind, prep_word.as_deref()) {
                 (Kind::Person, Some("by")) if with_prep => "By whom".to_string(),
-                (Kind::Year | Kind::Date | Kind::Time, Some("in" | "on" | "at" | "during")) if with_prep => "When".to_string(),
+                (Kind::Year | Kind::Date | Kind::Time, Some("in" | "on" | "at" | "during")) if with_prep => {
+                    "When".to_string()
+                }
                 (Kind::Place, Some("in" | "at" | "near")) if with_prep => "Where".to_string(),
                 (Kind::Place, Some("from")) if with_prep => "From where".to_string(),
                 (Kind::Place, Some(p)) if with_prep => format!("{} which place", first_char_upper(p)),
@@ -1315,12 +1603,25 @@ fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>)
                 _ => "What".to_string(),
             };
             // An appositive after the entity (", a retired sea captain") is dropped.
-            let after = if b < n && !s.body[ws[ent.w1 - 1].core.1..ws[b].raw.0].contains(',') { s.text(b, n) } else { "" };
+            let after =
+                if b < n && !s.body[ws[ent.w1 - 1].core.1..ws[b].raw.0].contains(',') { s.text(b, n) } else { "" };
             let rest = squeeze(strip_final(&format!("{} {}", s.text(c + 1, a), after)));
+            let possession = matches!(cop.as_str(), "has" | "have" | "had") && !participle;
+            if possession && !matches!(ent.kind, Kind::Count { .. }) {
+                return (None, None, None);
+            }
             let (aux, tail) = match cop.as_str() {
-                "has" | "have" | "had" if !participle => {
-                    (if cop == "had" { "did" } else if cop == "has" { "does" } else { "do" }.to_string(), format!("have {rest}"))
-                }
+                "has" | "have" | "had" if !participle => (
+                    if cop == "had" {
+                        "did"
+                    } else if cop == "has" {
+                        "does"
+                    } else {
+                        "do"
+                    }
+                    .to_string(),
+                    format!("have {rest}"),
+                ),
                 _ => (cop.clone(), rest),
             };
             if !tail.trim().is_empty() || is_cop {
@@ -1340,9 +1641,9 @@ fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>)
         }
         let verb = ws[v].lower();
         if NAMING_VERBS.contains(&verb.as_str()) && !(verb == "known" && prep_word.as_deref() != Some("as")) {
-            let det = (v.saturating_sub(5)..v)
-                .rev()
-                .find(|&d| ["a", "an", "the", "his", "her", "their", "its", "our", "my", "your"].contains(&ws[d].lower().as_str()));
+            let det = (v.saturating_sub(5)..v).rev().find(|&d| {
+                ["a", "an", "the", "his", "her", "their", "its", "our", "my", "your"].contains(&ws[d].lower().as_str())
+            });
             if v >= 1 && COPULAS.contains(&ws[v - 1].lower().as_str()) && v >= 2 {
                 let subject = decap(&s.phrase(0, v - 1), lex);
                 direct = Some(question(&format!("What {} {} {}", ws[v - 1].lower(), subject, verb)));
@@ -1350,6 +1651,25 @@ fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>)
                 let np = s.phrase(d + 1, v);
                 direct = Some(question(&format!("What is the name of the {np}")));
                 typed = Some(question(&format!("What was the {np} called")));
+            }
+        }
+    }
+    // Apposition: "The nearest town, Longyearbyen, is …" → What is the name of the nearest town?
+    if direct.is_none() && matches!(ent.kind, Kind::Person | Kind::Place | Kind::Thing { .. }) && ent.w0 >= 2 {
+        let before_comma = s.body[..ws[ent.w0].raw.0].trim_end().ends_with(',');
+        let after_comma = ent.w1 == n || s.body[ent.e..].starts_with(',');
+        let det = (ent.w0.saturating_sub(6)..ent.w0 - 1).rev().find(|&d| {
+            ["a", "an", "the", "his", "her", "their", "its", "our", "my", "your"].contains(&ws[d].lower().as_str())
+        });
+        if let (true, true, Some(d)) = (before_comma, after_comma, det) {
+            let np = s.phrase(d, ent.w0);
+            if !np.contains(',')
+                && (d == 0
+                    || s.body[..ws[d].raw.0].trim_end().ends_with(',')
+                    || PREPOSITIONS.contains(&ws[d - 1].lower().as_str())
+                    || verbish(&ws[d - 1]))
+            {
+                direct = Some(question(&format!("What is the name of {}", decap(&np, lex))));
             }
         }
     }
@@ -1381,6 +1701,9 @@ fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>)
 fn in_situ_question(s: &Sent, ent: &Entity) -> Option<String> {
     let ws = &s.words;
     let cs = constituent(s, ent)?;
+    if s.body[..ws[cs].raw.0].trim_end().ends_with(',') && s.body[ent.e..].starts_with(',') {
+        return None; // an appositive
+    }
     let with_prep = matches!(ent.prep, Some(p) if p + 1 == cs);
     let a = if with_prep { cs - 1 } else { cs };
     let intro = a == 0 || s.body[..ws[a].raw.0].trim_end().ends_with(',');
@@ -1486,7 +1809,7 @@ fn extractive_candidates(doc: &str, sentences: &[Span], opts: &QaOptions) -> Vec
             let pred = copula.is_some_and(|c| e.w0 > c && e.w1 == s.words.len());
             let p = match e.kind {
                 _ if pred => 0,
-                Kind::Number | Kind::Count { .. } | Kind::Year | Kind::Date | Kind::Time => 1,
+                Kind::Number | Kind::Count { .. } | Kind::Year | Kind::Date | Kind::Time | Kind::Code => 1,
                 Kind::Person | Kind::Quote => 2,
                 Kind::Place | Kind::Thing { .. } => 3,
                 Kind::Phrase => 4,
@@ -1540,7 +1863,9 @@ fn fallback_candidates(doc: &str, sentences: &[Span]) -> Vec<Candidate> {
             continue;
         }
         // The last content word, blanked.
-        let Some(k) = words.iter().rposition(|w| w.text.len() >= 3 && !is_stopword(w.text) && w.text.chars().all(char::is_alphanumeric))
+        let Some(k) = words
+            .iter()
+            .rposition(|w| w.text.len() >= 3 && !is_stopword(w.text) && w.text.chars().all(char::is_alphanumeric))
         else {
             continue;
         };
@@ -1622,7 +1947,11 @@ Visitors can reach the museum from Central Station in ten minutes.";
 
     #[test]
     fn parse_paper_format_and_variants() {
-        let want = Some(("Who founded the museum?".to_string(), "Elena Marsh".to_string(), "The museum was founded by Elena Marsh.".to_string()));
+        let want = Some((
+            "Who founded the museum?".to_string(),
+            "Elena Marsh".to_string(),
+            "The museum was founded by Elena Marsh.".to_string(),
+        ));
         let paper = "Question: Who founded the museum?\n\nAnswer: Elena Marsh\n\nEvidence: The museum was founded by Elena Marsh.";
         assert_eq!(parse_qa(paper), want);
         let compact = "Question: Who founded the museum?\nAnswer: Elena Marsh\nEvidence: The museum was founded by Elena Marsh.\n";
@@ -1635,9 +1964,11 @@ Visitors can reach the museum from Central Station in ten minutes.";
         assert_eq!(parse_qa(numbered), want);
         let next_line = "Question 1:\nWho founded the museum?\n\nAnswer:\nElena Marsh\n\nEvidence:\n\"The museum was founded by Elena Marsh.\"";
         assert_eq!(parse_qa(next_line), want);
-        let short_labels = "Q: Who founded the museum?\nA: [Elena Marsh]\nEvidence: The museum was founded by Elena Marsh.";
+        let short_labels =
+            "Q: Who founded the museum?\nA: [Elena Marsh]\nEvidence: The museum was founded by Elena Marsh.";
         assert_eq!(parse_qa(short_labels), want);
-        let lower = "question: Who founded the museum?\nanswer: Elena Marsh\nevidence: The museum was founded by Elena Marsh.";
+        let lower =
+            "question: Who founded the museum?\nanswer: Elena Marsh\nevidence: The museum was founded by Elena Marsh.";
         assert_eq!(parse_qa(lower), want);
         // Only the first triple counts.
         let two = format!("{compact}\nQuestion: Another?\nAnswer: x\nEvidence: y");
@@ -1655,15 +1986,6 @@ Visitors can reach the museum from Central Station in ten minutes.";
         assert_eq!(parse_qa("Question: [question]\n\nAnswer: [answer]\n\nEvidence: [evidence]"), None);
         // Evidence before the answer is out of order.
         assert_eq!(parse_qa("Question: Who?\nEvidence: The museum was founded.\nAnswer: Elena"), None);
-    }
-
-    #[test]
-    fn completion_waits_for_the_end_of_the_evidence() {
-        assert!(!triple_complete("Question: Who?\nAnswer: Elena\nEvidence: The museum was"));
-        assert!(triple_complete("Question: Who?\nAnswer: Elena\nEvidence: The museum was founded.\n"));
-        assert!(triple_complete("Question: Who?\n\nAnswer: Elena\n\nEvidence:\nThe museum was founded.\n"));
-        assert!(!triple_complete("Question: Who?\nAnswer: Elena\nEvidence:\n"));
-        assert!(!triple_complete("Question: Who?\nAnswer: Elena"));
     }
 
     #[test]
@@ -1708,6 +2030,21 @@ Visitors can reach the museum from Central Station in ten minutes.";
         let given_away = "Question: What did Elena Marsh do?\nAnswer: Elena Marsh\nEvidence: The museum was founded by Elena Marsh, a retired sea captain.\n";
         assert!(matches!(validate_model_output(doc, window, given_away), Verdict::Answer));
         assert!(matches!(validate_model_output(doc, window, "I cannot do that."), Verdict::Parse));
+        // Evidence that drifts after verbatim sentences keeps the verbatim, adjacent run; a meta
+        // preamble before the question is dropped.
+        let drift = "Question: What is the answer to the question: Who was the first director?\nAnswer: Tomas Berg\n\
+                     Evidence: The museum was founded by Elena Marsh, a retired sea captain. Its first director was Tomas Berg. It had 900 rooms.";
+        match validate_model_output(doc, window, drift) {
+            Verdict::Valid(p) => {
+                assert_eq!(p.question, "Who was the first director?");
+                assert_eq!(
+                    p.evidence,
+                    "The museum was founded by Elena Marsh, a retired sea captain. Its first director was Tomas Berg."
+                );
+                assert_eq!(&doc[p.evidence_span.0..p.evidence_span.1], p.evidence);
+            }
+            _ => panic!("drifting evidence rejected"),
+        }
     }
 
     #[test]
@@ -1718,8 +2055,16 @@ Visitors can reach the museum from Central Station in ten minutes.";
         let about: Vec<&QaPair> = pairs.iter().filter(|p| p.evidence == sentence).collect();
         assert!(about.len() >= 4, "several wordings per fact: {about:#?}");
         assert_eq!(find(&pairs, "What is the vault code at the Lisbon office?").unwrap().answer, "4417");
-        assert_eq!(find(&pairs, "According to the document, what is the vault code at the Lisbon office?").unwrap().answer, sentence);
-        assert_eq!(find(&pairs, "Complete the sentence from the document: The vault code at the Lisbon office is ___.").unwrap().answer, "4417");
+        assert_eq!(
+            find(&pairs, "According to the document, what is the vault code at the Lisbon office?").unwrap().answer,
+            sentence
+        );
+        assert_eq!(
+            find(&pairs, "Complete the sentence from the document: The vault code at the Lisbon office is ___.")
+                .unwrap()
+                .answer,
+            "4417"
+        );
         assert_eq!(find(&pairs, "Which number is the vault code at the Lisbon office?").unwrap().answer, "4417");
         // Names, dates, places, counts, possessives, naming.
         assert_eq!(find(&pairs, "By whom was the museum founded?").unwrap().answer, "Elena Marsh");
@@ -1729,7 +2074,10 @@ Visitors can reach the museum from Central Station in ten minutes.";
         assert_eq!(find(&pairs, "Whose favourite exhibit is the brass telescope?").unwrap().answer, "Anna");
         assert_eq!(find(&pairs, "What is the museum's oldest ship model called?").unwrap().answer, "Morning Star");
         assert_eq!(find(&pairs, "In 2005, who became the chief curator?").unwrap().answer, "Maria Santos");
-        assert_eq!(find(&pairs, "From where can visitors reach the museum in ten minutes?").unwrap().answer, "Central Station");
+        assert_eq!(
+            find(&pairs, "From where can visitors reach the museum in ten minutes?").unwrap().answer,
+            "Central Station"
+        );
         // Every fact has short answers and a full-sentence answer.
         let full = pairs.iter().filter(|p| p.answer == p.evidence).count();
         let short = pairs.iter().filter(|p| p.answer.len() < p.evidence.len() / 2).count();
@@ -1832,5 +2180,47 @@ Visitors can reach the museum from Central Station in ten minutes.";
         assert!(pairs.iter().any(|p| p.answer.contains("Ruth Klein")));
         assert!(pairs.iter().any(|p| p.answer == "2019"));
         assert!(!pairs.iter().any(|p| p.evidence.contains("Notes")));
+    }
+
+    #[test]
+    fn random_text_never_breaks_the_rules() {
+        // Pseudo-random "documents" of words, numbers, names, punctuation, quotes and non-ASCII.
+        let pieces = [
+            "the", "museum", "Anna", "Berg's", "is", "was", "in", "1987", "3.14", "4,200", "LKN-7", "Dr.", "U.S.",
+            "\"Star\"", "“Moon”", "(see", "p.", "12)", "Zürich", "日本", "😀", "e.g.", "March", "3,", "named",
+            "called", ",", ".", "!", "?", "...", "\n", "\n\n", "- ", "# ", "1. ", "'s", "—", "$x$", "{", "}", "has",
+            "42", "rooms", "by", "Maria", "Santos", "at", "7:30", "p.m.", "Tuesday",
+        ];
+        let mut state = 0x2545_F491_4F6C_DD1Du64;
+        for _ in 0..200 {
+            let mut doc = String::new();
+            for _ in 0..60 {
+                state ^= state << 13;
+                state ^= state >> 7;
+                state ^= state << 17;
+                doc.push_str(pieces[(state % pieces.len() as u64) as usize]);
+                if !state.is_multiple_of(3) {
+                    doc.push(' ');
+                }
+            }
+            let sentences = split_sentences(&doc);
+            let pairs = extractive_qa(&doc, &sentences, &QaOptions { min_pairs: 3, ..Default::default() });
+            assert_verbatim(&doc, &pairs);
+            let qs: HashSet<String> = pairs.iter().map(|p| normalize_question(&p.question)).collect();
+            assert_eq!(qs.len(), pairs.len());
+        }
+    }
+
+    /// Development aid: `QA_DOC=path cargo test --release --lib print_extractive -- --ignored --nocapture`.
+    #[test]
+    #[ignore]
+    fn print_extractive() {
+        let doc = std::env::var("QA_DOC")
+            .map(|p| std::fs::read_to_string(p).unwrap())
+            .unwrap_or_else(|_| PARAGRAPH.to_string());
+        let o = QaOptions { max_pairs: 100_000, ..Default::default() };
+        for p in extract(&doc, &o) {
+            eprintln!("{}  =>  {}", p.question, p.answer);
+        }
     }
 }

@@ -61,7 +61,8 @@ const ABBREVIATIONS: &[&str] = &[
 ];
 
 /// Abbreviations that only hold before a number ("No. 5", "Fig. 3", "p. 12").
-const NUMBER_ABBREVIATIONS: &[&str] = &["no", "nos", "fig", "figs", "vol", "vols", "p", "pp", "ch", "art", "sec", "eq", "ref", "tab", "nr"];
+const NUMBER_ABBREVIATIONS: &[&str] =
+    &["no", "nos", "fig", "figs", "vol", "vols", "p", "pp", "ch", "art", "sec", "eq", "ref", "tab", "nr"];
 
 /// Splits prose into sentences (see the module docs).
 pub fn split_sentences(text: &str) -> Vec<Span> {
@@ -217,7 +218,8 @@ fn soft_wrap(prev: &str, next: &str) -> bool {
 /// The whitespace-delimited word that ends right before byte `i` of `text` (within `from..i`).
 fn word_before(text: &str, from: usize, i: usize) -> &str {
     let seg = &text[from..i];
-    let start = seg.rfind(char::is_whitespace).map(|p| p + seg[p..].chars().next().map_or(1, char::len_utf8)).unwrap_or(0);
+    let start =
+        seg.rfind(char::is_whitespace).map(|p| p + seg[p..].chars().next().map_or(1, char::len_utf8)).unwrap_or(0);
     seg[start..].trim_start_matches(['(', '[', '"', '\'', '“', '‘', '«'])
 }
 
@@ -243,7 +245,8 @@ fn dot_is_not_boundary(text: &str, seg_start: usize, dot: usize, next: char) -> 
         }
     }
     // Dotted acronyms (U.S.A, e.g, a.m): keep together unless clearly a sentence end.
-    if word.contains('.') && word.split('.').all(|p| !p.is_empty() && p.chars().count() <= 3 && p.chars().all(char::is_alphabetic))
+    if word.contains('.')
+        && word.split('.').all(|p| !p.is_empty() && p.chars().count() <= 3 && p.chars().all(char::is_alphabetic))
     {
         return !matches!(lower.as_str(), "a.m" | "p.m");
     }
@@ -407,7 +410,10 @@ mod tests {
             sents("The U.S. Army arrived. Prices rose 2.5 percent, e.g. for bread. J. K. Rowling wrote it."),
             ["The U.S. Army arrived.", "Prices rose 2.5 percent, e.g. for bread.", "J. K. Rowling wrote it."]
         );
-        assert_eq!(sents("See Fig. 3 and No. 7 for details. Then stop."), ["See Fig. 3 and No. 7 for details.", "Then stop."]);
+        assert_eq!(
+            sents("See Fig. 3 and No. 7 for details. Then stop."),
+            ["See Fig. 3 and No. 7 for details.", "Then stop."]
+        );
         assert_eq!(sents("The answer was no. Then we left."), ["The answer was no.", "Then we left."]);
         assert_eq!(sents("It costs approx. five dollars. Good."), ["It costs approx. five dollars.", "Good."]);
         assert_eq!(sents("Version 1.2.3 shipped. It works."), ["Version 1.2.3 shipped.", "It works."]);
