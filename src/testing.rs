@@ -27,6 +27,27 @@ impl Default for TinySpec {
     }
 }
 
+/// The default model's configuration (SmolLM2-135M), for size computations in tests.
+pub fn smollm2_135m_config() -> crate::model::ModelConfig {
+    crate::model::ModelConfig {
+        architecture: crate::model::Architecture::Llama,
+        vocab_size: 49152,
+        hidden_size: 576,
+        intermediate_size: 1536,
+        num_layers: 30,
+        num_heads: 9,
+        num_kv_heads: 3,
+        head_dim: 64,
+        rms_norm_eps: 1e-5,
+        rope_theta: 100000.0,
+        rope_scaling: None,
+        max_position_embeddings: 8192,
+        tie_word_embeddings: true,
+        attention_bias: false,
+        sliding_window: None,
+    }
+}
+
 pub const SPECIALS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
 pub const CHATML_TEMPLATE: &str = "{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 

@@ -300,27 +300,8 @@ impl AdapterBundle {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::config::Architecture;
 
-    fn smollm2_135m() -> ModelConfig {
-        ModelConfig {
-            architecture: Architecture::Llama,
-            vocab_size: 49152,
-            hidden_size: 576,
-            intermediate_size: 1536,
-            num_layers: 30,
-            num_heads: 9,
-            num_kv_heads: 3,
-            head_dim: 64,
-            rms_norm_eps: 1e-5,
-            rope_theta: 100000.0,
-            rope_scaling: None,
-            max_position_embeddings: 8192,
-            tie_word_embeddings: true,
-            attention_bias: false,
-            sliding_window: None,
-        }
-    }
+    use crate::testing::smollm2_135m_config as smollm2_135m;
 
     #[test]
     fn adapter_sizes_on_smollm2_135m() {
