@@ -436,3 +436,58 @@ async fn bad_inputs() {
     let after: BTreeMap<_, _> = snapshot(&e.adapters).into_iter().filter(|(k, _)| !k.contains(&slow_id)).collect();
     assert_eq!(after, before, "stored adapter files byte-identical");
 }
+
+/// A full training queue answers 429; once shutdown begins new work gets 503 and the training
+/// job is recorded as failed with the reason (then settled the same way after a restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_full_and_shutdown() {
+    let e = env();
+    let mut cfg = config(&e, &[]);
+    cfg.train_queue = 1;
+    let (running, base) = start(cfg).await;
+    let c = client();
+    let slow = json!({"epochs": [50, 50]});
+    let (s, a) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(4), "options": slow}), None).await;
+    assert_eq!(s, 202, "{a}");
+    let a_id = a["id"].as_str().unwrap().to_string();
+    for _ in 0..200 {
+        let (_, d) = get_json(&c, &format!("{base}/documents/{a_id}"), None).await;
+        if d["status"] == "training" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (s, b) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": slow}), None).await;
+    assert_eq!(s, 202, "{b}");
+    let (s, v) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(2), "options": slow}), None).await;
+    assert_eq!(s, 429, "{v}");
+    assert_error_shape(&v, "queue_full", "queue full");
+    assert_eq!(v["error"]["type"], "rate_limit_error");
+    let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("lift_training_queue_depth 1"), "{metrics}");
+
+    server::begin_shutdown(&running.state);
+    let (s, v) = post_json(&c, &format!("{base}/documents"), json!({"text": "new work"}), None).await;
+    assert_eq!(s, 503, "{v}");
+    assert_error_shape(&v, "shutting_down", "shutdown");
+    let (s, _) = post_json(&c, &format!("{base}/ask"), json!({"document_id": a_id, "question": "x"}), None).await;
+    assert_eq!(s, 503);
+    let (s, d) = get_json(&c, &format!("{base}/documents/{a_id}"), None).await;
+    assert_eq!(s, 200, "reads still work while shutting down");
+    let _ = d;
+    running.shutdown().await;
+
+    // Both jobs are failed-with-reason on disk, and stay so after a restart.
+    let (running, base) = start(config(&e, &[])).await;
+    for id in [a_id.as_str(), b["id"].as_str().unwrap()] {
+        let (s, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+        assert_eq!((s, d["status"].as_str()), (StatusCode::OK, Some("failed")), "{d}");
+        assert!(d["error"]["message"].as_str().unwrap().contains("interrupted"), "{d}");
+    }
+    // Re-posting a failed document queues it again.
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": slow}), None).await;
+    assert_eq!((s, d["id"].as_str()), (StatusCode::ACCEPTED, b["id"].as_str()), "{d}");
+    let r = c.delete(format!("{base}/documents/{}", d["id"].as_str().unwrap())).send().await.unwrap();
+    assert_eq!(r.status(), 204);
+    running.shutdown().await;
+}
