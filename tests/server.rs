@@ -1,0 +1,493 @@
+//! HTTP server integration tests: a real socket on 127.0.0.1:0, the tiny random model, a temp
+//! adapters directory and tiny absorb options; a real HTTP client (reqwest).
+
+use lift_serve::server::{self, Running, ServeConfig};
+use lift_serve::testing::{write_hf, TinySpec};
+use reqwest::{Client, StatusCode};
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+const DOC: &str = "The harbor of Velmora was built in 1843 by the engineer Ada Quill. \
+It has three piers: the north pier for fishing boats, the east pier for ferries and the south pier for cargo. \
+The lighthouse keeper, Tomas Brell, painted the tower blue in 1901. \
+Every spring the town holds a lantern festival on the east pier. \
+The harbor master's office keeps a brass bell that rings at noon.";
+
+struct Env {
+    _tmp: tempfile::TempDir,
+    model: PathBuf,
+    adapters: PathBuf,
+    options: PathBuf,
+}
+
+fn env() -> Env {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = write_hf(&tmp.path().join("tiny"), &TinySpec::default()).unwrap();
+    let adapters = tmp.path().join("adapters");
+    let options = tmp.path().join("absorb.json");
+    std::fs::write(
+        &options,
+        json!({"plan": {"window": 32, "context_tokens": 16},
+               "train": {"epochs": [1, 1]},
+               "qa": {"use_model": false, "max_pairs": 4, "min_pairs": 2}})
+        .to_string(),
+    )
+    .unwrap();
+    Env { _tmp: tmp, model, adapters, options }
+}
+
+fn config(e: &Env, keys: &[&str]) -> ServeConfig {
+    let mut c = ServeConfig::new(e.model.clone(), e.adapters.clone());
+    c.absorb_options = Some(e.options.clone());
+    c.api_keys = keys.iter().map(|k| k.to_string()).collect();
+    c.max_body_bytes = 64 * 1024;
+    c.max_document_tokens = 4000;
+    c.max_question_chars = 1000;
+    c.max_tokens_limit = 64;
+    c.default_max_tokens = 8;
+    c
+}
+
+async fn start(c: ServeConfig) -> (Running, String) {
+    let state = server::build_state(c, &candle_core::Device::Cpu).unwrap();
+    let running = server::start(state).await.unwrap();
+    let base = format!("http://{}", running.addr);
+    (running, base)
+}
+
+fn client() -> Client {
+    Client::builder().timeout(Duration::from_secs(120)).build().unwrap()
+}
+
+async fn get_json(c: &Client, url: &str, key: Option<&str>) -> (StatusCode, Value) {
+    let mut r = c.get(url);
+    if let Some(k) = key {
+        r = r.bearer_auth(k);
+    }
+    let resp = r.send().await.unwrap();
+    let s = resp.status();
+    (s, resp.json().await.unwrap_or(Value::Null))
+}
+
+async fn post_json(c: &Client, url: &str, body: Value, key: Option<&str>) -> (StatusCode, Value) {
+    let mut r = c.post(url).json(&body);
+    if let Some(k) = key {
+        r = r.bearer_auth(k);
+    }
+    let resp = r.send().await.unwrap();
+    let s = resp.status();
+    (s, resp.json().await.unwrap_or(Value::Null))
+}
+
+async fn wait_ready(c: &Client, base: &str, id: &str, key: Option<&str>) -> Value {
+    for _ in 0..1200 {
+        let (s, d) = get_json(c, &format!("{base}/documents/{id}"), key).await;
+        assert_eq!(s, 200, "{d}");
+        match d["status"].as_str() {
+            Some("ready") => return d,
+            Some("failed") | Some("cancelled") => panic!("document did not become ready: {d}"),
+            _ => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    panic!("timed out waiting for {id}");
+}
+
+fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
+    let mut out = BTreeMap::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let p = e.unwrap().path();
+        if p.is_dir() {
+            for f in std::fs::read_dir(&p).unwrap() {
+                let f = f.unwrap().path();
+                out.insert(f.display().to_string(), std::fs::read(&f).unwrap());
+            }
+        }
+    }
+    out
+}
+
+fn assert_error_shape(v: &Value, code: &str, ctx: &str) {
+    let e = &v["error"];
+    assert_eq!(e["code"], code, "{ctx}: {v}");
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{ctx}: {v}");
+    assert!(e["type"].as_str().is_some(), "{ctx}: {v}");
+    assert!(e.get("param").is_some(), "{ctx}: {v}");
+}
+
+/// The whole life of a document: post (202), SSE events until ready, ask in each mode, chat
+/// (plain and streaming), /v1/models, idempotent re-post, metrics, restart without retraining,
+/// interrupted jobs settled on restart, delete.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn document_lifecycle_and_restart() {
+    let e = env();
+    let (running, base) = start(config(&e, &[])).await;
+    let c = client();
+
+    let (s, h) = get_json(&c, &format!("{base}/health"), None).await;
+    assert_eq!((s, h["status"].as_str()), (StatusCode::OK, Some("ok")));
+
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC, "title": "Velmora"}), None).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{d}");
+    let id = d["id"].as_str().unwrap().to_string();
+    assert!(id.starts_with("doc_"));
+    assert_eq!(d["object"], "document");
+    assert!(matches!(d["status"].as_str(), Some("queued") | Some("training")));
+
+    // SSE progress until done.
+    let events = c.get(format!("{base}/documents/{id}/events")).send().await.unwrap();
+    assert_eq!(events.status(), 200);
+    assert!(events.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let text = events.text().await.unwrap();
+    assert!(text.contains("event: progress"), "{text}");
+    assert!(text.trim_end().contains("event: done"), "{text}");
+    let d = wait_ready(&c, &base, &id, None).await;
+    assert_eq!(d["title"], "Velmora");
+    assert!(d["tokens"].as_u64().unwrap() > 100);
+    assert_eq!(d["adapter"]["kind"], "gated_memory");
+    assert!(d["adapter"]["bytes"].as_u64().unwrap() > 0);
+
+    // Same text + options: same id, 200; different options: a new id.
+    let (s, d2) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC}), None).await;
+    assert_eq!((s, d2["id"].as_str()), (StatusCode::OK, Some(id.as_str())));
+    let r = c.post(format!("{base}/documents")).header("content-type", "text/plain").body(DOC).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["id"], id.as_str());
+
+    for mode in ["lift", "icl", "memory"] {
+        let (s, a) = post_json(
+            &c,
+            &format!("{base}/ask"),
+            json!({"document_id": id, "question": "Who built the harbor?", "mode": mode, "max_tokens": 6}),
+            None,
+        )
+        .await;
+        assert_eq!(s, 200, "{mode}: {a}");
+        assert_eq!(a["mode"], mode);
+        assert_eq!(a["document_id"], id.as_str());
+        assert!(a["answer"].is_string());
+        assert!(a["usage"]["prompt_tokens"].as_u64().unwrap() > 0);
+        assert!(a["usage"]["completion_tokens"].as_u64().unwrap() <= 6);
+        if mode != "memory" {
+            assert!(a["usage"]["prompt_tokens"].as_u64().unwrap() > 100, "{mode}: the document is in context");
+        }
+        for t in ["queue_ms", "prompt_ms", "generate_ms"] {
+            assert!(a["timings"][t].is_number(), "{a}");
+        }
+    }
+
+    // OpenAI-compatible.
+    let (s, models) = get_json(&c, &format!("{base}/v1/models"), None).await;
+    assert_eq!(s, 200);
+    let data = models["data"].as_array().unwrap();
+    let base_id = data[0]["id"].as_str().unwrap().to_string();
+    let entry = data.iter().find(|m| m["id"] == id.as_str()).expect("document listed as a model");
+    assert_eq!(entry["parent"], base_id.as_str());
+    assert_eq!(entry["root"], base_id.as_str());
+    assert_eq!(entry["object"], "model");
+
+    for model in [id.as_str(), base_id.as_str()] {
+        let (s, r) = post_json(
+            &c,
+            &format!("{base}/v1/chat/completions"),
+            json!({"model": model, "messages": [{"role": "user", "content": "Who painted the tower?"}], "max_tokens": 5, "unknown_field": 1}),
+            None,
+        )
+        .await;
+        assert_eq!(s, 200, "{r}");
+        assert_eq!(r["object"], "chat.completion");
+        assert_eq!(r["choices"][0]["message"]["role"], "assistant");
+        assert!(r["choices"][0]["finish_reason"].is_string());
+        assert!(r["usage"]["completion_tokens"].as_u64().unwrap() <= 5);
+    }
+    let resp = c
+        .post(format!("{base}/v1/chat/completions"))
+        .json(&json!({"model": id, "messages": [{"role": "user", "content": "Who painted the tower?"}],
+                      "max_tokens": 5, "stream": true, "stream_options": {"include_usage": true}}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let body = resp.text().await.unwrap();
+    let datas: Vec<&str> = body.lines().filter_map(|l| l.strip_prefix("data: ")).collect();
+    assert_eq!(datas.last(), Some(&"[DONE]"), "{body}");
+    let chunks: Vec<Value> = datas[..datas.len() - 1].iter().map(|d| serde_json::from_str(d).unwrap()).collect();
+    assert!(chunks.iter().all(|c| c["object"] == "chat.completion.chunk"));
+    assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+    assert!(chunks.iter().any(|c| c["choices"][0]["finish_reason"].is_string()));
+    assert!(chunks.last().unwrap()["usage"]["completion_tokens"].is_u64(), "{body}");
+
+    // Listing, metrics, OpenAPI.
+    let (_, list) = get_json(&c, &format!("{base}/documents"), None).await;
+    assert_eq!(list["object"], "list");
+    assert_eq!(list["data"].as_array().unwrap().len(), 1);
+    let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    for m in ["lift_http_requests_total{", "lift_training_jobs_total{outcome=\"ready\"} 1", "lift_adapter_cache_hits",
+              "lift_adapter_cache_misses", "lift_adapter_cache_evictions", "lift_adapter_cache_resident_bytes",
+              "lift_training_queue_depth", "lift_generation_time_to_first_token_seconds_count", "lift_generation_tokens_per_second"] {
+        assert!(metrics.contains(m), "missing {m} in\n{metrics}");
+    }
+    let (s, api) = get_json(&c, &format!("{base}/openapi.json"), None).await;
+    assert_eq!(s, 200);
+    assert!(api["openapi"].as_str().unwrap().starts_with("3."));
+    for p in ["/documents", "/documents/{id}", "/documents/{id}/events", "/ask", "/v1/models", "/v1/chat/completions", "/health", "/metrics"] {
+        assert!(api["paths"].get(p).is_some(), "{p}");
+    }
+
+    // Restart on the same directory: ready without retraining; an interrupted job is settled.
+    let before = snapshot(&e.adapters);
+    running.shutdown().await;
+    let ghost = format!("doc_{}", "ab".repeat(16));
+    std::fs::write(
+        e.adapters.join(format!("{ghost}.job.json")),
+        json!({"id": ghost, "owner": null, "title": null, "status": "training", "tokens": 10, "created_at": 1,
+               "ready_at": null, "error": null, "adapter": null, "options": {}})
+        .to_string(),
+    )
+    .unwrap();
+    let (running, base) = start(config(&e, &[])).await;
+    let (s, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+    assert_eq!((s, d["status"].as_str()), (StatusCode::OK, Some("ready")), "{d}");
+    let (s, g) = get_json(&c, &format!("{base}/documents/{ghost}"), None).await;
+    assert_eq!((s, g["status"].as_str()), (StatusCode::OK, Some("failed")), "{g}");
+    assert!(g["error"]["message"].as_str().unwrap().contains("interrupted"), "{g}");
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
+    assert_eq!(s, 200, "{a}");
+    let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(!metrics.contains("lift_training_jobs_total{"), "nothing retrained:\n{metrics}");
+    assert!(metrics.contains("lift_adapter_cache_misses 1"), "loaded from disk once:\n{metrics}");
+    assert_eq!(snapshot(&e.adapters), before, "adapter files unchanged by the restart");
+
+    // Delete: 204, then 404 everywhere.
+    let r = c.delete(format!("{base}/documents/{id}")).send().await.unwrap();
+    assert_eq!(r.status(), 204);
+    let (s, v) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+    assert_eq!(s, 404);
+    assert_error_shape(&v, "document_not_found", "after delete");
+    let (s, _) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "x"}), None).await;
+    assert_eq!(s, 404);
+    assert!(!e.adapters.join(&id).exists());
+    running.shutdown().await;
+}
+
+/// API keys: 401 without or with a bad key; documents are invisible (404) to other tenants.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_and_tenancy() {
+    let e = env();
+    let keys_file = e.adapters.parent().unwrap().join("keys.txt");
+    std::fs::write(&keys_file, "# tenants\nkey-b\n").unwrap();
+    let mut cfg = config(&e, &["key-a"]);
+    cfg.api_keys_file = Some(keys_file);
+    let (running, base) = start(cfg).await;
+    let c = client();
+
+    let (s, _) = get_json(&c, &format!("{base}/health"), None).await;
+    assert_eq!(s, 200, "health needs no key");
+    let (s, v) = get_json(&c, &format!("{base}/documents"), None).await;
+    assert_eq!(s, 401);
+    assert_error_shape(&v, "missing_api_key", "no key");
+    assert_eq!(v["error"]["type"], "authentication_error");
+    let (s, v) = get_json(&c, &format!("{base}/v1/models"), Some("wrong")).await;
+    assert_eq!(s, 401);
+    assert_error_shape(&v, "invalid_api_key", "bad key");
+    let (s, _) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC}), None).await;
+    assert_eq!(s, 401);
+
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC}), Some("key-a")).await;
+    assert_eq!(s, 202, "{d}");
+    let id = d["id"].as_str().unwrap().to_string();
+    wait_ready(&c, &base, &id, Some("key-a")).await;
+
+    let (s, v) = get_json(&c, &format!("{base}/documents/{id}"), Some("key-b")).await;
+    assert_eq!(s, 404);
+    assert_error_shape(&v, "document_not_found", "other tenant");
+    let (_, list) = get_json(&c, &format!("{base}/documents"), Some("key-b")).await;
+    assert_eq!(list["data"].as_array().unwrap().len(), 0);
+    let (_, models) = get_json(&c, &format!("{base}/v1/models"), Some("key-b")).await;
+    assert!(models["data"].as_array().unwrap().iter().all(|m| m["id"] != id.as_str()));
+    let (s, _) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who?"}), Some("key-b")).await;
+    assert_eq!(s, 404);
+    let (s, _) = post_json(&c, &format!("{base}/v1/chat/completions"),
+        json!({"model": id, "messages": [{"role": "user", "content": "Who?"}]}), Some("key-b")).await;
+    assert_eq!(s, 404);
+    let r = c.delete(format!("{base}/documents/{id}")).bearer_auth("key-b").send().await.unwrap();
+    assert_eq!(r.status(), 404);
+    let r = c.get(format!("{base}/documents/{id}/events")).bearer_auth("key-b").send().await.unwrap();
+    assert_eq!(r.status(), 404);
+
+    // The owner still has it.
+    let (s, d) = get_json(&c, &format!("{base}/documents/{id}"), Some("key-a")).await;
+    assert_eq!((s, d["status"].as_str()), (StatusCode::OK, Some("ready")));
+    let (_, models) = get_json(&c, &format!("{base}/v1/models"), Some("key-a")).await;
+    assert!(models["data"].as_array().unwrap().iter().any(|m| m["id"] == id.as_str()));
+    running.shutdown().await;
+}
+
+/// A table of bad requests, each with its status and error code; the server stays healthy and
+/// the stored adapter files stay byte-identical. Also 409 for a document still training.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_inputs() {
+    let e = env();
+    let (running, base) = start(config(&e, &[])).await;
+    let c = client();
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC}), None).await;
+    assert_eq!(s, 202);
+    let id = d["id"].as_str().unwrap().to_string();
+    wait_ready(&c, &base, &id, None).await;
+    let before = snapshot(&e.adapters);
+    assert!(before.keys().any(|k| k.ends_with("adapter.safetensors")));
+
+    let long_doc: String = DOC.repeat(4);
+    let (s, slow) = post_json(&c, &format!("{base}/documents"), json!({"text": long_doc, "options": {"epochs": [20, 20]}}), None).await;
+    assert_eq!(s, 202, "{slow}");
+    let slow_id = slow["id"].as_str().unwrap().to_string();
+    let (s, v) = post_json(&c, &format!("{base}/ask"), json!({"document_id": slow_id, "question": "Who?"}), None).await;
+    assert_eq!(s, 409, "{v}");
+    assert_error_shape(&v, "document_not_ready", "ask before ready");
+    assert_eq!(v["error"]["type"], "conflict_error");
+    let (s, v) = post_json(&c, &format!("{base}/v1/chat/completions"),
+        json!({"model": slow_id, "messages": [{"role": "user", "content": "Who?"}]}), None).await;
+    assert_eq!(s, 409, "{v}");
+
+    let json_ct = "application/json";
+    let ask = |v: Value| (json_ct, v.to_string().into_bytes());
+    let unknown = format!("doc_{}", "0".repeat(32));
+    let big_body = vec![b'a'; 100 * 1024];
+    let many_tokens = "word ".repeat(1000); // 5000 byte-level tokens > 4000, body < 64 KiB
+    let mut invalid_json_utf8 = b"{\"text\": \"caf".to_vec();
+    invalid_json_utf8.extend_from_slice(&[0xff, 0xfe]);
+    invalid_json_utf8.extend_from_slice(b"\"}");
+    let chat = |v: Value| (json_ct, v.to_string().into_bytes());
+    let msgs = json!([{"role": "user", "content": "hi"}]);
+    type Case = (&'static str, String, (&'static str, Vec<u8>), u16, &'static str);
+    let cases: Vec<Case> = vec![
+        ("POST", "/documents".into(), (json_ct, b"{\"text\": ".to_vec()), 400, "invalid_json"),
+        ("POST", "/documents".into(), (json_ct, b"[1, 2]".to_vec()), 400, "invalid_json"),
+        ("POST", "/documents".into(), ask(json!({"text": 5})), 400, "invalid_type"),
+        ("POST", "/documents".into(), ask(json!({"title": "t"})), 400, "missing_field"),
+        ("POST", "/documents".into(), ask(json!({"text": "   \n\t "})), 422, "empty_document"),
+        ("POST", "/documents".into(), ("text/plain", b"  ".to_vec()), 422, "empty_document"),
+        ("POST", "/documents".into(), ("text/plain", vec![0x66, 0xff, 0xfe]), 400, "invalid_utf8"),
+        ("POST", "/documents".into(), (json_ct, invalid_json_utf8), 400, "invalid_utf8"),
+        ("POST", "/documents".into(), ("text/plain", big_body), 413, "body_too_large"),
+        ("POST", "/documents".into(), ("text/plain", many_tokens.into_bytes()), 413, "document_too_large"),
+        ("POST", "/documents".into(), ("application/xml", b"<doc/>".to_vec()), 415, "unsupported_media_type"),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"colour": "red"}})), 400, "unknown_option"),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"filter": true}})), 400, "unsupported_option"),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"cdt": true}})), 400, "unsupported_option"),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"window": 0}})), 400, "invalid_option"),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"epochs": [1]}})), 400, "invalid_option"),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"adapter": "magic"}})), 400, "invalid_option"),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": "fast"})), 400, "invalid_type"),
+        ("GET", "/documents/doc_unknown".into(), ("", vec![]), 404, "document_not_found"),
+        ("GET", format!("/documents/{unknown}"), ("", vec![]), 404, "document_not_found"),
+        ("DELETE", format!("/documents/{unknown}"), ("", vec![]), 404, "document_not_found"),
+        ("GET", "/documents/../../etc/events".into(), ("", vec![]), 404, "route_not_found"),
+        ("GET", format!("/documents/{unknown}/events"), ("", vec![]), 404, "document_not_found"),
+        ("POST", "/ask".into(), ask(json!({"document_id": unknown, "question": "Who?"})), 404, "document_not_found"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id})), 400, "missing_field"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "  "})), 422, "empty_question"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "q".repeat(1001)})), 400, "question_too_long"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "max_tokens": 0})), 400, "invalid_max_tokens"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "max_tokens": 100000})), 400, "invalid_max_tokens"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "max_tokens": "ten"})), 400, "invalid_type"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "mode": "psychic"})), 400, "invalid_mode"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "temperature": -1})), 400, "invalid_temperature"),
+        ("POST", "/ask".into(), ask(json!({"document_id": 7, "question": "Who?"})), 400, "invalid_type"),
+        ("POST", "/ask".into(), ("text/plain", b"Who built it?".to_vec()), 415, "unsupported_media_type"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": "gpt-9", "messages": msgs})), 404, "model_not_found"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id})), 400, "missing_field"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": []})), 400, "invalid_messages"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": [{"role": "wizard", "content": "x"}]})), 400, "invalid_messages"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "n": 2})), 400, "unsupported_n"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "max_tokens": 0})), 400, "invalid_max_tokens"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "stream": "yes"})), 400, "invalid_type"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "top_p": 0})), 400, "invalid_top_p"),
+        ("GET", "/nowhere".into(), ("", vec![]), 404, "route_not_found"),
+        ("PUT", "/ask".into(), ("", vec![]), 405, "method_not_allowed"),
+    ];
+    assert!(cases.len() >= 25);
+    for (method, path, (ct, body), status, code) in cases {
+        let mut r = c.request(method.parse().unwrap(), format!("{base}{path}"));
+        if !ct.is_empty() {
+            r = r.header("content-type", ct);
+        }
+        let resp = r.body(body).send().await.unwrap();
+        let got = resp.status().as_u16();
+        let v: Value = resp.json().await.unwrap_or(Value::Null);
+        let ctx = format!("{method} {path} ({code})");
+        assert_eq!(got, status, "{ctx}: {v}");
+        assert_error_shape(&v, code, &ctx);
+    }
+
+    // Cancel the slow job by deleting it.
+    let r = c.delete(format!("{base}/documents/{slow_id}")).send().await.unwrap();
+    assert_eq!(r.status(), 204);
+    let (s, _) = get_json(&c, &format!("{base}/documents/{slow_id}"), None).await;
+    assert_eq!(s, 404);
+
+    // Still healthy and answering; stored adapter untouched.
+    let (s, _) = get_json(&c, &format!("{base}/health"), None).await;
+    assert_eq!(s, 200);
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
+    assert_eq!(s, 200, "{a}");
+    running.shutdown().await;
+    let after: BTreeMap<_, _> = snapshot(&e.adapters).into_iter().filter(|(k, _)| !k.contains(&slow_id)).collect();
+    assert_eq!(after, before, "stored adapter files byte-identical");
+}
+
+/// A full training queue answers 429; once shutdown begins new work gets 503 and the training
+/// job is recorded as failed with the reason (then settled the same way after a restart).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn queue_full_and_shutdown() {
+    let e = env();
+    let mut cfg = config(&e, &[]);
+    cfg.train_queue = 1;
+    let (running, base) = start(cfg).await;
+    let c = client();
+    let slow = json!({"epochs": [50, 50]});
+    let (s, a) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(4), "options": slow}), None).await;
+    assert_eq!(s, 202, "{a}");
+    let a_id = a["id"].as_str().unwrap().to_string();
+    for _ in 0..200 {
+        let (_, d) = get_json(&c, &format!("{base}/documents/{a_id}"), None).await;
+        if d["status"] == "training" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (s, b) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": slow}), None).await;
+    assert_eq!(s, 202, "{b}");
+    let (s, v) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(2), "options": slow}), None).await;
+    assert_eq!(s, 429, "{v}");
+    assert_error_shape(&v, "queue_full", "queue full");
+    assert_eq!(v["error"]["type"], "rate_limit_error");
+    let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("lift_training_queue_depth 1"), "{metrics}");
+
+    server::begin_shutdown(&running.state);
+    let (s, v) = post_json(&c, &format!("{base}/documents"), json!({"text": "new work"}), None).await;
+    assert_eq!(s, 503, "{v}");
+    assert_error_shape(&v, "shutting_down", "shutdown");
+    let (s, _) = post_json(&c, &format!("{base}/ask"), json!({"document_id": a_id, "question": "x"}), None).await;
+    assert_eq!(s, 503);
+    let (s, d) = get_json(&c, &format!("{base}/documents/{a_id}"), None).await;
+    assert_eq!(s, 200, "reads still work while shutting down");
+    let _ = d;
+    running.shutdown().await;
+
+    // Both jobs are failed-with-reason on disk, and stay so after a restart.
+    let (running, base) = start(config(&e, &[])).await;
+    for id in [a_id.as_str(), b["id"].as_str().unwrap()] {
+        let (s, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+        assert_eq!((s, d["status"].as_str()), (StatusCode::OK, Some("failed")), "{d}");
+        assert!(d["error"]["message"].as_str().unwrap().contains("interrupted"), "{d}");
+    }
+    // Re-posting a failed document queues it again.
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": slow}), None).await;
+    assert_eq!((s, d["id"].as_str()), (StatusCode::ACCEPTED, b["id"].as_str()), "{d}");
+    let r = c.delete(format!("{base}/documents/{}", d["id"].as_str().unwrap())).send().await.unwrap();
+    assert_eq!(r.status(), 204);
+    running.shutdown().await;
+}
