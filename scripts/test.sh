@@ -8,3 +8,5 @@ cargo build --release --bins
 ./target/release/lift-serve fetch-model
 # One test at a time: concurrent training tests oversubscribe a 2-core machine badly.
 cargo test --release -- --test-threads=1
+# The official `openai` Python client against the server on the real default model.
+./scripts/openai_client_check.sh
