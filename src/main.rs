@@ -288,12 +288,8 @@ fn ask_command(
     let text = std::fs::read_to_string(&doc_path).map_err(|e| anyhow::anyhow!("{}: {e}", doc_path.display()))?;
     let doc = model.tokenizer.encode(&text, false)?;
     let params = SamplingParams { max_tokens, temperature, ..Default::default() };
-    let mut stdout = std::io::stdout();
-    let (prompt, out) = answer(&model, &doc, Some(&bundle.adapter), question, mode, context_tokens, &params, &mut |piece| {
-        let _ = stdout.write_all(piece.as_bytes());
-        let _ = stdout.flush();
-        true
-    })?;
+    let (prompt, out) =
+        answer(&model, &doc, Some(&bundle.adapter), question, mode, context_tokens, &params, &mut print_piece)?;
     println!();
     tracing::info!(
         mode = ?mode,
@@ -304,6 +300,14 @@ fn ask_command(
         "done"
     );
     Ok(())
+}
+
+/// Streams generated text to stdout as it arrives; always continues.
+fn print_piece(piece: &str) -> bool {
+    let mut stdout = std::io::stdout();
+    let _ = stdout.write_all(piece.as_bytes());
+    let _ = stdout.flush();
+    true
 }
 
 fn main() -> Result<()> {
@@ -354,12 +358,7 @@ fn main() -> Result<()> {
             let ids = model.encode_chat(&messages)?;
             let params = SamplingParams { max_tokens, temperature, top_p, seed, stop };
             let mut cache = KvCache::new(model.config().num_layers);
-            let mut stdout = std::io::stdout();
-            let out = generate(&model, &ids, &mut cache, None, &mut NoHooks, &params, &mut |piece| {
-                let _ = stdout.write_all(piece.as_bytes());
-                let _ = stdout.flush();
-                true
-            })?;
+            let out = generate(&model, &ids, &mut cache, None, &mut NoHooks, &params, &mut print_piece)?;
             println!();
             tracing::info!(
                 prompt_tokens = out.prompt_tokens,
