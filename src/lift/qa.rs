@@ -186,7 +186,9 @@ fn label_of(line: &str) -> Option<(Label, &str)> {
         ("a", Label::Answer),
     ];
     for &(name, label) in NAMES {
-        let Some(head) = s.get(..name.len()) else { continue };
+        let Some(head) = s.get(..name.len()) else {
+            continue;
+        };
         if !head.eq_ignore_ascii_case(name) {
             continue;
         }
@@ -289,7 +291,9 @@ const QUOTES: &[char] = &['"', '\'', '“', '”', '‘', '’', '`', '«', '»'
 fn find_all(doc: &str, evidence: &str, limit: usize) -> Vec<(usize, usize)> {
     let e = evidence.trim().trim_matches(|c: char| c.is_whitespace() || QUOTES.contains(&c));
     let words: Vec<&str> = e.split_whitespace().collect();
-    let Some(first) = words.first() else { return Vec::new() };
+    let Some(first) = words.first() else {
+        return Vec::new();
+    };
     let mut out = Vec::new();
     let is_word = |c: char| c.is_alphanumeric();
     for (start, _) in doc.match_indices(first) {
@@ -494,13 +498,17 @@ fn locate_evidence_sentences(doc: &str, evidence: &str, window: (usize, usize)) 
 
 /// Checks one model output against the document and the window it was shown.
 fn validate_model_output(doc: &str, window: (usize, usize), output: &str) -> Verdict {
-    let Some((q, a, e)) = parse_qa(output) else { return Verdict::Parse };
+    let Some((q, a, e)) = parse_qa(output) else {
+        return Verdict::Parse;
+    };
     let q = clean_question(&q);
     let q_words = q.split_whitespace().count();
     if !(3..=60).contains(&q_words) || !q.chars().any(char::is_alphabetic) {
         return Verdict::Parse;
     }
-    let Some((s, t)) = locate_evidence_sentences(doc, &e, window) else { return Verdict::Evidence };
+    let Some((s, t)) = locate_evidence_sentences(doc, &e, window) else {
+        return Verdict::Evidence;
+    };
     let evidence = &doc[s..t];
     if evidence.split_whitespace().count() < 3 {
         return Verdict::Evidence;
@@ -975,7 +983,9 @@ const IRREGULAR_PARTICIPLES: &[&str] = &[
     "born", "held", "built", "made", "known", "given", "taken", "written", "found", "seen", "sold", "paid", "kept",
     "left", "sent", "told", "begun", "chosen", "done", "drawn", "driven", "fallen", "grown", "hidden", "led", "lost",
     "meant", "met", "put", "read", "set", "shown", "shut", "spent", "stolen", "struck", "thrown", "understood", "won",
-    "worn", "bought", "brought", "caught", "taught", "thought", "sung", "run", "hung", "laid", "lit", "sold",
+    "worn", "bought", "brought", "caught", "taught", "thought", "sung", "run", "hung", "laid", "lit", "sold", "cast",
+    "sworn", "torn", "woven", "frozen", "spoken", "broken", "forgotten", "risen", "beaten", "bitten", "eaten",
+    "ridden", "shaken", "sunk", "drunk", "rung", "dug", "fed", "bred", "bent", "lent", "dealt", "swept", "bound",
 ];
 const ADVERBS: &[&str] = &[
     "first", "later", "originally", "also", "once", "still", "then", "now", "formally", "officially", "finally",
@@ -1035,7 +1045,9 @@ impl Lexicon {
             ORG_HEADS.contains(&l.as_str()) || PLACE_HEADS.contains(&l.as_str()) || is_stopword(&l) || is_title(&l)
         };
         for span in sentences {
-            let Some(s) = Sent::new(doc, span) else { continue };
+            let Some(s) = Sent::new(doc, span) else {
+                continue;
+            };
             for (i, w) in s.words.iter().enumerate() {
                 if w.capitalised() && !head(w.text) && w.text.chars().any(char::is_lowercase) {
                     let prev = i.checked_sub(1).map(|p| s.words[p].lower());
@@ -1197,7 +1209,9 @@ fn find_entities(s: &Sent, lex: &Lexicon) -> Vec<Entity> {
         let mut from = 0;
         while let Some(a) = s.body[from..].find(open).map(|p| p + from) {
             let inner_start = a + open.len_utf8();
-            let Some(b) = s.body[inner_start..].find(close).map(|p| p + inner_start) else { break };
+            let Some(b) = s.body[inner_start..].find(close).map(|p| p + inner_start) else {
+                break;
+            };
             let inner = s.body[inner_start..b].trim_end_matches([',', '.']);
             let count = inner.split_whitespace().count();
             let w0 = ws.iter().position(|w| w.raw.0 <= inner_start && inner_start < w.raw.1.max(w.raw.0 + 1));
@@ -1397,8 +1411,10 @@ fn copula_split(s: &Sent) -> Option<usize> {
         return None;
     }
     let subj = s.text(0, c);
-    if subj.contains([',', ';', ':', '(']) {
-        return None;
+    if subj.contains([',', ';', ':', '('])
+        || ws[..c].iter().any(|w| w.starts_lower() && COMMON_VERBS.contains(&w.lower().as_str()))
+    {
+        return None; // "The villagers thought the project was …"
     }
     let first = ws[0].lower();
     if (c == 1 && PRONOUN_SUBJECTS.contains(&first.as_str()))
@@ -1595,7 +1611,9 @@ fn direct_question(
                 }
                 (Kind::Place, Some("in" | "at" | "near")) if with_prep => "Where".to_string(),
                 (Kind::Place, Some("from")) if with_prep => "From where".to_string(),
-                (Kind::Place, Some(p)) if with_prep => format!("{} which place", first_char_upper(p)),
+                (Kind::Place, Some(p)) if with_prep => {
+                    format!("{} which place", first_char_upper(p))
+                }
                 (Kind::Count { noun }, _) if !with_prep => format!("How many {}", ws[noun].lower()),
                 (Kind::Person, Some(p)) if with_prep => format!("{} whom", first_char_upper(p)),
                 (_, Some(p)) if with_prep => format!("{} what", first_char_upper(p)),
@@ -1774,36 +1792,463 @@ fn make_fact(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>) -> Op
     Some(Fact { questions })
 }
 
+// ---------------------------------------------------------------------------------------------
+// Clauses: short statements rewritten out of long sentences
+// ---------------------------------------------------------------------------------------------
+
+/// Regular past participles that are also the simple past ("founded", "designed"), so an agent
+/// question can be worded actively: "was founded by X" → "Who founded …?".
+fn past_equals_participle(w: &str) -> bool {
+    let l = w.to_lowercase();
+    (l.len() > 4 && l.ends_with("ed"))
+        || ["built", "made", "held", "found", "sold", "paid", "kept", "led", "bought", "brought", "taught", "won"]
+            .contains(&l.as_str())
+}
+
+/// The last noun phrase of a comma-separated piece that a following participle or relative clause
+/// can attach to: a trailing name run ("… called the Grey Petrel"), else the piece's noun phrase
+/// after its last verb or preposition ("… by a ship's carpenter").
+fn antecedent(piece: &str, lex: &Lexicon) -> Option<String> {
+    let ws = words_of(piece);
+    let n = ws.len();
+    if n == 0 {
+        return None;
+    }
+    let mut i = n;
+    while i > 0 && ws[i - 1].capitalised() && !is_stopword(ws[i - 1].text) {
+        i -= 1;
+    }
+    if i < n && (i > 0 || lex.proper.contains(ws[0].text)) {
+        let start = if i > 0 && ws[i - 1].lower() == "the" { i - 1 } else { i };
+        return Some(strip_final(&piece[ws[start].raw.0..]).to_string());
+    }
+    // A bare noun phrase ("The great refractor, installed in 1908, …").
+    let determiner = ["the", "a", "an", "this", "its", "their", "his", "her", "our"].contains(&ws[0].lower().as_str());
+    (determiner && n <= 8 && !ws.iter().any(verbish)).then(|| decap(strip_final(piece), lex))
+}
+
+/// Simple clauses rewritten out of a sentence, so the question rules see short subject–verb
+/// statements:
+/// - the sentence up to its first comma ("X was Y, a …" → "X was Y"), or whole when it has none;
+/// - each coordinated clause (", and the combination … was 7319" → "the combination … was 7319");
+/// - a participial phrase with its noun restored ("the Grey Petrel, launched in 1921" → "the Grey
+///   Petrel was launched in 1921");
+/// - a relative clause with its antecedent ("Ingrid Solberg, who had learned …" → "Ingrid Solberg
+///   had learned …");
+/// - a possessive-pronoun subject resolved to the previous sentence's last name ("Her hull was …"
+///   → "the Grey Petrel's hull was …"), a guess that is right far more often than not in prose.
+///
+/// Every answer taken from a clause is still verbatim document text; the evidence stays the whole
+/// sentence.
+fn clauses(s: &Sent, lex: &Lexicon, prev_name: Option<&str>) -> Vec<String> {
+    let body = strip_final(s.body);
+    // Narrative prose is in the past unless the sentence says otherwise.
+    let present = s.words.iter().any(|w| matches!(w.lower().as_str(), "is" | "are" | "has" | "have"));
+    let past = s.words.iter().any(|w| {
+        matches!(w.lower().as_str(), "was" | "were" | "had")
+            || (w.starts_lower() && COMMON_VERBS.contains(&w.lower().as_str()))
+    });
+    let tense = if present && !past { "is" } else { "was" };
+    // Comma/semicolon pieces (not the comma inside "1,500").
+    // (piece, whether a semicolon precedes it)
+    let mut pieces: Vec<(&str, bool)> = Vec::new();
+    let (mut start, mut semi) = (0, false);
+    for (i, c) in body.char_indices() {
+        if (c == ',' || c == ';') && body[i + 1..].starts_with(' ') {
+            pieces.push((body[start..i].trim(), semi));
+            (start, semi) = (i + 1, c == ';');
+        }
+    }
+    pieces.push((body[start..].trim(), semi));
+    let mut out: Vec<String> = Vec::new();
+    let has_verb = |t: &str| words_of(t).iter().any(verbish);
+    for (k, &(piece, after_semicolon)) in pieces.iter().enumerate() {
+        let ws = words_of(piece);
+        if ws.len() < 3 {
+            continue;
+        }
+        let first = ws[0].lower();
+        let clause = if k == 0 {
+            Some(piece.to_string())
+        } else if ["and", "but", "while", "yet", "so", "whereas"].contains(&first.as_str()) {
+            let rest = piece[ws[1].raw.0..].to_string();
+            // "…, and she carried …" / "…, and the combination … was …" (not "…, and generous").
+            (words_of(&rest).len() >= 3).then_some(rest)
+        } else if ws[0].starts_lower() && is_participle(ws[0].text) && !NAMING_VERBS.contains(&first.as_str()) {
+            antecedent(pieces[k - 1].0, lex).map(|a| format!("{a} {tense} {piece}"))
+        } else if matches!(first.as_str(), "who" | "which") {
+            antecedent(pieces[k - 1].0, lex).map(|a| format!("{a} {}", &piece[ws[1].raw.0..]))
+        } else if after_semicolon {
+            Some(piece.to_string())
+        } else {
+            None
+        };
+        let Some(mut clause) = clause else { continue };
+        if !has_verb(&clause) {
+            continue;
+        }
+        // A possessive pronoun subject takes the previous sentence's last name.
+        let cw = words_of(&clause);
+        if let (Some(name), Some(w0)) = (prev_name, cw.first()) {
+            if matches!(w0.lower().as_str(), "her" | "his" | "its" | "their") && cw.len() > 2 {
+                clause = format!("{name}'s {}", &clause[cw[1].raw.0..]);
+            }
+        }
+        out.push(clause);
+    }
+    out
+}
+
+/// Extra entity for a passive clause: the noun phrase after the participle's first preposition
+/// ("her hull was planked with larch from …" → "larch"), ended at the next preposition, comma or
+/// clause word; common nouns are facts too.
+fn passive_object(s: &Sent) -> Option<Entity> {
+    let ws = &s.words;
+    let n = ws.len();
+    let c = ws.iter().position(|w| COPULAS.contains(&w.lower().as_str()))?;
+    let mut p = c + 1;
+    while p < n && ADVERBS.contains(&ws[p].lower().as_str()) {
+        p += 1;
+    }
+    if p + 2 >= n || !is_participle(ws[p].text) || !ws[p].starts_lower() {
+        return None;
+    }
+    let prep = p + 1;
+    if !["with", "from", "of", "for", "on", "into", "in"].contains(&ws[prep].lower().as_str()) || s.breaks_after(p) {
+        return None;
+    }
+    let mut w0 = prep + 1;
+    if w0 < n && matches!(ws[w0].lower().as_str(), "a" | "an" | "the") {
+        w0 += 1;
+    }
+    let mut w1 = w0;
+    while w1 < n
+        && !PREPOSITIONS.contains(&ws[w1].lower().as_str())
+        && !CLAUSE_WORDS.contains(&ws[w1].lower().as_str())
+        && !verbish(&ws[w1])
+        && !ws[w1].has_digit()
+    {
+        w1 += 1;
+        if s.breaks_after(w1 - 1) {
+            break;
+        }
+    }
+    if w1 < n && (ws[w1].lower() == "of" || ws[w1].has_digit()) {
+        return None; // "in the spring of 1887": the noun is only a frame
+    }
+    let idiom = w1 == w0 + 1
+        && ["part", "turn", "fact", "general", "particular", "time", "order", "place", "use"]
+            .contains(&ws[w0].lower().as_str());
+    if w1 == w0 || w1 - w0 > 5 || idiom || (w0..w1).any(|i| ws[i].capitalised()) {
+        return None;
+    }
+    Some(Entity { s: ws[w0].core.0, e: ws[w1 - 1].core.1, w0, w1, kind: Kind::Phrase, prep: Some(prep) })
+}
+
+/// Base form of a past-tense verb ("bought" → "buy", "hired" → "hire", "stopped" → "stop"), for
+/// "When did X buy …?"; `None` when the word does not look like a simple past.
+fn base_form(past: &str) -> Option<String> {
+    const IRREGULAR: &[(&str, &str)] = &[
+        ("bought", "buy"),
+        ("built", "build"),
+        ("began", "begin"),
+        ("sold", "sell"),
+        ("made", "make"),
+        ("took", "take"),
+        ("gave", "give"),
+        ("wrote", "write"),
+        ("found", "find"),
+        ("became", "become"),
+        ("won", "win"),
+        ("led", "lead"),
+        ("left", "leave"),
+        ("held", "hold"),
+        ("kept", "keep"),
+        ("paid", "pay"),
+        ("sent", "send"),
+        ("met", "meet"),
+        ("brought", "bring"),
+        ("came", "come"),
+        ("went", "go"),
+        ("got", "get"),
+        ("saw", "see"),
+        ("told", "tell"),
+        ("said", "say"),
+        ("lost", "lose"),
+        ("spent", "spend"),
+        ("grew", "grow"),
+        ("drew", "draw"),
+        ("ran", "run"),
+        ("rose", "rise"),
+        ("fell", "fall"),
+        ("knew", "know"),
+        ("chose", "choose"),
+        ("taught", "teach"),
+        ("caught", "catch"),
+        ("sank", "sink"),
+        ("set", "set"),
+        ("put", "put"),
+        ("hit", "hit"),
+        ("moved", "move"),
+        ("opened", "open"),
+        ("closed", "close"),
+        ("joined", "join"),
+    ];
+    let l = past.to_lowercase();
+    if let Some((_, base)) = IRREGULAR.iter().find(|(p, _)| *p == l) {
+        return Some(base.to_string());
+    }
+    let stem = l.strip_suffix("ed").filter(|s| s.len() >= 3)?;
+    let b = stem.as_bytes();
+    let last = b[b.len() - 1];
+    let vowel = |c: u8| b"aeiou".contains(&c);
+    Some(if let Some(s) = stem.strip_suffix('i') {
+        format!("{s}y") // carried → carry
+    } else if b.len() >= 3 && last == b[b.len() - 2] && b"bdgmnpt".contains(&last) {
+        stem[..stem.len() - 1].to_string() // stopped → stop
+    } else if b"vcuz".contains(&last)
+        || (vowel(b[b.len() - 2])
+            && !vowel(b[b.len().saturating_sub(3)])
+            && b"rst".contains(&last)
+            && b[b.len() - 2] != b'e')
+    {
+        format!("{stem}e") // survived, introduced, argued, hired, based, located
+    } else {
+        stem.to_string() // opened, employed, launched
+    })
+}
+
+/// "In 1903 the company bought a second slipway" / "The company bought … in 1903" → "When did the
+/// company buy a second slipway?" (and "In what year …" for a year).
+fn active_date_questions(s: &Sent, ent: &Entity) -> Vec<String> {
+    let ws = &s.words;
+    let n = ws.len();
+    let Some(p) = ent.prep.filter(|&p| matches!(ws[p].lower().as_str(), "in" | "on" | "during")) else {
+        return Vec::new();
+    };
+    // The clause without the date's phrase.
+    let keep: Vec<usize> = (0..n).filter(|&i| i < p || i >= ent.w1).collect();
+    let pos_of_verb = keep.iter().position(|&i| {
+        let w = &ws[i];
+        w.starts_lower()
+            && !AUXILIARIES.contains(&w.lower().as_str())
+            && (COMMON_VERBS.contains(&w.lower().as_str()) || w.lower().ends_with("ed"))
+    });
+    let Some(vpos) = pos_of_verb else {
+        return Vec::new();
+    };
+    let v = keep[vpos];
+    let subj: Vec<usize> = keep[..vpos].to_vec();
+    if subj.is_empty() || subj.len() > 8 || subj.iter().any(|&i| AUXILIARIES.contains(&ws[i].lower().as_str())) {
+        return Vec::new();
+    }
+    let first = ws[subj[0]].lower();
+    if PRONOUN_SUBJECTS.contains(&first.as_str()) && subj.len() == 1 || PREPOSITIONS.contains(&first.as_str()) {
+        return Vec::new();
+    }
+    let Some(base) = base_form(ws[v].text) else {
+        return Vec::new();
+    };
+    let mut obj = Vec::new();
+    for &i in &keep[vpos + 1..] {
+        if CLAUSE_WORDS.contains(&ws[i].lower().as_str()) {
+            break;
+        }
+        obj.push(i);
+        if s.breaks_after(i) {
+            break;
+        }
+    }
+    let words =
+        |ix: &[usize]| ix.iter().map(|&i| strip_final(&s.body[ws[i].raw.0..ws[i].raw.1])).collect::<Vec<_>>().join(" ");
+    let subject = words(&subj);
+    let subject = match subject.split_once(' ') {
+        Some((f, rest)) if !ws[subj[0]].capitalised() || is_stopword(f) => {
+            format!("{} {rest}", f.to_lowercase())
+        }
+        _ => subject,
+    };
+    let tail = words(&obj);
+    let mut out = vec![question(&format!("When did {subject} {base} {tail}"))];
+    if ent.kind == Kind::Year {
+        out.push(question(&format!("In what year did {subject} {base} {tail}")));
+    }
+    out
+}
+
+/// Questions shaped by the clause's construction (passive object, naming predicate, dates, labelled
+/// numbers, agents) for one fact.
+fn shaped_questions(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>) -> Vec<String> {
+    let ws = &s.words;
+    let n = ws.len();
+    let subject = copula.map(|c| decap(&s.phrase(0, c), lex));
+    let mut out = Vec::new();
+    if copula.is_none() && matches!(ent.kind, Kind::Year | Kind::Date) {
+        out.extend(active_date_questions(s, ent));
+    }
+    let (Some(c), Some(subj)) = (copula, subject.as_ref()) else {
+        return out;
+    };
+    let cop = ws[c].lower();
+    let part = (c + 1 < n && is_participle(ws[c + 1].text) && ws[c + 1].starts_lower()).then(|| ws[c + 1].lower());
+    // The participle's object: "What was X planked with?" / "With what was X planked?"
+    if let (Kind::Phrase, Some(p), Some(part)) = (ent.kind, ent.prep, part.as_ref()) {
+        let pw = ws[p].lower();
+        out.push(format!("What {cop} {subj} {part} {pw}?"));
+        out.push(format!("{} what {cop} {subj} {part}?", first_char_upper(&pw)));
+        return out;
+    }
+    // Copula with a naming predicate: "X was a quiet woman named Y" → "Who was X?".
+    if part.is_none() && ent.w1 == n && ent.w0 >= 2 && NAMING_VERBS.contains(&ws[ent.w0 - 1].lower().as_str()) {
+        let wh = if ent.kind == Kind::Person { "Who" } else { "What" };
+        out.push(format!("{wh} {cop} {subj}?"));
+    }
+    // A counted predicate: "the rent of the cottage was 40 shillings" → "How many shillings was …?"
+    if let (None, Kind::Count { noun }) = (&part, ent.kind) {
+        if ent.w0 == c + 1 && noun + 1 == n {
+            out.push(format!("How many {} {cop} {subj}?", ws[noun].lower()));
+        }
+    }
+    let Some(part) = part else { return out };
+    // Dates: "founded in the spring of 1887" → "When was X founded?" / "In what year …?".
+    if matches!(ent.kind, Kind::Year | Kind::Date) && ent.w0 > c + 1 {
+        let in_pp = (c + 2..ent.w0).any(|i| matches!(ws[i].lower().as_str(), "in" | "on" | "during"));
+        if in_pp {
+            out.push(format!("When {cop} {subj} {part}?"));
+            if ent.kind == Kind::Year {
+                out.push(format!("In what year {cop} {subj} {part}?"));
+            }
+        }
+    }
+    // A labelled number: "stamped with the number 4862" → "What number was X stamped with?"
+    if matches!(ent.kind, Kind::Number | Kind::Code) && ent.w0 >= c + 4 {
+        let label = &ws[ent.w0 - 1];
+        let prep = c + 2;
+        let np_ok = (prep + 1..ent.w0 - 1).all(|i| matches!(ws[i].lower().as_str(), "the" | "a" | "an"));
+        if PREPOSITIONS.contains(&ws[prep].lower().as_str())
+            && np_ok
+            && label.starts_lower()
+            && !is_stopword(label.text)
+        {
+            let (pw, noun) = (ws[prep].lower(), label.lower());
+            out.push(format!("What {noun} {cop} {subj} {part} {pw}?"));
+            out.push(format!("What {cop} {subj} {part} {pw}?"));
+        }
+    }
+    // Agent: "founded … by (a carpenter named) Tobias Wren" → "Who founded X?".
+    if ent.kind == Kind::Person {
+        let by = (c + 2..ent.w0).rev().find(|&i| ws[i].lower() == "by");
+        let named_or_direct =
+            by.is_some_and(|b| b + 1 == ent.w0 || NAMING_VERBS.contains(&ws[ent.w0 - 1].lower().as_str()));
+        if named_or_direct {
+            if past_equals_participle(&part) {
+                out.push(format!("Who {part} {subj}?"));
+            }
+            out.push(format!("By whom {cop} {subj} {part}?"));
+        }
+    }
+    out
+}
+
+/// Short questions about one clause, each with its short answer: the direct wh-question of every
+/// fact the rules find, a stranded-preposition variant ("What was X planked with?"), "When/In what
+/// year" for dates reached through "in the spring of 1887", and an active agent question for
+/// passives with a named agent ("was founded … by a carpenter named Tobias Wren" → "Who founded
+/// the Saltmere Harbor Company?").
+fn clause_questions(text: &str, offset: usize, lex: &Lexicon) -> Vec<(String, String)> {
+    let words = words_of(text);
+    let s = Sent { body: text, offset, words };
+    let ws = &s.words;
+    let n = ws.len();
+    if n < 3 {
+        return Vec::new();
+    }
+    let copula = copula_split(&s);
+    let mut ents = find_entities(&s, lex);
+    ents.extend(predicate_entity(&s, copula, &ents));
+    if let Some(o) = passive_object(&s) {
+        if !ents.iter().any(|e| e.w0 < o.w1 && o.w0 < e.w1) {
+            ents.push(o);
+        }
+    }
+    let mut out = Vec::new();
+    for ent in &ents {
+        let answer = text[ent.s..ent.e].to_string();
+        out.extend(shaped_questions(&s, lex, ent, copula).into_iter().map(|q| (q, answer.clone())));
+        // The general rules after, where the fact opens or closes the clause (so the question
+        // stays short).
+        if ent.w0 == 0 || ent.w1 == n {
+            if let (Some(d), _, _) = direct_question(&s, lex, ent, copula) {
+                out.push((d, answer.clone()));
+            }
+        }
+    }
+    out
+}
+
+/// The predicate of a short copula is a fact in itself ("The museum is a former prison"), when
+/// no other entity sits in it.
+fn predicate_entity(s: &Sent, copula: Option<usize>, ents: &[Entity]) -> Option<Entity> {
+    let c = copula?;
+    let n = s.words.len();
+    let mut p0 = c + 1;
+    while p0 < n && ADVERBS.contains(&s.words[p0].lower().as_str()) {
+        p0 += 1;
+    }
+    let pred_words = n - p0;
+    let passive = is_participle(s.words[p0].text)
+        && s.words.get(p0 + 1).is_none_or(|w| PREPOSITIONS.contains(&w.lower().as_str()) || s.breaks_after(p0));
+    let fits = COPULAS.contains(&s.words[c].lower().as_str())
+        && (1..=10).contains(&pred_words)
+        && !passive
+        && !ents.iter().any(|e| e.w0 >= p0);
+    fits.then(|| Entity {
+        s: s.words[p0].core.0,
+        e: s.words[n - 1].core.1,
+        w0: p0,
+        w1: n,
+        kind: Kind::Phrase,
+        prep: None,
+    })
+}
+
 /// All extractive candidates in document order (before the `max_pairs` cap).
 fn extractive_candidates(doc: &str, sentences: &[Span], opts: &QaOptions) -> Vec<Candidate> {
     let lex = Lexicon::new(doc, sentences);
     let per_fact = opts.wordings_per_fact.max(1);
     let mut out = Vec::new();
     let mut fact_idx = 0;
+    let mut prev_name: Option<String> = None;
     for span in sentences {
-        let Some(s) = Sent::new(doc, span) else { continue };
-        let copula = copula_split(&s);
-        let mut ents = find_entities(&s, &lex);
-        // The predicate of a short copula is a fact in itself ("The museum is a former prison").
-        if let Some(c) = copula {
-            let n = s.words.len();
-            let mut p0 = c + 1;
-            while p0 < n && ADVERBS.contains(&s.words[p0].lower().as_str()) {
-                p0 += 1;
-            }
-            let pred_words = n - p0;
-            let covered = ents.iter().any(|e| e.w0 <= p0 + 1 && e.w1 == n && e.w0 >= p0);
-            if COPULAS.contains(&s.words[c].lower().as_str())
-                && (1..=10).contains(&pred_words)
-                && !covered
-                && !is_participle(s.words[p0].text)
-                && !ents.iter().any(|e| e.w0 >= p0)
-            {
-                let start = s.words[p0].core.0;
-                let end = s.words[n - 1].core.1;
-                ents.push(Entity { s: start, e: end, w0: p0, w1: n, kind: Kind::Phrase, prep: None });
+        let Some(s) = Sent::new(doc, span) else {
+            prev_name = None;
+            continue;
+        };
+        // Short questions from the sentence's clauses, grouped by answer (in order).
+        let mut by_answer: Vec<(String, Vec<String>)> = Vec::new();
+        for clause in clauses(&s, &lex, prev_name.as_deref()) {
+            for (q, a) in clause_questions(&clause, s.offset, &lex) {
+                if !s.body.contains(a.as_str()) || content_tokens(&a).is_empty() {
+                    continue;
+                }
+                match by_answer.iter_mut().find(|(x, _)| *x == a) {
+                    Some((_, qs)) => qs.push(q),
+                    None => by_answer.push((a, vec![q])),
+                }
             }
         }
+        let copula = copula_split(&s);
+        let mut ents = find_entities(&s, &lex);
+        prev_name = ents
+            .iter()
+            .filter(|e| matches!(e.kind, Kind::Person | Kind::Place | Kind::Thing { .. }))
+            .max_by_key(|e| e.w0)
+            .map(|e| {
+                let the = e.w0 > 0 && s.words[e.w0 - 1].lower() == "the";
+                let start = if the { s.words[e.w0 - 1].core.0 } else { e.s };
+                s.body[start..e.e].to_string()
+            });
+        ents.extend(predicate_entity(&s, copula, &ents));
         // Priority: predicates of copulas and naming, numbers/dates, then names.
         let score = |e: &Entity| -> (usize, usize) {
             let pred = copula.is_some_and(|c| e.w0 > c && e.w1 == s.words.len());
@@ -1817,17 +2262,42 @@ fn extractive_candidates(doc: &str, sentences: &[Span], opts: &QaOptions) -> Vec
             (p, e.w0)
         };
         ents.sort_by_key(score);
-        let mut taken = 0;
+        let mut facts: Vec<Vec<(String, String)>> = Vec::new();
         for ent in &ents {
-            if taken >= MAX_FACTS_PER_SENTENCE {
+            if facts.len() >= MAX_FACTS_PER_SENTENCE {
                 break;
             }
-            let Some(fact) = make_fact(&s, &lex, ent, copula) else { continue };
-            taken += 1;
+            let Some(fact) = make_fact(&s, &lex, ent, copula) else {
+                continue;
+            };
+            let answer = &s.body[ent.s..ent.e];
+            let short = match by_answer.iter().position(|(a, _)| a == answer) {
+                Some(i) => by_answer.remove(i).1,
+                None => Vec::new(),
+            };
+            // Clause questions lead (short, the way people ask), the sentence's wordings follow.
+            let mut wordings: Vec<(String, String)> = Vec::new();
+            let mut rest = fact.questions.into_iter();
+            for q in short {
+                wordings.push((q, answer.to_string()));
+                wordings.extend(rest.next());
+            }
+            wordings.extend(rest);
+            facts.push(wordings);
+        }
+        // Facts only the clauses found (common nouns, predicates of coordinated clauses).
+        let full = squeeze(s.body.trim());
+        for (answer, qs) in by_answer.into_iter().take(MAX_FACTS_PER_SENTENCE) {
+            let mut wordings = vec![(qs[0].clone(), answer.clone())];
+            wordings.push((format!("According to the document, {}", decap(&qs[0], &lex)), full.clone()));
+            wordings.extend(qs[1..].iter().map(|q| (q.clone(), answer.clone())));
+            facts.push(wordings);
+        }
+        for questions in facts {
             let ev = (s.offset, s.offset + s.body.len());
             let mut seen = HashSet::new();
             let mut rank = 0;
-            for (q, a) in fact.questions {
+            for (q, a) in questions {
                 if rank >= per_fact {
                     break;
                 }
@@ -2086,6 +2556,38 @@ Visitors can reach the museum from Central Station in ten minutes.";
         let qs: HashSet<String> = pairs.iter().map(|p| normalize_question(&p.question)).collect();
         assert_eq!(qs.len(), pairs.len());
         assert!(pairs.iter().all(|p| p.source == QaSource::Extractive));
+    }
+
+    #[test]
+    fn clause_questions_are_short_and_natural() {
+        let doc = "The museum's oldest bell, cast in 1742 after a long winter, still rings at noon. \
+                   The keeper's cottage stood beside the Marsh Hall. Her roof was covered with slate from the \
+                   northern quarries, and the rent of the cottage was 40 shillings. In 1903 the society bought \
+                   a printing press. The chief engineer in those years was a patient man named Arvid Holm, who \
+                   had trained in Glasgow. The library was founded by a teacher named Ruth Ellery. The safe was \
+                   opened with the code 5531. The favourite dish of the crew was salted cod with potatoes.";
+        let o = QaOptions { max_pairs: 1000, wordings_per_fact: 12, ..Default::default() };
+        let pairs = extract(doc, &o);
+        assert_verbatim(doc, &pairs);
+        for (q, a) in [
+            ("When was the museum's oldest bell cast?", "1742"),
+            ("In what year was the museum's oldest bell cast?", "1742"),
+            ("What was the Marsh Hall's roof covered with?", "slate"),
+            ("How many shillings was the rent of the cottage?", "40"),
+            ("When did the society buy a printing press?", "1903"),
+            ("Who was the chief engineer in those years?", "Arvid Holm"),
+            ("Who had trained in Glasgow?", "Arvid Holm"),
+            ("Who founded the library?", "Ruth Ellery"),
+            ("What code was the safe opened with?", "5531"),
+            ("What was the favourite dish of the crew?", "salted cod with potatoes"),
+        ] {
+            let p = find(&pairs, q).unwrap_or_else(|| {
+                panic!("missing {q:?} in {:#?}", pairs.iter().map(|p| &p.question).collect::<Vec<_>>())
+            });
+            assert_eq!(p.answer, a, "{q}");
+            // The evidence is the whole sentence the answer came from.
+            assert!(p.evidence.contains(a) && p.evidence.ends_with('.'), "{p:?}");
+        }
     }
 
     #[test]
