@@ -1,0 +1,126 @@
+//! Absorb benchmark on the default model: end-to-end absorb time, training tokens/s and peak
+//! memory for documents of several lengths, the time ratio to the shortest (linear cost means
+//! ratio ≈ length ratio), and the adapter's size next to the KV cache the same document would
+//! need in context.
+//!
+//!   RAYON_NUM_THREADS=2 cargo bench --bench absorb
+//!   BENCH_LENGTHS=1024,4096,16384 BENCH_OPTIONS=options.json cargo bench --bench absorb
+//!
+//! Documents are built from the prose fixtures (chapters renumbered so that no two are identical)
+//! and cut at the sentence that reaches the length. Options: `BENCH_OPTIONS` (AbsorbOptions JSON),
+//! else the defaults with extractive QA only (`BENCH_MODEL_QA=1` keeps model QA).
+
+use candle_core::Device;
+use lift_serve::lift::{absorb, AbsorbEvent, AbsorbOptions};
+use lift_serve::model::Model;
+use std::time::Instant;
+
+const SOURCES: &[&str] =
+    &[include_str!("../tests/fixtures/kestrel_observatory.txt"), include_str!("../tests/fixtures/harbor_history.txt")];
+
+/// Prose of at least `tokens` tokens, ended at a paragraph or sentence boundary.
+fn document(model: &Model, tokens: usize) -> anyhow::Result<String> {
+    let mut text = String::new();
+    let mut chapter = 1;
+    'outer: loop {
+        for src in SOURCES {
+            for para in src.split("\n\n") {
+                let para = para.trim();
+                if para.is_empty() {
+                    continue;
+                }
+                text.push_str(&format!("Chapter {chapter}. {para}\n\n"));
+                chapter += 1;
+                if model.tokenizer.encode(&text, false)?.len() >= tokens {
+                    break 'outer;
+                }
+            }
+        }
+    }
+    // Trim sentences back to just over the target.
+    while let Some(cut) = text.trim_end().rfind(". ") {
+        let shorter = &text[..cut + 1];
+        if model.tokenizer.encode(shorter, false)?.len() < tokens {
+            break;
+        }
+        text.truncate(cut + 1);
+    }
+    Ok(text)
+}
+
+/// Peak resident memory of this process so far (VmHWM), in MiB; the kernel lets us reset it.
+fn peak_rss_mib() -> f64 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap_or_default();
+    status
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|kb| kb.parse::<f64>().ok())
+        .map_or(f64::NAN, |kb| kb / 1024.0)
+}
+
+fn reset_peak_rss() {
+    let _ = std::fs::write("/proc/self/clear_refs", "5");
+}
+
+fn main() -> anyhow::Result<()> {
+    lift_serve::runtime::tune_allocator();
+    let lengths: Vec<usize> = std::env::var("BENCH_LENGTHS")
+        .unwrap_or_else(|_| "1024,2048,4096".into())
+        .split(',')
+        .map(|s| s.trim().parse())
+        .collect::<Result<_, _>>()?;
+    let mut opts: AbsorbOptions = match std::env::var("BENCH_OPTIONS") {
+        Ok(path) => serde_json::from_str(&std::fs::read_to_string(path)?)?,
+        Err(_) => AbsorbOptions::default(),
+    };
+    if std::env::var("BENCH_MODEL_QA").is_err() {
+        opts.qa.use_model = false;
+    }
+    let path = lift_serve::fetch::resolve_model(None)?;
+    let model = Model::load(&path, &Device::Cpu)?;
+    let cfg = model.config();
+    println!("threads: {}  options: {}", rayon::current_num_threads(), serde_json::to_string(&opts)?);
+    println!(
+        "| tokens | absorb s | ratio to first | length ratio | QA pairs | steps | train tok/s | peak RSS MiB | adapter bytes | KV cache bytes (f32) |"
+    );
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let mut first: Option<(usize, f64)> = None;
+    for &n in &lengths {
+        let text = document(&model, n)?;
+        reset_peak_rss();
+        let t0 = Instant::now();
+        let mut last_step = 0;
+        let absorbed = absorb(
+            &model,
+            &text,
+            None,
+            &opts,
+            &mut |e| {
+                if let AbsorbEvent::Train(p) = e {
+                    if p.step >= last_step + 50 {
+                        last_step = p.step;
+                        eprintln!("  {n}: step {}/{} loss {:.3}", p.step, p.steps, p.loss);
+                    }
+                }
+            },
+            &|| false,
+        )?;
+        let secs = t0.elapsed().as_secs_f64();
+        let tokens = absorbed.doc_tokens.len();
+        let (t1, s1) = *first.get_or_insert((tokens, secs));
+        let adapter_bytes = absorbed.bundle.bytes();
+        // K and V for every layer and KV head, f32, for the whole document in context.
+        let kv_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4 * tokens;
+        println!(
+            "| {tokens} | {secs:.1} | {:.2} | {:.2} | {} | {} | {:.0} | {:.0} | {adapter_bytes} | {kv_bytes} |",
+            secs / s1,
+            tokens as f64 / t1 as f64,
+            absorbed.qa.len(),
+            absorbed.report.steps,
+            absorbed.report.tokens_per_s,
+            peak_rss_mib(),
+        );
+    }
+    Ok(())
+}

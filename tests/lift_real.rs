@@ -1,0 +1,163 @@
+//! LIFT on the real default model (SmolLM2-135M-Instruct Q4_1): the out-of-window fact test of
+//! the LIFT issue. A ~1,500-token document with five facts in its middle, where the truncated
+//! context cannot show them, is absorbed with a short CPU schedule; then each question, worded
+//! differently from the sentence that holds its answer, is asked in `lift` mode (adapter + head
+//! and tail of the document) and in `icl` mode (the same context without the adapter).
+//!
+//! Run alone: `cargo test --release --test lift_real -- --nocapture` (a few minutes on 2 cores).
+
+use candle_core::Device;
+use lift_serve::lift::answer::{answer, build_prompt, Mode};
+use lift_serve::lift::{absorb, AbsorbOptions};
+use lift_serve::model::generate::SamplingParams;
+use lift_serve::model::{Adapter, Model};
+use std::time::Instant;
+
+const DOC: &str = include_str!("fixtures/kestrel_observatory.txt");
+/// In-context document tokens when answering (head + tail): a short-context model in miniature.
+const CONTEXT_TOKENS: usize = 128;
+const MAX_TOKENS: usize = 24;
+
+struct Question {
+    question: &'static str,
+    /// Accepted answers (case-insensitive substring of the reply).
+    answers: &'static [&'static str],
+    /// The document text that holds the answer (located to decide in/out of window).
+    evidence: &'static str,
+}
+
+/// Facts in the middle of the document, asked the way a reader would ask.
+const OUT_OF_WINDOW: &[Question] = &[
+    Question {
+        question: "In what year was the observatory's great refractor installed?",
+        answers: &["1908"],
+        evidence: "The great refractor, installed in 1908",
+    },
+    Question {
+        question: "Who was the first night assistant at the observatory?",
+        answers: &["Elias Marlow", "Marlow"],
+        evidence: "named Elias Marlow",
+    },
+    Question {
+        question: "What metal covered the observatory's new dome?",
+        answers: &["copper"],
+        evidence: "covered with copper sheets",
+    },
+    Question {
+        question: "What number is stamped on the key of the star chart cabinet?",
+        answers: &["4862"],
+        evidence: "the number 4862",
+    },
+    Question {
+        question: "What did the observatory's cat like to eat most?",
+        answers: &["herring"],
+        evidence: "smoked herring from the village market",
+    },
+];
+
+/// Facts the truncated context does show (the first and last sentences).
+const IN_WINDOW: &[Question] = &[
+    Question {
+        question: "Who built the Kestrel Valley Observatory?",
+        answers: &["Clara Hopwood", "Hopwood"],
+        evidence: "an astronomer named Clara Hopwood",
+    },
+    Question {
+        question: "Who is the current director of the observatory?",
+        answers: &["Amira Castell", "Castell"],
+        evidence: "a former student named Amira Castell",
+    },
+];
+
+/// Absorb options for a short CPU run: 128-token segments with 128 tokens of head+tail context,
+/// extractive QA only (the 135M model writes almost no valid pairs), two epochs of segments then
+/// three of segments + QA.
+fn options() -> AbsorbOptions {
+    let mut o = AbsorbOptions::default();
+    o.plan.window = 128;
+    o.plan.context_tokens = CONTEXT_TOKENS;
+    o.qa.use_model = false;
+    o.qa.max_pairs = 80;
+    o.train.epochs = [2, 3];
+    o
+}
+
+/// Document token range of `evidence` (by characters → tokens of the prefix).
+fn token_span(model: &Model, evidence: &str) -> (usize, usize) {
+    let at = DOC.find(evidence).unwrap_or_else(|| panic!("{evidence:?} is in the document"));
+    let before = model.tokenizer.encode(&DOC[..at], false).unwrap().len();
+    let through = model.tokenizer.encode(&DOC[..at + evidence.len()], false).unwrap().len();
+    (before, through)
+}
+
+fn ask(model: &Model, doc: &[u32], adapter: &dyn Adapter, q: &Question, mode: Mode) -> (bool, String) {
+    let params = SamplingParams { max_tokens: MAX_TOKENS, ..Default::default() };
+    let (_, out) =
+        answer(model, doc, Some(adapter), q.question, mode, Some(CONTEXT_TOKENS), &params, &mut |_| true).unwrap();
+    let reply = out.text.trim().to_string();
+    let lower = reply.to_lowercase();
+    (q.answers.iter().any(|a| lower.contains(&a.to_lowercase())), reply)
+}
+
+#[test]
+fn out_of_window_facts_are_recalled_in_lift_mode() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init();
+    let path = lift_serve::fetch::resolve_model(None).expect("default model (run `lift-serve fetch-model`)");
+    let model = Model::load(&path, &Device::Cpu).expect("default model loads");
+
+    let t0 = Instant::now();
+    let absorbed = absorb(&model, DOC, Some("Kestrel Valley Observatory"), &options(), &mut |_| {}, &|| false)
+        .expect("absorb");
+    let doc = &absorbed.doc_tokens;
+    let adapter: &dyn Adapter = &absorbed.bundle.adapter;
+    eprintln!(
+        "absorbed {} tokens in {:.0} s: {} QA pairs, {} steps, final loss {:.3}",
+        doc.len(),
+        t0.elapsed().as_secs_f64(),
+        absorbed.qa.len(),
+        absorbed.report.steps,
+        absorbed.report.final_loss
+    );
+    assert!((1300..=1800).contains(&doc.len()), "a ~1,500-token document: {}", doc.len());
+
+    // Where the window is: the prompt `icl` and `lift` build for a question.
+    let prompt = build_prompt(&model, doc, OUT_OF_WINDOW[0].question, Mode::Icl, Some(CONTEXT_TOKENS), MAX_TOKENS)
+        .unwrap();
+    let shown = |(a, b): (usize, usize)| a < prompt.head_end || b > prompt.tail_start;
+    for q in OUT_OF_WINDOW {
+        assert!(!shown(token_span(&model, q.evidence)), "{:?} must be outside the context window", q.evidence);
+    }
+    for q in IN_WINDOW {
+        let (a, b) = token_span(&model, q.evidence);
+        assert!(b <= prompt.head_end || a >= prompt.tail_start, "{:?} must be inside the context window", q.evidence);
+    }
+
+    let mut table = Vec::new();
+    let mut score = |qs: &[Question], label: &str| -> (usize, usize) {
+        let (mut lift, mut icl) = (0, 0);
+        for q in qs {
+            let (l_ok, l_reply) = ask(&model, doc, adapter, q, Mode::Lift);
+            let (i_ok, i_reply) = ask(&model, doc, adapter, q, Mode::Icl);
+            lift += l_ok as usize;
+            icl += i_ok as usize;
+            table.push(format!("{label} | {} | lift {} {l_reply:?} | icl {} {i_reply:?}", q.question, l_ok, i_ok));
+        }
+        (lift, icl)
+    };
+    let (oow_lift, oow_icl) = score(OUT_OF_WINDOW, "out");
+    let (in_lift, in_icl) = score(IN_WINDOW, "in");
+    for row in &table {
+        eprintln!("{row}");
+    }
+    eprintln!(
+        "out of window: lift {oow_lift}/{n}, icl {oow_icl}/{n}; in window: lift {in_lift}/{m}, icl {in_icl}/{m}",
+        n = OUT_OF_WINDOW.len(),
+        m = IN_WINDOW.len()
+    );
+    assert!(oow_lift >= 3, "lift recalls at least 3 of 5 out-of-window facts: {oow_lift}");
+    assert!(oow_icl <= 1, "the base model cannot see them: {oow_icl}");
+    assert!(in_lift >= in_icl, "in-window facts still answered with the adapter: lift {in_lift}, icl {in_icl}");
+}
