@@ -243,6 +243,10 @@ fn absorb_command(device: &Device, file: &Path, output: &Path, model: Option<&Pa
                 bar.set_length(p.steps as u64);
                 bar.set_position(p.step as u64);
                 bar.set_message(format!("epoch {}/{} loss {:.3} {:.0} tok/s", p.epoch, p.epochs, p.loss, p.tokens_per_s));
+                // Without a terminal the bar is hidden: log progress instead, every 5%.
+                if bar.is_hidden() && (p.step * 20 / p.steps.max(1)) != ((p.step.saturating_sub(1)) * 20 / p.steps.max(1)) {
+                    tracing::info!(step = p.step, steps = p.steps, epoch = p.epoch, loss = p.loss, "training");
+                }
             }
         },
         &|| false,
