@@ -290,7 +290,7 @@ fn ask_command(
     let (bundle, _manifest) = manifest::load(adapter_dir, &model)?;
     let doc_path = adapter_dir.join(manifest::DOCUMENT_FILE);
     let text = std::fs::read_to_string(&doc_path).map_err(|e| anyhow::anyhow!("{}: {e}", doc_path.display()))?;
-    let doc = model.tokenizer.encode(&text, false)?;
+    let doc = model.encode_document(&text)?;
     let params = SamplingParams { max_tokens, temperature, ..Default::default() };
     let (prompt, out) =
         answer(&model, &doc, Some(&bundle.adapter), question, mode, context_tokens, &params, &mut print_piece)?;

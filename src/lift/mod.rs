@@ -97,7 +97,7 @@ pub fn absorb(
 ) -> Result<Absorbed> {
     let t0 = Instant::now();
     on_event(AbsorbEvent::Stage(AbsorbStage::Tokenizing));
-    let doc = model.tokenizer.encode(text, false)?;
+    let doc = model.encode_document(text)?;
     anyhow::ensure!(!doc.is_empty(), "the document is empty");
 
     on_event(AbsorbEvent::Stage(AbsorbStage::GeneratingQa));

@@ -94,7 +94,7 @@ impl Plan {
         let mut qa = Vec::with_capacity(qa_pairs.len());
         for (i, pair) in qa_pairs.iter().enumerate() {
             let prompt = chat_with_context(model, &ctx, &pair.question)?;
-            let mut answer = model.tokenizer.encode(pair.answer.trim(), false)?;
+            let mut answer = model.encode_document(pair.answer.trim())?;
             answer.extend_from_slice(&eot);
             qa.push(Self::example(ExampleKind::Qa(i), prompt, &answer));
         }

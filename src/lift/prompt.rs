@@ -23,6 +23,7 @@ pub const ELISION: &str = "\n...\n";
 /// Tokens of a chat prompt whose user turn is `context` followed by `suffix`, ending with the
 /// assistant's generation prompt. With an empty context the user turn is `suffix` alone.
 pub fn chat_with_context(model: &Model, context: &[u32], suffix: &str) -> Result<Vec<u32>> {
+    let suffix = model.tokenizer.escape_specials(suffix);
     let content = if context.is_empty() { suffix.to_string() } else { format!("{SLOT}\n\n{suffix}") };
     let messages = [
         ChatMessage { role: "system".into(), content: SYSTEM_PROMPT.into() },

@@ -86,10 +86,21 @@ impl Model {
         self.decoder.device()
     }
 
+    /// Token ids of a document: its text read as plain text (special tokens written in it are
+    /// escaped), the same everywhere a document is trained on, counted or shown.
+    pub fn encode_document(&self, text: &str) -> Result<Vec<u32>> {
+        self.tokenizer.encode(&self.tokenizer.escape_specials(text), false)
+    }
+
     /// Renders chat messages with the model's template and tokenizes them (special tokens written
     /// by the template are parsed as such; no extra BOS when the template already wrote one).
+    /// Message contents are user text: special tokens written in them stay plain text.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        let text = self.chat_template.render(messages, true)?;
+        let escaped: Vec<ChatMessage> = messages
+            .iter()
+            .map(|m| ChatMessage { role: m.role.clone(), content: self.tokenizer.escape_specials(&m.content).into_owned() })
+            .collect();
+        let text = self.chat_template.render(&escaped, true)?;
         let add_bos = match self.tokenizer.bos_token() {
             Some((bos, _)) => !text.starts_with(&bos),
             None => false,

@@ -260,7 +260,7 @@ pub async fn post_document(
     let model = st.engine.model.clone();
     let limit = st.cfg.max_document_tokens;
     let (text, tokens) = tokio::task::spawn_blocking(move || {
-        let n = model.tokenizer.encode(&text, false).map(|t| t.len());
+        let n = model.encode_document(&text).map(|t| t.len());
         (text, n)
     })
     .await

@@ -227,7 +227,7 @@ impl Store {
         let (bundle, manifest) = manifest::load(&dir, model)?;
         let text = std::fs::read_to_string(dir.join(manifest::DOCUMENT_FILE))
             .with_context(|| format!("{}: cannot read the document", dir.display()))?;
-        let doc_tokens = model.tokenizer.encode(&text, false)?;
+        let doc_tokens = model.encode_document(&text)?;
         let loaded = Arc::new(Loaded { bundle, manifest, doc_tokens });
         self.cache.insert(id.to_string(), loaded.clone());
         Ok(loaded)
