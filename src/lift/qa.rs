@@ -683,8 +683,10 @@ fn generate_for_window(
     stats: &mut QaStats,
     accept: &mut dyn FnMut(QaPair) -> bool,
 ) -> Result<bool> {
-    let messages =
-        [ChatMessage::new("system", SYSTEM_PROMPT), ChatMessage::new("user", qa_prompt(&model.tokenizer.escape_specials(&doc[span.0..span.1])))];
+    let messages = [
+        ChatMessage::new("system", SYSTEM_PROMPT),
+        ChatMessage::new("user", qa_prompt(&model.tokenizer.escape_specials(&doc[span.0..span.1]))),
+    ];
     let prompt_text = model.chat_template.render(&messages, true)?;
     let add_bos = model.tokenizer.bos_token().is_some_and(|(bos, _)| !prompt_text.starts_with(&bos));
     let encode = |assistant: &str| model.tokenizer.encode(&format!("{prompt_text}{assistant}"), add_bos);
