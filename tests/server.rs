@@ -599,3 +599,53 @@ async fn killed_mid_training_requeues_on_restart() {
     let pending: Vec<_> = std::fs::read_dir(&e.adapters).unwrap().filter_map(|f| f.ok()).filter(|f| f.file_name().to_string_lossy().ends_with(".pending.txt")).collect();
     assert!(pending.is_empty(), "the kept text is dropped once the adapter is saved");
 }
+
+/// Asking a ready document while another trains: the answer comes back while the training job
+/// is still running (generation is not queued behind training).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ask_while_another_document_trains() {
+    let e = env();
+    let (running, base) = start(config(&e, &[])).await;
+    // An answer on the tiny model takes well under a second; queued behind the training job it
+    // would take minutes.
+    let c = Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC}), None).await;
+    assert_eq!(s, 202, "{d}");
+    let ready_id = d["id"].as_str().unwrap().to_string();
+    wait_ready(&c, &base, &ready_id, None).await;
+
+    // Minutes of training on the tiny model; it is deleted (cancelled) at the end.
+    let (s, slow) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(4), "options": {"epochs": [100, 100]}}), None).await;
+    assert_eq!(s, 202, "{slow}");
+    let slow_id = slow["id"].as_str().unwrap().to_string();
+    let mut step = 0;
+    for _ in 0..600 {
+        let (_, d) = get_json(&c, &format!("{base}/documents/{slow_id}"), None).await;
+        step = d["progress"]["step"].as_u64().unwrap_or(0);
+        if d["status"] == "training" && step >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(step >= 1, "the slow job never started training");
+
+    for (route, body) in [
+        ("/ask", json!({"document_id": ready_id, "question": "Who built the harbor?", "max_tokens": 8})),
+        ("/v1/chat/completions", json!({"model": ready_id, "messages": [{"role": "user", "content": "Who painted the tower?"}], "max_tokens": 8})),
+    ] {
+        let t = std::time::Instant::now();
+        let (s, a) = post_json(&c, &format!("{base}{route}"), body, None).await;
+        assert_eq!(s, 200, "{route}: {a}");
+        let (_, d) = get_json(&c, &format!("{base}/documents/{slow_id}"), None).await;
+        assert_eq!(d["status"], "training", "{route} answered in {:?}, but only after the training job ended: {d}", t.elapsed());
+        if route == "/ask" {
+            assert!(a["timings"]["queue_ms"].as_f64().unwrap() < 5000.0, "waited in the generation queue: {a}");
+        }
+    }
+    let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("lift_training_running 1"), "{metrics}");
+
+    let r = c.delete(format!("{base}/documents/{slow_id}")).send().await.unwrap();
+    assert_eq!(r.status(), 204);
+    running.shutdown().await;
+}
