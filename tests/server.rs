@@ -201,6 +201,21 @@ async fn document_lifecycle_and_restart() {
         assert!(r["choices"][0]["finish_reason"].is_string());
         assert!(r["usage"]["completion_tokens"].as_u64().unwrap() <= 5);
     }
+    // The `mode` extension (as in /ask) for a document model: `memory` leaves the document out.
+    let mut prompt_tokens = BTreeMap::new();
+    for mode in ["lift", "icl", "memory"] {
+        let (s, r) = post_json(
+            &c,
+            &format!("{base}/v1/chat/completions"),
+            json!({"model": id, "messages": [{"role": "user", "content": "Who painted the tower?"}], "max_tokens": 3, "mode": mode}),
+            None,
+        )
+        .await;
+        assert_eq!(s, 200, "{mode}: {r}");
+        prompt_tokens.insert(mode, r["usage"]["prompt_tokens"].as_u64().unwrap());
+    }
+    assert_eq!(prompt_tokens["lift"], prompt_tokens["icl"], "{prompt_tokens:?}");
+    assert!(prompt_tokens["memory"] + 100 < prompt_tokens["lift"], "{prompt_tokens:?}");
     let resp = c
         .post(format!("{base}/v1/chat/completions"))
         .json(&json!({"model": id, "messages": [{"role": "user", "content": "Who painted the tower?"}],
@@ -404,6 +419,7 @@ async fn bad_inputs() {
         ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "max_tokens": 0})), 400, "invalid_max_tokens"),
         ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "stream": "yes"})), 400, "invalid_type"),
         ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "top_p": 0})), 400, "invalid_top_p"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "mode": "psychic"})), 400, "invalid_mode"),
         ("GET", "/nowhere".into(), ("", vec![]), 404, "route_not_found"),
         ("PUT", "/ask".into(), ("", vec![]), 405, "method_not_allowed"),
     ];

@@ -564,6 +564,16 @@ pub fn gen_error(e: anyhow::Error) -> ApiError {
     }
 }
 
+/// The `mode` field of `/ask` (and of a chat completion whose model is a document): `lift` by default.
+pub fn ask_mode(m: &Map<String, Value>) -> ApiResult<Mode> {
+    match opt_str(m, "mode")?.as_deref() {
+        None | Some("lift") => Ok(Mode::Lift),
+        Some("icl") => Ok(Mode::Icl),
+        Some("memory") => Ok(Mode::Memory),
+        Some(o) => Err(ApiError::bad_request("invalid_mode", format!("'mode' must be lift, icl or memory (got '{o}')")).param("mode")),
+    }
+}
+
 pub async fn ask(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,
@@ -575,14 +585,7 @@ pub async fn ask(
     let id = req_str(&m, "document_id")?;
     let question = req_str(&m, "question")?;
     check_question(&st, &question, "question")?;
-    let mode = match opt_str(&m, "mode")?.as_deref() {
-        None | Some("lift") => Mode::Lift,
-        Some("icl") => Mode::Icl,
-        Some("memory") => Mode::Memory,
-        Some(o) => {
-            return Err(ApiError::bad_request("invalid_mode", format!("'mode' must be lift, icl or memory (got '{o}')")).param("mode"))
-        }
-    };
+    let mode = ask_mode(&m)?;
     let max_tokens = max_tokens(&st, opt_u64(&m, "max_tokens")?, "max_tokens")?;
     let temperature = temperature(opt_f64(&m, "temperature")?)?;
     require_ready(&st, &tenant, &id, "document_id")?;
