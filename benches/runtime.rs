@@ -118,6 +118,43 @@ fn main() -> anyhow::Result<()> {
         println!("decode after 128-token prompt: {:.1} ms/token  {:.1} tok/s (median of {steps})", s * 1e3, 1.0 / s);
     }
 
+    if want("decode_adapter") {
+        // Decode with a Gated Memory adapter on every layer (detached, as served; fused CPU path
+        // and tensor path) vs without, after the same 512-token prompt; steps alternate between
+        // the three so that load on the machine hits them alike.
+        let all: Vec<usize> = (0..layers).collect();
+        let adapter = GatedMemory::new(&cfg, &all, cfg.attention_bias, 1, &dev)?.detached();
+        let unfused = adapter.clone().with_fused(false);
+        let prompt = Tensor::new(tokens(512, cfg.vocab_size).as_slice(), &dev)?.unsqueeze(0)?;
+        let with: [Option<&dyn lift_serve::model::Adapter>; 3] = [None, Some(&adapter), Some(&unfused)];
+        let mut state = Vec::new();
+        for a in with {
+            let mut cache = KvCache::new(layers);
+            let logits = model.decoder.forward(&prompt, &mut cache, a, &mut NoHooks, Logits::Last)?;
+            state.push((cache, logits, Vec::new()));
+        }
+        let steps = 48;
+        for _ in 0..steps {
+            for (a, (cache, logits, times)) in with.iter().zip(state.iter_mut()) {
+                let t = Instant::now();
+                let next = logits.argmax(1)?.to_vec1::<u32>()?[0];
+                let x = Tensor::new(&[next], &dev)?.unsqueeze(0)?;
+                *logits = model.decoder.forward(&x, cache, *a, &mut NoHooks, Logits::Last)?;
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        let [base, gm, gm_unfused] = [0, 1, 2].map(|i| median(state[i].2.clone()));
+        println!(
+            "decode after 512-token prompt (median of {steps}): base {:.2} ms/token; gated memory on {layers} layers: \
+             fused {:.2} ms/token ({:+.1}%), tensor path {:.2} ms/token ({:+.1}%)",
+            base * 1e3,
+            gm * 1e3,
+            (gm / base - 1.0) * 100.0,
+            gm_unfused * 1e3,
+            (gm_unfused / base - 1.0) * 100.0
+        );
+    }
+
     if want("train") {
         for &t in &[256usize, 512] {
             let all: Vec<usize> = (0..layers).collect();
