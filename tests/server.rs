@@ -108,6 +108,16 @@ fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
     out
 }
 
+/// A job record left `training` with neither an adapter nor its kept text (as a process that
+/// died before this version kept texts would leave it); returns its id.
+fn write_ghost_record(adapters: &Path, hex_pair: &str) -> String {
+    let ghost = format!("doc_{}", hex_pair.repeat(16));
+    let rec = json!({"id": ghost, "owner": null, "title": null, "status": "training", "tokens": 10, "created_at": 1,
+                     "ready_at": null, "error": null, "adapter": null, "options": {}});
+    std::fs::write(adapters.join(format!("{ghost}.job.json")), rec.to_string()).unwrap();
+    ghost
+}
+
 fn assert_error_shape(v: &Value, code: &str, ctx: &str) {
     let e = &v["error"];
     assert_eq!(e["code"], code, "{ctx}: {v}");
@@ -253,14 +263,7 @@ async fn document_lifecycle_and_restart() {
     // Restart on the same directory: ready without retraining; an interrupted job is settled.
     let before = snapshot(&e.adapters);
     running.shutdown().await;
-    let ghost = format!("doc_{}", "ab".repeat(16));
-    std::fs::write(
-        e.adapters.join(format!("{ghost}.job.json")),
-        json!({"id": ghost, "owner": null, "title": null, "status": "training", "tokens": 10, "created_at": 1,
-               "ready_at": null, "error": null, "adapter": null, "options": {}})
-        .to_string(),
-    )
-    .unwrap();
+    let ghost = write_ghost_record(&e.adapters, "ab");
     let (running, base) = start(config(&e, &[])).await;
     let (s, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
     assert_eq!((s, d["status"].as_str()), (StatusCode::OK, Some("ready")), "{d}");
@@ -502,7 +505,15 @@ async fn queue_full_and_shutdown() {
         assert!(matches!(d["status"].as_str(), Some("queued") | Some("training")), "{d}");
         assert!(d["error"].is_null(), "{d}");
     }
-    let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    // One trains, the other waits (once the training thread has picked the first up).
+    let mut metrics = String::new();
+    for _ in 0..500 {
+        metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+        if metrics.contains("lift_training_running 1") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     assert!(metrics.contains("lift_training_running 1") && metrics.contains("lift_training_queue_depth 1"), "{metrics}");
     // Re-posting a re-queued document finds it in progress.
     let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": slow}), None).await;
@@ -521,9 +532,19 @@ fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
+/// A server process, killed when dropped (also when a test fails).
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 /// The real `lift-serve serve` process on the tiny model; stderr goes to `log`.
-fn spawn_server(e: &Env, port: u16, log: &Path) -> std::process::Child {
-    std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
+fn spawn_server(e: &Env, port: u16, log: &Path) -> Child {
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
         .args(["serve", "--port", &port.to_string()])
         .arg("--model").arg(&e.model)
         .arg("--adapters-dir").arg(&e.adapters)
@@ -531,17 +552,18 @@ fn spawn_server(e: &Env, port: u16, log: &Path) -> std::process::Child {
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(log).unwrap())
         .spawn()
-        .unwrap()
+        .unwrap();
+    Child(child)
 }
 
-async fn wait_health(c: &Client, base: &str, child: &mut std::process::Child) {
+async fn wait_health(c: &Client, base: &str, child: &mut Child) {
     for _ in 0..600 {
         if let Ok(r) = c.get(format!("{base}/health")).send().await {
             if r.status() == 200 {
                 return;
             }
         }
-        assert!(child.try_wait().unwrap().is_none(), "the server exited");
+        assert!(child.0.try_wait().unwrap().is_none(), "the server exited");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     panic!("the server did not come up");
@@ -576,16 +598,9 @@ async fn killed_mid_training_requeues_on_restart() {
     }
     assert!(!training.is_null(), "training never started");
     // A second record left `training` whose text was never kept (e.g. written by an older version).
-    let ghost = format!("doc_{}", "cd".repeat(16));
-    std::fs::write(
-        e.adapters.join(format!("{ghost}.job.json")),
-        json!({"id": ghost, "owner": null, "title": null, "status": "training", "tokens": 10, "created_at": 1,
-               "ready_at": null, "error": null, "adapter": null, "options": {}})
-        .to_string(),
-    )
-    .unwrap();
-    child.kill().unwrap(); // SIGKILL: no shutdown handler runs
-    child.wait().unwrap();
+    let ghost = write_ghost_record(&e.adapters, "cd");
+    child.0.kill().unwrap(); // SIGKILL: no shutdown handler runs
+    child.0.wait().unwrap();
     let rec: Value = serde_json::from_slice(&std::fs::read(e.adapters.join(format!("{id}.job.json"))).unwrap()).unwrap();
     assert_eq!(rec["status"], "training", "the dead process left the job training: {rec}");
     assert!(!e.adapters.join(&id).exists(), "no adapter was saved before the kill");
@@ -610,8 +625,7 @@ async fn killed_mid_training_requeues_on_restart() {
     assert_eq!((s, d2["id"].as_str(), d2["status"].as_str()), (StatusCode::OK, Some(id.as_str()), Some("ready")), "{d2}");
     let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("lift_training_jobs_total{outcome=\"ready\"} 1"), "{metrics}");
-    child.kill().unwrap();
-    child.wait().unwrap();
+    drop(child);
     let pending: Vec<_> = std::fs::read_dir(&e.adapters).unwrap().filter_map(|f| f.ok()).filter(|f| f.file_name().to_string_lossy().ends_with(".pending.txt")).collect();
     assert!(pending.is_empty(), "the kept text is dropped once the adapter is saved");
 }
