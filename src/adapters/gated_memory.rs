@@ -8,7 +8,7 @@
 
 use crate::model::{Adapter, ModelConfig};
 use crate::testing::Rng;
-use candle_core::{DType, Device, Result, Storage, Tensor, Var};
+use candle_core::{Device, Result, Tensor, Var};
 use std::collections::BTreeMap;
 
 /// One layer's parameters; every tensor is `[heads, in, out]` (biases `[heads, 1, out]`).
@@ -80,9 +80,6 @@ impl GatedMemoryLayer {
 pub struct GatedMemory {
     pub layers: BTreeMap<usize, GatedMemoryLayer>,
     vars: Vec<Var>,
-    /// Whether inference may take the fused CPU path for short queries (on by default; off gives
-    /// the tensor path, for comparisons).
-    fused: bool,
 }
 
 impl GatedMemory {
@@ -113,13 +110,13 @@ impl GatedMemory {
             };
             out.insert(l, layer);
         }
-        Ok(Self { layers: out, vars, fused: true })
+        Ok(Self { layers: out, vars })
     }
 
     /// Wraps loaded tensors; `trainable` makes them `Var`s again (to resume training).
     pub fn from_layers(layers: BTreeMap<usize, GatedMemoryLayer>, trainable: bool) -> Result<Self> {
         if !trainable {
-            return Ok(Self { layers, vars: Vec::new(), fused: true });
+            return Ok(Self { layers, vars: Vec::new() });
         }
         let vars = std::cell::RefCell::new(Vec::new());
         let mut out = BTreeMap::new();
@@ -132,13 +129,7 @@ impl GatedMemory {
             })?;
             out.insert(l, mapped);
         }
-        Ok(Self { layers: out, vars: vars.into_inner(), fused: true })
-    }
-
-    /// Turns the fused CPU inference path on or off (the results agree to rounding).
-    pub fn with_fused(mut self, on: bool) -> Self {
-        self.fused = on;
-        self
+        Ok(Self { layers: out, vars: vars.into_inner() })
     }
 
     /// Trainable parameters (empty for a detached copy).
@@ -153,7 +144,7 @@ impl GatedMemory {
             .iter()
             .map(|(l, x)| (*l, x.try_map(&|t| Ok(t.detach())).expect("detach cannot fail")))
             .collect();
-        Self { layers, vars: Vec::new(), fused: self.fused }
+        Self { layers, vars: Vec::new() }
     }
 
     pub fn num_parameters(&self) -> usize {
@@ -233,92 +224,9 @@ impl GatedMemory {
     }
 }
 
-/// Queries per head up to which inference takes the fused CPU path (decode is 1); longer prompts
-/// go through candle's batched matmuls, which win once the weights are reused across many rows.
-const FUSED_MAX_ROWS: usize = 16;
-
-/// `y = x·W (+ bias)` for one row `x` of length `in` and a row-major `W` `[in, out]`.
-#[inline]
-fn affine_row(x: &[f32], w: &[f32], bias: Option<&[f32]>, y: &mut [f32]) {
-    match bias {
-        Some(b) => y.copy_from_slice(b),
-        None => y.fill(0.0),
-    }
-    let out = y.len();
-    for (xi, row) in x.iter().zip(w.chunks_exact(out)) {
-        for (yo, wo) in y.iter_mut().zip(row) {
-            *yo += xi * wo;
-        }
-    }
-}
-
-#[inline]
-fn silu_in_place(y: &mut [f32]) {
-    for v in y {
-        *v /= 1.0 + (-*v).exp();
-    }
-}
-
-/// The whole mix of `GatedMemoryLayer::memory_and_gate` and `mix_attention` for a few query rows
-/// in one pass over the weights, reading the tensors in place and allocating only the output:
-/// the unfused path costs ~13 small tensor ops (each an allocation and a dispatch) per layer and
-/// token. `None` when a tensor is not f32 CPU data or a gradient is needed (training).
-fn mix_fused_cpu(l: &GatedMemoryLayer, q: &Tensor, attn: &Tensor) -> Result<Option<Tensor>> {
-    let (b, h, t, d) = q.dims4()?;
-    let weights = [&l.mem_w1, &l.mem_w2, &l.gate_w1, &l.gate_w2];
-    let biases = [&l.mem_b1, &l.mem_b2, &l.gate_b1];
-    let all = || [q, attn].into_iter().chain(weights).chain(biases.iter().filter_map(|b| b.as_ref()));
-    if t > FUSED_MAX_ROWS || attn.dims() != q.dims() || all().any(|x| !x.device().is_cpu() || x.dtype() != DType::F32 || x.track_op()) {
-        return Ok(None);
-    }
-    let (q, attn) = (q.contiguous()?, attn.contiguous()?);
-    let (d2, s) = (l.mem_w1.dim(2)?, l.gate_w1.dim(2)?);
-    let guards: Vec<_> = [&q, &attn].into_iter().chain(weights).map(|x| x.storage_and_layout()).collect();
-    let bias_guards: Vec<_> = biases.iter().map(|b| b.as_ref().map(|x| x.storage_and_layout())).collect();
-    fn slice<'a>((st, lay): &'a (candle_core::StorageRef<'_>, &candle_core::Layout)) -> Result<&'a [f32]> {
-        match (&**st, lay.contiguous_offsets()) {
-            (Storage::Cpu(c), Some((a, z))) => Ok(&c.as_slice::<f32>()?[a..z]),
-            _ => candle_core::bail!("gated memory: expected contiguous f32 CPU tensors"),
-        }
-    }
-    let data = guards.iter().map(slice).collect::<Result<Vec<_>>>()?;
-    let bias = bias_guards.iter().map(|g| g.as_ref().map(slice).transpose()).collect::<Result<Vec<_>>>()?;
-    let (qd, ad, w1, w2, g1, g2) = (data[0], data[1], data[2], data[3], data[4], data[5]);
-    let head_bias = |i: usize, hi: usize, n: usize| bias[i].map(|b| &b[hi * n..(hi + 1) * n]);
-    let mut out = vec![0f32; qd.len()];
-    let (mut hid, mut mem, mut gh) = (vec![0f32; d2], vec![0f32; d], vec![0f32; s]);
-    for bi in 0..b {
-        for hi in 0..h {
-            let (w1h, w2h) = (&w1[hi * d * d2..(hi + 1) * d * d2], &w2[hi * d2 * d..(hi + 1) * d2 * d]);
-            let (g1h, g2h) = (&g1[hi * d * s..(hi + 1) * d * s], &g2[hi * s..(hi + 1) * s]);
-            for ti in 0..t {
-                let row = ((bi * h + hi) * t + ti) * d;
-                let x = &qd[row..row + d];
-                affine_row(x, w1h, head_bias(0, hi, d2), &mut hid);
-                silu_in_place(&mut hid);
-                affine_row(&hid, w2h, head_bias(1, hi, d), &mut mem);
-                affine_row(x, g1h, head_bias(2, hi, s), &mut gh);
-                silu_in_place(&mut gh);
-                let g: f32 = gh.iter().zip(g2h).map(|(a, w)| a * w).sum();
-                let g = 1.0 / (1.0 + (-3.0 * (g - 1.0)).exp());
-                // (1 − g)·attn + g·m, written as attn + g·(m − attn) as on the tensor path.
-                for ((o, a), m) in out[row..row + d].iter_mut().zip(&ad[row..row + d]).zip(&mem) {
-                    *o = a + g * (m - a);
-                }
-            }
-        }
-    }
-    Tensor::from_vec(out, (b, h, t, d), q.device()).map(Some)
-}
-
 impl Adapter for GatedMemory {
     fn mix_attention(&self, layer: usize, q_pre_rope: &Tensor, attn: Tensor) -> Result<Tensor> {
         let Some(l) = self.layers.get(&layer) else { return Ok(attn) };
-        if self.fused {
-            if let Some(mixed) = mix_fused_cpu(l, q_pre_rope, &attn)? {
-                return Ok(mixed);
-            }
-        }
         let (m, g) = l.memory_and_gate(q_pre_rope)?;
         // (1 − g)·attn + g·m, written as attn + g·(m − attn).
         attn.clone() + g.broadcast_mul(&(m - attn)?)?
@@ -326,49 +234,5 @@ impl Adapter for GatedMemory {
 
     fn first_layer(&self) -> usize {
         self.layers.keys().next().copied().unwrap_or(usize::MAX)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// The fused decode path (detached adapter, few rows) equals the tensor path (the same
-    /// adapter with the fused path off, and the trainable adapter, whose weights track gradients
-    /// so that the fused path is skipped), with and without biases, for one and several query
-    /// rows and a strided attention input.
-    #[test]
-    fn fused_mix_matches_tensor_path() -> Result<()> {
-        let cfg = crate::testing::smollm2_135m_config();
-        let dev = Device::Cpu;
-        let mut rng = Rng::new(3);
-        for bias in [false, true] {
-            let trainable = GatedMemory::new(&cfg, &[0, 2], bias, 7, &dev)?;
-            let detached = trainable.detached();
-            for t in [1usize, 3] {
-                let shape = (1, cfg.num_heads, t, cfg.head_dim);
-                let n = cfg.num_heads * t * cfg.head_dim;
-                // Scaled up so that the gate leaves its ~0.05 start and the memory matters.
-                let q = Tensor::from_vec(rng.vec(n, 4.0), shape, &dev)?;
-                let attn = Tensor::from_vec(rng.vec(n, 1.0), (1, t, cfg.num_heads, cfg.head_dim), &dev)?.transpose(1, 2)?;
-                let l = &detached.layers[&2];
-                assert!(mix_fused_cpu(l, &q, &attn)?.is_some(), "fused path taken");
-                assert!(mix_fused_cpu(&trainable.layers[&2], &q, &attn)?.is_none(), "no fused path with gradients");
-                let fused = detached.mix_attention(2, &q, attn.clone())?;
-                let reference = trainable.mix_attention(2, &q, attn.clone())?;
-                let unfused = detached.clone().with_fused(false).mix_attention(2, &q, attn.clone())?;
-                assert_eq!(unfused.flatten_all()?.to_vec1::<f32>()?, reference.flatten_all()?.to_vec1::<f32>()?);
-                let diff = (fused - &reference)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-                let scale = reference.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-                assert!(diff <= 1e-5 * scale.max(1.0), "bias {bias} t {t}: max diff {diff} (scale {scale})");
-                let (_, g) = l.memory_and_gate(&q)?;
-                let g = g.flatten_all()?.to_vec1::<f32>()?;
-                assert!(g.iter().any(|&v| v > 0.1), "the gate opens somewhere: {g:?}");
-                // A layer without adapter leaves attention unchanged.
-                let same = detached.mix_attention(1, &q, attn.clone())?;
-                assert_eq!(same.flatten_all()?.to_vec1::<f32>()?, attn.flatten_all()?.to_vec1::<f32>()?);
-            }
-        }
-        Ok(())
     }
 }
