@@ -48,7 +48,14 @@ struct Streamed {
     decode_tps: f64,
 }
 
-async fn stream_chat(c: &reqwest::Client, base: &str, doc: &str, question: &str, mode: &str, max_tokens: usize) -> Result<Streamed> {
+async fn stream_chat(
+    c: &reqwest::Client,
+    base: &str,
+    doc: &str,
+    question: &str,
+    mode: &str,
+    max_tokens: usize,
+) -> Result<Streamed> {
     let body = json!({"model": doc, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
                       "stream": true, "stream_options": {"include_usage": true}, "mode": mode});
     let t0 = Instant::now();
@@ -97,7 +104,14 @@ struct Asked {
     tokens: usize,
 }
 
-async fn ask(c: &reqwest::Client, base: &str, doc: &str, question: &str, mode: &str, max_tokens: usize) -> Result<Asked> {
+async fn ask(
+    c: &reqwest::Client,
+    base: &str,
+    doc: &str,
+    question: &str,
+    mode: &str,
+    max_tokens: usize,
+) -> Result<Asked> {
     let t0 = Instant::now();
     let resp = c
         .post(format!("{base}/ask"))
@@ -112,7 +126,12 @@ async fn ask(c: &reqwest::Client, base: &str, doc: &str, question: &str, mode: &
     }
     let tokens = v["usage"]["completion_tokens"].as_u64().unwrap_or(0) as usize;
     let gen_ms = v["timings"]["generate_ms"].as_f64().unwrap_or(f64::NAN);
-    Ok(Asked { total, prompt_ms: v["timings"]["prompt_ms"].as_f64().unwrap_or(f64::NAN), decode_tps: tokens as f64 / (gen_ms / 1000.0), tokens })
+    Ok(Asked {
+        total,
+        prompt_ms: v["timings"]["prompt_ms"].as_f64().unwrap_or(f64::NAN),
+        decode_tps: tokens as f64 / (gen_ms / 1000.0),
+        tokens,
+    })
 }
 
 async fn wait_ready(c: &reqwest::Client, base: &str, id: &str) -> Result<Value> {
@@ -172,7 +191,13 @@ async fn run() -> Result<()> {
     // Absorb.
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt"))?;
     let t0 = Instant::now();
-    let d: Value = c.post(format!("{base}/documents")).json(&json!({"text": text, "title": "harbor history"})).send().await?.json().await?;
+    let d: Value = c
+        .post(format!("{base}/documents"))
+        .json(&json!({"text": text, "title": "harbor history"}))
+        .send()
+        .await?
+        .json()
+        .await?;
     let id = d["id"].as_str().with_context(|| format!("POST /documents: {d}"))?.to_string();
     let d = wait_ready(&c, &base, &id).await?;
     println!(
@@ -230,7 +255,8 @@ async fn run() -> Result<()> {
     row("decode rate (server), /ask", &l.ask_tps, &i.ask_tps, "tok/s", 1);
     row("completion tokens, /ask", &l.ask_tokens, &i.ask_tokens, "", 0);
     // Paired per-run ratios; time per token so that different answer lengths do not skew totals.
-    let paired = |f: &dyn Fn(&ModeRuns, usize) -> f64| median(&(0..runs).map(|k| f(l, k) / f(i, k)).collect::<Vec<_>>()) - 1.0;
+    let paired =
+        |f: &dyn Fn(&ModeRuns, usize) -> f64| median(&(0..runs).map(|k| f(l, k) / f(i, k)).collect::<Vec<_>>()) - 1.0;
     println!(
         "adapter overhead (median of paired runs): time to first token {:+.1}%, time per decoded token (streamed) {:+.1}%, \
          /ask time per answer token {:+.1}% (target ≤ 20%)",
@@ -240,7 +266,12 @@ async fn run() -> Result<()> {
     );
 
     // b. Concurrent clients.
-    let questions = ["Who built the harbor?", "When was the lighthouse painted?", "What does the bell do?", "Which pier is for ferries?"];
+    let questions = [
+        "Who built the harbor?",
+        "When was the lighthouse painted?",
+        "What does the bell do?",
+        "Which pier is for ferries?",
+    ];
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let depth_probe = {
         let (c, base, stop) = (c.clone(), base.clone(), stop.clone());
@@ -249,7 +280,10 @@ async fn run() -> Result<()> {
             while !stop.load(std::sync::atomic::Ordering::SeqCst) {
                 if let Ok(r) = c.get(format!("{base}/metrics")).send().await {
                     let text = r.text().await.unwrap_or_default();
-                    let depth = text.lines().find_map(|l| l.strip_prefix("lift_generation_queue_depth ")).and_then(|v| v.trim().parse::<f64>().ok());
+                    let depth = text
+                        .lines()
+                        .find_map(|l| l.strip_prefix("lift_generation_queue_depth "))
+                        .and_then(|v| v.trim().parse::<f64>().ok());
                     max = max.max(depth.unwrap_or(0.0) as usize);
                 }
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -268,7 +302,11 @@ async fn run() -> Result<()> {
             for j in 0..n {
                 let q = questions[(k + j) % questions.len()];
                 let t = Instant::now();
-                let r = c.post(format!("{base}/ask")).json(&json!({"document_id": id, "question": q, "max_tokens": 16})).send().await;
+                let r = c
+                    .post(format!("{base}/ask"))
+                    .json(&json!({"document_id": id, "question": q, "max_tokens": 16}))
+                    .send()
+                    .await;
                 let status = match r {
                     Ok(r) => {
                         let s = r.status().as_u16();
