@@ -9,7 +9,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_nn::optim::{AdamW, Optimizer, ParamsAdamW};
 use lift_serve::adapters::GatedMemory;
 use lift_serve::model::generate::prefill;
-use lift_serve::model::{ops, KvCache, Logits, Model, NoHooks};
+use lift_serve::model::{ops, Adapter, KvCache, Logits, Model, NoHooks};
 use std::time::Instant;
 
 fn median(mut xs: Vec<f64>) -> f64 {
@@ -116,6 +116,51 @@ fn main() -> anyhow::Result<()> {
         }
         let s = median(times);
         println!("decode after 128-token prompt: {:.1} ms/token  {:.1} tok/s (median of {steps})", s * 1e3, 1.0 / s);
+    }
+
+    if want("decode_adapter") {
+        // Decode with a Gated Memory adapter on every layer (detached, as served) vs without,
+        // after the same 512-token prompt; steps alternate between the two so that load on the
+        // machine hits both alike.
+        let all: Vec<usize> = (0..layers).collect();
+        let adapter = GatedMemory::new(&cfg, &all, cfg.attention_bias, 1, &dev)?.detached();
+        let prompt = Tensor::new(tokens(512, cfg.vocab_size).as_slice(), &dev)?.unsqueeze(0)?;
+        let with: [Option<&dyn Adapter>; 2] = [None, Some(&adapter)];
+        let mut state = Vec::new();
+        for a in with {
+            let mut cache = KvCache::new(layers);
+            let logits = model.decoder.forward(&prompt, &mut cache, a, &mut NoHooks, Logits::Last)?;
+            state.push((cache, logits, Vec::new()));
+        }
+        let steps = 48;
+        for _ in 0..steps {
+            for (a, (cache, logits, times)) in with.iter().zip(state.iter_mut()) {
+                let t = Instant::now();
+                let next = logits.argmax(1)?.to_vec1::<u32>()?[0];
+                let x = Tensor::new(&[next], &dev)?.unsqueeze(0)?;
+                *logits = model.decoder.forward(&x, cache, *a, &mut NoHooks, Logits::Last)?;
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        // The adapter's own work for one decoded token (all layers), timed alone: small against a
+        // whole step, which a loaded machine makes noisy.
+        let q = Tensor::randn(0f32, 1.0, (1, cfg.num_heads, 1, cfg.head_dim), &dev)?;
+        let attn = Tensor::randn(0f32, 1.0, (1, cfg.num_heads, 1, cfg.head_dim), &dev)?;
+        let mix = median(time_runs(200, 5, || {
+            for l in 0..layers {
+                adapter.mix_attention(l, &q, attn.clone()).unwrap();
+            }
+        }));
+        let [base, gm] = [0, 1].map(|i| median(state[i].2.clone()));
+        println!(
+            "decode after 512-token prompt (median of {steps}): base {:.2} ms/token, with gated memory on {layers} layers {:.2} ms/token ({:+.1}%); \
+             the adapter's mix alone {:.0} µs/token ({:.1}% of a base step)",
+            base * 1e3,
+            gm * 1e3,
+            (gm / base - 1.0) * 100.0,
+            mix * 1e6,
+            100.0 * mix / base
+        );
     }
 
     if want("train") {

@@ -108,6 +108,16 @@ fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
     out
 }
 
+/// A job record left `training` with neither an adapter nor its kept text (as a process that
+/// died before this version kept texts would leave it); returns its id.
+fn write_ghost_record(adapters: &Path, hex_pair: &str) -> String {
+    let ghost = format!("doc_{}", hex_pair.repeat(16));
+    let rec = json!({"id": ghost, "owner": null, "title": null, "status": "training", "tokens": 10, "created_at": 1,
+                     "ready_at": null, "error": null, "adapter": null, "options": {}});
+    std::fs::write(adapters.join(format!("{ghost}.job.json")), rec.to_string()).unwrap();
+    ghost
+}
+
 fn assert_error_shape(v: &Value, code: &str, ctx: &str) {
     let e = &v["error"];
     assert_eq!(e["code"], code, "{ctx}: {v}");
@@ -201,6 +211,21 @@ async fn document_lifecycle_and_restart() {
         assert!(r["choices"][0]["finish_reason"].is_string());
         assert!(r["usage"]["completion_tokens"].as_u64().unwrap() <= 5);
     }
+    // The `mode` extension (as in /ask) for a document model: `memory` leaves the document out.
+    let mut prompt_tokens = BTreeMap::new();
+    for mode in ["lift", "icl", "memory"] {
+        let (s, r) = post_json(
+            &c,
+            &format!("{base}/v1/chat/completions"),
+            json!({"model": id, "messages": [{"role": "user", "content": "Who painted the tower?"}], "max_tokens": 3, "mode": mode}),
+            None,
+        )
+        .await;
+        assert_eq!(s, 200, "{mode}: {r}");
+        prompt_tokens.insert(mode, r["usage"]["prompt_tokens"].as_u64().unwrap());
+    }
+    assert_eq!(prompt_tokens["lift"], prompt_tokens["icl"], "{prompt_tokens:?}");
+    assert!(prompt_tokens["memory"] + 100 < prompt_tokens["lift"], "{prompt_tokens:?}");
     let resp = c
         .post(format!("{base}/v1/chat/completions"))
         .json(&json!({"model": id, "messages": [{"role": "user", "content": "Who painted the tower?"}],
@@ -238,14 +263,7 @@ async fn document_lifecycle_and_restart() {
     // Restart on the same directory: ready without retraining; an interrupted job is settled.
     let before = snapshot(&e.adapters);
     running.shutdown().await;
-    let ghost = format!("doc_{}", "ab".repeat(16));
-    std::fs::write(
-        e.adapters.join(format!("{ghost}.job.json")),
-        json!({"id": ghost, "owner": null, "title": null, "status": "training", "tokens": 10, "created_at": 1,
-               "ready_at": null, "error": null, "adapter": null, "options": {}})
-        .to_string(),
-    )
-    .unwrap();
+    let ghost = write_ghost_record(&e.adapters, "ab");
     let (running, base) = start(config(&e, &[])).await;
     let (s, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
     assert_eq!((s, d["status"].as_str()), (StatusCode::OK, Some("ready")), "{d}");
@@ -404,6 +422,7 @@ async fn bad_inputs() {
         ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "max_tokens": 0})), 400, "invalid_max_tokens"),
         ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "stream": "yes"})), 400, "invalid_type"),
         ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "top_p": 0})), 400, "invalid_top_p"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "mode": "psychic"})), 400, "invalid_mode"),
         ("GET", "/nowhere".into(), ("", vec![]), 404, "route_not_found"),
         ("PUT", "/ask".into(), ("", vec![]), 405, "method_not_allowed"),
     ];
@@ -477,17 +496,186 @@ async fn queue_full_and_shutdown() {
     let _ = d;
     running.shutdown().await;
 
-    // Both jobs are failed-with-reason on disk, and stay so after a restart.
+    // Both jobs (the training one and the queued one) are re-queued by the next start.
     let (running, base) = start(config(&e, &[])).await;
-    for id in [a_id.as_str(), b["id"].as_str().unwrap()] {
+    let b_id = b["id"].as_str().unwrap();
+    for id in [a_id.as_str(), b_id] {
         let (s, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
-        assert_eq!((s, d["status"].as_str()), (StatusCode::OK, Some("failed")), "{d}");
-        assert!(d["error"]["message"].as_str().unwrap().contains("interrupted"), "{d}");
+        assert_eq!(s, StatusCode::OK);
+        assert!(matches!(d["status"].as_str(), Some("queued") | Some("training")), "{d}");
+        assert!(d["error"].is_null(), "{d}");
     }
-    // Re-posting a failed document queues it again.
+    // One trains, the other waits (once the training thread has picked the first up).
+    let mut metrics = String::new();
+    for _ in 0..500 {
+        metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+        if metrics.contains("lift_training_running 1") {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(metrics.contains("lift_training_running 1") && metrics.contains("lift_training_queue_depth 1"), "{metrics}");
+    // Re-posting a re-queued document finds it in progress.
     let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": slow}), None).await;
-    assert_eq!((s, d["id"].as_str()), (StatusCode::ACCEPTED, b["id"].as_str()), "{d}");
-    let r = c.delete(format!("{base}/documents/{}", d["id"].as_str().unwrap())).send().await.unwrap();
+    assert_eq!((s, d["id"].as_str()), (StatusCode::OK, Some(b_id)), "{d}");
+    for id in [a_id.as_str(), b_id] {
+        let r = c.delete(format!("{base}/documents/{id}")).send().await.unwrap();
+        assert_eq!(r.status(), 204);
+    }
+    running.shutdown().await;
+    let left: Vec<_> = std::fs::read_dir(&e.adapters).unwrap().map(|f| f.unwrap().file_name()).collect();
+    assert!(left.is_empty(), "deleted documents leave nothing behind: {left:?}");
+}
+
+/// A free TCP port on 127.0.0.1.
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+/// A server process, killed when dropped (also when a test fails).
+struct Child(std::process::Child);
+
+impl Drop for Child {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The real `lift-serve serve` process on the tiny model; stderr goes to `log`.
+fn spawn_server(e: &Env, port: u16, log: &Path) -> Child {
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
+        .args(["serve", "--port", &port.to_string()])
+        .arg("--model").arg(&e.model)
+        .arg("--adapters-dir").arg(&e.adapters)
+        .arg("--absorb-options").arg(&e.options)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(log).unwrap())
+        .spawn()
+        .unwrap();
+    Child(child)
+}
+
+async fn wait_health(c: &Client, base: &str, child: &mut Child) {
+    for _ in 0..600 {
+        if let Ok(r) = c.get(format!("{base}/health")).send().await {
+            if r.status() == 200 {
+                return;
+            }
+        }
+        assert!(child.0.try_wait().unwrap().is_none(), "the server exited");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    panic!("the server did not come up");
+}
+
+/// The server process is killed (SIGKILL) mid-training; the next process re-queues the job from
+/// the kept text and it becomes ready. A job whose text is gone is failed with the reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_mid_training_requeues_on_restart() {
+    let e = env();
+    let c = client();
+    let logs = e.adapters.parent().unwrap().to_path_buf();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut child = spawn_server(&e, port, &logs.join("first.log"));
+    wait_health(&c, &base, &mut child).await;
+
+    let text = DOC.repeat(2);
+    let body = json!({"text": text, "title": "twice", "options": {"epochs": [15, 15]}});
+    let (s, d) = post_json(&c, &format!("{base}/documents"), body.clone(), None).await;
+    assert_eq!(s, 202, "{d}");
+    let id = d["id"].as_str().unwrap().to_string();
+    let mut training = Value::Null;
+    for _ in 0..1000 {
+        let (_, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+        if d["status"] == "training" && d["progress"]["stage"] == "training" && d["progress"]["step"].as_u64() >= Some(1) {
+            training = d;
+            break;
+        }
+        assert!(matches!(d["status"].as_str(), Some("queued") | Some("training")), "the job must still be running when the process is killed: {d}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!training.is_null(), "training never started");
+    // A second record left `training` whose text was never kept (e.g. written by an older version).
+    let ghost = write_ghost_record(&e.adapters, "cd");
+    child.0.kill().unwrap(); // SIGKILL: no shutdown handler runs
+    child.0.wait().unwrap();
+    let rec: Value = serde_json::from_slice(&std::fs::read(e.adapters.join(format!("{id}.job.json"))).unwrap()).unwrap();
+    assert_eq!(rec["status"], "training", "the dead process left the job training: {rec}");
+    assert!(!e.adapters.join(&id).exists(), "no adapter was saved before the kill");
+
+    let mut child = spawn_server(&e, port, &logs.join("second.log"));
+    wait_health(&c, &base, &mut child).await;
+    let (s, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+    assert_eq!(s, 200);
+    assert!(matches!(d["status"].as_str(), Some("queued") | Some("training")), "re-queued: {d}");
+    assert!(d["error"].is_null(), "{d}");
+    assert_eq!(d["title"], "twice");
+    let (s, g) = get_json(&c, &format!("{base}/documents/{ghost}"), None).await;
+    assert_eq!((s, g["status"].as_str()), (StatusCode::OK, Some("failed")), "{g}");
+    assert!(g["error"]["message"].as_str().unwrap().contains("interrupted"), "{g}");
+    let d = wait_ready(&c, &base, &id, None).await;
+    assert_eq!(d["adapter"]["kind"], "gated_memory");
+    assert_eq!(std::fs::read_to_string(e.adapters.join(&id).join("document.txt")).unwrap(), text);
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
+    assert_eq!(s, 200, "{a}");
+    // The same post is now answered from the store (200, ready), not trained a third time.
+    let (s, d2) = post_json(&c, &format!("{base}/documents"), body, None).await;
+    assert_eq!((s, d2["id"].as_str(), d2["status"].as_str()), (StatusCode::OK, Some(id.as_str()), Some("ready")), "{d2}");
+    let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("lift_training_jobs_total{outcome=\"ready\"} 1"), "{metrics}");
+    drop(child);
+    let pending: Vec<_> = std::fs::read_dir(&e.adapters).unwrap().filter_map(|f| f.ok()).filter(|f| f.file_name().to_string_lossy().ends_with(".pending.txt")).collect();
+    assert!(pending.is_empty(), "the kept text is dropped once the adapter is saved");
+}
+
+/// Asking a ready document while another trains: the answer comes back while the training job
+/// is still running (generation is not queued behind training).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ask_while_another_document_trains() {
+    let e = env();
+    let (running, base) = start(config(&e, &[])).await;
+    // An answer on the tiny model takes well under a second; queued behind the training job it
+    // would take minutes.
+    let c = Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC}), None).await;
+    assert_eq!(s, 202, "{d}");
+    let ready_id = d["id"].as_str().unwrap().to_string();
+    wait_ready(&c, &base, &ready_id, None).await;
+
+    // Minutes of training on the tiny model; it is deleted (cancelled) at the end.
+    let (s, slow) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(4), "options": {"epochs": [100, 100]}}), None).await;
+    assert_eq!(s, 202, "{slow}");
+    let slow_id = slow["id"].as_str().unwrap().to_string();
+    let mut step = 0;
+    for _ in 0..600 {
+        let (_, d) = get_json(&c, &format!("{base}/documents/{slow_id}"), None).await;
+        step = d["progress"]["step"].as_u64().unwrap_or(0);
+        if d["status"] == "training" && step >= 1 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(step >= 1, "the slow job never started training");
+
+    for (route, body) in [
+        ("/ask", json!({"document_id": ready_id, "question": "Who built the harbor?", "max_tokens": 8})),
+        ("/v1/chat/completions", json!({"model": ready_id, "messages": [{"role": "user", "content": "Who painted the tower?"}], "max_tokens": 8})),
+    ] {
+        let t = std::time::Instant::now();
+        let (s, a) = post_json(&c, &format!("{base}{route}"), body, None).await;
+        assert_eq!(s, 200, "{route}: {a}");
+        let (_, d) = get_json(&c, &format!("{base}/documents/{slow_id}"), None).await;
+        assert_eq!(d["status"], "training", "{route} answered in {:?}, but only after the training job ended: {d}", t.elapsed());
+        if route == "/ask" {
+            assert!(a["timings"]["queue_ms"].as_f64().unwrap() < 5000.0, "waited in the generation queue: {a}");
+        }
+    }
+    let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("lift_training_running 1"), "{metrics}");
+
+    let r = c.delete(format!("{base}/documents/{slow_id}")).send().await.unwrap();
     assert_eq!(r.status(), 204);
     running.shutdown().await;
 }

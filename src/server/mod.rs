@@ -285,12 +285,16 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
     };
     let store = Store::open(&cfg.adapters_dir, cfg.cache_bytes)?;
     let mut docs = HashMap::new();
-    for rec in store.recover()? {
-        docs.insert(rec.id.clone(), DocEntry::new(rec));
+    let mut requeue = Vec::new();
+    for r in store.recover()? {
+        if let Some(text) = r.requeue_text {
+            requeue.push((r.rec.id.clone(), text));
+        }
+        docs.insert(r.rec.id.clone(), DocEntry::new(r.rec));
     }
-    tracing::info!(documents = docs.len(), dir = %cfg.adapters_dir.display(), "store opened");
+    tracing::info!(documents = docs.len(), requeued = requeue.len(), dir = %cfg.adapters_dir.display(), "store opened");
     let engine = Engine::start(model.clone(), cfg.train_queue, cfg.generate_queue)?;
-    Ok(Arc::new(Inner {
+    let state = Arc::new(Inner {
         base_id: model.info.id.clone(),
         keys: keys.iter().map(|k| (k.clone(), tenant_of(k))).collect(),
         cfg,
@@ -301,7 +305,40 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
         shutting_down: AtomicBool::new(false),
         default_options,
         started_at: crate::store::now(),
-    }))
+    });
+    for (id, text) in requeue {
+        requeue_job(&state, &id, text);
+    }
+    Ok(state)
+}
+
+/// Queues again a job interrupted by the previous process (its text was kept), or records why it
+/// cannot be: its id no longer matches the text, options and base model, or the queue is full.
+fn requeue_job(st: &AppState, id: &str, text: String) {
+    let Ok(mut docs) = st.docs.write() else { return };
+    let Some(entry) = docs.get_mut(id) else { return };
+    let r = &entry.rec;
+    let opts = serde_json::from_value::<AbsorbOptions>(r.options.clone()).map_err(|e| format!("its options no longer parse ({e})"));
+    let same = crate::store::document_id(&st.engine.model.info.fingerprint, r.owner.as_deref(), &text, &r.options) == r.id;
+    let result = opts.and_then(|opts| {
+        if !same {
+            return Err("its text, options or the base model changed".to_string());
+        }
+        routes::submit_job(st, entry, text, opts).map_err(|e| format!("the training queue refused it ({e:?})"))
+    });
+    match result {
+        Ok(()) => tracing::info!(id, "re-queued a job interrupted by the previous process"),
+        Err(why) => {
+            entry.rec.status = Status::Failed;
+            entry.rec.error = Some(format!("interrupted: the server stopped during the job and could not re-queue it: {why}; POST the document again to retry"));
+            entry.notify();
+            st.store.remove_pending_text(id);
+            if let Err(e) = st.store.write_record(&entry.rec) {
+                tracing::error!(id, error = %e, "cannot write job record");
+            }
+            tracing::warn!(id, why, "interrupted job not re-queued");
+        }
+    }
 }
 
 /// A running server.

@@ -3,7 +3,6 @@
 use super::error::{ApiError, ApiResult};
 use super::routes::{self, gen_error, json_object, opt_bool, opt_f64, opt_u64, read_body, submit_generation, PromptSpec};
 use super::{AppState, Tenant};
-use crate::lift::answer::Mode;
 use crate::model::generate::{FinishReason, SamplingParams};
 use crate::model::ChatMessage;
 use crate::store::Status;
@@ -135,7 +134,7 @@ pub async fn chat_completions(
             .map(|m| m.content.clone())
             .ok_or_else(|| bad_messages("a document model needs a user message"))?;
         routes::check_question(&st, &question, "messages")?;
-        PromptSpec::Document { id: model.clone(), question, mode: Mode::Lift }
+        PromptSpec::Document { id: model.clone(), question, mode: routes::ask_mode(&m)? }
     } else {
         return Err(ApiError::not_found("model_not_found", format!("the model '{model}' does not exist")).param("model"));
     };

@@ -51,7 +51,9 @@ pub fn spec() -> Value {
                     "model": {"type": "string"}, "messages": {"type": "array", "items": {"type": "object"}},
                     "max_tokens": {"type": "integer"}, "max_completion_tokens": {"type": "integer"}, "temperature": {"type": "number"},
                     "top_p": {"type": "number"}, "stop": {}, "stream": {"type": "boolean"}, "seed": {"type": "integer"}, "n": {"type": "integer"},
-                    "stream_options": {"type": "object"}}}
+                    "stream_options": {"type": "object"},
+                    "mode": {"type": "string", "enum": ["lift", "icl", "memory"],
+                             "description": "lift-serve extension, for a document model only: as /ask's mode (default lift)"}}}
             }
         },
         "security": [{"bearer": []}],

@@ -16,6 +16,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde_json::{Map, Value};
 use std::sync::atomic::Ordering;
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -271,12 +272,22 @@ pub async fn post_document(
             .param("text"));
     }
     let id = store::document_id(&st.engine.model.info.fingerprint, tenant.0.as_deref(), &text, &opts_json);
+    let existing = |docs: &HashMap<String, DocEntry>| {
+        docs.get(&id).filter(|d| matches!(d.rec.status, Status::Queued | Status::Training | Status::Ready)).map(|d| d.json())
+    };
+    if let Some(json) = existing(&*st.docs.read().map_err(|_| ApiError::internal("state lock poisoned"))?) {
+        return Ok((StatusCode::OK, Json(json)).into_response());
+    }
+    // The text is kept until the adapter is saved, so that a restart can train it again.
+    let (st2, id2) = (st.clone(), id.clone());
+    let text = tokio::task::spawn_blocking(move || st2.store.write_pending_text(&id2, &text).map(|()| text))
+        .await
+        .map_err(|e| ApiError::internal(e.to_string()))?
+        .map_err(|e| ApiError::internal(format!("cannot keep the document text: {e:#}")))?;
 
     let mut docs = st.docs.write().map_err(|_| ApiError::internal("state lock poisoned"))?;
-    if let Some(d) = docs.get(&id) {
-        if matches!(d.rec.status, Status::Queued | Status::Training | Status::Ready) {
-            return Ok((StatusCode::OK, Json(d.json())).into_response());
-        }
+    if let Some(json) = existing(&docs) {
+        return Ok((StatusCode::OK, Json(json)).into_response());
     }
     let rec = JobRecord {
         id: id.clone(),
@@ -291,15 +302,19 @@ pub async fn post_document(
         options: opts_json,
     };
     let entry = DocEntry::new(rec.clone());
-    let cancel = entry.cancel.clone();
-    let st2 = st.clone();
-    let (id2, title2) = (id.clone(), rec.title.clone());
-    st.engine.submit_train(Box::new(move |model: &Model| run_job(&st2, model, &id2, &text, title2.as_deref(), &opts, &cancel)))?;
+    submit_job(&st, &entry, text, opts)?;
     st.store.write_record(&rec).map_err(|e| ApiError::internal(format!("cannot write the job record: {e}")))?;
     let json = entry.json();
     docs.insert(id.clone(), entry);
     tracing::info!(id, tokens, "document queued");
     Ok((StatusCode::ACCEPTED, Json(json)).into_response())
+}
+
+/// Queues the training job of `entry` (a new or re-queued document) on the engine.
+pub fn submit_job(st: &AppState, entry: &DocEntry, text: String, opts: AbsorbOptions) -> Result<(), crate::engine::SubmitError> {
+    let (st2, cancel) = (st.clone(), entry.cancel.clone());
+    let (id, title) = (entry.rec.id.clone(), entry.rec.title.clone());
+    st.engine.submit_train(Box::new(move |model: &Model| run_job(&st2, model, &id, &text, title.as_deref(), &opts, &cancel)))
 }
 
 /// Applies `f` to the entry of `id` if it is still the one this job belongs to.
@@ -314,10 +329,13 @@ fn update(st: &Inner, id: &str, cancel: &Arc<std::sync::atomic::AtomicBool>, f: 
     }
 }
 
+/// Writes the record of `id` to disk. The state lock is held while writing so that a concurrent
+/// delete (which takes it to remove the entry, then removes the files) cannot be undone by a
+/// write that read the entry before it was removed.
 fn persist(st: &Inner, id: &str) {
-    let rec = st.docs.read().ok().and_then(|d| d.get(id).map(|d| d.rec.clone()));
-    if let Some(rec) = rec {
-        if let Err(e) = st.store.write_record(&rec) {
+    let Ok(docs) = st.docs.read() else { return };
+    if let Some(d) = docs.get(id) {
+        if let Err(e) = st.store.write_record(&d.rec) {
             tracing::error!(id, error = %e, "cannot write job record");
         }
     }
@@ -391,18 +409,25 @@ fn run_job(
             tracing::info!(id, seconds = t0.elapsed().as_secs_f64(), "document ready");
         }
         Err(_) if deleted => st.metrics.job("cancelled", None),
+        Err(_) if st.shutting_down.load(Ordering::SeqCst) => {
+            // Recorded as queued with its text kept: the next start trains it again.
+            tracing::warn!(id, "training interrupted by the shutdown; the job is re-queued at the next start");
+            update(st, id, cancel, |d| {
+                d.rec.status = Status::Queued;
+                d.progress = None;
+            });
+            persist(st, id);
+            st.metrics.job("interrupted", None);
+        }
         Err(e) => {
-            let msg = if st.shutting_down.load(Ordering::SeqCst) {
-                "interrupted: the server shut down during training; POST the document again to retry".to_string()
-            } else {
-                format!("{e:#}")
-            };
+            let msg = format!("{e:#}");
             tracing::warn!(id, error = %msg, "training failed");
             update(st, id, cancel, |d| {
                 d.rec.status = Status::Failed;
                 d.rec.error = Some(msg);
             });
             persist(st, id);
+            st.store.remove_pending_text(id);
             st.metrics.job("failed", None);
         }
     }
@@ -539,6 +564,16 @@ pub fn gen_error(e: anyhow::Error) -> ApiError {
     }
 }
 
+/// The `mode` field of `/ask` (and of a chat completion whose model is a document): `lift` by default.
+pub fn ask_mode(m: &Map<String, Value>) -> ApiResult<Mode> {
+    match opt_str(m, "mode")?.as_deref() {
+        None | Some("lift") => Ok(Mode::Lift),
+        Some("icl") => Ok(Mode::Icl),
+        Some("memory") => Ok(Mode::Memory),
+        Some(o) => Err(ApiError::bad_request("invalid_mode", format!("'mode' must be lift, icl or memory (got '{o}')")).param("mode")),
+    }
+}
+
 pub async fn ask(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,
@@ -550,14 +585,7 @@ pub async fn ask(
     let id = req_str(&m, "document_id")?;
     let question = req_str(&m, "question")?;
     check_question(&st, &question, "question")?;
-    let mode = match opt_str(&m, "mode")?.as_deref() {
-        None | Some("lift") => Mode::Lift,
-        Some("icl") => Mode::Icl,
-        Some("memory") => Mode::Memory,
-        Some(o) => {
-            return Err(ApiError::bad_request("invalid_mode", format!("'mode' must be lift, icl or memory (got '{o}')")).param("mode"))
-        }
-    };
+    let mode = ask_mode(&m)?;
     let max_tokens = max_tokens(&st, opt_u64(&m, "max_tokens")?, "max_tokens")?;
     let temperature = temperature(opt_f64(&m, "temperature")?)?;
     require_ready(&st, &tenant, &id, "document_id")?;

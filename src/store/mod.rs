@@ -4,11 +4,13 @@
 //! ```text
 //! <root>/<id>/              adapter.safetensors, manifest.json, document.txt, qa.json (manifest::save, atomic)
 //! <root>/<id>.job.json      the document's record: owner, title, status, error (temp file + rename)
+//! <root>/<id>.pending.txt   the document's text while its job is queued or training (atomic)
 //! ```
 //! The record is kept beside the adapter directory, not in it, because `manifest::save` publishes
 //! a whole directory atomically and refuses to replace one that is not an adapter. On start,
-//! records left `queued` or `training` by a process that died are marked `failed` with the reason
-//! (or `ready` when the adapter was in fact saved before the crash): never silently lost.
+//! records left `queued` or `training` (by a process that died, or one that shut down mid-job)
+//! become `ready` when the adapter was saved, are re-queued when their pending text is there, and
+//! are marked `failed` with the reason otherwise: never silently lost.
 
 use crate::adapters::{manifest, AdapterBundle, Manifest};
 use crate::model::Model;
@@ -67,6 +69,12 @@ pub struct JobRecord {
     pub adapter: Option<AdapterInfo>,
     /// Effective absorb options.
     pub options: serde_json::Value,
+}
+
+/// A record read back at start; `requeue_text` is the kept text of an interrupted job.
+pub struct Recovered {
+    pub rec: JobRecord,
+    pub requeue_text: Option<String>,
 }
 
 /// A loaded adapter ready to serve.
@@ -155,13 +163,40 @@ impl Store {
         write_atomic(&self.record_path(&rec.id), &serde_json::to_vec_pretty(rec)?)
     }
 
+    fn pending_path(&self, id: &str) -> PathBuf {
+        self.root.join(format!("{id}.pending.txt"))
+    }
+
+    /// Keeps a queued document's text until its adapter is saved, so that a restart can train
+    /// it again (blocking).
+    pub fn write_pending_text(&self, id: &str, text: &str) -> Result<()> {
+        write_atomic(&self.pending_path(id), text.as_bytes())
+    }
+
+    /// Drops the kept text (the job ended; a saved adapter has its own copy).
+    pub fn remove_pending_text(&self, id: &str) {
+        let p = self.pending_path(id);
+        if let Err(e) = std::fs::remove_file(&p) {
+            if e.kind() != std::io::ErrorKind::NotFound {
+                tracing::warn!(path = %p.display(), error = %e, "cannot remove the pending text");
+            }
+        }
+    }
+
     /// Every record on disk. Interrupted jobs (queued/training) are settled here: `ready` when
-    /// the adapter was saved, else `failed` with the reason; the record is rewritten.
-    pub fn recover(&self) -> Result<Vec<JobRecord>> {
+    /// the adapter was saved; `queued` with `requeue_text` when the text was kept (the caller
+    /// re-queues it or fails it with a reason); else `failed` with the reason. Settled records
+    /// are rewritten; kept texts of ended jobs are removed.
+    pub fn recover(&self) -> Result<Vec<Recovered>> {
         let mut out = Vec::new();
+        let mut pending = Vec::new();
         for entry in std::fs::read_dir(&self.root)? {
             let path = entry?.path();
             let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
+            if let Some(id) = name.strip_suffix(".pending.txt") {
+                pending.push(id.to_string());
+                continue;
+            }
             let Some(id) = name.strip_suffix(".job.json") else { continue };
             if !valid_id(id) {
                 continue;
@@ -173,20 +208,26 @@ impl Store {
                     continue;
                 }
             };
+            let mut requeue_text = None;
             if !rec.status.is_terminal() {
                 let was = rec.status.name();
-                match Manifest::read(&self.adapter_dir(id)) {
-                    Ok(m) => {
-                        rec.status = Status::Ready;
-                        rec.ready_at = Some(m.created_at);
-                        rec.adapter = Some(AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes });
-                    }
-                    Err(_) => {
-                        rec.status = Status::Failed;
-                        rec.error = Some(format!(
-                            "interrupted: the server stopped while the job was {}; POST the document again to retry",
-                            was
-                        ));
+                if let Ok(m) = Manifest::read(&self.adapter_dir(id)) {
+                    rec.status = Status::Ready;
+                    rec.ready_at = Some(m.created_at);
+                    rec.adapter = Some(AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes });
+                } else {
+                    match std::fs::read_to_string(self.pending_path(id)) {
+                        Ok(text) => {
+                            rec.status = Status::Queued;
+                            requeue_text = Some(text);
+                        }
+                        Err(e) => {
+                            rec.status = Status::Failed;
+                            rec.error = Some(format!(
+                                "interrupted: the server stopped while the job was {was} and its text could not be read back ({e}); \
+                                 POST the document again to retry"
+                            ));
+                        }
                     }
                 }
                 self.write_record(&rec)?;
@@ -196,9 +237,14 @@ impl Store {
                 rec.error = Some("the adapter files are missing from the store".into());
                 self.write_record(&rec)?;
             }
-            out.push(rec);
+            out.push(Recovered { rec, requeue_text });
         }
-        out.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
+        for id in pending {
+            if !out.iter().any(|r| r.rec.id == id && r.requeue_text.is_some()) {
+                self.remove_pending_text(&id);
+            }
+        }
+        out.sort_by(|a, b| (a.rec.created_at, &a.rec.id).cmp(&(b.rec.created_at, &b.rec.id)));
         Ok(out)
     }
 
@@ -211,6 +257,7 @@ impl Store {
             &absorbed.manifest,
             &[(manifest::DOCUMENT_FILE, text.as_bytes()), (manifest::QA_FILE, &qa)],
         )?;
+        self.remove_pending_text(id);
         let loaded = Arc::new(Loaded { bundle: absorbed.bundle, manifest: absorbed.manifest, doc_tokens: absorbed.doc_tokens });
         self.cache.insert(id.to_string(), loaded.clone());
         Ok(loaded)
@@ -244,6 +291,7 @@ impl Store {
         if rec.exists() {
             std::fs::remove_file(&rec)?;
         }
+        self.remove_pending_text(id);
         Ok(())
     }
 
