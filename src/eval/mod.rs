@@ -399,7 +399,8 @@ pub struct EvalArgs {
     /// Output directory: results.json, results.md, heatmap.png, loss.png.
     #[arg(long, default_value = "eval-results")]
     pub out: PathBuf,
-    /// Methods to compare (see METHODS).
+    /// Methods to compare: icl (baseline, no adapter), lift (adapter + truncated document),
+    /// memory (adapter only).
     #[arg(long, value_delimiter = ',', default_value = "icl,lift,memory")]
     pub methods: Vec<String>,
     /// Document lengths in tokens.
