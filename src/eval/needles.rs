@@ -56,29 +56,119 @@ use FactKind::{Date as D, Name as N, Number as U, Place as P};
 
 /// Every template has its own subject, so the needles of one document never collide.
 pub const TEMPLATES: &[Template] = &[
-    t(U, Slot::Number, "The combination of the archive's old safe was {X}.", "What number opens the old safe in the archive?"),
-    t(U, Slot::Number, "Exactly {X} crates of oranges were stored in the warehouse on Pier Street.", "How many orange crates did the Pier Street warehouse hold?"),
-    t(U, Slot::Number, "The night guard at the harbor museum wore badge number {X}.", "What was the badge number of the harbor museum's night watchman?"),
-    t(U, Slot::Number, "Our patent for the folding kayak was filed as application {X}.", "Under which application number was the folding kayak patented?"),
-    t(N, Slot::Name, "For eleven years the lighthouse on the northern cape was kept by {X}.", "Who looked after the northern cape's lighthouse?"),
-    t(N, Slot::Name, "The very first check we received came from an investor named {X}.", "Which investor wrote the company's first check?"),
-    t(N, Slot::Name, "The blue glass bottles were designed by a chemist called {X}.", "Who came up with the design of the blue glass bottles?"),
-    t(N, Slot::Name, "The youngest violinist in the orchestra, {X}, learned to play on a borrowed instrument.", "What is the name of the orchestra's youngest violin player?"),
-    t(P, Slot::Place, "The startup's first office was a room above a bakery in {X}.", "In which city did the startup have its first office?"),
-    t(P, Slot::Place, "Every summer the chess club traveled to {X} for its annual tournament.", "Where did the chess club go for its yearly summer tournament?"),
-    t(P, Slot::Place, "The rare maps were eventually sold to a library in {X}.", "Which city's library bought the rare maps in the end?"),
-    t(D, Slot::Date, "The bridge over the Malden river was opened to traffic on {X}.", "When could cars first cross the Malden river bridge?"),
-    t(D, Slot::Date, "The founders signed the lease for the workshop on {X}.", "On what date was the workshop's lease signed?"),
-    t(D, Slot::Date, "The first issue of the Lantern Gazette came off the press on {X}.", "When was the Lantern Gazette's first issue printed?"),
-    pair(Slot::Number, "The code for the blue locker in the gym is {X}.", "The code for the red locker in the gym is {Y}.", "What combination unlocks the blue locker at the gym?"),
-    pair(Slot::SmallNumber, "The evening train to Ashford leaves from platform {X}.", "The evening train to Ashby leaves from platform {Y}.", "At what platform can I catch the Ashford train in the evening?"),
-    pair(Slot::Name, "The older twin, {X}, moved to the coast after college.", "The younger twin, {Y}, stayed on the family farm.", "Which of the twins went to live by the coast?"),
-    pair(Slot::Place, "The red prototype was assembled in {X}.", "The green prototype was assembled in {Y}.", "In which city did they put together the red prototype?"),
+    t(
+        U,
+        Slot::Number,
+        "The combination of the archive's old safe was {X}.",
+        "What number opens the old safe in the archive?",
+    ),
+    t(
+        U,
+        Slot::Number,
+        "Exactly {X} crates of oranges were stored in the warehouse on Pier Street.",
+        "How many orange crates did the Pier Street warehouse hold?",
+    ),
+    t(
+        U,
+        Slot::Number,
+        "The night guard at the harbor museum wore badge number {X}.",
+        "What was the badge number of the harbor museum's night watchman?",
+    ),
+    t(
+        U,
+        Slot::Number,
+        "Our patent for the folding kayak was filed as application {X}.",
+        "Under which application number was the folding kayak patented?",
+    ),
+    t(
+        N,
+        Slot::Name,
+        "For eleven years the lighthouse on the northern cape was kept by {X}.",
+        "Who looked after the northern cape's lighthouse?",
+    ),
+    t(
+        N,
+        Slot::Name,
+        "The very first check we received came from an investor named {X}.",
+        "Which investor wrote the company's first check?",
+    ),
+    t(
+        N,
+        Slot::Name,
+        "The blue glass bottles were designed by a chemist called {X}.",
+        "Who came up with the design of the blue glass bottles?",
+    ),
+    t(
+        N,
+        Slot::Name,
+        "The youngest violinist in the orchestra, {X}, learned to play on a borrowed instrument.",
+        "What is the name of the orchestra's youngest violin player?",
+    ),
+    t(
+        P,
+        Slot::Place,
+        "The startup's first office was a room above a bakery in {X}.",
+        "In which city did the startup have its first office?",
+    ),
+    t(
+        P,
+        Slot::Place,
+        "Every summer the chess club traveled to {X} for its annual tournament.",
+        "Where did the chess club go for its yearly summer tournament?",
+    ),
+    t(
+        P,
+        Slot::Place,
+        "The rare maps were eventually sold to a library in {X}.",
+        "Which city's library bought the rare maps in the end?",
+    ),
+    t(
+        D,
+        Slot::Date,
+        "The bridge over the Malden river was opened to traffic on {X}.",
+        "When could cars first cross the Malden river bridge?",
+    ),
+    t(
+        D,
+        Slot::Date,
+        "The founders signed the lease for the workshop on {X}.",
+        "On what date was the workshop's lease signed?",
+    ),
+    t(
+        D,
+        Slot::Date,
+        "The first issue of the Lantern Gazette came off the press on {X}.",
+        "When was the Lantern Gazette's first issue printed?",
+    ),
+    pair(
+        Slot::Number,
+        "The code for the blue locker in the gym is {X}.",
+        "The code for the red locker in the gym is {Y}.",
+        "What combination unlocks the blue locker at the gym?",
+    ),
+    pair(
+        Slot::SmallNumber,
+        "The evening train to Ashford leaves from platform {X}.",
+        "The evening train to Ashby leaves from platform {Y}.",
+        "At what platform can I catch the Ashford train in the evening?",
+    ),
+    pair(
+        Slot::Name,
+        "The older twin, {X}, moved to the coast after college.",
+        "The younger twin, {Y}, stayed on the family farm.",
+        "Which of the twins went to live by the coast?",
+    ),
+    pair(
+        Slot::Place,
+        "The red prototype was assembled in {X}.",
+        "The green prototype was assembled in {Y}.",
+        "In which city did they put together the red prototype?",
+    ),
 ];
 
 const FIRST: &[&str] = &[
-    "Mirela", "Tobias", "Ingrid", "Oswin", "Priya", "Lucian", "Marisol", "Anselm", "Dagny", "Ferran", "Ilse", "Casimir",
-    "Yara", "Bertil", "Noemi", "Evander",
+    "Mirela", "Tobias", "Ingrid", "Oswin", "Priya", "Lucian", "Marisol", "Anselm", "Dagny", "Ferran", "Ilse",
+    "Casimir", "Yara", "Bertil", "Noemi", "Evander",
 ];
 const LAST: &[&str] = &[
     "Vasquez", "Okafor", "Lindqvist", "Marchetti", "Haldane", "Novak", "Castellanos", "Brightwater", "Szabo", "Quimby",
@@ -135,7 +225,13 @@ pub struct NeedleSpec {
 
 impl Default for NeedleSpec {
     fn default() -> Self {
-        Self { lengths: vec![1024, 2048], depths: vec![0.0, 0.5, 1.0], needles_per_depth: 2, docs_per_length: 1, seed: 0 }
+        Self {
+            lengths: vec![1024, 2048],
+            depths: vec![0.0, 0.5, 1.0],
+            needles_per_depth: 2,
+            docs_per_length: 1,
+            seed: 0,
+        }
     }
 }
 
@@ -275,8 +371,10 @@ pub fn build_document(
     }
 
     // Cut the source so the finished document has about `target_tokens` tokens.
-    let planted_tokens: usize =
-        plants.iter().map(|p| model.tokenizer.encode(&format!(" {}", p.text), false).map(|t| t.len())).sum::<Result<usize>>()?;
+    let planted_tokens: usize = plants
+        .iter()
+        .map(|p| model.tokenizer.encode(&format!(" {}", p.text), false).map(|t| t.len()))
+        .sum::<Result<usize>>()?;
     let keep = target_tokens.saturating_sub(planted_tokens).max(1);
     let offsets = token_offsets(model, &source)?;
     let cut_byte = offsets.get(keep).map_or(source.len(), |o| o.0);
@@ -287,10 +385,8 @@ pub fn build_document(
     // Insertion points: sentence starts and the end, each with its token index.
     let hay_offsets = token_offsets(model, hay)?;
     let n_hay = hay_offsets.len();
-    let mut points: Vec<(usize, usize)> = split_sentences(hay)
-        .iter()
-        .map(|s| (s.start, token_span(&hay_offsets, s.start, s.start + 1).0))
-        .collect();
+    let mut points: Vec<(usize, usize)> =
+        split_sentences(hay).iter().map(|s| (s.start, token_span(&hay_offsets, s.start, s.start + 1).0)).collect();
     points.insert(0, (0, 0));
     points.push((hay.len(), n_hay));
     points.dedup_by_key(|p| p.0);
@@ -363,12 +459,17 @@ mod tests {
 
     #[test]
     fn questions_are_worded_differently_from_the_planted_sentence() {
-        let stop: HashSet<&str> = ["of", "in", "was", "is", "on", "for", "to", "from", "which", "what", "who", "when", "where"]
-            .into_iter()
-            .collect();
+        let stop: HashSet<&str> =
+            ["of", "in", "was", "is", "on", "for", "to", "from", "which", "what", "who", "when", "where"]
+                .into_iter()
+                .collect();
         for tpl in TEMPLATES {
             let words = |s: &str| -> HashSet<String> {
-                normalize(&s.replace("{X}", "")).split_whitespace().filter(|w| !stop.contains(w)).map(str::to_string).collect()
+                normalize(&s.replace("{X}", ""))
+                    .split_whitespace()
+                    .filter(|w| !stop.contains(w))
+                    .map(str::to_string)
+                    .collect()
             };
             let (s, q) = (words(tpl.sentence), words(tpl.question));
             let jaccard = s.intersection(&q).count() as f64 / s.union(&q).count() as f64;

@@ -174,7 +174,8 @@ fn plot_err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
 /// Red (0) → yellow → green (1).
 fn ramp(x: f64) -> RGBColor {
     let x = x.clamp(0.0, 1.0);
-    let (r, g) = if x < 0.5 { (230.0, 60.0 + 340.0 * x) } else { (230.0 - 360.0 * (x - 0.5), 230.0 - 40.0 * (x - 0.5)) };
+    let (r, g) =
+        if x < 0.5 { (230.0, 60.0 + 340.0 * x) } else { (230.0 - 360.0 * (x - 0.5), 230.0 - 40.0 * (x - 0.5)) };
     RGBColor(r as u8, g as u8, 70)
 }
 
@@ -186,7 +187,8 @@ pub fn heatmap(results: &Results, path: &Path) -> Result<()> {
     let methods = methods(results);
     let (nd, nl) = (depths.len() as i32, lengths.len() as i32);
     let panel_w = 120 + 90 * depths.len() as u32;
-    let root = BitMapBackend::new(path, (panel_w * methods.len() as u32, 130 + 70 * lengths.len() as u32)).into_drawing_area();
+    let root =
+        BitMapBackend::new(path, (panel_w * methods.len() as u32, 130 + 70 * lengths.len() as u32)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
     for (panel, m) in root.split_evenly((1, methods.len())).iter().zip(&methods) {
         let mut chart = ChartBuilder::on(panel)
@@ -218,7 +220,10 @@ pub fn heatmap(results: &Results, path: &Path) -> Result<()> {
         for (yi, l) in lengths.iter().enumerate() {
             for (xi, d) in depths.iter().enumerate() {
                 let (x, y) = (xi as i32, yi as i32);
-                let rect = [(SegmentValue::Exact(x), SegmentValue::Exact(y)), (SegmentValue::Exact(x + 1), SegmentValue::Exact(y + 1))];
+                let rect = [
+                    (SegmentValue::Exact(x), SegmentValue::Exact(y)),
+                    (SegmentValue::Exact(x + 1), SegmentValue::Exact(y + 1)),
+                ];
                 let (color, text) = match cells.get(&(m.clone(), *l, d.clone())) {
                     Some(&(ok, n)) => (ramp(ok as f64 / n as f64), format!("{ok}/{n}")),
                     None => (RGBColor(220, 220, 220), "–".into()),
@@ -230,7 +235,11 @@ pub fn heatmap(results: &Results, path: &Path) -> Result<()> {
                     plotters::style::text_anchor::VPos::Center,
                 ));
                 chart
-                    .draw_series(std::iter::once(Text::new(text, (SegmentValue::CenterOf(x), SegmentValue::CenterOf(y)), style)))
+                    .draw_series(std::iter::once(Text::new(
+                        text,
+                        (SegmentValue::CenterOf(x), SegmentValue::CenterOf(y)),
+                        style,
+                    )))
                     .map_err(plot_err)?;
             }
         }
@@ -244,7 +253,8 @@ pub fn loss_plot(results: &Results, path: &Path) -> Result<()> {
     register_font();
     let series: Vec<_> = results.absorbs.iter().filter(|a| !a.step_losses.is_empty()).collect();
     let max_steps = series.iter().map(|a| a.step_losses.len()).max().unwrap_or(1);
-    let max_loss = series.iter().flat_map(|a| a.step_losses.iter().copied()).filter(|x| x.is_finite()).fold(0.0, f64::max);
+    let max_loss =
+        series.iter().flat_map(|a| a.step_losses.iter().copied()).filter(|x| x.is_finite()).fold(0.0, f64::max);
     let root = BitMapBackend::new(path, (900, 500)).into_drawing_area();
     root.fill(&WHITE).map_err(plot_err)?;
     let mut chart = ChartBuilder::on(&root)
@@ -266,7 +276,10 @@ pub fn loss_plot(results: &Results, path: &Path) -> Result<()> {
         let color = Palette99::pick(i).to_rgba();
         let label = format!("{} ({})", a.document, a.methods.join(", "));
         chart
-            .draw_series(LineSeries::new(a.step_losses.iter().enumerate().map(|(s, &l)| ((s + 1) as f64, l)), color.stroke_width(2)))
+            .draw_series(LineSeries::new(
+                a.step_losses.iter().enumerate().map(|(s, &l)| ((s + 1) as f64, l)),
+                color.stroke_width(2),
+            ))
             .map_err(plot_err)?
             .label(label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
