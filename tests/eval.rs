@@ -198,7 +198,13 @@ fn eval_runs_every_method_and_writes_the_report_on_the_tiny_model() {
     assert_eq!(n_q, 6);
     let cfg = config(&["icl", "lift", "memory"], None);
     let mut backend = Local::new(&model, cfg.context_tokens, cfg.max_tokens);
-    let results = eval::run(&model, &mut backend, docs, &cfg, false).unwrap();
+    let mut partial = Vec::new();
+    let results = eval::run(&model, &mut backend, docs, &cfg, false, &mut |r| {
+        partial.push((r.documents.len(), r.answers.len()));
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(partial, vec![(1, 9), (2, 18)], "results after each document");
     check_results(&results, 2, n_q);
     // Both labels occur with a 200-token window on 500–700-token documents.
     assert!(results.answers.iter().any(|a| a.in_window == Some(true)));
@@ -282,12 +288,14 @@ fn eval_through_a_real_server_socket_measures_the_serving_path() {
     let n_q: usize = docs.iter().map(|d| d.questions.len()).sum();
     let cfg = config(&["icl", "lift", "memory"], Some(url.clone()));
     let mut backend = eval::client::Server::new(&url, None, cfg.max_tokens).unwrap();
-    let results = eval::run(&model, &mut backend, docs.clone(), &cfg, false).unwrap();
+    let results = eval::run(&model, &mut backend, docs.clone(), &cfg, false, &mut |_| Ok(())).unwrap();
     check_results(&results, 2, n_q);
 
     // The same documents in-process give the same greedy answers (same options and seed).
     let mut local = Local::new(&model, cfg.context_tokens, cfg.max_tokens);
-    let here = eval::run(&model, &mut local, docs.clone(), &config(&["icl", "lift", "memory"], None), false).unwrap();
+    let here =
+        eval::run(&model, &mut local, docs.clone(), &config(&["icl", "lift", "memory"], None), false, &mut |_| Ok(()))
+            .unwrap();
     for (a, b) in results.answers.iter().zip(&here.answers) {
         assert_eq!((&a.document, &a.question, &a.method), (&b.document, &b.question, &b.method));
         assert_eq!(a.prediction, b.prediction, "{} {} {}", a.document, a.question, a.method);
@@ -297,7 +305,7 @@ fn eval_through_a_real_server_socket_measures_the_serving_path() {
     let wrong = config(&["icl", "lift"], Some(url.clone()));
     let wrong = RunConfig { context_tokens: Some(180), ..wrong };
     let mut backend = eval::client::Server::new(&url, None, wrong.max_tokens).unwrap();
-    let err = format!("{:#}", eval::run(&model, &mut backend, docs, &wrong, false).unwrap_err());
+    let err = format!("{:#}", eval::run(&model, &mut backend, docs, &wrong, false, &mut |_| Ok(())).unwrap_err());
     assert!(err.contains("context budget"), "{err}");
     rt.block_on(running.shutdown());
 }

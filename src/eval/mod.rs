@@ -106,12 +106,17 @@ pub fn load_jsonl(model: &Model, path: &Path) -> Result<Vec<EvalDocument>> {
                     .filter(|n| !n.is_empty())
                     .flat_map(|n| l.document.match_indices(n).map(|(s, m)| (s, s + m.len())).collect::<Vec<_>>())
                     .collect();
-                let evidence_tokens = evidence.iter().map(|&(s, e)| needles::token_span(&offsets, s, e)).collect();
+                let evidence_tokens: Vec<(usize, usize)> =
+                    evidence.iter().map(|&(s, e)| needles::token_span(&offsets, s, e)).collect();
                 Ok(EvalQuestion {
                     id: format!("q{k}"),
                     question: q.question,
                     answers: q.answers,
-                    actual_depth: evidence.first().map(|&(s, _)| s as f64 / l.document.len() as f64),
+                    actual_depth: evidence_tokens
+                        .iter()
+                        .map(|t: &(usize, usize)| t.0)
+                        .min()
+                        .map(|t| t as f64 / offsets.len() as f64),
                     evidence,
                     evidence_tokens,
                     ..Default::default()
@@ -324,6 +329,7 @@ pub fn run(
     docs: Vec<EvalDocument>,
     cfg: &RunConfig,
     show_progress: bool,
+    on_document: &mut dyn FnMut(&Results) -> Result<()>,
 ) -> Result<Results> {
     let t0 = Instant::now();
     let methods: Vec<Method> = cfg.methods.iter().map(|m| method(m, &cfg.absorb)).collect::<Result<_>>()?;
@@ -419,6 +425,16 @@ pub fn run(
             }
         }
         backend.release();
+        // The results so far (documents done), e.g. for a report that survives an interruption.
+        let done = docs.iter().position(|d| std::ptr::eq(d, doc)).map_or(0, |i| i + 1);
+        on_document(&Results {
+            model: model.info.id.clone(),
+            config: cfg.clone(),
+            documents: docs[..done].to_vec(),
+            absorbs: absorbs.clone(),
+            answers: answers.clone(),
+            seconds: t0.elapsed().as_secs_f64(),
+        })?;
     }
     step_bar.finish_and_clear();
     overall.finish_and_clear();
@@ -513,11 +529,11 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
     let results = match &args.server {
         Some(url) => {
             let mut backend = client::Server::new(url, args.api_key.clone(), cfg.max_tokens)?;
-            run(model, &mut backend, docs, &cfg, !args.quiet)?
+            run(model, &mut backend, docs, &cfg, !args.quiet, &mut |partial| report::write(partial, &args.out))?
         }
         None => {
             let mut backend = Local::new(model, cfg.context_tokens, cfg.max_tokens);
-            run(model, &mut backend, docs, &cfg, !args.quiet)?
+            run(model, &mut backend, docs, &cfg, !args.quiet, &mut |partial| report::write(partial, &args.out))?
         }
     };
     report::write(&results, &args.out)?;

@@ -248,6 +248,15 @@ pub fn heatmap(results: &Results, path: &Path) -> Result<()> {
     Ok(())
 }
 
+const SMOOTH: usize = 10;
+
+/// Mean of the last `k` values (fewer at the start) at each position.
+fn running_mean(v: &[f64], k: usize) -> Vec<f64> {
+    (0..v.len())
+        .map(|i| v[i.saturating_sub(k - 1)..=i].iter().sum::<f64>() / (i + 1 - i.saturating_sub(k - 1)) as f64)
+        .collect()
+}
+
 /// Training loss per optimizer step, one line per absorption.
 pub fn loss_plot(results: &Results, path: &Path) -> Result<()> {
     register_font();
@@ -274,10 +283,17 @@ pub fn loss_plot(results: &Results, path: &Path) -> Result<()> {
         .map_err(plot_err)?;
     for (i, a) in series.iter().enumerate() {
         let color = Palette99::pick(i).to_rgba();
-        let label = format!("{} ({})", a.document, a.methods.join(", "));
+        let label = format!("{} ({}), mean of {SMOOTH} steps", a.document, a.methods.join(", "));
+        // Raw per-step losses (segments and QA examples alternate) faint, their running mean bold.
         chart
             .draw_series(LineSeries::new(
                 a.step_losses.iter().enumerate().map(|(s, &l)| ((s + 1) as f64, l)),
+                color.mix(0.25).stroke_width(1),
+            ))
+            .map_err(plot_err)?;
+        chart
+            .draw_series(LineSeries::new(
+                running_mean(&a.step_losses, SMOOTH).into_iter().enumerate().map(|(s, l)| ((s + 1) as f64, l)),
                 color.stroke_width(2),
             ))
             .map_err(plot_err)?
@@ -293,4 +309,13 @@ pub fn loss_plot(results: &Results, path: &Path) -> Result<()> {
         .map_err(plot_err)?;
     root.present().map_err(plot_err)?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn running_mean_of_the_last_k() {
+        assert_eq!(super::running_mean(&[2.0, 4.0, 6.0, 8.0], 2), vec![2.0, 3.0, 5.0, 7.0]);
+        assert_eq!(super::running_mean(&[1.0], 10), vec![1.0]);
+    }
 }
