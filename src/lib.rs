@@ -5,6 +5,7 @@
 
 pub mod adapters;
 pub mod engine;
+pub mod eval;
 pub mod fetch;
 pub mod lift;
 pub mod model;

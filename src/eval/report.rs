@@ -1,0 +1,321 @@
+//! The evaluation report: `results.json` (everything), `results.md` (tables), `heatmap.png`
+//! (accuracy by depth × length per method, like LIFT's Figure 5) and `loss.png` (training loss
+//! per step of every absorption). Plots use a font bundled in the binary (DejaVu Sans through
+//! plotters' `ab_glyph` backend): no system font libraries are needed.
+
+use super::{AnswerRecord, Results};
+use anyhow::{Context, Result};
+use plotters::coord::ranged1d::SegmentValue;
+use plotters::prelude::*;
+use plotters::style::FontStyle;
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::path::Path;
+use std::sync::Once;
+
+pub const RESULTS_FILE: &str = "results.json";
+pub const TABLE_FILE: &str = "results.md";
+pub const HEATMAP_FILE: &str = "heatmap.png";
+pub const LOSS_FILE: &str = "loss.png";
+const FONT: &str = "sans-serif";
+
+/// Writes all four files into `dir`.
+pub fn write(results: &Results, dir: &Path) -> Result<()> {
+    std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+    std::fs::write(dir.join(RESULTS_FILE), serde_json::to_vec_pretty(results)?)?;
+    std::fs::write(dir.join(TABLE_FILE), markdown(results))?;
+    if !heatmap_cells(results).is_empty() {
+        heatmap(results, &dir.join(HEATMAP_FILE))?;
+    }
+    if results.absorbs.iter().any(|a| !a.step_losses.is_empty()) {
+        loss_plot(results, &dir.join(LOSS_FILE))?;
+    }
+    Ok(())
+}
+
+/// Mean of `f` over `rows`, or None when empty.
+fn mean<'a>(rows: impl Iterator<Item = &'a AnswerRecord>, f: impl Fn(&AnswerRecord) -> f64) -> (usize, Option<f64>) {
+    let v: Vec<f64> = rows.map(f).collect();
+    (v.len(), (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64))
+}
+
+fn pct(x: Option<f64>) -> String {
+    x.map_or("–".into(), |x| format!("{:.0}%", 100.0 * x))
+}
+
+fn methods(results: &Results) -> Vec<String> {
+    results.config.methods.clone()
+}
+
+/// Per method: accuracy (containment), EM and F1 for in-window and out-of-window questions,
+/// absorption cost; then accuracy by length × depth per method.
+pub fn markdown(results: &Results) -> String {
+    let mut s = String::new();
+    let n_q: usize = results.documents.iter().map(|d| d.questions.len()).sum();
+    let _ = writeln!(
+        s,
+        "Model `{}`, {} documents, {} questions, answer context {} document tokens{}; {:.0} s in all.\n",
+        results.model,
+        results.documents.len(),
+        n_q,
+        results.config.context_tokens.map_or("(what fits)".into(), |c| c.to_string()),
+        results.config.server.as_ref().map_or(String::new(), |u| format!(", through the server at {u}")),
+        results.seconds
+    );
+    let _ = writeln!(
+        s,
+        "| method | questions in / out of window | acc in | acc out | EM in | EM out | F1 in | F1 out | absorb s | train tok/s | adapter bytes |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|");
+    for m in methods(results) {
+        let m = m.as_str();
+        let rows = |w: bool| results.answers.iter().filter(move |a| a.method == m && a.in_window == Some(w));
+        let (n_in, acc_in) = mean(rows(true), |a| a.scores.contains);
+        let (n_out, acc_out) = mean(rows(false), |a| a.scores.contains);
+        let (_, em_in) = mean(rows(true), |a| a.scores.em);
+        let (_, em_out) = mean(rows(false), |a| a.scores.em);
+        let (_, f1_in) = mean(rows(true), |a| a.scores.f1);
+        let (_, f1_out) = mean(rows(false), |a| a.scores.f1);
+        let abs: Vec<_> = results.absorbs.iter().filter(|a| a.methods.iter().any(|x| x == m)).collect();
+        let avg = |f: &dyn Fn(&super::AbsorbRecord) -> Option<f64>| {
+            let v: Vec<f64> = abs.iter().filter_map(|a| f(a)).collect();
+            (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+        };
+        let secs = avg(&|a| Some(a.seconds)).map_or("–".into(), |x| format!("{x:.0}"));
+        let tps = avg(&|a| a.tokens_per_s).map_or("–".into(), |x| format!("{x:.0}"));
+        let bytes = avg(&|a| Some(a.adapter_bytes as f64)).map_or("–".into(), |x| format!("{x:.0}"));
+        let no_label = results.answers.iter().filter(|a| a.method == m && a.in_window.is_none()).count();
+        let extra = if no_label > 0 { format!(" (+{no_label} unlabelled)") } else { String::new() };
+        let _ = writeln!(
+            s,
+            "| {m} | {n_in} / {n_out}{extra} | {} | {} | {} | {} | {:.2} | {:.2} | {secs} | {tps} | {bytes} |",
+            pct(acc_in),
+            pct(acc_out),
+            pct(em_in),
+            pct(em_out),
+            f1_in.unwrap_or(f64::NAN),
+            f1_out.unwrap_or(f64::NAN),
+        );
+    }
+    let _ = writeln!(
+        s,
+        "\nacc: the normalised answer occurs in the normalised reply (whole words); EM: normalised exact match; F1: \
+         token F1 (SQuAD normalisation). In/out of window: whether the answer's evidence is in the truncated \
+         document the `lift`/`icl` prompt holds. absorb s: wall time of the absorption (QA + training)."
+    );
+    let cells = heatmap_cells(results);
+    if !cells.is_empty() {
+        let (lengths, depths) = axes(&cells);
+        let _ = writeln!(s, "\nAccuracy by document length (rows, tokens) and needle depth (columns):\n");
+        for m in methods(results) {
+            let _ = write!(s, "| {m} |");
+            for d in &depths {
+                let _ = write!(s, " {d} |");
+            }
+            let _ = writeln!(s);
+            let _ = writeln!(s, "|---|{}", "---|".repeat(depths.len()));
+            for l in &lengths {
+                let _ = write!(s, "| {l} |");
+                for d in &depths {
+                    match cells.get(&(m.clone(), *l, d.clone())) {
+                        Some(&(ok, n)) => {
+                            let _ = write!(s, " {ok}/{n} |");
+                        }
+                        None => {
+                            let _ = write!(s, " – |");
+                        }
+                    }
+                }
+                let _ = writeln!(s);
+            }
+            let _ = writeln!(s);
+        }
+    }
+    s
+}
+
+/// (method, length, depth label) → (correct, questions), for planted questions.
+type Cells = BTreeMap<(String, usize, String), (usize, usize)>;
+
+fn heatmap_cells(results: &Results) -> Cells {
+    let mut cells = Cells::new();
+    for a in &results.answers {
+        if let (Some(l), Some(d)) = (a.target_tokens, a.depth) {
+            let e = cells.entry((a.method.clone(), l, format!("{d}"))).or_default();
+            e.0 += usize::from(a.scores.contains > 0.5);
+            e.1 += 1;
+        }
+    }
+    cells
+}
+
+fn axes(cells: &Cells) -> (Vec<usize>, Vec<String>) {
+    let mut lengths: Vec<usize> = cells.keys().map(|k| k.1).collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    let mut depths: Vec<String> = cells.keys().map(|k| k.2.clone()).collect();
+    depths.sort_by(|a, b| a.parse::<f64>().unwrap_or(0.0).total_cmp(&b.parse::<f64>().unwrap_or(0.0)));
+    depths.dedup();
+    (lengths, depths)
+}
+
+fn register_font() {
+    static ONCE: Once = Once::new();
+    ONCE.call_once(|| {
+        plotters::style::register_font(FONT, FontStyle::Normal, dejavu::sans::regular())
+            .unwrap_or_else(|_| panic!("bundled font is valid"));
+    });
+}
+
+fn plot_err<E: std::fmt::Debug>(e: E) -> anyhow::Error {
+    anyhow::anyhow!("plotting failed: {e:?}")
+}
+
+/// Red (0) → yellow → green (1).
+fn ramp(x: f64) -> RGBColor {
+    let x = x.clamp(0.0, 1.0);
+    let (r, g) =
+        if x < 0.5 { (230.0, 60.0 + 340.0 * x) } else { (230.0 - 360.0 * (x - 0.5), 230.0 - 40.0 * (x - 0.5)) };
+    RGBColor(r as u8, g as u8, 70)
+}
+
+/// Accuracy by depth (x) × length (y), one panel per method.
+pub fn heatmap(results: &Results, path: &Path) -> Result<()> {
+    register_font();
+    let cells = heatmap_cells(results);
+    let (lengths, depths) = axes(&cells);
+    let methods = methods(results);
+    let (nd, nl) = (depths.len() as i32, lengths.len() as i32);
+    let panel_w = 120 + 90 * depths.len() as u32;
+    let root =
+        BitMapBackend::new(path, (panel_w * methods.len() as u32, 130 + 70 * lengths.len() as u32)).into_drawing_area();
+    root.fill(&WHITE).map_err(plot_err)?;
+    for (panel, m) in root.split_evenly((1, methods.len())).iter().zip(&methods) {
+        let mut chart = ChartBuilder::on(panel)
+            .caption(m, (FONT, 22))
+            .margin(10)
+            .x_label_area_size(40)
+            .y_label_area_size(60)
+            .build_cartesian_2d((0..nd - 1).into_segmented(), (0..nl - 1).into_segmented())
+            .map_err(plot_err)?;
+        let depth_label = |v: &SegmentValue<i32>| match v {
+            SegmentValue::CenterOf(i) => depths.get(*i as usize).cloned().unwrap_or_default(),
+            _ => String::new(),
+        };
+        let length_label = |v: &SegmentValue<i32>| match v {
+            SegmentValue::CenterOf(i) => lengths.get(*i as usize).map(|l| l.to_string()).unwrap_or_default(),
+            _ => String::new(),
+        };
+        chart
+            .configure_mesh()
+            .disable_mesh()
+            .x_desc("depth")
+            .y_desc("tokens")
+            .x_label_formatter(&depth_label)
+            .y_label_formatter(&length_label)
+            .label_style((FONT, 14))
+            .axis_desc_style((FONT, 14))
+            .draw()
+            .map_err(plot_err)?;
+        for (yi, l) in lengths.iter().enumerate() {
+            for (xi, d) in depths.iter().enumerate() {
+                let (x, y) = (xi as i32, yi as i32);
+                let rect = [
+                    (SegmentValue::Exact(x), SegmentValue::Exact(y)),
+                    (SegmentValue::Exact(x + 1), SegmentValue::Exact(y + 1)),
+                ];
+                let (color, text) = match cells.get(&(m.clone(), *l, d.clone())) {
+                    Some(&(ok, n)) => (ramp(ok as f64 / n as f64), format!("{ok}/{n}")),
+                    None => (RGBColor(220, 220, 220), "–".into()),
+                };
+                chart.draw_series(std::iter::once(Rectangle::new(rect.clone(), color.filled()))).map_err(plot_err)?;
+                chart.draw_series(std::iter::once(Rectangle::new(rect, WHITE.stroke_width(2)))).map_err(plot_err)?;
+                let style = TextStyle::from((FONT, 16).into_font()).pos(plotters::style::text_anchor::Pos::new(
+                    plotters::style::text_anchor::HPos::Center,
+                    plotters::style::text_anchor::VPos::Center,
+                ));
+                chart
+                    .draw_series(std::iter::once(Text::new(
+                        text,
+                        (SegmentValue::CenterOf(x), SegmentValue::CenterOf(y)),
+                        style,
+                    )))
+                    .map_err(plot_err)?;
+            }
+        }
+    }
+    root.present().map_err(plot_err)?;
+    Ok(())
+}
+
+const SMOOTH: usize = 10;
+
+/// Mean of the last `k` values (fewer at the start) at each position.
+fn running_mean(v: &[f64], k: usize) -> Vec<f64> {
+    (0..v.len())
+        .map(|i| v[i.saturating_sub(k - 1)..=i].iter().sum::<f64>() / (i + 1 - i.saturating_sub(k - 1)) as f64)
+        .collect()
+}
+
+/// Training loss per optimizer step, one line per absorption.
+pub fn loss_plot(results: &Results, path: &Path) -> Result<()> {
+    register_font();
+    let series: Vec<_> = results.absorbs.iter().filter(|a| !a.step_losses.is_empty()).collect();
+    let max_steps = series.iter().map(|a| a.step_losses.len()).max().unwrap_or(1);
+    let max_loss =
+        series.iter().flat_map(|a| a.step_losses.iter().copied()).filter(|x| x.is_finite()).fold(0.0, f64::max);
+    let root = BitMapBackend::new(path, (900, 500)).into_drawing_area();
+    root.fill(&WHITE).map_err(plot_err)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption("training loss per step", (FONT, 22))
+        .margin(15)
+        .x_label_area_size(40)
+        .y_label_area_size(55)
+        .build_cartesian_2d(0f64..max_steps as f64, 0f64..(max_loss * 1.05).max(0.1))
+        .map_err(plot_err)?;
+    chart
+        .configure_mesh()
+        .x_desc("step")
+        .y_desc("loss")
+        .label_style((FONT, 14))
+        .axis_desc_style((FONT, 14))
+        .draw()
+        .map_err(plot_err)?;
+    for (i, a) in series.iter().enumerate() {
+        let color = Palette99::pick(i).to_rgba();
+        let label = format!("{} ({}), mean of {SMOOTH} steps", a.document, a.methods.join(", "));
+        // Raw per-step losses (segments and QA examples alternate) faint, their running mean bold.
+        chart
+            .draw_series(LineSeries::new(
+                a.step_losses.iter().enumerate().map(|(s, &l)| ((s + 1) as f64, l)),
+                color.mix(0.25).stroke_width(1),
+            ))
+            .map_err(plot_err)?;
+        chart
+            .draw_series(LineSeries::new(
+                running_mean(&a.step_losses, SMOOTH).into_iter().enumerate().map(|(s, l)| ((s + 1) as f64, l)),
+                color.stroke_width(2),
+            ))
+            .map_err(plot_err)?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .label_font((FONT, 14))
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(plot_err)?;
+    root.present().map_err(plot_err)?;
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn running_mean_of_the_last_k() {
+        assert_eq!(super::running_mean(&[2.0, 4.0, 6.0, 8.0], 2), vec![2.0, 3.0, 5.0, 7.0]);
+        assert_eq!(super::running_mean(&[1.0], 10), vec![1.0]);
+    }
+}

@@ -1,0 +1,311 @@
+//! The evaluation harness: planted facts are where they should be, exactly once; in/out-of-window
+//! labels agree with the prompt `build_prompt` builds; the whole run (in-process and through a
+//! real server socket) produces consistent records and a report, on the tiny model. Planting and
+//! labelling are checked with the real default model's tokenizer on the real essays (fetched by
+//! `lift-serve fetch-data`, which these tests run themselves when the essays are missing).
+
+use candle_core::Device;
+use lift_serve::eval::{self, data, needles, report, EvalDocument, Local, RunConfig};
+use lift_serve::lift::answer::{build_prompt, Mode};
+use lift_serve::lift::AbsorbOptions;
+use lift_serve::model::Model;
+use lift_serve::testing::{write_hf, TinySpec};
+use std::sync::OnceLock;
+
+fn real_model() -> &'static Model {
+    static MODEL: OnceLock<Model> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let path = lift_serve::fetch::resolve_model(None).expect("default model (run `lift-serve fetch-model`)");
+        Model::load(&path, &Device::Cpu).expect("default model loads")
+    })
+}
+
+fn essays() -> &'static [data::Essay] {
+    static ESSAYS: OnceLock<Vec<data::Essay>> = OnceLock::new();
+    ESSAYS.get_or_init(|| {
+        let dir = data::fetch_essays(&data::data_dir()).expect("essays (run `lift-serve fetch-data`)");
+        data::load_essays(&dir).unwrap()
+    })
+}
+
+fn spec(lengths: Vec<usize>, depths: Vec<f64>, per_depth: usize, seed: u64) -> needles::NeedleSpec {
+    needles::NeedleSpec { lengths, depths, needles_per_depth: per_depth, docs_per_length: 1, seed }
+}
+
+#[test]
+fn planted_facts_occur_exactly_once_at_the_requested_depth() {
+    let model = real_model();
+    let depths = vec![0.0, 0.25, 0.5, 0.75, 1.0];
+    let docs = needles::build_set(model, essays(), &spec(vec![1024, 4096], depths.clone(), 2, 7)).unwrap();
+    assert_eq!(docs.len(), 2);
+    for doc in &docs {
+        let target = doc.target_tokens.unwrap();
+        let ids = model.tokenizer.encode(&doc.text, false).unwrap();
+        assert_eq!(ids.len(), doc.tokens);
+        assert!(
+            doc.tokens.abs_diff(target) <= target / 20,
+            "{}: {} tokens for a target of {target}",
+            doc.id,
+            doc.tokens
+        );
+        assert_eq!(doc.questions.len(), 10);
+        let mut kinds = std::collections::HashSet::new();
+        for q in &doc.questions {
+            let planted = q.planted.as_deref().unwrap();
+            kinds.insert(q.kind.unwrap());
+            assert_eq!(doc.text.matches(planted).count(), 1, "{planted}");
+            // The answer value appears once (the distractor has a different value).
+            let value = q.answers[0].to_lowercase();
+            assert_eq!(doc.text.to_lowercase().matches(&value).count(), 1, "{value} in {}", doc.id);
+            if let Some(d) = &q.distractor {
+                assert_eq!(doc.text.matches(d.as_str()).count(), 1);
+                assert!(!d.to_lowercase().contains(&value));
+                let (a, _) = q.distractor_tokens.unwrap();
+                let (b, _) = q.evidence_tokens[0];
+                assert!(a.abs_diff(b) as f64 >= 0.2 * doc.tokens as f64, "distractor too close to the answer");
+            }
+            // The byte span is the sentence; its token span decodes to it.
+            let (s, e) = q.evidence[0];
+            assert_eq!(&doc.text[s..e], planted);
+            let (a, b) = q.evidence_tokens[0];
+            let decoded = model.tokenizer.decode(&ids[a..b]).unwrap();
+            assert_eq!(decoded.trim(), planted);
+            // Depth: where the sentence starts, relative to the document's tokens.
+            let depth = q.depth.unwrap();
+            let actual = a as f64 / doc.tokens as f64;
+            assert_eq!(q.actual_depth, Some(actual));
+            assert!((actual - depth).abs() <= 0.06, "{}: asked depth {depth}, got {actual:.3}", doc.id);
+            assert!(depths.contains(&depth));
+            // Worded differently from the planted sentence.
+            assert!(!planted.contains(&q.question) && q.question.ends_with('?'));
+        }
+        assert!(kinds.len() >= 4, "fact kinds are mixed: {kinds:?}");
+        // Depth 0 starts the document, depth 1 ends it.
+        assert!(doc.questions.iter().any(|q| q.evidence_tokens[0].0 == 0));
+        assert!(doc.questions.iter().any(|q| q.evidence_tokens[0].1 == doc.tokens));
+    }
+    // Deterministic with the seed, different with another.
+    let again = needles::build_set(model, essays(), &spec(vec![1024], vec![0.0, 0.25, 0.5, 0.75, 1.0], 2, 7)).unwrap();
+    assert_eq!(again[0].text, docs[0].text);
+    let other = needles::build_set(model, essays(), &spec(vec![1024], vec![0.0, 0.25, 0.5, 0.75, 1.0], 2, 8)).unwrap();
+    assert_ne!(other[0].text, docs[0].text);
+}
+
+#[test]
+fn window_labels_agree_with_the_prompt_build_prompt_builds() {
+    let model = real_model();
+    let docs =
+        needles::build_set(model, essays(), &spec(vec![2048], vec![0.0, 0.02, 0.3, 0.5, 0.98, 1.0], 1, 3)).unwrap();
+    let doc = &docs[0];
+    let ids = model.tokenizer.encode(&doc.text, false).unwrap();
+    let (mut ins, mut outs) = (0, 0);
+    for budget in [Some(64), Some(128), Some(300), None] {
+        for q in &doc.questions {
+            let prompt = build_prompt(model, &ids, &q.question, Mode::Lift, budget, 32).unwrap();
+            let label = eval::in_window(&prompt, &q.evidence_tokens).unwrap();
+            // Independent check: is the planted sentence's text in the decoded prompt?
+            let shown = model.tokenizer.decode(&prompt.tokens).unwrap();
+            let planted = q.planted.as_deref().unwrap();
+            assert_eq!(label, shown.contains(planted), "budget {budget:?}, {planted:?}: label {label}");
+            // icl builds the same context; memory none.
+            let icl = build_prompt(model, &ids, &q.question, Mode::Icl, budget, 32).unwrap();
+            assert_eq!(icl.tokens, prompt.tokens);
+            let mem = build_prompt(model, &ids, &q.question, Mode::Memory, budget, 32).unwrap();
+            assert!(!model.tokenizer.decode(&mem.tokens).unwrap().contains(planted));
+            if label {
+                ins += 1;
+            } else {
+                outs += 1;
+            }
+        }
+    }
+    assert!(ins >= 6 && outs >= 6, "both labels occur: {ins} in, {outs} out");
+}
+
+fn tiny() -> (tempfile::TempDir, std::path::PathBuf, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_hf(&dir.path().join("tiny"), &TinySpec::default()).unwrap();
+    let model = Model::load(&path, &Device::Cpu).unwrap();
+    (dir, path, model)
+}
+
+fn tiny_options() -> AbsorbOptions {
+    serde_json::from_value(serde_json::json!({
+        "plan": {"window": 128, "context_tokens": 200},
+        "train": {"epochs": [1, 1]},
+        "qa": {"use_model": false, "max_pairs": 4, "min_pairs": 2}
+    }))
+    .unwrap()
+}
+
+fn tiny_docs(model: &Model) -> Vec<EvalDocument> {
+    needles::build_set(model, essays(), &spec(vec![500, 700], vec![0.0, 0.5, 1.0], 1, 1)).unwrap()
+}
+
+fn config(methods: &[&str], server: Option<String>) -> RunConfig {
+    RunConfig {
+        methods: methods.iter().map(|m| m.to_string()).collect(),
+        context_tokens: Some(200),
+        max_tokens: 6,
+        absorb: tiny_options(),
+        needles: None,
+        jsonl: None,
+        server,
+    }
+}
+
+fn check_results(results: &eval::Results, docs: usize, questions: usize) {
+    assert_eq!(results.answers.len(), questions * 3);
+    // lift and memory share one adapter per document; icl needs none.
+    assert_eq!(results.absorbs.len(), docs);
+    for a in &results.absorbs {
+        assert_eq!(a.methods, vec!["lift".to_string(), "memory".to_string()]);
+        assert!(a.steps > 0 && a.adapter_bytes > 0 && a.parameters > 0);
+        assert_eq!(a.step_losses.len(), a.steps, "one loss per optimizer step");
+        assert!(a.step_losses.iter().all(|l| l.is_finite() && *l > 0.0));
+    }
+    for a in &results.answers {
+        let s = eval::metrics::score(
+            &a.prediction,
+            &results
+                .documents
+                .iter()
+                .find(|d| d.id == a.document)
+                .unwrap()
+                .questions
+                .iter()
+                .find(|q| q.id == a.question)
+                .unwrap()
+                .answers,
+        );
+        assert_eq!(s, a.scores);
+        assert!(a.in_window.is_some());
+    }
+    // Prompt lengths: memory has no document, lift and icl the same context.
+    let get = |doc: &str, q: &str, m: &str| {
+        results.answers.iter().find(|a| a.document == doc && a.question == q && a.method == m).unwrap().prompt_tokens
+    };
+    let a = &results.answers[0];
+    assert_eq!(get(&a.document, &a.question, "lift"), get(&a.document, &a.question, "icl"));
+    assert!(get(&a.document, &a.question, "memory") + 40 < get(&a.document, &a.question, "icl"));
+}
+
+#[test]
+fn eval_runs_every_method_and_writes_the_report_on_the_tiny_model() {
+    let (_d, _p, model) = tiny();
+    let docs = tiny_docs(&model);
+    let n_q: usize = docs.iter().map(|d| d.questions.len()).sum();
+    assert_eq!(n_q, 6);
+    let cfg = config(&["icl", "lift", "memory"], None);
+    let mut backend = Local::new(&model, cfg.context_tokens, cfg.max_tokens);
+    let mut partial = Vec::new();
+    let results = eval::run(&model, &mut backend, docs, &cfg, false, &mut |r| {
+        partial.push((r.documents.len(), r.answers.len()));
+        Ok(())
+    })
+    .unwrap();
+    assert_eq!(partial, vec![(1, 9), (2, 18)], "results after each document");
+    check_results(&results, 2, n_q);
+    // Both labels occur with a 200-token window on 500–700-token documents.
+    assert!(results.answers.iter().any(|a| a.in_window == Some(true)));
+    assert!(results.answers.iter().any(|a| a.in_window == Some(false)));
+
+    let out = tempfile::tempdir().unwrap();
+    report::write(&results, out.path()).unwrap();
+    let md = std::fs::read_to_string(out.path().join(report::TABLE_FILE)).unwrap();
+    for m in ["| icl |", "| lift |", "| memory |", "| 500 |", "| 700 |"] {
+        assert!(md.contains(m), "{m} in\n{md}");
+    }
+    for png in [report::HEATMAP_FILE, report::LOSS_FILE] {
+        let bytes = std::fs::read(out.path().join(png)).unwrap();
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n", "{png} is a PNG");
+        assert!(bytes.len() > 2000, "{png}: {} bytes", bytes.len());
+    }
+    // The JSON round-trips and redraws the same table.
+    let back: eval::Results =
+        serde_json::from_slice(&std::fs::read(out.path().join(report::RESULTS_FILE)).unwrap()).unwrap();
+    assert_eq!(report::markdown(&back), md);
+}
+
+#[test]
+fn jsonl_questions_are_labelled_from_answer_occurrences() {
+    let (_d, _p, model) = tiny();
+    let filler = "The committee met again and discussed the weather at length. ".repeat(8);
+    let doc = format!(
+        "The vault code is 5521. {filler}The ferry captain was Orla Brandt. {filler}The bell weighs nine tons."
+    );
+    let line = serde_json::json!({"document": doc, "questions": [
+        {"question": "What opens the vault?", "answers": ["5521"]},
+        {"question": "Who steered the ferry?", "answers": ["Orla Brandt"], "evidence": "The ferry captain was Orla Brandt."},
+        {"question": "How heavy is the bell?", "answers": ["nine tons", "9 tons"]},
+        {"question": "What colour is the door?", "answers": ["green"]}
+    ]});
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("set.jsonl");
+    std::fs::write(&path, format!("{line}\n\n")).unwrap();
+    let docs = eval::load_jsonl(&model, &path).unwrap();
+    assert_eq!(docs.len(), 1);
+    let d = &docs[0];
+    assert_eq!(d.tokens, model.tokenizer.encode(&d.text, false).unwrap().len());
+    let ids = model.tokenizer.encode(&d.text, false).unwrap();
+    let labels: Vec<Option<bool>> = d
+        .questions
+        .iter()
+        .map(|q| {
+            eval::in_window(
+                &build_prompt(&model, &ids, &q.question, Mode::Lift, Some(48), 8).unwrap(),
+                &q.evidence_tokens,
+            )
+        })
+        .collect();
+    assert_eq!(labels, vec![Some(true), Some(false), Some(true), None]);
+    assert_eq!(
+        &d.text[d.questions[1].evidence[0].0..d.questions[1].evidence[0].1],
+        "The ferry captain was Orla Brandt."
+    );
+    // A bad line is an error naming the line.
+    std::fs::write(&path, "{\"document\": \"x\"}\n").unwrap();
+    let err = format!("{:#}", eval::load_jsonl(&model, &path).unwrap_err());
+    assert!(err.contains(":1"), "{err}");
+}
+
+#[test]
+fn eval_through_a_real_server_socket_measures_the_serving_path() {
+    let (tmp, model_path, model) = tiny();
+    let options = tmp.path().join("absorb.json");
+    std::fs::write(&options, serde_json::to_string(&tiny_options()).unwrap()).unwrap();
+    let mut c = lift_serve::server::ServeConfig::new(model_path, tmp.path().join("adapters"));
+    c.absorb_options = Some(options);
+    c.port = 0;
+    c.context_tokens = Some(200);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let running = rt.block_on(async {
+        let state = lift_serve::server::build_state(c, &Device::Cpu).unwrap();
+        lift_serve::server::start(state).await.unwrap()
+    });
+    let url = format!("http://{}", running.addr);
+    let docs = tiny_docs(&model);
+    let n_q: usize = docs.iter().map(|d| d.questions.len()).sum();
+    let cfg = config(&["icl", "lift", "memory"], Some(url.clone()));
+    let mut backend = eval::client::Server::new(&url, None, cfg.max_tokens).unwrap();
+    let results = eval::run(&model, &mut backend, docs.clone(), &cfg, false, &mut |_| Ok(())).unwrap();
+    check_results(&results, 2, n_q);
+
+    // The same documents in-process give the same greedy answers (same options and seed).
+    let mut local = Local::new(&model, cfg.context_tokens, cfg.max_tokens);
+    let here =
+        eval::run(&model, &mut local, docs.clone(), &config(&["icl", "lift", "memory"], None), false, &mut |_| Ok(()))
+            .unwrap();
+    for (a, b) in results.answers.iter().zip(&here.answers) {
+        assert_eq!((&a.document, &a.question, &a.method), (&b.document, &b.question, &b.method));
+        assert_eq!(a.prediction, b.prediction, "{} {} {}", a.document, a.question, a.method);
+    }
+
+    // A server with another context budget is caught, not mislabelled.
+    let wrong = config(&["icl", "lift"], Some(url.clone()));
+    let wrong = RunConfig { context_tokens: Some(180), ..wrong };
+    let mut backend = eval::client::Server::new(&url, None, wrong.max_tokens).unwrap();
+    let err = format!("{:#}", eval::run(&model, &mut backend, docs, &wrong, false, &mut |_| Ok(())).unwrap_err());
+    assert!(err.contains("context budget"), "{err}");
+    rt.block_on(running.shutdown());
+}
