@@ -50,6 +50,16 @@ __device__ void gm_acc_rows(float* dst, const float* b, int rows, int n) {
     }
 }
 
+// out[r·n + j] = b[j] + Σ_k x[r·d + k]·w[k·n + j] for the tile's rows (b may be null).
+__device__ void gm_affine(const float* x, const float* w, const float* b, int rows, int d, int n, float* out) {
+    for (int i = threadIdx.x; i < rows * n; i += blockDim.x) {
+        int r = i / n, j = i % n;
+        float acc = b ? b[j] : 0.0f;
+        for (int k = 0; k < d; ++k) acc += x[r * d + k] * w[k * n + j];
+        out[i] = acc;
+    }
+}
+
 // Loads the tile's x rows and computes the pre-activations of both hidden layers and the gate.
 // Shared layout (floats): x[TR*d] | h1[TR*2d] (pre-activation) | gh[TR*s] (pre-activation) | g[TR]
 __device__ void gm_tile_forward(const float* __restrict__ p, GmParams P, int h, const float* xbase, int rows,
@@ -58,24 +68,10 @@ __device__ void gm_tile_forward(const float* __restrict__ p, GmParams P, int h, 
     const int tid = threadIdx.x, nt = blockDim.x;
     for (int i = tid; i < rows * d; i += nt) x[i] = xbase[i];
     __syncthreads();
-    const float* w1 = p + P.off_w1 + (long long)h * d * d2;
-    const float* b1 = P.off_b1 >= 0 ? p + P.off_b1 + (long long)h * d2 : nullptr;
-    for (int i = tid; i < rows * d2; i += nt) {
-        int r = i / d2, j = i % d2;
-        float acc = b1 ? b1[j] : 0.0f;
-        const float* xr = x + r * d;
-        for (int k = 0; k < d; ++k) acc += xr[k] * w1[k * d2 + j];
-        h1[i] = acc;
-    }
-    const float* g1 = p + P.off_g1 + (long long)h * d * s;
-    const float* c1 = P.off_c1 >= 0 ? p + P.off_c1 + (long long)h * s : nullptr;
-    for (int i = tid; i < rows * s; i += nt) {
-        int r = i / s, c = i % s;
-        float acc = c1 ? c1[c] : 0.0f;
-        const float* xr = x + r * d;
-        for (int k = 0; k < d; ++k) acc += xr[k] * g1[k * s + c];
-        gh[i] = acc;
-    }
+    gm_affine(x, p + P.off_w1 + (long long)h * d * d2, P.off_b1 >= 0 ? p + P.off_b1 + (long long)h * d2 : nullptr,
+              rows, d, d2, h1);
+    gm_affine(x, p + P.off_g1 + (long long)h * d * s, P.off_c1 >= 0 ? p + P.off_c1 + (long long)h * s : nullptr,
+              rows, d, s, gh);
     __syncthreads();
     const float* g2 = p + P.off_g2 + (long long)h * s;
     for (int r = tid; r < rows; r += nt) {

@@ -143,7 +143,8 @@ fn tiny_model_inference_on_cuda_is_bf16_and_close_to_cpu() {
     let mut cache = KvCache::new(2);
     let ids = input(&gpu);
     gpu.decoder.forward(&ids.narrow(1, 0, n - 1).unwrap(), &mut cache, None, &mut NoHooks, Logits::Last).unwrap();
-    let last = gpu.decoder.forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, None, &mut NoHooks, Logits::Last).unwrap();
+    let last =
+        gpu.decoder.forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, None, &mut NoHooks, Logits::Last).unwrap();
     let full = b.narrow(1, n - 1, 1).unwrap().squeeze(1).unwrap();
     assert!(rel_diff(&last, &full) < 5e-2);
 }
@@ -179,13 +180,15 @@ fn gated_memory_training_step_on_cuda_matches_cpu() {
         let ids = Tensor::new(&toks[..n - 1], dev).unwrap().unsqueeze(0).unwrap();
         let targets = Tensor::new(&toks[1..], dev).unwrap();
         let emb = m.decoder.embed(&ids).unwrap();
-        let hidden = m.decoder.forward_train(&emb, Some(&gm as &dyn Adapter), &mut NoHooks).unwrap().squeeze(0).unwrap();
+        let hidden =
+            m.decoder.forward_train(&emb, Some(&gm as &dyn Adapter), &mut NoHooks).unwrap().squeeze(0).unwrap();
         let logits = m.decoder.logits_train(&hidden).unwrap();
         assert_eq!(logits.dtype(), DType::F32);
         let weights = Tensor::ones(n - 1, DType::F32, dev).unwrap();
         let loss = ops::cross_entropy_masked(&logits, &targets, &weights).unwrap();
         let grads = loss.backward().unwrap();
-        let g: Vec<Tensor> = gm.vars().iter().map(|v| grads.get(v.as_tensor()).expect("adapter gradient").clone()).collect();
+        let g: Vec<Tensor> =
+            gm.vars().iter().map(|v| grads.get(v.as_tensor()).expect("adapter gradient").clone()).collect();
         for v in gm.vars() {
             assert_eq!(v.dtype(), DType::F32, "adapter parameters stay f32");
         }

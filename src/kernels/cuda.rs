@@ -16,9 +16,7 @@ const THREADS: u32 = 256;
 const SHARED_FLOATS: usize = 48 * 1024 / 4;
 
 fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {
-    let Some((start, end)) = l.contiguous_offsets() else {
-        bail!("{what}: expected a contiguous input, got {l:?}")
-    };
+    let Some((start, end)) = l.contiguous_offsets() else { bail!("{what}: expected a contiguous input, got {l:?}") };
     Ok(s.as_cuda_slice::<T>()?.slice(start..end))
 }
 

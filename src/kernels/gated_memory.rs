@@ -162,9 +162,8 @@ pub fn reference_backward(
         let dz = dgate * 3.0 * f.g * (1.0 - f.g);
         let dm: Vec<f32> = go.iter().map(|g| f.g * g).collect();
         let dgh: Vec<f32> = (0..s).map(|c| w.g2[c] * dz * silu_grad(f.gh[c])).collect();
-        let dh1: Vec<f32> = (0..d2)
-            .map(|k| (0..d).map(|j| w.w2[k * d + j] * dm[j]).sum::<f32>() * silu_grad(f.h1[k]))
-            .collect();
+        let dh1: Vec<f32> =
+            (0..d2).map(|k| (0..d).map(|j| w.w2[k * d + j] * dm[j]).sum::<f32>() * silu_grad(f.h1[k])).collect();
         for k in 0..d {
             let mut acc = 0f32;
             for j in 0..d2 {
@@ -296,14 +295,8 @@ impl CustomOp3 for GatedMemoryMixBwd {
         let (_, _, t, _) = ql.shape().dims4()?;
         let (storage, al) = self.attn.storage_and_layout();
         let Storage::Cpu(a_s) = &*storage else { bail!("gated-memory-mix-bwd: attn not on the cpu") };
-        let (dq, dattn, dp) = reference_backward(
-            cpu_f32(qs, ql)?,
-            cpu_f32(a_s, al)?,
-            cpu_f32(ps, pl)?,
-            cpu_f32(gs, gl)?,
-            self.dims,
-            t,
-        );
+        let (dq, dattn, dp) =
+            reference_backward(cpu_f32(qs, ql)?, cpu_f32(a_s, al)?, cpu_f32(ps, pl)?, cpu_f32(gs, gl)?, self.dims, t);
         let mut all = dq;
         all.extend(dattn);
         all.extend(dp);
@@ -382,7 +375,8 @@ mod tests {
             let mut checked = 0;
             for t in [q.as_tensor(), a.as_tensor()].into_iter().chain(gm.vars().iter().map(|v| v.as_tensor())) {
                 let (x, y) = (gf.get(t).expect("fused grad"), gc.get(t).expect("composite grad"));
-                let scale = y.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap().max(1.0);
+                let scale =
+                    y.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap().max(1.0);
                 assert!(max_diff(x, y) / scale < 1e-4, "gradient {checked} (bias {bias})");
                 checked += 1;
             }

@@ -203,7 +203,8 @@ mod tests {
             .flat_map(|i| (0..tk).map(move |j| if j <= i + tk - tq { 0.0 } else { f32::NEG_INFINITY }))
             .collect();
         let mask = Tensor::from_vec(mask, (tq, tk), &Device::Cpu).unwrap();
-        let logits = (s.as_tensor() * scale).unwrap().broadcast_add(&mask).unwrap().broadcast_add(bias.as_tensor()).unwrap();
+        let logits =
+            (s.as_tensor() * scale).unwrap().broadcast_add(&mask).unwrap().broadcast_add(bias.as_tensor()).unwrap();
         let p_ref = ops::softmax_last_dim(&logits).unwrap();
         assert!(max_diff(&p, &p_ref) < 1e-6);
         let g = (p * &w).unwrap().sum_all().unwrap().backward().unwrap();
