@@ -58,6 +58,9 @@ if [ ! -f "$ROOT/lib/stubs/libcuda.so" ]; then
         sed 's/.*/void &(void) {}/' > "$ROOT/lib/stubs/cuda_stub.c"
     cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$ROOT/lib/stubs/libcuda.so" "$ROOT/lib/stubs/cuda_stub.c"
 fi
+# So the CUDA build's CPU tests can also be run here:
+#   LD_LIBRARY_PATH=$ROOT/lib:$ROOT/lib/stubs <test binary> (never create a CUDA device with it).
+ln -sf libcuda.so "$ROOT/lib/stubs/libcuda.so.1"
 
 export CUDA_ROOT="$ROOT" CUDA_HOME="$ROOT" CUDA_PATH="$ROOT"
 export PATH="$ROOT/bin:$PATH"
