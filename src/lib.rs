@@ -7,6 +7,7 @@ pub mod adapters;
 pub mod engine;
 pub mod eval;
 pub mod fetch;
+pub mod kernels;
 pub mod lift;
 pub mod model;
 pub mod runtime;

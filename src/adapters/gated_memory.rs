@@ -8,7 +8,7 @@
 
 use crate::model::{Adapter, ModelConfig};
 use crate::testing::Rng;
-use candle_core::{Device, Result, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor, Var};
 use std::collections::BTreeMap;
 
 /// One layer's parameters; every tensor is `[heads, in, out]` (biases `[heads, 1, out]`).
@@ -227,9 +227,16 @@ impl GatedMemory {
 impl Adapter for GatedMemory {
     fn mix_attention(&self, layer: usize, q_pre_rope: &Tensor, attn: Tensor) -> Result<Tensor> {
         let Some(l) = self.layers.get(&layer) else { return Ok(attn) };
-        let (m, g) = l.memory_and_gate(q_pre_rope)?;
+        // The adapter computes in f32 whatever the base model's dtype (bf16 on CUDA).
+        let dt = attn.dtype();
+        let (q, attn) = (q_pre_rope.to_dtype(DType::F32)?, attn.to_dtype(DType::F32)?);
+        if q.device().is_cuda() {
+            // One fused kernel forward and backward (kernels/gated_memory.cu).
+            return crate::kernels::gated_memory::mix(l, &q, &attn)?.to_dtype(dt);
+        }
+        let (m, g) = l.memory_and_gate(&q)?;
         // (1 − g)·attn + g·m, written as attn + g·(m − attn).
-        attn.clone() + g.broadcast_mul(&(m - attn)?)?
+        (attn.clone() + g.broadcast_mul(&(m - attn)?)?)?.to_dtype(dt)
     }
 
     fn first_layer(&self) -> usize {

@@ -8,7 +8,7 @@
 use super::config::ModelConfig;
 use super::hooks::{Adapter, ForwardHooks, Projection};
 use super::ops;
-use super::weights::Linear;
+use super::weights::{base_dtype, Linear};
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
 
 pub struct DecoderLayer {
@@ -39,7 +39,7 @@ impl DecoderLayer {
 
 pub struct Decoder {
     pub config: ModelConfig,
-    /// f32 `[vocab, hidden]`; rows are looked up for inputs (and serve as the head when tied).
+    /// `[vocab, hidden]` in `dtype`; rows are looked up for inputs (and serve as the head when tied).
     pub embed: Tensor,
     pub layers: Vec<DecoderLayer>,
     pub norm: Tensor,
@@ -48,6 +48,10 @@ pub struct Decoder {
     cos: Tensor,
     sin: Tensor,
     device: Device,
+    /// Dtype of the float weights and activations: f32 on the CPU, bf16 on CUDA (`base_dtype`).
+    /// Adapters stay f32: their inputs are cast at the hook, their outputs cast back; logits are
+    /// returned as f32.
+    dtype: DType,
     /// RoPE rotates adjacent pairs (2i, 2i+1) instead of halves (i, i + d/2). llama.cpp stores
     /// llama-architecture q/k rows permuted for this; keeping the file's layout keeps our
     /// arithmetic identical to llama.cpp/candle (quantized matmuls re-round activations to 8 bits,
@@ -161,16 +165,24 @@ impl Decoder {
         lm_head: Linear,
         device: &Device,
     ) -> Result<Self> {
+        let dtype = base_dtype(device);
         let (cos, sin) = rope_tables(&config, device)?;
+        let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
+        let mut layers = layers;
+        for l in layers.iter_mut() {
+            l.attn_norm = l.attn_norm.to_dtype(dtype)?;
+            l.ffn_norm = l.ffn_norm.to_dtype(dtype)?;
+        }
         Ok(Self {
             config,
-            embed,
+            embed: embed.to_dtype(dtype)?,
             layers,
-            norm,
+            norm: norm.to_dtype(dtype)?,
             lm_head,
             cos,
             sin,
             device: device.clone(),
+            dtype,
             rope_interleaved: false,
             float_prefill_min_rows: 16,
         })
@@ -180,7 +192,13 @@ impl Decoder {
         &self.device
     }
 
-    /// Input embeddings `[b, t, hidden]` for token ids `[b, t]` (f32; callers may perturb them).
+    /// Dtype of the float weights and activations (f32 on the CPU, bf16 on CUDA).
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+
+    /// Input embeddings `[b, t, hidden]` for token ids `[b, t]` (in `dtype()`; callers may
+    /// perturb them; the forward passes accept any float dtype).
     pub fn embed(&self, ids: &Tensor) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
         let flat = ids.flatten_all()?;
@@ -247,7 +265,8 @@ impl Decoder {
         let (cos, sin) = self.rope_slice(start, t)?;
         let float = b * t >= float_min_rows;
         let mask = causal_mask(t, start, self.config.sliding_window, &self.device)?;
-        let mut x = x.clone();
+        let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
+        let mut x = x.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let ctx = LayerCtx { li, adapter, float, start };
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, self.config.rms_norm_eps as f32)?;
@@ -271,6 +290,7 @@ impl Decoder {
         } else {
             self.lm_head.forward(&x)?
         };
+        let logits = logits.to_dtype(DType::F32)?;
         match which {
             Logits::Last => logits.squeeze(1),
             Logits::All => Ok(logits),
@@ -307,6 +327,12 @@ impl Decoder {
         };
         let tk = k_all.dim(2)?;
         let bias = hooks.attention_bias(ctx.li, ctx.start, t, tk)?;
+        let bias = bias.map(|b| b.to_dtype(q_rot.dtype())).transpose()?;
+        #[cfg(feature = "flash-attn")]
+        if t > 1 && bias.is_none() && q_rot.device().is_cuda() {
+            let attn = flash_attention(&q_rot, &k_all, &v_all, cfg)?;
+            return self.finish_attention(ctx, layer, &q, attn);
+        }
 
         let g = cfg.kv_groups();
         let scale = 1.0 / (hd as f64).sqrt();
@@ -334,8 +360,14 @@ impl Decoder {
             Some(v) => probs.matmul(&v)?,
             None => probs.reshape((b, nkv, g, tk))?.matmul(&v_all)?.reshape((b, nh, 1, hd))?,
         };
+        self.finish_attention(ctx, layer, &q, attn)
+    }
+
+    /// Adapter mix and output projection of the inference attention (`attn` `[b, heads, t, d]`).
+    fn finish_attention(&self, ctx: &LayerCtx, layer: &DecoderLayer, q: &Tensor, attn: Tensor) -> Result<Tensor> {
+        let (b, nh, t, hd) = attn.dims4()?;
         let attn = match ctx.adapter {
-            Some(a) => a.mix_attention(ctx.li, &q, attn)?,
+            Some(a) => a.mix_attention(ctx.li, q, attn)?,
             None => attn,
         };
         let attn = attn.transpose(1, 2)?.reshape((b, t, nh * hd))?;
@@ -362,11 +394,13 @@ impl Decoder {
             Some(w) if t > w => causal_mask(t, 0, Some(w), &self.device)?,
             _ => None,
         };
-        let mut x = x.clone();
+        let window_bias = window_bias.map(|m| m.to_dtype(self.dtype)).transpose()?;
+        let mut x = x.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
             if li < first_trainable {
                 let ctx = LayerCtx { li, adapter, float: true, start: 0 };
                 let mask = causal_mask(t, 0, cfg.sliding_window, &self.device)?;
+                let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
                 let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
                 let attn = self.attention_infer(&ctx, layer, &h, &cos, &sin, mask.as_ref(), None, hooks)?;
                 x = (x + attn)?;
@@ -390,6 +424,7 @@ impl Decoder {
             let k_rep = repeat_kv(&k_rot, cfg.kv_groups())?;
             let v_rep = repeat_kv(&v, cfg.kv_groups())?;
             let bias = hooks.attention_bias(li, 0, t, t)?;
+            let bias = bias.map(|b| b.to_dtype(self.dtype)).transpose()?;
             let bias = match (bias, &window_bias) {
                 (Some(b), Some(w)) => Some(b.broadcast_add(w)?),
                 (Some(b), None) => Some(b),
@@ -415,9 +450,9 @@ impl Decoder {
         ops::rms_norm(&x, &self.norm, eps)
     }
 
-    /// Vocabulary logits for hidden states `[.., hidden]` on the trainable path.
+    /// Vocabulary logits (f32) for hidden states `[.., hidden]` on the trainable path.
     pub fn logits_train(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.lm_head.forward_train(hidden)
+        self.lm_head.forward_train(&hidden.to_dtype(self.dtype)?)?.to_dtype(DType::F32)
     }
 
     /// Dequantizes every weight now instead of at the first training step.
@@ -431,10 +466,10 @@ impl Decoder {
         Ok(())
     }
 
-    /// Bytes of KV cache needed to hold `tokens` tokens in context (f32, batch 1).
+    /// Bytes of KV cache needed to hold `tokens` tokens in context (batch 1).
     pub fn kv_cache_bytes(&self, tokens: usize) -> usize {
         let c = &self.config;
-        2 * c.num_layers * c.num_kv_heads * c.head_dim * tokens * DType::F32.size_in_bytes()
+        2 * c.num_layers * c.num_kv_heads * c.head_dim * tokens * self.dtype.size_in_bytes()
     }
 }
 
@@ -475,6 +510,17 @@ fn train_linear(
         },
         None => Ok(y),
     }
+}
+
+/// Causal (and sliding-window) attention of a prompt chunk through flash-attn: `q`
+/// `[b, heads, t, d]` after what the cache held, `k`/`v` `[b, kv_heads, tk, d]` (GQA is native).
+/// Queries align to the last keys, as `causal_mask`; the window keeps `w` keys as it does.
+#[cfg(feature = "flash-attn")]
+fn flash_attention(q: &Tensor, k: &Tensor, v: &Tensor, cfg: &ModelConfig) -> Result<Tensor> {
+    let scale = 1.0 / (cfg.head_dim as f32).sqrt();
+    let layout = |x: &Tensor| x.transpose(1, 2)?.contiguous();
+    let left = cfg.sliding_window.map(|w| w.saturating_sub(1));
+    candle_flash_attn::flash_attn_windowed(&layout(q)?, &layout(k)?, &layout(v)?, scale, left, Some(0))?.transpose(1, 2)
 }
 
 /// `[b, kv_heads, t, d]` → `[b, kv_heads * groups, t, d]`, query head `h` using KV head `h / groups`.

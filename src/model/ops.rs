@@ -16,6 +16,10 @@
 //! Frozen inputs (linear/norm weights, rope tables, loss targets/weights) never receive a
 //! gradient; in the custom-op paths none is even computed.
 //!
+//! With the `cuda` feature, `frozen_linear` runs the same custom op through cuBLAS and
+//! `causal_attention` uses the masked-softmax kernel (`crate::kernels`) between two cuBLAS
+//! matmuls; the other ops take their composites there (computed in f32 where it matters).
+//!
 //! Only candle-core, candle-nn, rayon and std are used.
 
 use candle_core::backend::BackendStorage;
@@ -229,21 +233,19 @@ impl CustomOp2 for FrozenLinear {
         ws: &CpuStorage,
         wl: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        if !xl.is_contiguous() {
-            bail!("frozen-linear: x must be contiguous");
-        }
-        let (n, k) = wl.shape().dims2()?;
-        let dims = xl.dims();
-        let m = xl.shape().elem_count() / k.max(1);
-        // x viewed as [m, k]; wᵀ as a strided [k, n] view of the (any-strided 2-D) weight.
-        let lhs = Layout::contiguous_with_offset((m, k), xl.start_offset());
-        let rhs = wl.transpose(0, 1)?;
-        let out = xs.matmul(ws, (1, m, n, k), &lhs, &rhs)?;
-        let mut out_dims = dims.to_vec();
-        if let Some(last) = out_dims.last_mut() {
-            *last = n;
-        }
-        Ok((out, Shape::from(out_dims)))
+        frozen_linear_fwd(xs, xl, ws, wl)
+    }
+
+    /// The same gemm through cuBLAS.
+    #[cfg(feature = "cuda")]
+    fn cuda_fwd(
+        &self,
+        xs: &candle_core::CudaStorage,
+        xl: &Layout,
+        ws: &candle_core::CudaStorage,
+        wl: &Layout,
+    ) -> Result<(candle_core::CudaStorage, Shape)> {
+        frozen_linear_fwd(xs, xl, ws, wl)
     }
 
     fn bwd(
@@ -263,11 +265,29 @@ impl CustomOp2 for FrozenLinear {
     }
 }
 
+fn frozen_linear_fwd<S: BackendStorage>(xs: &S, xl: &Layout, ws: &S, wl: &Layout) -> Result<(S, Shape)> {
+    if !xl.is_contiguous() {
+        bail!("frozen-linear: x must be contiguous");
+    }
+    let (n, k) = wl.shape().dims2()?;
+    let dims = xl.dims();
+    let m = xl.shape().elem_count() / k.max(1);
+    // x viewed as [m, k]; wᵀ as a strided [k, n] view of the (any-strided 2-D) weight.
+    let lhs = Layout::contiguous_with_offset((m, k), xl.start_offset());
+    let rhs = wl.transpose(0, 1)?;
+    let out = xs.matmul(ws, (1, m, n, k), &lhs, &rhs)?;
+    let mut out_dims = dims.to_vec();
+    if let Some(last) = out_dims.last_mut() {
+        *last = n;
+    }
+    Ok((out, Shape::from(out_dims)))
+}
+
 /// `y = x · wᵀ` for a frozen weight `w` of shape `[out, in]`; `x` is `[..., in]` (any rank
 /// ≥ 1, any strides). `w` never gets a gradient (even if it is a `Var`); only dL/dx flows.
 ///
-/// CPU: a custom op using candle's own gemm (same speed as `x.matmul(&w.t())`) for every
-/// float dtype candle's CPU matmul supports. Other devices: `x · detach(w)ᵀ`.
+/// CPU and CUDA: a custom op using candle's own gemm (same speed as `x.matmul(&w.t())`) for
+/// every float dtype candle's matmul supports. Other devices: `x · detach(w)ᵀ`.
 pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (n, k) = w.dims2()?;
     let dims = x.dims();
@@ -289,7 +309,7 @@ pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     if let Some(last) = out_dims.last_mut() {
         *last = n;
     }
-    if x.elem_count() == 0 || n == 0 || k == 0 || !x.device().is_cpu() {
+    if x.elem_count() == 0 || n == 0 || k == 0 || !(x.device().is_cpu() || x.device().is_cuda()) {
         let m = x.elem_count() / k.max(1);
         return x
             .reshape((m, k))?
@@ -1448,6 +1468,13 @@ pub fn causal_attention(
     }
     let mut all = vec![q, k, v];
     all.extend(bias);
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && matches!(q.dtype(), DType::F32 | DType::BF16) && tq > 0 && tk > 0 && d > 0 {
+        // cuBLAS q·kᵀ, the fused masked softmax kernel (kernels/masked_softmax.cu), cuBLAS P·v.
+        let scores = q.contiguous()?.matmul(&k.contiguous()?.t()?)?;
+        let probs = crate::kernels::masked_softmax::masked_softmax(&scores, bias, scale)?;
+        return probs.matmul(&v.contiguous()?);
+    }
     if !fused_f32(&all) || tq == 0 || tk == 0 || d == 0 {
         return causal_attention_composite(q, k, v, scale, bias);
     }

@@ -1,17 +1,28 @@
 //! Frozen base-model weights. Each linear layer keeps the file's representation for inference
 //! (quantized blocks stay quantized) and a float copy for the trainable path, made on first use.
+//! Float weights are f32 on the CPU and bf16 on CUDA (`base_dtype`); adapters stay f32.
 
 use super::ops;
 use candle_core::quantized::{QMatMul, QTensor};
-use candle_core::{DType, Module, Result, Tensor};
+use candle_core::{DType, Device, Module, Result, Tensor};
 use std::sync::{Arc, OnceLock};
+
+/// The dtype of the frozen float weights and of the decoder's activations on `device`: f32 on
+/// the CPU (our fused ops are f32), bf16 on CUDA.
+pub fn base_dtype(device: &Device) -> DType {
+    if device.is_cuda() {
+        DType::BF16
+    } else {
+        DType::F32
+    }
+}
 
 pub struct Linear {
     /// Inference weight: quantized matmul, or a float matmul for float files.
     infer: QMatMul,
     /// Source of the float copy when the file is quantized.
     quantized: Option<Arc<QTensor>>,
-    /// f32 `[out, in]`, frozen: never a `Var`, never receives a gradient.
+    /// `[out, in]` in `base_dtype`, frozen: never a `Var`, never receives a gradient.
     float: OnceLock<Tensor>,
     bias: Option<Tensor>,
     out_dim: usize,
@@ -22,12 +33,14 @@ impl Linear {
     /// Weight `[out, in]` as stored in a GGUF file; float types are dequantized right away.
     pub fn from_qtensor(q: QTensor, bias: Option<Tensor>) -> Result<Self> {
         let (out_dim, in_dim) = q.shape().dims2()?;
+        let dtype = base_dtype(&q.device());
+        let bias = bias.map(|b| b.to_dtype(dtype)).transpose()?;
         let q = Arc::new(q);
         let infer = QMatMul::from_arc(q.clone())?;
         let float = OnceLock::new();
         let quantized = match &infer {
             QMatMul::Tensor(t) => {
-                let _ = float.set(t.to_dtype(DType::F32)?);
+                let _ = float.set(t.to_dtype(dtype)?);
                 None
             }
             _ => Some(q),
@@ -35,13 +48,14 @@ impl Linear {
         Ok(Self { infer, quantized, float, bias, out_dim, in_dim })
     }
 
-    /// Float weight `[out, in]` (any float dtype; kept as f32).
+    /// Float weight `[out, in]` (any float dtype; kept in `base_dtype`).
     pub fn from_tensor(w: Tensor, bias: Option<Tensor>) -> Result<Self> {
-        let w = w.to_dtype(DType::F32)?;
+        let dtype = base_dtype(w.device());
+        let w = w.to_dtype(dtype)?;
         let (out_dim, in_dim) = w.dims2()?;
         let float = OnceLock::new();
         let _ = float.set(w.clone());
-        let bias = bias.map(|b| b.to_dtype(DType::F32)).transpose()?;
+        let bias = bias.map(|b| b.to_dtype(dtype)).transpose()?;
         Ok(Self { infer: QMatMul::Tensor(w), quantized: None, float, bias, out_dim, in_dim })
     }
 
@@ -57,7 +71,7 @@ impl Linear {
         self.quantized.is_some()
     }
 
-    /// The f32 copy, dequantized once on first call.
+    /// The float copy (`base_dtype`), dequantized once on first call.
     pub fn float_weight(&self) -> Result<&Tensor> {
         if let Some(w) = self.float.get() {
             return Ok(w);
@@ -66,12 +80,21 @@ impl Linear {
             .quantized
             .as_ref()
             .ok_or_else(|| candle_core::Error::Msg("linear layer without weights".into()))?;
-        let w = q.dequantize(&q.device())?.to_dtype(DType::F32)?;
+        let device = q.device();
+        let w = q.dequantize(&device)?.to_dtype(base_dtype(&device))?;
         Ok(self.float.get_or_init(|| w))
     }
 
-    /// Inference path: quantized matmul when the file is quantized.
+    /// Inference path: quantized matmul when the file is quantized. Activations that are not f32
+    /// (bf16 on CUDA) go through the quantized kernels in f32, or through the float weights.
     pub fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if x.dtype() != DType::F32 {
+            if self.quantized.is_none() {
+                return self.forward_float(x);
+            }
+            let y = self.infer.forward(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?;
+            return self.add_bias(y);
+        }
         let y = self.infer.forward(x)?;
         self.add_bias(y)
     }

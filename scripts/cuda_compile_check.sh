@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# Compiles the CUDA build without a GPU or a system CUDA toolkit: installs the CUDA compiler and
+# libraries from their PyPI wheels into a throwaway venv, lays them out as a CUDA root, and runs
+# `cargo build --release --features cuda --all-targets` (our kernels in kernels/ are compiled to
+# PTX by build.rs, candle's kernels by candle-kernels' build script, and the result is linked).
+#
+# Why CUDA 13: the cu12 nvcc wheels ship only ptxas; the CUDA 13 wheels (nvidia-cuda-nvcc,
+# nvidia-nvvm, nvidia-cuda-crt) carry a complete nvcc. candle 0.11.1 links the CUDA libraries at
+# build time (cudarc's `dynamic-linking`: -lcuda -lnvrtc -lcurand -lcublas -lcublasLt, plus
+# -lcudart from candle-kernels), so the wheels' versioned .so files get unversioned links, and
+# libcuda.so (the driver, not on PyPI) is replaced by a stub generated from cudarc's own list
+# of driver entry points, as the toolkit's lib64/stubs/libcuda.so would be. The binary is only
+# linked here, never run.
+#
+#   scripts/cuda_compile_check.sh              # cuda feature: build (release, all targets)
+#   FLASH_ATTN=1 scripts/cuda_compile_check.sh # also `cargo check --features cuda,flash-attn`
+#                                              # (compiles flash-attn's kernels: very long)
+# Environment: VENV (default /tmp/lift-cuda-venv), CUDA_COMPUTE_CAP (default 80),
+# CARGO_TARGET_DIR (the CUDA build goes to its `cuda/` subfolder so it never replaces the CPU
+# build's binaries).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+VENV="${VENV:-/tmp/lift-cuda-venv}"
+CUDA_VERSION_PIN="${CUDA_VERSION_PIN:-13.0}"
+export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}"
+export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-2}"
+
+if [ ! -x "$VENV/bin/pip" ]; then
+    python3 -m venv "$VENV"
+fi
+if ! "$VENV/bin/python" -c "import nvidia" 2>/dev/null || [ ! -d "$VENV/cuda" ]; then
+    "$VENV/bin/pip" install -q \
+        "nvidia-cuda-nvcc==$CUDA_VERSION_PIN.*" "nvidia-nvvm==$CUDA_VERSION_PIN.*" \
+        "nvidia-cuda-crt==$CUDA_VERSION_PIN.*" "nvidia-cuda-runtime==$CUDA_VERSION_PIN.*" \
+        "nvidia-cuda-nvrtc==$CUDA_VERSION_PIN.*" "nvidia-cuda-cccl==$CUDA_VERSION_PIN.*" \
+        nvidia-cublas nvidia-curand
+fi
+CU="$("$VENV/bin/python" -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')"
+
+# A CUDA root: bin/include/nvvm from the wheels, lib/ with unversioned links and the driver stub.
+ROOT="$VENV/cuda"
+mkdir -p "$ROOT/lib/stubs"
+for d in bin include nvvm; do ln -sfn "$CU/$d" "$ROOT/$d"; done
+for f in "$CU"/lib/*.so.*; do
+    base="$(basename "$f")"
+    ln -sf "$f" "$ROOT/lib/$base"
+    ln -sf "$f" "$ROOT/lib/${base%%.so.*}.so"
+done
+for f in "$CU"/lib/*.a; do ln -sf "$f" "$ROOT/lib/$(basename "$f")"; done
+if [ ! -f "$ROOT/lib/stubs/libcuda.so" ]; then
+    CUDARC_DIR="$(ls -d "$HOME"/.cargo/registry/src/*/cudarc-0.19.* 2>/dev/null | head -1)"
+    if [ -z "$CUDARC_DIR" ]; then
+        cargo fetch --quiet
+        CUDARC_DIR="$(ls -d "$HOME"/.cargo/registry/src/*/cudarc-0.19.* | head -1)"
+    fi
+    grep -ohP '^pub unsafe fn \Kcu[A-Za-z0-9_]+' "$CUDARC_DIR/src/driver/sys/mod.rs" | sort -u |
+        sed 's/.*/void &(void) {}/' > "$ROOT/lib/stubs/cuda_stub.c"
+    cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$ROOT/lib/stubs/libcuda.so" "$ROOT/lib/stubs/cuda_stub.c"
+fi
+# So the CUDA build's CPU tests can also be run here:
+#   LD_LIBRARY_PATH=$ROOT/lib:$ROOT/lib/stubs <test binary> (never create a CUDA device with it).
+ln -sf libcuda.so "$ROOT/lib/stubs/libcuda.so.1"
+
+export CUDA_ROOT="$ROOT" CUDA_HOME="$ROOT" CUDA_PATH="$ROOT"
+export PATH="$ROOT/bin:$PATH"
+export LIBRARY_PATH="$ROOT/lib:$ROOT/lib/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}/cuda"
+nvcc --version | tail -2
+
+start=$(date +%s)
+cargo build --release --features cuda --all-targets
+echo "cuda build: $(( $(date +%s) - start )) s"
+if [ "${FLASH_ATTN:-0}" = 1 ]; then
+    start=$(date +%s)
+    cargo check --release --features cuda,flash-attn --all-targets
+    echo "cuda,flash-attn check: $(( $(date +%s) - start )) s"
+fi
+echo "cuda compile check: ok"
