@@ -8,7 +8,7 @@ use lift_serve::model::{ChatMessage, KvCache, Model, NoHooks};
 use candle_core::Device;
 use indicatif::{ProgressBar, ProgressStyle};
 use lift_serve::adapters::{manifest, AdapterKind};
-use lift_serve::lift::{self, answer::answer, answer::Mode, AbsorbEvent, AbsorbOptions};
+use lift_serve::lift::{self, answer::answer_filtered, answer::Mode, AbsorbEvent, AbsorbOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -292,9 +292,22 @@ fn ask_command(
     let text = std::fs::read_to_string(&doc_path).map_err(|e| anyhow::anyhow!("{}: {e}", doc_path.display()))?;
     let doc = model.tokenizer.encode(&text, false)?;
     let params = SamplingParams { max_tokens, temperature, ..Default::default() };
-    let (prompt, out) =
-        answer(&model, &doc, Some(&bundle.adapter), question, mode, context_tokens, &params, &mut print_piece)?;
+    let filter = lift::filter::Filter::from_extras(&bundle.extras, model.config())?;
+    let (prompt, out, chunks) = answer_filtered(
+        &model,
+        &doc,
+        Some(&bundle.adapter),
+        filter.as_ref(),
+        question,
+        mode,
+        context_tokens,
+        &params,
+        &mut print_piece,
+    )?;
     println!();
+    for c in &chunks {
+        tracing::info!(start = c.start, end = c.end, score = c.score, mask = c.mask, "filter chunk");
+    }
     tracing::info!(
         mode = ?mode,
         prompt_tokens = prompt.tokens.len(),
