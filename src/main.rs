@@ -134,6 +134,12 @@ struct TrainArgs {
     /// Only extractive QA (skip generation by the model).
     #[arg(long)]
     no_model_qa: bool,
+    /// FltLM context filter (scores and soft-masks the in-context chunks; `ask` reports them).
+    #[arg(long)]
+    filter: bool,
+    /// CDT context denoising while training.
+    #[arg(long)]
+    cdt: bool,
     #[arg(long)]
     seed: Option<u64>,
     #[arg(long)]
@@ -188,6 +194,8 @@ impl TrainArgs {
         if self.no_model_qa {
             o.qa.use_model = false;
         }
+        o.filter.enabled |= self.filter;
+        o.cdt.enabled |= self.cdt;
         if let Some(s) = self.seed {
             o.train.seed = s;
             o.qa.seed = s;
