@@ -8,7 +8,7 @@ use lift_serve::model::{ChatMessage, KvCache, Model, NoHooks};
 use candle_core::Device;
 use indicatif::{ProgressBar, ProgressStyle};
 use lift_serve::adapters::{manifest, AdapterKind};
-use lift_serve::lift::{self, answer::answer, answer::Mode, AbsorbEvent, AbsorbOptions};
+use lift_serve::lift::{self, answer::answer_filtered, answer::Mode, AbsorbEvent, AbsorbOptions};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -149,6 +149,12 @@ struct TrainArgs {
     /// Only extractive QA (skip generation by the model).
     #[arg(long)]
     no_model_qa: bool,
+    /// FltLM context filter (scores and soft-masks the in-context chunks; `ask` reports them).
+    #[arg(long)]
+    filter: bool,
+    /// CDT context denoising while training.
+    #[arg(long)]
+    cdt: bool,
     #[arg(long)]
     seed: Option<u64>,
     #[arg(long)]
@@ -203,6 +209,8 @@ impl TrainArgs {
         if self.no_model_qa {
             o.qa.use_model = false;
         }
+        o.filter.enabled |= self.filter;
+        o.cdt.enabled |= self.cdt;
         if let Some(s) = self.seed {
             o.train.seed = s;
             o.qa.seed = s;
@@ -307,9 +315,22 @@ fn ask_command(
     let text = std::fs::read_to_string(&doc_path).map_err(|e| anyhow::anyhow!("{}: {e}", doc_path.display()))?;
     let doc = model.encode_document(&text)?;
     let params = SamplingParams { max_tokens, temperature, ..Default::default() };
-    let (prompt, out) =
-        answer(&model, &doc, Some(&bundle.adapter), question, mode, context_tokens, &params, &mut print_piece)?;
+    let filter = lift::filter::Filter::from_extras(&bundle.extras, model.config())?;
+    let (prompt, out, chunks) = answer_filtered(
+        &model,
+        &doc,
+        Some(&bundle.adapter),
+        filter.as_ref(),
+        question,
+        mode,
+        context_tokens,
+        &params,
+        &mut print_piece,
+    )?;
     println!();
+    for c in &chunks {
+        tracing::info!(start = c.start, end = c.end, score = c.score, mask = c.mask, "filter chunk");
+    }
     tracing::info!(
         mode = ?mode,
         prompt_tokens = prompt.tokens.len(),

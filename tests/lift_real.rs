@@ -13,74 +13,7 @@ use lift_serve::model::generate::SamplingParams;
 use lift_serve::model::{Adapter, Model};
 use std::time::Instant;
 
-const DOC: &str = include_str!("fixtures/kestrel_observatory.txt");
-/// In-context document tokens when answering (head + tail): a short-context model in miniature.
-const CONTEXT_TOKENS: usize = 128;
-const MAX_TOKENS: usize = 24;
-
-struct Question {
-    question: &'static str,
-    /// Accepted answers (case-insensitive substring of the reply).
-    answers: &'static [&'static str],
-    /// The document text that holds the answer (located to decide in/out of window).
-    evidence: &'static str,
-}
-
-/// Facts in the middle of the document, asked the way a reader would ask.
-const OUT_OF_WINDOW: &[Question] = &[
-    Question {
-        question: "In what year was the observatory's great refractor installed?",
-        answers: &["1908"],
-        evidence: "The great refractor, installed in 1908",
-    },
-    Question {
-        question: "Who was the first night assistant at the observatory?",
-        answers: &["Elias Marlow", "Marlow"],
-        evidence: "named Elias Marlow",
-    },
-    Question {
-        question: "What metal covered the observatory's new dome?",
-        answers: &["copper"],
-        evidence: "covered with copper sheets",
-    },
-    Question {
-        question: "What number is stamped on the key of the star chart cabinet?",
-        answers: &["4862"],
-        evidence: "the number 4862",
-    },
-    Question {
-        question: "What did the observatory's cat like to eat most?",
-        answers: &["herring"],
-        evidence: "smoked herring from the village market",
-    },
-];
-
-/// Facts the truncated context does show (the first and last sentences).
-const IN_WINDOW: &[Question] = &[
-    Question {
-        question: "Who built the Kestrel Valley Observatory?",
-        answers: &["Clara Hopwood", "Hopwood"],
-        evidence: "an astronomer named Clara Hopwood",
-    },
-    Question {
-        question: "Who is the current director of the observatory?",
-        answers: &["Amira Castell", "Castell"],
-        evidence: "a former student named Amira Castell",
-    },
-];
-
-/// Absorb options for a short CPU run: 128-token segments with 128 tokens of head+tail context,
-/// extractive QA only (the 135M model writes almost no valid pairs), two epochs of segments then
-/// three of segments + QA.
-fn options() -> AbsorbOptions {
-    let mut o = AbsorbOptions::default();
-    o.plan.window = 128;
-    o.plan.context_tokens = CONTEXT_TOKENS;
-    o.qa.use_model = false;
-    o.qa.max_pairs = 80;
-    o.train.epochs = [2, 3];
-    o
-}
+include!("fixtures/kestrel_questions.rs");
 
 /// Document token range of `evidence` (by characters → tokens of the prefix).
 fn token_span(model: &Model, evidence: &str) -> (usize, usize) {

@@ -392,8 +392,9 @@ async fn bad_inputs() {
         ("POST", "/documents".into(), ("text/plain", many_tokens.into_bytes()), 413, "document_too_large"),
         ("POST", "/documents".into(), ("application/xml", b"<doc/>".to_vec()), 415, "unsupported_media_type"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"colour": "red"}})), 400, "unknown_option"),
-        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"filter": true}})), 400, "unsupported_option"),
-        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"cdt": true}})), 400, "unsupported_option"),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"filter": "yes"}})), 400, "invalid_option"),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"filter": {"layer": 99}}})), 400, "invalid_option"),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"cdt": {"beta": "big"}}})), 400, "invalid_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"window": 0}})), 400, "invalid_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"epochs": [1]}})), 400, "invalid_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"adapter": "magic"}})), 400, "invalid_option"),
@@ -677,5 +678,45 @@ async fn ask_while_another_document_trains() {
 
     let r = c.delete(format!("{base}/documents/{slow_id}")).send().await.unwrap();
     assert_eq!(r.status(), 204);
+    running.shutdown().await;
+}
+
+/// FltLM and CDT through the API: `filter: true, cdt: true` is accepted (a different document id
+/// than the plain options), the adapter carries the filter, and `/ask` in mode `lift` reports a
+/// score and mask per in-context chunk (not in mode `icl`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn filter_and_cdt_are_accepted_and_ask_reports_chunk_scores() {
+    let e = env();
+    let (running, base) = start(config(&e, &[])).await;
+    let c = client();
+    let (s, plain) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC}), None).await;
+    assert_eq!(s, 202, "{plain}");
+    let (s, doc) =
+        post_json(&c, &format!("{base}/documents"), json!({"text": DOC, "options": {"filter": true, "cdt": true}}), None).await;
+    assert_eq!(s, 202, "{doc}");
+    let id = doc["id"].as_str().unwrap().to_string();
+    assert_ne!(plain["id"], doc["id"], "the options are part of the id");
+    wait_ready(&c, &base, &id, None).await;
+    let manifest: Value =
+        serde_json::from_str(&std::fs::read_to_string(e.adapters.join(&id).join("manifest.json")).unwrap()).unwrap();
+    let text = manifest.to_string();
+    assert!(text.contains("\"filter\"") && text.contains("\"cdt\""), "options and figures recorded: {text}");
+
+    let (s, r) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?"}), None).await;
+    assert_eq!(s, 200, "{r}");
+    let chunks = r["context"]["chunks"].as_array().unwrap_or_else(|| panic!("chunks in {r}"));
+    assert!(!chunks.is_empty());
+    let mut last_end = 0;
+    for ch in chunks {
+        let (start, end) = (ch["start"].as_u64().unwrap(), ch["end"].as_u64().unwrap());
+        assert!(start >= last_end && end > start, "ordered, disjoint chunks: {r}");
+        last_end = end;
+        let (score, mask) = (ch["score"].as_f64().unwrap(), ch["mask"].as_f64().unwrap());
+        assert!(score.is_finite() && mask <= 0.0, "{ch}");
+        assert!(ch["text"].as_str().is_some_and(|t| !t.is_empty()));
+    }
+    let (s, r) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built it?", "mode": "icl"}), None).await;
+    assert_eq!(s, 200, "{r}");
+    assert!(r.get("context").is_none(), "no filter without the adapter: {r}");
     running.shutdown().await;
 }

@@ -3,6 +3,7 @@
 //! question. Modes: `lift` (adapter + context), `icl` (no adapter, same context: the baseline),
 //! `memory` (adapter, no document text).
 
+use super::filter::{self, ChunkScore, Filter, FilterHooks};
 use super::prompt::{chat_with_context, elision_tokens, head_tail, kept_ranges};
 use crate::model::generate::{generate, Generation, SamplingParams};
 use crate::model::{Adapter, KvCache, Model, NoHooks};
@@ -85,9 +86,43 @@ pub fn answer(
     params: &SamplingParams,
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<(AnswerPrompt, Generation)> {
-    let prompt = build_prompt(model, doc, question, mode, context_tokens, params.max_tokens)?;
+    let (prompt, out, _) = answer_filtered(model, doc, adapter, None, question, mode, context_tokens, params, on_text)?;
+    Ok((prompt, out))
+}
+
+/// `answer` with the document's FltLM filter (a detached copy), used in `lift` mode: the context
+/// is laid out in chunks with markers, scored and softly masked in the same pass. Also returns
+/// each chunk's score and mask (empty without a filter or outside `lift` mode).
+#[allow(clippy::too_many_arguments)]
+pub fn answer_filtered(
+    model: &Model,
+    doc: &[u32],
+    adapter: Option<&dyn Adapter>,
+    filter: Option<&Filter>,
+    question: &str,
+    mode: Mode,
+    context_tokens: Option<usize>,
+    params: &SamplingParams,
+    on_text: &mut dyn FnMut(&str) -> bool,
+) -> Result<(AnswerPrompt, Generation, Vec<ChunkScore>)> {
     let adapter = if mode.uses_adapter() { adapter } else { None };
     let mut cache = KvCache::new(model.config().num_layers);
-    let out = generate(model, &prompt.tokens, &mut cache, adapter, &mut NoHooks, params, on_text)?;
-    Ok((prompt, out))
+    let filter = filter.filter(|_| mode == Mode::Lift);
+    let Some(filter) = filter else {
+        let prompt = build_prompt(model, doc, question, mode, context_tokens, params.max_tokens)?;
+        let out = generate(model, &prompt.tokens, &mut cache, adapter, &mut NoHooks, params, on_text)?;
+        return Ok((prompt, out, Vec::new()));
+    };
+    // The question appears twice and each chunk adds a marker: leave room for both.
+    let q_tokens = model.tokenizer.encode(question, false)?.len();
+    let budget = context_budget(model, 2 * q_tokens + 8, params.max_tokens, context_tokens);
+    let budget = if context_tokens.is_some() { budget } else { budget * filter.chunk_tokens / (filter.chunk_tokens + 1) };
+    let ends = filter::sentence_ends(model, doc)?;
+    let p = filter::build_prompt(model, doc, &ends, question, budget, filter.chunk_tokens)?;
+    let mut hooks = FilterHooks::new(filter, &p.chunks, model.config().num_layers);
+    let out = generate(model, &p.tokens, &mut cache, adapter, &mut hooks, params, on_text)?;
+    let scores = hooks.report()?;
+    let context_tokens = p.chunks.iter().map(|c| c.end - c.start).sum();
+    let prompt = AnswerPrompt { tokens: p.tokens, head_end: p.head_end, tail_start: p.tail_start, context_tokens };
+    Ok((prompt, out, scores))
 }

@@ -3,6 +3,8 @@
 //! QA examples) → train → adapter bundle + manifest; and answering with it (`answer`).
 
 pub mod answer;
+pub mod cdt;
+pub mod filter;
 pub mod plan;
 pub mod prompt;
 pub mod qa;
@@ -17,7 +19,9 @@ use plan::{Plan, PlanOptions};
 use qa::{QaOptions, QaPair, QaProgress};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
-use trainer::{Progress, TrainOptions, TrainReport};
+use cdt::CdtOptions;
+use filter::{Filter, FilterOptions};
+use trainer::{Extensions, FilterTraining, Progress, QaPositions, TrainOptions, TrainReport};
 
 /// Everything that shapes an adapter. Part of a document's content address: the same text with
 /// the same options on the same base model is the same adapter.
@@ -34,6 +38,13 @@ pub struct AbsorbOptions {
     pub plan: PlanOptions,
     pub qa: QaOptions,
     pub train: TrainOptions,
+    /// FltLM context filter (off by default; left out of the JSON, and so of document ids, when
+    /// at its defaults).
+    #[serde(skip_serializing_if = "FilterOptions::is_default")]
+    pub filter: FilterOptions,
+    /// CDT context denoising while training (off by default; as `filter`).
+    #[serde(skip_serializing_if = "CdtOptions::is_default")]
+    pub cdt: CdtOptions,
 }
 
 impl Default for AbsorbOptions {
@@ -46,6 +57,8 @@ impl Default for AbsorbOptions {
             plan: PlanOptions::default(),
             qa: QaOptions::default(),
             train: TrainOptions::default(),
+            filter: FilterOptions::default(),
+            cdt: CdtOptions::default(),
         }
     }
 }
@@ -123,19 +136,49 @@ pub fn absorb(
     };
     let plan = Plan::new(model, &doc, &pairs, &opts.plan)?;
     let train_opts = opts.effective_train();
-    let report = trainer::train(
+    let budget = opts.plan.context_tokens;
+    let filter = if opts.filter.enabled { Some(Filter::new(cfg, &opts.filter, model.device())?) } else { None };
+    let filter_examples = match &filter {
+        Some(f) => filter::qa_examples(model, text, &doc, &pairs, budget, f)?,
+        None => Vec::new(),
+    };
+    let qa_positions = if !opts.cdt.enabled {
+        Vec::new()
+    } else if filter.is_some() {
+        filter_examples
+            .iter()
+            .map(|fx| QaPositions { context: fx.chunks.iter().flat_map(|c| c.start..c.end).collect(), evidence: fx.evidence.clone() })
+            .collect()
+    } else {
+        cdt::plain_qa_positions(model, text, &doc, &pairs, budget)?
+    };
+    let ext = Extensions {
+        filter: filter.as_ref().map(|f| FilterTraining {
+            filter: f,
+            examples: &filter_examples,
+            lambda: opts.filter.lambda,
+            margin: opts.filter.margin,
+        }),
+        cdt: opts.cdt.enabled.then(|| opts.cdt.clone()),
+        qa_positions,
+    };
+    let report = trainer::train_with(
         model,
         &doc,
         &plan,
         &adapter,
         adapter.vars(),
         &train_opts,
+        &ext,
         &mut |p| on_event(AbsorbEvent::Train(p)),
         cancel,
     )?;
 
     on_event(AbsorbEvent::Stage(AbsorbStage::Saving));
-    let bundle = AdapterBundle::new(adapter.detached());
+    let mut bundle = AdapterBundle::new(adapter.detached());
+    if let Some(f) = &filter {
+        bundle.extras.extend(f.to_extras()?);
+    }
     let manifest = Manifest::new(
         &bundle,
         BaseModelRef::of(model),
@@ -150,6 +193,8 @@ pub fn absorb(
             "final_loss": report.final_loss,
             "epoch_losses": report.epoch_losses,
             "stopped_early": report.stopped_early,
+            "filter_epoch_losses": report.filter_epoch_losses,
+            "cdt": report.cdt,
             "qa_pairs": pairs.len(),
             "qa_seconds": qa_seconds,
             "segments": plan.segments.len(),

@@ -23,6 +23,11 @@ pub const ELISION: &str = "\n...\n";
 /// Tokens of a chat prompt whose user turn is `context` followed by `suffix`, ending with the
 /// assistant's generation prompt. With an empty context the user turn is `suffix` alone.
 pub fn chat_with_context(model: &Model, context: &[u32], suffix: &str) -> Result<Vec<u32>> {
+    Ok(chat_with_context_at(model, context, suffix)?.0)
+}
+
+/// `chat_with_context` and the position of the context's first token in the prompt.
+pub fn chat_with_context_at(model: &Model, context: &[u32], suffix: &str) -> Result<(Vec<u32>, usize)> {
     let suffix = model.tokenizer.escape_specials(suffix);
     let content = if context.is_empty() { suffix.to_string() } else { format!("{SLOT}\n\n{suffix}") };
     let messages = [
@@ -32,13 +37,16 @@ pub fn chat_with_context(model: &Model, context: &[u32], suffix: &str) -> Result
     let text = model.chat_template.render(&messages, true)?;
     let add_bos = model.tokenizer.bos_token().is_some_and(|(b, _)| !text.starts_with(&b));
     if context.is_empty() {
-        return model.tokenizer.encode(&text, add_bos);
+        let ids = model.tokenizer.encode(&text, add_bos)?;
+        let n = ids.len();
+        return Ok((ids, n));
     }
     let at = text.find(SLOT).context("chat template dropped the user message")?;
     let mut ids = model.tokenizer.encode(&text[..at], add_bos)?;
+    let offset = ids.len();
     ids.extend_from_slice(context);
     ids.extend(model.tokenizer.encode(&text[at + SLOT.len()..], false)?);
-    Ok(ids)
+    Ok((ids, offset))
 }
 
 /// The document truncated to `budget` tokens: `head` tokens from the start, the elision marker,

@@ -2,8 +2,10 @@
 //! paper's settings (Table 9), gradient accumulation over small batches, global grad-norm
 //! clipping, seeded shuffling, cancellation, progress reports and optional early stopping.
 
+use super::cdt::{self, CdtOptions, CdtStats};
+use super::filter::{filter_loss, Filter, FilterExample, FilterHooks, FromLayer};
 use super::plan::{Example, Plan};
-use crate::model::{ops, Adapter, Model, NoHooks};
+use crate::model::{ops, Adapter, ForwardHooks, Model, NoHooks};
 use anyhow::{bail, Result};
 use candle_core::{DType, Tensor, Var};
 use rand::seq::SliceRandom;
@@ -91,6 +93,37 @@ pub struct TrainReport {
     pub step_losses: Vec<f64>,
     pub final_loss: f64,
     pub stopped_early: bool,
+    /// FltLM: mean filter loss (eq. 7) over the QA examples of each stage-2 epoch.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub filter_epoch_losses: Vec<f64>,
+    /// CDT: how many tokens were critical, overall and on QA context / evidence tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cdt: Option<CdtStats>,
+}
+
+/// Optional parts of a training run (FltLM, CDT); `Default` is plain LIFT.
+#[derive(Default)]
+pub struct Extensions<'a> {
+    pub filter: Option<FilterTraining<'a>>,
+    pub cdt: Option<CdtOptions>,
+    /// Per QA example (same order as `plan.qa`): prompt positions of its document context and of
+    /// its evidence, for CDT's critical-token statistics. May be empty.
+    pub qa_positions: Vec<QaPositions>,
+}
+
+/// FltLM training: the trainable filter, the QA examples in its layout (they replace `plan.qa`),
+/// and the loss weight λ and margin m.
+pub struct FilterTraining<'a> {
+    pub filter: &'a Filter,
+    pub examples: &'a [FilterExample],
+    pub lambda: f64,
+    pub margin: f64,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct QaPositions {
+    pub context: Vec<usize>,
+    pub evidence: Vec<usize>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -139,6 +172,12 @@ impl AdamW {
 /// Mean cross-entropy of `example` under the model with `adapter`; only target positions go
 /// through the vocabulary projection.
 pub fn example_loss(model: &Model, adapter: &dyn Adapter, example: &Example) -> Result<Tensor> {
+    let (input, pos, tgt) = prepare(model, example)?;
+    lm_loss(model, adapter, &model.decoder.embed(&input)?, &mut NoHooks, &pos, &tgt)
+}
+
+/// Input ids `[1, n−1]`, the positions whose next token is a target, and those targets.
+fn prepare(model: &Model, example: &Example) -> Result<(Tensor, Tensor, Tensor)> {
     let dev = model.device();
     let n = example.tokens.len();
     if n < 2 {
@@ -153,16 +192,108 @@ pub fn example_loss(model: &Model, adapter: &dyn Adapter, example: &Example) -> 
     if pos.is_empty() {
         bail!("training example without target tokens");
     }
-    let emb = model.decoder.embed(&input)?;
-    let hidden = model.decoder.forward_train(&emb, Some(adapter), &mut NoHooks)?.squeeze(0)?;
-    let picked = hidden.index_select(&Tensor::new(pos.as_slice(), dev)?, 0)?;
-    let logits = model.decoder.logits_train(&picked)?;
-    let targets = Tensor::new(tgt.as_slice(), dev)?;
-    let weights = Tensor::ones(tgt.len(), DType::F32, dev)?;
-    Ok(ops::cross_entropy_masked(&logits, &targets, &weights)?)
+    Ok((input, Tensor::new(pos.as_slice(), dev)?, Tensor::new(tgt.as_slice(), dev)?))
 }
 
-/// Trains `vars` (the parameters behind `adapter`) on `plan`.
+/// Mean cross-entropy at `pos` → `tgt` from input embeddings `[1, t, hidden]`.
+fn lm_loss(
+    model: &Model,
+    adapter: &dyn Adapter,
+    emb: &Tensor,
+    hooks: &mut dyn ForwardHooks,
+    pos: &Tensor,
+    tgt: &Tensor,
+) -> Result<Tensor> {
+    let hidden = model.decoder.forward_train(emb, Some(adapter), hooks)?.squeeze(0)?;
+    let logits = model.decoder.logits_train(&hidden.index_select(pos, 0)?)?;
+    let weights = Tensor::ones(tgt.dim(0)?, DType::F32, model.device())?;
+    Ok(ops::cross_entropy_masked(&logits, tgt, &weights)?)
+}
+
+/// `(L_lm + λ·L_flt, L_lm, L_flt)` of one example from embeddings `emb`; without a filter
+/// example, `(L_lm, L_lm, None)`.
+fn total_loss(
+    model: &Model,
+    adapter: &dyn Adapter,
+    emb: &Tensor,
+    pos: &Tensor,
+    tgt: &Tensor,
+    filter: Option<(&FilterTraining, &FilterExample)>,
+) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    let Some((ft, fx)) = filter else {
+        let lm = lm_loss(model, adapter, emb, &mut NoHooks, pos, tgt)?;
+        return Ok((lm.clone(), lm, None));
+    };
+    // Keep the layers the soft mask acts on differentiable even if the adapter starts higher.
+    let adapter = FromLayer { inner: adapter, first: ft.filter.layer + 1 };
+    let mut hooks = FilterHooks::new(ft.filter, &fx.chunks, model.config().num_layers);
+    let lm = lm_loss(model, &adapter, emb, &mut hooks, pos, tgt)?;
+    if fx.chunks.is_empty() {
+        return Ok((lm.clone(), lm, None));
+    }
+    let flt = filter_loss(&hooks.scores()?, &fx.positive, ft.margin, &ft.filter.log_tau)?;
+    Ok(((&lm + (&flt * ft.lambda)?)?, lm, Some(flt)))
+}
+
+/// The loss of one training example: with CDT, pass 1 (embedding gradients of the LM loss),
+/// critical tokens, denoised embeddings, then the loss on them (pass 2).
+#[allow(clippy::too_many_arguments)]
+fn training_loss(
+    model: &Model,
+    adapter: &dyn Adapter,
+    example: &Example,
+    filter: Option<(&FilterTraining, &FilterExample)>,
+    cdt_step: Option<f64>,
+    positions: Option<&QaPositions>,
+    stats: &mut CdtStats,
+    shift: &mut (f64, usize),
+) -> Result<(Tensor, Option<Tensor>)> {
+    let (input, pos, tgt) = prepare(model, example)?;
+    let emb = model.decoder.embed(&input)?;
+    let emb = match cdt_step {
+        None => emb,
+        Some(step) => {
+            let v = Var::from_tensor(&emb)?;
+            let (_, lm, _) = total_loss(model, adapter, v.as_tensor(), &pos, &tgt, filter)?;
+            let grads = lm.backward()?;
+            let g = grads.get(v.as_tensor()).map(|g| g.detach().squeeze(0)).transpose()?;
+            let e = emb.squeeze(0)?;
+            let g = match g {
+                Some(g) => g,
+                None => e.zeros_like()?,
+            };
+            let (critical, norms) = cdt::critical_tokens(&g)?;
+            let e_norms = e.sqr()?.sum(candle_core::D::Minus1)?.sqrt()?.to_vec1::<f32>()?;
+            for (i, &c) in critical.iter().enumerate() {
+                if !c {
+                    shift.0 += step * norms[i] as f64 / (e_norms[i] as f64).max(1e-12);
+                    shift.1 += 1;
+                }
+            }
+            let n_crit = critical.iter().filter(|&&c| c).count();
+            stats.examples += 1;
+            stats.tokens += critical.len();
+            stats.critical += n_crit;
+            if let Some(p) = positions {
+                let count = |ps: &[usize]| ps.iter().filter(|&&i| i < critical.len()).fold((0, 0), |(n, c), &i| (n + 1, c + critical[i] as usize));
+                let (cn, cc) = count(&p.context);
+                let (en, ec) = count(&p.evidence);
+                stats.context_tokens += cn;
+                stats.context_critical += cc;
+                stats.evidence_tokens += en;
+                stats.evidence_critical += ec;
+                tracing::debug!(kind = ?example.kind, tokens = critical.len(), critical = n_crit, context = cn, context_critical = cc, evidence = en, evidence_critical = ec, "cdt critical tokens");
+            } else {
+                tracing::debug!(kind = ?example.kind, tokens = critical.len(), critical = n_crit, "cdt critical tokens");
+            }
+            cdt::denoise(&e, &g, &critical, step)?.unsqueeze(0)?
+        }
+    };
+    let (total, _, flt) = total_loss(model, adapter, &emb, &pos, &tgt, filter)?;
+    Ok((total, flt))
+}
+
+/// Trains `vars` (the parameters behind `adapter`) on `plan`: plain LIFT.
 #[allow(clippy::too_many_arguments)]
 pub fn train(
     model: &Model,
@@ -174,6 +305,32 @@ pub fn train(
     on_progress: &mut dyn FnMut(&Progress),
     cancel: &dyn Fn() -> bool,
 ) -> Result<TrainReport> {
+    train_with(model, doc, plan, adapter, vars, opts, &Extensions::default(), on_progress, cancel)
+}
+
+/// Trains `vars` (the parameters behind `adapter`) on `plan`, with FltLM and CDT as `ext` says.
+/// The filter's parameters are trained beside `vars` and clipped separately (their gradients
+/// would otherwise dominate the global norm and shrink the adapter's updates).
+#[allow(clippy::too_many_arguments)]
+pub fn train_with(
+    model: &Model,
+    doc: &[u32],
+    plan: &Plan,
+    adapter: &dyn Adapter,
+    vars: &[Var],
+    opts: &TrainOptions,
+    ext: &Extensions,
+    on_progress: &mut dyn FnMut(&Progress),
+    cancel: &dyn Fn() -> bool,
+) -> Result<TrainReport> {
+    if let Some(ft) = &ext.filter {
+        anyhow::ensure!(ft.examples.len() == plan.qa.len(), "one filter example per QA example");
+    }
+    let filter_vars: &[Var] = ext.filter.as_ref().map_or(&[], |f| f.filter.vars());
+    let n_adapter_vars = vars.len();
+    let vars: Vec<Var> = vars.iter().chain(filter_vars).cloned().collect();
+    let mut cdt_stats = CdtStats::default();
+    let mut shift = (0.0, 0usize);
     let n_seg = plan.segments.len();
     let n_qa = plan.qa.len();
     let accumulation = opts.accumulation.max(1);
@@ -195,6 +352,7 @@ pub fn train(
             }
             order.shuffle(&mut rng);
             let mut epoch_loss = 0.0;
+            let mut epoch_flt = (0.0, 0usize);
             for batch in order.chunks(accumulation) {
                 if cancel() {
                     return Err(Cancelled.into());
@@ -204,8 +362,20 @@ pub fn train(
                 let mut batch_loss = 0.0;
                 let mut batch_tokens = 0;
                 for &(is_qa, i) in batch {
-                    let example = if is_qa { plan.qa[i].clone() } else { plan.segment_example(model, doc, i, &mut rng)? };
-                    let loss = example_loss(model, adapter, &example)?;
+                    let fx = ext.filter.as_ref().filter(|_| is_qa).map(|ft| (ft, &ft.examples[i]));
+                    let example = match (fx, is_qa) {
+                        (Some((_, fx)), _) => fx.example.clone(),
+                        (None, true) => plan.qa[i].clone(),
+                        (None, false) => plan.segment_example(model, doc, i, &mut rng)?,
+                    };
+                    let lr = current_lr(opts, report.steps);
+                    let cdt_step = ext.cdt.as_ref().filter(|c| c.applies(is_qa)).map(|c| lr * c.beta);
+                    let positions = if is_qa { ext.qa_positions.get(i) } else { None };
+                    let (loss, flt) = training_loss(model, adapter, &example, fx, cdt_step, positions, &mut cdt_stats, &mut shift)?;
+                    if let Some(flt) = flt {
+                        epoch_flt.0 += flt.to_scalar::<f32>()? as f64;
+                        epoch_flt.1 += 1;
+                    }
                     let grads = (loss.clone() / batch.len() as f64)?.backward()?;
                     let g: Vec<Tensor> = vars
                         .iter()
@@ -221,13 +391,11 @@ pub fn train(
                     batch_loss += loss.to_scalar::<f32>()? as f64 / batch.len() as f64;
                     batch_tokens += example.tokens.len();
                 }
-                let grads = clip(sum.unwrap_or_default(), opts.max_grad_norm)?;
-                let lr = if opts.warmup_steps > 0 && report.steps < opts.warmup_steps {
-                    opts.lr * (report.steps + 1) as f64 / opts.warmup_steps as f64
-                } else {
-                    opts.lr
-                };
-                optimizer.step(&grads, lr)?;
+                let mut grads = sum.unwrap_or_default();
+                let filter_grads = grads.split_off(n_adapter_vars.min(grads.len()));
+                let mut grads = clip(grads, opts.max_grad_norm)?;
+                grads.extend(clip(filter_grads, opts.max_grad_norm)?);
+                optimizer.step(&grads, current_lr(opts, report.steps))?;
                 report.steps += 1;
                 report.examples += batch.len();
                 report.tokens += batch_tokens;
@@ -246,6 +414,9 @@ pub fn train(
             }
             let mean = epoch_loss / order.len().max(1) as f64;
             report.epoch_losses.push(mean);
+            if epoch_flt.1 > 0 {
+                report.filter_epoch_losses.push(epoch_flt.0 / epoch_flt.1 as f64);
+            }
             tracing::debug!(epoch, ?stage, loss = mean, "epoch done");
             if let Some(es) = &opts.early_stop {
                 if mean < best - es.min_delta {
@@ -264,7 +435,28 @@ pub fn train(
     report.seconds = start.elapsed().as_secs_f64();
     report.tokens_per_s = report.tokens as f64 / report.seconds.max(1e-9);
     report.final_loss = report.epoch_losses.last().copied().unwrap_or(f64::NAN);
+    if ext.cdt.as_ref().is_some_and(|c| c.enabled) {
+        cdt_stats.mean_relative_shift = shift.0 / shift.1.max(1) as f64;
+        tracing::info!(
+            critical = cdt_stats.critical,
+            tokens = cdt_stats.tokens,
+            evidence_rate = cdt_stats.evidence_rate(),
+            context_rate = cdt_stats.context_rate(),
+            shift = cdt_stats.mean_relative_shift,
+            "cdt"
+        );
+        report.cdt = Some(cdt_stats);
+    }
     Ok(report)
+}
+
+/// The learning rate of optimizer step `step` (linear warm-up, then constant).
+fn current_lr(opts: &TrainOptions, step: usize) -> f64 {
+    if opts.warmup_steps > 0 && step < opts.warmup_steps {
+        opts.lr * (step + 1) as f64 / opts.warmup_steps as f64
+    } else {
+        opts.lr
+    }
 }
 
 /// Scales gradients so their global L2 norm is at most `max_norm`.

@@ -36,7 +36,21 @@ pub fn spec() -> Value {
                 "AbsorbOptions": {"type": "object", "properties": {
                     "adapter": {"type": "string", "enum": ["gated_memory", "lora"]}, "window": {"type": "integer"},
                     "stride": {"type": "integer"}, "epochs": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
-                    "aux_qa": {"type": "integer"}, "filter": {"type": "boolean"}, "cdt": {"type": "boolean"}}},
+                    "aux_qa": {"type": "integer"},
+                    "filter": {"description": "FltLM context filter: true/false, or {enabled, layer, chunk_tokens, lambda, margin, tau}",
+                               "oneOf": [{"type": "boolean"}, {"type": "object"}]},
+                    "cdt": {"description": "CDT context denoising: true/false, or {enabled, beta, apply_to: qa|ct|both}",
+                            "oneOf": [{"type": "boolean"}, {"type": "object"}]}}},
+                "AskResponse": {"type": "object", "properties": {
+                    "answer": {"type": "string"}, "document_id": {"type": "string"}, "mode": {"type": "string"},
+                    "usage": {"type": "object"}, "finish_reason": {"type": "string"}, "timings": {"type": "object"},
+                    "context": {"type": "object", "description": "present in mode lift for documents absorbed with filter",
+                        "properties": {"chunks": {"type": "array", "items": {"type": "object", "properties": {
+                            "start": {"type": "integer", "description": "first document token"},
+                            "end": {"type": "integer", "description": "document token after the chunk"},
+                            "score": {"type": "number", "description": "relevance score s_i"},
+                            "mask": {"type": "number", "description": "attention bias min(0, w·s_i + b); 0 keeps the chunk"},
+                            "text": {"type": "string"}}}}}}}},
                 "DocumentRequest": {"type": "object", "required": ["text"], "properties": {
                     "text": {"type": "string"}, "title": {"type": "string"}, "options": {"$ref": "#/components/schemas/AbsorbOptions"}}},
                 "Document": {"type": "object", "properties": {
@@ -71,7 +85,7 @@ pub fn spec() -> Value {
                 "parameters": id_param,
                 "get": op("Server-sent progress events (event: progress, then event: done)", None, &with(&[("200", "text/event-stream")], &[("404", "unknown document")]))
             },
-            "/ask": {"post": op("Ask about a ready document", Some("AskRequest"), &with(&[("200", "answer")], &[("404", "unknown document"), ("409", "document not ready")]))},
+            "/ask": {"post": op("Ask about a ready document", Some("AskRequest"), &with(&[("200", "AskResponse")], &[("404", "unknown document"), ("409", "document not ready")]))},
             "/v1/models": {"get": op("The base model and this tenant's ready documents", None, &with(&[("200", "list")], &[]))},
             "/v1/chat/completions": {"post": op("OpenAI-compatible chat completion (stream: true for SSE)", Some("ChatCompletionRequest"), &with(&[("200", "chat.completion or SSE chunks")], &[("404", "unknown model"), ("409", "document not ready")]))},
             "/health": {"get": {"summary": "Liveness", "security": [], "responses": {"200": {"description": "{\"status\": \"ok\"}"}}}},

@@ -218,13 +218,23 @@ fn absorb_options(st: &Inner, v: Option<&Value>) -> ApiResult<AbsorbOptions> {
                 o.qa.max_pairs = n as usize;
                 o.qa.min_pairs = o.qa.min_pairs.min(n as usize);
             }
-            "filter" | "cdt" => match v.as_bool() {
-                Some(false) => {}
-                Some(true) => {
-                    return Err(ApiError::bad_request("unsupported_option", format!("'options.{k}' is not supported by this server yet"))
-                        .param(&format!("options.{k}")))
+            // `true`/`false` switch the server's defaults on or off; an object gives every setting.
+            "filter" => match v {
+                Value::Bool(b) => o.filter.enabled = *b,
+                Value::Object(_) => {
+                    o.filter = serde_json::from_value(v.clone()).map_err(|e| bad(k, format!("'options.filter': {e}")))?;
+                    if o.filter.layer.is_some_and(|l| l >= st.engine.model.config().num_layers) {
+                        return Err(bad(k, "'options.filter.layer' is beyond the model's layers".into()));
+                    }
                 }
-                None => return Err(bad(k, format!("'options.{k}' must be a boolean"))),
+                _ => return Err(bad(k, "'options.filter' must be a boolean or an object".into())),
+            },
+            "cdt" => match v {
+                Value::Bool(b) => o.cdt.enabled = *b,
+                Value::Object(_) => {
+                    o.cdt = serde_json::from_value(v.clone()).map_err(|e| bad(k, format!("'options.cdt': {e}")))?;
+                }
+                _ => return Err(bad(k, "'options.cdt' must be a boolean or an object".into())),
             },
             other => {
                 return Err(ApiError::bad_request("unknown_option", format!("unknown option '{other}'")).param(&format!("options.{other}")))
@@ -497,6 +507,9 @@ pub enum PromptSpec {
 
 pub struct GenResult {
     pub text: String,
+    /// FltLM chunk scores of the in-context document (mode `lift` with a filter), with each
+    /// chunk's text.
+    pub chunks: Vec<(crate::lift::filter::ChunkScore, String)>,
     pub prompt_tokens: usize,
     pub completion_tokens: usize,
     pub finish_reason: FinishReason,
@@ -523,11 +536,20 @@ pub fn submit_generation(
             None => true,
         };
         let result = (|| -> anyhow::Result<GenResult> {
+            let mut chunks = Vec::new();
             let out = match &spec {
                 PromptSpec::Document { id, question, mode } => {
                     let loaded = st2.store.get(id, model)?;
                     let adapter: &dyn Adapter = &loaded.bundle.adapter;
-                    crate::lift::answer::answer(model, &loaded.doc_tokens, Some(adapter), question, *mode, st2.cfg.context_tokens, &params, &mut on_text)?.1
+                    let filter = crate::lift::filter::Filter::from_extras(&loaded.bundle.extras, model.config())?;
+                    let doc = &loaded.doc_tokens;
+                    let (_, out, scores) = crate::lift::answer::answer_filtered(
+                        model, doc, Some(adapter), filter.as_ref(), question, *mode, st2.cfg.context_tokens, &params, &mut on_text,
+                    )?;
+                    for c in scores {
+                        chunks.push((c, model.tokenizer.decode(&doc[c.start..c.end])?));
+                    }
+                    out
                 }
                 PromptSpec::Chat(messages) => {
                     let ids = model.encode_chat(messages)?;
@@ -541,6 +563,7 @@ pub fn submit_generation(
             };
             st2.metrics.generation(out.prompt_ms / 1000.0, out.tokens.len(), out.generate_ms / 1000.0);
             Ok(GenResult {
+                chunks,
                 completion_tokens: out.tokens.len(),
                 prompt_tokens: out.prompt_tokens,
                 finish_reason: out.finish_reason,
@@ -592,12 +615,21 @@ pub async fn ask(
     let params = SamplingParams { max_tokens, temperature, ..Default::default() };
     let rx = submit_generation(&st, PromptSpec::Document { id: id.clone(), question, mode }, params, None)?;
     let r = rx.await.map_err(|_| ApiError::internal("generation was dropped"))?.map_err(gen_error)?;
-    Ok(Json(serde_json::json!({
+    let mut body = serde_json::json!({
         "answer": r.text, "document_id": id, "mode": mode,
         "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens},
         "finish_reason": r.finish_reason,
         "timings": {"queue_ms": r.queue_ms, "prompt_ms": r.prompt_ms, "generate_ms": r.generate_ms},
-    })))
+    });
+    if !r.chunks.is_empty() {
+        let chunks: Vec<Value> = r
+            .chunks
+            .iter()
+            .map(|(c, text)| serde_json::json!({"start": c.start, "end": c.end, "score": c.score, "mask": c.mask, "text": text}))
+            .collect();
+        body["context"] = serde_json::json!({ "chunks": chunks });
+    }
+    Ok(Json(body))
 }
 
 // ---------- operations ----------
