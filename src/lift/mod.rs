@@ -158,6 +158,7 @@ pub fn absorb(
             examples: &filter_examples,
             lambda: opts.filter.lambda,
             margin: opts.filter.margin,
+            lr_scale: opts.filter.lr_scale,
         }),
         cdt: opts.cdt.enabled.then(|| opts.cdt.clone()),
         qa_positions,

@@ -118,6 +118,8 @@ pub struct FilterTraining<'a> {
     pub examples: &'a [FilterExample],
     pub lambda: f64,
     pub margin: f64,
+    /// The filter's learning rate relative to the adapter's.
+    pub lr_scale: f64,
 }
 
 #[derive(Clone, Debug, Default)]
@@ -309,8 +311,9 @@ pub fn train(
 }
 
 /// Trains `vars` (the parameters behind `adapter`) on `plan`, with FltLM and CDT as `ext` says.
-/// The filter's parameters are trained beside `vars` and clipped separately (their gradients
-/// would otherwise dominate the global norm and shrink the adapter's updates).
+/// The filter's parameters are trained beside `vars` with their own optimizer, learning rate
+/// (× `lr_scale`) and clipping (their gradients would otherwise dominate the global norm and
+/// shrink the adapter's updates).
 #[allow(clippy::too_many_arguments)]
 pub fn train_with(
     model: &Model,
@@ -327,6 +330,8 @@ pub fn train_with(
         anyhow::ensure!(ft.examples.len() == plan.qa.len(), "one filter example per QA example");
     }
     let filter_vars: &[Var] = ext.filter.as_ref().map_or(&[], |f| f.filter.vars());
+    let filter_lr_scale = ext.filter.as_ref().map_or(1.0, |f| f.lr_scale);
+    let mut filter_optimizer = AdamW::new(filter_vars.to_vec(), opts)?;
     let n_adapter_vars = vars.len();
     let vars: Vec<Var> = vars.iter().chain(filter_vars).cloned().collect();
     let mut cdt_stats = CdtStats::default();
@@ -336,7 +341,7 @@ pub fn train_with(
     let accumulation = opts.accumulation.max(1);
     let epochs_total = opts.epochs[0] + opts.epochs[1];
     let steps_total = opts.epochs[0] * n_seg.div_ceil(accumulation) + opts.epochs[1] * (n_seg + n_qa).div_ceil(accumulation);
-    let mut optimizer = AdamW::new(vars.to_vec(), opts)?;
+    let mut optimizer = AdamW::new(vars[..n_adapter_vars].to_vec(), opts)?;
     let mut rng = Plan::rng(opts.seed);
     let mut report = TrainReport::default();
     let start = Instant::now();
@@ -393,9 +398,11 @@ pub fn train_with(
                 }
                 let mut grads = sum.unwrap_or_default();
                 let filter_grads = grads.split_off(n_adapter_vars.min(grads.len()));
-                let mut grads = clip(grads, opts.max_grad_norm)?;
-                grads.extend(clip(filter_grads, opts.max_grad_norm)?);
-                optimizer.step(&grads, current_lr(opts, report.steps))?;
+                let lr = current_lr(opts, report.steps);
+                optimizer.step(&clip(grads, opts.max_grad_norm)?, lr)?;
+                if !filter_grads.is_empty() {
+                    filter_optimizer.step(&clip(filter_grads, opts.max_grad_norm)?, lr * filter_lr_scale)?;
+                }
                 report.steps += 1;
                 report.examples += batch.len();
                 report.tokens += batch_tokens;

@@ -37,7 +37,7 @@ pub fn spec() -> Value {
                     "adapter": {"type": "string", "enum": ["gated_memory", "lora"]}, "window": {"type": "integer"},
                     "stride": {"type": "integer"}, "epochs": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
                     "aux_qa": {"type": "integer"},
-                    "filter": {"description": "FltLM context filter: true/false, or {enabled, layer, chunk_tokens, lambda, margin, tau}",
+                    "filter": {"description": "FltLM context filter: true/false, or {enabled, layer, chunk_tokens, lambda, margin, tau, lr_scale}",
                                "oneOf": [{"type": "boolean"}, {"type": "object"}]},
                     "cdt": {"description": "CDT context denoising: true/false, or {enabled, beta, apply_to: qa|ct|both}",
                             "oneOf": [{"type": "boolean"}, {"type": "object"}]}}},
