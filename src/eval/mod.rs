@@ -150,6 +150,8 @@ pub const METHODS: &[(&str, &str)] = &[
     ("icl", "base model, truncated document in context (head + tail): the paper's baseline"),
     ("lift", "adapter absorbed from the document + the same truncated context"),
     ("memory", "adapter only, no document text in context"),
+    ("lift+filter", "lift with FltLM context filtering trained and applied"),
+    ("lift+cdt", "lift trained with CDT context denoising"),
 ];
 
 /// The method preset `name` on top of the base absorb options.
@@ -158,6 +160,17 @@ pub fn method(name: &str, base: &AbsorbOptions) -> Result<Method> {
         "icl" => (Mode::Icl, None),
         "lift" => (Mode::Lift, Some(base.clone())),
         "memory" => (Mode::Memory, Some(base.clone())),
+        "lift+filter" => (
+            Mode::Lift,
+            Some(AbsorbOptions {
+                filter: lift::filter::FilterOptions { enabled: true, ..base.filter.clone() },
+                ..base.clone()
+            }),
+        ),
+        "lift+cdt" => (
+            Mode::Lift,
+            Some(AbsorbOptions { cdt: lift::cdt::CdtOptions { enabled: true, ..base.cdt.clone() }, ..base.clone() }),
+        ),
         _ => {
             let known: Vec<_> = METHODS.iter().map(|m| m.0).collect();
             bail!("unknown method '{name}' (known: {})", known.join(", "))
@@ -455,7 +468,7 @@ pub struct EvalArgs {
     #[arg(long, default_value = "eval-results")]
     pub out: PathBuf,
     /// Methods to compare: icl (baseline, no adapter), lift (adapter + truncated document),
-    /// memory (adapter only).
+    /// memory (adapter only), lift+filter (FltLM), lift+cdt (CDT).
     #[arg(long, value_delimiter = ',', default_value = "icl,lift,memory")]
     pub methods: Vec<String>,
     /// Document lengths in tokens.
@@ -539,4 +552,24 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
     report::write(&results, &args.out)?;
     print!("{}", report::markdown(&results));
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn method_presets_are_modes_and_absorb_options() {
+        let base = AbsorbOptions::default();
+        for (name, _) in METHODS {
+            let m = method(name, &base).unwrap();
+            assert_eq!(m.absorb.is_none(), *name == "icl", "{name}");
+        }
+        assert_eq!(method("memory", &base).unwrap().mode, Mode::Memory);
+        let f = method("lift+filter", &base).unwrap();
+        assert!(f.mode == Mode::Lift && f.absorb.as_ref().unwrap().filter.enabled && !base.filter.enabled);
+        let c = method("lift+cdt", &base).unwrap();
+        assert!(c.absorb.as_ref().unwrap().cdt.enabled && !c.absorb.unwrap().filter.enabled);
+        assert!(method("nope", &base).is_err());
+    }
 }

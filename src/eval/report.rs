@@ -277,6 +277,7 @@ pub fn loss_plot(results: &Results, path: &Path) -> Result<()> {
         .configure_mesh()
         .x_desc("step")
         .y_desc("loss")
+        .x_label_formatter(&|x| format!("{x:.0}"))
         .label_style((FONT, 14))
         .axis_desc_style((FONT, 14))
         .draw()
