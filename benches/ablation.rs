@@ -9,6 +9,7 @@
 //!   RAYON_NUM_THREADS=2 cargo bench --bench ablation
 //!   ABLATION_VARIANTS=lift,filter cargo bench --bench ablation     # a subset
 //!   ABLATION_EPOCHS=1,1 ABLATION_MAX_QA=24 cargo bench --bench ablation   # a shorter schedule
+//!   ABLATION_OPTIONS='{"layers":[15,16,17]}' cargo bench --bench ablation  # any AbsorbOptions fields
 //!
 //! Variants run one after another in this process; `ABLATION_ICL=1` also asks the base model.
 
@@ -44,6 +45,18 @@ fn ask(model: &Model, doc: &[u32], adapter: Option<&dyn Adapter>, filter: Option
     (q.answers.iter().any(|a| lower.contains(&a.to_lowercase())), reply)
 }
 
+/// Overwrites the fields of `base` that `patch` names, recursing into objects.
+fn merge(base: &mut serde_json::Value, patch: serde_json::Value) {
+    match (base, patch) {
+        (serde_json::Value::Object(b), serde_json::Value::Object(p)) => {
+            for (k, v) in p {
+                merge(b.entry(k).or_insert(serde_json::Value::Null), v);
+            }
+        }
+        (b, p) => *b = p,
+    }
+}
+
 fn main() -> anyhow::Result<()> {
     let path = lift_serve::fetch::resolve_model(None)?;
     let model = Model::load(&path, &Device::Cpu)?;
@@ -59,6 +72,11 @@ fn main() -> anyhow::Result<()> {
         }
         if let Ok(n) = std::env::var("ABLATION_MAX_QA") {
             o.qa.max_pairs = n.parse()?;
+        }
+        if let Ok(patch) = std::env::var("ABLATION_OPTIONS") {
+            let mut json = serde_json::to_value(&o)?;
+            merge(&mut json, serde_json::from_str(&patch)?);
+            o = serde_json::from_value(json)?;
         }
         o.filter.enabled = variant.contains("filter");
         o.cdt.enabled = variant.contains("cdt");
@@ -90,7 +108,7 @@ fn main() -> anyhow::Result<()> {
         let mut line = serde_json::json!({
             "variant": variant, "out_of_window": oow, "out_of_window_total": OUT_OF_WINDOW.len(),
             "in_window": inw, "in_window_total": IN_WINDOW.len(), "absorb_s": absorb_s,
-            "epochs": o.train.epochs, "max_qa": o.qa.max_pairs,
+            "epochs": o.train.epochs, "max_qa": o.qa.max_pairs, "layers": o.layers,
             "steps": a.report.steps, "final_loss": a.report.final_loss, "qa_pairs": a.qa.len(),
         });
         if let Some(f) = &f {
