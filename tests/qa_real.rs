@@ -67,6 +67,4 @@ fn generate_qa_on_the_default_model() {
     // Facts at the start, middle and end of the document are asked about.
     let asked = |needle: &str| pairs.iter().any(|p| p.answer.contains(needle) && p.answer != p.evidence);
     assert!(asked("1962") && asked("LKN-7") && asked("Mikkel Strand"));
-    // A couple of minutes on an idle 2-core machine; generous for a busy one.
-    assert!(secs < 420.0, "QA generation took {secs:.0} s");
 }

@@ -383,34 +383,66 @@ impl Decoder {
         adapter: Option<&dyn Adapter>,
         hooks: &mut dyn ForwardHooks,
     ) -> Result<Tensor> {
+        let first = self.first_trainable_layer(x, adapter);
+        let h = self.forward_frozen(x, first, hooks)?;
+        self.forward_train_from(&h, first, adapter, hooks)
+    }
+
+    /// The lowest layer that needs an autograd graph: layers below the adapter's first layer see
+    /// no trainable input (unless the embeddings themselves are being differentiated).
+    pub fn first_trainable_layer(&self, x: &Tensor, adapter: Option<&dyn Adapter>) -> usize {
+        let first = if x.track_op() { 0 } else { adapter.map_or(usize::MAX, |a| a.first_layer()) };
+        first.min(self.layers.len())
+    }
+
+    /// The frozen base model's layers `0..upto` over embeddings `[b, t, hidden]` on the fast
+    /// inference kernels (no graph): the residual stream entering layer `upto`. Deterministic for
+    /// given tokens, so trainers may cache it across epochs.
+    pub fn forward_frozen(&self, x: &Tensor, upto: usize, hooks: &mut dyn ForwardHooks) -> Result<Tensor> {
         let cfg = &self.config;
-        let (b, t, _) = x.dims3()?;
+        let (_, t, _) = x.dims3()?;
+        let mut x = x.to_dtype(self.dtype)?;
+        if upto == 0 {
+            return Ok(x);
+        }
         let (cos, sin) = self.rope_slice(0, t)?;
         let eps = cfg.rms_norm_eps as f32;
-        // Layers below the first adapted one see no trainable input: run them on the fast
-        // inference kernels (no graph is recorded for them either way).
-        let first_trainable = if x.track_op() { 0 } else { adapter.map_or(usize::MAX, |a| a.first_layer()) };
+        let mask = causal_mask(t, 0, cfg.sliding_window, &self.device)?;
+        let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
+        for (li, layer) in self.layers.iter().enumerate().take(upto) {
+            let ctx = LayerCtx { li, adapter: None, float: true, start: 0 };
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let attn = self.attention_infer(&ctx, layer, &h, &cos, &sin, mask.as_ref(), None, hooks)?;
+            x = (x + attn)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+            let gate = ctx.linear(layer, Projection::Gate, &h)?;
+            let up = ctx.linear(layer, Projection::Up, &h)?;
+            x = (&x + ctx.linear(layer, Projection::Down, &ops::silu_mul(&gate, &up)?)?)?;
+            hooks.after_layer(li, &x)?;
+        }
+        Ok(x)
+    }
+
+    /// Trainable forward of layers `from..` from the residual stream `h` `[b, t, hidden]` entering
+    /// layer `from` (positions `0..t`); returns the final normalised hidden states.
+    pub fn forward_train_from(
+        &self,
+        h: &Tensor,
+        from: usize,
+        adapter: Option<&dyn Adapter>,
+        hooks: &mut dyn ForwardHooks,
+    ) -> Result<Tensor> {
+        let cfg = &self.config;
+        let (b, t, _) = h.dims3()?;
+        let (cos, sin) = self.rope_slice(0, t)?;
+        let eps = cfg.rms_norm_eps as f32;
         let window_bias = match cfg.sliding_window {
             Some(w) if t > w => causal_mask(t, 0, Some(w), &self.device)?,
             _ => None,
         };
         let window_bias = window_bias.map(|m| m.to_dtype(self.dtype)).transpose()?;
-        let mut x = x.to_dtype(self.dtype)?;
-        for (li, layer) in self.layers.iter().enumerate() {
-            if li < first_trainable {
-                let ctx = LayerCtx { li, adapter, float: true, start: 0 };
-                let mask = causal_mask(t, 0, cfg.sliding_window, &self.device)?;
-                let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
-                let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-                let attn = self.attention_infer(&ctx, layer, &h, &cos, &sin, mask.as_ref(), None, hooks)?;
-                x = (x + attn)?;
-                let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
-                let gate = ctx.linear(layer, Projection::Gate, &h)?;
-                let up = ctx.linear(layer, Projection::Up, &h)?;
-                x = (&x + ctx.linear(layer, Projection::Down, &ops::silu_mul(&gate, &up)?)?)?;
-                hooks.after_layer(li, &x)?;
-                continue;
-            }
+        let mut x = h.to_dtype(self.dtype)?;
+        for (li, layer) in self.layers.iter().enumerate().skip(from) {
             let h = ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let q = train_linear(adapter, li, layer, Projection::Q, &h)?;
             let k = train_linear(adapter, li, layer, Projection::K, &h)?;
