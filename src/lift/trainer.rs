@@ -138,14 +138,14 @@ pub struct Cancelled;
 /// The residual streams entering the first trainable layer of examples that are the same tokens
 /// every epoch (the QA examples): the frozen layers below the adapter run once per example
 /// instead of once per epoch. Bounded in bytes; past the budget examples are recomputed.
-pub struct FrozenCache {
+struct FrozenCache {
     entries: std::collections::HashMap<usize, Tensor>,
     bytes: usize,
     budget: usize,
 }
 
 impl FrozenCache {
-    pub fn new(budget: usize) -> Self {
+    fn new(budget: usize) -> Self {
         Self { entries: Default::default(), bytes: 0, budget }
     }
 
@@ -286,12 +286,11 @@ fn training_loss(
     positions: Option<&QaPositions>,
     stats: &mut CdtStats,
     shift: &mut (f64, usize),
-    frozen_key: Option<usize>,
-    frozen: &mut FrozenCache,
+    frozen: Option<(&mut FrozenCache, usize)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let (input, pos, tgt) = prepare(model, example)?;
     let emb = model.decoder.embed(&input)?;
-    if let (Some(key), None, None) = (frozen_key, cdt_step, filter) {
+    if let (Some((frozen, key)), None, None) = (frozen, cdt_step, filter) {
         let first = model.decoder.first_trainable_layer(&emb, Some(adapter));
         let h = frozen.stream(model, key, &emb, first)?;
         let hidden = model.decoder.forward_train_from(&h, first, Some(adapter), &mut NoHooks)?;
@@ -422,10 +421,10 @@ pub fn train_with(
                     let lr = current_lr(opts, report.steps);
                     let cdt_step = ext.cdt.as_ref().filter(|c| c.applies(is_qa)).map(|c| lr * c.beta);
                     let positions = if is_qa { ext.qa_positions.get(i) } else { None };
-                    let frozen_key = is_qa.then_some(i);
-                    let (loss, flt) = training_loss(
-                        model, adapter, &example, fx, cdt_step, positions, &mut cdt_stats, &mut shift, frozen_key, &mut frozen,
-                    )?;
+                    // QA examples are the same tokens every epoch; segments get a new context each time.
+                    let cached = is_qa.then_some((&mut frozen, i));
+                    let (loss, flt) =
+                        training_loss(model, adapter, &example, fx, cdt_step, positions, &mut cdt_stats, &mut shift, cached)?;
                     if let Some(flt) = flt {
                         epoch_flt.0 += flt.to_scalar::<f32>()? as f64;
                         epoch_flt.1 += 1;
