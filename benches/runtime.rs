@@ -3,7 +3,9 @@
 //! on every layer + AdamW) at 256 and 512 tokens. Prints medians of several runs.
 //!
 //!   RAYON_NUM_THREADS=2 cargo bench --bench runtime            (BENCH_RUNS=5 by default)
-//! Compare with PyTorch eager in the same run: benches/torch_reference.sh
+//! Compare with PyTorch eager in the same run: benches/train_vs_torch.sh (alternating rounds)
+//! or benches/torch_reference.sh. BENCH_ONLY=train,prefill,… picks parts; BENCH_TRAIN_SEQS=512
+//! picks the training-step lengths.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::optim::{AdamW, Optimizer, ParamsAdamW};
@@ -164,7 +166,11 @@ fn main() -> anyhow::Result<()> {
     }
 
     if want("train") {
-        for &t in &[256usize, 512] {
+        let seqs: Vec<usize> = std::env::var("BENCH_TRAIN_SEQS")
+            .ok()
+            .map(|s| s.split(',').filter_map(|x| x.trim().parse().ok()).collect())
+            .unwrap_or_else(|| vec![256, 512]);
+        for &t in &seqs {
             let all: Vec<usize> = (0..layers).collect();
             let adapter = GatedMemory::new(&cfg, &all, false, 1, &dev)?;
             let mut opt = AdamW::new(

@@ -77,7 +77,7 @@ const LANES: usize = 16;
 /// x < -87.33 (including -inf) returns exactly 0, x > 88.3 saturates at ~2.2e38, NaN stays
 /// NaN.
 #[inline(always)]
-fn exp_f32(x: f32) -> f32 {
+pub(crate) fn exp_f32(x: f32) -> f32 {
     const LOG2E: f32 = std::f32::consts::LOG2_E;
     const LN2_HI: f32 = 0.693_359_4;
     const LN2_LO: f32 = -2.121_944_4e-4;
@@ -628,9 +628,12 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 // 5. rope
 // ---------------------------------------------------------------------------------------
 
-/// Rotate-half RoPE over contiguous x [b, h, t, d] with cos/sin [t, d/2]. The backward is
-/// the same kernel with sin negated (the inverse rotation), applied without backward.
-struct Rope;
+/// RoPE over contiguous x [b, h, t, d] with cos/sin [t, d/2]: rotate-half (pairs j, j + d/2)
+/// or interleaved (pairs 2j, 2j + 1). The backward is the same kernel with sin negated (the
+/// inverse rotation), applied without backward.
+struct Rope {
+    interleaved: bool,
+}
 
 impl CustomOp3 for Rope {
     fn name(&self) -> &'static str {
@@ -652,11 +655,22 @@ impl CustomOp3 for Rope {
         let (_b, _h, t, d) = xl.shape().dims4()?;
         let hd = d / 2;
         let mut out = vec![0f32; x.len()];
+        let interleaved = self.interleaved;
         out.par_chunks_mut(t * d)
             .zip(x.par_chunks(t * d))
             .for_each(|(o, x)| {
                 for ti in 0..t {
                     let (c, s) = (&cos[ti * hd..(ti + 1) * hd], &sin[ti * hd..(ti + 1) * hd]);
+                    if interleaved {
+                        // Same expressions as candle_nn::rotary_emb::rope_i.
+                        let (xr, or) = (&x[ti * d..(ti + 1) * d], &mut o[ti * d..(ti + 1) * d]);
+                        for j in 0..hd {
+                            let (x0, x1) = (xr[2 * j], xr[2 * j + 1]);
+                            or[2 * j] = x0 * c[j] - x1 * s[j];
+                            or[2 * j + 1] = x0 * s[j] + x1 * c[j];
+                        }
+                        continue;
+                    }
                     let (x1, x2) = x[ti * d..(ti + 1) * d].split_at(hd);
                     let (o1, o2) = o[ti * d..(ti + 1) * d].split_at_mut(hd);
                     // Same expressions as candle_nn::rotary_emb::rope, so the result is
@@ -680,7 +694,7 @@ impl CustomOp3 for Rope {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let dx = grad
             .contiguous()?
-            .apply_op3_no_bwd(cos, &sin.neg()?, &Rope)?;
+            .apply_op3_no_bwd(cos, &sin.neg()?, &Rope { interleaved: self.interleaved })?;
         Ok((Some(dx), None, None))
     }
 }
@@ -702,6 +716,10 @@ fn rope_composite(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 /// Forward is bit-identical to `candle_nn::rotary_emb::rope`; backward is the inverse
 /// rotation (sin → −sin). Only `x` gets a gradient (cos/sin are constant tables).
 pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    rope_fused(x, cos, sin, false)
+}
+
+fn rope_fused(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Result<Tensor> {
     let (_b, _h, t, d) = x.dims4()?;
     let (tc, hc) = cos.dims2()?;
     let (ts, hs) = sin.dims2()?;
@@ -716,10 +734,13 @@ pub fn rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let cos = cos.detach().narrow(0, 0, t)?;
     let sin = sin.detach().narrow(0, 0, t)?;
     if !fused_f32(&[x, &cos, &sin]) {
-        return rope_composite(x, &cos, &sin);
+        return match interleaved {
+            false => rope_composite(x, &cos, &sin),
+            true => rope_interleaved_composite(x, &cos, &sin),
+        };
     }
     x.contiguous()?
-        .apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope)
+        .apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { interleaved })
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1493,9 +1514,16 @@ pub fn causal_attention(
 // Tests
 // ---------------------------------------------------------------------------------------
 
-/// Interleaved RoPE (pairs 2i, 2i+1; llama.cpp's layout for llama-architecture GGUF files), as
-/// rotate-half RoPE on de-interleaved dims: differentiable through `index_select`.
+/// Interleaved RoPE (pairs 2i, 2i+1; llama.cpp's layout for llama-architecture GGUF files):
+/// one fused pass forward and backward (as `rope`); bit-identical to
+/// `candle_nn::rotary_emb::rope_i`.
 pub fn rope_interleaved(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    rope_fused(x, cos, sin, true)
+}
+
+/// Reference for `rope_interleaved` (and its path for non-f32 or CUDA tensors): rotate-half RoPE
+/// on de-interleaved dims, differentiable through `index_select`.
+fn rope_interleaved_composite(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let d = x.dim(D::Minus1)?;
     let to_halves: Vec<u32> = (0..d as u32).step_by(2).chain((1..d as u32).step_by(2)).collect();
     let mut back = vec![0u32; d];
@@ -1504,7 +1532,7 @@ pub fn rope_interleaved(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor
     }
     let to_halves = Tensor::new(to_halves, x.device())?;
     let back = Tensor::new(back, x.device())?;
-    let y = rope(&x.index_select(&to_halves, 3)?, cos, sin)?;
+    let y = rope(&x.contiguous()?.index_select(&to_halves, 3)?, cos, sin)?;
     y.index_select(&back, 3)
 }
 
@@ -1889,6 +1917,34 @@ mod tests {
             BWD_TOL,
             "rope dx (transposed)",
         );
+    }
+
+    // Interleaved: forward bit-identical to candle_nn's rope_i; forward and dx vs the
+    // de-interleave → rotate-half → re-interleave composite (also on a transposed input).
+    #[test]
+    fn rope_interleaved_matches_candle_and_composite() {
+        let (b, h, t, d) = (2, 3, 7, 16);
+        let (cos, sin) = rope_tables(t + 5, d / 2);
+        let c = cos.narrow(0, 0, t).unwrap();
+        let s = sin.narrow(0, 0, t).unwrap();
+        let x = var((b, h, t, d), 5, 1.0);
+        let y = rope_interleaved(x.as_tensor(), &cos, &sin).unwrap();
+        let y_nn = candle_nn::rotary_emb::rope_i(x.as_tensor(), &c, &s).unwrap();
+        assert_eq!(rel_diff(&y, &y_nn), 0.0, "rope_interleaved must match candle_nn exactly");
+        let y_ref = rope_interleaved_composite(x.as_tensor(), &c, &s).unwrap();
+        assert_close(&y, &y_ref, FWD_TOL, "rope_interleaved fwd vs composite");
+        let g = loss_of(&y, 6).backward().unwrap();
+        let g_ref = loss_of(&y_ref, 6).backward().unwrap();
+        assert_close(&grad(&g, &x), &grad(&g_ref, &x), BWD_TOL, "rope_interleaved dx");
+
+        let xt = var((b, t, h, d), 7, 1.0);
+        let x = xt.as_tensor().transpose(1, 2).unwrap();
+        let y = rope_interleaved(&x, &cos, &sin).unwrap();
+        let y_ref = rope_interleaved_composite(&x, &c, &s).unwrap();
+        assert_close(&y, &y_ref, FWD_TOL, "rope_interleaved fwd (transposed)");
+        let g = loss_of(&y, 8).backward().unwrap();
+        let g_ref = loss_of(&y_ref, 8).backward().unwrap();
+        assert_close(&grad(&g, &xt), &grad(&g_ref, &xt), BWD_TOL, "rope_interleaved dx (transposed)");
     }
 
     // Weighted loss and dlogits vs composite log_softmax + gather, with masked and
