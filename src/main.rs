@@ -124,7 +124,7 @@ struct TrainArgs {
     options: Option<PathBuf>,
     #[arg(long, value_enum)]
     adapter: Option<AdapterArg>,
-    /// Layers with a Gated Memory adapter: "all", "12-29" or "3,5,7".
+    /// Layers with a Gated Memory adapter: "all", "12-29" or "3,5,7" (default: the upper half).
     #[arg(long)]
     layers: Option<String>,
     /// Tokens per training segment.
@@ -146,9 +146,13 @@ struct TrainArgs {
     /// Most auxiliary QA pairs.
     #[arg(long)]
     max_qa: Option<usize>,
-    /// Only extractive QA (skip generation by the model).
+    /// Only extractive QA (the default; kept for scripts that pass it).
     #[arg(long)]
     no_model_qa: bool,
+    /// Also have the model write QA pairs (the paper's A.3 prompt; slow, and the default 135M
+    /// model writes almost no valid ones).
+    #[arg(long, conflicts_with = "no_model_qa")]
+    model_qa: bool,
     /// FltLM context filter (scores and soft-masks the in-context chunks; `ask` reports them).
     #[arg(long)]
     filter: bool,
@@ -209,6 +213,9 @@ impl TrainArgs {
         if self.no_model_qa {
             o.qa.use_model = false;
         }
+        if self.model_qa {
+            o.qa.use_model = true;
+        }
         o.filter.enabled |= self.filter;
         o.cdt.enabled |= self.cdt;
         if let Some(s) = self.seed {
@@ -221,7 +228,7 @@ impl TrainArgs {
 
 fn parse_layers(spec: &str, n: usize) -> Result<Option<Vec<usize>>> {
     if spec == "all" {
-        return Ok(None);
+        return Ok(Some((0..n).collect()));
     }
     let mut out = Vec::new();
     for part in spec.split(',') {

@@ -152,10 +152,11 @@ pub const METHODS: &[(&str, &str)] = &[
     ("memory", "adapter only, no document text in context"),
     ("lift+filter", "lift with FltLM context filtering trained and applied"),
     ("lift+cdt", "lift trained with CDT context denoising"),
+    ("lift-paper", "lift absorbed with the paper's recipe (AbsorbOptions::paper_faithful) instead of the fast defaults"),
 ];
 
-/// The method preset `name` on top of the base absorb options.
-pub fn method(name: &str, base: &AbsorbOptions) -> Result<Method> {
+/// The method preset `name` on top of the base absorb options (for a model of `num_layers`).
+pub fn method(name: &str, base: &AbsorbOptions, num_layers: usize) -> Result<Method> {
     let (mode, absorb) = match name {
         "icl" => (Mode::Icl, None),
         "lift" => (Mode::Lift, Some(base.clone())),
@@ -171,6 +172,7 @@ pub fn method(name: &str, base: &AbsorbOptions) -> Result<Method> {
             Mode::Lift,
             Some(AbsorbOptions { cdt: lift::cdt::CdtOptions { enabled: true, ..base.cdt.clone() }, ..base.clone() }),
         ),
+        "lift-paper" => (Mode::Lift, Some(AbsorbOptions::paper_faithful(num_layers))),
         _ => {
             let known: Vec<_> = METHODS.iter().map(|m| m.0).collect();
             bail!("unknown method '{name}' (known: {})", known.join(", "))
@@ -345,7 +347,7 @@ pub fn run(
     on_document: &mut dyn FnMut(&Results) -> Result<()>,
 ) -> Result<Results> {
     let t0 = Instant::now();
-    let methods: Vec<Method> = cfg.methods.iter().map(|m| method(m, &cfg.absorb)).collect::<Result<_>>()?;
+    let methods: Vec<Method> = cfg.methods.iter().map(|m| method(m, &cfg.absorb, model.config().num_layers)).collect::<Result<_>>()?;
     // Methods sharing absorb options share one adapter per document.
     let mut groups: Vec<(AbsorbOptions, Vec<String>)> = Vec::new();
     for m in &methods {
@@ -562,14 +564,16 @@ mod tests {
     fn method_presets_are_modes_and_absorb_options() {
         let base = AbsorbOptions::default();
         for (name, _) in METHODS {
-            let m = method(name, &base).unwrap();
+            let m = method(name, &base, 30).unwrap();
             assert_eq!(m.absorb.is_none(), *name == "icl", "{name}");
         }
-        assert_eq!(method("memory", &base).unwrap().mode, Mode::Memory);
-        let f = method("lift+filter", &base).unwrap();
+        assert_eq!(method("memory", &base, 30).unwrap().mode, Mode::Memory);
+        let f = method("lift+filter", &base, 30).unwrap();
         assert!(f.mode == Mode::Lift && f.absorb.as_ref().unwrap().filter.enabled && !base.filter.enabled);
-        let c = method("lift+cdt", &base).unwrap();
+        let c = method("lift+cdt", &base, 30).unwrap();
         assert!(c.absorb.as_ref().unwrap().cdt.enabled && !c.absorb.unwrap().filter.enabled);
-        assert!(method("nope", &base).is_err());
+        let p = method("lift-paper", &base, 30).unwrap().absorb.unwrap();
+        assert_eq!((p.layers.unwrap().len(), p.train.epochs, p.plan.window), (30, [3, 5], 256));
+        assert!(method("nope", &base, 30).is_err());
     }
 }

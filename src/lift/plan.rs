@@ -21,7 +21,7 @@ pub struct PlanOptions {
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        Self { window: 256, stride: None, context_tokens: 256 }
+        Self { window: 128, stride: None, context_tokens: 128 }
     }
 }
 

@@ -81,7 +81,9 @@ impl Default for QaOptions {
             min_pairs: 10,
             window_sentences: 16,
             retries: 5,
-            use_model: true,
+            // Off by default: the default 135M model writes almost no valid pairs (the extractive
+            // generator carries the load) and generating them costs minutes per document.
+            use_model: false,
             max_new_tokens: 128,
             wordings_per_fact: 4,
             seed: 0,
@@ -2653,7 +2655,7 @@ Visitors can reach the museum from Central Station in ten minutes.";
         let dir = tempfile::tempdir().unwrap();
         let path = write_hf(&dir.path().join("tiny"), &TinySpec::default()).unwrap();
         let model = Model::load(&path, &candle_core::Device::Cpu).unwrap();
-        let o = QaOptions { retries: 1, max_new_tokens: 8, min_pairs: 12, max_pairs: 40, ..Default::default() };
+        let o = QaOptions { retries: 1, max_new_tokens: 8, min_pairs: 12, max_pairs: 40, use_model: true, ..Default::default() };
         let mut reports = Vec::new();
         let (pairs, stats) =
             generate_qa_with_stats(&model, PARAGRAPH, &o, &mut |p| reports.push((p.done, p.total)), &|| false).unwrap();
