@@ -1,14 +1,14 @@
 //! `lift-serve` command line.
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
-use lift_serve::fetch;
-use lift_serve::model::generate::{generate, SamplingParams};
-use lift_serve::model::{ChatMessage, KvCache, Model, NoHooks};
 use candle_core::Device;
+use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use lift_serve::adapters::{manifest, AdapterKind};
+use lift_serve::fetch;
 use lift_serve::lift::{self, answer::answer_filtered, answer::Mode, AbsorbEvent, AbsorbOptions};
+use lift_serve::model::generate::{generate, SamplingParams};
+use lift_serve::model::{ChatMessage, KvCache, Model, NoHooks};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
@@ -124,7 +124,7 @@ struct TrainArgs {
     options: Option<PathBuf>,
     #[arg(long, value_enum)]
     adapter: Option<AdapterArg>,
-    /// Layers with a Gated Memory adapter: "all", "12-29" or "3,5,7" (default: the upper half).
+    /// Layers with a Gated Memory adapter: "all" (the default), "15-29" or "3,5,7".
     #[arg(long)]
     layers: Option<String>,
     /// Tokens per training segment.
@@ -272,9 +272,14 @@ fn absorb_command(device: &Device, file: &Path, output: &Path, model: Option<&Pa
             AbsorbEvent::Train(p) => {
                 bar.set_length(p.steps as u64);
                 bar.set_position(p.step as u64);
-                bar.set_message(format!("epoch {}/{} loss {:.3} {:.0} tok/s", p.epoch, p.epochs, p.loss, p.tokens_per_s));
+                bar.set_message(format!(
+                    "epoch {}/{} loss {:.3} {:.0} tok/s",
+                    p.epoch, p.epochs, p.loss, p.tokens_per_s
+                ));
                 // Without a terminal the bar is hidden: log progress instead, every 5%.
-                if bar.is_hidden() && (p.step * 20 / p.steps.max(1)) != ((p.step.saturating_sub(1)) * 20 / p.steps.max(1)) {
+                if bar.is_hidden()
+                    && (p.step * 20 / p.steps.max(1)) != ((p.step.saturating_sub(1)) * 20 / p.steps.max(1))
+                {
                     tracing::info!(step = p.step, steps = p.steps, epoch = p.epoch, loss = p.loss, "training");
                 }
             }
@@ -360,9 +365,7 @@ fn print_piece(piece: &str) -> bool {
 fn main() -> Result<()> {
     lift_serve::runtime::tune_allocator();
     tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
+        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();

@@ -24,7 +24,7 @@ logs every departure in a green ledger. Passengers pay eleven coins for the cros
 fn ct_and_qa_examples_put_the_loss_exactly_on_segment_and_answer_tokens() {
     let (_d, model) = tiny();
     let doc = model.tokenizer.encode(DOC, false).unwrap();
-    let opts = PlanOptions { window: 48, stride: None, context_tokens: 32 };
+    let opts = PlanOptions { window: 48, stride: None, context_tokens: 32, qa_context_tokens: None };
     let pair = QaPair {
         question: "Who keeps the lighthouse?".into(),
         answer: "Anselm Varga".into(),
@@ -80,7 +80,7 @@ fn memorize_and_recite(model: &Model, adapter: &dyn Adapter, vars: &[candle_core
     let text = &DOC[..DOC.find(" Passengers").unwrap()];
     let doc = model.tokenizer.encode(text, false).unwrap();
     // No document context at all: whatever is recalled comes from the adapter.
-    let opts = PlanOptions { window: 64, stride: None, context_tokens: 0 };
+    let opts = PlanOptions { window: 64, stride: None, context_tokens: 0, qa_context_tokens: None };
     let plan = Plan::new(model, &doc, &[], &opts).unwrap();
     let train_opts = TrainOptions { epochs: [epochs, 0], lr, seed: 3, ..Default::default() };
     let report = train(model, &doc, &plan, adapter, vars, &train_opts, &mut |_| {}, &|| false).unwrap();

@@ -152,7 +152,7 @@ pub const METHODS: &[(&str, &str)] = &[
     ("memory", "adapter only, no document text in context"),
     ("lift+filter", "lift with FltLM context filtering trained and applied"),
     ("lift+cdt", "lift trained with CDT context denoising"),
-    ("lift-paper", "lift absorbed with the paper's recipe (AbsorbOptions::paper_faithful) instead of the fast defaults"),
+    ("lift-paper", "lift absorbed with the paper's recipe (AbsorbOptions::paper_faithful)"),
 ];
 
 /// The method preset `name` on top of the base absorb options (for a model of `num_layers`).
@@ -172,7 +172,13 @@ pub fn method(name: &str, base: &AbsorbOptions, num_layers: usize) -> Result<Met
             Mode::Lift,
             Some(AbsorbOptions { cdt: lift::cdt::CdtOptions { enabled: true, ..base.cdt.clone() }, ..base.clone() }),
         ),
-        "lift-paper" => (Mode::Lift, Some(AbsorbOptions::paper_faithful(num_layers))),
+        "lift-paper" => {
+            // The paper trains with the same truncated document it answers with: the context
+            // budget stays the run's.
+            let mut o = AbsorbOptions::paper_faithful(num_layers);
+            o.plan.context_tokens = base.plan.context_tokens;
+            (Mode::Lift, Some(o))
+        }
         _ => {
             let known: Vec<_> = METHODS.iter().map(|m| m.0).collect();
             bail!("unknown method '{name}' (known: {})", known.join(", "))
@@ -347,7 +353,8 @@ pub fn run(
     on_document: &mut dyn FnMut(&Results) -> Result<()>,
 ) -> Result<Results> {
     let t0 = Instant::now();
-    let methods: Vec<Method> = cfg.methods.iter().map(|m| method(m, &cfg.absorb, model.config().num_layers)).collect::<Result<_>>()?;
+    let methods: Vec<Method> =
+        cfg.methods.iter().map(|m| method(m, &cfg.absorb, model.config().num_layers)).collect::<Result<_>>()?;
     // Methods sharing absorb options share one adapter per document.
     let mut groups: Vec<(AbsorbOptions, Vec<String>)> = Vec::new();
     for m in &methods {

@@ -343,7 +343,7 @@ pub fn fast_forward(q: &[f32], attn: &[f32], p: &[f32], dims: GmDims, t: usize) 
     if bs == 0 {
         return out;
     }
-    out.par_chunks_mut(bs).enumerate().for_each(|(i, o)| {
+    let block = |(i, o): (usize, &mut [f32])| {
         let w = head(p, dims, i % dims.heads);
         let (x, a) = (&q[i * bs..(i + 1) * bs], &attn[i * bs..(i + 1) * bs]);
         let f = block_forward(x, &w, dims, t);
@@ -353,7 +353,8 @@ pub fn fast_forward(q: &[f32], attn: &[f32], p: &[f32], dims: GmDims, t: usize) 
                 o[j] = a[j] + g * (m[j] - a[j]);
             }
         }
-    });
+    };
+    out.par_chunks_mut(bs).enumerate().for_each(block);
     out
 }
 

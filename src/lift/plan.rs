@@ -15,19 +15,27 @@ pub struct PlanOptions {
     pub window: usize,
     /// Tokens between segment starts (default ⌊3ℓ/8⌋).
     pub stride: Option<usize>,
-    /// Head+tail document tokens placed before each segment and each question during training.
+    /// Head+tail document tokens placed before each segment (and each question, unless
+    /// `qa_context_tokens` says otherwise) during training.
     pub context_tokens: usize,
+    /// Head+tail document tokens before each auxiliary question (default: `context_tokens`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub qa_context_tokens: Option<usize>,
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        Self { window: 128, stride: None, context_tokens: 128 }
+        Self { window: 256, stride: None, context_tokens: 128, qa_context_tokens: None }
     }
 }
 
 impl PlanOptions {
     pub fn stride(&self) -> usize {
         self.stride.unwrap_or(self.window * 3 / 8).max(1)
+    }
+
+    pub fn qa_context(&self) -> usize {
+        self.qa_context_tokens.unwrap_or(self.context_tokens)
     }
 }
 
@@ -89,7 +97,8 @@ impl Plan {
         let segs = segments(doc.len(), opts.window, opts.stride());
         let elision = elision_tokens(model)?;
         // QA examples: the same truncated document as at answer time (head and tail halves).
-        let ctx = head_tail(doc, opts.context_tokens, opts.context_tokens / 2, &elision);
+        let budget = opts.qa_context();
+        let ctx = head_tail(doc, budget, budget / 2, &elision);
         let eot = end_of_turn(model);
         let mut qa = Vec::with_capacity(qa_pairs.len());
         for (i, pair) in qa_pairs.iter().enumerate() {
@@ -141,7 +150,9 @@ mod tests {
 
     #[test]
     fn segments_cover_every_token_with_stride_and_last_window() {
-        for (n, w, s) in [(1000, 256, 96), (257, 256, 96), (256, 256, 96), (10, 256, 96), (5000, 512, 192), (777, 100, 37)] {
+        for (n, w, s) in
+            [(1000, 256, 96), (257, 256, 96), (256, 256, 96), (10, 256, 96), (5000, 512, 192), (777, 100, 37)]
+        {
             let segs = segments(n, w, s);
             let mut covered = vec![false; n];
             for seg in &segs {

@@ -43,7 +43,7 @@ pub struct EarlyStop {
 impl Default for TrainOptions {
     fn default() -> Self {
         Self {
-            epochs: [2, 3],
+            epochs: [3, 5],
             lr: 1e-3,
             weight_decay: 1e-4,
             beta1: 0.9,
