@@ -26,11 +26,16 @@ impl GmDims {
         Ok(Self { heads, d, s, bias: layer.mem_b1.is_some() })
     }
 
-    /// Element offsets of mem_w1, mem_b1, mem_w2, mem_b2, gate_w1, gate_b1, gate_w2 in the packed
-    /// vector (−1: absent) and its length; the order of `GatedMemoryLayer::named`.
+    /// Elements per head of mem_w1, mem_b1, mem_w2, mem_b2, gate_w1, gate_b1, gate_w2 (the order
+    /// of `GatedMemoryLayer::named`), whether or not the biases exist.
+    pub fn per_head_sizes(&self) -> [usize; 7] {
+        let (d, d2, s) = (self.d, 2 * self.d, self.s);
+        [d * d2, d2, d2 * d, d, d * s, s, s]
+    }
+
+    /// Element offsets of the seven tensors in the packed vector (−1: absent) and its length.
     pub fn offsets(&self) -> ([i64; 7], usize) {
-        let (h, d, s) = (self.heads, self.d, self.s);
-        let sizes = [h * d * 2 * d, h * 2 * d, h * 2 * d * d, h * d, h * d * s, h * s, h * s];
+        let sizes = self.per_head_sizes().map(|n| n * self.heads);
         let present = [true, self.bias, true, self.bias, true, self.bias, true];
         let mut off = [-1i64; 7];
         let mut at = 0usize;
@@ -74,18 +79,18 @@ struct HeadWeights<'a> {
 
 fn head<'a>(p: &'a [f32], dims: GmDims, h: usize) -> HeadWeights<'a> {
     let (off, _) = dims.offsets();
-    let (d, d2, s) = (dims.d, 2 * dims.d, dims.s);
-    let at = |i: usize, per: usize| -> Option<&'a [f32]> {
-        (off[i] >= 0).then(|| &p[off[i] as usize + h * per..off[i] as usize + (h + 1) * per])
+    let per = dims.per_head_sizes();
+    let at = |i: usize| -> Option<&'a [f32]> {
+        (off[i] >= 0).then(|| &p[off[i] as usize + h * per[i]..off[i] as usize + (h + 1) * per[i]])
     };
     HeadWeights {
-        w1: at(0, d * d2).unwrap(),
-        b1: at(1, d2),
-        w2: at(2, d2 * d).unwrap(),
-        b2: at(3, d),
-        g1: at(4, d * s).unwrap(),
-        c1: at(5, s),
-        g2: at(6, s).unwrap(),
+        w1: at(0).unwrap(),
+        b1: at(1),
+        w2: at(2).unwrap(),
+        b2: at(3),
+        g1: at(4).unwrap(),
+        c1: at(5),
+        g2: at(6).unwrap(),
     }
 }
 
@@ -330,11 +335,6 @@ fn block_forward(x: &[f32], w: &HeadWeights, dims: GmDims, t: usize) -> BlockFwd
     BlockFwd { a1, s1, z1, ag, sg, m, g }
 }
 
-/// Rows `[b, heads, t, d]` as (batch, head) blocks of `t·d` values: block `i` is head `i % heads`.
-fn blocks(n: usize, dims: GmDims, t: usize) -> usize {
-    n / (t * dims.d).max(1)
-}
-
 /// Fast equivalent of [`reference_forward`].
 pub fn fast_forward(q: &[f32], attn: &[f32], p: &[f32], dims: GmDims, t: usize) -> Vec<f32> {
     use rayon::prelude::*;
@@ -377,21 +377,17 @@ pub fn fast_backward(
     if bs == 0 {
         return (dq, dattn, dp);
     }
-    let n_blocks = blocks(q.len(), dims, t);
+    // Rows `[b, heads, t, d]` as (batch, head) blocks of `t·d` values: block `i` is head
+    // `i % heads`. Each block's forward intermediates are recomputed here, not kept from the
+    // forward (cheap next to the products below, and no memory held between the passes).
+    let n_blocks = q.len() / bs;
+    let per = dims.per_head_sizes();
     // Per head: its blocks' dq/dattn and its parameter gradients (in `named` order, as packed).
     let per_head: Vec<(Vec<(usize, Vec<f32>, Vec<f32>)>, [Vec<f32>; 7])> = (0..dims.heads)
         .into_par_iter()
         .map(|h| {
             let w = head(p, dims, h);
-            let mut gw: [Vec<f32>; 7] = [
-                vec![0f32; d * d2],
-                vec![0f32; d2],
-                vec![0f32; d2 * d],
-                vec![0f32; d],
-                vec![0f32; d * s],
-                vec![0f32; s],
-                vec![0f32; s],
-            ];
+            let mut gw: [Vec<f32>; 7] = per.map(|n| vec![0f32; n]);
             let mut outs = Vec::new();
             for i in (h..n_blocks).step_by(dims.heads) {
                 let r = i * bs..(i + 1) * bs;
@@ -440,7 +436,6 @@ pub fn fast_backward(
             (outs, gw)
         })
         .collect();
-    let per = [d * d2, d2, d2 * d, d, d * s, s, s];
     for (h, (outs, gw)) in per_head.into_iter().enumerate() {
         for (i, dx, da) in outs {
             dq[i * bs..(i + 1) * bs].copy_from_slice(&dx);
