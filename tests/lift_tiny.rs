@@ -2,11 +2,11 @@
 //! an absorbed document is recalled from the adapter alone (memory mode, nothing in context).
 
 use candle_core::{Device, Tensor};
-use lift_serve::adapters::{Lora, LoraConfig};
+use lift_serve::adapters::{GatedMemory, Lora, LoraConfig};
 use lift_serve::lift::plan::{segments, ExampleKind, Plan, PlanOptions};
 use lift_serve::lift::prompt::{chat_with_context, RECITE_PROMPT};
 use lift_serve::lift::qa::{QaPair, QaSource};
-use lift_serve::lift::trainer::{train, TrainOptions};
+use lift_serve::lift::trainer::{example_loss, train, TrainOptions};
 use lift_serve::model::{Adapter, KvCache, Logits, Model, NoHooks};
 use lift_serve::testing::{write_hf, TinySpec};
 
@@ -24,7 +24,7 @@ logs every departure in a green ledger. Passengers pay eleven coins for the cros
 fn ct_and_qa_examples_put_the_loss_exactly_on_segment_and_answer_tokens() {
     let (_d, model) = tiny();
     let doc = model.tokenizer.encode(DOC, false).unwrap();
-    let opts = PlanOptions { window: 48, stride: None, context_tokens: 32, qa_context_tokens: None };
+    let opts = PlanOptions { window: 48, context_tokens: 32, ..Default::default() };
     let pair = QaPair {
         question: "Who keeps the lighthouse?".into(),
         answer: "Anselm Varga".into(),
@@ -57,13 +57,91 @@ fn ct_and_qa_examples_put_the_loss_exactly_on_segment_and_answer_tokens() {
     assert_eq!(qa.tokens.last(), model.tokenizer.eos_token_ids().first());
 }
 
+fn pair(question: &str, answer: &str) -> QaPair {
+    QaPair {
+        question: question.into(),
+        answer: answer.into(),
+        evidence: answer.into(),
+        evidence_span: (0, 0),
+        source: QaSource::Extractive,
+    }
+}
+
+#[test]
+fn a_packed_qa_row_has_the_mean_loss_and_gradients_of_its_questions() {
+    let (_d, model) = tiny();
+    let doc = model.tokenizer.encode(DOC, false).unwrap();
+    let pairs = [
+        pair("Who keeps the lighthouse?", "Anselm Varga"),
+        pair("Where do the ferries leave from?", "the north pier"),
+        pair("What does a crossing cost?", "eleven coins"),
+    ];
+    let opts = |qa_pack| PlanOptions { window: 48, context_tokens: 32, qa_pack, ..Default::default() };
+    let single = Plan::new(&model, &doc, &pairs, &opts(1)).unwrap();
+    let packed = Plan::new(&model, &doc, &pairs, &opts(3)).unwrap();
+    assert_eq!((single.qa.len(), packed.qa.len()), (3, 1));
+    let row = &packed.qa[0];
+    let p = row.packing.as_ref().expect("three questions share one row");
+    assert_eq!(p.len(), row.tokens.len());
+    let targets: usize = single.qa.iter().map(|e| e.target_count()).sum();
+    assert_eq!(row.target_count(), targets, "every answer token is still in the loss");
+    let separate: usize = single.qa.iter().map(|e| e.tokens.len()).sum();
+    let prefix = p.sequence().iter().take_while(|&&s| s == 0).count();
+    assert!(prefix > 32, "the shared prefix holds the document context ({prefix} tokens)");
+    assert_eq!(row.tokens.len(), separate - 2 * prefix, "the prefix is stored once instead of three times");
+
+    assert_packed_row_is_the_mean(&model, row, &single.qa);
+
+    // Contextualized training: two segments behind one context (the same head/tail split).
+    let plan = Plan::new(&model, &doc, &[], &PlanOptions { segment_pack: 2, ..opts(1) }).unwrap();
+    let row = plan.segments_example(&model, &doc, &[0, 2], &mut Plan::rng(9)).unwrap();
+    let singles: Vec<_> =
+        [0, 2].iter().map(|&i| plan.segment_example(&model, &doc, i, &mut Plan::rng(9)).unwrap()).collect();
+    assert_eq!(row.target_count(), singles.iter().map(|e| e.target_count()).sum::<usize>());
+    assert_packed_row_is_the_mean(&model, &row, &singles);
+}
+
+/// A packed row's loss and adapter gradients are the mean of its sequences' as separate examples.
+fn assert_packed_row_is_the_mean(
+    model: &Model,
+    row: &lift_serve::lift::plan::Example,
+    singles: &[lift_serve::lift::plan::Example],
+) {
+    let k = singles.len() as f64;
+    // Layer 0 adapted (everything on the graph) and layer 1 only (layer 0 on the inference path).
+    for layers in [vec![0, 1], vec![1]] {
+        let gm = GatedMemory::new(model.config(), &layers, false, 5, &Device::Cpu).unwrap();
+        let packed_loss = example_loss(model, &gm, row).unwrap();
+        let packed_grads = packed_loss.backward().unwrap();
+        let losses: Vec<Tensor> = singles.iter().map(|e| example_loss(model, &gm, e).unwrap()).collect();
+        let mean = (Tensor::stack(&losses, 0).unwrap().sum_all().unwrap() / k).unwrap();
+        let mean_grads = mean.backward().unwrap();
+        let (a, b) = (packed_loss.to_scalar::<f32>().unwrap(), mean.to_scalar::<f32>().unwrap());
+        assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "layers {layers:?}: packed loss {a} vs mean {b}");
+        for v in gm.vars() {
+            let gp = packed_grads.get(v.as_tensor()).unwrap();
+            let gs = mean_grads.get(v.as_tensor()).unwrap();
+            let scale = gs.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            let diff = (gp - gs).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(scale > 0.0, "layers {layers:?}: a parameter got no gradient");
+            assert!(diff <= 1e-4 * scale, "layers {layers:?}: gradient differs by {diff} (scale {scale})");
+        }
+    }
+}
+
 /// Greedy continuation of `prompt` for `n` tokens.
 fn continue_greedy(model: &Model, adapter: Option<&dyn Adapter>, prompt: &[u32], n: usize) -> Vec<u32> {
     let mut cache = KvCache::new(model.config().num_layers);
     let dev = Device::Cpu;
     let mut logits = model
         .decoder
-        .forward(&Tensor::new(prompt, &dev).unwrap().unsqueeze(0).unwrap(), &mut cache, adapter, &mut NoHooks, Logits::Last)
+        .forward(
+            &Tensor::new(prompt, &dev).unwrap().unsqueeze(0).unwrap(),
+            &mut cache,
+            adapter,
+            &mut NoHooks,
+            Logits::Last,
+        )
         .unwrap();
     let mut out = Vec::new();
     for _ in 0..n {
@@ -80,7 +158,7 @@ fn memorize_and_recite(model: &Model, adapter: &dyn Adapter, vars: &[candle_core
     let text = &DOC[..DOC.find(" Passengers").unwrap()];
     let doc = model.tokenizer.encode(text, false).unwrap();
     // No document context at all: whatever is recalled comes from the adapter.
-    let opts = PlanOptions { window: 64, stride: None, context_tokens: 0, qa_context_tokens: None };
+    let opts = PlanOptions { window: 64, context_tokens: 0, ..Default::default() };
     let plan = Plan::new(model, &doc, &[], &opts).unwrap();
     let train_opts = TrainOptions { epochs: [epochs, 0], lr, seed: 3, ..Default::default() };
     let report = train(model, &doc, &plan, adapter, vars, &train_opts, &mut |_| {}, &|| false).unwrap();

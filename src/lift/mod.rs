@@ -158,7 +158,12 @@ pub fn absorb(
         }
         AdapterKind::Lora => AnyAdapter::Lora(Lora::new(cfg, &opts.lora, seed, model.device())?),
     };
-    let plan = Plan::new(model, &doc, &pairs, &opts.plan)?;
+    // FltLM's and CDT's per-question bookkeeping (chunks, evidence positions) is per row.
+    let mut plan_opts = opts.plan.clone();
+    if opts.filter.enabled || opts.cdt.enabled {
+        plan_opts.qa_pack = 1;
+    }
+    let plan = Plan::new(model, &doc, &pairs, &plan_opts)?;
     let train_opts = opts.effective_train();
     let budget = opts.plan.qa_context();
     let filter = if opts.filter.enabled { Some(Filter::new(cfg, &opts.filter, model.device())?) } else { None };

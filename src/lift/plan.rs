@@ -3,7 +3,7 @@
 
 use super::prompt::{chat_with_context, elision_tokens, end_of_turn, head_tail, RECITE_PROMPT};
 use super::qa::QaPair;
-use crate::model::Model;
+use crate::model::{Model, Packing};
 use anyhow::Result;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
@@ -21,11 +21,18 @@ pub struct PlanOptions {
     /// Head+tail document tokens before each auxiliary question (default: `context_tokens`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub qa_context_tokens: Option<usize>,
+    /// Auxiliary questions packed into one training row behind their shared head+tail context
+    /// (`model::Packing`: each sees the context and itself only, so the gradient is that of the
+    /// separate examples summed, at a fraction of the tokens). 1: one question per row.
+    pub qa_pack: usize,
+    /// Segments packed into one contextualized-training row behind one head+tail context (as
+    /// `qa_pack`; the segments of a row share the context's head/tail split). 1: one per row.
+    pub segment_pack: usize,
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        Self { window: 256, stride: None, context_tokens: 128, qa_context_tokens: None }
+        Self { window: 256, stride: None, context_tokens: 128, qa_context_tokens: None, qa_pack: 8, segment_pack: 1 }
     }
 }
 
@@ -70,12 +77,15 @@ pub enum ExampleKind {
     Qa(usize),
 }
 
-/// One training sequence: `tokens[i]` is predicted (and counted in the loss) where `target[i]`.
+/// One training row: `tokens[i]` is predicted (and counted in the loss) where `target[i]`.
+/// A packed row (`packing`) holds several sequences behind a shared prefix; its loss is the mean
+/// of their mean losses.
 #[derive(Clone, Debug)]
 pub struct Example {
     pub kind: ExampleKind,
     pub tokens: Vec<u32>,
     pub target: Vec<bool>,
+    pub packing: Option<Packing>,
 }
 
 impl Example {
@@ -86,7 +96,8 @@ impl Example {
 
 pub struct Plan {
     pub segments: Vec<Segment>,
-    /// Auxiliary-QA examples (CT examples are drawn per epoch by `segment_example`).
+    /// Auxiliary-QA examples, `qa_pack` questions per row (CT examples are drawn per epoch by
+    /// `segment_example`).
     pub qa: Vec<Example>,
     opts: PlanOptions,
     elision: Vec<u32>,
@@ -100,13 +111,21 @@ impl Plan {
         let budget = opts.qa_context();
         let ctx = head_tail(doc, budget, budget / 2, &elision);
         let eot = end_of_turn(model);
-        let mut qa = Vec::with_capacity(qa_pairs.len());
-        for (i, pair) in qa_pairs.iter().enumerate() {
+        let mut singles = Vec::with_capacity(qa_pairs.len());
+        for pair in qa_pairs {
             let prompt = chat_with_context(model, &ctx, &pair.question)?;
             let mut answer = model.encode_document(pair.answer.trim())?;
             answer.extend_from_slice(&eot);
-            qa.push(Self::example(ExampleKind::Qa(i), prompt, &answer));
+            singles.push((prompt, answer));
         }
+        // Row r holds questions r, r + rows, r + 2·rows, …: each row spans the whole document.
+        let rows = qa_pairs.len().div_ceil(opts.qa_pack.max(1));
+        let qa = (0..rows)
+            .map(|r| {
+                let members: Vec<&(Vec<u32>, Vec<u32>)> = singles.iter().skip(r).step_by(rows).collect();
+                Self::packed_example(ExampleKind::Qa(r), &members)
+            })
+            .collect();
         Ok(Self { segments: segs, qa, opts: opts.clone(), elision })
     }
 
@@ -115,7 +134,37 @@ impl Plan {
         target.extend(std::iter::repeat_n(true, answer.len()));
         let mut tokens = prompt;
         tokens.extend_from_slice(answer);
-        Example { kind, tokens, target }
+        Example { kind, tokens, target, packing: None }
+    }
+
+    /// One row of (prompt, answer) pairs: the prompts' common prefix once, then each pair's
+    /// rest of the prompt and its answer. A single pair is a plain example.
+    fn packed_example(kind: ExampleKind, members: &[&(Vec<u32>, Vec<u32>)]) -> Example {
+        if let [(prompt, answer)] = members {
+            return Self::example(kind, prompt.clone(), answer);
+        }
+        // Every sequence keeps at least one prompt token, so no answer token is ever predicted
+        // from another sequence's last token.
+        let shortest = members.iter().map(|(p, _)| p.len()).min().unwrap_or(0);
+        let first = &members[0].0;
+        let prefix = members
+            .iter()
+            .map(|(p, _)| p.iter().zip(first).take_while(|(a, b)| a == b).count())
+            .min()
+            .unwrap_or(0)
+            .min(shortest.saturating_sub(1));
+        let mut tokens = first[..prefix].to_vec();
+        let mut target = vec![false; prefix];
+        let mut lens = Vec::with_capacity(members.len());
+        for (prompt, answer) in members {
+            let rest = &prompt[prefix..];
+            tokens.extend_from_slice(rest);
+            tokens.extend_from_slice(answer);
+            target.extend(std::iter::repeat_n(false, rest.len()));
+            target.extend(std::iter::repeat_n(true, answer.len()));
+            lens.push(rest.len() + answer.len());
+        }
+        Example { kind, tokens, target, packing: Some(Packing::new(prefix, &lens)) }
     }
 
     /// The CT example of segment `i` with a head/tail split drawn from `rng`: the document's
@@ -132,6 +181,20 @@ impl Plan {
         };
         let prompt = chat_with_context(model, &ctx, RECITE_PROMPT)?;
         Ok(Self::example(ExampleKind::Segment(i), prompt, &doc[seg.start..seg.end]))
+    }
+
+    /// One CT row of the segments `idx` behind a single context (split drawn from `rng`); one
+    /// index gives `segment_example`.
+    pub fn segments_example(&self, model: &Model, doc: &[u32], idx: &[usize], rng: &mut StdRng) -> Result<Example> {
+        let first = self.segment_example(model, doc, idx[0], rng)?;
+        if idx.len() == 1 {
+            return Ok(first);
+        }
+        let n = first.target_count();
+        let prompt = first.tokens[..first.tokens.len() - n].to_vec();
+        let members: Vec<(Vec<u32>, Vec<u32>)> =
+            idx.iter().map(|&i| (prompt.clone(), doc[self.segments[i].start..self.segments[i].end].to_vec())).collect();
+        Ok(Self::packed_example(ExampleKind::Segment(idx[0]), &members.iter().collect::<Vec<_>>()))
     }
 
     /// Deterministic generator for the plan's random choices.

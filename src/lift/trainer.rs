@@ -5,9 +5,9 @@
 use super::cdt::{self, CdtOptions, CdtStats};
 use super::filter::{filter_loss, Filter, FilterExample, FilterHooks, FromLayer};
 use super::plan::{Example, Plan};
-use crate::model::{ops, Adapter, ForwardHooks, Model, NoHooks};
+use crate::model::{ops, Adapter, ForwardHooks, Model, NoHooks, Packing};
 use anyhow::{bail, Result};
-use candle_core::{DType, Tensor, Var};
+use candle_core::{Tensor, Var};
 use rand::seq::SliceRandom;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -150,11 +150,18 @@ impl FrozenCache {
     }
 
     /// The stream entering layer `first` for example `key` with embeddings `emb`.
-    fn stream(&mut self, model: &Model, key: usize, emb: &Tensor, first: usize) -> Result<Tensor> {
+    fn stream(
+        &mut self,
+        model: &Model,
+        key: usize,
+        emb: &Tensor,
+        first: usize,
+        packing: Option<&Packing>,
+    ) -> Result<Tensor> {
         if let Some(h) = self.entries.get(&key) {
             return Ok(h.clone());
         }
-        let h = model.decoder.forward_frozen(emb, first, &mut NoHooks)?;
+        let h = model.decoder.forward_frozen(emb, first, packing, &mut NoHooks)?;
         let size = h.elem_count() * h.dtype().size_in_bytes();
         if first > 0 && self.bytes + size <= self.budget {
             self.bytes += size;
@@ -206,12 +213,21 @@ impl AdamW {
 /// Mean cross-entropy of `example` under the model with `adapter`; only target positions go
 /// through the vocabulary projection.
 pub fn example_loss(model: &Model, adapter: &dyn Adapter, example: &Example) -> Result<Tensor> {
-    let (input, pos, tgt) = prepare(model, example)?;
-    lm_loss(model, adapter, &model.decoder.embed(&input)?, &mut NoHooks, &pos, &tgt)
+    let p = prepare(model, example)?;
+    lm_loss(model, adapter, &model.decoder.embed(&p.input)?, &mut NoHooks, &p)
 }
 
-/// Input ids `[1, n−1]`, the positions whose next token is a target, and those targets.
-fn prepare(model: &Model, example: &Example) -> Result<(Tensor, Tensor, Tensor)> {
+/// A training row ready for the model: input ids `[1, n−1]` (laid out by `packing`), the
+/// positions whose next token is a target, those targets and their loss weights.
+struct Prepared {
+    input: Tensor,
+    packing: Option<Packing>,
+    pos: Tensor,
+    tgt: Tensor,
+    weights: Tensor,
+}
+
+fn prepare(model: &Model, example: &Example) -> Result<Prepared> {
     let dev = model.device();
     let n = example.tokens.len();
     if n < 2 {
@@ -219,34 +235,46 @@ fn prepare(model: &Model, example: &Example) -> Result<(Tensor, Tensor, Tensor)>
     }
     let input = Tensor::new(&example.tokens[..n - 1], dev)?.unsqueeze(0)?;
     // Position i predicts token i + 1.
-    let (pos, tgt): (Vec<u32>, Vec<u32>) = (0..n - 1)
-        .filter(|&i| example.target[i + 1])
-        .map(|i| (i as u32, example.tokens[i + 1]))
-        .unzip();
+    let (pos, tgt): (Vec<u32>, Vec<u32>) =
+        (0..n - 1).filter(|&i| example.target[i + 1]).map(|i| (i as u32, example.tokens[i + 1])).unzip();
     if pos.is_empty() {
         bail!("training example without target tokens");
     }
-    Ok((input, Tensor::new(pos.as_slice(), dev)?, Tensor::new(tgt.as_slice(), dev)?))
+    // Each packed sequence's tokens weigh 1 / its target count: the mean of the sequences' means.
+    let weights: Vec<f32> = match &example.packing {
+        None => vec![1.0; pos.len()],
+        Some(p) => {
+            let seq = p.sequence();
+            let mut count = vec![0usize; seq.iter().max().map_or(0, |&s| s as usize + 1)];
+            pos.iter().for_each(|&i| count[seq[i as usize + 1] as usize] += 1);
+            pos.iter().map(|&i| 1.0 / count[seq[i as usize + 1] as usize] as f32).collect()
+        }
+    };
+    Ok(Prepared {
+        input,
+        packing: example.packing.as_ref().map(|p| p.truncated(n - 1)),
+        pos: Tensor::new(pos.as_slice(), dev)?,
+        tgt: Tensor::new(tgt.as_slice(), dev)?,
+        weights: Tensor::new(weights.as_slice(), dev)?,
+    })
 }
 
-/// Mean cross-entropy at `pos` → `tgt` from input embeddings `[1, t, hidden]`.
+/// The row's mean cross-entropy from input embeddings `[1, t, hidden]`.
 fn lm_loss(
     model: &Model,
     adapter: &dyn Adapter,
     emb: &Tensor,
     hooks: &mut dyn ForwardHooks,
-    pos: &Tensor,
-    tgt: &Tensor,
+    p: &Prepared,
 ) -> Result<Tensor> {
-    let hidden = model.decoder.forward_train(emb, Some(adapter), hooks)?;
-    cross_entropy_at(model, &hidden, pos, tgt)
+    let hidden = model.decoder.forward_train_packed(emb, p.packing.as_ref(), Some(adapter), hooks)?;
+    cross_entropy_at(model, &hidden, p)
 }
 
-/// Mean cross-entropy at `pos` → `tgt` of final hidden states `[1, t, hidden]`.
-fn cross_entropy_at(model: &Model, hidden: &Tensor, pos: &Tensor, tgt: &Tensor) -> Result<Tensor> {
-    let logits = model.decoder.logits_train(&hidden.squeeze(0)?.index_select(pos, 0)?)?;
-    let weights = Tensor::ones(tgt.dim(0)?, DType::F32, model.device())?;
-    Ok(ops::cross_entropy_masked(&logits, tgt, &weights)?)
+/// The row's mean cross-entropy from final hidden states `[1, t, hidden]`.
+fn cross_entropy_at(model: &Model, hidden: &Tensor, p: &Prepared) -> Result<Tensor> {
+    let logits = model.decoder.logits_train(&hidden.squeeze(0)?.index_select(&p.pos, 0)?)?;
+    Ok(ops::cross_entropy_masked(&logits, &p.tgt, &p.weights)?)
 }
 
 /// `(L_lm + λ·L_flt, L_lm, L_flt)` of one example from embeddings `emb`; without a filter
@@ -255,18 +283,17 @@ fn total_loss(
     model: &Model,
     adapter: &dyn Adapter,
     emb: &Tensor,
-    pos: &Tensor,
-    tgt: &Tensor,
+    p: &Prepared,
     filter: Option<(&FilterTraining, &FilterExample)>,
 ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
     let Some((ft, fx)) = filter else {
-        let lm = lm_loss(model, adapter, emb, &mut NoHooks, pos, tgt)?;
+        let lm = lm_loss(model, adapter, emb, &mut NoHooks, p)?;
         return Ok((lm.clone(), lm, None));
     };
     // Keep the layers the soft mask acts on differentiable even if the adapter starts higher.
     let adapter = FromLayer { inner: adapter, first: ft.filter.layer + 1 };
     let mut hooks = FilterHooks::new(ft.filter, &fx.chunks, model.config().num_layers);
-    let lm = lm_loss(model, &adapter, emb, &mut hooks, pos, tgt)?;
+    let lm = lm_loss(model, &adapter, emb, &mut hooks, p)?;
     if fx.chunks.is_empty() {
         return Ok((lm.clone(), lm, None));
     }
@@ -288,19 +315,20 @@ fn training_loss(
     shift: &mut (f64, usize),
     frozen: Option<(&mut FrozenCache, usize)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
-    let (input, pos, tgt) = prepare(model, example)?;
-    let emb = model.decoder.embed(&input)?;
+    let p = prepare(model, example)?;
+    let emb = model.decoder.embed(&p.input)?;
     if let (Some((frozen, key)), None, None) = (frozen, cdt_step, filter) {
+        let packing = p.packing.as_ref();
         let first = model.decoder.first_trainable_layer(&emb, Some(adapter));
-        let h = frozen.stream(model, key, &emb, first)?;
-        let hidden = model.decoder.forward_train_from(&h, first, Some(adapter), &mut NoHooks)?;
-        return Ok((cross_entropy_at(model, &hidden, &pos, &tgt)?, None));
+        let h = frozen.stream(model, key, &emb, first, packing)?;
+        let hidden = model.decoder.forward_train_from(&h, first, packing, Some(adapter), &mut NoHooks)?;
+        return Ok((cross_entropy_at(model, &hidden, &p)?, None));
     }
     let emb = match cdt_step {
         None => emb,
         Some(step) => {
             let v = Var::from_tensor(&emb)?;
-            let (_, lm, _) = total_loss(model, adapter, v.as_tensor(), &pos, &tgt, filter)?;
+            let (_, lm, _) = total_loss(model, adapter, v.as_tensor(), &p, filter)?;
             let grads = lm.backward()?;
             let g = grads.get(v.as_tensor()).map(|g| g.detach().squeeze(0)).transpose()?;
             let e = emb.squeeze(0)?;
@@ -321,7 +349,11 @@ fn training_loss(
             stats.tokens += critical.len();
             stats.critical += n_crit;
             if let Some(p) = positions {
-                let count = |ps: &[usize]| ps.iter().filter(|&&i| i < critical.len()).fold((0, 0), |(n, c), &i| (n + 1, c + critical[i] as usize));
+                let count = |ps: &[usize]| {
+                    ps.iter()
+                        .filter(|&&i| i < critical.len())
+                        .fold((0, 0), |(n, c), &i| (n + 1, c + critical[i] as usize))
+                };
                 let (cn, cc) = count(&p.context);
                 let (en, ec) = count(&p.evidence);
                 stats.context_tokens += cn;
@@ -335,7 +367,7 @@ fn training_loss(
             cdt::denoise(&e, &g, &critical, step)?.unsqueeze(0)?
         }
     };
-    let (total, _, flt) = total_loss(model, adapter, &emb, &pos, &tgt, filter)?;
+    let (total, _, flt) = total_loss(model, adapter, &emb, &p, filter)?;
     Ok((total, flt))
 }
 
@@ -382,10 +414,13 @@ pub fn train_with(
     let mut shift = (0.0, 0usize);
     let mut frozen = FrozenCache::new(FROZEN_CACHE_BYTES);
     let n_seg = plan.segments.len();
+    let segment_pack = plan.options().segment_pack.max(1);
+    let seg_rows = n_seg.div_ceil(segment_pack);
     let n_qa = plan.qa.len();
     let accumulation = opts.accumulation.max(1);
     let epochs_total = opts.epochs[0] + opts.epochs[1];
-    let steps_total = opts.epochs[0] * n_seg.div_ceil(accumulation) + opts.epochs[1] * (n_seg + n_qa).div_ceil(accumulation);
+    let steps_total =
+        opts.epochs[0] * seg_rows.div_ceil(accumulation) + opts.epochs[1] * (seg_rows + n_qa).div_ceil(accumulation);
     let mut optimizer = AdamW::new(vars[..n_adapter_vars].to_vec(), opts)?;
     let mut rng = Plan::rng(opts.seed);
     let mut report = TrainReport::default();
@@ -396,7 +431,15 @@ pub fn train_with(
     'stages: for (stage, epochs) in [(Stage::Segments, opts.epochs[0]), (Stage::SegmentsAndQa, opts.epochs[1])] {
         for _ in 0..epochs {
             epoch += 1;
-            let mut order: Vec<(bool, usize)> = (0..n_seg).map(|i| (false, i)).collect();
+            // Which segments share each CT row this epoch.
+            let seg_members: Vec<Vec<usize>> = if segment_pack == 1 {
+                (0..n_seg).map(|i| vec![i]).collect()
+            } else {
+                let mut perm: Vec<usize> = (0..n_seg).collect();
+                perm.shuffle(&mut rng);
+                perm.chunks(segment_pack).map(<[usize]>::to_vec).collect()
+            };
+            let mut order: Vec<(bool, usize)> = (0..seg_rows).map(|i| (false, i)).collect();
             if stage == Stage::SegmentsAndQa {
                 order.extend((0..n_qa).map(|i| (true, i)));
             }
@@ -416,15 +459,16 @@ pub fn train_with(
                     let example = match (fx, is_qa) {
                         (Some((_, fx)), _) => fx.example.clone(),
                         (None, true) => plan.qa[i].clone(),
-                        (None, false) => plan.segment_example(model, doc, i, &mut rng)?,
+                        (None, false) => plan.segments_example(model, doc, &seg_members[i], &mut rng)?,
                     };
                     let lr = current_lr(opts, report.steps);
                     let cdt_step = ext.cdt.as_ref().filter(|c| c.applies(is_qa)).map(|c| lr * c.beta);
                     let positions = if is_qa { ext.qa_positions.get(i) } else { None };
                     // QA examples are the same tokens every epoch; segments get a new context each time.
                     let cached = is_qa.then_some((&mut frozen, i));
-                    let (loss, flt) =
-                        training_loss(model, adapter, &example, fx, cdt_step, positions, &mut cdt_stats, &mut shift, cached)?;
+                    let (loss, flt) = training_loss(
+                        model, adapter, &example, fx, cdt_step, positions, &mut cdt_stats, &mut shift, cached,
+                    )?;
                     if let Some(flt) = flt {
                         epoch_flt.0 += flt.to_scalar::<f32>()? as f64;
                         epoch_flt.1 += 1;

@@ -8,6 +8,7 @@
 use super::config::ModelConfig;
 use super::hooks::{Adapter, ForwardHooks, Projection};
 use super::ops;
+use super::packing::Packing;
 use super::weights::{base_dtype, Linear};
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
 
@@ -383,9 +384,40 @@ impl Decoder {
         adapter: Option<&dyn Adapter>,
         hooks: &mut dyn ForwardHooks,
     ) -> Result<Tensor> {
+        self.forward_train_packed(x, None, adapter, hooks)
+    }
+
+    /// `forward_train` over a row laid out by `packing` (positions and visibility per token;
+    /// `None`: one sequence at positions `0..t`).
+    pub fn forward_train_packed(
+        &self,
+        x: &Tensor,
+        packing: Option<&Packing>,
+        adapter: Option<&dyn Adapter>,
+        hooks: &mut dyn ForwardHooks,
+    ) -> Result<Tensor> {
         let first = self.first_trainable_layer(x, adapter);
-        let h = self.forward_frozen(x, first, hooks)?;
-        self.forward_train_from(&h, first, adapter, hooks)
+        let h = self.forward_frozen(x, first, packing, hooks)?;
+        self.forward_train_from(&h, first, packing, adapter, hooks)
+    }
+
+    /// RoPE rows `[t, d/2]` of a training row of `t` tokens, and its additive mask `[t, t]`
+    /// (causal, sliding window, packing) when one is needed.
+    fn train_layout(&self, t: usize, packing: Option<&Packing>) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+        let window = self.config.sliding_window;
+        match packing {
+            None => {
+                let (cos, sin) = self.rope_slice(0, t)?;
+                Ok((cos, sin, causal_mask(t, 0, window, &self.device)?))
+            }
+            Some(p) => {
+                if p.len() != t {
+                    candle_core::bail!("packing of {} tokens for a row of {t}", p.len());
+                }
+                let (cos, sin) = p.rope_tables(&self.cos, &self.sin)?;
+                Ok((cos, sin, Some(p.mask(window, &self.device)?)))
+            }
+        }
     }
 
     /// The lowest layer that needs an autograd graph: layers below the adapter's first layer see
@@ -398,16 +430,21 @@ impl Decoder {
     /// The frozen base model's layers `0..upto` over embeddings `[b, t, hidden]` on the fast
     /// inference kernels (no graph): the residual stream entering layer `upto`. Deterministic for
     /// given tokens, so trainers may cache it across epochs.
-    pub fn forward_frozen(&self, x: &Tensor, upto: usize, hooks: &mut dyn ForwardHooks) -> Result<Tensor> {
+    pub fn forward_frozen(
+        &self,
+        x: &Tensor,
+        upto: usize,
+        packing: Option<&Packing>,
+        hooks: &mut dyn ForwardHooks,
+    ) -> Result<Tensor> {
         let cfg = &self.config;
         let (_, t, _) = x.dims3()?;
         let mut x = x.to_dtype(self.dtype)?;
         if upto == 0 {
             return Ok(x);
         }
-        let (cos, sin) = self.rope_slice(0, t)?;
+        let (cos, sin, mask) = self.train_layout(t, packing)?;
         let eps = cfg.rms_norm_eps as f32;
-        let mask = causal_mask(t, 0, cfg.sliding_window, &self.device)?;
         let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         for (li, layer) in self.layers.iter().enumerate().take(upto) {
             let ctx = LayerCtx { li, adapter: None, float: true, start: 0 };
@@ -424,23 +461,23 @@ impl Decoder {
     }
 
     /// Trainable forward of layers `from..` from the residual stream `h` `[b, t, hidden]` entering
-    /// layer `from` (positions `0..t`); returns the final normalised hidden states.
+    /// layer `from` (positions `0..t`, or as `packing` lays them out); returns the final
+    /// normalised hidden states.
     pub fn forward_train_from(
         &self,
         h: &Tensor,
         from: usize,
+        packing: Option<&Packing>,
         adapter: Option<&dyn Adapter>,
         hooks: &mut dyn ForwardHooks,
     ) -> Result<Tensor> {
         let cfg = &self.config;
         let (b, t, _) = h.dims3()?;
-        let (cos, sin) = self.rope_slice(0, t)?;
+        let (cos, sin, mask) = self.train_layout(t, packing)?;
         let eps = cfg.rms_norm_eps as f32;
-        let window_bias = match cfg.sliding_window {
-            Some(w) if t > w => causal_mask(t, 0, Some(w), &self.device)?,
-            _ => None,
-        };
-        let window_bias = window_bias.map(|m| m.to_dtype(self.dtype)).transpose()?;
+        // The attention op is causal itself: a mask is only needed beyond that.
+        let beyond_causal = packing.is_some() || cfg.sliding_window.is_some_and(|w| t > w);
+        let window_bias = mask.filter(|_| beyond_causal).map(|m| m.to_dtype(self.dtype)).transpose()?;
         let mut x = h.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate().skip(from) {
             let h = ops::rms_norm(&x, &layer.attn_norm, eps)?;
@@ -489,10 +526,10 @@ impl Decoder {
 
     /// Dequantizes every weight now instead of at the first training step.
     pub fn prepare_float_weights(&self) -> Result<()> {
-        self.lm_head.float_weight()?;
+        self.lm_head.prepare_float()?;
         for l in &self.layers {
             for p in Projection::ALL {
-                l.linear(p).float_weight()?;
+                l.linear(p).prepare_float()?;
             }
         }
         Ok(())

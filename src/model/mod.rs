@@ -9,6 +9,7 @@ pub mod hf;
 pub mod hooks;
 pub mod llama;
 pub mod ops;
+pub mod packing;
 pub mod tokenizer;
 pub mod weights;
 
@@ -16,6 +17,7 @@ pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, ModelConfig};
 pub use hooks::{Adapter, ForwardHooks, NoHooks, Projection};
 pub use llama::{Decoder, KvCache, Logits};
+pub use packing::Packing;
 pub use tokenizer::TextTokenizer;
 
 use anyhow::{Context, Result};

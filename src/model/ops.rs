@@ -255,32 +255,86 @@ impl CustomOp2 for FrozenLinear {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        let (n, _k) = w.dims2()?;
-        let m = grad.elem_count() / n.max(1);
-        let dx = grad
-            .reshape((m, n))?
-            .matmul(&w.detach())?
-            .reshape(x.shape())?;
-        Ok((Some(dx), None))
+        Ok((Some(frozen_linear_dx(x, w, grad)?), None))
     }
 }
 
+/// dL/dx = g · w of `y = x · wᵀ` (`w` `[out, in]`), shaped as `x`.
+fn frozen_linear_dx(x: &Tensor, w: &Tensor, grad: &Tensor) -> Result<Tensor> {
+    let (n, _k) = w.dims2()?;
+    let m = grad.elem_count() / n.max(1);
+    grad.reshape((m, n))?.matmul(&w.detach())?.reshape(x.shape())
+}
+
 fn frozen_linear_fwd<S: BackendStorage>(xs: &S, xl: &Layout, ws: &S, wl: &Layout) -> Result<(S, Shape)> {
+    // wᵀ as a strided [k, n] view of the (any-strided 2-D) weight.
+    linear_gemm(xs, xl, ws, &wl.transpose(0, 1)?)
+}
+
+/// `x · r` for `x` `[..., k]` (contiguous) and a 2-D right-hand side layout `rl` `[k, n]`.
+fn linear_gemm<S: BackendStorage>(xs: &S, xl: &Layout, rs: &S, rl: &Layout) -> Result<(S, Shape)> {
     if !xl.is_contiguous() {
         bail!("frozen-linear: x must be contiguous");
     }
-    let (n, k) = wl.shape().dims2()?;
+    let (k, n) = rl.shape().dims2()?;
     let dims = xl.dims();
     let m = xl.shape().elem_count() / k.max(1);
-    // x viewed as [m, k]; wᵀ as a strided [k, n] view of the (any-strided 2-D) weight.
+    // x viewed as [m, k].
     let lhs = Layout::contiguous_with_offset((m, k), xl.start_offset());
-    let rhs = wl.transpose(0, 1)?;
-    let out = xs.matmul(ws, (1, m, n, k), &lhs, &rhs)?;
+    let out = xs.matmul(rs, (1, m, n, k), &lhs, rl)?;
     let mut out_dims = dims.to_vec();
     if let Some(last) = out_dims.last_mut() {
         *last = n;
     }
     Ok((out, Shape::from(out_dims)))
+}
+
+/// `frozen_linear` with the weight also at hand transposed, `wt` = `[in, out]` contiguous: the
+/// forward gemm reads a contiguous right-hand side instead of a transposed view of `w` (on the
+/// CPU gemm's packing of a transposed operand costs ~1.4× at these shapes), the backward reads
+/// `w` itself. CPU only (cuBLAS takes either layout at full speed).
+struct FrozenLinearPretransposed;
+
+impl CustomOp3 for FrozenLinearPretransposed {
+    fn name(&self) -> &'static str {
+        "frozen-linear-pretransposed"
+    }
+
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        _ws: &CpuStorage,
+        _wl: &Layout,
+        wts: &CpuStorage,
+        wtl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        linear_gemm(xs, xl, wts, wtl)
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _wt: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(frozen_linear_dx(x, w, grad)?), None, None))
+    }
+}
+
+/// `frozen_linear(x, w)` given also `wt` = `wᵀ` contiguous (`[in, out]`): the same result, a
+/// faster forward on the CPU. Elsewhere it is `frozen_linear(x, w)`.
+pub fn frozen_linear_pretransposed(x: &Tensor, w: &Tensor, wt: &Tensor) -> Result<Tensor> {
+    let (n, k) = w.dims2()?;
+    if wt.dims2()? != (k, n) || !wt.is_contiguous() || !x.device().is_cpu() || x.dtype() != DType::F32 {
+        return frozen_linear(x, w);
+    }
+    if x.elem_count() == 0 || x.dims().last() != Some(&k) || w.dtype() != DType::F32 || wt.dtype() != DType::F32 {
+        return frozen_linear(x, w);
+    }
+    x.contiguous()?.apply_op3(&w.detach(), &wt.detach(), FrozenLinearPretransposed)
 }
 
 /// `y = x · wᵀ` for a frozen weight `w` of shape `[out, in]`; `x` is `[..., in]` (any rank
@@ -1624,6 +1678,22 @@ mod tests {
 
     // Checks forward + x-gradient against x·wᵀ for ranks 2, 3, 4 and a transposed x, and
     // that the (Var) weight gets no gradient entry.
+    #[test]
+    fn frozen_linear_pretransposed_matches_frozen_linear() {
+        let w = var((24, 40), 1, 0.5);
+        let wt = w.as_tensor().t().unwrap().contiguous().unwrap();
+        for (si, shape) in [vec![7, 40], vec![2, 5, 40]].into_iter().enumerate() {
+            let x = var(shape, 30 + si as u32, 1.0);
+            let y = frozen_linear_pretransposed(x.as_tensor(), w.as_tensor(), &wt).unwrap();
+            let y_ref = frozen_linear(x.as_tensor(), w.as_tensor()).unwrap();
+            assert_close(&y, &y_ref, FWD_TOL, "pretransposed fwd");
+            let g = loss_of(&y, 3).backward().unwrap();
+            let g_ref = loss_of(&y_ref, 3).backward().unwrap();
+            assert_close(&grad(&g, &x), &grad(&g_ref, &x), BWD_TOL, "pretransposed dx");
+            assert!(g.get(w.as_tensor()).is_none() && g.get(&wt).is_none(), "weights get no gradient");
+        }
+    }
+
     #[test]
     fn frozen_linear_matches_matmul_and_freezes_weight() {
         let w = var((24, 40), 1, 0.5);

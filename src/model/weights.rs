@@ -24,6 +24,10 @@ pub struct Linear {
     quantized: Option<Arc<QTensor>>,
     /// `[out, in]` in `base_dtype`, frozen: never a `Var`, never receives a gradient.
     float: OnceLock<Tensor>,
+    /// The float weight transposed, `[in, out]` contiguous, on the CPU only: the forward gemm runs
+    /// faster on it than on a transposed view (the backward uses `float`). Costs one more float
+    /// copy of the weights (~0.5 GB on the 135M model), made on first use.
+    float_t: OnceLock<Tensor>,
     bias: Option<Tensor>,
     out_dim: usize,
     in_dim: usize,
@@ -45,7 +49,7 @@ impl Linear {
             }
             _ => Some(q),
         };
-        Ok(Self { infer, quantized, float, bias, out_dim, in_dim })
+        Ok(Self { infer, quantized, float, float_t: OnceLock::new(), bias, out_dim, in_dim })
     }
 
     /// Float weight `[out, in]` (any float dtype; kept in `base_dtype`).
@@ -56,7 +60,7 @@ impl Linear {
         let float = OnceLock::new();
         let _ = float.set(w.clone());
         let bias = bias.map(|b| b.to_dtype(dtype)).transpose()?;
-        Ok(Self { infer: QMatMul::Tensor(w), quantized: None, float, bias, out_dim, in_dim })
+        Ok(Self { infer: QMatMul::Tensor(w), quantized: None, float, float_t: OnceLock::new(), bias, out_dim, in_dim })
     }
 
     pub fn out_dim(&self) -> usize {
@@ -76,10 +80,8 @@ impl Linear {
         if let Some(w) = self.float.get() {
             return Ok(w);
         }
-        let q = self
-            .quantized
-            .as_ref()
-            .ok_or_else(|| candle_core::Error::Msg("linear layer without weights".into()))?;
+        let q =
+            self.quantized.as_ref().ok_or_else(|| candle_core::Error::Msg("linear layer without weights".into()))?;
         let device = q.device();
         let w = q.dequantize(&device)?.to_dtype(base_dtype(&device))?;
         Ok(self.float.get_or_init(|| w))
@@ -102,8 +104,30 @@ impl Linear {
     /// Inference path through the float weights: faster than block-quantized dot products for
     /// long prompts (prefill), where the matmul is compute-bound.
     pub fn forward_float(&self, x: &Tensor) -> Result<Tensor> {
-        let y = ops::frozen_linear(x, self.float_weight()?)?;
+        let w = self.float_weight()?;
+        let y = match self.float_transposed()? {
+            Some(wt) => ops::frozen_linear_pretransposed(x, w, wt)?,
+            None => ops::frozen_linear(x, w)?,
+        };
         self.add_bias(y)
+    }
+
+    /// Makes the float copies (`float`, and `float_t` on the CPU) now instead of on first use.
+    pub fn prepare_float(&self) -> Result<()> {
+        self.float_transposed().map(|_| ())
+    }
+
+    /// `float_t`, made on first call; `None` off the CPU.
+    fn float_transposed(&self) -> Result<Option<&Tensor>> {
+        if let Some(wt) = self.float_t.get() {
+            return Ok(Some(wt));
+        }
+        let w = self.float_weight()?;
+        if !w.device().is_cpu() {
+            return Ok(None);
+        }
+        let wt = w.t()?.contiguous()?;
+        Ok(Some(self.float_t.get_or_init(|| wt)))
     }
 
     /// Trainable path: float weights, gradient flows to `x` only.
