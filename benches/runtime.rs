@@ -165,6 +165,38 @@ fn main() -> anyhow::Result<()> {
         );
     }
 
+    if want("linear") {
+        // The frozen linears of the trainable path at 512 tokens: forward through a transposed
+        // view of the [out, in] weight vs through a pre-transposed [in, out] copy (what the CPU
+        // path uses), alternating run by run.
+        let l0 = &model.decoder.layers[0];
+        let shapes =
+            [("q", &l0.q), ("k", &l0.k), ("gate", &l0.gate), ("down", &l0.down), ("lm_head", &model.decoder.lm_head)];
+        for (name, lin) in shapes {
+            let w = lin.float_weight()?;
+            let wt = w.t()?.contiguous()?;
+            let x = Tensor::randn(0f32, 1.0, (512, lin.in_dim()), &dev)?;
+            let (mut view, mut pre) = (Vec::new(), Vec::new());
+            for _ in 0..runs.max(5) {
+                view.extend(time_runs(1, 1, || {
+                    ops::frozen_linear(&x, w).unwrap();
+                }));
+                pre.extend(time_runs(1, 1, || {
+                    ops::frozen_linear_pretransposed(&x, w, &wt).unwrap();
+                }));
+            }
+            let (a, b) = (median(view), median(pre));
+            println!(
+                "linear {name:>7} 512x{}x{}: transposed view {:.2} ms, pre-transposed {:.2} ms ({:.2}x)",
+                lin.in_dim(),
+                lin.out_dim(),
+                a * 1e3,
+                b * 1e3,
+                a / b
+            );
+        }
+    }
+
     if want("train") {
         let seqs: Vec<usize> = std::env::var("BENCH_TRAIN_SEQS")
             .ok()

@@ -143,6 +143,12 @@ struct TrainArgs {
     /// Examples per optimizer step.
     #[arg(long)]
     accumulation: Option<usize>,
+    /// Auxiliary questions packed into one training row behind their shared context (1: none).
+    #[arg(long)]
+    qa_pack: Option<usize>,
+    /// Segments packed into one contextualized-training row behind one context (1: none).
+    #[arg(long)]
+    segment_pack: Option<usize>,
     /// Most auxiliary QA pairs.
     #[arg(long)]
     max_qa: Option<usize>,
@@ -206,6 +212,12 @@ impl TrainArgs {
         }
         if let Some(a) = self.accumulation {
             o.train.accumulation = a;
+        }
+        if let Some(p) = self.qa_pack {
+            o.plan.qa_pack = p;
+        }
+        if let Some(p) = self.segment_pack {
+            o.plan.segment_pack = p;
         }
         if let Some(m) = self.max_qa {
             o.qa.max_pairs = m;

@@ -71,13 +71,16 @@ impl AbsorbOptions {
     /// The LIFT paper's recipe (seeds/001_18569741511b14ae.txt App. A.2; the authors' code),
     /// scaled to a small model's context: Gated Memory on every layer, windows of 256 tokens with
     /// a 3/8 stride and 256 head+tail tokens of context, 3 epochs on segments then 5 on segments +
-    /// QA, QA pairs written by the model itself (the extractive generator fills up to the cap).
+    /// QA, one example per optimizer step (no packing), QA pairs written by the model itself (the
+    /// extractive generator fills up to the cap).
     /// The defaults keep its adapter and schedule but put 128 context tokens before segments and
     /// questions and use extractive QA only (the default 135M model writes almost no valid pairs).
     pub fn paper_faithful(num_layers: usize) -> Self {
         let mut o = Self { layers: Some((0..num_layers).collect()), ..Self::default() };
         o.plan.window = 256;
         o.plan.context_tokens = 256;
+        o.plan.qa_pack = 1;
+        o.plan.segment_pack = 1;
         o.qa.use_model = true;
         o.train.epochs = [3, 5];
         o

@@ -23,16 +23,23 @@ pub struct PlanOptions {
     pub qa_context_tokens: Option<usize>,
     /// Auxiliary questions packed into one training row behind their shared head+tail context
     /// (`model::Packing`: each sees the context and itself only, so the gradient is that of the
-    /// separate examples summed, at a fraction of the tokens). 1: one question per row.
+    /// separate examples summed, at a fraction of the tokens). 1: one question per row. Left out
+    /// of the JSON (and so of document ids) when 1.
+    #[serde(skip_serializing_if = "is_unpacked")]
     pub qa_pack: usize,
     /// Segments packed into one contextualized-training row behind one head+tail context (as
     /// `qa_pack`; the segments of a row share the context's head/tail split). 1: one per row.
+    #[serde(skip_serializing_if = "is_unpacked")]
     pub segment_pack: usize,
+}
+
+fn is_unpacked(pack: &usize) -> bool {
+    *pack <= 1
 }
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        Self { window: 256, stride: None, context_tokens: 128, qa_context_tokens: None, qa_pack: 8, segment_pack: 1 }
+        Self { window: 256, stride: None, context_tokens: 128, qa_context_tokens: None, qa_pack: 1, segment_pack: 1 }
     }
 }
 
@@ -235,5 +242,18 @@ mod tests {
         }
         assert_eq!(segments(10, 256, 96), vec![Segment { start: 0, end: 10 }]);
         assert_eq!(PlanOptions { window: 2048, ..Default::default() }.stride(), 768);
+    }
+
+    #[test]
+    fn packing_stays_out_of_the_options_json_until_it_is_used() {
+        // Document ids hash this JSON: adding the packing options must not change the ids of
+        // documents absorbed without packing.
+        let plain = serde_json::to_value(PlanOptions::default()).unwrap();
+        assert!(plain.get("qa_pack").is_none() && plain.get("segment_pack").is_none(), "{plain}");
+        let packed = PlanOptions { qa_pack: 8, segment_pack: 2, ..Default::default() };
+        let json = serde_json::to_value(&packed).unwrap();
+        assert_eq!((json["qa_pack"].as_u64(), json["segment_pack"].as_u64()), (Some(8), Some(2)));
+        assert_eq!(serde_json::from_value::<PlanOptions>(json).unwrap(), packed);
+        assert_eq!(serde_json::from_value::<PlanOptions>(plain).unwrap(), PlanOptions::default());
     }
 }
