@@ -402,13 +402,21 @@ impl Decoder {
     }
 
     /// RoPE rows `[t, d/2]` of a training row of `t` tokens, and its additive mask `[t, t]`
-    /// (causal, sliding window, packing) when one is needed.
-    fn train_layout(&self, t: usize, packing: Option<&Packing>) -> Result<(Tensor, Tensor, Option<Tensor>)> {
+    /// (causal, sliding window, packing) when one is needed. `causal_done`: the attention applies
+    /// causality itself, so a plain row needs a mask only for a sliding window it exceeds.
+    fn train_layout(
+        &self,
+        t: usize,
+        packing: Option<&Packing>,
+        causal_done: bool,
+    ) -> Result<(Tensor, Tensor, Option<Tensor>)> {
         let window = self.config.sliding_window;
         match packing {
             None => {
                 let (cos, sin) = self.rope_slice(0, t)?;
-                Ok((cos, sin, causal_mask(t, 0, window, &self.device)?))
+                let needed = !causal_done || window.is_some_and(|w| t > w);
+                let mask = if needed { causal_mask(t, 0, window, &self.device)? } else { None };
+                Ok((cos, sin, mask))
             }
             Some(p) => {
                 if p.len() != t {
@@ -443,7 +451,7 @@ impl Decoder {
         if upto == 0 {
             return Ok(x);
         }
-        let (cos, sin, mask) = self.train_layout(t, packing)?;
+        let (cos, sin, mask) = self.train_layout(t, packing, false)?;
         let eps = cfg.rms_norm_eps as f32;
         let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         for (li, layer) in self.layers.iter().enumerate().take(upto) {
@@ -473,11 +481,10 @@ impl Decoder {
     ) -> Result<Tensor> {
         let cfg = &self.config;
         let (b, t, _) = h.dims3()?;
-        let (cos, sin, mask) = self.train_layout(t, packing)?;
+        // The attention op is causal itself: a mask only for a sliding window or packing.
+        let (cos, sin, mask) = self.train_layout(t, packing, true)?;
         let eps = cfg.rms_norm_eps as f32;
-        // The attention op is causal itself: a mask is only needed beyond that.
-        let beyond_causal = packing.is_some() || cfg.sliding_window.is_some_and(|w| t > w);
-        let window_bias = mask.filter(|_| beyond_causal).map(|m| m.to_dtype(self.dtype)).transpose()?;
+        let row_mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         let mut x = h.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate().skip(from) {
             let h = ops::rms_norm(&x, &layer.attn_norm, eps)?;
@@ -494,7 +501,7 @@ impl Decoder {
             let v_rep = repeat_kv(&v, cfg.kv_groups())?;
             let bias = hooks.attention_bias(li, 0, t, t)?;
             let bias = bias.map(|b| b.to_dtype(self.dtype)).transpose()?;
-            let bias = match (bias, &window_bias) {
+            let bias = match (bias, &row_mask) {
                 (Some(b), Some(w)) => Some(b.broadcast_add(w)?),
                 (Some(b), None) => Some(b),
                 (None, Some(w)) => Some(w.clone()),
