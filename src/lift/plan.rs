@@ -178,7 +178,12 @@ impl Plan {
     /// head and tail (a random split of the context budget), the recite prompt, then the segment,
     /// which alone is in the loss.
     pub fn segment_example(&self, model: &Model, doc: &[u32], i: usize, rng: &mut StdRng) -> Result<Example> {
-        let seg = self.segments[i];
+        self.segments_example(model, doc, &[i], rng)
+    }
+
+    /// One CT row of the segments `idx` behind a single context (one split drawn from `rng`);
+    /// one index is a plain example.
+    pub fn segments_example(&self, model: &Model, doc: &[u32], idx: &[usize], rng: &mut StdRng) -> Result<Example> {
         let budget = self.opts.context_tokens;
         let ctx = if budget == 0 {
             Vec::new()
@@ -187,18 +192,6 @@ impl Plan {
             head_tail(doc, budget, head, &self.elision)
         };
         let prompt = chat_with_context(model, &ctx, RECITE_PROMPT)?;
-        Ok(Self::example(ExampleKind::Segment(i), prompt, &doc[seg.start..seg.end]))
-    }
-
-    /// One CT row of the segments `idx` behind a single context (split drawn from `rng`); one
-    /// index gives `segment_example`.
-    pub fn segments_example(&self, model: &Model, doc: &[u32], idx: &[usize], rng: &mut StdRng) -> Result<Example> {
-        let first = self.segment_example(model, doc, idx[0], rng)?;
-        if idx.len() == 1 {
-            return Ok(first);
-        }
-        let n = first.target_count();
-        let prompt = first.tokens[..first.tokens.len() - n].to_vec();
         let members: Vec<(Vec<u32>, Vec<u32>)> =
             idx.iter().map(|&i| (prompt.clone(), doc[self.segments[i].start..self.segments[i].end].to_vec())).collect();
         Ok(Self::packed_example(ExampleKind::Segment(idx[0]), &members.iter().collect::<Vec<_>>()))

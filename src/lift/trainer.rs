@@ -348,14 +348,14 @@ fn training_loss(
             stats.examples += 1;
             stats.tokens += critical.len();
             stats.critical += n_crit;
-            if let Some(p) = positions {
+            if let Some(qp) = positions {
                 let count = |ps: &[usize]| {
                     ps.iter()
                         .filter(|&&i| i < critical.len())
                         .fold((0, 0), |(n, c), &i| (n + 1, c + critical[i] as usize))
                 };
-                let (cn, cc) = count(&p.context);
-                let (en, ec) = count(&p.evidence);
+                let (cn, cc) = count(&qp.context);
+                let (en, ec) = count(&qp.evidence);
                 stats.context_tokens += cn;
                 stats.context_critical += cc;
                 stats.evidence_tokens += en;

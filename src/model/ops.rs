@@ -328,10 +328,9 @@ impl CustomOp3 for FrozenLinearPretransposed {
 /// faster forward on the CPU. Elsewhere it is `frozen_linear(x, w)`.
 pub fn frozen_linear_pretransposed(x: &Tensor, w: &Tensor, wt: &Tensor) -> Result<Tensor> {
     let (n, k) = w.dims2()?;
-    if wt.dims2()? != (k, n) || !wt.is_contiguous() || !x.device().is_cpu() || x.dtype() != DType::F32 {
-        return frozen_linear(x, w);
-    }
-    if x.elem_count() == 0 || x.dims().last() != Some(&k) || w.dtype() != DType::F32 || wt.dtype() != DType::F32 {
+    let all_f32 = [x, w, wt].iter().all(|t| t.dtype() == DType::F32);
+    let usable = x.device().is_cpu() && all_f32 && wt.dims2()? == (k, n) && wt.is_contiguous();
+    if !usable || x.elem_count() == 0 || x.dims().last() != Some(&k) {
         return frozen_linear(x, w);
     }
     x.contiguous()?.apply_op3(&w.detach(), &wt.detach(), FrozenLinearPretransposed)
