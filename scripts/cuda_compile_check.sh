@@ -3,6 +3,7 @@
 # libraries from their PyPI wheels into a throwaway venv, lays them out as a CUDA root, and runs
 # `cargo build --release --features cuda --all-targets` (our kernels in kernels/ are compiled to
 # PTX by build.rs, candle's kernels by candle-kernels' build script, and the result is linked).
+# Works from a fresh clone: every step says what it does and, when it fails, why.
 #
 # Why CUDA 13: the cu12 nvcc wheels ship only ptxas; the CUDA 13 wheels (nvidia-cuda-nvcc,
 # nvidia-nvvm, nvidia-cuda-crt) carry a complete nvcc. candle 0.11.1 links the CUDA libraries at
@@ -15,9 +16,9 @@
 #   scripts/cuda_compile_check.sh              # cuda feature: build (release, all targets)
 #   FLASH_ATTN=1 scripts/cuda_compile_check.sh # also `cargo check --features cuda,flash-attn`
 #                                              # (compiles flash-attn's kernels: very long)
-# Environment: VENV (default /tmp/lift-cuda-venv), CUDA_COMPUTE_CAP (default 80),
-# CARGO_TARGET_DIR (the CUDA build goes to its `cuda/` subfolder so it never replaces the CPU
-# build's binaries).
+# Environment: VENV (default /tmp/lift-cuda-venv; kept between runs, so a second run only
+# rebuilds what changed), CUDA_COMPUTE_CAP (default 80), CARGO_TARGET_DIR (the CUDA build goes to
+# its `cuda/` subfolder so it never replaces the CPU build's binaries).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,19 +27,35 @@ CUDA_VERSION_PIN="${CUDA_VERSION_PIN:-13.0}"
 export CUDA_COMPUTE_CAP="${CUDA_COMPUTE_CAP:-80}"
 export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-2}"
 
+STEP="start"
+step() {
+    STEP="$1"
+    echo "cuda compile check: $STEP" >&2
+}
+fail() {
+    echo "cuda compile check FAILED at: $STEP${1:+ — $1}" >&2
+    exit 1
+}
+trap 'fail "the command above exited with status $?"' ERR
+
+step "python venv at $VENV"
+command -v python3 >/dev/null || fail "python3 is not on PATH"
 if [ ! -x "$VENV/bin/pip" ]; then
-    python3 -m venv "$VENV"
+    python3 -m venv "$VENV" || fail "python3 -m venv failed (on Debian: apt-get install python3-venv)"
 fi
+
+step "CUDA $CUDA_VERSION_PIN compiler and libraries from their wheels"
 if ! "$VENV/bin/python" -c "import nvidia" 2>/dev/null || [ ! -d "$VENV/cuda" ]; then
     "$VENV/bin/pip" install -q \
         "nvidia-cuda-nvcc==$CUDA_VERSION_PIN.*" "nvidia-nvvm==$CUDA_VERSION_PIN.*" \
         "nvidia-cuda-crt==$CUDA_VERSION_PIN.*" "nvidia-cuda-runtime==$CUDA_VERSION_PIN.*" \
         "nvidia-cuda-nvrtc==$CUDA_VERSION_PIN.*" "nvidia-cuda-cccl==$CUDA_VERSION_PIN.*" \
-        nvidia-cublas nvidia-curand
+        nvidia-cublas nvidia-curand || fail "pip could not install the CUDA wheels (is the package index reachable?)"
 fi
 CU="$("$VENV/bin/python" -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')"
+[ -x "$CU/bin/nvcc" ] || fail "no nvcc in $CU/bin: the wheels' layout changed"
 
-# A CUDA root: bin/include/nvvm from the wheels, lib/ with unversioned links and the driver stub.
+step "a CUDA root at $VENV/cuda (bin/include/nvvm from the wheels, lib/ with unversioned links)"
 ROOT="$VENV/cuda"
 mkdir -p "$ROOT/lib/stubs"
 for d in bin include nvvm; do ln -sfn "$CU/$d" "$ROOT/$d"; done
@@ -47,16 +64,28 @@ for f in "$CU"/lib/*.so.*; do
     ln -sf "$f" "$ROOT/lib/$base"
     ln -sf "$f" "$ROOT/lib/${base%%.so.*}.so"
 done
-for f in "$CU"/lib/*.a; do ln -sf "$f" "$ROOT/lib/$(basename "$f")"; done
+for f in "$CU"/lib/*.a; do
+    if [ -e "$f" ]; then ln -sf "$f" "$ROOT/lib/$(basename "$f")"; fi
+done
+
 if [ ! -f "$ROOT/lib/stubs/libcuda.so" ]; then
-    CUDARC_DIR="$(ls -d "$HOME"/.cargo/registry/src/*/cudarc-0.19.* 2>/dev/null | head -1)"
-    if [ -z "$CUDARC_DIR" ]; then
-        cargo fetch --quiet
-        CUDARC_DIR="$(ls -d "$HOME"/.cargo/registry/src/*/cudarc-0.19.* | head -1)"
-    fi
+    # cudarc's sources must be in the cargo registry; a machine that only built the CPU variant
+    # has not downloaded them (cudarc is an optional dependency), so fetch the whole lock file.
+    step "cargo fetch (cudarc's sources, for the driver stub)"
+    cargo fetch --quiet || fail "cargo fetch failed (is the crate registry reachable?)"
+    step "locate cudarc's sources with cargo metadata"
+    CUDARC_DIR="$(cargo metadata --format-version 1 --features cuda 2>/dev/null | python3 -c '
+import json, os, sys
+pkgs = [p for p in json.load(sys.stdin)["packages"] if p["name"] == "cudarc"]
+print(os.path.dirname(pkgs[0]["manifest_path"]) if pkgs else "")')" || true
+    [ -n "$CUDARC_DIR" ] && [ -f "$CUDARC_DIR/src/driver/sys/mod.rs" ] ||
+        fail "cudarc is not in the resolved dependencies with --features cuda, or its layout changed (looked for src/driver/sys/mod.rs in '${CUDARC_DIR:-nothing found}')"
+    step "libcuda.so link stub from cudarc's driver entry points"
     grep -ohP '^pub unsafe fn \Kcu[A-Za-z0-9_]+' "$CUDARC_DIR/src/driver/sys/mod.rs" | sort -u |
         sed 's/.*/void &(void) {}/' > "$ROOT/lib/stubs/cuda_stub.c"
-    cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$ROOT/lib/stubs/libcuda.so" "$ROOT/lib/stubs/cuda_stub.c"
+    [ -s "$ROOT/lib/stubs/cuda_stub.c" ] || fail "no driver entry points found in $CUDARC_DIR/src/driver/sys/mod.rs"
+    cc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$ROOT/lib/stubs/libcuda.so" "$ROOT/lib/stubs/cuda_stub.c" ||
+        fail "cc could not build the driver stub"
 fi
 # So the CUDA build's CPU tests can also be run here:
 #   LD_LIBRARY_PATH=$ROOT/lib:$ROOT/lib/stubs <test binary> (never create a CUDA device with it).
@@ -68,12 +97,15 @@ export LIBRARY_PATH="$ROOT/lib:$ROOT/lib/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}/cuda"
 nvcc --version | tail -2
 
+step "cargo build --release --features cuda --all-targets (into $CARGO_TARGET_DIR)"
 start=$(date +%s)
 cargo build --release --features cuda --all-targets
-echo "cuda build: $(( $(date +%s) - start )) s"
+echo "cuda build: $(($(date +%s) - start)) s"
 if [ "${FLASH_ATTN:-0}" = 1 ]; then
+    step "cargo check --release --features cuda,flash-attn --all-targets"
     start=$(date +%s)
     cargo check --release --features cuda,flash-attn --all-targets
-    echo "cuda,flash-attn check: $(( $(date +%s) - start )) s"
+    echo "cuda,flash-attn check: $(($(date +%s) - start)) s"
 fi
+trap - ERR
 echo "cuda compile check: ok"
