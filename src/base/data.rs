@@ -60,6 +60,27 @@ pub struct BaseExample {
     pub kind: String,
 }
 
+impl BaseExample {
+    /// The long context: the passages joined by single spaces.
+    pub fn document(&self) -> String {
+        self.passages.join(" ")
+    }
+
+    /// Byte range `[start, end)` of each passage in [`Self::document`] (evidence spans for
+    /// chunk labels).
+    pub fn passage_spans(&self) -> Vec<(usize, usize)> {
+        let mut at = 0;
+        self.passages
+            .iter()
+            .map(|p| {
+                let span = (at, at + p.len());
+                at = span.1 + 1;
+                span
+            })
+            .collect()
+    }
+}
+
 /// How examples are built.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 pub struct BuildOptions {
@@ -705,6 +726,18 @@ mod tests {
     }
 
     #[test]
+    fn passage_spans_index_the_document() {
+        for b in built(Split::Validation, 5, 4) {
+            let (doc, spans) = (b.example.document(), b.example.passage_spans());
+            assert_eq!(spans.len(), b.example.passages.len());
+            for (p, &(s, e)) in b.example.passages.iter().zip(&spans) {
+                assert_eq!(&doc[s..e], p);
+            }
+            assert_eq!(spans.last().unwrap().1, doc.len());
+        }
+    }
+
+    #[test]
     fn data_hash_is_sha256_of_the_json() {
         let ex = BaseExample {
             passages: vec!["A b.".into()],
@@ -743,7 +776,7 @@ mod tests {
             let source = Source::new(&parts[k], split).unwrap();
             for i in 0..15 {
                 let b = build_one(&source, &BuildOptions::default(), example_seed(3, split, i)).unwrap();
-                let doc = b.example.passages.join(" ");
+                let doc = b.example.document();
                 let words = |s: &str| s.split_whitespace().count();
                 let prose: Vec<&str> = b.sentences.iter().map(|&i| source.sentences[i].as_str()).collect();
                 let planted: usize = b.facts.iter().map(|f| words(&f.text)).sum();
@@ -922,7 +955,7 @@ mod tests {
         for i in 0..100 {
             let b = build_one(&source, &opts, example_seed(5, Split::Train, i)).unwrap();
             let ex = &b.example;
-            let total = approx_tokens(&ex.passages.join(" "));
+            let total = approx_tokens(&ex.document());
             assert!((opts.min_tokens..=opts.max_tokens).contains(&total), "{total} tokens");
             totals.push(total);
             // Every prose sentence lies whole inside one passage.
@@ -958,7 +991,7 @@ mod tests {
         let mut ratios = Vec::new();
         for split in [Split::Train, Split::Eval] {
             for ex in build_examples(&essays_dir(), split, 40, 2).unwrap() {
-                let doc = ex.passages.join(" ");
+                let doc = ex.document();
                 let real = tok.encode(&doc, false).unwrap().len();
                 ratios.push(real as f64 / approx_tokens(&doc) as f64);
             }
@@ -1003,7 +1036,7 @@ mod tests {
                 "=== example {i}: {} ({} passages, ~{} tokens)",
                 ex.kind,
                 ex.passages.len(),
-                approx_tokens(&ex.passages.join(" "))
+                approx_tokens(&ex.document())
             );
             println!("Q: {}\nA: {}", ex.question, ex.answer);
             for (k, p) in ex.passages.iter().enumerate() {
