@@ -166,18 +166,22 @@ pub const TEMPLATES: &[Template] = &[
     ),
 ];
 
-const FIRST: &[&str] = &[
+pub const FIRST: &[&str] = &[
     "Mirela", "Tobias", "Ingrid", "Oswin", "Priya", "Lucian", "Marisol", "Anselm", "Dagny", "Ferran", "Ilse",
     "Casimir", "Yara", "Bertil", "Noemi", "Evander",
 ];
-const LAST: &[&str] = &[
+pub const LAST: &[&str] = &[
     "Vasquez", "Okafor", "Lindqvist", "Marchetti", "Haldane", "Novak", "Castellanos", "Brightwater", "Szabo", "Quimby",
     "Ferreira", "Abernathy", "Kowalczyk", "Thorne", "Achterberg", "Delacroix",
 ];
-const PLACES: &[&str] = &[
+pub const PLACES: &[&str] = &[
     "Trondheim", "Valparaiso", "Ljubljana", "Tallinn", "Bergen", "Tbilisi", "Cusco", "Hobart", "Windhoek", "Galway",
     "Plovdiv", "Timisoara", "Aarhus", "Coimbra", "Salzburg", "Antofagasta",
 ];
+/// Ranges of the numbers and years drawn (public so other data can stay disjoint from the eval's).
+pub const NUMBERS: std::ops::Range<i32> = 1000..10000;
+pub const SMALL_NUMBERS: std::ops::Range<i32> = 11..100;
+pub const YEARS: std::ops::Range<i32> = 1921..2000;
 const MONTHS: &[&str] = &[
     "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
     "December",
@@ -187,11 +191,11 @@ const MONTHS: &[&str] = &[
 fn draw(slot: Slot, rng: &mut StdRng) -> (String, Vec<String>) {
     match slot {
         Slot::Number => {
-            let v = rng.random_range(1000..10000).to_string();
+            let v = rng.random_range(NUMBERS).to_string();
             (v.clone(), vec![v])
         }
         Slot::SmallNumber => {
-            let v = rng.random_range(11..100).to_string();
+            let v = rng.random_range(SMALL_NUMBERS).to_string();
             (v.clone(), vec![v])
         }
         Slot::Name => {
@@ -203,7 +207,7 @@ fn draw(slot: Slot, rng: &mut StdRng) -> (String, Vec<String>) {
             (v.clone(), vec![v])
         }
         Slot::Date => {
-            let (m, d, y) = (MONTHS.choose(rng).unwrap(), rng.random_range(1..29), rng.random_range(1921..2000));
+            let (m, d, y) = (MONTHS.choose(rng).unwrap(), rng.random_range(1..29), rng.random_range(YEARS));
             (format!("{m} {d}, {y}"), vec![format!("{m} {d}, {y}"), format!("{d} {m} {y}")])
         }
     }
