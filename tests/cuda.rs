@@ -1,16 +1,23 @@
 //! CUDA checks, built only with `--features cuda` and meaningful only on a machine with a GPU:
-//! `cargo test --release --features cuda --test cuda`. Kernels against their CPU references
-//! (forward and backward), and the tiny model on CUDA (bf16 base, f32 adapter) against the CPU
-//! (f32) within bf16 tolerances: inference logits, KV-cache decode, and a Gated Memory training
-//! step's loss and gradients.
+//! `cargo test --release --features cuda --test cuda`. Every model-side feature has a case here
+//! comparing CUDA with the CPU, so the first machine with a GPU checks all of them in one command
+//! (README "CUDA" lists them): our kernels against their CPU references (forward and backward),
+//! the fused ops, and the tiny model on CUDA (bf16 base, f32 adapters) against the CPU (f32)
+//! within bf16 tolerances — inference logits, KV-cache decode, quantized GGUF, Gated Memory and
+//! LoRA inference and training steps, packed training rows, the FltLM filter (scores and soft
+//! mask), CDT's embedding gradients, and a whole short absorb.
+//! `scripts/cuda_compile_check.sh` (run by CI) keeps this file compiling without a GPU.
 #![cfg(feature = "cuda")]
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor, Var};
-use lift_serve::adapters::GatedMemory;
+use lift_serve::adapters::{GatedMemory, Lora, LoraConfig, LoraPair};
 use lift_serve::kernels::{gated_memory, masked_softmax};
-use lift_serve::model::{ops, Adapter, KvCache, Logits, Model, NoHooks};
+use lift_serve::lift::filter::{self, Filter, FilterHooks, FilterOptions};
+use lift_serve::lift::{absorb, AbsorbOptions};
+use lift_serve::model::{ops, Adapter, ForwardHooks, KvCache, Logits, Model, NoHooks, Packing};
 use lift_serve::testing::{write_gguf, write_hf, Rng, TinySpec};
+use std::collections::BTreeMap;
 
 fn gpu() -> Device {
     Device::new_cuda(0).expect("these tests need a CUDA GPU")
@@ -167,39 +174,324 @@ fn quantized_gguf_runs_on_cuda() {
     }
 }
 
+/// One training step of the tiny model on `m`'s device: next-token loss over `toks` (through
+/// `packing` when given) and the gradients of `vars`.
+fn train_step(
+    m: &Model,
+    toks: &[u32],
+    adapter: Option<&dyn Adapter>,
+    packing: Option<&Packing>,
+    hooks: &mut dyn ForwardHooks,
+    vars: &[Var],
+) -> (f32, Vec<Tensor>) {
+    let dev = m.device();
+    let n = toks.len();
+    let ids = Tensor::new(&toks[..n - 1], dev).unwrap().unsqueeze(0).unwrap();
+    let targets = Tensor::new(&toks[1..], dev).unwrap();
+    let emb = m.decoder.embed(&ids).unwrap();
+    let packing = packing.map(|p| p.truncated(n - 1));
+    let hidden = m.decoder.forward_train_packed(&emb, packing.as_ref(), adapter, hooks).unwrap().squeeze(0).unwrap();
+    let logits = m.decoder.logits_train(&hidden).unwrap();
+    assert_eq!(logits.dtype(), DType::F32);
+    let weights = Tensor::ones(n - 1, DType::F32, dev).unwrap();
+    let loss = ops::cross_entropy_masked(&logits, &targets, &weights).unwrap();
+    let grads = loss.backward().unwrap();
+    for v in vars {
+        assert_eq!(v.dtype(), DType::F32, "adapter parameters stay f32");
+    }
+    let g = vars.iter().map(|v| grads.get(v.as_tensor()).expect("adapter gradient").clone()).collect();
+    (loss.to_scalar::<f32>().unwrap(), g)
+}
+
+/// Loss within 2% and every gradient within 10% (bf16 base on CUDA vs f32 on the CPU); at least
+/// one gradient is non-zero, so the comparison is not between two zeros.
+fn assert_steps_close(what: &str, cpu: &(f32, Vec<Tensor>), gpu: &(f32, Vec<Tensor>)) {
+    let ((l_cpu, g_cpu), (l_gpu, g_gpu)) = (cpu, gpu);
+    assert!((l_cpu - l_gpu).abs() < 2e-2 * l_cpu.abs().max(1.0), "{what}: loss {l_cpu} vs {l_gpu}");
+    assert_eq!(g_cpu.len(), g_gpu.len());
+    for (i, (a, b)) in g_gpu.iter().zip(g_cpu).enumerate() {
+        assert!(a.device().is_cuda(), "{what}: gradient {i} left the GPU");
+        let d = rel_diff(a, b);
+        assert!(d < 0.1, "{what}: gradient {i}: {d}");
+    }
+    assert!(g_cpu.iter().any(|g| max_abs(g) > 0.0), "{what}: every gradient is zero on the CPU");
+}
+
+fn tokens(m: &Model, text: &str) -> Vec<u32> {
+    m.tokenizer.encode(text, false).unwrap()
+}
+
 #[test]
 fn gated_memory_training_step_on_cuda_matches_cpu() {
-    let spec = TinySpec::default();
-    let (_dir, cpu, gpu) = load_pair(&spec);
+    let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
     let cfg = cpu.config().clone();
-    let toks = cpu.tokenizer.encode("Adapters learn the document; the base model stays frozen.", false).unwrap();
-    let n = toks.len();
+    let toks = tokens(&cpu, "Adapters learn the document; the base model stays frozen.");
+    let step = |m: &Model| {
+        let gm = GatedMemory::new(&cfg, &[0, 1], false, 11, m.device()).unwrap();
+        train_step(m, &toks, Some(&gm as &dyn Adapter), None, &mut NoHooks, gm.vars())
+    };
+    let (c, g) = (step(&cpu), step(&gpu));
+    assert!(g_all_nonzero(&c.1), "every Gated Memory parameter gets a gradient on the CPU");
+    assert_steps_close("gated memory", &c, &g);
+}
+
+fn g_all_nonzero(g: &[Tensor]) -> bool {
+    g.iter().all(|t| max_abs(t) > 0.0)
+}
+
+/// A LoRA on every projection of every layer with non-zero `B` (a fresh one has `B = 0`, which
+/// would leave `A` without gradient and the forward unchanged), identical on both devices.
+fn lora_on(m: &Model, seed: u64, trainable: bool) -> Lora {
+    let cfg = m.config();
+    let lc = LoraConfig { rank: 4, alpha: 8.0, ..Default::default() };
+    let fresh = Lora::new(cfg, &lc, seed, &Device::Cpu).unwrap();
+    let mut layers: BTreeMap<usize, Vec<_>> = BTreeMap::new();
+    for (i, (l, p, pair)) in fresh.pairs().enumerate() {
+        let b = rand(pair.b.dims(), seed + 100 + i as u64, 0.05);
+        let pair = LoraPair { a: pair.a.to_device(m.device()).unwrap(), b: b.to_device(m.device()).unwrap() };
+        layers.entry(l).or_default().push((p, pair));
+    }
+    Lora::from_pairs(cfg, &lc, layers, trainable).unwrap()
+}
+
+#[test]
+fn lora_inference_and_training_step_on_cuda_match_cpu() {
+    let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
+    let toks = tokens(&cpu, "A low-rank update on every projection, over a frozen bf16 base.");
+    // Inference: logits with the (detached) LoRA active, prefill + decode through the KV cache.
+    let logits = |m: &Model| {
+        let lora = lora_on(m, 3, false);
+        let ids = Tensor::new(toks.as_slice(), m.device()).unwrap().unsqueeze(0).unwrap();
+        let mut cache = KvCache::new(m.config().num_layers);
+        let n = toks.len();
+        m.decoder.forward(&ids.narrow(1, 0, n - 1).unwrap(), &mut cache, Some(&lora), &mut NoHooks, Logits::Last).unwrap();
+        m.decoder.forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&lora), &mut NoHooks, Logits::Last).unwrap()
+    };
+    let d = rel_diff(&logits(&gpu), &logits(&cpu));
+    assert!(d < 5e-2, "LoRA decode logits: {d}");
+    let step = |m: &Model| {
+        let lora = lora_on(m, 3, true);
+        train_step(m, &toks, Some(&lora as &dyn Adapter), None, &mut NoHooks, lora.vars())
+    };
+    let (c, g) = (step(&cpu), step(&gpu));
+    assert!(g_all_nonzero(&c.1), "every LoRA factor gets a gradient on the CPU");
+    assert_steps_close("lora", &c, &g);
+}
+
+#[test]
+fn gated_memory_decode_with_kv_cache_on_cuda_matches_cpu() {
+    let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
+    let cfg = cpu.config().clone();
+    let toks = tokens(&cpu, "The memory answers from the adapter while the cache holds the prompt.");
+    let run = |m: &Model| {
+        let gm = GatedMemory::new(&cfg, &[0, 1], false, 5, m.device()).unwrap().detached();
+        let ids = Tensor::new(toks.as_slice(), m.device()).unwrap().unsqueeze(0).unwrap();
+        let n = toks.len();
+        let full = m.decoder.forward(&ids, &mut KvCache::new(2), Some(&gm), &mut NoHooks, Logits::All).unwrap();
+        let mut cache = KvCache::new(2);
+        m.decoder.forward(&ids.narrow(1, 0, n - 2).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last).unwrap();
+        m.decoder.forward(&ids.narrow(1, n - 2, 1).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last).unwrap();
+        let last =
+            m.decoder.forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last).unwrap();
+        (full, last)
+    };
+    let (full_c, last_c) = run(&cpu);
+    let (full_g, last_g) = run(&gpu);
+    assert!(rel_diff(&full_g, &full_c) < 5e-2, "prefill logits with the adapter");
+    assert!(rel_diff(&last_g, &last_c) < 5e-2, "decode logits with the adapter");
+}
+
+#[test]
+fn packed_training_row_on_cuda_matches_cpu() {
+    let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
+    let cfg = cpu.config().clone();
+    let prefix = tokens(&cpu, "Shared context: the ferry leaves at dawn and returns at dusk.");
+    let a = tokens(&cpu, " When does it leave? At dawn.");
+    let b = tokens(&cpu, " When does it return? At dusk.");
+    let row: Vec<u32> = prefix.iter().chain(&a).chain(&b).copied().collect();
+    let packing = Packing::new(prefix.len(), &[a.len(), b.len()]);
+    let step = |m: &Model| {
+        let gm = GatedMemory::new(&cfg, &[0, 1], false, 7, m.device()).unwrap();
+        train_step(m, &row, Some(&gm as &dyn Adapter), Some(&packing), &mut NoHooks, gm.vars())
+    };
+    assert_steps_close("packed row", &step(&cpu), &step(&gpu));
+}
+
+/// A filter reading layer 0 of the tiny model (masking layer 1) with a random score head and a
+/// mask that is active (w = 1, b = 0.3): identical parameters on both devices.
+fn filter_on(m: &Model) -> Filter {
+    let opts = FilterOptions { enabled: true, layer: Some(0), chunk_tokens: 12, ..Default::default() };
+    let dev = m.device();
+    let mut f = Filter::new(m.config(), &opts, dev).unwrap().detached();
+    let h = m.config().hidden_size;
+    f.head_w = rand(&[h], 9, 1.0).to_device(dev).unwrap();
+    f.w = Tensor::new(&[1f32], dev).unwrap();
+    f.b = Tensor::new(&[0.3f32], dev).unwrap();
+    f
+}
+
+const FILTER_DOC: &str = "Marigold ferries leave the north pier at dawn. The keeper, Anselm Varga, logs every \
+departure in a green ledger. Passengers pay eleven coins for the crossing. In winter the ferries stop.";
+
+#[test]
+fn filter_scores_and_soft_mask_on_cuda_match_cpu() {
+    let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
+    let doc = tokens(&cpu, FILTER_DOC);
+    let ends = filter::sentence_ends(&cpu, &doc).unwrap();
+    let p = filter::build_prompt(&cpu, &doc, &ends, "Who logs the departures?", 200, 12).unwrap();
+    assert!(p.chunks.len() >= 3);
+    let run = |m: &Model| {
+        let f = filter_on(m);
+        let scores = filter::score_prompt(m, None, &f, &p).unwrap();
+        let ids = Tensor::new(p.tokens.as_slice(), m.device()).unwrap().unsqueeze(0).unwrap();
+        let mut hooks = FilterHooks::new(&f, &p.chunks, m.config().num_layers);
+        let logits = m.decoder.forward(&ids, &mut KvCache::new(2), None, &mut hooks, Logits::All).unwrap();
+        (scores, logits)
+    };
+    let (s_c, l_c) = run(&cpu);
+    let (s_g, l_g) = run(&gpu);
+    assert_eq!(s_c.len(), s_g.len());
+    for (a, b) in s_c.iter().zip(&s_g) {
+        assert!((a.score - b.score).abs() < 5e-2 * a.score.abs().max(1.0), "score {} vs {}", a.score, b.score);
+        assert!((a.mask - b.mask).abs() < 5e-2 * a.mask.abs().max(1.0), "mask {} vs {}", a.mask, b.mask);
+    }
+    assert!(s_c.iter().any(|c| c.mask < -0.1), "the test filter masks something: {s_c:?}");
+    assert!(rel_diff(&l_g, &l_c) < 5e-2, "logits under the soft mask");
+}
+
+#[test]
+fn filter_training_gradients_on_cuda_match_cpu() {
+    let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
+    let doc = tokens(&cpu, FILTER_DOC);
+    let ends = filter::sentence_ends(&cpu, &doc).unwrap();
+    let p = filter::build_prompt(&cpu, &doc, &ends, "Who logs the departures?", 200, 12).unwrap();
+    let positive: Vec<bool> = (0..p.chunks.len()).map(|i| i == 1).collect();
     let step = |m: &Model| {
         let dev = m.device();
-        let gm = GatedMemory::new(&cfg, &[0, 1], false, 11, dev).unwrap();
-        let ids = Tensor::new(&toks[..n - 1], dev).unwrap().unsqueeze(0).unwrap();
-        let targets = Tensor::new(&toks[1..], dev).unwrap();
+        let opts = FilterOptions { enabled: true, layer: Some(0), chunk_tokens: 12, ..Default::default() };
+        let f = Filter::new(m.config(), &opts, dev).unwrap();
+        // Random head, active mask: set the Vars' values (their tensors are shared with `f`).
+        let h = m.config().hidden_size;
+        f.vars()[0].set(&rand(&[h], 9, 1.0).to_device(dev).unwrap()).unwrap();
+        f.vars()[2].set(&Tensor::new(&[1f32], dev).unwrap()).unwrap();
+        f.vars()[3].set(&Tensor::new(&[0.3f32], dev).unwrap()).unwrap();
+        let ids = Tensor::new(p.tokens.as_slice(), dev).unwrap().unsqueeze(0).unwrap();
         let emb = m.decoder.embed(&ids).unwrap();
-        let hidden =
-            m.decoder.forward_train(&emb, Some(&gm as &dyn Adapter), &mut NoHooks).unwrap().squeeze(0).unwrap();
-        let logits = m.decoder.logits_train(&hidden).unwrap();
-        assert_eq!(logits.dtype(), DType::F32);
-        let weights = Tensor::ones(n - 1, DType::F32, dev).unwrap();
-        let loss = ops::cross_entropy_masked(&logits, &targets, &weights).unwrap();
+        let mut hooks = FilterHooks::new(&f, &p.chunks, m.config().num_layers);
+        let hidden = m.decoder.forward_train(&emb, None, &mut hooks).unwrap().squeeze(0).unwrap();
+        let n = p.tokens.len();
+        let logits = m.decoder.logits_train(&hidden.narrow(0, 0, n - 1).unwrap()).unwrap();
+        let targets = Tensor::new(&p.tokens[1..], dev).unwrap();
+        let lm = ops::cross_entropy_masked(&logits, &targets, &Tensor::ones(n - 1, DType::F32, dev).unwrap()).unwrap();
+        let fl = filter::filter_loss(&hooks.scores().unwrap(), &positive, 1.0, &f.log_tau).unwrap();
+        let loss = (lm + (fl * 0.5).unwrap()).unwrap();
         let grads = loss.backward().unwrap();
-        let g: Vec<Tensor> =
-            gm.vars().iter().map(|v| grads.get(v.as_tensor()).expect("adapter gradient").clone()).collect();
-        for v in gm.vars() {
-            assert_eq!(v.dtype(), DType::F32, "adapter parameters stay f32");
-        }
+        let g: Vec<Tensor> = f.vars().iter().map(|v| grads.get(v.as_tensor()).expect("filter gradient").clone()).collect();
         (loss.to_scalar::<f32>().unwrap(), g)
     };
-    let (l_cpu, g_cpu) = step(&cpu);
-    let (l_gpu, g_gpu) = step(&gpu);
-    assert!((l_cpu - l_gpu).abs() < 2e-2 * l_cpu.abs().max(1.0), "loss {l_cpu} vs {l_gpu}");
-    for (i, (a, b)) in g_gpu.iter().zip(&g_cpu).enumerate() {
-        let d = rel_diff(a, b);
-        assert!(d < 0.1, "gradient {i}: {d}");
-        assert!(max_abs(b) > 0.0, "gradient {i} is zero on the CPU");
+    assert_steps_close("filter", &step(&cpu), &step(&gpu));
+}
+
+#[test]
+fn cdt_embedding_gradients_and_critical_tokens_on_cuda_match_cpu() {
+    let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
+    let toks = tokens(&cpu, "Context denoising moves the embeddings of the tokens that do not matter.");
+    let n = toks.len();
+    // CDT's pass 1: the gradient of the loss with respect to the input embeddings.
+    let pass1 = |m: &Model| {
+        let dev = m.device();
+        let ids = Tensor::new(&toks[..n - 1], dev).unwrap().unsqueeze(0).unwrap();
+        let emb = Var::from_tensor(&m.decoder.embed(&ids).unwrap().to_dtype(DType::F32).unwrap()).unwrap();
+        let x = emb.as_tensor().to_dtype(m.decoder.dtype()).unwrap();
+        let hidden = m.decoder.forward_train(&x, None, &mut NoHooks).unwrap().squeeze(0).unwrap();
+        let logits = m.decoder.logits_train(&hidden).unwrap();
+        let targets = Tensor::new(&toks[1..], dev).unwrap();
+        let loss = ops::cross_entropy_masked(&logits, &targets, &Tensor::ones(n - 1, DType::F32, dev).unwrap()).unwrap();
+        let grads = loss.backward().unwrap();
+        grads.get(emb.as_tensor()).expect("embedding gradient").squeeze(0).unwrap()
+    };
+    let (g_c, g_g) = (pass1(&cpu), pass1(&gpu));
+    assert!(max_abs(&g_c) > 0.0);
+    assert!(rel_diff(&g_g, &g_c) < 0.1, "embedding gradients");
+    let (crit_c, norms_c) = lift_serve::lift::cdt::critical_tokens(&g_c).unwrap();
+    let (crit_g, norms_g) = lift_serve::lift::cdt::critical_tokens(&g_g).unwrap();
+    // Critical = norm ≥ mean: tokens near the mean may flip under bf16, the clear ones may not.
+    let mean = norms_c.iter().sum::<f32>() / norms_c.len() as f32;
+    for (i, (a, b)) in crit_c.iter().zip(&crit_g).enumerate() {
+        if (norms_c[i] - mean).abs() > 0.1 * mean {
+            assert_eq!(a, b, "token {i}: norm {} (CUDA {}) vs mean {mean}", norms_c[i], norms_g[i]);
+        }
+    }
+}
+
+#[test]
+fn fused_ops_on_cuda_match_cpu() {
+    let dev = gpu();
+    let grad_of = |x: &Var, y: &Tensor, seed: u64| {
+        let w = rand(y.dims(), seed, 1.0).to_device(y.device()).unwrap();
+        let loss = (y.to_dtype(DType::F32).unwrap() * w).unwrap().sum_all().unwrap();
+        loss.backward().unwrap().get(x.as_tensor()).expect("input gradient").clone()
+    };
+    let both = |name: &str, f: &dyn Fn(&Tensor) -> Tensor, x: &Tensor, tol: f32| {
+        let xc = Var::from_tensor(x).unwrap();
+        let xg = Var::from_tensor(&x.to_device(&dev).unwrap()).unwrap();
+        let (yc, yg) = (f(xc.as_tensor()), f(xg.as_tensor()));
+        assert!(yg.device().is_cuda(), "{name} left the GPU");
+        let d = rel_diff(&yg, &yc);
+        assert!(d < tol, "{name} forward: {d}");
+        let d = rel_diff(&grad_of(&xg, &yg, 77), &grad_of(&xc, &yc, 77));
+        assert!(d < tol, "{name} dx: {d}");
+    };
+    let (b, h, t, d) = (2, 3, 9, 16);
+    let x4 = rand(&[b, h, t, d], 1, 1.0);
+    let angles: Vec<f32> = (0..(t + 3) * d / 2).map(|i| (i as f32 * 0.37).sin()).collect();
+    let ang = Tensor::from_vec(angles, (t + 3, d / 2), &Device::Cpu).unwrap();
+    let (cos, sin) = (ang.cos().unwrap(), ang.sin().unwrap());
+    let on = |t: &Tensor, like: &Tensor| t.to_device(like.device()).unwrap();
+    both("rope", &|x| ops::rope(x, &on(&cos, x), &on(&sin, x)).unwrap(), &x4, 1e-4);
+    both("rope_interleaved", &|x| ops::rope_interleaved(x, &on(&cos, x), &on(&sin, x)).unwrap(), &x4, 1e-4);
+    let x2 = rand(&[11, 40], 2, 2.0);
+    let wn = rand(&[40], 3, 1.0);
+    both("rms_norm", &|x| ops::rms_norm(x, &on(&wn, x), 1e-5).unwrap(), &x2, 1e-4);
+    both("softmax_last_dim", &|x| ops::softmax_last_dim(x).unwrap(), &x2, 1e-4);
+    let up = rand(&[11, 40], 4, 1.0);
+    both("silu_mul", &|x| ops::silu_mul(x, &on(&up, x)).unwrap(), &x2, 1e-4);
+    let wl = rand(&[24, 40], 5, 0.2);
+    both("frozen_linear", &|x| ops::frozen_linear(x, &on(&wl, x)).unwrap(), &x2, 1e-4);
+    both(
+        "frozen_linear bf16",
+        &|x| ops::frozen_linear(&x.to_dtype(DType::BF16).unwrap(), &on(&wl, x).to_dtype(DType::BF16).unwrap()).unwrap(),
+        &x2,
+        3e-2,
+    );
+    let targets = Tensor::new(&[3u32, 0, 39, 7, 7, 1, 2, 30, 5, 6, 8], &Device::Cpu).unwrap();
+    let weights = Tensor::new(&[1f32, 1., 0., 1., 1., 1., 0., 1., 1., 1., 1.], &Device::Cpu).unwrap();
+    let ce = |x: &Tensor| ops::cross_entropy_masked(x, &on(&targets, x), &on(&weights, x)).unwrap().unsqueeze(0).unwrap();
+    both("cross_entropy_masked", &ce, &x2, 1e-4);
+}
+
+#[test]
+fn short_absorb_on_cuda_follows_the_cpu() {
+    // The whole LIFT pipeline (plan, extractive QA, contextualized training, QA training) on the
+    // GPU: same plan and QA pairs, and a first-step loss close to the CPU's.
+    let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
+    let mut opts = AbsorbOptions::default();
+    opts.plan.window = 32;
+    opts.plan.context_tokens = 16;
+    opts.train.epochs = [1, 1];
+    opts.qa.use_model = false;
+    opts.qa.max_pairs = 4;
+    opts.qa.min_pairs = 2;
+    let text = "The harbor of Velmora was built in 1843 by the engineer Ada Quill. It has three piers. \
+The lighthouse keeper, Tomas Brell, painted the tower blue in 1901. The harbor master keeps a brass bell.";
+    let run = |m: &Model| absorb(m, text, None, &opts, &mut |_| {}, &|| false).unwrap();
+    let (c, g) = (run(&cpu), run(&gpu));
+    assert_eq!(c.report.steps, g.report.steps, "same plan on both devices");
+    assert_eq!(c.qa.len(), g.qa.len(), "same QA pairs on both devices");
+    let (lc, lg) = (c.report.step_losses[0], g.report.step_losses[0]);
+    assert!((lc - lg).abs() < 5e-2 * lc.abs().max(1.0), "first-step loss {lc} vs {lg}");
+    assert!(g.report.step_losses.iter().all(|l| l.is_finite()), "CUDA losses are finite");
+    for (name, t) in g.bundle.named_tensors() {
+        assert_eq!(t.dtype(), DType::F32, "{name}: adapters stay f32");
     }
 }
