@@ -4,6 +4,7 @@
 //! the `lift-serve` binary (CLI and HTTP server).
 
 pub mod adapters;
+pub mod base;
 pub mod engine;
 pub mod eval;
 pub mod fetch;
