@@ -230,8 +230,8 @@ pub fn prepare(
     Ok((base, report))
 }
 
-/// The trained base's held-out figures: mean LM loss and the filter's precision and recall at
-/// `s_i > 0` on `examples` (the base as the decoder's base adapter is not needed: it is passed).
+/// The trained base's held-out figures on `examples`: mean LM loss and the filter's precision and
+/// recall at `s_i > 0`. `base` is applied as the call's adapter, on the plain model.
 pub fn evaluate(model: &Model, base: &PreparedBase, examples: &[BaseExample]) -> Result<serde_json::Value> {
     let mut lm = 0.0;
     let mut fe = FilterEval::default();
