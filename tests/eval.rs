@@ -5,7 +5,7 @@
 //! `lift-serve fetch-data`, which these tests run themselves when the essays are missing).
 
 use candle_core::Device;
-use lift_serve::eval::{self, data, needles, report, EvalDocument, Local, RunConfig};
+use lift_serve::eval::{self, data, needles, report, Backend, EvalDocument, Local, RunConfig};
 use lift_serve::lift::answer::{build_prompt, Mode};
 use lift_serve::lift::AbsorbOptions;
 use lift_serve::model::Model;
@@ -188,6 +188,26 @@ fn check_results(results: &eval::Results, docs: usize, questions: usize) {
     let a = &results.answers[0];
     assert_eq!(get(&a.document, &a.question, "lift"), get(&a.document, &a.question, "icl"));
     assert!(get(&a.document, &a.question, "memory") + 40 < get(&a.document, &a.question, "icl"));
+}
+
+#[test]
+fn local_backend_answers_with_the_documents_filter() {
+    let (_d, _p, model) = tiny();
+    let doc = tiny_docs(&model).remove(0);
+    let mut o = tiny_options();
+    o.filter.enabled = true;
+    o.filter.layer = Some(0);
+    o.train.epochs = [0, 1];
+    let mut local = Local::new(&model, Some(200), 4);
+    let (_, handle) = local.absorb(&doc, &o, &mut |_, _, _| {}).unwrap();
+    let tokens = model.encode_document(&doc.text).unwrap();
+    let q = &doc.questions[0].question;
+    let (_, lift_len) = local.ask(&doc, &tokens, Some(handle), q, Mode::Lift).unwrap();
+    let (_, icl_len) = local.ask(&doc, &tokens, None, q, Mode::Icl).unwrap();
+    // The filter's layout repeats the question after the document and adds a marker per chunk;
+    // without the filter, `lift` has exactly the `icl` prompt.
+    let q_len = model.tokenizer.encode(q, false).unwrap().len();
+    assert!(lift_len >= icl_len + q_len, "lift with its filter: {lift_len} tokens, icl {icl_len}");
 }
 
 #[test]

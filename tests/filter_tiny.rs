@@ -192,7 +192,13 @@ fn absorb_with_filter_and_cdt_trains_the_filter_and_reports_critical_tokens() {
     let cdt = a.report.cdt.as_ref().expect("CDT statistics");
     assert!(cdt.examples > 0 && cdt.critical > 0 && cdt.critical < cdt.tokens, "{cdt:?}");
     assert!(cdt.evidence_tokens > 0 && cdt.context_tokens > cdt.evidence_tokens, "{cdt:?}");
-    assert!(cdt.mean_relative_shift > 0.0, "{cdt:?}");
+    // Each denoised example moves its document tokens by the target on average; the loss on
+    // the denoised embeddings is logged against the plain one.
+    let target = lift_serve::lift::cdt::CdtOptions::default().relative_move;
+    assert!((cdt.mean_relative_shift - target).abs() < 0.05 * target, "{cdt:?}");
+    assert!(cdt.mean_loss_ratio > 0.5 && cdt.mean_loss_ratio < 2.0, "{cdt:?}");
+    // Only QA examples are denoised (6 epochs of them), never the segments.
+    assert_eq!(cdt.examples, 6 * a.qa.len(), "{cdt:?}");
     // Recall on the training pairs runs and counts every pair whose evidence is in a chunk.
     let e = filter::evaluate(&model, Some(&a.bundle.adapter), &f, DOC, &a.doc_tokens, &a.qa, 1000).unwrap();
     assert_eq!(e.questions, a.qa.len());

@@ -550,6 +550,8 @@ fn spawn_server(e: &Env, port: u16, log: &Path) -> Child {
         .arg("--model").arg(&e.model)
         .arg("--adapters-dir").arg(&e.adapters)
         .arg("--absorb-options").arg(&e.options)
+        // A `base/` in the working directory would belong to the default model, not the tiny one.
+        .args(["--prepared-base", "none"])
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(log).unwrap())
         .spawn()

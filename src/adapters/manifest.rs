@@ -62,6 +62,9 @@ pub struct BaseModelRef {
     pub num_layers: usize,
     pub num_heads: usize,
     pub head_dim: usize,
+    /// The prepared base the adapter was trained over (its hash is part of `fingerprint`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prepared_base: Option<String>,
 }
 
 impl BaseModelRef {
@@ -70,6 +73,7 @@ impl BaseModelRef {
         Self {
             id: model.info.id.clone(),
             fingerprint: model.info.fingerprint.clone(),
+            prepared_base: model.info.prepared_base.clone(),
             architecture: c.architecture,
             hidden_size: c.hidden_size,
             num_layers: c.num_layers,
@@ -177,6 +181,15 @@ impl Manifest {
     pub fn check_base_model(&self, model: &Model) -> Result<()> {
         let want = &self.base_model;
         let have = BaseModelRef::of(model);
+        if want.fingerprint != have.fingerprint && want.prepared_base != have.prepared_base {
+            let name = |b: &Option<String>| b.as_deref().map_or("none".to_string(), |h| format!("'{h}'"));
+            bail!(
+                "adapter was trained over prepared base {}, but the loaded model has prepared base {} \
+                 (--prepared-base); an adapter only works over the base it was trained over",
+                name(&want.prepared_base),
+                name(&have.prepared_base)
+            );
+        }
         if want.fingerprint != have.fingerprint {
             bail!(
                 "adapter was trained on base model '{}' (fingerprint {}), but the loaded base model is '{}' \

@@ -14,7 +14,8 @@ pub mod metrics;
 pub mod needles;
 pub mod report;
 
-use crate::lift::answer::{answer, build_prompt, AnswerPrompt, Mode};
+use crate::lift::answer::{answer_filtered, build_prompt, AnswerPrompt, Mode};
+use crate::lift::filter::Filter;
 use crate::lift::{self, AbsorbEvent, AbsorbOptions};
 use crate::model::generate::SamplingParams;
 use crate::model::Model;
@@ -269,7 +270,7 @@ pub trait Backend {
     fn release(&mut self) {}
 }
 
-/// In-process backend: [`lift::absorb`] and [`answer`] on a loaded model.
+/// In-process backend: [`lift::absorb`] and [`answer_filtered`] on a loaded model.
 pub struct Local<'a> {
     pub model: &'a Model,
     pub context_tokens: Option<usize>,
@@ -330,10 +331,25 @@ impl Backend for Local<'_> {
         question: &str,
         mode: Mode,
     ) -> Result<(String, usize)> {
-        let adapter = handle.map(|h| &self.adapters[h].bundle.adapter as &dyn crate::model::Adapter);
+        let bundle = handle.map(|h| &self.adapters[h].bundle);
+        let adapter = bundle.map(|b| &b.adapter as &dyn crate::model::Adapter);
+        // A document absorbed with a filter answers with it, as the server does.
+        let filter = match bundle {
+            Some(b) => Filter::from_extras(&b.extras, self.model.config())?,
+            None => None,
+        };
         let params = SamplingParams { max_tokens: self.max_tokens, temperature: 0.0, ..Default::default() };
-        let (prompt, out) =
-            answer(self.model, doc_tokens, adapter, question, mode, self.context_tokens, &params, &mut |_| true)?;
+        let (prompt, out, _) = answer_filtered(
+            self.model,
+            doc_tokens,
+            adapter,
+            filter.as_ref(),
+            question,
+            mode,
+            self.context_tokens,
+            &params,
+            &mut |_| true,
+        )?;
         Ok((out.text, prompt.tokens.len()))
     }
 

@@ -90,9 +90,10 @@ pub fn answer(
     Ok((prompt, out))
 }
 
-/// `answer` with the document's FltLM filter (a detached copy), used in `lift` mode: the context
-/// is laid out in chunks with markers, scored and softly masked in the same pass. Also returns
-/// each chunk's score and mask (empty without a filter or outside `lift` mode).
+/// `answer` with a FltLM filter (a detached copy): the document's own, in `lift` mode, else the
+/// prepared base's, in every mode with context. The context is laid out in chunks with markers,
+/// scored and softly masked in the same pass. Also returns each chunk's score and mask (empty
+/// when no filter applies).
 #[allow(clippy::too_many_arguments)]
 pub fn answer_filtered(
     model: &Model,
@@ -107,7 +108,10 @@ pub fn answer_filtered(
 ) -> Result<(AnswerPrompt, Generation, Vec<ChunkScore>)> {
     let adapter = if mode.uses_adapter() { adapter } else { None };
     let mut cache = KvCache::new(model.config().num_layers);
-    let filter = filter.filter(|_| mode == Mode::Lift);
+    let filter = match filter.filter(|_| mode == Mode::Lift) {
+        Some(f) => Some(f),
+        None => model.base_filter().filter(|_| mode.uses_context()),
+    };
     let Some(filter) = filter else {
         let prompt = build_prompt(model, doc, question, mode, context_tokens, params.max_tokens)?;
         let out = generate(model, &prompt.tokens, &mut cache, adapter, &mut NoHooks, params, on_text)?;

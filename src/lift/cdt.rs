@@ -1,8 +1,11 @@
 //! CDT, context denoising training (seeds/000_27daafaf793f066d.txt §4): for each training
 //! example, pass 1 takes the gradient of the loss with respect to the input embeddings only;
-//! tokens whose gradient L2 norm is at least the sequence mean are *critical*; every other token's
-//! embedding moves by `−lr·β·grad` (eq. 2, applied to the irrelevant tokens as the authors' text
-//! and trainer do); pass 2 is the real training step on those denoised embeddings (eq. 3).
+//! document tokens whose gradient L2 norm is at least the document's mean are *critical*; every
+//! other document token's embedding moves against its gradient (eq. 2, applied to the irrelevant
+//! tokens as the authors' text and trainer do), by a step set so that the mean relative move is
+//! `CdtOptions::relative_move`; pass 2 is the real training step on those denoised embeddings
+//! (eq. 3). Only QA examples are denoised: a contextualized-training segment has no question
+//! that would make part of its context noise.
 
 use super::filter::evidence_tokens;
 use super::prompt::{chat_with_context_at, elision_tokens, head_tail, kept_ranges};
@@ -12,34 +15,24 @@ use crate::model::Model;
 use candle_core::{Result, Tensor, D};
 use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CdtApply {
-    Qa,
-    Ct,
-    #[default]
-    Both,
-}
-
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct CdtOptions {
     pub enabled: bool,
-    /// Denoising strength β of eq. 2: non-critical embeddings move by `lr·β·grad`.
-    pub beta: f64,
-    /// Which examples are denoised: auxiliary QA, contextualized-training segments, or both.
-    pub apply_to: CdtApply,
+    /// Target relative move ‖Δe‖/‖e‖ of the denoised embeddings, averaged over the tokens moved
+    /// in each example: eq. 2's step `lr·β` is set per example to reach it.
+    pub relative_move: f64,
 }
 
 impl Default for CdtOptions {
-    /// β: the paper's 5 goes with a full fine-tune at lr 1e-5 (a step of 5e-5·grad). Measured on
-    /// the 135M model (a CT example at the start of training, loss 3.8): per-token embedding
-    /// gradients have L2 norm ≈ 0.035 (median) to 0.055 (mean), embeddings ≈ 2.7. At our adapter
-    /// lr of 1e-3, β = 5 would move a non-critical embedding by ~6e-5 of its norm: no denoising at
-    /// all. β = 1000 (a step of 1·grad) moves it by ~1% of its norm at the start, less as the loss
-    /// falls; the mean relative move is reported (`CdtStats::mean_relative_shift`).
+    /// The paper (Context Denoising Training, §5) moves embeddings by `lr·β·grad` with lr 1e-5 and
+    /// β 5 in a full fine-tune: 5e-5 × the gradient. Absolute steps do not carry over between
+    /// models and optimizers (our learning rates are adapters'), relative moves do; and since an
+    /// embedding's gradient is far smaller than the embedding (here ‖g‖ ≈ 0.05, ‖e‖ ≈ 2.7 on the
+    /// 135M model), 5e-5 bounds the paper's relative move from above. (A fixed `lr·β` of 1e-3 ×
+    /// 1000 moved every embedding by ~4.7% of its norm, thousands of times that.)
     fn default() -> Self {
-        Self { enabled: false, beta: 1000.0, apply_to: CdtApply::Both }
+        Self { enabled: false, relative_move: 5e-5 }
     }
 }
 
@@ -47,31 +40,75 @@ impl CdtOptions {
     pub fn is_default(&self) -> bool {
         *self == Self::default()
     }
-
-    pub fn applies(&self, is_qa: bool) -> bool {
-        self.enabled
-            && match self.apply_to {
-                CdtApply::Both => true,
-                CdtApply::Qa => is_qa,
-                CdtApply::Ct => !is_qa,
-            }
-    }
 }
 
 /// Critical tokens of embedding gradients `[t, hidden]`: L2 norm ≥ the mean norm. Also returns
 /// the norms.
 pub fn critical_tokens(grad: &Tensor) -> Result<(Vec<bool>, Vec<f32>)> {
-    let norms = grad.sqr()?.sum(D::Minus1)?.sqrt()?.to_vec1::<f32>()?;
+    let norms = row_norms(grad)?;
     let mean = norms.iter().sum::<f32>() / norms.len().max(1) as f32;
     Ok((norms.iter().map(|&n| n >= mean).collect(), norms))
+}
+
+fn row_norms(x: &Tensor) -> Result<Vec<f32>> {
+    x.sqr()?.sum(D::Minus1)?.sqrt()?.to_vec1::<f32>()
 }
 
 /// Eq. 2: `e' = e − step·grad` for the tokens that are not critical (`step = lr·β`); critical
 /// rows are returned unchanged. `emb` and `grad` are `[t, hidden]`.
 pub fn denoise(emb: &Tensor, grad: &Tensor, critical: &[bool], step: f64) -> Result<Tensor> {
-    let keep: Vec<f32> = critical.iter().map(|&c| if c { 0.0 } else { 1.0 }).collect();
-    let keep = Tensor::from_vec(keep, (critical.len(), 1), emb.device())?;
-    emb - (grad.broadcast_mul(&keep)? * step)?
+    let scale: Vec<f64> = critical.iter().map(|&c| if c { 0.0 } else { step }).collect();
+    shift_rows(emb, grad, &scale)
+}
+
+/// `e_i − scale_i·grad_i` for every row i.
+fn shift_rows(emb: &Tensor, grad: &Tensor, scale: &[f64]) -> Result<Tensor> {
+    let scale: Vec<f32> = scale.iter().map(|&s| s as f32).collect();
+    let scale = Tensor::from_vec(scale, (emb.dim(0)?, 1), emb.device())?;
+    emb - grad.broadcast_mul(&scale)?
+}
+
+/// The outcome of denoising one example's document tokens.
+#[derive(Clone, Debug)]
+pub struct Denoised {
+    /// The embeddings `[t, hidden]` with the moved rows shifted.
+    pub emb: Tensor,
+    /// Per row: a document token whose gradient norm is at least the document tokens' mean.
+    pub critical: Vec<bool>,
+    /// Rows moved (document tokens that are not critical).
+    pub moved: usize,
+    /// Measured mean ‖Δe‖/‖e‖ over the moved rows.
+    pub relative_move: f64,
+}
+
+/// Eq. 2 on the document tokens only (rows `document` of `emb`, `grad`, both `[t, hidden]`):
+/// critical tokens by gradient norm among the document tokens, the others moved against their
+/// gradient with the step that makes their mean relative move `target`. Template tokens (the
+/// attention sink among them), the question and the answer never move: "noise" means irrelevant
+/// context, and only the document is context.
+pub fn denoise_document(emb: &Tensor, grad: &Tensor, document: &[usize], target: f64) -> Result<Denoised> {
+    let t = emb.dim(0)?;
+    let g = row_norms(grad)?;
+    let e = row_norms(emb)?;
+    let doc: Vec<usize> = document.iter().copied().filter(|&i| i < t).collect();
+    let mut critical = vec![false; t];
+    let mean = doc.iter().map(|&i| g[i]).sum::<f32>() / doc.len().max(1) as f32;
+    let mut moved = Vec::new();
+    for &i in &doc {
+        if g[i] >= mean {
+            critical[i] = true;
+        } else if g[i] > 0.0 && e[i] > 0.0 {
+            moved.push(i);
+        }
+    }
+    let ratio = moved.iter().map(|&i| (g[i] / e[i]) as f64).sum::<f64>() / moved.len().max(1) as f64;
+    let step = if ratio > 0.0 { target / ratio } else { 0.0 };
+    let mut scale = vec![0.0; t];
+    moved.iter().for_each(|&i| scale[i] = step);
+    let out = shift_rows(emb, grad, &scale)?;
+    let delta = row_norms(&(&out - emb)?)?;
+    let relative_move = moved.iter().map(|&i| (delta[i] / e[i]) as f64).sum::<f64>() / moved.len().max(1) as f64;
+    Ok(Denoised { emb: out, critical, moved: moved.len(), relative_move })
 }
 
 /// Counts of critical tokens, to check that CDT flags what matters: on QA examples the evidence
@@ -87,11 +124,49 @@ pub struct CdtStats {
     /// Evidence tokens (in the window) of QA examples, and how many were critical.
     pub evidence_tokens: usize,
     pub evidence_critical: usize,
-    /// Mean relative move ‖Δe‖/‖e‖ of the denoised (non-critical) tokens.
+    /// Mean relative move ‖Δe‖/‖e‖ of the denoised (non-critical document) tokens, measured.
     pub mean_relative_shift: f64,
+    /// Mean over examples of the pass-2 (denoised) / pass-1 LM loss.
+    pub mean_loss_ratio: f64,
+    #[serde(skip)]
+    sums: (f64, f64),
 }
 
 impl CdtStats {
+    /// Records one denoised example: its document tokens' critical flags, evidence and context
+    /// positions (for the rates), the measured move and both passes' LM losses.
+    pub fn add(&mut self, d: &Denoised, positions: Option<&QaPositions>, pass1: f64, pass2: f64) {
+        let n_crit = d.critical.iter().filter(|&&c| c).count();
+        self.examples += 1;
+        self.critical += n_crit;
+        if let Some(qp) = positions {
+            let count = |ps: &[usize]| {
+                ps.iter()
+                    .filter(|&&i| i < d.critical.len())
+                    .fold((0, 0), |(n, c), &i| (n + 1, c + d.critical[i] as usize))
+            };
+            let (cn, cc) = count(&qp.context);
+            let (en, ec) = count(&qp.evidence);
+            self.tokens += cn;
+            self.context_tokens += cn;
+            self.context_critical += cc;
+            self.evidence_tokens += en;
+            self.evidence_critical += ec;
+        }
+        self.sums.0 += d.relative_move;
+        self.sums.1 += pass2 / pass1.max(1e-12);
+        self.mean_relative_shift = self.sums.0 / self.examples as f64;
+        self.mean_loss_ratio = self.sums.1 / self.examples as f64;
+        tracing::debug!(
+            critical = n_crit,
+            moved = d.moved,
+            relative_move = d.relative_move,
+            pass1,
+            pass2,
+            "cdt example"
+        );
+    }
+
     pub fn evidence_rate(&self) -> f64 {
         self.evidence_critical as f64 / self.evidence_tokens.max(1) as f64
     }
@@ -148,19 +223,54 @@ mod tests {
         let (crit, norms) = critical_tokens(&grad).unwrap();
         assert_eq!(crit, vec![true, false, false, true]);
         assert!((norms[0] - 5.0).abs() < 1e-6);
-        let (lr, beta) = (1e-3, 500.0);
-        let out = denoise(&emb, &grad, &crit, lr * beta).unwrap().to_vec2::<f32>().unwrap();
+        let step = 0.5;
+        let out = denoise(&emb, &grad, &crit, step).unwrap().to_vec2::<f32>().unwrap();
         let e = emb.to_vec2::<f32>().unwrap();
         let g = grad.to_vec2::<f32>().unwrap();
         for i in 0..4 {
             for j in 0..2 {
-                let want = if crit[i] { e[i][j] } else { e[i][j] - (lr * beta) as f32 * g[i][j] };
-                assert_eq!(out[i][j], want, "row {i} col {j}");
+                let want = if crit[i] { e[i][j] } else { e[i][j] - step as f32 * g[i][j] };
+                assert!((out[i][j] - want).abs() < 1e-6, "row {i} col {j}");
             }
         }
-        assert_ne!(out[1], e[1], "a non-critical row moved");
-        let opts = CdtOptions { enabled: true, apply_to: CdtApply::Qa, ..Default::default() };
-        assert!(opts.applies(true) && !opts.applies(false));
-        assert!(!CdtOptions::default().applies(true));
+        assert!(!CdtOptions::default().enabled);
+    }
+
+    #[test]
+    fn only_document_tokens_move_and_their_mean_relative_move_is_the_target() {
+        let dev = Device::Cpu;
+        // Rows 0–1: template (BOS, role), 2–6: document, 7: question. Row 0 has a tiny gradient,
+        // as attention sinks do: it must stay anyway.
+        let emb = Tensor::new(
+            &[[1.0f32, 0.0], [0.0, 2.0], [3.0, 4.0], [1.0, 1.0], [0.0, 5.0], [2.0, 0.0], [1.0, 2.0], [4.0, 4.0]],
+            &dev,
+        )
+        .unwrap();
+        let grad = Tensor::new(
+            &[[0.001f32, 0.0], [0.1, 0.1], [0.3, 0.4], [0.01, 0.02], [0.0, 0.05], [0.02, 0.0], [2.0, 1.0], [0.01, 0.0]],
+            &dev,
+        )
+        .unwrap();
+        let target = 1e-3;
+        let d = denoise_document(&emb, &grad, &[2, 3, 4, 5, 6], target).unwrap();
+        // Document gradient norms 0.5, 0.022, 0.05, 0.02, 2.24 → mean 0.57: row 6 critical
+        // (and row 2 is not: 0.5 < 0.57).
+        assert_eq!(d.critical, vec![false, false, false, false, false, false, true, false]);
+        assert_eq!(d.moved, 4);
+        assert!((d.relative_move - target).abs() < 1e-6, "measured move {} vs {target}", d.relative_move);
+        let (e, out) = (emb.to_vec2::<f32>().unwrap(), d.emb.to_vec2::<f32>().unwrap());
+        for i in [0, 1, 6, 7] {
+            assert_eq!(out[i], e[i], "row {i} must not move");
+        }
+        for i in [2, 3, 4, 5] {
+            assert_ne!(out[i], e[i], "row {i} moves");
+        }
+        // Twice the target, twice the move.
+        let d2 = denoise_document(&emb, &grad, &[2, 3, 4, 5, 6], 2.0 * target).unwrap();
+        assert!((d2.relative_move - 2.0 * target).abs() < 1e-6);
+        // No document tokens: nothing moves.
+        let none = denoise_document(&emb, &grad, &[], target).unwrap();
+        assert_eq!((none.moved, none.relative_move), (0, 0.0));
+        assert_eq!(none.emb.to_vec2::<f32>().unwrap(), e);
     }
 }

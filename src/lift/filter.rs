@@ -92,23 +92,34 @@ impl Filter {
     /// that are negative for most questions, mask the whole context within one epoch: measured
     /// recall 0 of 8 evidence chunks on the real model.)
     pub fn new(cfg: &ModelConfig, opts: &FilterOptions, dev: &Device) -> Result<Self> {
-        let hidden = cfg.hidden_size;
-        let vars = vec![
-            Var::zeros(hidden, DType::F32, dev)?,
-            Var::zeros(1, DType::F32, dev)?,
-            Var::zeros(1, DType::F32, dev)?,
-            Var::zeros(1, DType::F32, dev)?,
-            Var::from_tensor(&Tensor::new(&[opts.tau.max(1e-3).ln() as f32], dev)?)?,
-        ];
-        Ok(Self {
+        let zero = Tensor::zeros(1, DType::F32, dev)?;
+        let plain = Self {
             layer: opts.layer_for(cfg),
             chunk_tokens: opts.chunk_tokens.max(1),
+            head_w: Tensor::zeros(cfg.hidden_size, DType::F32, dev)?,
+            head_b: zero.clone(),
+            w: zero.clone(),
+            b: zero,
+            log_tau: Tensor::new(&[opts.tau.max(1e-3).ln() as f32], dev)?,
+            vars: Vec::new(),
+        };
+        Ok(plain.trainable()?)
+    }
+
+    /// The same values as fresh `Var`s (to resume training from a checkpoint).
+    pub fn trainable(&self) -> candle_core::Result<Self> {
+        let vars = [&self.head_w, &self.head_b, &self.w, &self.b, &self.log_tau]
+            .into_iter()
+            .map(|t| Var::from_tensor(&t.detach()))
+            .collect::<candle_core::Result<Vec<_>>>()?;
+        Ok(Self {
             head_w: vars[0].as_tensor().clone(),
             head_b: vars[1].as_tensor().clone(),
             w: vars[2].as_tensor().clone(),
             b: vars[3].as_tensor().clone(),
             log_tau: vars[4].as_tensor().clone(),
             vars,
+            ..self.clone()
         })
     }
 
@@ -178,10 +189,14 @@ impl Filter {
         h.matmul(&self.head_w.unsqueeze(1)?)?.squeeze(1)?.broadcast_add(&self.head_b)
     }
 
-    /// Mask intensities `I = min(0, w·s + b)` for scores `s` (`x − relu(x)`: gradient 1 at 0).
+    /// Mask intensities `I = min(0, w·s + b)` for scores `s`, with the left derivative (1) at
+    /// `w·s + b = 0`: at the zero start (`w = b = 0`) every chunk sits exactly there, and a
+    /// derivative of 0 there (what `x − relu(x)` gives, relu passing 1 at 0) would leave w and b
+    /// without gradient forever. The gate `x ≤ 0` is a constant of the graph.
     pub fn intensities(&self, s: &Tensor) -> candle_core::Result<Tensor> {
         let x = s.broadcast_mul(&self.w)?.broadcast_add(&self.b)?;
-        &x - x.relu()?
+        let gate = x.le(0.0)?.to_dtype(x.dtype())?;
+        x * gate
     }
 }
 
@@ -300,30 +315,60 @@ pub fn build_prompt(
     chunk_tokens: usize,
 ) -> Result<FilterPrompt> {
     let elision = elision_tokens(model)?;
-    let marker = marker_token(model)?;
     let (head_end, tail_start) = kept_ranges(doc.len(), budget, budget / 2, elision.len());
-    let mut ctx = model.tokenizer.encode(&format!("Question: {}\n\n", question.trim()), false)?;
-    let mut chunks = Vec::new();
-    // Positions are relative to the context until its offset in the prompt is known.
-    let mut add = |ctx: &mut Vec<u32>, from: usize, to: usize| {
-        for (a, b) in chunk_ranges(ends, from, to, chunk_tokens) {
-            let start = ctx.len();
-            ctx.extend_from_slice(&doc[a..b]);
-            chunks.push(Chunk { doc_start: a, doc_end: b, start, end: ctx.len() });
-            ctx.push(marker);
-        }
-    };
-    add(&mut ctx, 0, head_end);
+    let mut ranges = chunk_ranges(ends, 0, head_end, chunk_tokens);
+    let head_chunks = ranges.len();
+    let elide = (tail_start < doc.len()).then_some((head_chunks, elision.as_slice()));
     if tail_start < doc.len() {
-        ctx.extend_from_slice(&elision);
-        add(&mut ctx, tail_start, doc.len());
+        ranges.extend(chunk_ranges(ends, tail_start, doc.len(), chunk_tokens));
+    }
+    let (tokens, chunks) = layout(model, doc, &ranges, elide, question)?;
+    Ok(FilterPrompt { tokens, chunks, head_end, tail_start })
+}
+
+/// The filter-layout prompt for `question` over `passages` (token ids), one chunk per passage,
+/// all in the window: the layout of the prepared base's training examples, whose passages are
+/// already sentence-aligned chunks.
+pub fn passages_prompt(model: &Model, passages: &[Vec<u32>], question: &str) -> Result<FilterPrompt> {
+    let doc: Vec<u32> = passages.concat();
+    let mut ranges = Vec::with_capacity(passages.len());
+    let mut at = 0;
+    for p in passages {
+        ranges.push((at, at + p.len()));
+        at += p.len();
+    }
+    let (tokens, chunks) = layout(model, &doc, &ranges, None, question)?;
+    Ok(FilterPrompt { tokens, chunks, head_end: doc.len(), tail_start: doc.len() })
+}
+
+/// `Question: q`, then each document range of `doc` followed by a marker (the `elide` tokens
+/// before range `elide.0`), in the chat template with the question again after the context.
+fn layout(
+    model: &Model,
+    doc: &[u32],
+    ranges: &[(usize, usize)],
+    elide: Option<(usize, &[u32])>,
+    question: &str,
+) -> Result<(Vec<u32>, Vec<Chunk>)> {
+    let marker = marker_token(model)?;
+    let mut ctx = model.tokenizer.encode(&format!("Question: {}\n\n", question.trim()), false)?;
+    let mut chunks = Vec::with_capacity(ranges.len());
+    for (i, &(a, b)) in ranges.iter().enumerate() {
+        if let Some((_, elision)) = elide.filter(|(at, _)| *at == i) {
+            ctx.extend_from_slice(elision);
+        }
+        // Positions are relative to the context until its offset in the prompt is known.
+        let start = ctx.len();
+        ctx.extend_from_slice(&doc[a..b]);
+        chunks.push(Chunk { doc_start: a, doc_end: b, start, end: ctx.len() });
+        ctx.push(marker);
     }
     let (tokens, offset) = chat_with_context_at(model, &ctx, question)?;
     for c in &mut chunks {
         c.start += offset;
         c.end += offset;
     }
-    Ok(FilterPrompt { tokens, chunks, head_end, tail_start })
+    Ok((tokens, chunks))
 }
 
 /// Document token span of a QA pair's evidence (byte offsets → tokens of the prefix).
@@ -486,6 +531,13 @@ pub struct ChunkScore {
     pub mask: f32,
 }
 
+impl ChunkScore {
+    /// FltLM's relevance criterion (§4): the chunk is relevant when its score is positive.
+    pub fn relevant(&self) -> bool {
+        self.score > 0.0
+    }
+}
+
 /// An adapter that reports `first` as its lowest layer, so the trainable path keeps gradients
 /// through the layers the soft mask acts on even when the adapter starts higher.
 pub struct FromLayer<'a> {
@@ -505,8 +557,8 @@ impl Adapter for FromLayer<'_> {
     }
 }
 
-/// Evidence recall of the filter: over QA pairs whose evidence is in the window, how many
-/// evidence chunks keep a mask above −1 (and how the other chunks fare).
+/// Evidence recall of the filter at the paper's relevance criterion: a chunk counts as relevant
+/// ("kept") when its score `s_i > 0`, over QA pairs whose evidence is in the window.
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct FilterEval {
     pub questions: usize,
@@ -516,6 +568,35 @@ pub struct FilterEval {
     pub other_kept: usize,
     pub mean_evidence_score: f64,
     pub mean_other_score: f64,
+    #[serde(skip)]
+    score_sums: (f64, f64),
+}
+
+impl FilterEval {
+    /// Counts one question's chunks (`labels`: evidence or not).
+    pub fn add(&mut self, report: &[ChunkScore], labels: &[bool]) {
+        self.questions += 1;
+        for (c, &pos) in report.iter().zip(labels) {
+            let kept = c.relevant() as usize;
+            if pos {
+                self.evidence_chunks += 1;
+                self.evidence_kept += kept;
+                self.score_sums.0 += c.score as f64;
+            } else {
+                self.other_chunks += 1;
+                self.other_kept += kept;
+                self.score_sums.1 += c.score as f64;
+            }
+        }
+        self.mean_evidence_score = self.score_sums.0 / self.evidence_chunks.max(1) as f64;
+        self.mean_other_score = self.score_sums.1 / self.other_chunks.max(1) as f64;
+    }
+
+    /// Precision and recall of "relevant" (`s_i > 0`) against the evidence labels.
+    pub fn precision_recall(&self) -> (f64, f64) {
+        let kept = self.evidence_kept + self.other_kept;
+        (self.evidence_kept as f64 / kept.max(1) as f64, self.evidence_kept as f64 / self.evidence_chunks.max(1) as f64)
+    }
 }
 
 /// Runs the filter (prompt forward only) on `pairs` and counts evidence chunks kept.
@@ -530,30 +611,14 @@ pub fn evaluate(
 ) -> Result<FilterEval> {
     let ends = sentence_ends(model, doc)?;
     let mut e = FilterEval::default();
-    let (mut ev_sum, mut other_sum) = (0.0, 0.0);
     for pair in pairs {
         let p = build_prompt(model, doc, &ends, &pair.question, budget, filter.chunk_tokens)?;
         let labels = p.labels(evidence_tokens(model, text, pair)?);
         if !labels.iter().any(|&l| l) {
             continue;
         }
-        let report = score_prompt(model, adapter, filter, &p)?;
-        e.questions += 1;
-        for (c, &pos) in report.iter().zip(&labels) {
-            let kept = (c.mask > -1.0) as usize;
-            if pos {
-                e.evidence_chunks += 1;
-                e.evidence_kept += kept;
-                ev_sum += c.score as f64;
-            } else {
-                e.other_chunks += 1;
-                e.other_kept += kept;
-                other_sum += c.score as f64;
-            }
-        }
+        e.add(&score_prompt(model, adapter, filter, &p)?, &labels);
     }
-    e.mean_evidence_score = ev_sum / e.evidence_chunks.max(1) as f64;
-    e.mean_other_score = other_sum / e.other_chunks.max(1) as f64;
     Ok(e)
 }
 
@@ -661,6 +726,44 @@ mod tests {
             hooks.after_layer(l, &h.narrow(1, 6, 4).unwrap()).unwrap();
         }
         assert!(hooks.attention_bias(3, 6, 4, 10).unwrap().is_none(), "cleared after the last layer");
+    }
+
+    #[test]
+    fn mask_parameters_get_gradient_at_the_zero_start() {
+        let dev = Device::Cpu;
+        let cfg = crate::testing::smollm2_135m_config();
+        let f = Filter::new(&cfg, &FilterOptions::default(), &dev).unwrap();
+        // w = b = 0: every intensity is exactly 0, on the kink of min(0, ·).
+        let s = Tensor::new(&[1.5f32, -2.0, 0.5], &dev).unwrap();
+        let c = Tensor::new(&[0.3f32, -0.7, 1.1], &dev).unwrap();
+        let i = f.intensities(&s).unwrap();
+        assert_eq!(i.to_vec1::<f32>().unwrap(), vec![0.0; 3]);
+        let loss = (&i * &c).unwrap().sum_all().unwrap();
+        let grads = loss.backward().unwrap();
+        let gw = grads.get(&f.w).expect("w has a gradient").to_vec1::<f32>().unwrap()[0];
+        let gb = grads.get(&f.b).expect("b has a gradient").to_vec1::<f32>().unwrap()[0];
+        // dL/dw = Σ c_i s_i, dL/db = Σ c_i (left derivative 1 at the kink).
+        let want_w = 0.3 * 1.5 + 0.7 * 2.0 + 1.1 * 0.5;
+        let want_b = 0.3 - 0.7 + 1.1;
+        assert!((gw - want_w).abs() < 1e-5, "dL/dw {gw} vs {want_w}");
+        assert!((gb - want_b).abs() < 1e-5, "dL/db {gb} vs {want_b}");
+        // Away from the kink: min(0, x) with gradient only where x < 0.
+        let mut g = f.detached();
+        g.w = Tensor::new(&[1.0f32], &dev).unwrap();
+        g.b = Tensor::new(&[-1.0f32], &dev).unwrap();
+        assert_eq!(g.intensities(&s).unwrap().to_vec1::<f32>().unwrap(), vec![0.0, -3.0, -0.5]);
+    }
+
+    #[test]
+    fn relevance_is_a_positive_score_not_a_mask_above_minus_one() {
+        let chunk = |score: f32, mask: f32| ChunkScore { start: 0, end: 1, score, mask };
+        // At the zero start every mask is 0 (> −1), yet a negative score is not relevant.
+        let report = [chunk(0.8, 0.0), chunk(-0.4, 0.0), chunk(0.2, 0.0), chunk(-3.0, -2.0)];
+        let mut e = FilterEval::default();
+        e.add(&report, &[true, true, false, false]);
+        assert_eq!((e.evidence_chunks, e.evidence_kept, e.other_chunks, e.other_kept), (2, 1, 2, 1));
+        assert_eq!(e.precision_recall(), (0.5, 0.5));
+        assert!((e.mean_evidence_score - 0.2).abs() < 1e-6 && (e.mean_other_score + 1.4).abs() < 1e-6);
     }
 
     #[test]

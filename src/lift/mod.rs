@@ -163,13 +163,20 @@ pub fn absorb(
     };
     // FltLM's and CDT's per-question bookkeeping (chunks, evidence positions) is per row.
     let mut plan_opts = opts.plan.clone();
-    if opts.filter.enabled || opts.cdt.enabled {
+    if opts.filter.enabled || opts.cdt.enabled || model.base_filter().is_some() {
         plan_opts.qa_pack = 1;
     }
     let plan = Plan::new(model, &doc, &pairs, &plan_opts)?;
     let train_opts = opts.effective_train();
     let budget = opts.plan.qa_context();
-    let filter = if opts.filter.enabled { Some(Filter::new(cfg, &opts.filter, model.device())?) } else { None };
+    // A per-document filter trains with the adapter; a prepared base's filter is frozen and only
+    // lays out and masks the QA examples, as it will when answering.
+    let filter = if opts.filter.enabled {
+        Some(Filter::new(cfg, &opts.filter, model.device())?)
+    } else {
+        model.base_filter().cloned()
+    };
+    let lambda = if opts.filter.enabled { opts.filter.lambda } else { 0.0 };
     let filter_examples = match &filter {
         Some(f) => filter::qa_examples(model, text, &doc, &pairs, budget, f)?,
         None => Vec::new(),
@@ -191,7 +198,7 @@ pub fn absorb(
         filter: filter.as_ref().map(|f| FilterTraining {
             filter: f,
             examples: &filter_examples,
-            lambda: opts.filter.lambda,
+            lambda,
             margin: opts.filter.margin,
             lr_scale: opts.filter.lr_scale,
         }),
@@ -212,7 +219,7 @@ pub fn absorb(
 
     on_event(AbsorbEvent::Stage(AbsorbStage::Saving));
     let mut bundle = AdapterBundle::new(adapter.detached());
-    if let Some(f) = &filter {
+    if let Some(f) = filter.as_ref().filter(|_| opts.filter.enabled) {
         bundle.extras.extend(f.to_extras()?);
     }
     let manifest = Manifest::new(

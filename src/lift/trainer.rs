@@ -138,7 +138,7 @@ pub struct Cancelled;
 /// The residual streams entering the first trainable layer of examples that are the same tokens
 /// every epoch (the QA examples): the frozen layers below the adapter run once per example
 /// instead of once per epoch. Bounded in bytes; past the budget examples are recomputed.
-struct FrozenCache {
+pub(crate) struct FrozenCache {
     entries: std::collections::HashMap<usize, Tensor>,
     bytes: usize,
     budget: usize,
@@ -187,6 +187,21 @@ impl AdamW {
         Ok(Self { vars, m, v, t: 0, opts: opts.clone() })
     }
 
+    /// The moments and the step count, to checkpoint.
+    pub fn state(&self) -> (&[Tensor], &[Tensor], usize) {
+        (&self.m, &self.v, self.t)
+    }
+
+    /// Restores [`Self::state`] (same variables, same order).
+    pub fn restore(&mut self, m: Vec<Tensor>, v: Vec<Tensor>, t: usize) -> Result<()> {
+        anyhow::ensure!(m.len() == self.vars.len() && v.len() == self.vars.len(), "optimizer state of another shape");
+        for (i, var) in self.vars.iter().enumerate() {
+            anyhow::ensure!(m[i].dims() == var.dims() && v[i].dims() == var.dims(), "optimizer state of another shape");
+        }
+        (self.m, self.v, self.t) = (m, v, t);
+        Ok(())
+    }
+
     /// One update with `grads[i]` for `vars[i]` at learning rate `lr`.
     pub fn step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
         self.t += 1;
@@ -213,8 +228,18 @@ impl AdamW {
 /// Mean cross-entropy of `example` under the model with `adapter`; only target positions go
 /// through the vocabulary projection.
 pub fn example_loss(model: &Model, adapter: &dyn Adapter, example: &Example) -> Result<Tensor> {
+    example_loss_with(model, adapter, example, &mut NoHooks)
+}
+
+/// [`example_loss`] with forward hooks (e.g. a filter's soft mask).
+pub fn example_loss_with(
+    model: &Model,
+    adapter: &dyn Adapter,
+    example: &Example,
+    hooks: &mut dyn ForwardHooks,
+) -> Result<Tensor> {
     let p = prepare(model, example)?;
-    lm_loss(model, adapter, &model.decoder.embed(&p.input)?, &mut NoHooks, &p)
+    lm_loss(model, adapter, &model.decoder.embed(&p.input)?, hooks, &p)
 }
 
 /// A training row ready for the model: input ids `[1, n−1]` (laid out by `packing`), the
@@ -301,73 +326,42 @@ fn total_loss(
     Ok(((&lm + (&flt * ft.lambda)?)?, lm, Some(flt)))
 }
 
-/// The loss of one training example: with CDT, pass 1 (embedding gradients of the LM loss),
-/// critical tokens, denoised embeddings, then the loss on them (pass 2).
-#[allow(clippy::too_many_arguments)]
-fn training_loss(
+/// The loss of one training example: with CDT (`cdt`: the target relative move and the prompt
+/// positions of the document), pass 1 (embedding gradients of the LM loss), critical tokens,
+/// denoised document embeddings, then the loss on them (pass 2).
+pub(crate) fn training_loss(
     model: &Model,
     adapter: &dyn Adapter,
     example: &Example,
     filter: Option<(&FilterTraining, &FilterExample)>,
-    cdt_step: Option<f64>,
-    positions: Option<&QaPositions>,
+    cdt: Option<(f64, &QaPositions)>,
     stats: &mut CdtStats,
-    shift: &mut (f64, usize),
     frozen: Option<(&mut FrozenCache, usize)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let p = prepare(model, example)?;
     let emb = model.decoder.embed(&p.input)?;
-    if let (Some((frozen, key)), None, None) = (frozen, cdt_step, filter) {
+    if let (Some((frozen, key)), None, None) = (frozen, cdt, filter) {
         let packing = p.packing.as_ref();
         let first = model.decoder.first_trainable_layer(&emb, Some(adapter));
         let h = frozen.stream(model, key, &emb, first, packing)?;
         let hidden = model.decoder.forward_train_from(&h, first, packing, Some(adapter), &mut NoHooks)?;
         return Ok((cross_entropy_at(model, &hidden, &p)?, None));
     }
-    let emb = match cdt_step {
-        None => emb,
-        Some(step) => {
-            let v = Var::from_tensor(&emb)?;
-            let (_, lm, _) = total_loss(model, adapter, v.as_tensor(), &p, filter)?;
-            let grads = lm.backward()?;
-            let g = grads.get(v.as_tensor()).map(|g| g.detach().squeeze(0)).transpose()?;
-            let e = emb.squeeze(0)?;
-            let g = match g {
-                Some(g) => g,
-                None => e.zeros_like()?,
-            };
-            let (critical, norms) = cdt::critical_tokens(&g)?;
-            let e_norms = e.sqr()?.sum(candle_core::D::Minus1)?.sqrt()?.to_vec1::<f32>()?;
-            for (i, &c) in critical.iter().enumerate() {
-                if !c {
-                    shift.0 += step * norms[i] as f64 / (e_norms[i] as f64).max(1e-12);
-                    shift.1 += 1;
-                }
-            }
-            let n_crit = critical.iter().filter(|&&c| c).count();
-            stats.examples += 1;
-            stats.tokens += critical.len();
-            stats.critical += n_crit;
-            if let Some(qp) = positions {
-                let count = |ps: &[usize]| {
-                    ps.iter()
-                        .filter(|&&i| i < critical.len())
-                        .fold((0, 0), |(n, c), &i| (n + 1, c + critical[i] as usize))
-                };
-                let (cn, cc) = count(&qp.context);
-                let (en, ec) = count(&qp.evidence);
-                stats.context_tokens += cn;
-                stats.context_critical += cc;
-                stats.evidence_tokens += en;
-                stats.evidence_critical += ec;
-                tracing::debug!(kind = ?example.kind, tokens = critical.len(), critical = n_crit, context = cn, context_critical = cc, evidence = en, evidence_critical = ec, "cdt critical tokens");
-            } else {
-                tracing::debug!(kind = ?example.kind, tokens = critical.len(), critical = n_crit, "cdt critical tokens");
-            }
-            cdt::denoise(&e, &g, &critical, step)?.unsqueeze(0)?
-        }
+    let Some((target, positions)) = cdt else {
+        let (total, _, flt) = total_loss(model, adapter, &emb, &p, filter)?;
+        return Ok((total, flt));
     };
-    let (total, _, flt) = total_loss(model, adapter, &emb, &p, filter)?;
+    let v = Var::from_tensor(&emb)?;
+    let (_, pass1, _) = total_loss(model, adapter, v.as_tensor(), &p, filter)?;
+    let grads = pass1.backward()?;
+    let e = emb.squeeze(0)?;
+    let g = match grads.get(v.as_tensor()) {
+        Some(g) => g.detach().squeeze(0)?,
+        None => e.zeros_like()?,
+    };
+    let d = cdt::denoise_document(&e, &g, &positions.context, target)?;
+    let (total, pass2, flt) = total_loss(model, adapter, &d.emb.unsqueeze(0)?, &p, filter)?;
+    stats.add(&d, Some(positions), pass1.to_scalar::<f32>()? as f64, pass2.to_scalar::<f32>()? as f64);
     Ok((total, flt))
 }
 
@@ -411,7 +405,6 @@ pub fn train_with(
     let n_adapter_vars = vars.len();
     let vars: Vec<Var> = vars.iter().chain(filter_vars).cloned().collect();
     let mut cdt_stats = CdtStats::default();
-    let mut shift = (0.0, 0usize);
     let mut frozen = FrozenCache::new(FROZEN_CACHE_BYTES);
     let n_seg = plan.segments.len();
     let segment_pack = plan.options().segment_pack.max(1);
@@ -461,26 +454,19 @@ pub fn train_with(
                         (None, true) => plan.qa[i].clone(),
                         (None, false) => plan.segments_example(model, doc, &seg_members[i], &mut rng)?,
                     };
-                    let lr = current_lr(opts, report.steps);
-                    let cdt_step = ext.cdt.as_ref().filter(|c| c.applies(is_qa)).map(|c| lr * c.beta);
-                    let positions = if is_qa { ext.qa_positions.get(i) } else { None };
+                    // CDT denoises the document context of QA examples only.
+                    let cdt = match (&ext.cdt, is_qa) {
+                        (Some(c), true) if c.enabled => ext.qa_positions.get(i).map(|qp| (c.relative_move, qp)),
+                        _ => None,
+                    };
                     // QA examples are the same tokens every epoch; segments get a new context each time.
                     let cached = is_qa.then_some((&mut frozen, i));
-                    let (loss, flt) = training_loss(
-                        model, adapter, &example, fx, cdt_step, positions, &mut cdt_stats, &mut shift, cached,
-                    )?;
+                    let (loss, flt) = training_loss(model, adapter, &example, fx, cdt, &mut cdt_stats, cached)?;
                     if let Some(flt) = flt {
                         epoch_flt.0 += flt.to_scalar::<f32>()? as f64;
                         epoch_flt.1 += 1;
                     }
-                    let grads = (loss.clone() / batch.len() as f64)?.backward()?;
-                    let g: Vec<Tensor> = vars
-                        .iter()
-                        .map(|v| match grads.get(v.as_tensor()) {
-                            Some(g) => Ok(g.detach()),
-                            None => v.zeros_like(),
-                        })
-                        .collect::<candle_core::Result<_>>()?;
+                    let g = gradients(&(loss.clone() / batch.len() as f64)?, &vars)?;
                     sum = Some(match sum {
                         None => g,
                         Some(acc) => acc.iter().zip(&g).map(|(a, b)| a + b).collect::<candle_core::Result<_>>()?,
@@ -535,18 +521,30 @@ pub fn train_with(
     report.tokens_per_s = report.tokens as f64 / report.seconds.max(1e-9);
     report.final_loss = report.epoch_losses.last().copied().unwrap_or(f64::NAN);
     if ext.cdt.as_ref().is_some_and(|c| c.enabled) {
-        cdt_stats.mean_relative_shift = shift.0 / shift.1.max(1) as f64;
         tracing::info!(
             critical = cdt_stats.critical,
             tokens = cdt_stats.tokens,
             evidence_rate = cdt_stats.evidence_rate(),
             context_rate = cdt_stats.context_rate(),
-            shift = cdt_stats.mean_relative_shift,
+            relative_move = cdt_stats.mean_relative_shift,
+            loss_ratio = cdt_stats.mean_loss_ratio,
             "cdt"
         );
         report.cdt = Some(cdt_stats);
     }
     Ok(report)
+}
+
+/// The gradient of `loss` for each of `vars` (zeros where it does not depend on one), detached.
+pub(crate) fn gradients(loss: &Tensor, vars: &[Var]) -> Result<Vec<Tensor>> {
+    let grads = loss.backward()?;
+    Ok(vars
+        .iter()
+        .map(|v| match grads.get(v.as_tensor()) {
+            Some(g) => Ok(g.detach()),
+            None => v.zeros_like(),
+        })
+        .collect::<candle_core::Result<_>>()?)
 }
 
 /// The learning rate of optimizer step `step` (linear warm-up, then constant).
@@ -559,7 +557,7 @@ fn current_lr(opts: &TrainOptions, step: usize) -> f64 {
 }
 
 /// Scales gradients so their global L2 norm is at most `max_norm`.
-fn clip(grads: Vec<Tensor>, max_norm: f64) -> Result<Vec<Tensor>> {
+pub(crate) fn clip(grads: Vec<Tensor>, max_norm: f64) -> Result<Vec<Tensor>> {
     if max_norm <= 0.0 || grads.is_empty() {
         return Ok(grads);
     }

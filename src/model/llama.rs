@@ -11,6 +11,7 @@ use super::ops;
 use super::packing::Packing;
 use super::weights::{base_dtype, Linear};
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
+use std::sync::Arc;
 
 pub struct DecoderLayer {
     pub attn_norm: Tensor,
@@ -61,6 +62,10 @@ pub struct Decoder {
     /// Prompts of at least this many rows go through float matmuls (compute-bound); shorter ones
     /// (decode) through the quantized weights (memory-bound). `usize::MAX`: always quantized.
     pub float_prefill_min_rows: usize,
+    /// A frozen adapter under every other (a prepared base's LoRA): its deltas are added on the
+    /// inference, frozen and trainable paths alike, so a document adapter trains and answers
+    /// over it. Its tensors are plain (no `Var`): no gradient reaches it.
+    pub base_adapter: Option<Arc<dyn Adapter>>,
 }
 
 /// Which positions' logits `forward` returns.
@@ -186,6 +191,7 @@ impl Decoder {
             dtype,
             rope_interleaved: false,
             float_prefill_min_rows: 16,
+            base_adapter: None,
         })
     }
 
@@ -269,7 +275,7 @@ impl Decoder {
         let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         let mut x = x.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
-            let ctx = LayerCtx { li, adapter, float, start };
+            let ctx = LayerCtx { li, adapter, base: self.base_adapter.as_deref(), float, start };
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, self.config.rms_norm_eps as f32)?;
             let attn = self.attention_infer(&ctx, layer, &h, &cos, &sin, mask.as_ref(), Some(&mut *cache), hooks)?;
             x = (x + attn)?;
@@ -455,7 +461,7 @@ impl Decoder {
         let eps = cfg.rms_norm_eps as f32;
         let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         for (li, layer) in self.layers.iter().enumerate().take(upto) {
-            let ctx = LayerCtx { li, adapter: None, float: true, start: 0 };
+            let ctx = LayerCtx { li, adapter: None, base: self.base_adapter.as_deref(), float: true, start: 0 };
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let attn = self.attention_infer(&ctx, layer, &h, &cos, &sin, mask.as_ref(), None, hooks)?;
             x = (x + attn)?;
@@ -486,11 +492,12 @@ impl Decoder {
         let eps = cfg.rms_norm_eps as f32;
         let row_mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         let mut x = h.to_dtype(self.dtype)?;
+        let adapters = [self.base_adapter.as_deref(), adapter];
         for (li, layer) in self.layers.iter().enumerate().skip(from) {
             let h = ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let q = train_linear(adapter, li, layer, Projection::Q, &h)?;
-            let k = train_linear(adapter, li, layer, Projection::K, &h)?;
-            let v = train_linear(adapter, li, layer, Projection::V, &h)?;
+            let q = train_linear(adapters, li, layer, Projection::Q, &h)?;
+            let k = train_linear(adapters, li, layer, Projection::K, &h)?;
+            let v = train_linear(adapters, li, layer, Projection::V, &h)?;
             let q = q.reshape((b, t, cfg.num_heads, cfg.head_dim))?.transpose(1, 2)?.contiguous()?;
             let k = k.reshape((b, t, cfg.num_kv_heads, cfg.head_dim))?.transpose(1, 2)?.contiguous()?;
             let v = v.reshape((b, t, cfg.num_kv_heads, cfg.head_dim))?.transpose(1, 2)?.contiguous()?;
@@ -514,12 +521,12 @@ impl Decoder {
                 None => attn,
             };
             let attn = attn.transpose(1, 2)?.reshape((b, t, cfg.num_heads * cfg.head_dim))?;
-            let o = train_linear(adapter, li, layer, Projection::O, &attn)?;
+            let o = train_linear(adapters, li, layer, Projection::O, &attn)?;
             x = (x + o)?;
             let h = ops::rms_norm(&x, &layer.ffn_norm, eps)?;
-            let gate = train_linear(adapter, li, layer, Projection::Gate, &h)?;
-            let up = train_linear(adapter, li, layer, Projection::Up, &h)?;
-            let mlp = train_linear(adapter, li, layer, Projection::Down, &ops::silu_mul(&gate, &up)?)?;
+            let gate = train_linear(adapters, li, layer, Projection::Gate, &h)?;
+            let up = train_linear(adapters, li, layer, Projection::Up, &h)?;
+            let mlp = train_linear(adapters, li, layer, Projection::Down, &ops::silu_mul(&gate, &up)?)?;
             x = (x + mlp)?;
             hooks.after_layer(li, &x)?;
         }
@@ -553,6 +560,7 @@ impl Decoder {
 struct LayerCtx<'a> {
     li: usize,
     adapter: Option<&'a dyn Adapter>,
+    base: Option<&'a dyn Adapter>,
     float: bool,
     start: usize,
 }
@@ -561,31 +569,34 @@ impl LayerCtx<'_> {
     fn linear(&self, layer: &DecoderLayer, p: Projection, x: &Tensor) -> Result<Tensor> {
         let lin = layer.linear(p);
         let y = if self.float { lin.forward_float(x)? } else { lin.forward(x)? };
-        match self.adapter {
-            Some(a) => match a.linear_delta(self.li, p, x)? {
-                Some(d) => y + d,
-                None => Ok(y),
-            },
-            None => Ok(y),
-        }
+        add_deltas(y, [self.base, self.adapter], self.li, p, x)
     }
 }
 
+/// `y` plus the linear deltas of the base adapter and the per-call adapter, where present.
+fn add_deltas(
+    mut y: Tensor,
+    adapters: [Option<&dyn Adapter>; 2],
+    li: usize,
+    p: Projection,
+    x: &Tensor,
+) -> Result<Tensor> {
+    for a in adapters.into_iter().flatten() {
+        if let Some(d) = a.linear_delta(li, p, x)? {
+            y = (y + d)?;
+        }
+    }
+    Ok(y)
+}
+
 fn train_linear(
-    adapter: Option<&dyn Adapter>,
+    adapters: [Option<&dyn Adapter>; 2],
     li: usize,
     layer: &DecoderLayer,
     p: Projection,
     x: &Tensor,
 ) -> Result<Tensor> {
-    let y = layer.linear(p).forward_train(x)?;
-    match adapter {
-        Some(a) => match a.linear_delta(li, p, x)? {
-            Some(d) => y + d,
-            None => Ok(y),
-        },
-        None => Ok(y),
-    }
+    add_deltas(layer.linear(p).forward_train(x)?, adapters, li, p, x)
 }
 
 /// Causal (and sliding-window) attention of a prompt chunk through flash-attn: `q`

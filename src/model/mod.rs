@@ -34,7 +34,11 @@ pub struct ModelInfo {
     pub path: PathBuf,
     pub format: String,
     /// Hash of the weight files' sizes, heads and tails: cheap, and different for any other model.
+    /// With a prepared base installed, the hash of both (adapters and document ids record it).
     pub fingerprint: String,
+    /// The installed prepared base's hash, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prepared_base: Option<String>,
 }
 
 pub struct Model {
@@ -42,6 +46,9 @@ pub struct Model {
     pub tokenizer: TextTokenizer,
     pub chat_template: ChatTemplate,
     pub info: ModelInfo,
+    /// The prepared base under every document adapter (its LoRA is also `decoder.base_adapter`;
+    /// its filter answers every in-context question): see [`crate::base`].
+    pub prepared_base: Option<std::sync::Arc<crate::base::PreparedBase>>,
 }
 
 impl Model {
@@ -76,7 +83,8 @@ impl Model {
             decoder,
             tokenizer,
             chat_template,
-            info: ModelInfo { id, path: path.to_path_buf(), format: format.into(), fingerprint },
+            info: ModelInfo { id, path: path.to_path_buf(), format: format.into(), fingerprint, prepared_base: None },
+            prepared_base: None,
         })
     }
 
@@ -86,6 +94,11 @@ impl Model {
 
     pub fn device(&self) -> &Device {
         self.decoder.device()
+    }
+
+    /// The prepared base's filter (a detached copy), which answers every in-context question.
+    pub fn base_filter(&self) -> Option<&crate::lift::filter::Filter> {
+        self.prepared_base.as_ref().map(|b| &b.filter)
     }
 
     /// Token ids of a document: its text read as plain text (special tokens written in it are

@@ -74,6 +74,10 @@ pub struct ServeConfig {
     /// In-context document budget when answering (default: what fits the model's window).
     #[arg(long, env = "LIFT_CONTEXT_TOKENS")]
     pub context_tokens: Option<usize>,
+    /// Prepared base (directory) under every document adapter, or `none`; default: `base/` in
+    /// the working directory if it holds one.
+    #[arg(long, env = "LIFT_PREPARED_BASE")]
+    pub prepared_base: Option<String>,
 }
 
 impl ServeConfig {
@@ -96,6 +100,8 @@ impl ServeConfig {
             generate_queue: 32,
             cache_bytes: 1 << 30,
             context_tokens: None,
+            // Explicit: a `base/` in the working directory belongs to the default model.
+            prepared_base: Some("none".into()),
         }
     }
 
@@ -277,7 +283,9 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
     let keys = cfg.keys()?;
     tracing::info!(config = %cfg.describe(keys.len()), "lift-serve starting");
     let model_path = crate::fetch::resolve_model(cfg.model.as_deref())?;
-    let model = Arc::new(Model::load(&model_path, device)?);
+    let mut model = Model::load(&model_path, device)?;
+    crate::base::install_from_arg(&mut model, cfg.prepared_base.as_deref())?;
+    let model = Arc::new(model);
     let default_options: AbsorbOptions = match &cfg.absorb_options {
         Some(p) => serde_json::from_str(&std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?)
             .with_context(|| format!("{}: invalid absorb options", p.display()))?,

@@ -39,7 +39,7 @@ pub fn spec() -> Value {
                     "aux_qa": {"type": "integer"},
                     "filter": {"description": "FltLM context filter: true/false, or {enabled, layer, chunk_tokens, lambda, margin, tau, lr_scale}",
                                "oneOf": [{"type": "boolean"}, {"type": "object"}]},
-                    "cdt": {"description": "CDT context denoising: true/false, or {enabled, beta, apply_to: qa|ct|both}",
+                    "cdt": {"description": "CDT context denoising: true/false, or {enabled, relative_move} (denoises the document tokens of QA examples)",
                             "oneOf": [{"type": "boolean"}, {"type": "object"}]}}},
                 "AskResponse": {"type": "object", "properties": {
                     "answer": {"type": "string"}, "document_id": {"type": "string"}, "mode": {"type": "string"},

@@ -1,0 +1,332 @@
+//! The prepared base on the tiny random model (2 layers; the filter reads layer 0 and masks
+//! layer 1): `prepare` lowers the loss and resumes from its checkpoint to the same result; a
+//! saved base loads to the same logits; a document's Gated Memory trains over the frozen base
+//! (gradients reach only the document adapter) and its adapter refuses another base; `ask
+//! --document` reads in context without an adapter.
+
+use candle_core::{Device, Tensor};
+use lift_serve::adapters::{manifest, GatedMemory};
+use lift_serve::base::data::BaseExample;
+use lift_serve::base::train::{self, PrepareOptions};
+use lift_serve::base::{BaseShape, PreparedBase};
+use lift_serve::lift::answer::{answer_filtered, Mode};
+use lift_serve::lift::filter::{FilterOptions, FromLayer};
+use lift_serve::lift::plan::{Example, ExampleKind};
+use lift_serve::lift::trainer::example_loss;
+use lift_serve::lift::{absorb, AbsorbOptions};
+use lift_serve::model::generate::SamplingParams;
+use lift_serve::model::{Adapter, KvCache, Logits, Model, NoHooks};
+use lift_serve::testing::{write_hf, TinySpec};
+use std::cell::Cell;
+use std::path::{Path, PathBuf};
+
+const DOC: &str = "Marigold ferries leave the north pier at dawn. The lighthouse keeper, Anselm Varga, \
+logs every departure in a green ledger. Passengers pay eleven coins for the crossing to Tern Island. \
+The ferry captain, Ilse Moreau, has sailed the route for twenty years. In winter the ferries stop.";
+
+fn tiny() -> (tempfile::TempDir, PathBuf) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_hf(&dir.path().join("tiny"), &TinySpec::default()).unwrap();
+    (dir, path)
+}
+
+fn load(path: &Path) -> Model {
+    Model::load(path, &Device::Cpu).unwrap()
+}
+
+/// Hand-built examples of the data helper's shape: a few passages, the supporting ones marked.
+fn examples() -> Vec<BaseExample> {
+    let ex = |passages: &[&str], positive: Vec<usize>, q: &str, a: &str| BaseExample {
+        passages: passages.iter().map(|p| p.to_string()).collect(),
+        positive,
+        question: q.into(),
+        answer: a.into(),
+        kind: "single".into(),
+    };
+    vec![
+        ex(
+            &["The ferry leaves at dawn.", "The keeper is Anselm Varga.", "Tickets cost eleven coins."],
+            vec![1],
+            "Who is the keeper?",
+            "Anselm Varga",
+        ),
+        ex(
+            &["Rain fell all week.", "The captain is Ilse Moreau.", "The pier is north."],
+            vec![1],
+            "Who is the captain?",
+            "Ilse Moreau",
+        ),
+        ex(
+            &["The bakery opens at six.", "Bread costs two coins.", "The baker is Tomas Reyes."],
+            vec![2],
+            "Who is the baker?",
+            "Tomas Reyes",
+        ),
+        ex(&["The island is Tern Island.", "Gulls nest there."], vec![0], "Which island?", "Tern Island"),
+    ]
+}
+
+fn options(epochs: usize) -> PrepareOptions {
+    PrepareOptions {
+        shape: BaseShape { rank: 4, filter: FilterOptions { enabled: true, layer: Some(0), ..Default::default() } },
+        epochs,
+        lr: 3e-3,
+        seed: 7,
+        checkpoint_seconds: 1e9,
+        ..Default::default()
+    }
+}
+
+fn train(
+    model: &Model,
+    out: &Path,
+    epochs: usize,
+    resume: bool,
+    stop_after: Option<usize>,
+) -> (PreparedBase, train::PrepareReport) {
+    let polls = Cell::new(0);
+    let cancel = || {
+        polls.set(polls.get() + 1);
+        stop_after.is_some_and(|k| polls.get() > k)
+    };
+    train::prepare(model, &examples(), "test-data", &options(epochs), out, resume, &mut |_| {}, &cancel).unwrap()
+}
+
+fn logits(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
+    let ids = Tensor::new(tokens, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let mut cache = KvCache::new(model.config().num_layers);
+    let l = model.decoder.forward(&ids, &mut cache, None, &mut NoHooks, Logits::All).unwrap();
+    l.squeeze(0).unwrap().to_vec2::<f32>().unwrap()
+}
+
+fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
+    a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// A trained, saved prepared base in `dir`.
+fn saved_base(model: &Model, dir: &Path, epochs: usize) -> String {
+    let (mut base, _) = train(model, dir, epochs, false, None);
+    base.save(dir).unwrap().sha256.clone()
+}
+
+#[test]
+fn a_short_run_lowers_the_loss_and_resume_continues_from_the_checkpoint() {
+    let (_d, path) = tiny();
+    let model = load(&path);
+    let out = tempfile::tempdir().unwrap();
+    let (full, report) = train(&model, out.path(), 6, false, None);
+    assert_eq!(report.steps, 24);
+    let e = &report.epoch_losses;
+    assert_eq!(e.len(), 6);
+    assert!(e[5] < 0.8 * e[0], "epoch losses {e:?}");
+    let f = &report.filter_losses;
+    assert!(f[20..].iter().sum::<f64>() < f[..4].iter().sum::<f64>(), "filter losses {f:?}");
+    let cdt = report.cdt.as_ref().expect("CDT on by default");
+    assert_eq!(cdt.examples, 24);
+    let target = options(1).cdt.relative_move;
+    assert!((cdt.mean_relative_shift - target).abs() < 0.05 * target, "{cdt:?}");
+    // The mask left the zero start (b at least: w only moves while some w·s + b ≤ 0).
+    let b = full.filter.b.to_vec1::<f32>().unwrap()[0];
+    assert!(b != 0.0, "b {b}");
+
+    // Interrupted after 10 steps (checkpoint written), then resumed: the same 24 steps.
+    let out2 = tempfile::tempdir().unwrap();
+    let (_, part) = train(&model, out2.path(), 6, false, Some(10));
+    assert!(part.stopped && part.steps == 10);
+    assert!(out2.path().join("checkpoint/state.json").is_file());
+    let (resumed, r2) = train(&model, out2.path(), 6, true, None);
+    assert_eq!((r2.steps, r2.steps_this_run), (24, 14));
+    for (a, b) in report.step_losses.iter().zip(&r2.step_losses) {
+        assert!((a - b).abs() < 1e-4 * a.abs().max(1.0), "step losses differ: {a} vs {b}");
+    }
+    let (x, y) = (full.named_tensors().unwrap(), resumed.named_tensors().unwrap());
+    for (k, t) in &x {
+        let d = (t - &y[k]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        assert!(d < 1e-4, "{k} differs by {d}");
+    }
+    // A checkpoint made with other options is refused.
+    let err = train::prepare(&model, &examples(), "test-data", &options(7), out2.path(), true, &mut |_| {}, &|| false)
+        .err()
+        .expect("other options refused");
+    assert!(err.to_string().contains("other options"), "{err}");
+}
+
+#[test]
+fn a_saved_base_loads_to_the_same_logits_and_changes_the_fingerprint() {
+    let (_d, path) = tiny();
+    let plain = load(&path);
+    let dir = tempfile::tempdir().unwrap();
+    let (mut base, _) = train(&plain, dir.path(), 3, false, None);
+    let hash = base.save(dir.path()).unwrap().sha256.clone();
+    let tokens = plain.encode_document(DOC).unwrap();
+
+    let mut a = load(&path);
+    base.install(&mut a).unwrap();
+    let mut b = load(&path);
+    PreparedBase::load(dir.path(), &b).unwrap().install(&mut b).unwrap();
+    let (la, lb, lp) = (logits(&a, &tokens), logits(&b, &tokens), logits(&plain, &tokens));
+    assert_eq!(max_diff(&la, &lb), 0.0, "saved and loaded bases give the same logits");
+    assert!(max_diff(&la, &lp) > 1e-3, "the base changes the model: {}", max_diff(&la, &lp));
+    assert_eq!(b.info.prepared_base.as_deref(), Some(hash.as_str()));
+    assert_ne!(b.info.fingerprint, plain.info.fingerprint);
+    assert_eq!(b.info.fingerprint, a.info.fingerprint);
+
+    // A corrupted weights file, and a base for another model, are refused.
+    let mut bytes = std::fs::read(dir.path().join("base.safetensors")).unwrap();
+    let n = bytes.len();
+    bytes[n - 1] ^= 1;
+    std::fs::write(dir.path().join("base.safetensors"), &bytes).unwrap();
+    let err = PreparedBase::load(dir.path(), &plain).err().expect("corrupt base refused");
+    assert!(err.to_string().contains("hash"), "{err}");
+    let other = write_hf(&dir.path().join("other"), &TinySpec { seed: 3, ..Default::default() }).unwrap();
+    bytes[n - 1] ^= 1;
+    std::fs::write(dir.path().join("base.safetensors"), &bytes).unwrap();
+    let err = PreparedBase::load(dir.path(), &load(&other)).err().expect("another model refused");
+    assert!(err.to_string().contains("trained on base model"), "{err}");
+}
+
+#[test]
+fn document_gated_memory_trains_over_the_frozen_base_and_only_it_gets_gradients() {
+    let (_d, path) = tiny();
+    let plain = load(&path);
+    let dir = tempfile::tempdir().unwrap();
+    saved_base(&plain, dir.path(), 3);
+    let mut model = load(&path);
+    PreparedBase::load(dir.path(), &model).unwrap().install(&mut model).unwrap();
+    let base = model.prepared_base.clone().unwrap();
+
+    let tokens = model.encode_document(DOC).unwrap();
+    let example = Example { kind: ExampleKind::Segment(0), target: vec![true; tokens.len()], tokens, packing: None };
+    // Gated Memory on the upper layer only: layer 0 runs on the frozen path, which must apply the
+    // base too (it does when the loss equals the one with every layer trainable).
+    let cfg = model.config();
+    let gm = GatedMemory::new(cfg, &[1], cfg.attention_bias, 1, &Device::Cpu).unwrap();
+    let loss = example_loss(&model, &gm, &example).unwrap();
+    let all_trainable = FromLayer { inner: &gm, first: 0 };
+    let loss_all = example_loss(&model, &all_trainable, &example).unwrap().to_scalar::<f32>().unwrap();
+    let l = loss.to_scalar::<f32>().unwrap();
+    assert!((l - loss_all).abs() < 1e-4, "frozen path {l} vs trainable path {loss_all}");
+    let plain_loss = example_loss(&plain, &gm, &example).unwrap().to_scalar::<f32>().unwrap();
+    assert!((l - plain_loss).abs() > 1e-4, "the base is active while training: {l} vs {plain_loss}");
+
+    let grads = loss.backward().unwrap();
+    for v in gm.vars() {
+        let g = grads.get(v.as_tensor()).expect("document adapter gets gradient");
+        assert!(g.abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0);
+    }
+    // The tensors the decoder adds (the installed LoRA shares them) are no parameters: no
+    // optimizer can reach them (candle still computes the gradient of every matmul operand).
+    for (layer, proj, pair) in base.lora.pairs() {
+        assert!(!pair.a.is_variable() && !pair.b.is_variable(), "base LoRA {layer}.{proj:?} is trainable");
+    }
+    assert!(base.filter.vars().is_empty() && !base.filter.w.is_variable());
+}
+
+#[test]
+fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_filter() {
+    let (_d, path) = tiny();
+    let plain = load(&path);
+    let (d1, d2) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+    let h1 = saved_base(&plain, d1.path(), 2);
+    let h2 = saved_base(&plain, d2.path(), 3);
+    assert_ne!(h1, h2);
+    let over = |dir: &Path| {
+        let mut m = load(&path);
+        PreparedBase::load(dir, &m).unwrap().install(&mut m).unwrap();
+        m
+    };
+    let m1 = over(d1.path());
+    let mut o = AbsorbOptions::default();
+    o.plan.window = 32;
+    o.plan.context_tokens = 1000;
+    o.qa.use_model = false;
+    o.qa.max_pairs = 3;
+    o.train.epochs = [1, 3];
+    let a = absorb(&m1, DOC, None, &o, &mut |_| {}, &|| false).unwrap();
+    let e = &a.report.epoch_losses;
+    assert!(e.last().unwrap() < &e[0], "the document adapter trains over the base: {e:?}");
+    // The QA examples were laid out and masked by the frozen base filter; nothing of it is saved
+    // with the document.
+    assert_eq!(a.report.filter_epoch_losses.len(), 3);
+    assert!(a.bundle.extras.is_empty());
+    assert_eq!(a.manifest.base_model.prepared_base.as_deref(), Some(h1.as_str()));
+
+    let adir = tempfile::tempdir().unwrap();
+    let adapter_dir = adir.path().join("doc");
+    manifest::save(&adapter_dir, &a.bundle, &a.manifest, &[]).unwrap();
+    manifest::load(&adapter_dir, &m1).unwrap();
+    let err = manifest::load(&adapter_dir, &over(d2.path())).err().expect("another base refused");
+    assert!(format!("{err:#}").contains(&format!("trained over prepared base '{h1}'")), "{err:#}");
+    let err = manifest::load(&adapter_dir, &plain).err().expect("no base refused");
+    assert!(format!("{err:#}").contains("loaded model has prepared base none"), "{err:#}");
+    // Absorbing left the frozen base exactly as loaded.
+    let fresh = PreparedBase::load(d1.path(), &plain).unwrap().named_tensors().unwrap();
+    for (k, t) in m1.prepared_base.as_ref().unwrap().named_tensors().unwrap() {
+        assert_eq!(
+            t.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            fresh[&k].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            "{k}"
+        );
+    }
+
+    // Answering reads the document through the base filter, with and without the adapter.
+    let params = SamplingParams { max_tokens: 3, ..Default::default() };
+    for (mode, adapter) in [(Mode::Icl, None), (Mode::Lift, Some(&a.bundle.adapter as &dyn Adapter))] {
+        let (_, _, chunks) = answer_filtered(
+            &m1,
+            &a.doc_tokens,
+            adapter,
+            None,
+            "Who keeps the lighthouse?",
+            mode,
+            None,
+            &params,
+            &mut |_| true,
+        )
+        .unwrap();
+        assert!(chunks.len() >= 2, "{mode:?}: {} chunks", chunks.len());
+    }
+    let (_, _, chunks) = answer_filtered(
+        &plain,
+        &a.doc_tokens,
+        None,
+        None,
+        "Who keeps the lighthouse?",
+        Mode::Icl,
+        None,
+        &params,
+        &mut |_| true,
+    )
+    .unwrap();
+    assert!(chunks.is_empty(), "no filter without a prepared base");
+}
+
+#[test]
+fn ask_with_a_document_reads_it_in_context_and_refuses_adapter_modes() {
+    let (d, path) = tiny();
+    let doc = d.path().join("doc.txt");
+    std::fs::write(&doc, DOC).unwrap();
+    let run = |mode: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
+            .args(["ask", "--prepared-base", "none", "--max-tokens", "4", "--question", "Who keeps the lighthouse?"])
+            .arg("--model")
+            .arg(&path)
+            .arg("--document")
+            .arg(&doc)
+            .args(if mode.is_empty() { vec![] } else { vec!["--mode", mode] })
+            .output()
+            .unwrap()
+    };
+    for mode in ["", "icl"] {
+        let out = run(mode);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "mode '{mode}': {err}");
+        assert!(err.contains("Icl") && err.contains("document_tokens_in_context"), "{err}");
+    }
+    for mode in ["lift", "memory"] {
+        let out = run(mode);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "mode {mode} must be refused");
+        assert!(err.contains("needs an adapter"), "{err}");
+    }
+}
