@@ -544,7 +544,8 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
                 Some(d) => d.clone(),
                 None => data::fetch_essays(&data::data_dir())?,
             };
-            let essays = data::load_essays(&dir)?;
+            // Only the essays of the prepared base's Eval split: the base never trained on them.
+            let essays = crate::base::data::essays_in(&data::load_essays(&dir)?, crate::base::data::Split::Eval);
             let spec = needles::NeedleSpec {
                 lengths: args.lengths.clone(),
                 depths: args.depths.clone(),
