@@ -368,6 +368,16 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
         }
         None => AbsorbOptions::default(),
     };
+    let o = &default_options;
+    let planned =
+        crate::lift::plan::planned_training_tokens(cfg.max_document_tokens, &o.plan, o.train.epochs, o.qa.max_pairs);
+    if planned > cfg.max_training_tokens {
+        tracing::warn!(
+            planned,
+            cap = cfg.max_training_tokens,
+            "the default absorb options on a document of max_document_tokens plan more training than max_training_tokens: such documents will be refused"
+        );
+    }
     let store = Store::open(&cfg.adapters_dir, cfg.cache_bytes)?;
     let mut docs = HashMap::new();
     let mut requeue = Vec::new();
