@@ -109,3 +109,19 @@ impl IntoResponse for ApiError {
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn internal_errors_send_no_details() {
+        let e = ApiError::internal("cannot read /srv/adapters/doc_ab/adapter.safetensors: No such file\n   0: backtrace");
+        assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(!e.message.contains("/srv") && !e.message.contains("backtrace"), "{}", e.message);
+        assert!(e.message.contains("reference"), "{}", e.message);
+        // A client error raised inside model work keeps its status through anyhow.
+        let wrapped = anyhow::Error::from(ApiError::unknown_document("doc_x"));
+        assert_eq!(crate::server::routes::gen_error(wrapped).status, StatusCode::NOT_FOUND);
+    }
+}
