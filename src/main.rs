@@ -12,10 +12,6 @@ use lift_serve::model::{ChatMessage, KvCache, Model, NoHooks};
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-/// SmolLM2's built-in system prompt derails its answers ("What is the capital of France?" gets a
-/// list of French landmarks); a plain one gets "The capital of France is Paris."
-const DEFAULT_SYSTEM: &str = "You are a helpful assistant.";
-
 #[derive(Parser)]
 #[command(name = "lift-serve", version, about = "Test-time adaptation server for long documents")]
 struct Cli {
@@ -45,8 +41,9 @@ enum Command {
         /// Stop generating at this string (repeatable).
         #[arg(long)]
         stop: Vec<String>,
-        /// System message ("" for the chat template's own default).
-        #[arg(long, default_value = DEFAULT_SYSTEM)]
+        /// System message; by default none is added and the chat template's own default applies,
+        /// as in the server's chat endpoint (the same messages give the same tokens).
+        #[arg(long, default_value = "")]
         system: String,
         prompt: String,
     },

@@ -27,7 +27,8 @@ pub enum SubmitError {
 
 struct Worker {
     tx: Mutex<Option<SyncSender<Task>>>,
-    /// Tasks waiting (not yet started).
+    capacity: usize,
+    /// Tasks waiting (not yet started), and places reserved for tasks about to be submitted.
     depth: Arc<AtomicUsize>,
     /// Tasks running (0 or 1).
     busy: Arc<AtomicUsize>,
@@ -36,7 +37,8 @@ struct Worker {
 
 impl Worker {
     fn start(name: &str, model: Arc<Model>, capacity: usize) -> std::io::Result<Self> {
-        let (tx, rx) = sync_channel::<Task>(capacity.max(1));
+        let capacity = capacity.max(1);
+        let (tx, rx) = sync_channel::<Task>(capacity);
         let depth = Arc::new(AtomicUsize::new(0));
         let busy = Arc::new(AtomicUsize::new(0));
         let (d, b) = (depth.clone(), busy.clone());
@@ -52,23 +54,23 @@ impl Worker {
                 b.store(0, Ordering::SeqCst);
             }
         })?;
-        Ok(Self { tx: Mutex::new(Some(tx)), depth, busy, handle: Mutex::new(Some(handle)) })
+        Ok(Self { tx: Mutex::new(Some(tx)), capacity, depth, busy, handle: Mutex::new(Some(handle)) })
+    }
+
+    /// Takes a place in the queue, or says why there is none. `depth` never exceeds the channel's
+    /// capacity, so a reserved place can always be filled.
+    fn reserve(&self) -> Result<Reservation<'_>, SubmitError> {
+        if self.tx.lock().map_err(|_| SubmitError::Closed)?.is_none() {
+            return Err(SubmitError::Closed);
+        }
+        self.depth
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| (d < self.capacity).then_some(d + 1))
+            .map_err(|_| SubmitError::Full)?;
+        Ok(Reservation { worker: self, used: false })
     }
 
     fn submit(&self, task: Task) -> Result<(), SubmitError> {
-        let guard = self.tx.lock().map_err(|_| SubmitError::Closed)?;
-        let tx = guard.as_ref().ok_or(SubmitError::Closed)?;
-        self.depth.fetch_add(1, Ordering::SeqCst);
-        match tx.try_send(task) {
-            Ok(()) => Ok(()),
-            Err(e) => {
-                self.depth.fetch_sub(1, Ordering::SeqCst);
-                Err(match e {
-                    TrySendError::Full(_) => SubmitError::Full,
-                    TrySendError::Disconnected(_) => SubmitError::Closed,
-                })
-            }
-        }
+        self.reserve()?.submit(task)
     }
 
     fn close(&self) -> Option<std::thread::JoinHandle<()>> {
@@ -76,6 +78,35 @@ impl Worker {
             g.take();
         }
         self.handle.lock().ok().and_then(|mut h| h.take())
+    }
+}
+
+/// A place held in a queue (see `Engine::reserve_train`); given back when dropped unused.
+pub struct Reservation<'a> {
+    worker: &'a Worker,
+    used: bool,
+}
+
+impl Reservation<'_> {
+    pub fn submit(mut self, task: Task) -> Result<(), SubmitError> {
+        let guard = self.worker.tx.lock().map_err(|_| SubmitError::Closed)?;
+        let tx = guard.as_ref().ok_or(SubmitError::Closed)?;
+        match tx.try_send(task) {
+            Ok(()) => {
+                self.used = true;
+                Ok(())
+            }
+            Err(TrySendError::Full(_)) => Err(SubmitError::Full),
+            Err(TrySendError::Disconnected(_)) => Err(SubmitError::Closed),
+        }
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if !self.used {
+            self.worker.depth.fetch_sub(1, Ordering::SeqCst);
+        }
     }
 }
 
@@ -96,6 +127,12 @@ impl Engine {
 
     pub fn submit_train(&self, task: Task) -> Result<(), SubmitError> {
         self.train.submit(task)
+    }
+
+    /// Holds a place in the training queue, so that a request is refused (429) before it
+    /// writes anything.
+    pub fn reserve_train(&self) -> Result<Reservation<'_>, SubmitError> {
+        self.train.reserve()
     }
 
     pub fn submit_generate(&self, task: Task) -> Result<(), SubmitError> {

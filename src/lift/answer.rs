@@ -51,6 +51,14 @@ pub fn context_budget(model: &Model, question_tokens: usize, max_tokens: usize, 
     requested.map_or(fits, |r| r.min(fits))
 }
 
+/// The fewest prompt tokens a question of `question_tokens` takes before any document text: the
+/// template's own tokens, and the question twice when a FltLM filter lays out the context (see
+/// `answer_filtered`). Servers check it against the window before queueing any model work.
+pub fn min_prompt_tokens(question_tokens: usize, filtered: bool) -> usize {
+    let question = if filtered { 2 * question_tokens + 8 } else { question_tokens };
+    question + TEMPLATE_SLACK
+}
+
 /// Builds the prompt for `question` about `doc` (token ids) in `mode`.
 pub fn build_prompt(
     model: &Model,
@@ -119,7 +127,8 @@ pub fn answer_filtered(
     };
     // The question appears twice and each chunk adds a marker: leave room for both.
     let q_tokens = model.tokenizer.encode(question, false)?.len();
-    let budget = context_budget(model, 2 * q_tokens + 8, params.max_tokens, context_tokens);
+    let budget =
+        context_budget(model, min_prompt_tokens(q_tokens, true) - TEMPLATE_SLACK, params.max_tokens, context_tokens);
     let budget = if context_tokens.is_some() { budget } else { budget * filter.chunk_tokens / (filter.chunk_tokens + 1) };
     let ends = filter::sentence_ends(model, doc)?;
     let p = filter::build_prompt(model, doc, &ends, question, budget, filter.chunk_tokens)?;

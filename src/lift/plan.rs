@@ -77,6 +77,26 @@ pub fn segments(n_tokens: usize, window: usize, stride: usize) -> Vec<Segment> {
     out
 }
 
+/// Tokens a training row adds around its segment or question: the chat template and the recite
+/// prompt (an upper bound for the cost estimate below).
+const ROW_OVERHEAD_TOKENS: usize = 32;
+/// A generous size of one auxiliary question with its answer.
+const QA_PAIR_TOKENS: usize = 64;
+
+/// About how many tokens go through the model to train a document of `doc_tokens`: every
+/// segment's row (head+tail context, template, window) in each of `epochs[0] + epochs[1]` epochs,
+/// and each of up to `qa_pairs` question rows in the `epochs[1]` epochs with QA. Unpacked rows:
+/// an upper bound when packing is on. Known before any model work, so a server can refuse a
+/// plan it would not finish.
+pub fn planned_training_tokens(doc_tokens: usize, opts: &PlanOptions, epochs: [usize; 2], qa_pairs: usize) -> u64 {
+    let window = opts.window.max(1);
+    let segments = if doc_tokens <= window { 1 } else { (doc_tokens - window).div_ceil(opts.stride()) + 1 };
+    let segment_row = (opts.context_tokens + ROW_OVERHEAD_TOKENS + window.min(doc_tokens.max(1))) as u64;
+    let qa_row = (opts.qa_context() + ROW_OVERHEAD_TOKENS + QA_PAIR_TOKENS) as u64;
+    let ct = segments as u64 * segment_row * (epochs[0] + epochs[1]) as u64;
+    ct + qa_pairs as u64 * qa_row * epochs[1] as u64
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case", tag = "type", content = "index")]
 pub enum ExampleKind {
@@ -210,6 +230,26 @@ impl Plan {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn planned_training_tokens_counts_the_segments_and_grows_with_the_work() {
+        let o = PlanOptions::default();
+        for n in [10, 256, 257, 1000, 200_000] {
+            let planned = planned_training_tokens(n, &o, [1, 0], 0);
+            let rows = segments(n, o.window, o.stride()).len() as u64;
+            assert_eq!(planned, rows * (o.context_tokens + ROW_OVERHEAD_TOKENS + o.window.min(n)) as u64, "n = {n}");
+        }
+        // The defaults on a document of the server's largest size stay under its default cap.
+        let defaults = crate::lift::AbsorbOptions::default();
+        let max_doc = planned_training_tokens(200_000, &defaults.plan, defaults.train.epochs, defaults.qa.max_pairs);
+        assert!(max_doc < 10_000_000, "{max_doc}");
+        // The request on a 162-token document: stride 1 and 100 + 100 epochs.
+        let absurd = PlanOptions { window: 32, stride: Some(1), ..PlanOptions::default() };
+        assert!(
+            planned_training_tokens(162, &absurd, [100, 100], 1000)
+                > 10 * planned_training_tokens(162, &o, [3, 5], 256)
+        );
+    }
 
     #[test]
     fn segments_cover_every_token_with_stride_and_last_window() {

@@ -5,7 +5,7 @@
 //! user turn = [document context tokens] + "\n\n" + instruction or question; the assistant turn
 //! follows. The document context is spliced in as token ids, never re-tokenised.
 
-use crate::model::{ChatMessage, Model};
+use crate::model::{ChatPart, Model};
 use anyhow::{Context, Result};
 
 /// The system message of every LIFT prompt (SmolLM2's own default derails it).
@@ -13,9 +13,6 @@ pub const SYSTEM_PROMPT: &str = "You are a helpful assistant.";
 
 /// The recite instruction of contextualized training (LIFT authors' code).
 pub const RECITE_PROMPT: &str = "Given above context, please recite following segment of the context:";
-
-/// Marks where the document goes in the rendered template; never produced by real text.
-const SLOT: &str = "\u{E000}LIFT-DOCUMENT\u{E000}";
 
 /// Joins the head and the tail of a truncated document.
 pub const ELISION: &str = "\n...\n";
@@ -28,25 +25,19 @@ pub fn chat_with_context(model: &Model, context: &[u32], suffix: &str) -> Result
 
 /// `chat_with_context` and the position of the context's first token in the prompt.
 pub fn chat_with_context_at(model: &Model, context: &[u32], suffix: &str) -> Result<(Vec<u32>, usize)> {
-    let suffix = model.tokenizer.escape_specials(suffix);
-    let content = if context.is_empty() { suffix.to_string() } else { format!("{SLOT}\n\n{suffix}") };
-    let messages = [
-        ChatMessage { role: "system".into(), content: SYSTEM_PROMPT.into() },
-        ChatMessage { role: "user".into(), content },
-    ];
-    let text = model.chat_template.render(&messages, true)?;
-    let add_bos = model.tokenizer.bos_token().is_some_and(|(b, _)| !text.starts_with(&b));
+    let user = if context.is_empty() {
+        vec![ChatPart::Text(suffix)]
+    } else {
+        vec![ChatPart::Tokens(context), ChatPart::Text("\n\n"), ChatPart::Text(suffix)]
+    };
+    let (ids, starts) = model.encode_chat_parts(&[("system", vec![ChatPart::Text(SYSTEM_PROMPT)]), ("user", user)])?;
     if context.is_empty() {
-        let ids = model.tokenizer.encode(&text, add_bos)?;
         let n = ids.len();
         return Ok((ids, n));
     }
-    let at = text.find(SLOT).context("chat template dropped the user message")?;
-    let mut ids = model.tokenizer.encode(&text[..at], add_bos)?;
-    let offset = ids.len();
-    ids.extend_from_slice(context);
-    ids.extend(model.tokenizer.encode(&text[at + SLOT.len()..], false)?);
-    Ok((ids, offset))
+    // Parts in order: the system message, then the context.
+    let at = *starts.get(1).context("chat template dropped the user message")?;
+    Ok((ids, at))
 }
 
 /// The document truncated to `budget` tokens: `head` tokens from the start, the elision marker,

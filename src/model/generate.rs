@@ -112,6 +112,22 @@ pub fn argmax(xs: &[f32]) -> u32 {
     best as u32
 }
 
+/// A prompt longer than the model's window, refused before any forward pass (a prompt past the
+/// window would otherwise run its whole prefill before failing).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ContextLengthExceeded {
+    pub prompt: usize,
+    pub window: usize,
+}
+
+impl std::fmt::Display for ContextLengthExceeded {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "the prompt has {} tokens; the model's window is {}", self.prompt, self.window)
+    }
+}
+
+impl std::error::Error for ContextLengthExceeded {}
+
 /// Runs `ids` through the model in chunks, extending `cache`; returns the last position's logits.
 pub fn prefill(
     model: &Model,
@@ -121,6 +137,10 @@ pub fn prefill(
     hooks: &mut dyn ForwardHooks,
 ) -> Result<Tensor> {
     anyhow::ensure!(!ids.is_empty(), "empty prompt");
+    let window = model.config().max_position_embeddings;
+    if cache.len() + ids.len() > window {
+        return Err(ContextLengthExceeded { prompt: cache.len() + ids.len(), window }.into());
+    }
     let dev = model.device();
     let mut last = None;
     for chunk in ids.chunks(PREFILL_CHUNK) {

@@ -62,7 +62,8 @@ impl Model {
             let mut files: Vec<PathBuf> = std::fs::read_dir(path)?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| {
-                    p.extension().is_some_and(|e| e == "safetensors") || p.file_name().is_some_and(|n| n == "config.json")
+                    p.extension().is_some_and(|e| e == "safetensors")
+                        || p.file_name().is_some_and(|n| n == "config.json")
                 })
                 .collect();
             files.sort();
@@ -101,27 +102,73 @@ impl Model {
         self.prepared_base.as_ref().map(|b| &b.filter)
     }
 
-    /// Token ids of a document: its text read as plain text (special tokens written in it are
-    /// escaped), the same everywhere a document is trained on, counted or shown.
+    /// Token ids of a document: its text read as plain text (special tokens written in it never
+    /// match), the same everywhere a document is trained on, counted or shown.
     pub fn encode_document(&self, text: &str) -> Result<Vec<u32>> {
-        self.tokenizer.encode(&self.tokenizer.escape_specials(text), false)
+        self.tokenizer.encode_plain(text)
     }
 
     /// Renders chat messages with the model's template and tokenizes them (special tokens written
     /// by the template are parsed as such; no extra BOS when the template already wrote one).
     /// Message contents are user text: special tokens written in them stay plain text.
     pub fn encode_chat(&self, messages: &[ChatMessage]) -> Result<Vec<u32>> {
-        let escaped: Vec<ChatMessage> = messages
-            .iter()
-            .map(|m| ChatMessage { role: m.role.clone(), content: self.tokenizer.escape_specials(&m.content).into_owned() })
-            .collect();
-        let text = self.chat_template.render(&escaped, true)?;
-        let add_bos = match self.tokenizer.bos_token() {
-            Some((bos, _)) => !text.starts_with(&bos),
-            None => false,
-        };
-        self.tokenizer.encode(&text, add_bos)
+        let parts: Vec<(&str, Vec<ChatPart>)> =
+            messages.iter().map(|m| (m.role.as_str(), vec![ChatPart::Text(&m.content)])).collect();
+        Ok(self.encode_chat_parts(&parts)?.0)
     }
+
+    /// `encode_chat` with contents made of parts: user text (encoded plain, at the token level,
+    /// rather than escaped in the text) and ready token ids (spliced in, never re-tokenised).
+    /// Returns the ids and where each part present in the rendered prompt starts, in order.
+    pub fn encode_chat_parts(&self, messages: &[(&str, Vec<ChatPart>)]) -> Result<(Vec<u32>, Vec<usize>)> {
+        // Each part is rendered as a marker the template cannot produce, then replaced by its ids.
+        let marker = |i: usize| format!("\u{E000}LIFT-PART-{i}\u{E001}");
+        let mut all = Vec::new();
+        let rendered: Vec<ChatMessage> = messages
+            .iter()
+            .map(|(role, parts)| {
+                let content = parts
+                    .iter()
+                    .map(|p| {
+                        all.push(p);
+                        marker(all.len() - 1)
+                    })
+                    .collect();
+                ChatMessage { role: role.to_string(), content }
+            })
+            .collect();
+        let text = self.chat_template.render(&rendered, true)?;
+        let add_bos = self.tokenizer.bos_token().is_some_and(|(bos, _)| !text.starts_with(&bos));
+        let mut ids = Vec::new();
+        let mut starts = Vec::new();
+        let mut rest = text.as_str();
+        let mut first = true;
+        while let Some(at) = rest.find("\u{E000}LIFT-PART-") {
+            let end = rest[at..].find('\u{E001}').context("chat template broke a message marker")? + at;
+            let i: usize =
+                rest[at + "\u{E000}LIFT-PART-".len()..end].parse().context("chat template broke a message marker")?;
+            let part = all.get(i).context("chat template broke a message marker")?;
+            ids.extend(self.tokenizer.encode(&rest[..at], add_bos && first)?);
+            first = false;
+            starts.push(ids.len());
+            match part {
+                ChatPart::Text(t) => ids.extend(self.tokenizer.encode_plain(t)?),
+                ChatPart::Tokens(t) => ids.extend_from_slice(t),
+            }
+            rest = &rest[end + '\u{E001}'.len_utf8()..];
+        }
+        ids.extend(self.tokenizer.encode(rest, add_bos && first)?);
+        Ok((ids, starts))
+    }
+}
+
+/// A piece of a chat message's content (see `Model::encode_chat_parts`).
+#[derive(Clone, Copy, Debug)]
+pub enum ChatPart<'a> {
+    /// User text: special tokens written in it are plain text.
+    Text(&'a str),
+    /// Token ids spliced in as they are.
+    Tokens(&'a [u32]),
 }
 
 fn fingerprint(files: &[PathBuf]) -> Result<String> {

@@ -33,8 +33,26 @@ impl ApiError {
     pub fn too_large(code: &'static str, message: impl Into<String>) -> Self {
         Self::new(StatusCode::PAYLOAD_TOO_LARGE, code, message)
     }
-    pub fn internal(message: impl Into<String>) -> Self {
-        Self::new(StatusCode::INTERNAL_SERVER_ERROR, "internal_error", message)
+    /// A server-side failure: `detail` (which may hold file paths or a chain of causes) goes to
+    /// the server log only; the client gets a reference to find it there.
+    pub fn internal(detail: impl std::fmt::Display) -> Self {
+        let reference = crate::store::now_nanos_hex();
+        tracing::error!(reference, detail = %detail, "internal error");
+        Self::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "internal_error",
+            format!("internal error (reference {reference} in the server log)"),
+        )
+    }
+    pub fn request_timeout(message: impl Into<String>) -> Self {
+        Self::new(StatusCode::REQUEST_TIMEOUT, "request_timeout", message)
+    }
+    pub fn context_length(prompt: usize, max_tokens: usize, window: usize, param: &str) -> Self {
+        Self::bad_request(
+            "context_length_exceeded",
+            format!("the prompt has {prompt} tokens; with max_tokens {max_tokens} it exceeds the model's window of {window} tokens"),
+        )
+        .param(param)
     }
     pub fn queue_full() -> Self {
         Self::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", "the server's queue is full; retry later")
@@ -62,6 +80,16 @@ impl ApiError {
     }
 }
 
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} {}: {}", self.status.as_u16(), self.code, self.message)
+    }
+}
+
+/// So that model work can fail with a client error (it travels inside `anyhow::Error` and is
+/// recovered by `routes::gen_error`).
+impl std::error::Error for ApiError {}
+
 impl From<crate::engine::SubmitError> for ApiError {
     fn from(e: crate::engine::SubmitError) -> Self {
         match e {
@@ -81,3 +109,19 @@ impl IntoResponse for ApiError {
 }
 
 pub type ApiResult<T> = Result<T, ApiError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn internal_errors_send_no_details() {
+        let e = ApiError::internal("cannot read /srv/adapters/doc_ab/adapter.safetensors: No such file\n   0: backtrace");
+        assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
+        assert!(!e.message.contains("/srv") && !e.message.contains("backtrace"), "{}", e.message);
+        assert!(e.message.contains("reference"), "{}", e.message);
+        // A client error raised inside model work keeps its status through anyhow.
+        let wrapped = anyhow::Error::from(ApiError::unknown_document("doc_x"));
+        assert_eq!(crate::server::routes::gen_error(wrapped).status, StatusCode::NOT_FOUND);
+    }
+}

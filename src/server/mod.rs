@@ -13,7 +13,7 @@ use crate::model::Model;
 use crate::store::{JobRecord, Status, Store};
 use anyhow::{Context, Result};
 use axum::extract::{MatchedPath, Request, State};
-use axum::http::{Method, StatusCode};
+use axum::http::StatusCode;
 use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use error::ApiError;
@@ -21,9 +21,9 @@ use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, RwLock};
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 /// Server configuration: flags and `LIFT_*` environment variables.
 #[derive(clap::Args, Clone, Debug)]
@@ -78,6 +78,27 @@ pub struct ServeConfig {
     /// the working directory if it holds one.
     #[arg(long, env = "LIFT_PREPARED_BASE")]
     pub prepared_base: Option<String>,
+    /// Cap on the training one document may plan (tokens through the model, all epochs): the
+    /// default options on a document of `max_document_tokens` plan about 7.2M.
+    #[arg(long, env = "LIFT_MAX_TRAINING_TOKENS", default_value_t = 10_000_000)]
+    pub max_training_tokens: u64,
+    /// Key for `/metrics` (server-wide counts). With API keys configured, `/metrics` answers only
+    /// to this key (404 when none is set).
+    #[arg(long, env = "LIFT_METRICS_KEY")]
+    pub metrics_key: Option<String>,
+    /// Seconds a connection may take to send a request's headers; also how long an idle
+    /// keep-alive connection is kept open waiting for its next request.
+    #[arg(long, env = "LIFT_HEADER_TIMEOUT_SECS", default_value_t = 30.0)]
+    pub header_timeout_secs: f64,
+    /// Seconds a request's body may take to arrive (408 after).
+    #[arg(long, env = "LIFT_BODY_TIMEOUT_SECS", default_value_t = 60.0)]
+    pub body_timeout_secs: f64,
+    /// Open connections at most; further clients wait in the listen backlog.
+    #[arg(long, env = "LIFT_MAX_CONNECTIONS", default_value_t = 1024)]
+    pub max_connections: usize,
+    /// Seconds the shutdown waits for in-flight requests before the process exits.
+    #[arg(long, env = "LIFT_DRAIN_SECS", default_value_t = 5.0)]
+    pub drain_secs: f64,
 }
 
 impl ServeConfig {
@@ -102,12 +123,19 @@ impl ServeConfig {
             context_tokens: None,
             // Explicit: a `base/` in the working directory belongs to the default model.
             prepared_base: Some("none".into()),
+            max_training_tokens: 10_000_000,
+            metrics_key: None,
+            header_timeout_secs: 30.0,
+            body_timeout_secs: 60.0,
+            max_connections: 1024,
+            drain_secs: 5.0,
         }
     }
 
     /// All configured keys (flag/env and file).
     pub fn keys(&self) -> Result<Vec<String>> {
-        let mut keys: Vec<String> = self.api_keys.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect();
+        let mut keys: Vec<String> =
+            self.api_keys.iter().map(|k| k.trim().to_string()).filter(|k| !k.is_empty()).collect();
         if let Some(f) = &self.api_keys_file {
             let text = std::fs::read_to_string(f).with_context(|| format!("{}: cannot read API keys", f.display()))?;
             keys.extend(text.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with('#')).map(String::from));
@@ -120,7 +148,8 @@ impl ServeConfig {
         format!(
             "host={} port={} model={} adapters_dir={} api_keys={} absorb_options={} max_body_bytes={} \
              max_document_tokens={} max_question_chars={} max_tokens_limit={} default_max_tokens={} \
-             train_queue={} generate_queue={} cache_bytes={} context_tokens={}",
+             train_queue={} generate_queue={} cache_bytes={} context_tokens={} max_training_tokens={} metrics_key={} \
+             header_timeout_secs={} body_timeout_secs={} max_connections={} drain_secs={}",
             self.host,
             self.port,
             self.model.as_ref().map_or("(default)".into(), |p| p.display().to_string()),
@@ -136,6 +165,12 @@ impl ServeConfig {
             self.generate_queue,
             self.cache_bytes,
             self.context_tokens.map_or("(auto)".into(), |c| c.to_string()),
+            self.max_training_tokens,
+            if self.metrics_key.is_some() { "****" } else { "(none)" },
+            self.header_timeout_secs,
+            self.body_timeout_secs,
+            self.max_connections,
+            self.drain_secs,
         )
     }
 }
@@ -186,6 +221,10 @@ pub struct Inner {
     /// API key → tenant id (hash of the key).
     pub keys: HashMap<String, String>,
     pub shutting_down: AtomicBool,
+    /// Requests being handled (the shutdown drains them).
+    pub in_flight: AtomicUsize,
+    /// Turns true when the shutdown begins: open event streams end, connections close.
+    pub shutdown: tokio::sync::watch::Sender<bool>,
     pub default_options: AbsorbOptions,
     pub base_id: String,
     pub started_at: u64,
@@ -208,24 +247,36 @@ fn tenant_of(key: &str) -> String {
 }
 
 async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Response {
-    if st.keys.is_empty() || req.uri().path() == "/health" {
-        req.extensions_mut().insert(Tenant(None));
-        return next.run(req).await;
-    }
     let key = req
         .headers()
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim);
-    match key.and_then(|k| st.keys.get(k)) {
+        .map(str::trim)
+        .map(String::from);
+    if req.uri().path() == "/metrics" {
+        if let Err(e) = metrics_access(&st, key.as_deref()) {
+            return e.into_response();
+        }
+        req.extensions_mut().insert(Tenant(None));
+        return next.run(req).await;
+    }
+    if st.keys.is_empty() || req.uri().path() == "/health" {
+        req.extensions_mut().insert(Tenant(None));
+        return next.run(req).await;
+    }
+    match key.as_deref().and_then(|k| st.keys.get(k)) {
         Some(t) => {
             req.extensions_mut().insert(Tenant(Some(t.clone())));
             next.run(req).await
         }
         None => {
             let e = if key.is_none() {
-                ApiError::new(StatusCode::UNAUTHORIZED, "missing_api_key", "missing 'Authorization: Bearer <key>' header")
+                ApiError::new(
+                    StatusCode::UNAUTHORIZED,
+                    "missing_api_key",
+                    "missing 'Authorization: Bearer <key>' header",
+                )
             } else {
                 ApiError::new(StatusCode::UNAUTHORIZED, "invalid_api_key", "invalid API key")
             };
@@ -234,21 +285,53 @@ async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Respo
     }
 }
 
+/// `/metrics` shows server-wide counts (every tenant's documents and jobs): with API keys or a
+/// metrics key configured, only the metrics key may read it. Without any key (single-tenant)
+/// it is open.
+fn metrics_access(st: &Inner, key: Option<&str>) -> Result<(), ApiError> {
+    let admin = st.cfg.metrics_key.as_deref().filter(|k| !k.is_empty());
+    match (admin, key) {
+        (None, _) if st.keys.is_empty() => Ok(()),
+        (None, _) => Err(ApiError::not_found(
+            "route_not_found",
+            "/metrics is served only with a metrics key configured (--metrics-key)",
+        )),
+        (Some(a), Some(k)) if a == k => Ok(()),
+        (Some(_), None) => Err(ApiError::new(
+            StatusCode::UNAUTHORIZED,
+            "missing_api_key",
+            "missing 'Authorization: Bearer <metrics key>' header",
+        )),
+        (Some(_), Some(_)) => Err(ApiError::new(StatusCode::FORBIDDEN, "forbidden", "/metrics needs the metrics key")),
+    }
+}
+
 /// 503 for new work while shutting down; request metrics and a log line for every request.
 async fn observe(State(st): State<AppState>, req: Request, next: Next) -> Response {
     let t0 = Instant::now();
     let method = req.method().clone();
     let route = req.extensions().get::<MatchedPath>().map_or("(unmatched)".to_string(), |m| m.as_str().to_string());
-    if st.shutting_down.load(Ordering::SeqCst) && (method == Method::POST || method == Method::DELETE) {
-        let r = ApiError::shutting_down().into_response();
+    // While draining, every new request is refused in the API's shape (`/health` says so itself).
+    if st.shutting_down.load(Ordering::SeqCst) && req.uri().path() != "/health" {
+        let r = closing(ApiError::shutting_down().into_response());
         st.metrics.request(method.as_str(), &route, 503, t0.elapsed().as_secs_f64());
         return r;
     }
+    st.in_flight.fetch_add(1, Ordering::SeqCst);
     let resp = next.run(req).await;
+    st.in_flight.fetch_sub(1, Ordering::SeqCst);
+    // A keep-alive connection is closed after its first response once the shutdown began (idle
+    // ones are not cut: a client may be sending on them; they get this 503 and the close).
+    let resp = if st.shutting_down.load(Ordering::SeqCst) { closing(resp) } else { resp };
     let status = resp.status().as_u16();
     let secs = t0.elapsed().as_secs_f64();
     st.metrics.request(method.as_str(), &route, status, secs);
     tracing::info!(method = %method, route = %route, status, ms = format!("{:.1}", secs * 1000.0), "request");
+    resp
+}
+
+fn closing(mut resp: Response) -> Response {
+    resp.headers_mut().insert(axum::http::header::CONNECTION, axum::http::HeaderValue::from_static("close"));
     resp
 }
 
@@ -287,10 +370,22 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
     crate::base::install_from_arg(&mut model, cfg.prepared_base.as_deref())?;
     let model = Arc::new(model);
     let default_options: AbsorbOptions = match &cfg.absorb_options {
-        Some(p) => serde_json::from_str(&std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?)
-            .with_context(|| format!("{}: invalid absorb options", p.display()))?,
+        Some(p) => {
+            serde_json::from_str(&std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?)
+                .with_context(|| format!("{}: invalid absorb options", p.display()))?
+        }
         None => AbsorbOptions::default(),
     };
+    let o = &default_options;
+    let planned =
+        crate::lift::plan::planned_training_tokens(cfg.max_document_tokens, &o.plan, o.train.epochs, o.qa.max_pairs);
+    if planned > cfg.max_training_tokens {
+        tracing::warn!(
+            planned,
+            cap = cfg.max_training_tokens,
+            "the default absorb options on a document of max_document_tokens plan more training than max_training_tokens: such documents will be refused"
+        );
+    }
     let store = Store::open(&cfg.adapters_dir, cfg.cache_bytes)?;
     let mut docs = HashMap::new();
     let mut requeue = Vec::new();
@@ -311,6 +406,8 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
         docs: RwLock::new(docs),
         metrics: metrics::Metrics::default(),
         shutting_down: AtomicBool::new(false),
+        in_flight: AtomicUsize::new(0),
+        shutdown: tokio::sync::watch::Sender::new(false),
         default_options,
         started_at: crate::store::now(),
     });
@@ -326,13 +423,16 @@ fn requeue_job(st: &AppState, id: &str, text: String) {
     let Ok(mut docs) = st.docs.write() else { return };
     let Some(entry) = docs.get_mut(id) else { return };
     let r = &entry.rec;
-    let opts = serde_json::from_value::<AbsorbOptions>(r.options.clone()).map_err(|e| format!("its options no longer parse ({e})"));
-    let same = crate::store::document_id(&st.engine.model.info.fingerprint, r.owner.as_deref(), &text, &r.options) == r.id;
+    let opts = serde_json::from_value::<AbsorbOptions>(r.options.clone())
+        .map_err(|e| format!("its options no longer parse ({e})"));
+    let same =
+        crate::store::document_id(&st.engine.model.info.fingerprint, r.owner.as_deref(), &text, &r.options) == r.id;
     let result = opts.and_then(|opts| {
         if !same {
             return Err("its text, options or the base model changed".to_string());
         }
-        routes::submit_job(st, entry, text, opts).map_err(|e| format!("the training queue refused it ({e:?})"))
+        let slot = st.engine.reserve_train().map_err(|e| format!("the training queue refused it ({e:?})"))?;
+        routes::submit_job(st, slot, entry, text, opts).map_err(|e| format!("the training queue refused it ({e:?})"))
     });
     match result {
         Ok(()) => tracing::info!(id, "re-queued a job interrupted by the previous process"),
@@ -353,31 +453,53 @@ fn requeue_job(st: &AppState, id: &str, text: String) {
 pub struct Running {
     pub addr: SocketAddr,
     pub state: AppState,
-    shutdown: Option<tokio::sync::oneshot::Sender<()>>,
+    stop_accepting: tokio::sync::watch::Sender<bool>,
+    /// Connections being served.
+    open: Arc<AtomicUsize>,
     task: tokio::task::JoinHandle<()>,
 }
 
 impl Running {
-    /// Graceful shutdown: refuse new work (503), stop training (the job is recorded as failed
-    /// with the reason), let in-flight requests finish, stop the engine.
+    /// Graceful shutdown: refuse new requests (503, the listener stays open while draining), stop
+    /// training (the job is re-queued at the next start), end open event streams with a final
+    /// event, let in-flight requests finish for up to `drain_secs`, close the connections, stop
+    /// the engine.
     pub async fn shutdown(mut self) {
         begin_shutdown(&self.state);
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
+        let cfg = &self.state.cfg;
+        let deadline = Instant::now() + Duration::from_secs_f64(cfg.drain_secs);
+        while self.state.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(20)).await;
         }
+        // Then every connection closes once its response is written (event streams have ended).
+        self.stop_accepting.send_replace(true);
         let _ = (&mut self.task).await;
+        let closed = Instant::now() + Duration::from_secs(1);
+        while self.open.load(Ordering::SeqCst) > 0 && Instant::now() < closed {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         let handles = self.state.engine.close();
-        let _ = tokio::task::spawn_blocking(move || {
+        // A generation still running past the drain is not waited for: the process is ending.
+        let join = tokio::task::spawn_blocking(move || {
             for h in handles {
                 let _ = h.join();
             }
-        })
-        .await;
+        });
+        let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(1);
+        if tokio::time::timeout(left, join).await.is_err() {
+            tracing::warn!("the engine did not stop within the drain time; exiting anyway");
+        }
     }
+}
+
+/// Resolves once `rx` holds `true` (or its sender is gone).
+pub async fn signalled(rx: &mut tokio::sync::watch::Receiver<bool>) {
+    let _ = rx.wait_for(|s| *s).await;
 }
 
 pub fn begin_shutdown(st: &Inner) {
     st.shutting_down.store(true, Ordering::SeqCst);
+    st.shutdown.send_replace(true);
     if let Ok(docs) = st.docs.read() {
         for d in docs.values() {
             if !d.rec.status.is_terminal() {
@@ -391,27 +513,113 @@ pub fn begin_shutdown(st: &Inner) {
 pub async fn start(state: AppState) -> Result<Running> {
     let listener = tokio::net::TcpListener::bind((state.cfg.host.as_str(), state.cfg.port)).await?;
     let addr = listener.local_addr()?;
-    let app = router(state.clone());
-    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
-    let task = tokio::spawn(async move {
-        let r = axum::serve(listener, app)
-            .with_graceful_shutdown(async move {
-                let _ = rx.await;
-            })
-            .await;
-        if let Err(e) = r {
-            tracing::error!(error = %e, "server error");
-        }
-    });
+    let open = Arc::new(AtomicUsize::new(0));
+    let (stop_accepting, stop) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(accept_loop(listener, router(state.clone()), state.clone(), open.clone(), stop));
     tracing::info!(%addr, "listening");
-    Ok(Running { addr, state, shutdown: Some(tx), task })
+    Ok(Running { addr, state, stop_accepting, open, task })
+}
+
+/// Accepts connections while fewer than `max_connections` are open (the others wait in the
+/// listen backlog), each with the header timeout; a failed accept (out of file descriptors, most
+/// often) is retried after a growing pause instead of ending the server or spinning.
+async fn accept_loop(
+    listener: tokio::net::TcpListener,
+    app: axum::Router,
+    st: AppState,
+    open: Arc<AtomicUsize>,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+) {
+    let connections = Arc::new(tokio::sync::Semaphore::new(st.cfg.max_connections.max(1)));
+    const MIN_BACKOFF: Duration = Duration::from_millis(5);
+    let mut backoff = MIN_BACKOFF;
+    loop {
+        let permit = tokio::select! {
+            p = connections.clone().acquire_owned() => match p {
+                Ok(p) => p,
+                Err(_) => return,
+            },
+            _ = signalled(&mut stop) => return,
+        };
+        let stream = tokio::select! {
+            r = listener.accept() => match r {
+                Ok((stream, _)) => {
+                    backoff = MIN_BACKOFF;
+                    stream
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, retry_ms = backoff.as_millis() as u64, "accept failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(1));
+                    continue;
+                }
+            },
+            _ = signalled(&mut stop) => return,
+        };
+        let held = OpenConnection::new(&open, permit);
+        tokio::spawn(serve_connection(stream, app.clone(), st.clone(), stop.clone(), held));
+    }
+}
+
+/// A connection's place under the cap, counted as open until dropped.
+struct OpenConnection {
+    open: Arc<AtomicUsize>,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl OpenConnection {
+    fn new(open: &Arc<AtomicUsize>, permit: tokio::sync::OwnedSemaphorePermit) -> Self {
+        open.fetch_add(1, Ordering::SeqCst);
+        Self { open: open.clone(), _permit: permit }
+    }
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        self.open.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// One HTTP/1 connection. During the drain every response says `Connection: close`; when the
+/// drain ends, the connection closes once its current response is written.
+async fn serve_connection(
+    stream: tokio::net::TcpStream,
+    app: axum::Router,
+    st: AppState,
+    mut stop: tokio::sync::watch::Receiver<bool>,
+    _held: OpenConnection,
+) {
+    let draining = st.shutting_down.load(Ordering::SeqCst);
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(Duration::from_secs_f64(st.cfg.header_timeout_secs))
+        .keep_alive(!draining);
+    let service = hyper_util::service::TowerToHyperService::new(app);
+    let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+    tokio::pin!(conn);
+    let mut closing = false;
+    loop {
+        tokio::select! {
+            r = conn.as_mut() => {
+                if let Err(e) = r {
+                    tracing::debug!(error = %e, "connection ended with an error");
+                }
+                return;
+            }
+            _ = signalled(&mut stop), if !closing => {
+                closing = true;
+                conn.as_mut().graceful_shutdown();
+            }
+        }
+    }
 }
 
 /// `lift-serve serve`: runs until SIGTERM or Ctrl-C, then shuts down gracefully.
 pub fn serve(cfg: ServeConfig, device: &candle_core::Device) -> Result<()> {
     let state = build_state(cfg, device)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
-    rt.block_on(async move {
+    let result = rt.block_on(async move {
         let running = start(state).await?;
         let ctrl_c = async {
             let _ = tokio::signal::ctrl_c().await;
@@ -432,5 +640,8 @@ pub fn serve(cfg: ServeConfig, device: &candle_core::Device) -> Result<()> {
         running.shutdown().await;
         tracing::info!("stopped");
         Ok(())
-    })
+    });
+    // Tasks still running (a generation past the drain) are not waited for.
+    rt.shutdown_timeout(Duration::from_millis(500));
+    result
 }

@@ -1,12 +1,12 @@
 //! Documents, asking, health and metrics; request parsing and validation shared by all routes.
 
 use super::error::{ApiError, ApiResult};
-use super::{AppState, DocEntry, Inner, Tenant};
+use super::{signalled, AppState, DocEntry, Inner, Tenant};
 use crate::adapters::AdapterKind;
 use crate::lift::answer::Mode;
 use crate::lift::{AbsorbEvent, AbsorbOptions};
 use crate::model::generate::{FinishReason, SamplingParams};
-use crate::model::{Adapter, ChatMessage, KvCache, Model, NoHooks};
+use crate::model::{Adapter, KvCache, Model, NoHooks};
 use crate::store::{self, AdapterInfo, JobRecord, Status};
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
@@ -15,10 +15,10 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use serde_json::{Map, Value};
-use std::sync::atomic::Ordering;
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 // ---------- request parsing ----------
 
@@ -29,14 +29,36 @@ pub fn media_type(headers: &HeaderMap) -> Option<String> {
         .map(|v| v.to_str().unwrap_or("invalid").split(';').next().unwrap_or("").trim().to_ascii_lowercase())
 }
 
+/// The whole body, within the size limit (413) and the body timeout (408); any other failure
+/// (a malformed chunked encoding, a client gone mid-body) is the request's fault (400).
 pub async fn read_body(st: &Inner, body: Body) -> ApiResult<Bytes> {
-    axum::body::to_bytes(body, st.cfg.max_body_bytes).await.map_err(|_| {
-        ApiError::too_large("body_too_large", format!("the request body exceeds {} bytes", st.cfg.max_body_bytes))
-    })
+    let limit = st.cfg.max_body_bytes;
+    let secs = st.cfg.body_timeout_secs;
+    match tokio::time::timeout(Duration::from_secs_f64(secs), axum::body::to_bytes(body, limit)).await {
+        Ok(Ok(bytes)) => Ok(bytes),
+        Ok(Err(e)) if caused_by::<http_body_util::LengthLimitError>(&e) => {
+            Err(ApiError::too_large("body_too_large", format!("the request body exceeds {limit} bytes")))
+        }
+        Ok(Err(e)) => Err(ApiError::bad_request("invalid_body", format!("the request body could not be read: {e}"))),
+        Err(_) => Err(ApiError::request_timeout(format!("the request body did not arrive within {secs} s"))),
+    }
+}
+
+/// Whether `e` or one of its sources is an `E`.
+fn caused_by<E: std::error::Error + 'static>(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(c) = cur {
+        if c.is::<E>() {
+            return true;
+        }
+        cur = c.source();
+    }
+    false
 }
 
 pub fn utf8(bytes: &[u8]) -> ApiResult<&str> {
-    std::str::from_utf8(bytes).map_err(|e| ApiError::bad_request("invalid_utf8", format!("the body is not valid UTF-8: {e}")))
+    std::str::from_utf8(bytes)
+        .map_err(|e| ApiError::bad_request("invalid_utf8", format!("the body is not valid UTF-8: {e}")))
 }
 
 /// A JSON object body (`application/json`; a missing content type is taken as JSON).
@@ -118,8 +140,10 @@ pub fn temperature(v: Option<f64>) -> ApiResult<f64> {
     match v {
         None => Ok(0.0),
         Some(t) if (0.0..=2.0).contains(&t) => Ok(t),
-        Some(t) => Err(ApiError::bad_request("invalid_temperature", format!("'temperature' must be in [0, 2] (got {t})"))
-            .param("temperature")),
+        Some(t) => {
+            Err(ApiError::bad_request("invalid_temperature", format!("'temperature' must be in [0, 2] (got {t})"))
+                .param("temperature"))
+        }
     }
 }
 
@@ -136,6 +160,39 @@ pub fn check_question(st: &Inner, q: &str, param: &str) -> ApiResult<()> {
         .param(param));
     }
     Ok(())
+}
+
+/// Refuses, before any model work, a question that cannot fit the model's window with
+/// `max_tokens` of answer: counted in tokens of the base model, as the prompt will be. A
+/// document's prompt holds the question and the template's own tokens (twice the question when
+/// the document's FltLM filter lays out the context), then as much document as fits.
+pub fn check_question_fits(
+    st: &Inner,
+    question: &str,
+    filtered: bool,
+    max_tokens: usize,
+    param: &str,
+) -> ApiResult<()> {
+    let model = &st.engine.model;
+    let q = model.tokenizer.encode(question, false).map_err(ApiError::internal)?.len();
+    let needed = crate::lift::answer::min_prompt_tokens(q, filtered);
+    check_fits(st, needed, max_tokens, param)
+}
+
+/// 400 `context_length_exceeded` unless `prompt_tokens + max_tokens` fit the model's window.
+pub fn check_fits(st: &Inner, prompt_tokens: usize, max_tokens: usize, param: &str) -> ApiResult<()> {
+    let window = st.engine.model.config().max_position_embeddings;
+    if prompt_tokens + max_tokens > window {
+        return Err(ApiError::context_length(prompt_tokens, max_tokens, window, param));
+    }
+    Ok(())
+}
+
+/// Whether the document's answers lay out the context through its FltLM filter (mode `lift`).
+pub fn uses_filter(st: &Inner, tenant: &Tenant, id: &str, mode: Mode) -> bool {
+    mode == Mode::Lift
+        && with_doc(st, tenant, id, |d| d.rec.options.pointer("/filter/enabled") == Some(&Value::Bool(true)))
+            .unwrap_or(false)
 }
 
 /// The document `id` as seen by `tenant`: 404 when unknown or another tenant's.
@@ -176,7 +233,9 @@ fn absorb_options(st: &Inner, v: Option<&Value>) -> ApiResult<AbsorbOptions> {
     let Some(v) = v.filter(|v| !v.is_null()) else { return Ok(o) };
     let m = v.as_object().ok_or_else(|| type_error("options", "an object"))?;
     let bad = |name: &str, msg: String| ApiError::bad_request("invalid_option", msg).param(&format!("options.{name}"));
-    let uint = |name: &str, v: &Value| v.as_u64().ok_or_else(|| bad(name, format!("'options.{name}' must be a non-negative integer")));
+    let uint = |name: &str, v: &Value| {
+        v.as_u64().ok_or_else(|| bad(name, format!("'options.{name}' must be a non-negative integer")))
+    };
     let max_window = st.engine.model.config().max_position_embeddings as u64;
     for (k, v) in m {
         match k.as_str() {
@@ -189,31 +248,36 @@ fn absorb_options(st: &Inner, v: Option<&Value>) -> ApiResult<AbsorbOptions> {
             }
             "window" => {
                 let w = uint(k, v)?;
-                if w == 0 || w > max_window {
-                    return Err(bad(k, format!("'options.window' must be between 1 and {max_window}")));
+                if w < MIN_WINDOW || w > max_window {
+                    return Err(bad(k, format!("'options.window' must be between {MIN_WINDOW} and {max_window}")));
                 }
                 o.plan.window = w as usize;
             }
             "stride" => {
                 let s = uint(k, v)?;
-                if s == 0 || s > max_window {
-                    return Err(bad(k, format!("'options.stride' must be between 1 and {max_window}")));
+                if s == 0 {
+                    return Err(bad(k, "'options.stride' must be at least 1".into()));
                 }
                 o.plan.stride = Some(s as usize);
             }
             "epochs" => {
                 let e: Option<Vec<u64>> = v.as_array().map(|a| a.iter().filter_map(Value::as_u64).collect());
                 match e {
-                    Some(e) if e.len() == 2 && v.as_array().map_or(0, Vec::len) == 2 && e[0] + e[1] >= 1 && e[0] <= 100 && e[1] <= 100 => {
+                    Some(e) if e.len() == 2 && v.as_array().map_or(0, Vec::len) == 2 && e[0] + e[1] >= 1 && e[0] <= MAX_EPOCHS && e[1] <= MAX_EPOCHS => {
                         o.train.epochs = [e[0] as usize, e[1] as usize];
                     }
-                    _ => return Err(bad(k, "'options.epochs' must be two integers [segment_only, with_qa], each at most 100, not both 0".into())),
+                    _ => {
+                        return Err(bad(
+                            k,
+                            format!("'options.epochs' must be two integers [segment_only, with_qa], each at most {MAX_EPOCHS}, not both 0"),
+                        ))
+                    }
                 }
             }
             "aux_qa" => {
                 let n = uint(k, v)?;
-                if n > 1000 {
-                    return Err(bad(k, "'options.aux_qa' must be at most 1000".into()));
+                if n > MAX_AUX_QA {
+                    return Err(bad(k, format!("'options.aux_qa' must be at most {MAX_AUX_QA}")));
                 }
                 o.qa.max_pairs = n as usize;
                 o.qa.min_pairs = o.qa.min_pairs.min(n as usize);
@@ -222,7 +286,8 @@ fn absorb_options(st: &Inner, v: Option<&Value>) -> ApiResult<AbsorbOptions> {
             "filter" => match v {
                 Value::Bool(b) => o.filter.enabled = *b,
                 Value::Object(_) => {
-                    o.filter = serde_json::from_value(v.clone()).map_err(|e| bad(k, format!("'options.filter': {e}")))?;
+                    o.filter =
+                        serde_json::from_value(v.clone()).map_err(|e| bad(k, format!("'options.filter': {e}")))?;
                     if o.filter.layer.is_some_and(|l| l >= st.engine.model.config().num_layers) {
                         return Err(bad(k, "'options.filter.layer' is beyond the model's layers".into()));
                     }
@@ -237,11 +302,47 @@ fn absorb_options(st: &Inner, v: Option<&Value>) -> ApiResult<AbsorbOptions> {
                 _ => return Err(bad(k, "'options.cdt' must be a boolean or an object".into())),
             },
             other => {
-                return Err(ApiError::bad_request("unknown_option", format!("unknown option '{other}'")).param(&format!("options.{other}")))
+                return Err(ApiError::bad_request("unknown_option", format!("unknown option '{other}'"))
+                    .param(&format!("options.{other}")))
             }
         }
     }
+    // Windows that skip text between them would silently leave part of the document out.
+    if o.plan.stride() > o.plan.window {
+        return Err(bad(
+            "stride",
+            format!(
+                "'options.stride' ({}) must not exceed the window ({}): the text between windows would be skipped",
+                o.plan.stride(),
+                o.plan.window
+            ),
+        ));
+    }
     Ok(o)
+}
+
+/// Smallest training window a request may ask for: below it each step costs more in template
+/// and context tokens than it trains.
+const MIN_WINDOW: u64 = 32;
+const MAX_EPOCHS: u64 = 100;
+const MAX_AUX_QA: u64 = 1000;
+
+/// 400 unless the training the options plan for a document of `tokens` stays within the
+/// server's cap (each option is bounded alone; this bounds their product).
+fn check_training_cost(st: &Inner, opts: &AbsorbOptions, tokens: usize) -> ApiResult<()> {
+    let planned = crate::lift::plan::planned_training_tokens(tokens, &opts.plan, opts.train.epochs, opts.qa.max_pairs);
+    let cap = st.cfg.max_training_tokens;
+    if planned > cap {
+        return Err(ApiError::bad_request(
+            "training_too_large",
+            format!(
+                "these options plan about {planned} training tokens for this document of {tokens} tokens; the server's limit is {cap} \
+                 (fewer epochs or aux_qa, or a larger stride, plan less)"
+            ),
+        )
+        .param("options"));
+    }
+    Ok(())
 }
 
 pub async fn post_document(
@@ -278,16 +379,24 @@ pub async fn post_document(
     .map_err(|e| ApiError::internal(e.to_string()))?;
     let tokens = tokens.map_err(|e| ApiError::unprocessable("untokenizable_document", e.to_string()).param("text"))?;
     if tokens > limit {
-        return Err(ApiError::too_large("document_too_large", format!("the document has {tokens} tokens; the limit is {limit}"))
-            .param("text"));
+        return Err(ApiError::too_large(
+            "document_too_large",
+            format!("the document has {tokens} tokens; the limit is {limit}"),
+        )
+        .param("text"));
     }
+    check_training_cost(&st, &opts, tokens)?;
     let id = store::document_id(&st.engine.model.info.fingerprint, tenant.0.as_deref(), &text, &opts_json);
     let existing = |docs: &HashMap<String, DocEntry>| {
-        docs.get(&id).filter(|d| matches!(d.rec.status, Status::Queued | Status::Training | Status::Ready)).map(|d| d.json())
+        docs.get(&id)
+            .filter(|d| matches!(d.rec.status, Status::Queued | Status::Training | Status::Ready))
+            .map(|d| d.json())
     };
     if let Some(json) = existing(&*st.docs.read().map_err(|_| ApiError::internal("state lock poisoned"))?) {
         return Ok((StatusCode::OK, Json(json)).into_response());
     }
+    // A place in the queue first: a refused request (429) writes nothing.
+    let slot = st.engine.reserve_train()?;
     // The text is kept until the adapter is saved, so that a restart can train it again.
     let (st2, id2) = (st.clone(), id.clone());
     let text = tokio::task::spawn_blocking(move || st2.store.write_pending_text(&id2, &text).map(|()| text))
@@ -297,6 +406,7 @@ pub async fn post_document(
 
     let mut docs = st.docs.write().map_err(|_| ApiError::internal("state lock poisoned"))?;
     if let Some(json) = existing(&docs) {
+        // The same document was queued meanwhile: its job keeps the text it wrote.
         return Ok((StatusCode::OK, Json(json)).into_response());
     }
     let rec = JobRecord {
@@ -306,13 +416,14 @@ pub async fn post_document(
         status: Status::Queued,
         tokens,
         created_at: store::now(),
+        seq: store::next_seq(),
         ready_at: None,
         error: None,
         adapter: None,
         options: opts_json,
     };
     let entry = DocEntry::new(rec.clone());
-    submit_job(&st, &entry, text, opts)?;
+    submit_job(&st, slot, &entry, text, opts)?;
     st.store.write_record(&rec).map_err(|e| ApiError::internal(format!("cannot write the job record: {e}")))?;
     let json = entry.json();
     docs.insert(id.clone(), entry);
@@ -321,10 +432,16 @@ pub async fn post_document(
 }
 
 /// Queues the training job of `entry` (a new or re-queued document) on the engine.
-pub fn submit_job(st: &AppState, entry: &DocEntry, text: String, opts: AbsorbOptions) -> Result<(), crate::engine::SubmitError> {
+pub fn submit_job(
+    st: &AppState,
+    slot: crate::engine::Reservation<'_>,
+    entry: &DocEntry,
+    text: String,
+    opts: AbsorbOptions,
+) -> Result<(), crate::engine::SubmitError> {
     let (st2, cancel) = (st.clone(), entry.cancel.clone());
     let (id, title) = (entry.rec.id.clone(), entry.rec.title.clone());
-    st.engine.submit_train(Box::new(move |model: &Model| run_job(&st2, model, &id, &text, title.as_deref(), &opts, &cancel)))
+    slot.submit(Box::new(move |model: &Model| run_job(&st2, model, &id, &text, title.as_deref(), &opts, &cancel)))
 }
 
 /// Applies `f` to the entry of `id` if it is still the one this job belongs to.
@@ -381,9 +498,13 @@ fn run_job(
             &mut |ev| {
                 let p = match ev {
                     AbsorbEvent::Stage(s) => serde_json::json!({"stage": s}),
-                    AbsorbEvent::Qa(p) => serde_json::json!({"stage": "generating_qa", "step": p.done, "steps": p.total}),
-                    AbsorbEvent::Train(p) => serde_json::json!({"stage": "training", "epoch": p.epoch, "epochs": p.epochs,
-                        "step": p.step, "steps": p.steps, "loss": p.loss, "tokens_per_s": p.tokens_per_s}),
+                    AbsorbEvent::Qa(p) => {
+                        serde_json::json!({"stage": "generating_qa", "step": p.done, "steps": p.total})
+                    }
+                    AbsorbEvent::Train(p) => {
+                        serde_json::json!({"stage": "training", "epoch": p.epoch, "epochs": p.epochs,
+                        "step": p.step, "steps": p.steps, "loss": p.loss, "tokens_per_s": p.tokens_per_s})
+                    }
                 };
                 update(st, id, cancel, |d| d.progress = Some(p));
             },
@@ -399,6 +520,14 @@ fn run_job(
         })
     };
     let deleted = cancel.load(Ordering::SeqCst) && !st.shutting_down.load(Ordering::SeqCst);
+    let held = crate::runtime::resident_bytes();
+    crate::runtime::release_memory();
+    tracing::info!(
+        id,
+        rss_before_mb = held.unwrap_or(0) >> 20,
+        rss_after_mb = crate::runtime::resident_bytes().unwrap_or(0) >> 20,
+        "heap trimmed after the job"
+    );
     match result {
         Ok((loaded, tps)) => {
             if deleted {
@@ -443,18 +572,29 @@ fn run_job(
     }
 }
 
-pub async fn list_documents(State(st): State<AppState>, Extension(tenant): Extension<Tenant>) -> ApiResult<Json<Value>> {
+pub async fn list_documents(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+) -> ApiResult<Json<Value>> {
     let docs = st.docs.read().map_err(|_| ApiError::internal("state lock poisoned"))?;
     let mut list: Vec<&DocEntry> = docs.values().filter(|d| d.rec.owner == tenant.0).collect();
-    list.sort_by(|a, b| (a.rec.created_at, &a.rec.id).cmp(&(b.rec.created_at, &b.rec.id)));
+    list.sort_by(|a, b| a.rec.posting_order().cmp(&b.rec.posting_order()));
     Ok(Json(serde_json::json!({"object": "list", "data": list.iter().map(|d| d.json()).collect::<Vec<_>>()})))
 }
 
-pub async fn get_document(State(st): State<AppState>, Extension(tenant): Extension<Tenant>, Path(id): Path<String>) -> ApiResult<Json<Value>> {
+pub async fn get_document(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> ApiResult<Json<Value>> {
     with_doc(&st, &tenant, &id, |d| Json(d.json()))
 }
 
-pub async fn delete_document(State(st): State<AppState>, Extension(tenant): Extension<Tenant>, Path(id): Path<String>) -> ApiResult<StatusCode> {
+pub async fn delete_document(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    Path(id): Path<String>,
+) -> ApiResult<StatusCode> {
     with_doc(&st, &tenant, &id, |_| ())?;
     let entry = st.docs.write().map_err(|_| ApiError::internal("state lock poisoned"))?.remove(&id);
     if let Some(e) = entry {
@@ -476,6 +616,7 @@ pub async fn document_events(
     Path(id): Path<String>,
 ) -> ApiResult<Response> {
     let mut rx = with_doc(&st, &tenant, &id, |d| d.watch.subscribe())?;
+    let mut shutdown = st.shutdown.subscribe();
     let stream = async_stream::stream! {
         loop {
             let v = rx.borrow_and_update().clone();
@@ -485,7 +626,15 @@ pub async fn document_events(
                 yield Ok(Event::default().event("done").data(v.to_string()));
                 break;
             }
-            if rx.changed().await.is_err() {
+            let changed = tokio::select! {
+                r = rx.changed() => r.is_ok(),
+                _ = signalled(&mut shutdown) => {
+                    // The server stops: a last word so that the client knows to reconnect later.
+                    yield Ok(Event::default().event("error").data(ApiError::shutting_down().body().to_string()));
+                    break;
+                }
+            };
+            if !changed {
                 // The document was deleted.
                 let mut v = v;
                 v["status"] = Value::from("cancelled");
@@ -501,8 +650,13 @@ pub async fn document_events(
 
 /// What to generate from.
 pub enum PromptSpec {
-    Document { id: String, question: String, mode: Mode },
-    Chat(Vec<ChatMessage>),
+    Document {
+        id: String,
+        question: String,
+        mode: Mode,
+    },
+    /// The token ids of a chat prompt (encoded, and checked against the window, by the handler).
+    Chat(Vec<u32>),
 }
 
 pub struct GenResult {
@@ -518,47 +672,90 @@ pub struct GenResult {
     pub generate_ms: f64,
 }
 
-/// Queues a generation; text pieces go to `pieces` as they are decoded (the generation stops
-/// when that receiver is dropped); the result comes on the returned channel.
+/// A queued generation: its result, and a guard that cancels it when dropped (the handler's
+/// future or the response stream is dropped when the client goes away).
+pub struct PendingGeneration {
+    pub result: tokio::sync::oneshot::Receiver<anyhow::Result<GenResult>>,
+    _cancel: CancelOnDrop,
+}
+
+impl PendingGeneration {
+    pub async fn wait(&mut self) -> ApiResult<GenResult> {
+        (&mut self.result).await.map_err(|_| ApiError::internal("generation was dropped"))?.map_err(gen_error)
+    }
+}
+
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Queues a generation; text pieces go to `pieces` as they are decoded. The generation stops
+/// (or never starts, if still queued) once the returned handle is dropped.
 pub fn submit_generation(
     st: &AppState,
     spec: PromptSpec,
     params: SamplingParams,
     pieces: Option<tokio::sync::mpsc::UnboundedSender<String>>,
-) -> ApiResult<tokio::sync::oneshot::Receiver<anyhow::Result<GenResult>>> {
+) -> ApiResult<PendingGeneration> {
     let (tx, rx) = tokio::sync::oneshot::channel();
+    let cancel = Arc::new(AtomicBool::new(false));
     let st2 = st.clone();
     let queued = Instant::now();
+    let cancelled = cancel.clone();
     st.engine.submit_generate(Box::new(move |model: &Model| {
+        if cancelled.load(Ordering::SeqCst) {
+            return; // the client left while the request waited
+        }
         let queue_ms = queued.elapsed().as_secs_f64() * 1000.0;
-        let mut on_text = |piece: &str| match &pieces {
-            Some(p) => p.send(piece.to_string()).is_ok(),
-            None => true,
+        let mut on_text = |piece: &str| {
+            !cancelled.load(Ordering::SeqCst)
+                && match &pieces {
+                    Some(p) => p.send(piece.to_string()).is_ok(),
+                    None => true,
+                }
         };
         let result = (|| -> anyhow::Result<GenResult> {
             let mut chunks = Vec::new();
             let out = match &spec {
                 PromptSpec::Document { id, question, mode } => {
-                    let loaded = st2.store.get(id, model)?;
+                    // Deleted while the request waited: the document is gone, not a server fault.
+                    let gone = || st2.docs.read().is_ok_and(|d| !d.contains_key(id));
+                    if gone() {
+                        return Err(ApiError::unknown_document(id).into());
+                    }
+                    let loaded = st2.store.get(id, model).map_err(|e| {
+                        if gone() {
+                            ApiError::unknown_document(id).into()
+                        } else {
+                            e
+                        }
+                    })?;
                     let adapter: &dyn Adapter = &loaded.bundle.adapter;
                     let filter = crate::lift::filter::Filter::from_extras(&loaded.bundle.extras, model.config())?;
                     let doc = &loaded.doc_tokens;
                     let (_, out, scores) = crate::lift::answer::answer_filtered(
-                        model, doc, Some(adapter), filter.as_ref(), question, *mode, st2.cfg.context_tokens, &params, &mut on_text,
+                        model,
+                        doc,
+                        Some(adapter),
+                        filter.as_ref(),
+                        question,
+                        *mode,
+                        st2.cfg.context_tokens,
+                        &params,
+                        &mut on_text,
                     )?;
                     for c in scores {
                         chunks.push((c, model.tokenizer.decode(&doc[c.start..c.end])?));
                     }
                     out
                 }
-                PromptSpec::Chat(messages) => {
-                    let ids = model.encode_chat(messages)?;
-                    let window = model.config().max_position_embeddings;
-                    if ids.len() + params.max_tokens > window {
-                        anyhow::bail!("context_length: the prompt has {} tokens; with max_tokens {} it exceeds the model's {window}", ids.len(), params.max_tokens);
-                    }
+                PromptSpec::Chat(ids) => {
                     let mut cache = KvCache::new(model.config().num_layers);
-                    crate::model::generate::generate(model, &ids, &mut cache, None, &mut NoHooks, &params, &mut on_text)?
+                    crate::model::generate::generate(model, ids, &mut cache, None, &mut NoHooks, &params, &mut on_text)?
                 }
             };
             st2.metrics.generation(out.prompt_ms / 1000.0, out.tokens.len(), out.generate_ms / 1000.0);
@@ -575,16 +772,19 @@ pub fn submit_generation(
         })();
         let _ = tx.send(result);
     }))?;
-    Ok(rx)
+    Ok(PendingGeneration { result: rx, _cancel: CancelOnDrop(cancel) })
 }
 
+/// The API error for a failed generation: a client error raised inside the model work keeps
+/// its status; anything else is internal (details in the server log only).
 pub fn gen_error(e: anyhow::Error) -> ApiError {
-    let msg = format!("{e:#}");
-    if msg.starts_with("context_length") {
-        ApiError::bad_request("context_length_exceeded", msg).param("messages")
-    } else {
-        ApiError::internal(msg)
+    if let Some(api) = e.downcast_ref::<ApiError>() {
+        return api.clone();
     }
+    if let Some(c) = e.downcast_ref::<crate::model::generate::ContextLengthExceeded>() {
+        return ApiError::bad_request("context_length_exceeded", c.to_string());
+    }
+    ApiError::internal(format!("{e:#}"))
 }
 
 /// The `mode` field of `/ask` (and of a chat completion whose model is a document): `lift` by default.
@@ -593,7 +793,10 @@ pub fn ask_mode(m: &Map<String, Value>) -> ApiResult<Mode> {
         None | Some("lift") => Ok(Mode::Lift),
         Some("icl") => Ok(Mode::Icl),
         Some("memory") => Ok(Mode::Memory),
-        Some(o) => Err(ApiError::bad_request("invalid_mode", format!("'mode' must be lift, icl or memory (got '{o}')")).param("mode")),
+        Some(o) => {
+            Err(ApiError::bad_request("invalid_mode", format!("'mode' must be lift, icl or memory (got '{o}')"))
+                .param("mode"))
+        }
     }
 }
 
@@ -612,9 +815,10 @@ pub async fn ask(
     let max_tokens = max_tokens(&st, opt_u64(&m, "max_tokens")?, "max_tokens")?;
     let temperature = temperature(opt_f64(&m, "temperature")?)?;
     require_ready(&st, &tenant, &id, "document_id")?;
+    check_question_fits(&st, &question, uses_filter(&st, &tenant, &id, mode), max_tokens, "question")?;
     let params = SamplingParams { max_tokens, temperature, ..Default::default() };
-    let rx = submit_generation(&st, PromptSpec::Document { id: id.clone(), question, mode }, params, None)?;
-    let r = rx.await.map_err(|_| ApiError::internal("generation was dropped"))?.map_err(gen_error)?;
+    let r =
+        submit_generation(&st, PromptSpec::Document { id: id.clone(), question, mode }, params, None)?.wait().await?;
     let mut body = serde_json::json!({
         "answer": r.text, "document_id": id, "mode": mode,
         "usage": {"prompt_tokens": r.prompt_tokens, "completion_tokens": r.completion_tokens},
@@ -659,12 +863,21 @@ pub async fn metrics(State(st): State<AppState>) -> Response {
         ("lift_generation_running", "Generation requests running.", gr as f64),
         ("lift_adapter_cache_hits", "Adapter cache hits (total).", s.hits.load(Ordering::Relaxed) as f64),
         ("lift_adapter_cache_misses", "Adapter cache misses (total).", s.misses.load(Ordering::Relaxed) as f64),
-        ("lift_adapter_cache_evictions", "Adapters evicted for size (total).", s.evictions.load(Ordering::Relaxed) as f64),
+        (
+            "lift_adapter_cache_evictions",
+            "Adapters evicted for size (total).",
+            s.evictions.load(Ordering::Relaxed) as f64,
+        ),
         ("lift_adapter_cache_resident_bytes", "Bytes of adapters in memory.", resident),
         ("lift_documents_queued", "Documents queued.", by_status[0] as f64),
         ("lift_documents_training", "Documents training.", by_status[1] as f64),
         ("lift_documents_ready", "Documents ready.", by_status[2] as f64),
         ("lift_documents_failed", "Documents failed.", by_status[3] as f64),
+        (
+            "process_resident_memory_bytes",
+            "Resident memory of the server process.",
+            crate::runtime::resident_bytes().unwrap_or(0) as f64,
+        ),
     ];
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], st.metrics.render(&gauges)).into_response()
 }

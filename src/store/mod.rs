@@ -64,11 +64,34 @@ pub struct JobRecord {
     pub status: Status,
     pub tokens: usize,
     pub created_at: u64,
+    /// Posting order: nanoseconds since the epoch, unique and increasing within a process (see
+    /// `next_seq`). 0 in records written before it existed; those sort by `created_at`.
+    #[serde(default)]
+    pub seq: u64,
     pub ready_at: Option<u64>,
     pub error: Option<String>,
     pub adapter: Option<AdapterInfo>,
     /// Effective absorb options.
     pub options: serde_json::Value,
+}
+
+impl JobRecord {
+    /// Sort key in posting order (`created_at` has whole seconds only).
+    pub fn posting_order(&self) -> (u64, &str) {
+        let seq = if self.seq > 0 { self.seq } else { self.created_at.saturating_mul(1_000_000_000) };
+        (seq, &self.id)
+    }
+}
+
+/// A posting sequence number: the time in nanoseconds, bumped past the last one handed out so
+/// that two posts in the same clock tick keep their order.
+pub fn next_seq() -> u64 {
+    static LAST: AtomicU64 = AtomicU64::new(0);
+    let now =
+        std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos() as u64).unwrap_or(0);
+    let next = |last: u64| now.max(last + 1);
+    let last = LAST.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |l| Some(next(l))).unwrap_or_else(|l| l);
+    next(last)
 }
 
 /// A record read back at start; `requeue_text` is the kept text of an interrupted job.
@@ -244,7 +267,7 @@ impl Store {
                 self.remove_pending_text(&id);
             }
         }
-        out.sort_by(|a, b| (a.rec.created_at, &a.rec.id).cmp(&(b.rec.created_at, &b.rec.id)));
+        out.sort_by(|a, b| a.rec.posting_order().cmp(&b.rec.posting_order()));
         Ok(out)
     }
 
