@@ -5,13 +5,15 @@
 //! the fused ops, and the tiny model on CUDA (bf16 base, f32 adapters) against the CPU (f32)
 //! within bf16 tolerances — inference logits, KV-cache decode, quantized GGUF, Gated Memory and
 //! LoRA inference and training steps, packed training rows, the FltLM filter (scores and soft
-//! mask), CDT's embedding gradients, and a whole short absorb.
+//! mask), CDT's embedding gradients, the prepared base (LoRA + filter) under a document's Gated
+//! Memory while answering and while training, and a whole short absorb.
 //! `scripts/cuda_compile_check.sh` (run by CI) keeps this file compiling without a GPU.
 #![cfg(feature = "cuda")]
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor, Var};
 use lift_serve::adapters::{GatedMemory, Lora, LoraConfig, LoraPair};
+use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::kernels::{gated_memory, masked_softmax};
 use lift_serve::lift::filter::{self, Filter, FilterHooks, FilterOptions};
 use lift_serve::lift::{absorb, AbsorbOptions};
@@ -494,4 +496,68 @@ The lighthouse keeper, Tomas Brell, painted the tower blue in 1901. The harbor m
     for (name, t) in g.bundle.named_tensors() {
         assert_eq!(t.dtype(), DType::F32, "{name}: adapters stay f32");
     }
+}
+
+#[test]
+fn prepared_base_under_a_document_adapter_on_cuda_matches_cpu() {
+    // A prepared base saved once (non-zero LoRA B, an active filter), loaded and installed on
+    // each device: answering (base LoRA + filter mask + document Gated Memory, prefill and
+    // decode) and a document-adapter training step over the frozen base agree with the CPU.
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_hf(&dir.path().join("tiny"), &TinySpec::default()).unwrap();
+    let plain = Model::load(&path, &Device::Cpu).unwrap();
+    let filter_opts = FilterOptions { enabled: true, layer: Some(0), chunk_tokens: 12, ..Default::default() };
+    let mut base = PreparedBase::new(&plain, &BaseShape { rank: 4, filter: filter_opts }, 3).unwrap();
+    {
+        let (lora, filter) = base.vars();
+        for (i, v) in lora.iter().enumerate().filter(|(i, _)| i % 2 == 1) {
+            v.set(&rand(v.dims(), 200 + i as u64, 0.05)).unwrap();
+        }
+        filter[0].set(&rand(filter[0].dims(), 9, 1.0)).unwrap();
+        filter[2].set(&Tensor::new(&[1f32], &Device::Cpu).unwrap()).unwrap();
+        filter[3].set(&Tensor::new(&[0.3f32], &Device::Cpu).unwrap()).unwrap();
+    }
+    let base_dir = dir.path().join("base");
+    base.save(&base_dir).unwrap();
+    let with_base = |dev: &Device| {
+        let mut m = Model::load(&path, dev).unwrap();
+        PreparedBase::load(&base_dir, &m).unwrap().install(&mut m).unwrap();
+        m
+    };
+    let (cpu, gpu) = (with_base(&Device::Cpu), with_base(&gpu()));
+    assert_eq!(cpu.info.fingerprint, gpu.info.fingerprint, "the base's hash is in both fingerprints");
+    assert_ne!(cpu.info.fingerprint, plain.info.fingerprint);
+
+    let doc = tokens(&cpu, FILTER_DOC);
+    let ends = filter::sentence_ends(&cpu, &doc).unwrap();
+    let p = filter::build_prompt(&cpu, &doc, &ends, "Who logs the departures?", 200, 12).unwrap();
+    let cfg = cpu.config().clone();
+    let answer = |m: &Model| {
+        let f = m.base_filter().expect("the installed base has a filter");
+        let gm = GatedMemory::new(&cfg, &[1], false, 5, m.device()).unwrap().detached();
+        let ids = Tensor::new(p.tokens.as_slice(), m.device()).unwrap().unsqueeze(0).unwrap();
+        let n = p.tokens.len();
+        let mut hooks = FilterHooks::new(f, &p.chunks, cfg.num_layers);
+        let mut cache = KvCache::new(cfg.num_layers);
+        let prefill =
+            m.decoder.forward(&ids.narrow(1, 0, n - 1).unwrap(), &mut cache, Some(&gm), &mut hooks, Logits::All).unwrap();
+        let last =
+            m.decoder.forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&gm), &mut hooks, Logits::Last).unwrap();
+        (prefill, last, hooks.report().unwrap())
+    };
+    let (pre_c, last_c, rep_c) = answer(&cpu);
+    let (pre_g, last_g, rep_g) = answer(&gpu);
+    assert!(rel_diff(&pre_g, &pre_c) < 5e-2, "prefill logits over the prepared base");
+    assert!(rel_diff(&last_g, &last_c) < 5e-2, "decode logits over the prepared base");
+    assert!(rep_c.iter().any(|c| c.mask < -0.1), "the base's filter masks something: {rep_c:?}");
+    for (a, b) in rep_c.iter().zip(&rep_g) {
+        assert!((a.score - b.score).abs() < 5e-2 * a.score.abs().max(1.0), "score {} vs {}", a.score, b.score);
+    }
+
+    let toks = tokens(&cpu, "The document adapter trains over the frozen prepared base.");
+    let step = |m: &Model| {
+        let gm = GatedMemory::new(&cfg, &[1], false, 11, m.device()).unwrap();
+        train_step(m, &toks, Some(&gm as &dyn Adapter), None, &mut NoHooks, gm.vars())
+    };
+    assert_steps_close("gated memory over the prepared base", &step(&cpu), &step(&gpu));
 }

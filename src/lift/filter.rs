@@ -183,7 +183,9 @@ impl Filter {
 
     /// Scores `[m]` of hidden states `[m, hidden]` (RMS-normalised, so the head's scale does not
     /// depend on the residual stream's magnitude at layer N).
+    /// The filter's parameters are f32 on every device; on CUDA the residual stream is bf16.
     pub fn scores(&self, h: &Tensor) -> candle_core::Result<Tensor> {
+        let h = h.to_dtype(self.head_w.dtype())?;
         let rms = (h.sqr()?.mean_keepdim(D::Minus1)? + 1e-6)?.sqrt()?;
         let h = h.broadcast_div(&rms)?;
         h.matmul(&self.head_w.unsqueeze(1)?)?.squeeze(1)?.broadcast_add(&self.head_b)
