@@ -1294,3 +1294,30 @@ async fn cli_generate_and_chat_endpoint_answer_alike() {
         assert!(log.contains(&format!("{field}={}", v["usage"][field])), "{field}: {log} vs {v}");
     }
 }
+
+/// The header timeout bounds reading a request's headers and idle keep-alive time, never a long
+/// response: an event stream stays open well past it while its document trains.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_timeout_never_cuts_a_long_event_stream() {
+    let e = env();
+    let mut cfg = config(&e, &[]);
+    cfg.header_timeout_secs = 0.5;
+    let (running, base) = start(cfg).await;
+    let c = client();
+    let slow = json!({"text": DOC.repeat(3), "options": {"epochs": [100, 100]}});
+    let (s, d) = post_json(&c, &format!("{base}/documents"), slow, None).await;
+    assert_eq!(s, 202, "{d}");
+    let id = d["id"].as_str().unwrap();
+    let mut events = c.get(format!("{base}/documents/{id}/events")).send().await.unwrap();
+    let t0 = std::time::Instant::now();
+    let mut got = 0;
+    while t0.elapsed() < Duration::from_secs(2) {
+        let chunk = tokio::time::timeout(Duration::from_secs(5), events.chunk()).await.expect("an event within 5 s");
+        let chunk = chunk.expect("the stream is not cut").expect("the stream is still open");
+        got += String::from_utf8_lossy(&chunk).matches("event: progress").count();
+    }
+    assert!(got >= 2, "{got} progress events");
+    let r = c.delete(format!("{base}/documents/{id}")).send().await.unwrap();
+    assert_eq!(r.status(), 204);
+    running.shutdown().await;
+}

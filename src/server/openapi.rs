@@ -19,7 +19,16 @@ fn op(summary: &str, body: Option<&str>, responses: &[(&str, &str)]) -> Value {
 }
 
 pub fn spec() -> Value {
-    let errs = [("400", "invalid request"), ("401", "missing or bad API key"), ("413", "too large"), ("415", "wrong content type"), ("422", "unusable"), ("429", "queue full"), ("503", "shutting down")];
+    let errs = [
+        ("400", "invalid request, unreadable body, or prompt past the model's window"),
+        ("401", "missing or bad API key"),
+        ("408", "body not received in time"),
+        ("413", "too large"),
+        ("415", "wrong content type"),
+        ("422", "unusable"),
+        ("429", "queue full"),
+        ("503", "shutting down"),
+    ];
     let with = |ok: &[(&'static str, &'static str)], extra: &[(&'static str, &'static str)]| -> Vec<(&'static str, &'static str)> {
         ok.iter().chain(extra.iter()).chain(errs.iter()).copied().collect()
     };
@@ -89,7 +98,9 @@ pub fn spec() -> Value {
             "/v1/models": {"get": op("The base model and this tenant's ready documents", None, &with(&[("200", "list")], &[]))},
             "/v1/chat/completions": {"post": op("OpenAI-compatible chat completion (stream: true for SSE)", Some("ChatCompletionRequest"), &with(&[("200", "chat.completion or SSE chunks")], &[("404", "unknown model"), ("409", "document not ready")]))},
             "/health": {"get": {"summary": "Liveness", "security": [], "responses": {"200": {"description": "{\"status\": \"ok\"}"}}}},
-            "/metrics": {"get": {"summary": "Prometheus metrics", "responses": {"200": {"description": "text/plain"}}}},
+            "/metrics": {"get": {"summary": "Prometheus metrics (server-wide: with API keys configured, only the metrics key may read them)",
+                "responses": {"200": {"description": "text/plain"}, "401": {"description": "no key"}, "403": {"description": "not the metrics key"},
+                              "404": {"description": "API keys configured but no metrics key"}}}},
             "/openapi.json": {"get": {"summary": "This document", "responses": {"200": {"description": "OpenAPI 3"}}}}
         }
     })
