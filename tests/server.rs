@@ -1321,3 +1321,49 @@ async fn header_timeout_never_cuts_a_long_event_stream() {
     assert_eq!(r.status(), 204);
     running.shutdown().await;
 }
+
+/// Issue 16, item 2: out of file descriptors, the server keeps accepting. The real server
+/// process runs with an open-file limit of 64 and a 1 s header timeout; 120 idle sockets exhaust
+/// its descriptors (its `accept` fails with EMFILE), yet once the idle ones time out it accepts
+/// again: `/health` answers, the process is alive, and its log shows the failed accepts and the
+/// retries.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_file_descriptors_the_server_keeps_accepting() {
+    let e = env();
+    let port = free_port();
+    let log = e.adapters.with_file_name("emfile.log");
+    // `ulimit -n 64` then exec: the limit applies to the server process only.
+    let child = std::process::Command::new("sh")
+        .args(["-c", "ulimit -n 64 && exec \"$0\" \"$@\""])
+        .arg(env!("CARGO_BIN_EXE_lift-serve"))
+        .args(["serve", "--port", &port.to_string(), "--prepared-base", "none"])
+        .arg("--model").arg(&e.model)
+        .arg("--adapters-dir").arg(&e.adapters)
+        .arg("--absorb-options").arg(&e.options)
+        .env("LIFT_HEADER_TIMEOUT_SECS", "1")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut child = Child(child);
+    let base = format!("http://127.0.0.1:{port}");
+    let c = Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    wait_health(&c, &base, &mut child).await;
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+    let mut idle = Vec::new();
+    for _ in 0..120 {
+        idle.push(tokio::net::TcpStream::connect(addr).await.unwrap());
+    }
+    // Give the accept loop time to take what it can and run out.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // A new connection (no pooled one from `wait_health`): it must be accepted.
+    let fresh = Client::builder().timeout(Duration::from_secs(30)).pool_max_idle_per_host(0).build().unwrap();
+    let t0 = std::time::Instant::now();
+    let (s, h) = get_json(&fresh, &format!("{base}/health"), None).await;
+    assert_eq!((s, h["status"].as_str()), (StatusCode::OK, Some("ok")), "after EMFILE");
+    assert!(t0.elapsed() < Duration::from_secs(15), "/health took {:?}", t0.elapsed());
+    assert!(child.0.try_wait().unwrap().is_none(), "the server exited");
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(text.contains("accept failed; retrying"), "no failed accept in the log (was the limit reached?):\n{text}");
+    drop(idle);
+}
