@@ -18,6 +18,9 @@ fn example(essay: &str, skip: usize, count: usize, at: usize, fact: &str, q: &st
 #[test]
 #[ignore]
 fn prepare_base_steps_on_the_default_model() {
+    // As `lift-serve prepare-base` runs: without it glibc returns each step's activations to the
+    // OS and the kernel spends ~22% of the step clearing fresh pages (perf).
+    lift_serve::runtime::tune_allocator();
     let model = Model::load(&lift_serve::fetch::resolve_model(None).unwrap(), &Device::Cpu).unwrap();
     let dir = lift_serve::eval::data::data_dir().join("pg-essays");
     let essay = std::fs::read_to_string(dir.join("apple.txt")).unwrap().replace('\n', " ");
