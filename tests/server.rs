@@ -543,20 +543,23 @@ impl Drop for Child {
     }
 }
 
-/// The real `lift-serve serve` process on the tiny model; stderr goes to `log`.
-fn spawn_server(e: &Env, port: u16, log: &Path) -> Child {
-    let child = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
-        .args(["serve", "--port", &port.to_string()])
+/// The real `lift-serve serve` command on the tiny model; stderr goes to `log`.
+fn server_command(e: &Env, port: u16, log: &Path) -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"));
+    cmd.args(["serve", "--port", &port.to_string()])
         .arg("--model").arg(&e.model)
         .arg("--adapters-dir").arg(&e.adapters)
         .arg("--absorb-options").arg(&e.options)
         // A `base/` in the working directory would belong to the default model, not the tiny one.
         .args(["--prepared-base", "none"])
         .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(log).unwrap())
-        .spawn()
-        .unwrap();
-    Child(child)
+        .stderr(std::fs::File::create(log).unwrap());
+    cmd
+}
+
+/// The real `lift-serve serve` process on the tiny model; stderr goes to `log`.
+fn spawn_server(e: &Env, port: u16, log: &Path) -> Child {
+    Child(server_command(e, port, log).spawn().unwrap())
 }
 
 async fn wait_health(c: &Client, base: &str, child: &mut Child) {
@@ -1323,7 +1326,7 @@ async fn header_timeout_never_cuts_a_long_event_stream() {
 }
 
 /// Issue 16, item 2: out of file descriptors, the server keeps accepting. The real server
-/// process runs with an open-file limit of 64 and a 1 s header timeout; 120 idle sockets exhaust
+/// process runs with an open-file limit of 64 (setrlimit in the child) and a 1 s header timeout; 120 idle sockets exhaust
 /// its descriptors (its `accept` fails with EMFILE), yet once the idle ones time out it accepts
 /// again: `/health` answers, the process is alive, and its log shows the failed accepts and the
 /// retries.
@@ -1332,19 +1335,20 @@ async fn out_of_file_descriptors_the_server_keeps_accepting() {
     let e = env();
     let port = free_port();
     let log = e.adapters.with_file_name("emfile.log");
-    // `ulimit -n 64` then exec: the limit applies to the server process only.
-    let child = std::process::Command::new("sh")
-        .args(["-c", "ulimit -n 64 && exec \"$0\" \"$@\""])
-        .arg(env!("CARGO_BIN_EXE_lift-serve"))
-        .args(["serve", "--port", &port.to_string(), "--prepared-base", "none"])
-        .arg("--model").arg(&e.model)
-        .arg("--adapters-dir").arg(&e.adapters)
-        .arg("--absorb-options").arg(&e.options)
-        .env("LIFT_HEADER_TIMEOUT_SECS", "1")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
+    let mut cmd = server_command(&e, port, &log);
+    cmd.env("LIFT_HEADER_TIMEOUT_SECS", "1");
+    // The limit applies to the server process only (set in the child before exec).
+    unsafe {
+        std::os::unix::process::CommandExt::pre_exec(&mut cmd, || {
+            let lim = libc::rlimit { rlim_cur: 64, rlim_max: 64 };
+            if libc::setrlimit(libc::RLIMIT_NOFILE, &lim) == 0 {
+                Ok(())
+            } else {
+                Err(std::io::Error::last_os_error())
+            }
+        });
+    }
+    let child = cmd.spawn().unwrap();
     let mut child = Child(child);
     let base = format!("http://127.0.0.1:{port}");
     let c = Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
