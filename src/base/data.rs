@@ -83,12 +83,15 @@ impl BaseExample {
 
 /// How examples are built.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct BuildOptions {
     /// Document length bounds in approximate tokens ([`approx_tokens`]); each document's target
     /// is drawn uniformly between them.
     pub min_tokens: usize,
     pub max_tokens: usize,
     /// Most approximate tokens per passage (a longer single sentence is a passage of its own).
+    /// The default matches the filter's chunk size at answer time (`FilterOptions::chunk_tokens`,
+    /// 32), so the filter is trained on chunks of the size it will score.
     pub passage_tokens: usize,
     /// Share of two-hop examples, and of confusable ones; the rest are single.
     pub two_hop_fraction: f64,
@@ -103,7 +106,7 @@ impl Default for BuildOptions {
         Self {
             min_tokens: 512,
             max_tokens: 2048,
-            passage_tokens: 64,
+            passage_tokens: 32,
             two_hop_fraction: 0.3,
             confusable_fraction: 0.35,
             min_distractors: 2,

@@ -219,7 +219,8 @@ impl PreparedBase {
         anyhow::ensure!(!self.manifest.sha256.is_empty(), "install a saved or loaded prepared base");
         anyhow::ensure!(model.prepared_base.is_none(), "the model already has a prepared base installed");
         let base = self.detached();
-        model.decoder.base_adapter = Some(Arc::new(base.lora.clone()));
+        let lora = base.lora.clone();
+        model.decoder.merge_base_adapter(Arc::new(base.lora.clone()), &|li, p| lora.weight_delta(li, p))?;
         model.info.fingerprint = combined_fingerprint(&model.info.fingerprint, &base.manifest.sha256);
         model.info.prepared_base = Some(base.manifest.sha256.clone());
         tracing::info!(hash = %base.manifest.sha256, rank = base.lora.config().rank, filter_layer = base.filter.layer, "prepared base installed");

@@ -9,7 +9,7 @@
 //! `checkpoint_seconds` and when cancelled; `resume` continues from it, refusing a checkpoint made
 //! with other options or other data.
 
-use super::data::BaseExample;
+use super::data::{BaseExample, BuildOptions};
 use super::{BaseShape, PreparedBase};
 use crate::lift::cdt::{CdtOptions, CdtStats};
 use crate::lift::filter::{self, FilterEval, FilterExample, FilterHooks};
@@ -36,6 +36,8 @@ pub struct PrepareOptions {
     /// a higher rate than the LoRA (they start at zero and must move far).
     pub filter_lr_scale: f64,
     pub cdt: CdtOptions,
+    /// How the training and validation examples are built (`prepare` itself takes them built).
+    pub data: BuildOptions,
     pub seed: u64,
     /// Seconds between checkpoints (0: after every step).
     pub checkpoint_seconds: f64,
@@ -49,6 +51,7 @@ impl Default for PrepareOptions {
             lr: 1e-4,
             filter_lr_scale: 100.0,
             cdt: CdtOptions { enabled: true, ..Default::default() },
+            data: BuildOptions::default(),
             seed: 0,
             checkpoint_seconds: 300.0,
         }
@@ -184,8 +187,9 @@ pub fn prepare(
         order.shuffle(&mut Plan::rng(opts.seed.wrapping_add(epoch as u64)));
         let (fx, qp) = &prepared[order[step % n]];
         let cdt = opts.cdt.enabled.then_some((opts.cdt.relative_move, qp));
-        let (loss, flt) =
-            trainer::training_loss(model, &base.lora, &fx.example, Some((&ft, fx)), cdt, &mut cdt_stats, None)?;
+        // Without the filter (an ablation arm) its parameters stay at zero: the mask is inert.
+        let filter = opts.shape.filter.enabled.then_some((&ft, fx));
+        let (loss, flt) = trainer::training_loss(model, &base.lora, &fx.example, filter, cdt, &mut cdt_stats, None)?;
         let vars: Vec<_> = base.lora.vars().iter().chain(base.filter.vars()).cloned().collect();
         let mut grads = trainer::gradients(&loss, &vars)?;
         let filter_grads = grads.split_off(base.lora.vars().len());

@@ -37,6 +37,18 @@ impl DecoderLayer {
             Projection::Down => &self.down,
         }
     }
+
+    fn linear_mut(&mut self, p: Projection) -> &mut Linear {
+        match p {
+            Projection::Q => &mut self.q,
+            Projection::K => &mut self.k,
+            Projection::V => &mut self.v,
+            Projection::O => &mut self.o,
+            Projection::Gate => &mut self.gate,
+            Projection::Up => &mut self.up,
+            Projection::Down => &mut self.down,
+        }
+    }
 }
 
 pub struct Decoder {
@@ -66,6 +78,9 @@ pub struct Decoder {
     /// inference, frozen and trainable paths alike, so a document adapter trains and answers
     /// over it. Its tensors are plain (no `Var`): no gradient reaches it.
     pub base_adapter: Option<Arc<dyn Adapter>>,
+    /// The base adapter's update is already in the float weights ([`Decoder::merge_base_adapter`]):
+    /// only the quantized inference path (decode on a quantized file) still adds its deltas.
+    pub base_merged: bool,
 }
 
 /// Which positions' logits `forward` returns.
@@ -192,6 +207,7 @@ impl Decoder {
             rope_interleaved: false,
             float_prefill_min_rows: 16,
             base_adapter: None,
+            base_merged: false,
         })
     }
 
@@ -275,7 +291,7 @@ impl Decoder {
         let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         let mut x = x.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
-            let ctx = LayerCtx { li, adapter, base: self.base_adapter.as_deref(), float, start };
+            let ctx = LayerCtx { li, adapter, base: self.unmerged_base(float), float, start };
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, self.config.rms_norm_eps as f32)?;
             let attn = self.attention_infer(&ctx, layer, &h, &cos, &sin, mask.as_ref(), Some(&mut *cache), hooks)?;
             x = (x + attn)?;
@@ -461,7 +477,7 @@ impl Decoder {
         let eps = cfg.rms_norm_eps as f32;
         let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         for (li, layer) in self.layers.iter().enumerate().take(upto) {
-            let ctx = LayerCtx { li, adapter: None, base: self.base_adapter.as_deref(), float: true, start: 0 };
+            let ctx = LayerCtx { li, adapter: None, base: self.unmerged_base(true), float: true, start: 0 };
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let attn = self.attention_infer(&ctx, layer, &h, &cos, &sin, mask.as_ref(), None, hooks)?;
             x = (x + attn)?;
@@ -492,7 +508,7 @@ impl Decoder {
         let eps = cfg.rms_norm_eps as f32;
         let row_mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         let mut x = h.to_dtype(self.dtype)?;
-        let adapters = [self.base_adapter.as_deref(), adapter];
+        let adapters = [self.unmerged_base(true), adapter];
         for (li, layer) in self.layers.iter().enumerate().skip(from) {
             let h = ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let q = train_linear(adapters, li, layer, Projection::Q, &h)?;
@@ -531,6 +547,35 @@ impl Decoder {
             hooks.after_layer(li, &x)?;
         }
         ops::rms_norm(&x, &self.norm, eps)
+    }
+
+    /// Puts `adapter` under every forward pass as the frozen base adapter. Its update of each
+    /// projection (`delta(layer, projection)`, `[out, in]`) is merged into the float weights, so
+    /// training and prefill pay nothing for it; on a quantized file decode still adds its deltas
+    /// through the quantized weights.
+    pub fn merge_base_adapter(
+        &mut self,
+        adapter: Arc<dyn Adapter>,
+        delta: &dyn Fn(usize, Projection) -> Result<Option<Tensor>>,
+    ) -> Result<()> {
+        for (li, layer) in self.layers.iter_mut().enumerate() {
+            for p in Projection::ALL {
+                if let Some(d) = delta(li, p)? {
+                    layer.linear_mut(p).merge_into_float(&d)?;
+                }
+            }
+        }
+        self.base_adapter = Some(adapter);
+        self.base_merged = true;
+        Ok(())
+    }
+
+    /// The base adapter where its deltas must still be added: everywhere when it is not merged,
+    /// else only on the quantized inference path (`float` false) of a quantized file.
+    fn unmerged_base(&self, float: bool) -> Option<&dyn Adapter> {
+        let quantized = self.layers.first().is_some_and(|l| l.q.is_quantized());
+        let needed = !self.base_merged || (!float && quantized);
+        self.base_adapter.as_deref().filter(|_| needed)
     }
 
     /// Vocabulary logits (f32) for hidden states `[.., hidden]` on the trainable path.

@@ -112,6 +112,22 @@ impl Linear {
         self.add_bias(y)
     }
 
+    /// Adds `delta` (`[out, in]`) to the float weight, for good: a frozen low-rank update merged
+    /// once costs nothing per token afterwards. Quantized inference weights are left as they are
+    /// (requantizing would round a small update away), so on a quantized file the caller keeps
+    /// applying the update on the quantized path; `is_quantized` says whether it must.
+    pub fn merge_into_float(&mut self, delta: &Tensor) -> Result<()> {
+        let w = self.float_weight()?;
+        let merged = (w + delta.to_dtype(w.dtype())?)?;
+        self.float = OnceLock::new();
+        let _ = self.float.set(merged.clone());
+        self.float_t = OnceLock::new();
+        if self.quantized.is_none() {
+            self.infer = QMatMul::Tensor(merged);
+        }
+        Ok(())
+    }
+
     /// Makes the float copies (`float`, and `float_t` on the CPU) now instead of on first use.
     pub fn prepare_float(&self) -> Result<()> {
         self.float_transposed().map(|_| ())
