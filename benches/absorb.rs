@@ -8,7 +8,8 @@
 //!
 //! Documents are built from the prose fixtures (chapters renumbered so that no two are identical)
 //! and cut at the sentence that reaches the length. Options: `BENCH_OPTIONS` (AbsorbOptions JSON),
-//! else the defaults with extractive QA only (`BENCH_MODEL_QA=1` keeps model QA).
+//! else the defaults with extractive QA only (`BENCH_MODEL_QA=1` keeps model QA). The prepared
+//! base is `base/` when present, as for `absorb`; `BENCH_PREPARED_BASE=DIR|none` picks another.
 
 use candle_core::Device;
 use lift_serve::lift::{absorb, AbsorbEvent, AbsorbOptions};
@@ -78,7 +79,10 @@ fn main() -> anyhow::Result<()> {
         opts.qa.use_model = false;
     }
     let path = lift_serve::fetch::resolve_model(None)?;
-    let model = Model::load(&path, &Device::Cpu)?;
+    let mut model = Model::load(&path, &Device::Cpu)?;
+    // As `absorb` does: the prepared base in base/ if present; BENCH_PREPARED_BASE=DIR|none.
+    lift_serve::base::install_from_arg(&mut model, std::env::var("BENCH_PREPARED_BASE").ok().as_deref())?;
+    println!("prepared base: {}", model.info.prepared_base.as_deref().unwrap_or("none"));
     let cfg = model.config();
     println!("threads: {}  options: {}", rayon::current_num_threads(), serde_json::to_string(&opts)?);
     println!(

@@ -41,7 +41,8 @@ pub struct FilterOptions {
     /// Initial temperature τ (learned).
     pub tau: f64,
     /// Learning rate of the filter's parameters relative to the adapter's (the paper trains them
-    /// at 100× the LoRA rate; starting from w = b = 0 they must move far in a few hundred steps).
+    /// at 100× the LoRA rate; starting from a zero head and b = 0 they must move far in a few
+    /// hundred steps).
     pub lr_scale: f64,
 }
 
@@ -60,6 +61,10 @@ impl FilterOptions {
         self.layer.unwrap_or(cfg.num_layers / 2).min(cfg.num_layers.saturating_sub(1))
     }
 }
+
+/// The soft mask's initial `w`: FltLM's trained value (w = 0.289, b = −0.206, §5.3), rounded; the
+/// paper expects `w > 0` (a low score, a strong mask).
+pub const W_INIT: f32 = 0.3;
 
 /// Extra tensor names in an adapter bundle.
 pub const HEAD_WEIGHT: &str = "filter.head.weight";
@@ -85,12 +90,13 @@ pub struct Filter {
 }
 
 impl Filter {
-    /// Trainable parameters: head 0 (every score 0), `w = b = 0`: the mask starts at exactly 0
-    /// (the paper's "risk-free" start, FltLM without the soft mask) and only grows where the LM
-    /// loss asks for it — `b` and, once the head scores differ, `w` get its gradient; the head
-    /// learns from the filter loss. (Starting at `w = 1` let the filter loss, dominated by chunks
-    /// that are negative for most questions, mask the whole context within one epoch: measured
-    /// recall 0 of 8 evidence chunks on the real model.)
+    /// Trainable parameters: head 0 (every score 0), `w = W_INIT`, `b = 0`: every intensity
+    /// starts at exactly 0 (FltLM's "risk-free" start: the model without the soft mask), on the
+    /// kink of `min(0, ·)`, where `b` gets the LM loss's gradient; once the head scores chunks
+    /// (eq. 7), distractors' scores go negative, their mask with them, and `w` gets gradient.
+    /// (Starting at `w = 0` instead, the first step that raised `b` closed the mask for good:
+    /// `w·s + b = b > 0` for every chunk, no gradient to either; measured on the first prepared
+    /// base run, w = 0 and b = 0.118 after 29 steps.)
     pub fn new(cfg: &ModelConfig, opts: &FilterOptions, dev: &Device) -> Result<Self> {
         let zero = Tensor::zeros(1, DType::F32, dev)?;
         let plain = Self {
@@ -98,7 +104,7 @@ impl Filter {
             chunk_tokens: opts.chunk_tokens.max(1),
             head_w: Tensor::zeros(cfg.hidden_size, DType::F32, dev)?,
             head_b: zero.clone(),
-            w: zero.clone(),
+            w: Tensor::new(&[W_INIT], dev)?,
             b: zero,
             log_tau: Tensor::new(&[opts.tau.max(1e-3).ln() as f32], dev)?,
             vars: Vec::new(),
@@ -734,7 +740,14 @@ mod tests {
     fn mask_parameters_get_gradient_at_the_zero_start() {
         let dev = Device::Cpu;
         let cfg = crate::testing::smollm2_135m_config();
-        let f = Filter::new(&cfg, &FilterOptions::default(), &dev).unwrap();
+        let fresh = Filter::new(&cfg, &FilterOptions::default(), &dev).unwrap();
+        // A fresh filter scores every chunk 0: every intensity exactly 0, the plain model.
+        let zeros = fresh.scores(&Tensor::ones((3, cfg.hidden_size), DType::F32, &dev).unwrap()).unwrap();
+        assert_eq!(fresh.intensities(&zeros).unwrap().to_vec1::<f32>().unwrap(), vec![0.0; 3]);
+        assert_eq!(fresh.w.to_vec1::<f32>().unwrap(), vec![W_INIT]);
+        let mut f = fresh.detached();
+        f.w = Tensor::zeros(1, DType::F32, &dev).unwrap();
+        let f = f.trainable().unwrap();
         // w = b = 0: every intensity is exactly 0, on the kink of min(0, ·).
         let s = Tensor::new(&[1.5f32, -2.0, 0.5], &dev).unwrap();
         let c = Tensor::new(&[0.3f32, -0.7, 1.1], &dev).unwrap();
@@ -775,7 +788,7 @@ mod tests {
         let f = Filter::new(&cfg, &FilterOptions { enabled: true, chunk_tokens: 24, ..Default::default() }, &dev).unwrap();
         let back = Filter::from_extras(&f.to_extras().unwrap(), &cfg).unwrap().unwrap();
         assert_eq!((back.layer, back.chunk_tokens), (15, 24));
-        assert_eq!(back.w.to_vec1::<f32>().unwrap(), vec![0.0]);
+        assert_eq!(back.w.to_vec1::<f32>().unwrap(), vec![W_INIT]);
         assert!(Filter::from_extras(&BTreeMap::new(), &cfg).unwrap().is_none());
         let mut bad = f.to_extras().unwrap();
         bad.remove(MASK_B);
