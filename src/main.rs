@@ -585,6 +585,12 @@ fn eval_base_command(
     for (name, dir) in arms {
         let mut m = Model::load(&path, device)?;
         lift_serve::base::install_from_arg(&mut m, Some(dir))?;
+        let base = m.info.prepared_base.clone().unwrap_or_else(|| "none".into());
+        if let Some((records, ppl)) = eval::reuse(output, name, &base, &items)? {
+            tracing::info!(arm = name, "answers of the same base on the same questions found: reused");
+            results.push((name.to_string(), records, ppl));
+            continue;
+        }
         let bar = progress_bar();
         bar.set_length(items.len() as u64);
         bar.set_message(format!("{name}: reading"));
@@ -594,6 +600,7 @@ fn eval_base_command(
         let ppl = eval::perplexity(&m, &essays, perplexity_tokens)?;
         let lines: Vec<String> = records.iter().map(serde_json::to_string).collect::<Result<_, _>>()?;
         std::fs::write(output.join(format!("{name}.jsonl")), lines.join("\n") + "\n")?;
+        eval::write_meta(output, name, &base, ppl)?;
         let right = records.iter().filter(|r| r.correct).count();
         tracing::info!(arm = name, right, questions = records.len(), perplexity = ppl, seconds = t0.elapsed().as_secs_f64(), "arm done");
         results.push((name.to_string(), records, ppl));

@@ -131,6 +131,43 @@ pub fn perplexity(model: &Model, essays_dir: &Path, tokens: usize) -> Result<f64
     Ok((nll / count as f64).exp())
 }
 
+/// `<arm>.meta.json`: which prepared base answered (`none` or its hash) and its perplexity.
+#[derive(Serialize, Deserialize)]
+struct ArmMeta {
+    base: String,
+    perplexity: f64,
+}
+
+/// Records the base and perplexity beside an arm's answers, so a later run can reuse them.
+pub fn write_meta(dir: &Path, arm: &str, base: &str, perplexity: f64) -> Result<()> {
+    let meta = ArmMeta { base: base.to_string(), perplexity };
+    std::fs::write(dir.join(format!("{arm}.meta.json")), serde_json::to_vec_pretty(&meta)?)?;
+    Ok(())
+}
+
+/// An earlier run's answers for `arm` when they came from the same base (`none` or its hash) on
+/// exactly these questions (ids, questions and answers in order); None otherwise.
+pub fn reuse(dir: &Path, arm: &str, base: &str, items: &[ReadingItem]) -> Result<Option<(Vec<ReadingRecord>, f64)>> {
+    let (Ok(meta), Ok(lines)) = (
+        std::fs::read(dir.join(format!("{arm}.meta.json"))),
+        std::fs::read_to_string(dir.join(format!("{arm}.jsonl"))),
+    ) else {
+        return Ok(None);
+    };
+    let Ok(meta) = serde_json::from_slice::<ArmMeta>(&meta) else { return Ok(None) };
+    let records: Vec<ReadingRecord> =
+        match lines.lines().filter(|l| !l.trim().is_empty()).map(serde_json::from_str).collect() {
+            Ok(r) => r,
+            Err(_) => return Ok(None),
+        };
+    let same = meta.base == base
+        && records.len() == items.len()
+        && records.iter().zip(items).all(|(r, i)| {
+            r.id == i.id && r.question == i.example.question && r.answer == i.example.answer
+        });
+    Ok(same.then_some((records, meta.perplexity)))
+}
+
 /// One arm's figures.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 pub struct ArmSummary {
