@@ -5,6 +5,7 @@
 #
 #   ./scripts/prepare_base_arms.sh                 # all arms (hours on 2 CPU cores)
 #   ARMS="both" ./scripts/prepare_base_arms.sh     # some arms; the eval covers those trained
+#   BIN=/tmp/lift-serve ./scripts/prepare_base_arms.sh   # run a copied binary, build nothing
 #
 # Output: target/arms/<arm>/ (a prepared base each), target/eval-base/ (answers, results.md).
 # An interrupted arm resumes from its checkpoint when run again.
@@ -13,8 +14,9 @@ cd "$(dirname "$0")/.."
 ARMS="${ARMS:-lora filter cdt both}"
 EXAMPLES="${EXAMPLES:-150}"
 PER_LENGTH="${PER_LENGTH:-100}"
-cargo build --release --bins
-bin=./target/release/lift-serve
+# BIN: a copy of the binary to run, so that rebuilding the tree meanwhile does not change it.
+if [ -z "${BIN:-}" ]; then cargo build --release --bins; fi
+bin="${BIN:-./target/release/lift-serve}"
 $bin fetch-model >/dev/null
 $bin fetch-data >/dev/null
 for arm in $ARMS; do

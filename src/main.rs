@@ -239,12 +239,6 @@ struct TrainArgs {
     /// model writes almost no valid ones).
     #[arg(long, conflicts_with = "no_model_qa")]
     model_qa: bool,
-    /// FltLM context filter (scores and soft-masks the in-context chunks; `ask` reports them).
-    #[arg(long)]
-    filter: bool,
-    /// CDT context denoising while training.
-    #[arg(long)]
-    cdt: bool,
     #[arg(long)]
     seed: Option<u64>,
     #[arg(long)]
@@ -308,8 +302,6 @@ impl TrainArgs {
         if self.model_qa {
             o.qa.use_model = true;
         }
-        o.filter.enabled |= self.filter;
-        o.cdt.enabled |= self.cdt;
         if let Some(s) = self.seed {
             o.train.seed = s;
             o.qa.seed = s;
@@ -441,15 +433,10 @@ fn ask_command(
     let doc = model.encode_document(&text)?;
     anyhow::ensure!(!doc.is_empty(), "{}: the document is empty", text_path.display());
     let params = SamplingParams { max_tokens, temperature, ..Default::default() };
-    let filter = match &bundle {
-        Some(b) => lift::filter::Filter::from_extras(&b.extras, model.config())?,
-        None => None,
-    };
     let (prompt, out, chunks) = answer_filtered(
         &model,
         &doc,
         bundle.as_ref().map(|b| &b.adapter as &dyn lift_serve::model::Adapter),
-        filter.as_ref(),
         question,
         mode,
         context_tokens,

@@ -254,9 +254,8 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     let a = absorb(&m1, DOC, None, &o, &mut |_| {}, &|| false).unwrap();
     let e = &a.report.epoch_losses;
     assert!(e.last().unwrap() < &e[0], "the document adapter trains over the base: {e:?}");
-    // The QA examples were laid out and masked by the frozen base filter; nothing of it is saved
-    // with the document.
-    assert_eq!(a.report.filter_epoch_losses.len(), 3);
+    // Nothing of the frozen base filter (which laid out and masked the QA examples:
+    // tests/filter_tiny.rs) is saved with the document.
     assert!(a.bundle.extras.is_empty());
     assert_eq!(a.manifest.base_model.prepared_base.as_deref(), Some(h1.as_str()));
 
@@ -285,7 +284,6 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
             &m1,
             &a.doc_tokens,
             adapter,
-            None,
             "Who keeps the lighthouse?",
             mode,
             None,
@@ -298,7 +296,6 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     let (_, _, chunks) = answer_filtered(
         &plain,
         &a.doc_tokens,
-        None,
         None,
         "Who keeps the lighthouse?",
         Mode::Icl,

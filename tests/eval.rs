@@ -7,6 +7,8 @@
 use candle_core::Device;
 use lift_serve::eval::{self, data, needles, report, Backend, EvalDocument, Local, RunConfig};
 use lift_serve::lift::answer::{build_prompt, Mode};
+use lift_serve::base::{BaseShape, PreparedBase};
+use lift_serve::lift::filter::FilterOptions;
 use lift_serve::lift::AbsorbOptions;
 use lift_serve::model::Model;
 use lift_serve::testing::{write_hf, TinySpec};
@@ -191,23 +193,33 @@ fn check_results(results: &eval::Results, docs: usize, questions: usize) {
 }
 
 #[test]
-fn local_backend_answers_with_the_documents_filter() {
-    let (_d, _p, model) = tiny();
+fn local_backend_absorbs_and_answers_through_the_prepared_bases_filter() {
+    let (_d, path, plain) = tiny();
+    let mut model = Model::load(&path, &Device::Cpu).unwrap();
+    let shape = BaseShape { rank: 4, filter: FilterOptions { enabled: true, layer: Some(0), ..Default::default() } };
+    let mut base = PreparedBase::new(&model, &shape, 1).unwrap();
+    base.save(&path.with_file_name("base")).unwrap();
+    base.install(&mut model).unwrap();
     let doc = tiny_docs(&model).remove(0);
     let mut o = tiny_options();
-    o.filter.enabled = true;
-    o.filter.layer = Some(0);
     o.train.epochs = [0, 1];
-    let mut local = Local::new(&model, Some(200), 4);
-    let (_, handle) = local.absorb(&doc, &o, &mut |_, _, _| {}).unwrap();
     let tokens = model.encode_document(&doc.text).unwrap();
     let q = &doc.questions[0].question;
-    let (_, lift_len) = local.ask(&doc, &tokens, Some(handle), q, Mode::Lift).unwrap();
-    let (_, icl_len) = local.ask(&doc, &tokens, None, q, Mode::Icl).unwrap();
-    // The filter's layout repeats the question after the document and adds a marker per chunk;
-    // without the filter, `lift` has exactly the `icl` prompt.
     let q_len = model.tokenizer.encode(q, false).unwrap().len();
-    assert!(lift_len >= icl_len + q_len, "lift with its filter: {lift_len} tokens, icl {icl_len}");
+    let mut lens = Vec::new();
+    for m in [&plain, &model] {
+        let mut local = Local::new(m, Some(200), 4);
+        let (_, handle) = local.absorb(&doc, &o, &mut |_, _, _| {}).unwrap();
+        let (_, lift_len) = local.ask(&doc, &tokens, Some(handle), q, Mode::Lift).unwrap();
+        let (_, icl_len) = local.ask(&doc, &tokens, None, q, Mode::Icl).unwrap();
+        lens.push((lift_len, icl_len));
+    }
+    // Without a base, `lift` has exactly the `icl` prompt; the base's filter layout repeats the
+    // question after the document and adds a marker per chunk, in both modes.
+    let [(plain_lift, plain_icl), (base_lift, base_icl)] = lens[..] else { unreachable!() };
+    assert_eq!(plain_lift, plain_icl);
+    assert_eq!(base_lift, base_icl);
+    assert!(base_lift >= plain_lift + q_len, "with the base's filter: {base_lift} tokens, without {plain_lift}");
 }
 
 #[test]

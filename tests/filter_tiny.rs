@@ -1,10 +1,11 @@
 //! FltLM and CDT mechanics on the tiny random model (2 layers: the filter reads layer 0 and masks
 //! layer 1): the soft mask changes exactly the logits it should, w = b = 0 is the unfiltered
 //! model, the inference path (prefill in pieces, KV cache) agrees with one trainable pass, the
-//! filter is differentiable, and a short absorb with both options trains the filter and records
-//! CDT's critical tokens.
+//! filter is differentiable, and a document's absorb over a prepared base trains its QA in the
+//! base filter's layout, under its frozen mask.
 
 use candle_core::{Device, Tensor};
+use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::lift::filter::{self, Filter, FilterHooks, FilterOptions};
 use lift_serve::lift::qa::{QaPair, QaSource};
 use lift_serve::lift::{absorb, AbsorbOptions};
@@ -172,33 +173,36 @@ fn incremental_inference_matches_one_trainable_pass_and_gradients_reach_the_filt
 }
 
 #[test]
-fn absorb_with_filter_and_cdt_trains_the_filter_and_reports_critical_tokens() {
-    let (_d, model) = tiny();
+fn absorb_over_a_prepared_base_trains_qa_in_its_filter_layout_and_leaves_the_filter_frozen() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_hf(&dir.path().join("tiny"), &TinySpec::default()).unwrap();
+    let plain = Model::load(&path, &Device::Cpu).unwrap();
+    let mut model = Model::load(&path, &Device::Cpu).unwrap();
+    let shape = BaseShape { rank: 4, filter: FilterOptions { enabled: true, layer: Some(0), chunk_tokens: 24, ..Default::default() } };
+    let mut base = PreparedBase::new(&model, &shape, 3).unwrap();
+    base.filter = filter(&model, 1.0, -0.5); // a scoring head and a mask that acts
+    base.save(&dir.path().join("base")).unwrap();
+    base.install(&mut model).unwrap();
+    let head = |m: &Model| m.base_filter().unwrap().head_w.to_vec1::<f32>().unwrap();
+    let before = head(&model);
+
     let mut o = AbsorbOptions::default();
     o.plan.window = 32;
     o.plan.context_tokens = 1000; // the whole document is in the window: every evidence has a chunk
     o.qa.use_model = false;
     o.qa.max_pairs = 4;
-    o.train.epochs = [0, 6];
-    o.filter = FilterOptions { enabled: true, layer: Some(0), chunk_tokens: 24, ..Default::default() };
-    o.cdt.enabled = true;
+    o.train.epochs = [0, 2];
     let a = absorb(&model, DOC, None, &o, &mut |_| {}, &|| false).unwrap();
+    let p = absorb(&plain, DOC, None, &o, &mut |_| {}, &|| false).unwrap();
     assert!(!a.qa.is_empty());
-    let losses = &a.report.filter_epoch_losses;
-    assert_eq!(losses.len(), 6, "{losses:?}");
-    assert!(losses[5] < losses[0], "the filter learns its labels: {losses:?}");
-    let f = Filter::from_extras(&a.bundle.extras, model.config()).unwrap().expect("filter saved with the adapter");
-    assert_eq!(f.layer, 0);
-    let cdt = a.report.cdt.as_ref().expect("CDT statistics");
-    assert!(cdt.examples > 0 && cdt.critical > 0 && cdt.critical < cdt.tokens, "{cdt:?}");
-    assert!(cdt.evidence_tokens > 0 && cdt.context_tokens > cdt.evidence_tokens, "{cdt:?}");
-    // Each denoised example moves its document tokens by the target on average; the loss on
-    // the denoised embeddings is logged against the plain one.
-    let target = lift_serve::lift::cdt::CdtOptions::default().relative_move;
-    assert!((cdt.mean_relative_shift - target).abs() < 0.05 * target, "{cdt:?}");
-    assert!(cdt.mean_loss_ratio > 0.5 && cdt.mean_loss_ratio < 2.0, "{cdt:?}");
-    // Only QA examples are denoised (6 epochs of them), never the segments.
-    assert_eq!(cdt.examples, 6 * a.qa.len(), "{cdt:?}");
+    assert_eq!((a.report.steps, a.qa.len()), (p.report.steps, p.qa.len()), "the same plan");
+    // Each QA example repeats its question after the chunks and adds a marker per chunk.
+    let q_tokens: usize = a.qa.iter().map(|q| model.tokenizer.encode(&q.question, false).unwrap().len()).sum();
+    assert!(a.report.tokens >= p.report.tokens + 2 * q_tokens, "{} vs {} tokens", a.report.tokens, p.report.tokens);
+    // The base's filter is frozen and not saved with the document's adapter.
+    assert_eq!(head(&model), before);
+    assert!(a.bundle.extras.is_empty());
+    let f = model.base_filter().unwrap().clone();
     // Recall on the training pairs runs and counts every pair whose evidence is in a chunk.
     let e = filter::evaluate(&model, Some(&a.bundle.adapter), &f, DOC, &a.doc_tokens, &a.qa, 1000).unwrap();
     assert_eq!(e.questions, a.qa.len());

@@ -392,9 +392,9 @@ async fn bad_inputs() {
         ("POST", "/documents".into(), ("text/plain", many_tokens.into_bytes()), 413, "document_too_large"),
         ("POST", "/documents".into(), ("application/xml", b"<doc/>".to_vec()), 415, "unsupported_media_type"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"colour": "red"}})), 400, "unknown_option"),
-        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"filter": "yes"}})), 400, "invalid_option"),
-        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"filter": {"layer": 99}}})), 400, "invalid_option"),
-        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"cdt": {"beta": "big"}}})), 400, "invalid_option"),
+        // FltLM's filter and CDT are the prepared base's, not per-document options.
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"filter": true}})), 400, "removed_option"),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"cdt": false}})), 400, "removed_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"window": 0}})), 400, "invalid_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"epochs": [1]}})), 400, "invalid_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"adapter": "magic"}})), 400, "invalid_option"),
@@ -686,43 +686,52 @@ async fn ask_while_another_document_trains() {
     running.shutdown().await;
 }
 
-/// FltLM and CDT through the API: `filter: true, cdt: true` is accepted (a different document id
-/// than the plain options), the adapter carries the filter, and `/ask` in mode `lift` reports a
-/// score and mask per in-context chunk (not in mode `icl`).
+/// A server over a prepared base: documents absorb over it (their manifest names the base), and
+/// `/ask` reports the base filter's score and mask per in-context chunk in every mode that has
+/// context (`lift`, `icl`), none in `memory`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn filter_and_cdt_are_accepted_and_ask_reports_chunk_scores() {
+async fn a_server_over_a_prepared_base_answers_through_its_filter_and_reports_chunk_scores() {
     let e = env();
-    let (running, base) = start(config(&e, &[])).await;
+    let plain = lift_serve::model::Model::load(&e.model, &candle_core::Device::Cpu).unwrap();
+    let shape = lift_serve::base::BaseShape {
+        rank: 2,
+        filter: lift_serve::lift::filter::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
+    };
+    let mut prepared = lift_serve::base::PreparedBase::new(&plain, &shape, 5).unwrap();
+    let base_dir = e.adapters.with_file_name("base");
+    let hash = prepared.save(&base_dir).unwrap().sha256.clone();
+    let mut cfg = config(&e, &[]);
+    cfg.prepared_base = Some(base_dir.to_string_lossy().into_owned());
+    let (running, base) = start(cfg).await;
     let c = client();
-    let (s, plain) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC}), None).await;
-    assert_eq!(s, 202, "{plain}");
-    let (s, doc) =
-        post_json(&c, &format!("{base}/documents"), json!({"text": DOC, "options": {"filter": true, "cdt": true}}), None).await;
+    let (s, doc) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC}), None).await;
     assert_eq!(s, 202, "{doc}");
     let id = doc["id"].as_str().unwrap().to_string();
-    assert_ne!(plain["id"], doc["id"], "the options are part of the id");
     wait_ready(&c, &base, &id, None).await;
     let manifest: Value =
         serde_json::from_str(&std::fs::read_to_string(e.adapters.join(&id).join("manifest.json")).unwrap()).unwrap();
-    let text = manifest.to_string();
-    assert!(text.contains("\"filter\"") && text.contains("\"cdt\""), "options and figures recorded: {text}");
+    assert_eq!(manifest["base_model"]["prepared_base"], json!(hash), "{manifest}");
 
-    let (s, r) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?"}), None).await;
-    assert_eq!(s, 200, "{r}");
-    let chunks = r["context"]["chunks"].as_array().unwrap_or_else(|| panic!("chunks in {r}"));
-    assert!(!chunks.is_empty());
-    let mut last_end = 0;
-    for ch in chunks {
-        let (start, end) = (ch["start"].as_u64().unwrap(), ch["end"].as_u64().unwrap());
-        assert!(start >= last_end && end > start, "ordered, disjoint chunks: {r}");
-        last_end = end;
-        let (score, mask) = (ch["score"].as_f64().unwrap(), ch["mask"].as_f64().unwrap());
-        assert!(score.is_finite() && mask <= 0.0, "{ch}");
-        assert!(ch["text"].as_str().is_some_and(|t| !t.is_empty()));
+    for mode in ["lift", "icl"] {
+        let q = json!({"document_id": id, "question": "Who built the harbor?", "mode": mode});
+        let (s, r) = post_json(&c, &format!("{base}/ask"), q, None).await;
+        assert_eq!(s, 200, "{r}");
+        let chunks = r["context"]["chunks"].as_array().unwrap_or_else(|| panic!("{mode}: chunks in {r}"));
+        assert!(!chunks.is_empty());
+        let mut last_end = 0;
+        for ch in chunks {
+            let (start, end) = (ch["start"].as_u64().unwrap(), ch["end"].as_u64().unwrap());
+            assert!(start >= last_end && end > start, "ordered, disjoint chunks: {r}");
+            last_end = end;
+            let (score, mask) = (ch["score"].as_f64().unwrap(), ch["mask"].as_f64().unwrap());
+            assert!(score.is_finite() && mask <= 0.0, "{ch}");
+            assert!(ch["text"].as_str().is_some_and(|t| !t.is_empty()));
+        }
     }
-    let (s, r) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built it?", "mode": "icl"}), None).await;
+    let q = json!({"document_id": id, "question": "Who built it?", "mode": "memory"});
+    let (s, r) = post_json(&c, &format!("{base}/ask"), q, None).await;
     assert_eq!(s, 200, "{r}");
-    assert!(r.get("context").is_none(), "no filter without the adapter: {r}");
+    assert!(r.get("context").is_none(), "no context, no chunks: {r}");
     running.shutdown().await;
 }
 

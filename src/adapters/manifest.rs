@@ -378,6 +378,14 @@ fn parse_bundle(
     let adapter = AnyAdapter::from_named_tensors(manifest.kind, cfg, manifest.lora.as_ref(), adapter)
         .with_context(|| format!("{}: not a valid {} adapter for this base model", apath.display(), manifest.kind))?;
     let bundle = AdapterBundle { adapter, extras: extras.into_iter().collect() };
+    // Earlier versions could train a FltLM filter per document; it is now part of the prepared
+    // base, and answering without the filter the adapter was trained under would be another model.
+    anyhow::ensure!(
+        !bundle.extras.contains_key(crate::lift::filter::HEAD_WEIGHT),
+        "{}: absorbed with a per-document FltLM filter, which this version no longer trains or applies \
+         (the filter is part of the prepared base): absorb the document again",
+        apath.display()
+    );
     manifest
         .check_describes(&bundle)
         .with_context(|| format!("{}: does not describe {}", apath.with_file_name(MANIFEST_FILE).display(), apath.display()))?;

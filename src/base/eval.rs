@@ -69,7 +69,7 @@ pub fn read(model: &Model, items: &[ReadingItem], on_done: &mut dyn FnMut(usize)
         let text = ex.document();
         let doc = model.encode_document(&text)?;
         let (_, generation, scores) =
-            answer_filtered(model, &doc, None, None, &ex.question, Mode::Icl, None, &params, &mut |_| true)?;
+            answer_filtered(model, &doc, None, &ex.question, Mode::Icl, None, &params, &mut |_| true)?;
         let filter_counts = if scores.is_empty() {
             None
         } else {

@@ -2,7 +2,7 @@
 //! so it measures the real serving path: `POST /documents`, progress from
 //! `GET /documents/{id}/events` until done, `POST /ask`.
 //!
-//! The API takes the absorb options `adapter`, `window`, `stride`, `epochs`, `aux_qa`, `filter` and `cdt`; the
+//! The API takes the absorb options `adapter`, `window`, `stride`, `epochs` and `aux_qa`; the
 //! rest (training context, model-generated QA, seeds) are the server's `--absorb-options`, and the
 //! answer context budget is its `--context-tokens`. The evaluation checks every prompt's length
 //! (`usage.prompt_tokens`) against the prompt it labelled questions with, so a server with another
@@ -60,12 +60,6 @@ impl Server {
             "epochs": opts.train.epochs,
             "aux_qa": opts.qa.max_pairs,
         });
-        if opts.filter.enabled {
-            o["filter"] = serde_json::to_value(&opts.filter).unwrap_or(json!(true));
-        }
-        if opts.cdt.enabled {
-            o["cdt"] = serde_json::to_value(&opts.cdt).unwrap_or(json!(true));
-        }
         if let Some(s) = opts.plan.stride {
             o["stride"] = json!(s);
         }

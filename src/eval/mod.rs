@@ -15,7 +15,6 @@ pub mod needles;
 pub mod report;
 
 use crate::lift::answer::{answer_filtered, build_prompt, AnswerPrompt, Mode};
-use crate::lift::filter::Filter;
 use crate::lift::{self, AbsorbEvent, AbsorbOptions};
 use crate::model::generate::SamplingParams;
 use crate::model::Model;
@@ -145,14 +144,14 @@ pub struct Method {
     pub absorb: Option<AbsorbOptions>,
 }
 
-/// The known methods and what they are. New variants (e.g. `lift+filter`, `lift+cdt`) are one
-/// entry here and one arm in [`method`]: the absorb options they change and the mode they ask in.
+/// The known methods and what they are. A new variant is one entry here and one arm in
+/// [`method`]: the absorb options it changes and the mode it asks in. (FltLM and CDT are not
+/// methods: they are the prepared base's, under every method; compare bases with
+/// `--prepared-base`.)
 pub const METHODS: &[(&str, &str)] = &[
     ("icl", "base model, truncated document in context (head + tail): the paper's baseline"),
     ("lift", "adapter absorbed from the document + the same truncated context"),
     ("memory", "adapter only, no document text in context"),
-    ("lift+filter", "lift with FltLM context filtering trained and applied"),
-    ("lift+cdt", "lift trained with CDT context denoising"),
     ("lift-paper", "lift absorbed with the paper's recipe (AbsorbOptions::paper_faithful)"),
 ];
 
@@ -162,17 +161,6 @@ pub fn method(name: &str, base: &AbsorbOptions, num_layers: usize) -> Result<Met
         "icl" => (Mode::Icl, None),
         "lift" => (Mode::Lift, Some(base.clone())),
         "memory" => (Mode::Memory, Some(base.clone())),
-        "lift+filter" => (
-            Mode::Lift,
-            Some(AbsorbOptions {
-                filter: lift::filter::FilterOptions { enabled: true, ..base.filter.clone() },
-                ..base.clone()
-            }),
-        ),
-        "lift+cdt" => (
-            Mode::Lift,
-            Some(AbsorbOptions { cdt: lift::cdt::CdtOptions { enabled: true, ..base.cdt.clone() }, ..base.clone() }),
-        ),
         "lift-paper" => {
             // The paper trains with the same truncated document it answers with: the context
             // budget stays the run's.
@@ -333,17 +321,11 @@ impl Backend for Local<'_> {
     ) -> Result<(String, usize)> {
         let bundle = handle.map(|h| &self.adapters[h].bundle);
         let adapter = bundle.map(|b| &b.adapter as &dyn crate::model::Adapter);
-        // A document absorbed with a filter answers with it, as the server does.
-        let filter = match bundle {
-            Some(b) => Filter::from_extras(&b.extras, self.model.config())?,
-            None => None,
-        };
         let params = SamplingParams { max_tokens: self.max_tokens, temperature: 0.0, ..Default::default() };
         let (prompt, out, _) = answer_filtered(
             self.model,
             doc_tokens,
             adapter,
-            filter.as_ref(),
             question,
             mode,
             self.context_tokens,
@@ -493,7 +475,7 @@ pub struct EvalArgs {
     #[arg(long, default_value = "eval-results")]
     pub out: PathBuf,
     /// Methods to compare: icl (baseline, no adapter), lift (adapter + truncated document),
-    /// memory (adapter only), lift+filter (FltLM), lift+cdt (CDT).
+    /// memory (adapter only), lift-paper (the paper's recipe).
     #[arg(long, value_delimiter = ',', default_value = "icl,lift,memory")]
     pub methods: Vec<String>,
     /// Document lengths in tokens.
@@ -592,10 +574,8 @@ mod tests {
             assert_eq!(m.absorb.is_none(), *name == "icl", "{name}");
         }
         assert_eq!(method("memory", &base, 30).unwrap().mode, Mode::Memory);
-        let f = method("lift+filter", &base, 30).unwrap();
-        assert!(f.mode == Mode::Lift && f.absorb.as_ref().unwrap().filter.enabled && !base.filter.enabled);
-        let c = method("lift+cdt", &base, 30).unwrap();
-        assert!(c.absorb.as_ref().unwrap().cdt.enabled && !c.absorb.unwrap().filter.enabled);
+        // FltLM and CDT belong to the prepared base, not to a method.
+        assert!(method("lift+filter", &base, 30).is_err() && method("lift+cdt", &base, 30).is_err());
         let p = method("lift-paper", &base, 30).unwrap().absorb.unwrap();
         assert_eq!((p.layers.unwrap().len(), p.train.epochs, p.plan.window), (30, [3, 5], 256));
         assert!(method("nope", &base, 30).is_err());

@@ -3,7 +3,7 @@
 //! question. Modes: `lift` (adapter + context), `icl` (no adapter, same context: the baseline),
 //! `memory` (adapter, no document text).
 
-use super::filter::{self, ChunkScore, Filter, FilterHooks};
+use super::filter::{self, ChunkScore, FilterHooks};
 use super::prompt::{chat_with_context, elision_tokens, head_tail, kept_ranges};
 use crate::model::generate::{generate, Generation, SamplingParams};
 use crate::model::{Adapter, KvCache, Model, NoHooks};
@@ -94,20 +94,18 @@ pub fn answer(
     params: &SamplingParams,
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<(AnswerPrompt, Generation)> {
-    let (prompt, out, _) = answer_filtered(model, doc, adapter, None, question, mode, context_tokens, params, on_text)?;
+    let (prompt, out, _) = answer_filtered(model, doc, adapter, question, mode, context_tokens, params, on_text)?;
     Ok((prompt, out))
 }
 
-/// `answer` with a FltLM filter (a detached copy): the document's own, in `lift` mode, else the
-/// prepared base's, in every mode with context. The context is laid out in chunks with markers,
-/// scored and softly masked in the same pass. Also returns each chunk's score and mask (empty
-/// when no filter applies).
+/// `answer` with the prepared base's FltLM filter, in every mode with context: the context is laid
+/// out in chunks with markers, scored and softly masked in the same pass. Also returns each
+/// chunk's score and mask (empty when the base has no filter or the mode no context).
 #[allow(clippy::too_many_arguments)]
 pub fn answer_filtered(
     model: &Model,
     doc: &[u32],
     adapter: Option<&dyn Adapter>,
-    filter: Option<&Filter>,
     question: &str,
     mode: Mode,
     context_tokens: Option<usize>,
@@ -116,11 +114,7 @@ pub fn answer_filtered(
 ) -> Result<(AnswerPrompt, Generation, Vec<ChunkScore>)> {
     let adapter = if mode.uses_adapter() { adapter } else { None };
     let mut cache = KvCache::new(model.config().num_layers);
-    let filter = match filter.filter(|_| mode == Mode::Lift) {
-        Some(f) => Some(f),
-        None => model.base_filter().filter(|_| mode.uses_context()),
-    };
-    let Some(filter) = filter else {
+    let Some(filter) = model.base_filter().filter(|_| mode.uses_context()) else {
         let prompt = build_prompt(model, doc, question, mode, context_tokens, params.max_tokens)?;
         let out = generate(model, &prompt.tokens, &mut cache, adapter, &mut NoHooks, params, on_text)?;
         return Ok((prompt, out, Vec::new()));

@@ -4,14 +4,11 @@
 //! other document token's embedding moves against its gradient (eq. 2, applied to the irrelevant
 //! tokens as the authors' text and trainer do), by a step set so that the mean relative move is
 //! `CdtOptions::relative_move`; pass 2 is the real training step on those denoised embeddings
-//! (eq. 3). Only QA examples are denoised: a contextualized-training segment has no question
-//! that would make part of its context noise.
+//! (eq. 3). CDT is post-training of the base model: it runs in `prepare-base` (`crate::base`),
+//! never in a document's absorb, and there only on the QA examples' document passages (a chat
+//! template or an attention sink is not "noise").
 
-use super::filter::evidence_tokens;
-use super::prompt::{chat_with_context_at, elision_tokens, head_tail, kept_ranges};
-use super::qa::QaPair;
 use super::trainer::QaPositions;
-use crate::model::Model;
 use candle_core::{Result, Tensor, D};
 use serde::{Deserialize, Serialize};
 
@@ -33,12 +30,6 @@ impl Default for CdtOptions {
     /// 1000 moved every embedding by ~4.7% of its norm, thousands of times that.)
     fn default() -> Self {
         Self { enabled: false, relative_move: 5e-5 }
-    }
-}
-
-impl CdtOptions {
-    pub fn is_default(&self) -> bool {
-        *self == Self::default()
     }
 }
 
@@ -173,40 +164,6 @@ impl CdtStats {
     pub fn context_rate(&self) -> f64 {
         self.context_critical as f64 / self.context_tokens.max(1) as f64
     }
-}
-
-/// Prompt positions of the document context and of the evidence of each QA pair, in the plain
-/// QA layout of `Plan::new` (head and tail halves of `budget` tokens, then the question).
-pub fn plain_qa_positions(
-    model: &Model,
-    text: &str,
-    doc: &[u32],
-    pairs: &[QaPair],
-    budget: usize,
-) -> anyhow::Result<Vec<QaPositions>> {
-    let elision = elision_tokens(model)?;
-    let ctx = head_tail(doc, budget, budget / 2, &elision);
-    let (head_end, tail_start) = kept_ranges(doc.len(), budget, budget / 2, elision.len());
-    let in_ctx = |d: usize| -> Option<usize> {
-        if d < head_end {
-            Some(d)
-        } else if d >= tail_start {
-            Some(if doc.len() <= budget { d } else { head_end + elision.len() + d - tail_start })
-        } else {
-            None
-        }
-    };
-    pairs
-        .iter()
-        .map(|pair| {
-            let (_, offset) = chat_with_context_at(model, &ctx, &pair.question)?;
-            let (a, b) = evidence_tokens(model, text, pair)?;
-            Ok(QaPositions {
-                context: (0..doc.len()).filter_map(in_ctx).map(|i| offset + i).collect(),
-                evidence: (a..b).filter_map(in_ctx).map(|i| offset + i).collect(),
-            })
-        })
-        .collect()
 }
 
 #[cfg(test)]

@@ -53,10 +53,6 @@ impl Default for FilterOptions {
 }
 
 impl FilterOptions {
-    pub fn is_default(&self) -> bool {
-        *self == Self::default()
-    }
-
     pub fn layer_for(&self, cfg: &ModelConfig) -> usize {
         self.layer.unwrap_or(cfg.num_layers / 2).min(cfg.num_layers.saturating_sub(1))
     }

@@ -15,16 +15,16 @@ use crate::adapters::manifest::{BaseModelRef, DocumentRef, Manifest};
 use crate::adapters::{AdapterBundle, AdapterKind, AnyAdapter, GatedMemory, Lora, LoraConfig};
 use crate::model::Model;
 use anyhow::Result;
-use cdt::CdtOptions;
-use filter::{Filter, FilterOptions};
 use plan::{Plan, PlanOptions};
 use qa::{QaOptions, QaPair, QaProgress};
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
-use trainer::{Extensions, FilterTraining, Progress, QaPositions, TrainOptions, TrainReport};
+use trainer::{FilterTraining, Progress, TrainOptions, TrainReport};
 
 /// Everything that shapes an adapter. Part of a document's content address: the same text with
-/// the same options on the same base model is the same adapter.
+/// the same options on the same base model is the same adapter. FltLM's filter and CDT are not
+/// here: they are properties of the prepared base (`crate::base`), trained once and active under
+/// every document's adapter, not per-document choices.
 #[derive(Clone, Debug, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct AbsorbOptions {
@@ -42,13 +42,6 @@ pub struct AbsorbOptions {
     pub plan: PlanOptions,
     pub qa: QaOptions,
     pub train: TrainOptions,
-    /// FltLM context filter (off by default; left out of the JSON, and so of document ids, when
-    /// at its defaults).
-    #[serde(skip_serializing_if = "FilterOptions::is_default")]
-    pub filter: FilterOptions,
-    /// CDT context denoising while training (off by default; as `filter`).
-    #[serde(skip_serializing_if = "CdtOptions::is_default")]
-    pub cdt: CdtOptions,
 }
 
 impl Default for AbsorbOptions {
@@ -61,8 +54,6 @@ impl Default for AbsorbOptions {
             plan: PlanOptions::default(),
             qa: QaOptions::default(),
             train: TrainOptions::default(),
-            filter: FilterOptions::default(),
-            cdt: CdtOptions::default(),
         }
     }
 }
@@ -161,50 +152,19 @@ pub fn absorb(
         }
         AdapterKind::Lora => AnyAdapter::Lora(Lora::new(cfg, &opts.lora, seed, model.device())?),
     };
-    // FltLM's and CDT's per-question bookkeeping (chunks, evidence positions) is per row.
+    // The prepared base's FltLM filter lays out and softly masks the QA examples as it will when
+    // answering (frozen: a detached copy, no filter loss). Its bookkeeping (chunks) is per row.
     let mut plan_opts = opts.plan.clone();
-    if opts.filter.enabled || opts.cdt.enabled || model.base_filter().is_some() {
+    if model.base_filter().is_some() {
         plan_opts.qa_pack = 1;
     }
     let plan = Plan::new(model, &doc, &pairs, &plan_opts)?;
     let train_opts = opts.effective_train();
-    let budget = opts.plan.qa_context();
-    // A per-document filter trains with the adapter; a prepared base's filter is frozen and only
-    // lays out and masks the QA examples, as it will when answering.
-    let filter = if opts.filter.enabled {
-        Some(Filter::new(cfg, &opts.filter, model.device())?)
-    } else {
-        model.base_filter().cloned()
-    };
-    let lambda = if opts.filter.enabled { opts.filter.lambda } else { 0.0 };
-    let filter_examples = match &filter {
-        Some(f) => filter::qa_examples(model, text, &doc, &pairs, budget, f)?,
+    let filter_examples = match model.base_filter() {
+        Some(f) => filter::qa_examples(model, text, &doc, &pairs, opts.plan.qa_context(), f)?,
         None => Vec::new(),
     };
-    let qa_positions = if !opts.cdt.enabled {
-        Vec::new()
-    } else if filter.is_some() {
-        filter_examples
-            .iter()
-            .map(|fx| QaPositions {
-                context: fx.chunks.iter().flat_map(|c| c.start..c.end).collect(),
-                evidence: fx.evidence.clone(),
-            })
-            .collect()
-    } else {
-        cdt::plain_qa_positions(model, text, &doc, &pairs, budget)?
-    };
-    let ext = Extensions {
-        filter: filter.as_ref().map(|f| FilterTraining {
-            filter: f,
-            examples: &filter_examples,
-            lambda,
-            margin: opts.filter.margin,
-            lr_scale: opts.filter.lr_scale,
-        }),
-        cdt: opts.cdt.enabled.then(|| opts.cdt.clone()),
-        qa_positions,
-    };
+    let base_filter = model.base_filter().map(|f| FilterTraining::frozen(f, &filter_examples));
     let report = trainer::train_with(
         model,
         &doc,
@@ -212,16 +172,13 @@ pub fn absorb(
         &adapter,
         adapter.vars(),
         &train_opts,
-        &ext,
+        base_filter.as_ref(),
         &mut |p| on_event(AbsorbEvent::Train(p)),
         cancel,
     )?;
 
     on_event(AbsorbEvent::Stage(AbsorbStage::Saving));
-    let mut bundle = AdapterBundle::new(adapter.detached());
-    if let Some(f) = filter.as_ref().filter(|_| opts.filter.enabled) {
-        bundle.extras.extend(f.to_extras()?);
-    }
+    let bundle = AdapterBundle::new(adapter.detached());
     let manifest = Manifest::new(
         &bundle,
         BaseModelRef::of(model),
@@ -236,8 +193,6 @@ pub fn absorb(
             "final_loss": report.final_loss,
             "epoch_losses": report.epoch_losses,
             "stopped_early": report.stopped_early,
-            "filter_epoch_losses": report.filter_epoch_losses,
-            "cdt": report.cdt,
             "qa_pairs": pairs.len(),
             "qa_seconds": qa_seconds,
             "segments": plan.segments.len(),

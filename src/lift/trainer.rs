@@ -1,8 +1,9 @@
 //! The LIFT trainer: two stages (segments only, then segments + auxiliary QA), AdamW with the
 //! paper's settings (Table 9), gradient accumulation over small batches, global grad-norm
-//! clipping, seeded shuffling, cancellation, progress reports and optional early stopping.
+//! clipping, seeded shuffling, cancellation, progress reports and optional early stopping. With a
+//! prepared base, its frozen FltLM filter masks the QA examples while the adapter trains.
 
-use super::cdt::{self, CdtOptions, CdtStats};
+use super::cdt::{self, CdtStats};
 use super::filter::{filter_loss, Filter, FilterExample, FilterHooks, FromLayer};
 use super::plan::{Example, Plan};
 use crate::model::{ops, Adapter, ForwardHooks, Model, NoHooks, Packing};
@@ -93,26 +94,12 @@ pub struct TrainReport {
     pub step_losses: Vec<f64>,
     pub final_loss: f64,
     pub stopped_early: bool,
-    /// FltLM: mean filter loss (eq. 7) over the QA examples of each stage-2 epoch.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub filter_epoch_losses: Vec<f64>,
-    /// CDT: how many tokens were critical, overall and on QA context / evidence tokens.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cdt: Option<CdtStats>,
 }
 
-/// Optional parts of a training run (FltLM, CDT); `Default` is plain LIFT.
-#[derive(Default)]
-pub struct Extensions<'a> {
-    pub filter: Option<FilterTraining<'a>>,
-    pub cdt: Option<CdtOptions>,
-    /// Per QA example (same order as `plan.qa`): prompt positions of its document context and of
-    /// its evidence, for CDT's critical-token statistics. May be empty.
-    pub qa_positions: Vec<QaPositions>,
-}
-
-/// FltLM training: the trainable filter, the QA examples in its layout (they replace `plan.qa`),
-/// and the loss weight λ and margin m.
+/// A FltLM filter in training: the filter, the QA examples in its layout (they replace
+/// `plan.qa`), the loss weight λ and margin m. Trainable when the filter has `Var`s (the prepared
+/// base's training); [`FilterTraining::frozen`] only lays out and masks (a document's absorb over
+/// the prepared base).
 pub struct FilterTraining<'a> {
     pub filter: &'a Filter,
     pub examples: &'a [FilterExample],
@@ -120,6 +107,14 @@ pub struct FilterTraining<'a> {
     pub margin: f64,
     /// The filter's learning rate relative to the adapter's.
     pub lr_scale: f64,
+}
+
+impl<'a> FilterTraining<'a> {
+    /// The prepared base's filter (a detached copy) over `examples`: masks, learns nothing, adds
+    /// no loss.
+    pub fn frozen(filter: &'a Filter, examples: &'a [FilterExample]) -> Self {
+        Self { filter, examples, lambda: 0.0, margin: 0.0, lr_scale: 0.0 }
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -319,7 +314,7 @@ fn total_loss(
     let adapter = FromLayer { inner: adapter, first: ft.filter.layer + 1 };
     let mut hooks = FilterHooks::new(ft.filter, &fx.chunks, model.config().num_layers);
     let lm = lm_loss(model, &adapter, emb, &mut hooks, p)?;
-    if fx.chunks.is_empty() {
+    if fx.chunks.is_empty() || ft.lambda == 0.0 {
         return Ok((lm.clone(), lm, None));
     }
     let flt = filter_loss(&hooks.scores()?, &fx.positive, ft.margin, &ft.filter.log_tau)?;
@@ -340,11 +335,24 @@ pub(crate) fn training_loss(
 ) -> Result<(Tensor, Option<Tensor>)> {
     let p = prepare(model, example)?;
     let emb = model.decoder.embed(&p.input)?;
-    if let (Some((frozen, key)), None, None) = (frozen, cdt, filter) {
+    // A frozen filter (the prepared base's, under a document's adapter) neither learns nor adds a
+    // loss: the layers below both the adapter and the filter's score layer are the same every
+    // epoch, so their stream is cached as without a filter; the hooks run from there.
+    let frozen_filter = filter.filter(|(ft, _)| ft.filter.vars().is_empty() && ft.lambda == 0.0);
+    if let (Some((frozen, key)), None, true) = (frozen, cdt, filter.is_none() || frozen_filter.is_some()) {
         let packing = p.packing.as_ref();
-        let first = model.decoder.first_trainable_layer(&emb, Some(adapter));
+        let mut first = model.decoder.first_trainable_layer(&emb, Some(adapter));
+        let mut filter_hooks = None;
+        if let Some((ft, fx)) = frozen_filter {
+            first = first.min(ft.filter.layer);
+            filter_hooks = Some(FilterHooks::new(ft.filter, &fx.chunks, model.config().num_layers));
+        }
         let h = frozen.stream(model, key, &emb, first, packing)?;
-        let hidden = model.decoder.forward_train_from(&h, first, packing, Some(adapter), &mut NoHooks)?;
+        let hooks: &mut dyn ForwardHooks = match filter_hooks.as_mut() {
+            Some(h) => h,
+            None => &mut NoHooks,
+        };
+        let hidden = model.decoder.forward_train_from(&h, first, packing, Some(adapter), hooks)?;
         return Ok((cross_entropy_at(model, &hidden, &p)?, None));
     }
     let Some((target, positions)) = cdt else {
@@ -377,13 +385,13 @@ pub fn train(
     on_progress: &mut dyn FnMut(&Progress),
     cancel: &dyn Fn() -> bool,
 ) -> Result<TrainReport> {
-    train_with(model, doc, plan, adapter, vars, opts, &Extensions::default(), on_progress, cancel)
+    train_with(model, doc, plan, adapter, vars, opts, None, on_progress, cancel)
 }
 
-/// Trains `vars` (the parameters behind `adapter`) on `plan`, with FltLM and CDT as `ext` says.
-/// The filter's parameters are trained beside `vars` with their own optimizer, learning rate
-/// (× `lr_scale`) and clipping (their gradients would otherwise dominate the global norm and
-/// shrink the adapter's updates).
+/// Trains `vars` (the parameters behind `adapter`) on `plan`, the QA examples in `filter`'s layout
+/// and under its mask when there is one. A trainable filter's parameters are trained beside
+/// `vars` with their own optimizer, learning rate (× `lr_scale`) and clipping (their gradients
+/// would otherwise dominate the global norm and shrink the adapter's updates).
 #[allow(clippy::too_many_arguments)]
 pub fn train_with(
     model: &Model,
@@ -392,19 +400,19 @@ pub fn train_with(
     adapter: &dyn Adapter,
     vars: &[Var],
     opts: &TrainOptions,
-    ext: &Extensions,
+    filter: Option<&FilterTraining>,
     on_progress: &mut dyn FnMut(&Progress),
     cancel: &dyn Fn() -> bool,
 ) -> Result<TrainReport> {
-    if let Some(ft) = &ext.filter {
+    if let Some(ft) = filter {
         anyhow::ensure!(ft.examples.len() == plan.qa.len(), "one filter example per QA example");
     }
-    let filter_vars: &[Var] = ext.filter.as_ref().map_or(&[], |f| f.filter.vars());
-    let filter_lr_scale = ext.filter.as_ref().map_or(1.0, |f| f.lr_scale);
+    let filter_vars: &[Var] = filter.map_or(&[], |f| f.filter.vars());
+    let filter_lr_scale = filter.map_or(1.0, |f| f.lr_scale);
     let mut filter_optimizer = AdamW::new(filter_vars.to_vec(), opts)?;
     let n_adapter_vars = vars.len();
     let vars: Vec<Var> = vars.iter().chain(filter_vars).cloned().collect();
-    let mut cdt_stats = CdtStats::default();
+    let mut no_cdt = CdtStats::default();
     let mut frozen = FrozenCache::new(FROZEN_CACHE_BYTES);
     let n_seg = plan.segments.len();
     let segment_pack = plan.options().segment_pack.max(1);
@@ -438,7 +446,6 @@ pub fn train_with(
             }
             order.shuffle(&mut rng);
             let mut epoch_loss = 0.0;
-            let mut epoch_flt = (0.0, 0usize);
             for batch in order.chunks(accumulation) {
                 if cancel() {
                     return Err(Cancelled.into());
@@ -448,24 +455,15 @@ pub fn train_with(
                 let mut batch_loss = 0.0;
                 let mut batch_tokens = 0;
                 for &(is_qa, i) in batch {
-                    let fx = ext.filter.as_ref().filter(|_| is_qa).map(|ft| (ft, &ft.examples[i]));
+                    let fx = filter.filter(|_| is_qa).map(|ft| (ft, &ft.examples[i]));
                     let example = match (fx, is_qa) {
                         (Some((_, fx)), _) => fx.example.clone(),
                         (None, true) => plan.qa[i].clone(),
                         (None, false) => plan.segments_example(model, doc, &seg_members[i], &mut rng)?,
                     };
-                    // CDT denoises the document context of QA examples only.
-                    let cdt = match (&ext.cdt, is_qa) {
-                        (Some(c), true) if c.enabled => ext.qa_positions.get(i).map(|qp| (c.relative_move, qp)),
-                        _ => None,
-                    };
                     // QA examples are the same tokens every epoch; segments get a new context each time.
                     let cached = is_qa.then_some((&mut frozen, i));
-                    let (loss, flt) = training_loss(model, adapter, &example, fx, cdt, &mut cdt_stats, cached)?;
-                    if let Some(flt) = flt {
-                        epoch_flt.0 += flt.to_scalar::<f32>()? as f64;
-                        epoch_flt.1 += 1;
-                    }
+                    let (loss, _) = training_loss(model, adapter, &example, fx, None, &mut no_cdt, cached)?;
                     let g = gradients(&(loss.clone() / batch.len() as f64)?, &vars)?;
                     sum = Some(match sum {
                         None => g,
@@ -499,9 +497,6 @@ pub fn train_with(
             }
             let mean = epoch_loss / order.len().max(1) as f64;
             report.epoch_losses.push(mean);
-            if epoch_flt.1 > 0 {
-                report.filter_epoch_losses.push(epoch_flt.0 / epoch_flt.1 as f64);
-            }
             tracing::debug!(epoch, ?stage, loss = mean, "epoch done");
             if let Some(es) = &opts.early_stop {
                 if mean < best - es.min_delta {
@@ -520,18 +515,6 @@ pub fn train_with(
     report.seconds = start.elapsed().as_secs_f64();
     report.tokens_per_s = report.tokens as f64 / report.seconds.max(1e-9);
     report.final_loss = report.epoch_losses.last().copied().unwrap_or(f64::NAN);
-    if ext.cdt.as_ref().is_some_and(|c| c.enabled) {
-        tracing::info!(
-            critical = cdt_stats.critical,
-            tokens = cdt_stats.tokens,
-            evidence_rate = cdt_stats.evidence_rate(),
-            context_rate = cdt_stats.context_rate(),
-            relative_move = cdt_stats.mean_relative_shift,
-            loss_ratio = cdt_stats.mean_loss_ratio,
-            "cdt"
-        );
-        report.cdt = Some(cdt_stats);
-    }
     Ok(report)
 }
 
@@ -589,6 +572,66 @@ mod tests {
         let got = x.as_tensor().to_vec1::<f32>().unwrap()[0];
         let want = 1.0 * (1.0 - 0.01 * 0.1) - 0.01 * 2.0 / (4f32.sqrt() + 1e-8);
         assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+    }
+
+    #[test]
+    fn a_frozen_filter_gives_the_same_loss_and_gradients_over_cached_frozen_layers() {
+        use crate::adapters::GatedMemory;
+        use crate::lift::filter::{qa_examples, FilterOptions};
+        use crate::lift::qa::{QaPair, QaSource};
+        let dir = tempfile::tempdir().unwrap();
+        let spec = crate::testing::TinySpec { layers: 4, ..Default::default() };
+        let path = crate::testing::write_hf(&dir.path().join("tiny"), &spec).unwrap();
+        let mut model = Model::load(&path, &Device::Cpu).unwrap();
+        let opts = FilterOptions { enabled: true, layer: Some(1), chunk_tokens: 24, ..Default::default() };
+        let shape = crate::base::BaseShape { rank: 2, filter: opts };
+        let mut base = crate::base::PreparedBase::new(&model, &shape, 3).unwrap();
+        // A scoring head and a mask that acts (this head scores every chunk about 4.5).
+        let mut f = base.filter.detached();
+        let h = model.config().hidden_size;
+        f.head_w = Tensor::from_vec(crate::testing::Rng::new(5).vec(h, 1.0), h, &Device::Cpu).unwrap();
+        f.b = Tensor::new(&[-3.0f32], &Device::Cpu).unwrap();
+        base.filter = f;
+        base.save(&dir.path().join("base")).unwrap();
+        base.install(&mut model).unwrap();
+        let text = "The ferry leaves at dawn. The keeper is Anselm Varga. Tickets cost eleven coins. \
+                    The captain is Ilse Moreau. Gulls nest on the island all summer long.";
+        let evidence = "The keeper is Anselm Varga.";
+        let at = text.find(evidence).unwrap();
+        let pair = QaPair {
+            question: "Who is the keeper?".into(),
+            answer: "Anselm Varga".into(),
+            evidence: evidence.into(),
+            evidence_span: (at, at + evidence.len()),
+            source: QaSource::Extractive,
+        };
+        let doc = model.encode_document(text).unwrap();
+        let filter = model.base_filter().unwrap();
+        let examples = qa_examples(&model, text, &doc, &[pair], 1000, filter).unwrap();
+        assert!(examples[0].chunks.len() >= 2);
+        let ft = FilterTraining::frozen(filter, &examples);
+        let gm = GatedMemory::new(model.config(), &[2, 3], false, 1, &Device::Cpu).unwrap();
+        let ex = &examples[0].example;
+        let mut stats = CdtStats::default();
+        let (plain, _) = training_loss(&model, &gm, ex, Some((&ft, &examples[0])), None, &mut stats, None).unwrap();
+        let g_plain = gradients(&plain, gm.vars()).unwrap();
+        let mut cache = FrozenCache::new(1 << 30);
+        for round in 0..2 {
+            // Round 0 fills the cache (the stream entering layer 1, the score layer), round 1 reads it.
+            let key = Some((&mut cache, 0));
+            let (cached, _) = training_loss(&model, &gm, ex, Some((&ft, &examples[0])), None, &mut stats, key).unwrap();
+            let d = (cached.to_scalar::<f32>().unwrap() - plain.to_scalar::<f32>().unwrap()).abs();
+            assert!(d < 1e-4, "round {round}: loss differs by {d}");
+            for (a, b) in gradients(&cached, gm.vars()).unwrap().iter().zip(&g_plain) {
+                let d = (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+                assert!(d < 1e-4, "round {round}: gradient differs by {d}");
+            }
+        }
+        assert!(cache.bytes > 0, "the stream below the filter was cached");
+        // The mask acts: without the filter the same tokens have another loss.
+        let (unmasked, _) = training_loss(&model, &gm, ex, None, None, &mut stats, None).unwrap();
+        let d = (unmasked.to_scalar::<f32>().unwrap() - plain.to_scalar::<f32>().unwrap()).abs();
+        assert!(d > 1e-4, "the soft mask changed nothing ({d})");
     }
 
     #[test]

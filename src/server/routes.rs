@@ -282,25 +282,18 @@ fn absorb_options(st: &Inner, v: Option<&Value>) -> ApiResult<AbsorbOptions> {
                 o.qa.max_pairs = n as usize;
                 o.qa.min_pairs = o.qa.min_pairs.min(n as usize);
             }
-            // `true`/`false` switch the server's defaults on or off; an object gives every setting.
-            "filter" => match v {
-                Value::Bool(b) => o.filter.enabled = *b,
-                Value::Object(_) => {
-                    o.filter =
-                        serde_json::from_value(v.clone()).map_err(|e| bad(k, format!("'options.filter': {e}")))?;
-                    if o.filter.layer.is_some_and(|l| l >= st.engine.model.config().num_layers) {
-                        return Err(bad(k, "'options.filter.layer' is beyond the model's layers".into()));
-                    }
-                }
-                _ => return Err(bad(k, "'options.filter' must be a boolean or an object".into())),
-            },
-            "cdt" => match v {
-                Value::Bool(b) => o.cdt.enabled = *b,
-                Value::Object(_) => {
-                    o.cdt = serde_json::from_value(v.clone()).map_err(|e| bad(k, format!("'options.cdt': {e}")))?;
-                }
-                _ => return Err(bad(k, "'options.cdt' must be a boolean or an object".into())),
-            },
+            // One pipeline: FltLM's filter and CDT are the prepared base's, trained once and active
+            // under every document's adapter (docs/API.md).
+            "filter" | "cdt" => {
+                return Err(ApiError::bad_request(
+                    "removed_option",
+                    format!(
+                        "'options.{k}' is no longer a per-document option: FltLM's filter and CDT are part of the \
+                         server's prepared base, active for every document (the server's --prepared-base chooses it)"
+                    ),
+                )
+                .param(&format!("options.{k}")))
+            }
             other => {
                 return Err(ApiError::bad_request("unknown_option", format!("unknown option '{other}'"))
                     .param(&format!("options.{other}")))
@@ -735,13 +728,11 @@ pub fn submit_generation(
                         }
                     })?;
                     let adapter: &dyn Adapter = &loaded.bundle.adapter;
-                    let filter = crate::lift::filter::Filter::from_extras(&loaded.bundle.extras, model.config())?;
                     let doc = &loaded.doc_tokens;
                     let (_, out, scores) = crate::lift::answer::answer_filtered(
                         model,
                         doc,
                         Some(adapter),
-                        filter.as_ref(),
                         question,
                         *mode,
                         st2.cfg.context_tokens,
