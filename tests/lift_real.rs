@@ -2,7 +2,10 @@
 //! the LIFT issue. A ~1,500-token document with five facts in its middle, where the truncated
 //! context cannot show them, is absorbed with a short CPU schedule; then each question, worded
 //! differently from the sentence that holds its answer, is asked in `lift` mode (adapter + head
-//! and tail of the document) and in `icl` mode (the same context without the adapter).
+//! and tail of the document) and in `icl` mode (the same context without the adapter). The model
+//! runs over the shipped prepared base (`base/`), as `serve`, `absorb` and `ask` do by default:
+//! its filter lays out and masks the QA training examples and every answer's context.
+//! (`benches/lift_base.rs` runs the same test over the plain model beside it.)
 //!
 //! Run alone: `cargo test --release --test lift_real -- --nocapture`.
 
@@ -40,7 +43,10 @@ fn out_of_window_facts_are_recalled_in_lift_mode() {
         .with_test_writer()
         .try_init();
     let path = lift_serve::fetch::resolve_model(None).expect("default model (run `lift-serve fetch-model`)");
-    let model = Model::load(&path, &Device::Cpu).expect("default model loads");
+    let mut model = Model::load(&path, &Device::Cpu).expect("default model loads");
+    let base = concat!(env!("CARGO_MANIFEST_DIR"), "/base");
+    lift_serve::base::install_from_arg(&mut model, Some(base)).expect("the shipped prepared base installs");
+    assert!(model.base_filter().is_some());
 
     let t0 = Instant::now();
     let absorbed = absorb(&model, DOC, Some("Kestrel Valley Observatory"), &options(), &mut |_| {}, &|| false)
