@@ -220,6 +220,15 @@ fn local_backend_absorbs_and_answers_through_the_prepared_bases_filter() {
     assert_eq!(plain_lift, plain_icl);
     assert_eq!(base_lift, base_icl);
     assert!(base_lift >= plain_lift + q_len, "with the base's filter: {base_lift} tokens, without {plain_lift}");
+
+    // The whole run over the base: questions are labelled by the prompt the answers use (the
+    // run stops on any prompt that differs from the labelled one).
+    let cfg = config(&["icl", "lift", "memory"], None);
+    let mut backend = Local::new(&model, cfg.context_tokens, cfg.max_tokens);
+    let results = eval::run(&model, &mut backend, vec![doc.clone()], &cfg, false, &mut |_| Ok(())).unwrap();
+    check_results(&results, 1, doc.questions.len());
+    let a = results.answers.iter().find(|a| a.method == "icl").unwrap();
+    assert_eq!(a.prompt_tokens, base_icl, "{a:?}");
 }
 
 #[test]

@@ -41,6 +41,9 @@ pub struct AnswerPrompt {
     pub tail_start: usize,
     /// Document tokens in the prompt.
     pub context_tokens: usize,
+    /// The context's chunks in the prepared base's FltLM layout (empty without a base filter or
+    /// context): the answer scores and masks them.
+    pub chunks: Vec<filter::Chunk>,
 }
 
 /// The in-context budget for the document: `requested`, else the model's window minus the
@@ -59,7 +62,9 @@ pub fn min_prompt_tokens(question_tokens: usize, filtered: bool) -> usize {
     question + TEMPLATE_SLACK
 }
 
-/// Builds the prompt for `question` about `doc` (token ids) in `mode`.
+/// Builds the prompt for `question` about `doc` (token ids) in `mode`: the one prompt every
+/// answer uses, and that evaluations label questions by. With a prepared base's FltLM filter the
+/// context is laid out in its chunks, the question before and after them.
 pub fn build_prompt(
     model: &Model,
     doc: &[u32],
@@ -70,15 +75,32 @@ pub fn build_prompt(
 ) -> Result<AnswerPrompt> {
     if !mode.uses_context() {
         let tokens = chat_with_context(model, &[], question)?;
-        return Ok(AnswerPrompt { tokens, head_end: 0, tail_start: doc.len(), context_tokens: 0 });
+        return Ok(AnswerPrompt { tokens, head_end: 0, tail_start: doc.len(), context_tokens: 0, chunks: Vec::new() });
     }
     let q_tokens = model.tokenizer.encode(question, false)?.len();
+    if let Some(filter) = model.base_filter() {
+        // The question appears twice and each chunk adds a marker: leave room for both.
+        let q_room = min_prompt_tokens(q_tokens, true) - TEMPLATE_SLACK;
+        let budget = context_budget(model, q_room, max_tokens, context_tokens);
+        let budget =
+            if context_tokens.is_some() { budget } else { budget * filter.chunk_tokens / (filter.chunk_tokens + 1) };
+        let ends = filter::sentence_ends(model, doc)?;
+        let p = filter::build_prompt(model, doc, &ends, question, budget, filter.chunk_tokens)?;
+        let context_tokens = p.chunks.iter().map(|c| c.end - c.start).sum();
+        return Ok(AnswerPrompt {
+            tokens: p.tokens,
+            head_end: p.head_end,
+            tail_start: p.tail_start,
+            context_tokens,
+            chunks: p.chunks,
+        });
+    }
     let budget = context_budget(model, q_tokens, max_tokens, context_tokens);
     let elision = elision_tokens(model)?;
     let ctx = head_tail(doc, budget, budget / 2, &elision);
     let (head_end, tail_start) = kept_ranges(doc.len(), budget, budget / 2, elision.len());
     let tokens = chat_with_context(model, &ctx, question)?;
-    Ok(AnswerPrompt { tokens, head_end, tail_start, context_tokens: ctx.len() })
+    Ok(AnswerPrompt { tokens, head_end, tail_start, context_tokens: ctx.len(), chunks: Vec::new() })
 }
 
 /// Answers `question`; `adapter` is used in `lift` and `memory` modes (it must be a detached,
@@ -113,23 +135,14 @@ pub fn answer_filtered(
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<(AnswerPrompt, Generation, Vec<ChunkScore>)> {
     let adapter = if mode.uses_adapter() { adapter } else { None };
+    let prompt = build_prompt(model, doc, question, mode, context_tokens, params.max_tokens)?;
     let mut cache = KvCache::new(model.config().num_layers);
-    let Some(filter) = model.base_filter().filter(|_| mode.uses_context()) else {
-        let prompt = build_prompt(model, doc, question, mode, context_tokens, params.max_tokens)?;
+    let Some(filter) = model.base_filter().filter(|_| !prompt.chunks.is_empty()) else {
         let out = generate(model, &prompt.tokens, &mut cache, adapter, &mut NoHooks, params, on_text)?;
         return Ok((prompt, out, Vec::new()));
     };
-    // The question appears twice and each chunk adds a marker: leave room for both.
-    let q_tokens = model.tokenizer.encode(question, false)?.len();
-    let budget =
-        context_budget(model, min_prompt_tokens(q_tokens, true) - TEMPLATE_SLACK, params.max_tokens, context_tokens);
-    let budget = if context_tokens.is_some() { budget } else { budget * filter.chunk_tokens / (filter.chunk_tokens + 1) };
-    let ends = filter::sentence_ends(model, doc)?;
-    let p = filter::build_prompt(model, doc, &ends, question, budget, filter.chunk_tokens)?;
-    let mut hooks = FilterHooks::new(filter, &p.chunks, model.config().num_layers);
-    let out = generate(model, &p.tokens, &mut cache, adapter, &mut hooks, params, on_text)?;
+    let mut hooks = FilterHooks::new(filter, &prompt.chunks, model.config().num_layers);
+    let out = generate(model, &prompt.tokens, &mut cache, adapter, &mut hooks, params, on_text)?;
     let scores = hooks.report()?;
-    let context_tokens = p.chunks.iter().map(|c| c.end - c.start).sum();
-    let prompt = AnswerPrompt { tokens: p.tokens, head_end: p.head_end, tail_start: p.tail_start, context_tokens };
     Ok((prompt, out, scores))
 }
