@@ -177,6 +177,21 @@ fn lora_gradients_reach_a_and_b_only() {
 }
 
 #[test]
+fn an_adapter_with_a_per_document_filter_is_refused_at_load() {
+    // Earlier versions trained a FltLM filter per document; it now belongs to the prepared base.
+    let (dir, model) = tiny();
+    let gm = AnyAdapter::GatedMemory(GatedMemory::new(model.config(), &[1], false, 7, &Device::Cpu).unwrap());
+    let mut bundle = AdapterBundle::new(gm);
+    let hidden = model.config().hidden_size;
+    bundle.extras.insert("filter.head.weight".into(), Tensor::zeros(hidden, DType::F32, &Device::Cpu).unwrap());
+    let manifest = manifest_for(&model, &bundle, json!({"steps": 5}));
+    let path = dir.path().join("adapters").join("old");
+    save(&path, &bundle, &manifest, &[]).unwrap();
+    let err = load(&path, &model).err().expect("refused");
+    assert!(format!("{err:#}").contains("absorb the document again"), "{err:#}");
+}
+
+#[test]
 fn save_then_load_is_bit_identical_for_both_kinds_with_extras() {
     let (dir, model) = tiny();
     let ids = input(&model, "Stored adapters must come back exactly.");
@@ -190,9 +205,9 @@ fn save_then_load_is_bit_identical_for_both_kinds_with_extras() {
     for (i, adapter) in [gm, lora].into_iter().enumerate() {
         let mut bundle = AdapterBundle::new(adapter.clone());
         if adapter.kind() == AdapterKind::Lora {
-            bundle.extras.insert("filter.head.weight".into(), head.clone());
-            bundle.extras.insert("filter.head.bias".into(), bias.clone());
-            bundle.extras.insert("filter.scale_bf16".into(), half.clone());
+            bundle.extras.insert("probe.head.weight".into(), head.clone());
+            bundle.extras.insert("probe.head.bias".into(), bias.clone());
+            bundle.extras.insert("probe.scale_bf16".into(), half.clone());
         }
         let manifest = manifest_for(&model, &bundle, json!({"steps": 5, "final_loss": 1.25}));
         let path = dir.path().join("adapters").join(format!("doc{i}"));
