@@ -115,6 +115,11 @@ impl<'a> FilterTraining<'a> {
     pub fn frozen(filter: &'a Filter, examples: &'a [FilterExample]) -> Self {
         Self { filter, examples, lambda: 0.0, margin: 0.0, lr_scale: 0.0 }
     }
+
+    /// Masks only: no parameters to train and no loss.
+    pub fn is_frozen(&self) -> bool {
+        self.filter.vars().is_empty() && self.lambda == 0.0
+    }
 }
 
 #[derive(Clone, Debug, Default)]
@@ -338,12 +343,12 @@ pub(crate) fn training_loss(
     // A frozen filter (the prepared base's, under a document's adapter) neither learns nor adds a
     // loss: the layers below both the adapter and the filter's score layer are the same every
     // epoch, so their stream is cached as without a filter; the hooks run from there.
-    let frozen_filter = filter.filter(|(ft, _)| ft.filter.vars().is_empty() && ft.lambda == 0.0);
-    if let (Some((frozen, key)), None, true) = (frozen, cdt, filter.is_none() || frozen_filter.is_some()) {
+    let cacheable = cdt.is_none() && filter.is_none_or(|(ft, _)| ft.is_frozen());
+    if let (Some((frozen, key)), true) = (frozen, cacheable) {
         let packing = p.packing.as_ref();
         let mut first = model.decoder.first_trainable_layer(&emb, Some(adapter));
         let mut filter_hooks = None;
-        if let Some((ft, fx)) = frozen_filter {
+        if let Some((ft, fx)) = filter {
             first = first.min(ft.filter.layer);
             filter_hooks = Some(FilterHooks::new(ft.filter, &fx.chunks, model.config().num_layers));
         }
