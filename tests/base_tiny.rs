@@ -42,6 +42,7 @@ fn examples() -> Vec<BaseExample> {
         question: q.into(),
         answer: a.into(),
         kind: "single".into(),
+        distractors: vec![],
     };
     vec![
         ex(

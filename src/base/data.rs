@@ -58,6 +58,10 @@ pub struct BaseExample {
     pub answer: String,
     /// `single`, `confusable` or `two-hop`.
     pub kind: String,
+    /// Indices of the passages holding distractor facts (ascending). Derived from the build, not
+    /// part of the data's hash: a truncated training view uses it to keep confusable facts in.
+    #[serde(skip)]
+    pub distractors: Vec<usize>,
 }
 
 impl BaseExample {
@@ -667,7 +671,11 @@ fn try_build(source: &Source, opts: &BuildOptions, rng: &mut StdRng) -> Result<O
     let mut positive: Vec<usize> = facts.iter().filter(|f| f.role == Role::Support).map(|f| f.passage).collect();
     positive.sort_unstable();
     positive.dedup();
-    let example = BaseExample { passages, positive, question, answer, kind: kind.to_string() };
+    let mut distractors: Vec<usize> =
+        facts.iter().filter(|f| f.role == Role::Distractor).map(|f| f.passage).filter(|p| !positive.contains(p)).collect();
+    distractors.sort_unstable();
+    distractors.dedup();
+    let example = BaseExample { passages, positive, question, answer, kind: kind.to_string(), distractors };
     Ok(Some(Built { example, facts, sentences: used_sentences }))
 }
 
@@ -752,6 +760,7 @@ mod tests {
             question: "Q?".into(),
             answer: "b".into(),
             kind: "single".into(),
+            distractors: vec![],
         };
         let json = r#"[{"passages":["A b."],"positive":[0],"question":"Q?","answer":"b","kind":"single"}]"#;
         assert_eq!(data_hash(std::slice::from_ref(&ex)), hex::encode(Sha256::digest(json.as_bytes())));
@@ -909,6 +918,9 @@ mod tests {
                 }
                 assert!(distractors.iter().all(|d| !ex.positive.contains(&d.passage)));
                 assert!(distractors.len() >= 2);
+                let mut distractor_passages: Vec<usize> = distractors.iter().map(|d| d.passage).collect();
+                distractor_passages.sort_unstable();
+                assert_eq!(ex.distractors, distractor_passages, "the example's distractor passages");
                 match ex.kind.as_str() {
                     "two-hop" => {
                         // The chain: question subject -> bridge person (named in neither the

@@ -19,7 +19,9 @@ use crate::lift::trainer::{self, AdamW, FilterTraining, QaPositions, TrainOption
 use crate::model::Model;
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
+use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
+use rand::Rng;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::path::Path;
@@ -41,6 +43,27 @@ pub struct PrepareOptions {
     pub seed: u64,
     /// Seconds between checkpoints (0: after every step).
     pub checkpoint_seconds: f64,
+    /// A share of the training examples shown truncated, as the answer path shows a long document.
+    pub truncate: TruncateOptions,
+}
+
+/// Training examples shown as LIFT's answer path shows a long document: a head and a tail around
+/// the elision marker (`answer::build_prompt` with the default 128-token context). Without them
+/// the base only ever sees whole documents, a layout it never answers from under an adapter.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct TruncateOptions {
+    /// Share of the training examples shown truncated (0: every example whole).
+    pub fraction: f64,
+    /// The document budget in tokens (head budget/2, tail the rest), drawn per example.
+    pub min_tokens: usize,
+    pub max_tokens: usize,
+}
+
+impl Default for TruncateOptions {
+    fn default() -> Self {
+        Self { fraction: 0.0, min_tokens: 128, max_tokens: 384 }
+    }
 }
 
 impl Default for PrepareOptions {
@@ -54,6 +77,7 @@ impl Default for PrepareOptions {
             data: BuildOptions::default(),
             seed: 0,
             checkpoint_seconds: 300.0,
+            truncate: TruncateOptions::default(),
         }
     }
 }
@@ -88,18 +112,117 @@ pub struct PrepareReport {
     pub filter_losses: Vec<f64>,
     pub cdt: Option<CdtStats>,
     pub stopped: bool,
+    /// Training examples shown truncated ([`TruncateOptions`]).
+    #[serde(default)]
+    pub truncated_examples: usize,
+    /// The options the base was trained with (the manifest's record of how it was made).
+    #[serde(default)]
+    pub options: Option<PrepareOptions>,
 }
 
 /// One training example in the filter layout: every passage one chunk, labelled by `positive`.
 pub fn filter_example(model: &Model, ex: &BaseExample, index: usize) -> Result<(FilterExample, QaPositions)> {
+    let passages = ex.passages.iter().map(|p| model.encode_document(p)).collect::<Result<Vec<_>>>()?;
+    example_in_view(model, ex, &passages, None, index)
+}
+
+/// Which passages of an example a training prompt shows, in order, and where the elision marker
+/// goes (before `passages[elide_before]`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct View {
+    pub passages: Vec<usize>,
+    pub elide_before: usize,
+}
+
+/// The truncated view of `ex` (passage lengths `lens` in tokens) for a document budget of `budget`
+/// tokens: the passages that fit a head of budget/2 tokens and a tail of the rest, as
+/// `prompt::kept_ranges` cuts a document at answer time. Elided supporting passages, and each
+/// elided distractor with probability ½, move into kept slots that hold no fact, so the answer is
+/// always in the context and confusable facts stay in it. `None` when the whole example fits, or
+/// its supporting passages do not fit the kept slots.
+pub fn truncated_view(ex: &BaseExample, lens: &[usize], budget: usize, rng: &mut StdRng) -> Option<View> {
+    let n = lens.len();
+    // How many passages, taken in `order`, fit `room` tokens (at least one).
+    let fit = |order: &mut dyn Iterator<Item = usize>, room: usize| {
+        let mut used = 0;
+        order.take_while(|&i| {
+            used += lens[i];
+            used <= room
+        })
+        .count()
+        .max(1)
+    };
+    let head = fit(&mut (0..n), budget / 2);
+    let tail = fit(&mut (0..n).rev(), budget - budget / 2);
+    if head + tail >= n {
+        return None;
+    }
+    let mut shown: Vec<usize> = (0..head).chain(n - tail..n).collect();
+    let is_fact = |i: &usize| ex.positive.contains(i) || ex.distractors.contains(i);
+    let mut free: Vec<usize> = (0..shown.len()).filter(|&k| !is_fact(&shown[k])).collect();
+    free.shuffle(rng);
+    let elided = |i: &usize| (head..n - tail).contains(i);
+    for &p in ex.positive.iter().filter(|i| elided(i)) {
+        shown[free.pop()?] = p;
+    }
+    for &d in ex.distractors.iter().filter(|i| elided(i)) {
+        if rng.random_bool(0.5) {
+            let Some(slot) = free.pop() else { break };
+            shown[slot] = d;
+        }
+    }
+    Some(View { passages: shown, elide_before: head })
+}
+
+/// The prepared training set: every example in the filter layout, a seeded share of them
+/// truncated ([`TruncateOptions`]). Returns the examples and how many are truncated.
+pub fn training_examples(
+    model: &Model,
+    examples: &[BaseExample],
+    opts: &PrepareOptions,
+) -> Result<(Vec<(FilterExample, QaPositions)>, usize)> {
+    let t = &opts.truncate;
+    anyhow::ensure!(
+        (0.0..=1.0).contains(&t.fraction) && 0 < t.min_tokens && t.min_tokens <= t.max_tokens,
+        "bad truncate options: {t:?}"
+    );
+    let mut truncated = 0;
+    let mut out = Vec::with_capacity(examples.len());
+    for (i, ex) in examples.iter().enumerate() {
+        let passages = ex.passages.iter().map(|p| model.encode_document(p)).collect::<Result<Vec<_>>>()?;
+        // One stream per example, apart from the epoch-order streams (`seed + epoch`).
+        let mut rng = Plan::rng(opts.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(i as u64) ^ 0x7472_756e_63);
+        let view = if t.fraction > 0.0 && rng.random_bool(t.fraction) {
+            let budget = rng.random_range(t.min_tokens..=t.max_tokens);
+            let lens: Vec<usize> = passages.iter().map(Vec::len).collect();
+            truncated_view(ex, &lens, budget, &mut rng)
+        } else {
+            None
+        };
+        truncated += usize::from(view.is_some());
+        out.push(example_in_view(model, ex, &passages, view.as_ref(), i)?);
+    }
+    Ok((out, truncated))
+}
+
+/// `ex` laid out over its encoded `passages`, whole or in `view`.
+fn example_in_view(
+    model: &Model,
+    ex: &BaseExample,
+    passages: &[Vec<u32>],
+    view: Option<&View>,
+    index: usize,
+) -> Result<(FilterExample, QaPositions)> {
     anyhow::ensure!(!ex.passages.is_empty(), "an example without passages");
     anyhow::ensure!(
         !ex.positive.is_empty() && ex.positive.iter().all(|&i| i < ex.passages.len()),
         "an example's positive passages must be a non-empty set of its passage indices"
     );
-    let passages = ex.passages.iter().map(|p| model.encode_document(p)).collect::<Result<Vec<_>>>()?;
-    let p = filter::passages_prompt(model, &passages, &ex.question)?;
-    let positive: Vec<bool> = (0..p.chunks.len()).map(|i| ex.positive.contains(&i)).collect();
+    let shown: Vec<usize> = view.map_or_else(|| (0..passages.len()).collect(), |v| v.passages.clone());
+    let shown_tokens: Vec<Vec<u32>> = shown.iter().map(|&i| passages[i].clone()).collect();
+    let p = filter::passages_prompt(model, &shown_tokens, &ex.question, view.map(|v| v.elide_before))?;
+    let positive: Vec<bool> = shown.iter().map(|i| ex.positive.contains(i)).collect();
+    anyhow::ensure!(positive.iter().any(|&b| b), "a training view without its supporting passage");
     let mut answer = model.tokenizer.encode(ex.answer.trim(), false)?;
     answer.extend_from_slice(&end_of_turn(model));
     let mut target = vec![false; p.tokens.len()];
@@ -142,8 +265,10 @@ pub fn prepare(
 ) -> Result<(PreparedBase, PrepareReport)> {
     anyhow::ensure!(!examples.is_empty(), "no training examples");
     let mut base = PreparedBase::new(model, &opts.shape, opts.seed)?;
-    let prepared =
-        examples.iter().enumerate().map(|(i, ex)| filter_example(model, ex, i)).collect::<Result<Vec<_>>>()?;
+    let (prepared, truncated) = training_examples(model, examples, opts)?;
+    if truncated > 0 {
+        tracing::info!(truncated, examples = prepared.len(), "training examples shown truncated");
+    }
     let train_opts = opts.train_options();
     let mut lora_opt = AdamW::new(base.lora.vars().to_vec(), &train_opts)?;
     let mut filter_opt = AdamW::new(base.filter.vars().to_vec(), &train_opts)?;
@@ -176,6 +301,8 @@ pub fn prepare(
     let t0 = Instant::now();
     let mut last_ckpt = Instant::now();
     report.stopped = false;
+    report.truncated_examples = truncated;
+    report.options = Some(opts.clone());
     while step < steps {
         if cancel() {
             report.stopped = true;
@@ -319,3 +446,65 @@ fn read_checkpoint(
     }
     Ok((state, PreparedBase { lora, filter, manifest: base.manifest.clone() }, opts))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rand::SeedableRng;
+
+    fn example(n: usize, positive: Vec<usize>, distractors: Vec<usize>) -> BaseExample {
+        BaseExample {
+            passages: (0..n).map(|i| format!("p{i}")).collect(),
+            positive,
+            question: "q?".into(),
+            answer: "a".into(),
+            kind: "single".into(),
+            distractors,
+        }
+    }
+
+    #[test]
+    fn a_truncated_view_keeps_head_and_tail_with_the_supporting_passages() {
+        // 40 passages of 30 tokens, budget 200: 3 head passages (90 ≤ 100), 3 tail passages.
+        let lens = vec![30; 40];
+        for seed in 0..50 {
+            let ex = example(40, vec![17, 25], vec![5, 30, 38]);
+            let v = truncated_view(&ex, &lens, 200, &mut StdRng::seed_from_u64(seed)).unwrap();
+            assert_eq!(v.passages.len(), 6);
+            assert_eq!(v.elide_before, 3);
+            for p in [17, 25, 38] {
+                assert!(v.passages.contains(&p), "{p} missing from {v:?}");
+            }
+            // Kept prose outside the moved facts is the head and the tail, in order.
+            for (k, &p) in v.passages.iter().enumerate() {
+                let at = if k < 3 { k } else { 34 + k };
+                assert!(p == at || [17, 25, 5, 30].contains(&p), "slot {k} holds {p}");
+            }
+            let mut u = v.passages.clone();
+            u.sort_unstable();
+            u.dedup();
+            assert_eq!(u.len(), 6, "a passage shown twice: {v:?}");
+        }
+    }
+
+    #[test]
+    fn a_truncated_view_moves_elided_distractors_in_about_half_the_time_and_is_seeded() {
+        let lens = vec![30; 40];
+        let ex = example(40, vec![20], vec![10]);
+        let shown = (0..200)
+            .filter(|&s| truncated_view(&ex, &lens, 200, &mut StdRng::seed_from_u64(s)).unwrap().passages.contains(&10))
+            .count();
+        assert!((60..=140).contains(&shown), "distractor moved in {shown} of 200");
+        let a = truncated_view(&ex, &lens, 200, &mut StdRng::seed_from_u64(7));
+        assert_eq!(a, truncated_view(&ex, &lens, 200, &mut StdRng::seed_from_u64(7)));
+    }
+
+    #[test]
+    fn no_truncated_view_when_the_example_fits_or_its_facts_do_not() {
+        let mut rng = StdRng::seed_from_u64(0);
+        assert_eq!(truncated_view(&example(6, vec![3], vec![]), &[30; 6], 200, &mut rng), None);
+        // One head and one tail slot, three supporting passages in the middle.
+        assert_eq!(truncated_view(&example(10, vec![3, 4, 5], vec![]), &[100; 10], 200, &mut rng), None);
+    }
+}
+

@@ -330,10 +330,16 @@ pub fn build_prompt(
     Ok(FilterPrompt { tokens, chunks, head_end, tail_start })
 }
 
-/// The filter-layout prompt for `question` over `passages` (token ids), one chunk per passage,
-/// all in the window: the layout of the prepared base's training examples, whose passages are
-/// already sentence-aligned chunks.
-pub fn passages_prompt(model: &Model, passages: &[Vec<u32>], question: &str) -> Result<FilterPrompt> {
+/// The filter-layout prompt for `question` over `passages` (token ids), one chunk per passage:
+/// the layout of the prepared base's training examples, whose passages are already
+/// sentence-aligned chunks. `elide_before`: the elision marker goes before that passage, as
+/// [`build_prompt`] joins the head and tail of a truncated document.
+pub fn passages_prompt(
+    model: &Model,
+    passages: &[Vec<u32>],
+    question: &str,
+    elide_before: Option<usize>,
+) -> Result<FilterPrompt> {
     let doc: Vec<u32> = passages.concat();
     let mut ranges = Vec::with_capacity(passages.len());
     let mut at = 0;
@@ -341,7 +347,10 @@ pub fn passages_prompt(model: &Model, passages: &[Vec<u32>], question: &str) -> 
         ranges.push((at, at + p.len()));
         at += p.len();
     }
-    let (tokens, chunks) = layout(model, &doc, &ranges, None, question)?;
+    let elision = elision_tokens(model)?;
+    let elide = elide_before.map(|i| (i, elision.as_slice()));
+    let (tokens, chunks) = layout(model, &doc, &ranges, elide, question)?;
+    // Every token of `passages` is in the prompt (what was elided never reached this function).
     Ok(FilterPrompt { tokens, chunks, head_end: doc.len(), tail_start: doc.len() })
 }
 
