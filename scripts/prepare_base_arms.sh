@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The pre-registered comparison of docs/prepared-base.md: trains each arm on the same examples for
-# the same steps (scripts/prepared_base/<arm>.json; only the filter and CDT switches differ), then
+# the same steps (scripts/prepared_base/<arm>.json; only the filter, CDT and truncate switches differ), then
 # answers the same held-out reading set with every arm and the untrained model.
 #
 #   ./scripts/prepare_base_arms.sh                 # all arms (hours on 2 CPU cores)
@@ -11,7 +11,7 @@
 # An interrupted arm resumes from its checkpoint when run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ARMS="${ARMS:-lora filter cdt both}"
+ARMS="${ARMS:-lora filter cdt both trunc}"
 EXAMPLES="${EXAMPLES:-150}"
 PER_LENGTH="${PER_LENGTH:-100}"
 # BIN: a copy of the binary to run, so that rebuilding the tree meanwhile does not change it.
