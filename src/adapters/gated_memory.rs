@@ -7,7 +7,7 @@
 //! model's attention has biases.
 
 use crate::model::{Adapter, ModelConfig};
-use crate::testing::Rng;
+use super::init::Rng;
 use candle_core::{DType, Device, Result, Tensor, Var};
 use std::collections::BTreeMap;
 

@@ -11,7 +11,7 @@
 //! [`RECOMMENDED_LR`].
 
 use crate::model::{Adapter, ModelConfig, Projection};
-use crate::testing::Rng;
+use super::init::Rng;
 use candle_core::{Device, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -230,11 +230,6 @@ impl Lora {
     /// Every adapted projection, by layer then in `Projection::ALL` order.
     pub fn pairs(&self) -> impl Iterator<Item = (usize, Projection, &LoraPair)> + '_ {
         self.layers.iter().flat_map(|(&l, v)| v.iter().map(move |(p, pair)| (l, *p, pair)))
-    }
-
-    /// All factors by layer (to rebuild or re-wrap the adapter).
-    pub fn layer_pairs(&self) -> &BTreeMap<usize, Vec<(Projection, LoraPair)>> {
-        &self.layers
     }
 
     pub fn get(&self, layer: usize, proj: Projection) -> Option<&LoraPair> {

@@ -10,6 +10,7 @@
 //! tensors beside it (e.g. a FltLM filter head, `filter.head.weight`) under any other name.
 
 pub mod gated_memory;
+pub mod init;
 pub mod lora;
 pub mod manifest;
 

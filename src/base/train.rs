@@ -191,7 +191,7 @@ pub fn training_examples(
     for (i, ex) in examples.iter().enumerate() {
         let passages = ex.passages.iter().map(|p| model.encode_document(p)).collect::<Result<Vec<_>>>()?;
         // One stream per example, apart from the epoch-order streams (`seed + epoch`).
-        let mut rng = Plan::rng(opts.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(i as u64) ^ 0x7472_756e_63);
+        let mut rng = Plan::rng(opts.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(i as u64) ^ 0x0074_7275_6e63);
         let view = if t.fraction > 0.0 && rng.random_bool(t.fraction) {
             let budget = rng.random_range(t.min_tokens..=t.max_tokens);
             let lens: Vec<usize> = passages.iter().map(Vec::len).collect();

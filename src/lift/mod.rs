@@ -18,6 +18,12 @@ use anyhow::Result;
 use plan::{Plan, PlanOptions};
 use qa::{QaOptions, QaPair, QaProgress};
 use serde::{Deserialize, Serialize};
+
+/// Returned (inside `anyhow::Error`) when a `cancel` callback stopped long work (QA generation,
+/// training); the field names the work.
+#[derive(Debug, thiserror::Error)]
+#[error("{0} cancelled")]
+pub struct Cancelled(pub &'static str);
 use std::time::Instant;
 use trainer::{FilterTraining, Progress, TrainOptions, TrainReport};
 

@@ -122,13 +122,7 @@ pub struct QaStats {
     pub total: usize,
 }
 
-/// Returned (inside `anyhow::Error`) when `cancel` asked generation to stop.
-#[derive(Debug, thiserror::Error)]
-#[error("QA generation cancelled")]
-pub struct Cancelled;
 
-/// System message for QA generation: small instruct models derail with their default one.
-pub const SYSTEM_PROMPT: &str = "You are a helpful assistant.";
 
 /// Sampling temperature / top-p of the retries (the first attempt is greedy).
 const RETRY_TEMPERATURE: f64 = 0.5;
@@ -585,7 +579,7 @@ pub fn generate_qa_with_stats(
     let mut seen_windows: HashSet<(usize, usize)> = HashSet::new();
     for (wi, &(s0, s1)) in windows.iter().enumerate() {
         if cancel() {
-            return Err(Cancelled.into());
+            return Err(super::Cancelled("QA generation").into());
         }
         if stats.model_gave_up {
             break;
@@ -686,7 +680,7 @@ fn generate_for_window(
     accept: &mut dyn FnMut(QaPair) -> bool,
 ) -> Result<bool> {
     let messages = [
-        ChatMessage::new("system", SYSTEM_PROMPT),
+        ChatMessage::new("system", super::prompt::SYSTEM_PROMPT),
         ChatMessage::new("user", qa_prompt(&model.tokenizer.escape_specials(&doc[span.0..span.1]))),
     ];
     let prompt_text = model.chat_template.render(&messages, true)?;
@@ -709,7 +703,7 @@ fn generate_for_window(
         [("Question:", max_new / 2), ("\n\nAnswer:", max_new / 2), ("\n\nEvidence:", max_new)];
     for attempt in 0..1 + opts.retries {
         if cancel() {
-            return Err(Cancelled.into());
+            return Err(super::Cancelled("QA generation").into());
         }
         // A window seen before starts with sampling (greedy would repeat the same pair).
         let sampled = attempt > 0 || repeated;
@@ -747,7 +741,7 @@ fn generate_for_window(
             })?;
             stats.generated_tokens += out.tokens.len();
             if cancelled {
-                return Err(Cancelled.into());
+                return Err(super::Cancelled("QA generation").into());
             }
             let forwarded = cache.len().saturating_sub(ids.len());
             fed.extend_from_slice(&ids[keep..]);
@@ -2670,7 +2664,7 @@ Visitors can reach the museum from Central Station in ten minutes.";
         assert_eq!(serde_json::to_string(&pairs).unwrap(), serde_json::to_string(&again).unwrap());
         // Cancellation is an error that says so.
         let err = generate_qa(&model, PARAGRAPH, &o, &mut |_| {}, &|| true).unwrap_err();
-        assert!(err.downcast_ref::<Cancelled>().is_some());
+        assert!(err.downcast_ref::<crate::lift::Cancelled>().is_some());
         // Without the model: extractive only.
         let no_model = QaOptions { use_model: false, ..o };
         let pairs = generate_qa(&model, PARAGRAPH, &no_model, &mut |_| {}, &|| false).unwrap();

@@ -131,9 +131,6 @@ pub struct QaPositions {
 /// Memory for cached frozen-layer streams of QA examples (~400 KB per 180-token example here).
 const FROZEN_CACHE_BYTES: usize = 256 << 20;
 
-#[derive(Debug, thiserror::Error)]
-#[error("training cancelled")]
-pub struct Cancelled;
 
 /// The residual streams entering the first trainable layer of examples that are the same tokens
 /// every epoch (the QA examples): the frozen layers below the adapter run once per example
@@ -453,7 +450,7 @@ pub fn train_with(
             let mut epoch_loss = 0.0;
             for batch in order.chunks(accumulation) {
                 if cancel() {
-                    return Err(Cancelled.into());
+                    return Err(super::Cancelled("training").into());
                 }
                 let t0 = Instant::now();
                 let mut sum: Option<Vec<Tensor>> = None;

@@ -593,12 +593,6 @@ impl Decoder {
         }
         Ok(())
     }
-
-    /// Bytes of KV cache needed to hold `tokens` tokens in context (batch 1).
-    pub fn kv_cache_bytes(&self, tokens: usize) -> usize {
-        let c = &self.config;
-        2 * c.num_layers * c.num_kv_heads * c.head_dim * tokens * self.dtype.size_in_bytes()
-    }
 }
 
 /// What one layer's inference step needs to know.
