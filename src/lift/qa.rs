@@ -122,8 +122,6 @@ pub struct QaStats {
     pub total: usize,
 }
 
-
-
 /// Sampling temperature / top-p of the retries (the first attempt is greedy).
 const RETRY_TEMPERATURE: f64 = 0.5;
 const RETRY_TOP_P: f64 = 0.9;

@@ -131,7 +131,6 @@ pub struct QaPositions {
 /// Memory for cached frozen-layer streams of QA examples (~400 KB per 180-token example here).
 const FROZEN_CACHE_BYTES: usize = 256 << 20;
 
-
 /// The residual streams entering the first trainable layer of examples that are the same tokens
 /// every epoch (the QA examples): the frozen layers below the adapter run once per example
 /// instead of once per epoch. Bounded in bytes; past the budget examples are recomputed.
