@@ -122,8 +122,12 @@ pub struct PrepareReport {
 
 /// One training example in the filter layout: every passage one chunk, labelled by `positive`.
 pub fn filter_example(model: &Model, ex: &BaseExample, index: usize) -> Result<(FilterExample, QaPositions)> {
-    let passages = ex.passages.iter().map(|p| model.encode_document(p)).collect::<Result<Vec<_>>>()?;
+    let passages = encode_passages(model, ex)?;
     example_in_view(model, ex, &passages, None, index)
+}
+
+fn encode_passages(model: &Model, ex: &BaseExample) -> Result<Vec<Vec<u32>>> {
+    ex.passages.iter().map(|p| model.encode_document(p)).collect()
 }
 
 /// Which passages of an example a training prompt shows, in order, and where the elision marker
@@ -189,7 +193,7 @@ pub fn training_examples(
     let mut truncated = 0;
     let mut out = Vec::with_capacity(examples.len());
     for (i, ex) in examples.iter().enumerate() {
-        let passages = ex.passages.iter().map(|p| model.encode_document(p)).collect::<Result<Vec<_>>>()?;
+        let passages = encode_passages(model, ex)?;
         // One stream per example, apart from the epoch-order streams (`seed + epoch`).
         let mut rng = Plan::rng(opts.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(i as u64) ^ 0x0074_7275_6e63);
         let view = if t.fraction > 0.0 && rng.random_bool(t.fraction) {
