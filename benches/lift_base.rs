@@ -15,7 +15,8 @@
 //! Bases run one after another in this process, with the same options and seed.
 
 use candle_core::Device;
-use lift_serve::lift::answer::{answer_filtered, Mode};
+use lift_serve::document::Document;
+use lift_serve::lift::answer::{answer, Ask, Mode};
 use lift_serve::lift::filter;
 use lift_serve::lift::qa::{QaPair, QaSource};
 use lift_serve::lift::{absorb, AbsorbEvent, AbsorbOptions};
@@ -37,10 +38,10 @@ fn as_pair(q: &Question) -> QaPair {
     }
 }
 
-fn ask(model: &Model, doc: &[u32], adapter: Option<&dyn Adapter>, q: &Question, mode: Mode) -> (bool, String) {
+fn ask(model: &Model, doc: &Document, adapter: Option<&dyn Adapter>, q: &Question, mode: Mode) -> (bool, String) {
     let params = SamplingParams { max_tokens: MAX_TOKENS, ..Default::default() };
-    let (_, out, _) =
-        answer_filtered(model, doc, adapter, q.question, mode, Some(CONTEXT_TOKENS), &params, &mut |_| true).unwrap();
+    let ask = Ask { question: q.question, mode, context_tokens: Some(CONTEXT_TOKENS) };
+    let out = answer(model, doc, adapter, &ask, &params, &mut |_| true).unwrap().generation;
     let reply = out.text.trim().to_string();
     let lower = reply.to_lowercase();
     (q.answers.iter().any(|a| lower.contains(&a.to_lowercase())), reply)
@@ -93,9 +94,9 @@ fn main() -> anyhow::Result<()> {
                 }
             }
         };
-        let a = absorb(&model, DOC, Some("Kestrel Valley Observatory"), &o, &mut on_event, &|| false)?;
+        let doc = &Document::encode(&model, DOC)?;
+        let a = absorb(&model, doc, Some("Kestrel Valley Observatory"), &o, &mut on_event, &|| false)?;
         let absorb_s = t0.elapsed().as_secs_f64();
-        let doc = &a.doc_tokens;
         let adapter: &dyn Adapter = &a.bundle.adapter;
         let score = |qs: &[Question], label: &str, mode: Mode| -> usize {
             let mut ok = 0;
@@ -121,7 +122,7 @@ fn main() -> anyhow::Result<()> {
         }
         if let Some(f) = model.base_filter() {
             let tests: Vec<QaPair> = IN_WINDOW.iter().map(as_pair).collect();
-            let test = filter::evaluate(&model, Some(adapter), f, DOC, doc, &tests, CONTEXT_TOKENS)?;
+            let test = filter::evaluate(&model, Some(adapter), f, doc, &tests, CONTEXT_TOKENS)?;
             eprintln!("[{name}] filter on the in-window questions: {test:?}");
             line["filter_test"] = serde_json::to_value(&test)?;
         }

@@ -1,17 +1,22 @@
 //! lift-serve: test-time adaptation on long documents (LIFT with Gated Memory, FltLM, CDT) on candle.
 //!
 //! Data flows one way: document → plan → train → store → serve. This crate is the library behind
-//! the `lift-serve` binary (CLI and HTTP server).
+//! the `lift-serve` binary (CLI and HTTP server): `server` (HTTP) → `service` (documents and jobs)
+//! → `engine` (model work on its threads) → `lift` (absorb, answer) and `store` (adapters on disk)
+//! → `adapters`, `model`, `kernels`.
 
 pub mod adapters;
 pub mod base;
+pub mod document;
 pub mod engine;
 pub mod eval;
 pub mod fetch;
 pub mod kernels;
 pub mod lift;
+pub mod metrics;
 pub mod model;
 pub mod runtime;
 pub mod server;
+pub mod service;
 pub mod store;
 pub mod testing;

@@ -9,7 +9,8 @@ use lift_serve::adapters::{manifest, GatedMemory};
 use lift_serve::base::data::BaseExample;
 use lift_serve::base::train::{self, PrepareOptions};
 use lift_serve::base::{BaseShape, PreparedBase};
-use lift_serve::lift::answer::{answer_filtered, Mode};
+use lift_serve::document::Document;
+use lift_serve::lift::answer::{answer, Ask, Mode};
 use lift_serve::lift::filter::{FilterOptions, FromLayer};
 use lift_serve::lift::plan::{Example, ExampleKind};
 use lift_serve::lift::trainer::example_loss;
@@ -252,7 +253,8 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     o.qa.use_model = false;
     o.qa.max_pairs = 3;
     o.train.epochs = [1, 3];
-    let a = absorb(&m1, DOC, None, &o, &mut |_| {}, &|| false).unwrap();
+    let document = Document::encode(&m1, DOC).unwrap();
+    let a = absorb(&m1, &document, None, &o, &mut |_| {}, &|| false).unwrap();
     let e = &a.report.epoch_losses;
     assert!(e.last().unwrap() < &e[0], "the document adapter trains over the base: {e:?}");
     // Nothing of the frozen base filter (which laid out and masked the QA examples:
@@ -281,30 +283,12 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     // Answering reads the document through the base filter, with and without the adapter.
     let params = SamplingParams { max_tokens: 3, ..Default::default() };
     for (mode, adapter) in [(Mode::Icl, None), (Mode::Lift, Some(&a.bundle.adapter as &dyn Adapter))] {
-        let (_, _, chunks) = answer_filtered(
-            &m1,
-            &a.doc_tokens,
-            adapter,
-            "Who keeps the lighthouse?",
-            mode,
-            None,
-            &params,
-            &mut |_| true,
-        )
-        .unwrap();
+        let ask = Ask { question: "Who keeps the lighthouse?", mode, context_tokens: None };
+        let chunks = answer(&m1, &document, adapter, &ask, &params, &mut |_| true).unwrap().chunks;
         assert!(chunks.len() >= 2, "{mode:?}: {} chunks", chunks.len());
     }
-    let (_, _, chunks) = answer_filtered(
-        &plain,
-        &a.doc_tokens,
-        None,
-        "Who keeps the lighthouse?",
-        Mode::Icl,
-        None,
-        &params,
-        &mut |_| true,
-    )
-    .unwrap();
+    let ask = Ask { question: "Who keeps the lighthouse?", mode: Mode::Icl, context_tokens: None };
+    let chunks = answer(&plain, &document, None, &ask, &params, &mut |_| true).unwrap().chunks;
     assert!(chunks.is_empty(), "no filter without a prepared base");
 }
 

@@ -12,6 +12,7 @@
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor, Var};
+use lift_serve::document::Document;
 use lift_serve::adapters::{GatedMemory, Lora, LoraConfig, LoraPair};
 use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::kernels::{gated_memory, masked_softmax};
@@ -486,7 +487,7 @@ fn short_absorb_on_cuda_follows_the_cpu() {
     opts.qa.min_pairs = 2;
     let text = "The harbor of Velmora was built in 1843 by the engineer Ada Quill. It has three piers. \
 The lighthouse keeper, Tomas Brell, painted the tower blue in 1901. The harbor master keeps a brass bell.";
-    let run = |m: &Model| absorb(m, text, None, &opts, &mut |_| {}, &|| false).unwrap();
+    let run = |m: &Model| absorb(m, &Document::encode(m, text).unwrap(), None, &opts, &mut |_| {}, &|| false).unwrap();
     let (c, g) = (run(&cpu), run(&gpu));
     assert_eq!(c.report.steps, g.report.steps, "same plan on both devices");
     assert_eq!(c.qa.len(), g.qa.len(), "same QA pairs on both devices");

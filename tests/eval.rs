@@ -6,7 +6,8 @@
 
 use candle_core::Device;
 use lift_serve::eval::{self, data, needles, report, Backend, EvalDocument, Local, RunConfig};
-use lift_serve::lift::answer::{build_prompt, Mode};
+use lift_serve::document::Document;
+use lift_serve::lift::answer::{build_prompt, Ask, Mode};
 use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::lift::filter::FilterOptions;
 use lift_serve::lift::AbsorbOptions;
@@ -99,20 +100,20 @@ fn window_labels_agree_with_the_prompt_build_prompt_builds() {
     let docs =
         needles::build_set(model, essays(), &spec(vec![2048], vec![0.0, 0.02, 0.3, 0.5, 0.98, 1.0], 1, 3)).unwrap();
     let doc = &docs[0];
-    let ids = model.tokenizer.encode(&doc.text, false).unwrap();
+    let ids = Document::from_tokens(doc.text.clone(), model.tokenizer.encode(&doc.text, false).unwrap());
     let (mut ins, mut outs) = (0, 0);
     for budget in [Some(64), Some(128), Some(300), None] {
         for q in &doc.questions {
-            let prompt = build_prompt(model, &ids, &q.question, Mode::Lift, budget, 32).unwrap();
+            let prompt = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Lift, context_tokens: budget }, 32).unwrap();
             let label = eval::in_window(&prompt, &q.evidence_tokens).unwrap();
             // Independent check: is the planted sentence's text in the decoded prompt?
             let shown = model.tokenizer.decode(&prompt.tokens).unwrap();
             let planted = q.planted.as_deref().unwrap();
             assert_eq!(label, shown.contains(planted), "budget {budget:?}, {planted:?}: label {label}");
             // icl builds the same context; memory none.
-            let icl = build_prompt(model, &ids, &q.question, Mode::Icl, budget, 32).unwrap();
+            let icl = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Icl, context_tokens: budget }, 32).unwrap();
             assert_eq!(icl.tokens, prompt.tokens);
-            let mem = build_prompt(model, &ids, &q.question, Mode::Memory, budget, 32).unwrap();
+            let mem = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Memory, context_tokens: budget }, 32).unwrap();
             assert!(!model.tokenizer.decode(&mem.tokens).unwrap().contains(planted));
             if label {
                 ins += 1;
@@ -203,13 +204,13 @@ fn local_backend_absorbs_and_answers_through_the_prepared_bases_filter() {
     let doc = tiny_docs(&model).remove(0);
     let mut o = tiny_options();
     o.train.epochs = [0, 1];
-    let tokens = model.encode_document(&doc.text).unwrap();
+    let tokens = Document::encode(&model, doc.text.clone()).unwrap();
     let q = &doc.questions[0].question;
     let q_len = model.tokenizer.encode(q, false).unwrap().len();
     let mut lens = Vec::new();
     for m in [&plain, &model] {
         let mut local = Local::new(m, Some(200), 4);
-        let (_, handle) = local.absorb(&doc, &o, &mut |_, _, _| {}).unwrap();
+        let (_, handle) = local.absorb(&doc, &tokens, &o, &mut |_, _, _| {}).unwrap();
         let (_, lift_len) = local.ask(&doc, &tokens, Some(handle), q, Mode::Lift).unwrap();
         let (_, icl_len) = local.ask(&doc, &tokens, None, q, Mode::Icl).unwrap();
         lens.push((lift_len, icl_len));
@@ -288,13 +289,13 @@ fn jsonl_questions_are_labelled_from_answer_occurrences() {
     assert_eq!(docs.len(), 1);
     let d = &docs[0];
     assert_eq!(d.tokens, model.tokenizer.encode(&d.text, false).unwrap().len());
-    let ids = model.tokenizer.encode(&d.text, false).unwrap();
+    let ids = Document::from_tokens(d.text.clone(), model.tokenizer.encode(&d.text, false).unwrap());
     let labels: Vec<Option<bool>> = d
         .questions
         .iter()
         .map(|q| {
             eval::in_window(
-                &build_prompt(&model, &ids, &q.question, Mode::Lift, Some(48), 8).unwrap(),
+                &build_prompt(&model, &ids, &Ask { question: &q.question, mode: Mode::Lift, context_tokens: Some(48) }, 8).unwrap(),
                 &q.evidence_tokens,
             )
         })

@@ -5,6 +5,7 @@
 //! base filter's layout, under its frozen mask.
 
 use candle_core::{Device, Tensor};
+use lift_serve::document::Document;
 use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::lift::filter::{self, Filter, FilterHooks, FilterOptions};
 use lift_serve::lift::qa::{QaPair, QaSource};
@@ -192,8 +193,9 @@ fn absorb_over_a_prepared_base_trains_qa_in_its_filter_layout_and_leaves_the_fil
     o.qa.use_model = false;
     o.qa.max_pairs = 4;
     o.train.epochs = [0, 2];
-    let a = absorb(&model, DOC, None, &o, &mut |_| {}, &|| false).unwrap();
-    let p = absorb(&plain, DOC, None, &o, &mut |_| {}, &|| false).unwrap();
+    let document = Document::encode(&model, DOC).unwrap();
+    let a = absorb(&model, &document, None, &o, &mut |_| {}, &|| false).unwrap();
+    let p = absorb(&plain, &Document::encode(&plain, DOC).unwrap(), None, &o, &mut |_| {}, &|| false).unwrap();
     assert!(!a.qa.is_empty());
     assert_eq!((a.report.steps, a.qa.len()), (p.report.steps, p.qa.len()), "the same plan");
     // Each QA example repeats its question after the chunks and adds a marker per chunk.
@@ -204,12 +206,12 @@ fn absorb_over_a_prepared_base_trains_qa_in_its_filter_layout_and_leaves_the_fil
     assert!(a.bundle.extras.is_empty());
     let f = model.base_filter().unwrap().clone();
     // Recall on the training pairs runs and counts every pair whose evidence is in a chunk.
-    let e = filter::evaluate(&model, Some(&a.bundle.adapter), &f, DOC, &a.doc_tokens, &a.qa, 1000).unwrap();
+    let e = filter::evaluate(&model, Some(&a.bundle.adapter), &f, &document, &a.qa, 1000).unwrap();
     assert_eq!(e.questions, a.qa.len());
     assert!(e.evidence_chunks >= e.questions);
 
     // A pair whose evidence lies outside the window labels no chunk positive.
-    let doc = &a.doc_tokens;
+    let doc = document.tokens();
     let pair = QaPair {
         question: "How long has the captain sailed?".into(),
         answer: "twenty years".into(),

@@ -10,7 +10,8 @@
 //! Run alone: `cargo test --release --test lift_real -- --nocapture`.
 
 use candle_core::Device;
-use lift_serve::lift::answer::{answer, build_prompt, Mode};
+use lift_serve::document::Document;
+use lift_serve::lift::answer::{answer, build_prompt, Ask, Mode};
 use lift_serve::lift::{absorb, AbsorbOptions};
 use lift_serve::model::generate::SamplingParams;
 use lift_serve::model::{Adapter, Model};
@@ -26,10 +27,10 @@ fn token_span(model: &Model, evidence: &str) -> (usize, usize) {
     (before, through)
 }
 
-fn ask(model: &Model, doc: &[u32], adapter: &dyn Adapter, q: &Question, mode: Mode) -> (bool, String) {
+fn ask(model: &Model, doc: &Document, adapter: &dyn Adapter, q: &Question, mode: Mode) -> (bool, String) {
     let params = SamplingParams { max_tokens: MAX_TOKENS, ..Default::default() };
-    let (_, out) =
-        answer(model, doc, Some(adapter), q.question, mode, Some(CONTEXT_TOKENS), &params, &mut |_| true).unwrap();
+    let ask = Ask { question: q.question, mode, context_tokens: Some(CONTEXT_TOKENS) };
+    let out = answer(model, doc, Some(adapter), &ask, &params, &mut |_| true).unwrap().generation;
     let reply = out.text.trim().to_string();
     let lower = reply.to_lowercase();
     (q.answers.iter().any(|a| lower.contains(&a.to_lowercase())), reply)
@@ -49,9 +50,9 @@ fn out_of_window_facts_are_recalled_in_lift_mode() {
     assert!(model.base_filter().is_some());
 
     let t0 = Instant::now();
-    let absorbed = absorb(&model, DOC, Some("Kestrel Valley Observatory"), &options(), &mut |_| {}, &|| false)
+    let doc = &Document::encode(&model, DOC).expect("tokenizes");
+    let absorbed = absorb(&model, doc, Some("Kestrel Valley Observatory"), &options(), &mut |_| {}, &|| false)
         .expect("absorb");
-    let doc = &absorbed.doc_tokens;
     let adapter: &dyn Adapter = &absorbed.bundle.adapter;
     eprintln!(
         "absorbed {} tokens in {:.0} s: {} QA pairs, {} steps, final loss {:.3}",
@@ -64,8 +65,8 @@ fn out_of_window_facts_are_recalled_in_lift_mode() {
     assert!((1300..=1800).contains(&doc.len()), "a ~1,500-token document: {}", doc.len());
 
     // Where the window is: the prompt `icl` and `lift` build for a question.
-    let prompt = build_prompt(&model, doc, OUT_OF_WINDOW[0].question, Mode::Icl, Some(CONTEXT_TOKENS), MAX_TOKENS)
-        .unwrap();
+    let icl = Ask { question: OUT_OF_WINDOW[0].question, mode: Mode::Icl, context_tokens: Some(CONTEXT_TOKENS) };
+    let prompt = build_prompt(&model, doc, &icl, MAX_TOKENS).unwrap();
     let shown = |(a, b): (usize, usize)| a < prompt.head_end || b > prompt.tail_start;
     for q in OUT_OF_WINDOW {
         assert!(!shown(token_span(&model, q.evidence)), "{:?} must be outside the context window", q.evidence);

@@ -46,10 +46,12 @@ pub const ADAPTER_FILE: &str = "adapter.safetensors";
 pub const MANIFEST_FILE: &str = "manifest.json";
 /// The absorbed document's text (the answering prompt shows its head and tail).
 pub const DOCUMENT_FILE: &str = "document.txt";
+/// The document's token ids in the base model's tokenizer, as absorbed (little-endian u32).
+pub const TOKENS_FILE: &str = "document.tokens";
 /// The auxiliary QA pairs the adapter was trained on (for inspection).
 pub const QA_FILE: &str = "qa.json";
 /// Files that may sit beside an adapter and travel with it in one atomic save.
-pub const ATTACHMENTS: [&str; 2] = [DOCUMENT_FILE, QA_FILE];
+pub const ATTACHMENTS: [&str; 3] = [DOCUMENT_FILE, TOKENS_FILE, QA_FILE];
 
 /// The base model an adapter was trained on. `fingerprint` decides; the rest is for people and
 /// for a clear error.

@@ -24,8 +24,8 @@ use candle_core::{Tensor, Var};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
-/// The adapter kinds the server trains and serves.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// The adapter kinds the server trains and serves (`--adapter gated-memory|lora` on the CLI).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "snake_case")]
 pub enum AdapterKind {
     GatedMemory,

@@ -2,7 +2,7 @@
 //! document it holds entirely in its window. The documents and questions come from the data
 //! builder's eval split (essays, templates and value pools no training example uses), at fixed
 //! lengths; every arm answers the same questions through the product's answer path
-//! ([`answer_filtered`] in `icl` mode: the prepared base's filter when there is one), greedy.
+//! ([`answer`] in `icl` mode: the prepared base's filter when there is one), greedy.
 //!
 //! Per arm: accuracy (the gold answer occurs in the reply as whole words), the filter's precision
 //! and recall at FltLM's `s_i > 0` against the passages holding the supporting facts, and the
@@ -11,7 +11,8 @@
 
 use super::data::{self, BaseExample, BuildOptions, Split};
 use crate::eval::metrics;
-use crate::lift::answer::{answer_filtered, Mode};
+use crate::document::Document;
+use crate::lift::answer::{answer, Ask, Mode};
 use crate::model::generate::SamplingParams;
 use crate::model::{KvCache, Logits, Model, NoHooks};
 use anyhow::Result;
@@ -67,9 +68,10 @@ pub fn read(model: &Model, items: &[ReadingItem], on_done: &mut dyn FnMut(usize)
     for (n, item) in items.iter().enumerate() {
         let ex = &item.example;
         let text = ex.document();
-        let doc = model.encode_document(&text)?;
-        let (_, generation, scores) =
-            answer_filtered(model, &doc, None, &ex.question, Mode::Icl, None, &params, &mut |_| true)?;
+        let doc = Document::encode(model, text.clone())?;
+        let ask = Ask { question: &ex.question, mode: Mode::Icl, context_tokens: None };
+        let a = answer(model, &doc, None, &ask, &params, &mut |_| true)?;
+        let (generation, scores) = (a.generation, a.chunks);
         let filter_counts = if scores.is_empty() {
             None
         } else {

@@ -1,4 +1,4 @@
-//! `eval --server URL`: the same evaluation through a running lift-serve's HTTP API (shared/API.md),
+//! `eval --server URL`: the same evaluation through a running lift-serve's HTTP API (docs/API.md),
 //! so it measures the real serving path: `POST /documents`, progress from
 //! `GET /documents/{id}/events` until done, `POST /ask`.
 //!
@@ -71,6 +71,7 @@ impl Backend for Server {
     fn absorb(
         &mut self,
         doc: &EvalDocument,
+        _document: &crate::document::Document,
         opts: &AbsorbOptions,
         on_step: &mut dyn FnMut(usize, usize, f64),
     ) -> Result<(AbsorbRecord, usize)> {
@@ -134,7 +135,7 @@ impl Backend for Server {
     fn ask(
         &mut self,
         doc: &EvalDocument,
-        _doc_tokens: &[u32],
+        _document: &crate::document::Document,
         handle: Option<usize>,
         question: &str,
         mode: Mode,

@@ -14,7 +14,8 @@ pub mod metrics;
 pub mod needles;
 pub mod report;
 
-use crate::lift::answer::{answer_filtered, build_prompt, AnswerPrompt, Mode};
+use crate::document::Document;
+use crate::lift::answer::{answer, build_prompt, AnswerPrompt, Ask, Mode};
 use crate::lift::{self, AbsorbEvent, AbsorbOptions};
 use crate::model::generate::SamplingParams;
 use crate::model::Model;
@@ -242,6 +243,7 @@ pub trait Backend {
     fn absorb(
         &mut self,
         doc: &EvalDocument,
+        document: &Document,
         opts: &AbsorbOptions,
         on_step: &mut dyn FnMut(usize, usize, f64),
     ) -> Result<(AbsorbRecord, usize)>;
@@ -249,7 +251,7 @@ pub trait Backend {
     fn ask(
         &mut self,
         doc: &EvalDocument,
-        doc_tokens: &[u32],
+        document: &Document,
         handle: Option<usize>,
         question: &str,
         mode: Mode,
@@ -258,7 +260,7 @@ pub trait Backend {
     fn release(&mut self) {}
 }
 
-/// In-process backend: [`lift::absorb`] and [`answer_filtered`] on a loaded model.
+/// In-process backend: [`lift::absorb`] and [`answer`] on a loaded model.
 pub struct Local<'a> {
     pub model: &'a Model,
     pub context_tokens: Option<usize>,
@@ -276,13 +278,14 @@ impl Backend for Local<'_> {
     fn absorb(
         &mut self,
         doc: &EvalDocument,
+        document: &Document,
         opts: &AbsorbOptions,
         on_step: &mut dyn FnMut(usize, usize, f64),
     ) -> Result<(AbsorbRecord, usize)> {
         let t0 = Instant::now();
         let absorbed = lift::absorb(
             self.model,
-            &doc.text,
+            document,
             Some(&doc.id),
             opts,
             &mut |e| {
@@ -314,7 +317,7 @@ impl Backend for Local<'_> {
     fn ask(
         &mut self,
         _doc: &EvalDocument,
-        doc_tokens: &[u32],
+        document: &Document,
         handle: Option<usize>,
         question: &str,
         mode: Mode,
@@ -322,22 +325,19 @@ impl Backend for Local<'_> {
         let bundle = handle.map(|h| &self.adapters[h].bundle);
         let adapter = bundle.map(|b| &b.adapter as &dyn crate::model::Adapter);
         let params = SamplingParams { max_tokens: self.max_tokens, temperature: 0.0, ..Default::default() };
-        let (prompt, out, _) = answer_filtered(
-            self.model,
-            doc_tokens,
-            adapter,
-            question,
-            mode,
-            self.context_tokens,
-            &params,
-            &mut |_| true,
-        )?;
-        Ok((out.text, prompt.tokens.len()))
+        let ask = Ask { question, mode, context_tokens: self.context_tokens };
+        let a = answer(self.model, document, adapter, &ask, &params, &mut |_| true)?;
+        Ok((a.generation.text, a.prompt.tokens.len()))
     }
 
     fn release(&mut self) {
         self.adapters.clear();
     }
+}
+
+/// The question as the answer budget of the run asks it.
+fn ask<'q>(question: &'q str, mode: Mode, cfg: &RunConfig) -> Ask<'q> {
+    Ask { question, mode, context_tokens: cfg.context_tokens }
 }
 
 /// Runs every method on every document. `model` tokenizes and labels (and, with [`Local`],
@@ -388,12 +388,12 @@ pub fn run(
     let mut absorbs = Vec::new();
     let mut answers = Vec::new();
     for doc in &docs {
-        let doc_tokens = model.tokenizer.encode(&doc.text, false)?;
-        anyhow::ensure!(doc_tokens.len() == doc.tokens, "{}: token count changed", doc.id);
+        let document = Document::encode(model, doc.text.clone())?;
+        anyhow::ensure!(document.len() == doc.tokens, "{}: token count changed", doc.id);
         let mut handles: BTreeMap<String, usize> = BTreeMap::new();
         for (opts, names) in &groups {
             overall.set_message(format!("absorbing {} ({} tokens) for {}", doc.id, doc.tokens, names.join(",")));
-            let (mut rec, h) = backend.absorb(doc, opts, &mut |step, steps, loss| {
+            let (mut rec, h) = backend.absorb(doc, &document, opts, &mut |step, steps, loss| {
                 step_bar.set_length(steps as u64);
                 step_bar.set_position(step as u64);
                 step_bar.set_message(format!("loss {loss:.3}"));
@@ -408,15 +408,15 @@ pub fn run(
         }
         for q in &doc.questions {
             let label_prompt =
-                build_prompt(model, &doc_tokens, &q.question, Mode::Lift, cfg.context_tokens, cfg.max_tokens)?;
+                build_prompt(model, &document, &ask(&q.question, Mode::Lift, cfg), cfg.max_tokens)?;
             let label = in_window(&label_prompt, &q.evidence_tokens);
             for m in &methods {
                 overall.set_message(format!("{} {} {}", doc.id, q.id, m.name));
                 let t = Instant::now();
                 let (prediction, prompt_tokens) =
-                    backend.ask(doc, &doc_tokens, handles.get(&m.name).copied(), &q.question, m.mode)?;
+                    backend.ask(doc, &document, handles.get(&m.name).copied(), &q.question, m.mode)?;
                 let expected =
-                    build_prompt(model, &doc_tokens, &q.question, m.mode, cfg.context_tokens, cfg.max_tokens)?;
+                    build_prompt(model, &document, &ask(&q.question, m.mode, cfg), cfg.max_tokens)?;
                 if prompt_tokens != expected.tokens.len() {
                     bail!(
                         "{} {}: the {} prompt has {prompt_tokens} tokens, the labels assume {}: the answering side uses \

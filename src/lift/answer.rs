@@ -1,9 +1,12 @@
-//! Answering questions about an absorbed document (seeds/001_18569741511b14ae.txt §4.1): the
-//! prompt holds as much of the document's head and tail as fits the context budget, then the
-//! question. Modes: `lift` (adapter + context), `icl` (no adapter, same context: the baseline),
-//! `memory` (adapter, no document text).
+//! Answering questions about an absorbed document (the LIFT paper, "LIFT: Improving Long Context
+//! Understanding of Large Language Models through Long Input Fine-Tuning", §4.1): the prompt holds
+//! as much of the document's head and tail as fits the context budget, then the question. Modes:
+//! `lift` (adapter + context), `icl` (no adapter, same context: the baseline), `memory` (adapter,
+//! no document text). [`answer`] is the one answer function: the server, the CLI, the
+//! evaluations and the benchmarks all answer through it.
 
 use super::filter::{self, ChunkScore, FilterHooks};
+use crate::document::Document;
 use super::prompt::{chat_with_context, elision_tokens, head_tail, kept_ranges};
 use crate::model::generate::{generate, Generation, SamplingParams};
 use crate::model::{Adapter, KvCache, Model, NoHooks};
@@ -56,26 +59,30 @@ pub fn context_budget(model: &Model, question_tokens: usize, max_tokens: usize, 
 
 /// The fewest prompt tokens a question of `question_tokens` takes before any document text: the
 /// template's own tokens, and the question twice when a FltLM filter lays out the context (see
-/// `answer_filtered`). Servers check it against the window before queueing any model work.
+/// `build_prompt`). Servers check it against the window before queueing any model work.
 pub fn min_prompt_tokens(question_tokens: usize, filtered: bool) -> usize {
     let question = if filtered { 2 * question_tokens + 8 } else { question_tokens };
     question + TEMPLATE_SLACK
 }
 
-/// Builds the prompt for `question` about `doc` (token ids) in `mode`: the one prompt every
-/// answer uses, and that evaluations label questions by. With a prepared base's FltLM filter the
-/// context is laid out in its chunks, the question before and after them.
-pub fn build_prompt(
-    model: &Model,
-    doc: &[u32],
-    question: &str,
-    mode: Mode,
-    context_tokens: Option<usize>,
-    max_tokens: usize,
-) -> Result<AnswerPrompt> {
-    if !mode.uses_context() {
+/// One question about a document, as every path asks it.
+#[derive(Clone, Copy, Debug)]
+pub struct Ask<'a> {
+    pub question: &'a str,
+    pub mode: Mode,
+    /// In-context document budget in tokens; `None`: what fits the model's window.
+    pub context_tokens: Option<usize>,
+}
+
+/// Builds the prompt for `ask` about `doc` leaving room for `max_tokens` of answer: the one
+/// prompt every answer uses, and that evaluations label questions by. With a prepared base's FltLM
+/// filter the context is laid out in its chunks, the question before and after them.
+pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize) -> Result<AnswerPrompt> {
+    let (question, context_tokens) = (ask.question, ask.context_tokens);
+    let ids = doc.tokens();
+    if !ask.mode.uses_context() {
         let tokens = chat_with_context(model, &[], question)?;
-        return Ok(AnswerPrompt { tokens, head_end: 0, tail_start: doc.len(), context_tokens: 0, chunks: Vec::new() });
+        return Ok(AnswerPrompt { tokens, head_end: 0, tail_start: ids.len(), context_tokens: 0, chunks: Vec::new() });
     }
     let q_tokens = model.tokenizer.encode(question, false)?.len();
     if let Some(filter) = model.base_filter() {
@@ -84,8 +91,8 @@ pub fn build_prompt(
         let budget = context_budget(model, q_room, max_tokens, context_tokens);
         let budget =
             if context_tokens.is_some() { budget } else { budget * filter.chunk_tokens / (filter.chunk_tokens + 1) };
-        let ends = filter::sentence_ends(model, doc)?;
-        let p = filter::build_prompt(model, doc, &ends, question, budget, filter.chunk_tokens)?;
+        let ends = doc.sentence_ends(model)?;
+        let p = filter::build_prompt(model, ids, ends, question, budget, filter.chunk_tokens)?;
         let context_tokens = p.chunks.iter().map(|c| c.end - c.start).sum();
         return Ok(AnswerPrompt {
             tokens: p.tokens,
@@ -97,52 +104,41 @@ pub fn build_prompt(
     }
     let budget = context_budget(model, q_tokens, max_tokens, context_tokens);
     let elision = elision_tokens(model)?;
-    let ctx = head_tail(doc, budget, budget / 2, &elision);
-    let (head_end, tail_start) = kept_ranges(doc.len(), budget, budget / 2, elision.len());
+    let ctx = head_tail(ids, budget, budget / 2, &elision);
+    let (head_end, tail_start) = kept_ranges(ids.len(), budget, budget / 2, elision.len());
     let tokens = chat_with_context(model, &ctx, question)?;
     Ok(AnswerPrompt { tokens, head_end, tail_start, context_tokens: ctx.len(), chunks: Vec::new() })
 }
 
-/// Answers `question`; `adapter` is used in `lift` and `memory` modes (it must be a detached,
-/// inference copy). Streams text through `on_text`.
-#[allow(clippy::too_many_arguments)]
-pub fn answer(
-    model: &Model,
-    doc: &[u32],
-    adapter: Option<&dyn Adapter>,
-    question: &str,
-    mode: Mode,
-    context_tokens: Option<usize>,
-    params: &SamplingParams,
-    on_text: &mut dyn FnMut(&str) -> bool,
-) -> Result<(AnswerPrompt, Generation)> {
-    let (prompt, out, _) = answer_filtered(model, doc, adapter, question, mode, context_tokens, params, on_text)?;
-    Ok((prompt, out))
+/// An answer: the prompt it was given, what was generated, and each in-context chunk's FltLM
+/// score and mask (empty when the base has no filter or the mode no context).
+pub struct Answer {
+    pub prompt: AnswerPrompt,
+    pub generation: Generation,
+    pub chunks: Vec<ChunkScore>,
 }
 
-/// `answer` with the prepared base's FltLM filter, in every mode with context: the context is laid
-/// out in chunks with markers, scored and softly masked in the same pass. Also returns each
-/// chunk's score and mask (empty when the base has no filter or the mode no context).
-#[allow(clippy::too_many_arguments)]
-pub fn answer_filtered(
+/// Answers `ask` about `doc`; `adapter` (a detached, inference copy) is used in `lift` and
+/// `memory` modes. With the prepared base's FltLM filter, in every mode with context, the context
+/// is laid out in chunks with markers, scored and softly masked in the same pass. Streams text
+/// through `on_text` (returning false stops the generation).
+pub fn answer(
     model: &Model,
-    doc: &[u32],
+    doc: &Document,
     adapter: Option<&dyn Adapter>,
-    question: &str,
-    mode: Mode,
-    context_tokens: Option<usize>,
+    ask: &Ask,
     params: &SamplingParams,
     on_text: &mut dyn FnMut(&str) -> bool,
-) -> Result<(AnswerPrompt, Generation, Vec<ChunkScore>)> {
-    let adapter = if mode.uses_adapter() { adapter } else { None };
-    let prompt = build_prompt(model, doc, question, mode, context_tokens, params.max_tokens)?;
+) -> Result<Answer> {
+    let adapter = if ask.mode.uses_adapter() { adapter } else { None };
+    let prompt = build_prompt(model, doc, ask, params.max_tokens)?;
     let mut cache = KvCache::new(model.config().num_layers);
     let Some(filter) = model.base_filter().filter(|_| !prompt.chunks.is_empty()) else {
-        let out = generate(model, &prompt.tokens, &mut cache, adapter, &mut NoHooks, params, on_text)?;
-        return Ok((prompt, out, Vec::new()));
+        let generation = generate(model, &prompt.tokens, &mut cache, adapter, &mut NoHooks, params, on_text)?;
+        return Ok(Answer { prompt, generation, chunks: Vec::new() });
     };
     let mut hooks = FilterHooks::new(filter, &prompt.chunks, model.config().num_layers);
-    let out = generate(model, &prompt.tokens, &mut cache, adapter, &mut hooks, params, on_text)?;
-    let scores = hooks.report()?;
-    Ok((prompt, out, scores))
+    let generation = generate(model, &prompt.tokens, &mut cache, adapter, &mut hooks, params, on_text)?;
+    let chunks = hooks.report()?;
+    Ok(Answer { prompt, generation, chunks })
 }

@@ -1,4 +1,4 @@
-//! CDT, context denoising training (seeds/000_27daafaf793f066d.txt §4): for each training
+//! CDT, context denoising training ("Revisiting Long-context Modeling from Context Denoising Perspective", §4): for each training
 //! example, pass 1 takes the gradient of the loss with respect to the input embeddings only;
 //! document tokens whose gradient L2 norm is at least the document's mean are *critical*; every
 //! other document token's embedding moves against its gradient (eq. 2, applied to the irrelevant

@@ -1,4 +1,5 @@
-//! FltLM (seeds/004_1176ec65916ba001.txt §4), adapted to one document: a context filter that
+//! FltLM ("FltLM: An Integrated Long-Context Large Language Model for Effective Context Filtering
+//! and Understanding", Deng et al., §4), adapted to one document: a context filter that
 //! scores the chunks of the in-context document and softly masks the irrelevant ones, in the same
 //! forward pass that answers.
 //!
@@ -20,6 +21,7 @@
 use super::plan::{Example, ExampleKind};
 use super::prompt::{chat_with_context_at, elision_tokens, end_of_turn, kept_ranges};
 use super::qa::QaPair;
+use crate::document::Document;
 use crate::model::{Adapter, ForwardHooks, Model, ModelConfig, Projection};
 use anyhow::{Context, Result};
 use candle_core::{DType, Device, Tensor, Var, D};
@@ -292,16 +294,7 @@ pub fn chunk_ranges(boundary: &[bool], from: usize, to: usize, max: usize) -> Ve
     out
 }
 
-/// Whether each document token ends a sentence or a line.
-pub fn sentence_ends(model: &Model, doc: &[u32]) -> Result<Vec<bool>> {
-    doc.iter()
-        .map(|&t| {
-            let s = model.tokenizer.decode(&[t])?;
-            let s = s.trim_end_matches([' ', '"', '\'', ')']);
-            Ok(s.contains('\n') || s.ends_with(['.', '!', '?']))
-        })
-        .collect()
-}
+pub use crate::document::sentence_ends;
 
 /// The marker token placed after each chunk (a line break: it reads naturally between sentences).
 pub fn marker_token(model: &Model) -> Result<u32> {
@@ -405,19 +398,19 @@ pub struct FilterExample {
 /// The QA examples of `pairs` in the filter layout (same context budget as the plain ones).
 pub fn qa_examples(
     model: &Model,
-    text: &str,
-    doc: &[u32],
+    document: &Document,
     pairs: &[QaPair],
     budget: usize,
     filter: &Filter,
 ) -> Result<Vec<FilterExample>> {
-    let ends = sentence_ends(model, doc)?;
+    let (text, doc) = (document.text.as_str(), document.tokens());
+    let ends = document.sentence_ends(model)?;
     let eot = end_of_turn(model);
     pairs
         .iter()
         .enumerate()
         .map(|(i, pair)| {
-            let p = build_prompt(model, doc, &ends, &pair.question, budget, filter.chunk_tokens)?;
+            let p = build_prompt(model, doc, ends, &pair.question, budget, filter.chunk_tokens)?;
             let span = evidence_tokens(model, text, pair)?;
             let evidence = (span.0..span.1).filter_map(|d| p.position_of(d)).collect();
             let mut answer = model.tokenizer.encode(pair.answer.trim(), false)?;
@@ -617,15 +610,15 @@ pub fn evaluate(
     model: &Model,
     adapter: Option<&dyn Adapter>,
     filter: &Filter,
-    text: &str,
-    doc: &[u32],
+    document: &Document,
     pairs: &[QaPair],
     budget: usize,
 ) -> Result<FilterEval> {
-    let ends = sentence_ends(model, doc)?;
+    let (text, doc) = (document.text.as_str(), document.tokens());
+    let ends = document.sentence_ends(model)?;
     let mut e = FilterEval::default();
     for pair in pairs {
-        let p = build_prompt(model, doc, &ends, &pair.question, budget, filter.chunk_tokens)?;
+        let p = build_prompt(model, doc, ends, &pair.question, budget, filter.chunk_tokens)?;
         let labels = p.labels(evidence_tokens(model, text, pair)?);
         if !labels.iter().any(|&l| l) {
             continue;

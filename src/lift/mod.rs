@@ -1,6 +1,8 @@
-//! LIFT (seeds/001_18569741511b14ae.txt): absorb a long document into a per-document adapter.
-//! document → tokens and sentences → auxiliary QA → plan (segments with contextualized training,
-//! QA examples) → train → adapter bundle + manifest; and answering with it (`answer`).
+//! LIFT ("LIFT: Improving Long Context Understanding of Large Language Models through Long Input
+//! Fine-Tuning", Mao et al.): absorb a long document into a per-document adapter.
+//! document (tokenized once: [`crate::document::Document`]) → auxiliary QA → plan (segments with
+//! contextualized training, QA examples) → train → adapter bundle + manifest; and answering with
+//! it ([`answer::answer`]).
 
 pub mod answer;
 pub mod cdt;
@@ -13,7 +15,9 @@ pub mod trainer;
 
 use crate::adapters::manifest::{BaseModelRef, DocumentRef, Manifest};
 use crate::adapters::{AdapterBundle, AdapterKind, AnyAdapter, GatedMemory, Lora, LoraConfig};
+use crate::document::Document;
 use crate::model::Model;
+use crate::store::NewAdapter;
 use anyhow::Result;
 use plan::{Plan, PlanOptions};
 use qa::{QaOptions, QaPair, QaProgress};
@@ -37,7 +41,7 @@ pub struct AbsorbOptions {
     pub adapter: AdapterKind,
     /// Layers with a Gated Memory adapter (default: all, as in the paper). The upper half
     /// (`15-29` on the 30-layer default model, where the retrieval heads sit:
-    /// seeds/003_f7f1ca5d1ccbd814.txt) absorbs in ~60% of the time because layers below the lowest
+    /// "(Long-) Context Modeling and Beyond", Tang, ICML 2025 tutorial) absorbs in ~60% of the time because layers below the lowest
     /// adapted one need no autograd graph, but recalled fewer out-of-window facts on the eval
     /// (README, "Absorb speed").
     pub layers: Option<Vec<usize>>,
@@ -65,7 +69,7 @@ impl Default for AbsorbOptions {
 }
 
 impl AbsorbOptions {
-    /// The LIFT paper's recipe (seeds/001_18569741511b14ae.txt App. A.2; the authors' code),
+    /// The LIFT paper's recipe (App. A.2; the authors' code),
     /// scaled to a small model's context: Gated Memory on every layer, windows of 256 tokens with
     /// a 3/8 stride and 256 head+tail tokens of context, 3 epochs on segments then 5 on segments +
     /// QA, one example per optimizer step (no packing), QA pairs written by the model itself (the
@@ -99,7 +103,73 @@ impl AbsorbOptions {
     }
 }
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+/// Bounds on absorb options that every path checks (HTTP requests, CLI flags, options files).
+/// Below `MIN_WINDOW` tokens a step costs more in template and context tokens than it trains.
+pub const MIN_WINDOW: usize = 32;
+pub const MAX_EPOCHS: usize = 100;
+pub const MAX_AUX_QA: usize = 1000;
+
+/// Absorb options out of their bounds; each names the option, the bound and the value given.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum OptionError {
+    #[error("'window' must be between {min} and {max} (got {value})")]
+    Window { value: usize, min: usize, max: usize },
+    #[error("'stride' must be at least 1")]
+    StrideZero,
+    #[error("'stride' ({stride}) must not exceed the window ({window}): the text between windows would be skipped")]
+    StrideOverWindow { stride: usize, window: usize },
+    #[error("'epochs' must be two integers [segment_only, with_qa], each at most {max}, not both 0 (got {value:?})")]
+    Epochs { value: [usize; 2], max: usize },
+    #[error("'aux_qa' must be at most {max} (got {value})")]
+    AuxQa { value: usize, max: usize },
+    #[error("adapter layers must be below {num_layers} (got {layer})")]
+    Layer { layer: usize, num_layers: usize },
+}
+
+impl OptionError {
+    /// The option's name as clients write it.
+    pub fn option(&self) -> &'static str {
+        match self {
+            OptionError::Window { .. } => "window",
+            OptionError::StrideZero | OptionError::StrideOverWindow { .. } => "stride",
+            OptionError::Epochs { .. } => "epochs",
+            OptionError::AuxQa { .. } => "aux_qa",
+            OptionError::Layer { .. } => "layers",
+        }
+    }
+}
+
+impl AbsorbOptions {
+    /// Checks the options against their bounds for a model of `num_layers` layers and a window
+    /// of `max_window` tokens.
+    pub fn validate(&self, num_layers: usize, max_window: usize) -> Result<(), OptionError> {
+        let window = self.plan.window;
+        if !(MIN_WINDOW..=max_window).contains(&window) {
+            return Err(OptionError::Window { value: window, min: MIN_WINDOW, max: max_window });
+        }
+        match self.plan.stride {
+            Some(0) => return Err(OptionError::StrideZero),
+            // Windows that skip text between them would silently leave part of the document out.
+            _ if self.plan.stride() > window => {
+                return Err(OptionError::StrideOverWindow { stride: self.plan.stride(), window })
+            }
+            _ => {}
+        }
+        let e = self.train.epochs;
+        if e[0] + e[1] == 0 || e[0] > MAX_EPOCHS || e[1] > MAX_EPOCHS {
+            return Err(OptionError::Epochs { value: e, max: MAX_EPOCHS });
+        }
+        if self.qa.max_pairs > MAX_AUX_QA {
+            return Err(OptionError::AuxQa { value: self.qa.max_pairs, max: MAX_AUX_QA });
+        }
+        if let Some(&layer) = self.layers.iter().flatten().find(|&&l| l >= num_layers) {
+            return Err(OptionError::Layer { layer, num_layers });
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum AbsorbStage {
     Tokenizing,
@@ -120,13 +190,20 @@ pub struct Absorbed {
     pub manifest: Manifest,
     pub qa: Vec<QaPair>,
     pub report: TrainReport,
-    pub doc_tokens: Vec<u32>,
 }
 
-/// Absorbs `text` into a new adapter. `cancel` is polled between steps.
+impl Absorbed {
+    /// What the store saves: the adapter with its document and QA pairs.
+    pub fn into_new_adapter(self, document: Document) -> Result<NewAdapter> {
+        let qa_json = serde_json::to_vec_pretty(&self.qa)?;
+        Ok(NewAdapter { bundle: self.bundle, manifest: self.manifest, document, qa_json })
+    }
+}
+
+/// Absorbs `document` into a new adapter. `cancel` is polled between steps.
 pub fn absorb(
     model: &Model,
-    text: &str,
+    document: &Document,
     title: Option<&str>,
     opts: &AbsorbOptions,
     on_event: &mut dyn FnMut(AbsorbEvent),
@@ -134,7 +211,7 @@ pub fn absorb(
 ) -> Result<Absorbed> {
     let t0 = Instant::now();
     on_event(AbsorbEvent::Stage(AbsorbStage::Tokenizing));
-    let doc = model.encode_document(text)?;
+    let (text, doc) = (document.text.as_str(), document.tokens());
     anyhow::ensure!(!doc.is_empty(), "the document is empty");
 
     on_event(AbsorbEvent::Stage(AbsorbStage::GeneratingQa));
@@ -164,16 +241,16 @@ pub fn absorb(
     if model.base_filter().is_some() {
         plan_opts.qa_pack = 1;
     }
-    let plan = Plan::new(model, &doc, &pairs, &plan_opts)?;
+    let plan = Plan::new(model, doc, &pairs, &plan_opts)?;
     let train_opts = opts.effective_train();
     let filter_examples = match model.base_filter() {
-        Some(f) => filter::qa_examples(model, text, &doc, &pairs, opts.plan.qa_context(), f)?,
+        Some(f) => filter::qa_examples(model, document, &pairs, opts.plan.qa_context(), f)?,
         None => Vec::new(),
     };
     let base_filter = model.base_filter().map(|f| FilterTraining::frozen(f, &filter_examples));
     let report = trainer::train_with(
         model,
-        &doc,
+        doc,
         &plan,
         &adapter,
         adapter.vars(),
@@ -205,5 +282,5 @@ pub fn absorb(
             "total_seconds": t0.elapsed().as_secs_f64(),
         }),
     );
-    Ok(Absorbed { bundle, manifest, qa: pairs, report, doc_tokens: doc })
+    Ok(Absorbed { bundle, manifest, qa: pairs, report })
 }

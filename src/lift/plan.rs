@@ -1,5 +1,6 @@
 //! The training plan of one document: overlapping segments with contextualized training (CT)
-//! examples and auxiliary-QA examples (seeds/001_18569741511b14ae.txt §3.1–3.3).
+//! examples and auxiliary-QA examples (the LIFT paper, "LIFT: Improving Long Context Understanding of Large Language Models through
+//! Long Input Fine-Tuning", §3.1–3.3).
 
 use super::prompt::{chat_with_context, elision_tokens, end_of_turn, head_tail, RECITE_PROMPT};
 use super::qa::QaPair;

@@ -1,5 +1,5 @@
 //! Prompt layout shared by training and answering, so the adapter is trained on exactly the
-//! format it is asked in (seeds/001_18569741511b14ae.txt §3.3: contextualized training aligns the
+//! format it is asked in (the LIFT paper §3.3: contextualized training aligns the
 //! memorisation task with the question-answering one).
 //!
 //! user turn = [document context tokens] + "\n\n" + instruction or question; the assistant turn

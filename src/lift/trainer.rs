@@ -606,9 +606,9 @@ mod tests {
             evidence_span: (at, at + evidence.len()),
             source: QaSource::Extractive,
         };
-        let doc = model.encode_document(text).unwrap();
+        let document = crate::document::Document::encode(&model, text).unwrap();
         let filter = model.base_filter().unwrap();
-        let examples = qa_examples(&model, text, &doc, &[pair], 1000, filter).unwrap();
+        let examples = qa_examples(&model, &document, &[pair], 1000, filter).unwrap();
         assert!(examples[0].chunks.len() >= 2);
         let ft = FilterTraining::frozen(filter, &examples);
         let gm = GatedMemory::new(model.config(), &[2, 3], false, 1, &Device::Cpu).unwrap();

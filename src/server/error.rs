@@ -1,6 +1,7 @@
 //! Errors in the API's (OpenAI) shape:
 //! `{"error": {"message", "type", "code", "param"}}`.
 
+use crate::service::ServiceError;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -47,13 +48,6 @@ impl ApiError {
     pub fn request_timeout(message: impl Into<String>) -> Self {
         Self::new(StatusCode::REQUEST_TIMEOUT, "request_timeout", message)
     }
-    pub fn context_length(prompt: usize, max_tokens: usize, window: usize, param: &str) -> Self {
-        Self::bad_request(
-            "context_length_exceeded",
-            format!("the prompt has {prompt} tokens; with max_tokens {max_tokens} it exceeds the model's window of {window} tokens"),
-        )
-        .param(param)
-    }
     pub fn queue_full() -> Self {
         Self::new(StatusCode::TOO_MANY_REQUESTS, "queue_full", "the server's queue is full; retry later")
     }
@@ -86,17 +80,65 @@ impl std::fmt::Display for ApiError {
     }
 }
 
-/// So that model work can fail with a client error (it travels inside `anyhow::Error` and is
-/// recovered by `routes::gen_error`).
-impl std::error::Error for ApiError {}
+/// Which request fields a service error points at (they differ between `/ask` and chat).
+#[derive(Clone, Copy)]
+pub struct Params {
+    /// The field naming the document (`document_id`, `model`).
+    pub document: &'static str,
+    /// The field holding the prompt's text (`question`, `messages`).
+    pub prompt: &'static str,
+}
 
-impl From<crate::engine::SubmitError> for ApiError {
-    fn from(e: crate::engine::SubmitError) -> Self {
+impl ApiError {
+    /// The API's answer to a service error: the one mapping from the service's errors to HTTP.
+    pub fn service(e: ServiceError, params: Params) -> Self {
         match e {
-            crate::engine::SubmitError::Full => ApiError::queue_full(),
-            crate::engine::SubmitError::Closed => ApiError::shutting_down(),
+            ServiceError::UnknownDocument(id) => ApiError::unknown_document(&id).param(params.document),
+            ServiceError::NotReady { .. } => {
+                ApiError::new(StatusCode::CONFLICT, "document_not_ready", e.to_string()).param(params.document)
+            }
+            ServiceError::Untokenizable(_) => ApiError::unprocessable("untokenizable_document", e.to_string()).param("text"),
+            ServiceError::DocumentTooLarge { .. } => ApiError::too_large("document_too_large", e.to_string()).param("text"),
+            ServiceError::TrainingTooLarge { .. } => {
+                ApiError::bad_request("training_too_large", e.to_string()).param("options")
+            }
+            ServiceError::ContextLength { .. } | ServiceError::PromptTooLong { .. } => {
+                ApiError::bad_request("context_length_exceeded", e.to_string()).param(params.prompt)
+            }
+            ServiceError::QueueFull => ApiError::queue_full(),
+            ServiceError::ShuttingDown => ApiError::shutting_down(),
+            ServiceError::Internal(detail) => ApiError::internal(detail),
         }
     }
+}
+
+/// Service errors of routes whose document is in the path (no body field to point at).
+impl From<ServiceError> for ApiError {
+    fn from(e: ServiceError) -> Self {
+        let mut api = ApiError::service(e, Params { document: "", prompt: "" });
+        api.param = api.param.filter(|p| !p.is_empty());
+        api
+    }
+}
+
+/// The error body: `{"error": {"message", "type", "code", "param"}}` (OpenAPI schema).
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+pub struct ErrorBody {
+    error: ErrorDetail,
+}
+
+#[derive(utoipa::ToSchema)]
+#[allow(dead_code)]
+struct ErrorDetail {
+    message: String,
+    /// invalid_request_error, authentication_error, not_found_error, conflict_error,
+    /// rate_limit_error, server_error.
+    r#type: String,
+    /// Machine-readable reason, e.g. `context_length_exceeded`.
+    code: String,
+    /// The request field at fault, when there is one.
+    param: Option<String>,
 }
 
 impl IntoResponse for ApiError {
@@ -120,8 +162,8 @@ mod tests {
         assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
         assert!(!e.message.contains("/srv") && !e.message.contains("backtrace"), "{}", e.message);
         assert!(e.message.contains("reference"), "{}", e.message);
-        // A client error raised inside model work keeps its status through anyhow.
-        let wrapped = anyhow::Error::from(ApiError::unknown_document("doc_x"));
-        assert_eq!(crate::server::routes::gen_error(wrapped).status, StatusCode::NOT_FOUND);
+        // A client error raised inside model work keeps its status.
+        let gone = ServiceError::from(crate::engine::GenerateError::UnknownDocument("doc_x".into()));
+        assert_eq!(ApiError::from(gone).status, StatusCode::NOT_FOUND);
     }
 }

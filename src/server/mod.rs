@@ -1,16 +1,18 @@
 //! The HTTP server (`lift-serve serve`): axum routes for documents, asking, the OpenAI-compatible
-//! endpoints and operations (contract: `shared/API.md`).
+//! endpoints and operations (contract: `docs/API.md`). HTTP only: requests are read and
+//! validated into typed values (`api`), the work is the service's (`crate::service`), and its
+//! errors are mapped to the API's error shape once (`error`).
 
+pub mod api;
 pub mod error;
-pub mod metrics;
 pub mod openai;
 pub mod openapi;
 pub mod routes;
 
-use crate::engine::Engine;
 use crate::lift::AbsorbOptions;
+use crate::metrics::Metrics;
 use crate::model::Model;
-use crate::store::{JobRecord, Status, Store};
+use crate::service::{Service, ServiceConfig};
 use anyhow::{Context, Result};
 use axum::extract::{MatchedPath, Request, State};
 use axum::http::StatusCode;
@@ -21,8 +23,8 @@ use sha2::{Digest, Sha256};
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, RwLock};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Server configuration: flags and `LIFT_*` environment variables.
@@ -175,52 +177,13 @@ impl ServeConfig {
     }
 }
 
-/// One document known to the server.
-pub struct DocEntry {
-    pub rec: JobRecord,
-    pub progress: Option<serde_json::Value>,
-    pub cancel: Arc<AtomicBool>,
-    pub watch: tokio::sync::watch::Sender<serde_json::Value>,
-}
-
-impl DocEntry {
-    pub fn new(rec: JobRecord) -> Self {
-        let (watch, _) = tokio::sync::watch::channel(serde_json::Value::Null);
-        let e = Self { rec, progress: None, cancel: Arc::new(AtomicBool::new(false)), watch };
-        e.notify();
-        e
-    }
-
-    /// The API's Document object.
-    pub fn json(&self) -> serde_json::Value {
-        let r = &self.rec;
-        let mut v = serde_json::json!({
-            "id": r.id, "object": "document", "status": r.status.name(), "title": r.title,
-            "tokens": r.tokens, "created_at": r.created_at, "ready_at": r.ready_at,
-            "progress": self.progress, "adapter": r.adapter,
-            "error": r.error.as_ref().map(|m| serde_json::json!({"message": m})),
-            "options": r.options,
-        });
-        if r.status == Status::Ready {
-            v["progress"] = serde_json::Value::Null;
-        }
-        v
-    }
-
-    pub fn notify(&self) {
-        self.watch.send_replace(self.json());
-    }
-}
-
 pub struct Inner {
     pub cfg: ServeConfig,
-    pub engine: Engine,
-    pub store: Store,
-    pub docs: RwLock<HashMap<String, DocEntry>>,
-    pub metrics: metrics::Metrics,
+    pub service: Service,
+    pub metrics: Arc<Metrics>,
+    pub limits: api::GenerationLimits,
     /// API key → tenant id (hash of the key).
     pub keys: HashMap<String, String>,
-    pub shutting_down: AtomicBool,
     /// Requests being handled (the shutdown drains them).
     pub in_flight: AtomicUsize,
     /// Turns true when the shutdown begins: open event streams end, connections close.
@@ -231,12 +194,6 @@ pub struct Inner {
 }
 
 pub type AppState = Arc<Inner>;
-
-impl Inner {
-    pub fn model(&self) -> &Model {
-        &self.engine.model
-    }
-}
 
 /// The caller's tenant (None without keys).
 #[derive(Clone, Debug)]
@@ -312,7 +269,7 @@ async fn observe(State(st): State<AppState>, req: Request, next: Next) -> Respon
     let method = req.method().clone();
     let route = req.extensions().get::<MatchedPath>().map_or("(unmatched)".to_string(), |m| m.as_str().to_string());
     // While draining, every new request is refused in the API's shape (`/health` says so itself).
-    if st.shutting_down.load(Ordering::SeqCst) && req.uri().path() != "/health" {
+    if st.service.is_shutting_down() && req.uri().path() != "/health" {
         let r = closing(ApiError::shutting_down().into_response());
         st.metrics.request(method.as_str(), &route, 503, t0.elapsed().as_secs_f64());
         return r;
@@ -322,7 +279,7 @@ async fn observe(State(st): State<AppState>, req: Request, next: Next) -> Respon
     st.in_flight.fetch_sub(1, Ordering::SeqCst);
     // A keep-alive connection is closed after its first response once the shutdown began (idle
     // ones are not cut: a client may be sending on them; they get this 503 and the close).
-    let resp = if st.shutting_down.load(Ordering::SeqCst) { closing(resp) } else { resp };
+    let resp = if st.service.is_shutting_down() { closing(resp) } else { resp };
     let status = resp.status().as_u16();
     let secs = t0.elapsed().as_secs_f64();
     st.metrics.request(method.as_str(), &route, status, secs);
@@ -350,7 +307,7 @@ pub fn router(state: AppState) -> axum::Router {
         .route("/v1/chat/completions", post(openai::chat_completions))
         .route("/health", get(routes::health))
         .route("/metrics", get(routes::metrics))
-        .route("/openapi.json", get(openapi::openapi))
+        .route("/openapi.json", get(openapi::serve))
         .fallback(not_found)
         .method_not_allowed_fallback(|| async {
             ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "method not allowed on this route")
@@ -361,7 +318,8 @@ pub fn router(state: AppState) -> axum::Router {
         .with_state(state)
 }
 
-/// Loads the model, opens the store and builds the shared state (blocking).
+/// Loads the model, opens the service (store, engine, recovered jobs) and builds the shared
+/// state (blocking).
 pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<AppState> {
     let keys = cfg.keys()?;
     tracing::info!(config = %cfg.describe(keys.len()), "lift-serve starting");
@@ -369,14 +327,50 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
     let mut model = Model::load(&model_path, device)?;
     crate::base::install_from_arg(&mut model, cfg.prepared_base.as_deref())?;
     let model = Arc::new(model);
-    let default_options: AbsorbOptions = match &cfg.absorb_options {
+    let default_options = default_options(&cfg, &model)?;
+    let metrics = Arc::new(Metrics::default());
+    let service_cfg = ServiceConfig {
+        adapters_dir: cfg.adapters_dir.clone(),
+        cache_bytes: cfg.cache_bytes,
+        train_queue: cfg.train_queue,
+        generate_queue: cfg.generate_queue,
+        max_document_tokens: cfg.max_document_tokens,
+        max_training_tokens: cfg.max_training_tokens,
+        context_tokens: cfg.context_tokens,
+        default_options: default_options.clone(),
+    };
+    let service = Service::open(model.clone(), service_cfg, metrics.clone())?;
+    let limits = api::GenerationLimits {
+        max_question_chars: cfg.max_question_chars,
+        max_tokens_limit: cfg.max_tokens_limit,
+        default_max_tokens: cfg.default_max_tokens,
+    };
+    Ok(Arc::new(Inner {
+        base_id: model.info.id.clone(),
+        keys: keys.iter().map(|k| (k.clone(), tenant_of(k))).collect(),
+        cfg,
+        service,
+        metrics,
+        limits,
+        in_flight: AtomicUsize::new(0),
+        shutdown: tokio::sync::watch::Sender::new(false),
+        default_options,
+        started_at: crate::store::now(),
+    }))
+}
+
+/// The absorb options of documents that set none (`--absorb-options`, else built in), checked
+/// against their bounds like a request's.
+fn default_options(cfg: &ServeConfig, model: &Model) -> Result<AbsorbOptions> {
+    let o: AbsorbOptions = match &cfg.absorb_options {
         Some(p) => {
             serde_json::from_str(&std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?)
                 .with_context(|| format!("{}: invalid absorb options", p.display()))?
         }
         None => AbsorbOptions::default(),
     };
-    let o = &default_options;
+    let c = model.config();
+    o.validate(c.num_layers, c.max_position_embeddings).context("invalid default absorb options")?;
     let planned =
         crate::lift::plan::planned_training_tokens(cfg.max_document_tokens, &o.plan, o.train.epochs, o.qa.max_pairs);
     if planned > cfg.max_training_tokens {
@@ -386,67 +380,7 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
             "the default absorb options on a document of max_document_tokens plan more training than max_training_tokens: such documents will be refused"
         );
     }
-    let store = Store::open(&cfg.adapters_dir, cfg.cache_bytes)?;
-    let mut docs = HashMap::new();
-    let mut requeue = Vec::new();
-    for r in store.recover()? {
-        if let Some(text) = r.requeue_text {
-            requeue.push((r.rec.id.clone(), text));
-        }
-        docs.insert(r.rec.id.clone(), DocEntry::new(r.rec));
-    }
-    tracing::info!(documents = docs.len(), requeued = requeue.len(), dir = %cfg.adapters_dir.display(), "store opened");
-    let engine = Engine::start(model.clone(), cfg.train_queue, cfg.generate_queue)?;
-    let state = Arc::new(Inner {
-        base_id: model.info.id.clone(),
-        keys: keys.iter().map(|k| (k.clone(), tenant_of(k))).collect(),
-        cfg,
-        engine,
-        store,
-        docs: RwLock::new(docs),
-        metrics: metrics::Metrics::default(),
-        shutting_down: AtomicBool::new(false),
-        in_flight: AtomicUsize::new(0),
-        shutdown: tokio::sync::watch::Sender::new(false),
-        default_options,
-        started_at: crate::store::now(),
-    });
-    for (id, text) in requeue {
-        requeue_job(&state, &id, text);
-    }
-    Ok(state)
-}
-
-/// Queues again a job interrupted by the previous process (its text was kept), or records why it
-/// cannot be: its id no longer matches the text, options and base model, or the queue is full.
-fn requeue_job(st: &AppState, id: &str, text: String) {
-    let Ok(mut docs) = st.docs.write() else { return };
-    let Some(entry) = docs.get_mut(id) else { return };
-    let r = &entry.rec;
-    let opts = serde_json::from_value::<AbsorbOptions>(r.options.clone())
-        .map_err(|e| format!("its options no longer parse ({e})"));
-    let same =
-        crate::store::document_id(&st.engine.model.info.fingerprint, r.owner.as_deref(), &text, &r.options) == r.id;
-    let result = opts.and_then(|opts| {
-        if !same {
-            return Err("its text, options or the base model changed".to_string());
-        }
-        let slot = st.engine.reserve_train().map_err(|e| format!("the training queue refused it ({e:?})"))?;
-        routes::submit_job(st, slot, entry, text, opts).map_err(|e| format!("the training queue refused it ({e:?})"))
-    });
-    match result {
-        Ok(()) => tracing::info!(id, "re-queued a job interrupted by the previous process"),
-        Err(why) => {
-            entry.rec.status = Status::Failed;
-            entry.rec.error = Some(format!("interrupted: the server stopped during the job and could not re-queue it: {why}; POST the document again to retry"));
-            entry.notify();
-            st.store.remove_pending_text(id);
-            if let Err(e) = st.store.write_record(&entry.rec) {
-                tracing::error!(id, error = %e, "cannot write job record");
-            }
-            tracing::warn!(id, why, "interrupted job not re-queued");
-        }
-    }
+    Ok(o)
 }
 
 /// A running server.
@@ -478,7 +412,7 @@ impl Running {
         while self.open.load(Ordering::SeqCst) > 0 && Instant::now() < closed {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        let handles = self.state.engine.close();
+        let handles = self.state.service.engine.close();
         // A generation still running past the drain is not waited for: the process is ending.
         let join = tokio::task::spawn_blocking(move || {
             for h in handles {
@@ -497,16 +431,10 @@ pub async fn signalled(rx: &mut tokio::sync::watch::Receiver<bool>) {
     let _ = rx.wait_for(|s| *s).await;
 }
 
+/// Refuses new requests from now on, ends open event streams and stops training.
 pub fn begin_shutdown(st: &Inner) {
-    st.shutting_down.store(true, Ordering::SeqCst);
+    st.service.begin_shutdown();
     st.shutdown.send_replace(true);
-    if let Ok(docs) = st.docs.read() {
-        for d in docs.values() {
-            if !d.rec.status.is_terminal() {
-                d.cancel.store(true, Ordering::SeqCst);
-            }
-        }
-    }
 }
 
 /// Binds and serves in the background (on the current tokio runtime).
@@ -589,7 +517,7 @@ async fn serve_connection(
     mut stop: tokio::sync::watch::Receiver<bool>,
     _held: OpenConnection,
 ) {
-    let draining = st.shutting_down.load(Ordering::SeqCst);
+    let draining = st.service.is_shutting_down();
     let mut builder = hyper::server::conn::http1::Builder::new();
     builder
         .timer(hyper_util::rt::TokioTimer::new())

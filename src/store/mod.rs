@@ -2,7 +2,8 @@
 //!
 //! Layout under the root directory (default `adapters/`):
 //! ```text
-//! <root>/<id>/              adapter.safetensors, manifest.json, document.txt, qa.json (manifest::save, atomic)
+//! <root>/<id>/              adapter.safetensors, manifest.json, document.txt, document.tokens,
+//!                           qa.json (manifest::save, atomic; see `save_dir`)
 //! <root>/<id>.job.json      the document's record: owner, title, status, error (temp file + rename)
 //! <root>/<id>.pending.txt   the document's text while its job is queued or training (atomic)
 //! ```
@@ -13,6 +14,7 @@
 //! are marked `failed` with the reason otherwise: never silently lost.
 
 use crate::adapters::{manifest, AdapterBundle, Manifest};
+use crate::document::{tokens_from_bytes, Document};
 use crate::model::Model;
 use anyhow::{Context, Result};
 use serde::{Deserialize, Serialize};
@@ -21,7 +23,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Status {
     Queued,
@@ -47,7 +49,7 @@ impl Status {
 }
 
 /// Adapter facts shown in the Document object.
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, utoipa::ToSchema)]
 pub struct AdapterInfo {
     pub kind: String,
     pub parameters: usize,
@@ -100,11 +102,57 @@ pub struct Recovered {
     pub requeue_text: Option<String>,
 }
 
-/// A loaded adapter ready to serve.
+/// Everything an answer needs about one absorbed document: its adapter, manifest and document
+/// (text and token ids as absorbed).
 pub struct Loaded {
     pub bundle: AdapterBundle,
     pub manifest: Manifest,
-    pub doc_tokens: Vec<u32>,
+    pub document: Document,
+}
+
+/// An adapter to save: the absorbed adapter, its manifest, its document and the auxiliary QA
+/// pairs it was trained on (JSON, kept for inspection).
+pub struct NewAdapter {
+    pub bundle: AdapterBundle,
+    pub manifest: Manifest,
+    pub document: Document,
+    pub qa_json: Vec<u8>,
+}
+
+/// Writes an adapter directory atomically (`manifest::save`): the adapter, its manifest, the
+/// document's text and token ids, and the QA pairs. Used by the store and by `lift-serve absorb`.
+pub fn save_dir(dir: &Path, a: NewAdapter) -> Result<Loaded> {
+    let tokens = a.document.tokens_to_bytes();
+    manifest::save(
+        dir,
+        &a.bundle,
+        &a.manifest,
+        &[
+            (manifest::DOCUMENT_FILE, a.document.text.as_bytes()),
+            (manifest::TOKENS_FILE, &tokens),
+            (manifest::QA_FILE, &a.qa_json),
+        ],
+    )?;
+    Ok(Loaded { bundle: a.bundle, manifest: a.manifest, document: a.document })
+}
+
+/// Reads an adapter directory for `model` (blocking): the checked adapter and manifest
+/// (`manifest::load`) and the document with the token ids saved beside it. Adapters saved before
+/// ids were stored have their text tokenized again.
+pub fn load_dir(dir: &Path, model: &Model) -> Result<Loaded> {
+    let (bundle, manifest) = manifest::load(dir, model)?;
+    let text = std::fs::read_to_string(dir.join(manifest::DOCUMENT_FILE))
+        .with_context(|| format!("{}: cannot read the document", dir.display()))?;
+    let document = match std::fs::read(dir.join(manifest::TOKENS_FILE)) {
+        Ok(bytes) => {
+            let tokens = tokens_from_bytes(&bytes, manifest.document.tokens)
+                .with_context(|| format!("{}: {}", dir.display(), manifest::TOKENS_FILE))?;
+            Document::from_tokens(text, tokens)
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Document::encode(model, text)?,
+        Err(e) => return Err(e).with_context(|| format!("{}: cannot read the token ids", dir.display())),
+    };
+    Ok(Loaded { bundle, manifest, document })
 }
 
 #[derive(Default)]
@@ -160,7 +208,9 @@ impl Store {
         let s2 = stats.clone();
         let cache = moka::sync::Cache::builder()
             .max_capacity(cache_bytes)
-            .weigher(|_k: &String, v: &Arc<Loaded>| u32::try_from(v.manifest.bytes.max(1)).unwrap_or(u32::MAX))
+            .weigher(|_k: &String, v: &Arc<Loaded>| {
+                u32::try_from((v.manifest.bytes + v.document.bytes()).max(1)).unwrap_or(u32::MAX)
+            })
             .eviction_listener(move |_k, _v, cause| {
                 if cause == moka::notification::RemovalCause::Size {
                     s2.evictions.fetch_add(1, Ordering::Relaxed);
@@ -272,33 +322,21 @@ impl Store {
     }
 
     /// Saves an absorbed adapter with its document and QA pairs (atomic) and caches it.
-    pub fn save(&self, id: &str, absorbed: crate::lift::Absorbed, text: &str) -> Result<Arc<Loaded>> {
-        let qa = serde_json::to_vec_pretty(&absorbed.qa)?;
-        manifest::save(
-            &self.adapter_dir(id),
-            &absorbed.bundle,
-            &absorbed.manifest,
-            &[(manifest::DOCUMENT_FILE, text.as_bytes()), (manifest::QA_FILE, &qa)],
-        )?;
+    pub fn save(&self, id: &str, adapter: NewAdapter) -> Result<Arc<Loaded>> {
+        let loaded = Arc::new(save_dir(&self.adapter_dir(id), adapter)?);
         self.remove_pending_text(id);
-        let loaded = Arc::new(Loaded { bundle: absorbed.bundle, manifest: absorbed.manifest, doc_tokens: absorbed.doc_tokens });
         self.cache.insert(id.to_string(), loaded.clone());
         Ok(loaded)
     }
 
-    /// The loaded adapter for `id` (from the cache, else from disk; blocking).
+    /// Everything an answer about `id` needs (from the cache, else from disk; blocking).
     pub fn get(&self, id: &str, model: &Model) -> Result<Arc<Loaded>> {
         if let Some(l) = self.cache.get(id) {
             self.stats.hits.fetch_add(1, Ordering::Relaxed);
             return Ok(l);
         }
         self.stats.misses.fetch_add(1, Ordering::Relaxed);
-        let dir = self.adapter_dir(id);
-        let (bundle, manifest) = manifest::load(&dir, model)?;
-        let text = std::fs::read_to_string(dir.join(manifest::DOCUMENT_FILE))
-            .with_context(|| format!("{}: cannot read the document", dir.display()))?;
-        let doc_tokens = model.encode_document(&text)?;
-        let loaded = Arc::new(Loaded { bundle, manifest, doc_tokens });
+        let loaded = Arc::new(load_dir(&self.adapter_dir(id), model)?);
         self.cache.insert(id.to_string(), loaded.clone());
         Ok(loaded)
     }

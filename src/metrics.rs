@@ -1,0 +1,233 @@
+//! Prometheus metrics (prometheus-client, OpenMetrics text). Counters and histograms are updated
+//! where things happen (the HTTP layer counts requests, the service jobs and generations); the
+//! gauges are read from the service when scraped. One registry per server, so that servers in one
+//! process (tests) do not share counts.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::registry::Registry;
+use std::sync::atomic::AtomicU64;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    method: String,
+    route: String,
+    status: u16,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: String,
+}
+
+type FloatGauge = Gauge<f64, AtomicU64>;
+
+/// Gauges read from the service at scrape time.
+pub struct Snapshot {
+    pub training_waiting: usize,
+    pub training_running: usize,
+    pub generation_waiting: usize,
+    pub generation_running: usize,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    pub cache_evictions: u64,
+    pub cache_resident_bytes: u64,
+    pub documents_queued: usize,
+    pub documents_training: usize,
+    pub documents_ready: usize,
+    pub documents_failed: usize,
+    pub resident_memory_bytes: u64,
+}
+
+struct Gauges {
+    training_waiting: Gauge,
+    training_running: Gauge,
+    generation_waiting: Gauge,
+    generation_running: Gauge,
+    cache_hits: Gauge,
+    cache_misses: Gauge,
+    cache_evictions: Gauge,
+    cache_resident_bytes: Gauge,
+    documents_queued: Gauge,
+    documents_training: Gauge,
+    documents_ready: Gauge,
+    documents_failed: Gauge,
+    resident_memory_bytes: Gauge,
+}
+
+pub struct Metrics {
+    registry: Registry,
+    requests: Family<RequestLabels, Counter>,
+    request_seconds: Family<RequestLabels, Histogram, fn() -> Histogram>,
+    jobs: Family<OutcomeLabels, Counter>,
+    train_tokens_per_s: FloatGauge,
+    time_to_first_token: Histogram,
+    generated_tokens: Counter,
+    decode_seconds: Counter<f64, AtomicU64>,
+    generation_tokens_per_s: FloatGauge,
+    gauges: Gauges,
+}
+
+fn latency_histogram() -> Histogram {
+    // 1 ms to ~65 s.
+    Histogram::new(exponential_buckets(0.001, 2.0, 17))
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        let mut r = Registry::default();
+        let requests = Family::<RequestLabels, Counter>::default();
+        r.register("lift_http_requests", "HTTP requests by route and status", requests.clone());
+        let request_seconds = Family::new_with_constructor(latency_histogram as fn() -> Histogram);
+        r.register("lift_http_request_duration_seconds", "Request latency", request_seconds.clone());
+        let jobs = Family::<OutcomeLabels, Counter>::default();
+        r.register("lift_training_jobs", "Training jobs by outcome", jobs.clone());
+        let train_tokens_per_s = FloatGauge::default();
+        r.register("lift_training_tokens_per_second", "Training throughput of the last job", train_tokens_per_s.clone());
+        let time_to_first_token = latency_histogram();
+        r.register("lift_generation_time_to_first_token_seconds", "Prompt processing time", time_to_first_token.clone());
+        let generated_tokens = Counter::default();
+        r.register("lift_generated_tokens", "Generated tokens", generated_tokens.clone());
+        let decode_seconds = Counter::<f64, AtomicU64>::default();
+        r.register("lift_generation_decode_seconds", "Time spent decoding", decode_seconds.clone());
+        let generation_tokens_per_s = FloatGauge::default();
+        r.register("lift_generation_tokens_per_second", "Mean decode throughput", generation_tokens_per_s.clone());
+        let mut gauge = |name: &str, help: &str| {
+            let g = Gauge::default();
+            r.register(name, help, g.clone());
+            g
+        };
+        let gauges = Gauges {
+            training_waiting: gauge("lift_training_queue_depth", "Training jobs waiting"),
+            training_running: gauge("lift_training_running", "Training jobs running"),
+            generation_waiting: gauge("lift_generation_queue_depth", "Generation requests waiting"),
+            generation_running: gauge("lift_generation_running", "Generation requests running"),
+            cache_hits: gauge("lift_adapter_cache_hits", "Adapter cache hits (total)"),
+            cache_misses: gauge("lift_adapter_cache_misses", "Adapter cache misses (total)"),
+            cache_evictions: gauge("lift_adapter_cache_evictions", "Adapters evicted for size (total)"),
+            cache_resident_bytes: gauge(
+                "lift_adapter_cache_resident_bytes",
+                "Bytes of adapters (with their documents) in memory",
+            ),
+            documents_queued: gauge("lift_documents_queued", "Documents queued"),
+            documents_training: gauge("lift_documents_training", "Documents training"),
+            documents_ready: gauge("lift_documents_ready", "Documents ready"),
+            documents_failed: gauge("lift_documents_failed", "Documents failed"),
+            resident_memory_bytes: gauge("process_resident_memory_bytes", "Resident memory of the server process"),
+        };
+        Self {
+            registry: r,
+            requests,
+            request_seconds,
+            jobs,
+            train_tokens_per_s,
+            time_to_first_token,
+            generated_tokens,
+            decode_seconds,
+            generation_tokens_per_s,
+            gauges,
+        }
+    }
+}
+
+fn count(n: impl TryInto<i64>) -> i64 {
+    n.try_into().unwrap_or(i64::MAX)
+}
+
+impl Metrics {
+    pub fn request(&self, method: &str, route: &str, status: u16, seconds: f64) {
+        let labels = RequestLabels { method: method.to_string(), route: route.to_string(), status };
+        self.requests.get_or_create(&labels).inc();
+        self.request_seconds.get_or_create(&labels).observe(seconds);
+    }
+
+    /// A training job ended with `outcome`; `tokens_per_s` when it trained to the end.
+    pub fn job(&self, outcome: &str, tokens_per_s: Option<f64>) {
+        self.jobs.get_or_create(&OutcomeLabels { outcome: outcome.to_string() }).inc();
+        if let Some(t) = tokens_per_s {
+            self.train_tokens_per_s.set(t);
+        }
+    }
+
+    /// One generation: time to first token (prompt) and decode time for `tokens` tokens.
+    pub fn generation(&self, ttft_s: f64, tokens: usize, decode_s: f64) {
+        self.time_to_first_token.observe(ttft_s);
+        self.generated_tokens.inc_by(tokens as u64);
+        self.decode_seconds.inc_by(decode_s);
+    }
+
+    /// The OpenMetrics text with the gauges set from `s`.
+    pub fn render(&self, s: &Snapshot) -> String {
+        let g = &self.gauges;
+        for (gauge, v) in [
+            (&g.training_waiting, count(s.training_waiting)),
+            (&g.training_running, count(s.training_running)),
+            (&g.generation_waiting, count(s.generation_waiting)),
+            (&g.generation_running, count(s.generation_running)),
+            (&g.cache_hits, count(s.cache_hits)),
+            (&g.cache_misses, count(s.cache_misses)),
+            (&g.cache_evictions, count(s.cache_evictions)),
+            (&g.cache_resident_bytes, count(s.cache_resident_bytes)),
+            (&g.documents_queued, count(s.documents_queued)),
+            (&g.documents_training, count(s.documents_training)),
+            (&g.documents_ready, count(s.documents_ready)),
+            (&g.documents_failed, count(s.documents_failed)),
+            (&g.resident_memory_bytes, count(s.resident_memory_bytes)),
+        ] {
+            gauge.set(v);
+        }
+        let (tokens, seconds) = (self.generated_tokens.get(), self.decode_seconds.get());
+        self.generation_tokens_per_s.set(if seconds > 0.0 { tokens as f64 / seconds } else { 0.0 });
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+}
+
+/// The content type of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn renders_counters_histograms_and_gauges() {
+        let m = Metrics::default();
+        m.request("GET", "/health", 200, 0.002);
+        m.job("ready", Some(150.0));
+        m.generation(0.1, 5, 0.5);
+        let snapshot = Snapshot {
+            training_waiting: 1,
+            training_running: 0,
+            generation_waiting: 0,
+            generation_running: 1,
+            cache_hits: 2,
+            cache_misses: 1,
+            cache_evictions: 0,
+            cache_resident_bytes: 4096,
+            documents_queued: 0,
+            documents_training: 0,
+            documents_ready: 1,
+            documents_failed: 0,
+            resident_memory_bytes: 1 << 20,
+        };
+        let text = m.render(&snapshot);
+        for line in [
+            "lift_http_requests_total{method=\"GET\",route=\"/health\",status=\"200\"} 1",
+            "lift_training_jobs_total{outcome=\"ready\"} 1",
+            "lift_generated_tokens_total 5",
+            "lift_generation_time_to_first_token_seconds_count 1",
+            "lift_generation_tokens_per_second 10.0",
+            "lift_training_queue_depth 1",
+            "lift_adapter_cache_misses 1",
+            "# EOF",
+        ] {
+            assert!(text.lines().any(|l| l == line), "missing '{line}' in\n{text}");
+        }
+    }
+}

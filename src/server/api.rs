@@ -1,0 +1,674 @@
+//! The HTTP API's types: request bodies as clients send them (typed, unknown fields refused, every
+//! error naming the field), their validation — once, into what the service takes — and the
+//! response bodies. The OpenAPI document (`openapi.rs`) is generated from these types.
+
+use super::error::{ApiError, ApiResult};
+use crate::adapters::AdapterKind;
+use crate::lift::answer::Mode;
+use crate::lift::{AbsorbOptions, OptionError};
+use crate::model::generate::{FinishReason, SamplingParams};
+use crate::model::ChatMessage;
+use crate::service::{NewDocument, Question};
+use axum::http::{header, HeaderMap, StatusCode};
+use serde::de::DeserializeOwned;
+use serde::{Deserialize, Serialize};
+use utoipa::ToSchema;
+
+// ---------- reading a body ----------
+
+/// Which request a body belongs to: decides the error code of a field that does not parse.
+#[derive(Clone, Copy)]
+pub enum Body {
+    Document,
+    Ask,
+    Chat,
+}
+
+impl Body {
+    /// The error code for a value of the wrong type or out of its set at `path`.
+    fn code(self, path: &str) -> &'static str {
+        match (self, path.split(['.', '[']).next().unwrap_or("")) {
+            (Body::Document, "options") if path != "options" => "invalid_option",
+            (Body::Ask | Body::Chat, "mode") => "invalid_mode",
+            (Body::Chat, "messages") => "invalid_messages",
+            _ => "invalid_type",
+        }
+    }
+
+    fn unknown_field_code(self, path: &str) -> &'static str {
+        match self {
+            Body::Document if path.starts_with("options.") => "unknown_option",
+            Body::Chat if path.starts_with("messages") => "invalid_messages",
+            _ => "unknown_field",
+        }
+    }
+}
+
+/// The request's media type (lower case, without parameters); None when absent.
+pub fn media_type(headers: &HeaderMap) -> Option<String> {
+    headers
+        .get(header::CONTENT_TYPE)
+        .map(|v| v.to_str().unwrap_or("invalid").split(';').next().unwrap_or("").trim().to_ascii_lowercase())
+}
+
+pub fn utf8(bytes: &[u8]) -> ApiResult<&str> {
+    std::str::from_utf8(bytes)
+        .map_err(|e| ApiError::bad_request("invalid_utf8", format!("the body is not valid UTF-8: {e}")))
+}
+
+/// A JSON body (`application/json`; a missing content type is taken as JSON) read into `T`.
+/// A field that does not parse is named in the error (`param` and message), by its path.
+pub fn json_body<T: DeserializeOwned>(headers: &HeaderMap, bytes: &[u8], body: Body) -> ApiResult<T> {
+    match media_type(headers).as_deref() {
+        None | Some("application/json") => {}
+        Some(other) => {
+            return Err(ApiError::new(
+                StatusCode::UNSUPPORTED_MEDIA_TYPE,
+                "unsupported_media_type",
+                format!("content type '{other}' is not supported here; send application/json"),
+            ))
+        }
+    }
+    let text = utf8(bytes)?;
+    // Syntax first, so that a malformed body is never reported as a field's fault.
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| ApiError::bad_request("invalid_json", format!("malformed JSON: {e}")))?;
+    if !value.is_object() {
+        return Err(ApiError::bad_request("invalid_json", "the body must be a JSON object"));
+    }
+    serde_path_to_error::deserialize(value).map_err(|e| field_error(e, body))
+}
+
+fn field_error(e: serde_path_to_error::Error<serde_json::Error>, body: Body) -> ApiError {
+    let path = e.path().to_string();
+    let inner = e.into_inner();
+    let message = inner.to_string();
+    // serde's `Error::unknown_field` is the one data error told apart by its (fixed) wording.
+    let code = if message.starts_with("unknown field") {
+        body.unknown_field_code(&path)
+    } else {
+        body.code(&path)
+    };
+    ApiError::bad_request(code, format!("'{path}': {message}")).param(&path)
+}
+
+// ---------- POST /documents ----------
+
+/// `POST /documents` with a JSON body (a `text/plain` body is the text alone).
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct PostDocument {
+    /// The document, UTF-8 text.
+    pub text: Option<String>,
+    pub title: Option<String>,
+    pub options: Option<DocumentOptions>,
+}
+
+/// Absorb options a request may set; the others are the server's `--absorb-options`.
+#[derive(Debug, Default, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct DocumentOptions {
+    #[schema(value_type = Option<String>, example = "gated_memory")]
+    pub adapter: Option<AdapterKind>,
+    /// Tokens per training segment.
+    pub window: Option<usize>,
+    /// Tokens between segment starts (at most `window`).
+    pub stride: Option<usize>,
+    /// [segment-only epochs, segment + QA epochs].
+    pub epochs: Option<[usize; 2]>,
+    /// Most auxiliary QA pairs.
+    pub aux_qa: Option<usize>,
+    /// Removed: FltLM's filter belongs to the server's prepared base (400 `removed_option`).
+    #[schema(value_type = Option<Object>)]
+    pub filter: Option<serde_json::Value>,
+    /// Removed: CDT belongs to the server's prepared base (400 `removed_option`).
+    #[schema(value_type = Option<Object>)]
+    pub cdt: Option<serde_json::Value>,
+}
+
+/// Longest title, in characters.
+pub const MAX_TITLE_CHARS: usize = 1000;
+
+impl DocumentOptions {
+    /// `defaults` with these options applied, checked against their bounds.
+    pub fn apply(self, defaults: &AbsorbOptions, num_layers: usize, max_window: usize) -> ApiResult<AbsorbOptions> {
+        for (name, v) in [("filter", &self.filter), ("cdt", &self.cdt)] {
+            if v.is_some() {
+                return Err(ApiError::bad_request(
+                    "removed_option",
+                    format!(
+                        "'options.{name}' is no longer a per-document option: FltLM's filter and CDT are part of the \
+                         server's prepared base, active for every document (the server's --prepared-base chooses it)"
+                    ),
+                )
+                .param(&format!("options.{name}")));
+            }
+        }
+        let mut o = defaults.clone();
+        o.adapter = self.adapter.unwrap_or(o.adapter);
+        o.plan.window = self.window.unwrap_or(o.plan.window);
+        o.plan.stride = self.stride.or(o.plan.stride);
+        o.train.epochs = self.epochs.unwrap_or(o.train.epochs);
+        if let Some(n) = self.aux_qa {
+            o.qa.max_pairs = n;
+            o.qa.min_pairs = o.qa.min_pairs.min(n);
+        }
+        o.validate(num_layers, max_window).map_err(invalid_option)?;
+        Ok(o)
+    }
+}
+
+fn invalid_option(e: OptionError) -> ApiError {
+    ApiError::bad_request("invalid_option", e.to_string()).param(&format!("options.{}", e.option()))
+}
+
+impl PostDocument {
+    pub fn validate(self, defaults: &AbsorbOptions, num_layers: usize, max_window: usize) -> ApiResult<NewDocument> {
+        let text = self.text.ok_or_else(|| missing("text"))?;
+        let options = self.options.unwrap_or_default().apply(defaults, num_layers, max_window)?;
+        document(text, self.title, options)
+    }
+}
+
+/// A document's text and title checked.
+pub fn document(text: String, title: Option<String>, options: AbsorbOptions) -> ApiResult<NewDocument> {
+    if text.trim().is_empty() {
+        return Err(ApiError::unprocessable("empty_document", "the document text is empty").param("text"));
+    }
+    if let Some(n) = title.as_ref().map(|t| t.chars().count()).filter(|&n| n > MAX_TITLE_CHARS) {
+        return Err(ApiError::bad_request(
+            "invalid_title",
+            format!("'title' has {n} characters; the limit is {MAX_TITLE_CHARS}"),
+        )
+        .param("title"));
+    }
+    Ok(NewDocument { text, title, options })
+}
+
+fn missing(field: &str) -> ApiError {
+    ApiError::bad_request("missing_field", format!("'{field}' is required")).param(field)
+}
+
+// ---------- POST /ask ----------
+
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct AskRequest {
+    pub document_id: Option<String>,
+    pub question: Option<String>,
+    /// `lift` (default): adapter + head and tail of the document; `icl`: no adapter; `memory`:
+    /// adapter, no document text.
+    #[schema(value_type = Option<String>, example = "lift")]
+    pub mode: Option<Mode>,
+    pub max_tokens: Option<u64>,
+    /// 0 (default): greedy.
+    pub temperature: Option<f64>,
+}
+
+/// The server's bounds on generation requests.
+#[derive(Clone, Copy, Debug)]
+pub struct GenerationLimits {
+    pub max_question_chars: usize,
+    pub max_tokens_limit: usize,
+    pub default_max_tokens: usize,
+}
+
+impl GenerationLimits {
+    /// `max_tokens` within 1..=limit (the default when absent).
+    fn max_tokens(&self, v: Option<u64>, param: &str) -> ApiResult<usize> {
+        let limit = self.max_tokens_limit;
+        match v {
+            None => Ok(self.default_max_tokens.min(limit)),
+            Some(n) if n >= 1 && n <= limit as u64 => Ok(n as usize),
+            Some(n) => Err(ApiError::bad_request(
+                "invalid_max_tokens",
+                format!("'{param}' must be between 1 and {limit} (got {n})"),
+            )
+            .param(param)),
+        }
+    }
+
+    fn question(&self, q: &str, param: &str) -> ApiResult<()> {
+        if q.trim().is_empty() {
+            return Err(ApiError::unprocessable("empty_question", "the question is empty").param(param));
+        }
+        let (n, limit) = (q.chars().count(), self.max_question_chars);
+        if n > limit {
+            return Err(ApiError::bad_request(
+                "question_too_long",
+                format!("the question has {n} characters; the limit is {limit}"),
+            )
+            .param(param));
+        }
+        Ok(())
+    }
+}
+
+fn temperature(v: Option<f64>) -> ApiResult<f64> {
+    match v {
+        None => Ok(0.0),
+        Some(t) if (0.0..=2.0).contains(&t) => Ok(t),
+        Some(t) => {
+            Err(ApiError::bad_request("invalid_temperature", format!("'temperature' must be in [0, 2] (got {t})"))
+                .param("temperature"))
+        }
+    }
+}
+
+impl AskRequest {
+    pub fn validate(self, limits: &GenerationLimits) -> ApiResult<(Question, SamplingParams)> {
+        let document_id = self.document_id.ok_or_else(|| missing("document_id"))?;
+        let question = self.question.ok_or_else(|| missing("question"))?;
+        limits.question(&question, "question")?;
+        let max_tokens = limits.max_tokens(self.max_tokens, "max_tokens")?;
+        let temperature = temperature(self.temperature)?;
+        let params = SamplingParams { max_tokens, temperature, ..Default::default() };
+        Ok((Question { document_id, question, mode: self.mode.unwrap_or_default() }, params))
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AskResponse {
+    pub answer: String,
+    pub document_id: String,
+    #[schema(value_type = String)]
+    pub mode: Mode,
+    pub usage: AskUsage,
+    #[schema(value_type = String)]
+    pub finish_reason: FinishReason,
+    pub timings: Timings,
+    /// What the prepared base's filter did to the in-context document (modes with context, on a
+    /// server with a prepared base).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context: Option<Context>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AskUsage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Timings {
+    pub queue_ms: f64,
+    pub prompt_ms: f64,
+    pub generate_ms: f64,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Context {
+    pub chunks: Vec<ContextChunk>,
+}
+
+/// One chunk of the in-context document: document token offsets, FltLM's relevance score and the
+/// attention bias `min(0, w·s + b)` its keys got.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ContextChunk {
+    pub start: usize,
+    pub end: usize,
+    pub score: f32,
+    pub mask: f32,
+    pub text: String,
+}
+
+// ---------- lists ----------
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct List<T: ToSchema> {
+    /// Always "list".
+    pub object: &'static str,
+    pub data: Vec<T>,
+}
+
+impl<T: ToSchema> List<T> {
+    pub fn new(data: Vec<T>) -> Self {
+        Self { object: "list", data }
+    }
+}
+
+// ---------- POST /v1/chat/completions ----------
+
+/// OpenAI's chat completion request. Unlike `/ask` and `/documents`, unknown fields are ignored
+/// (the API contract): OpenAI clients send fields of newer API versions that change nothing here.
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct ChatRequest {
+    /// The base model's id, or a ready document's id (answered as `/ask` answers).
+    pub model: Option<String>,
+    pub messages: Option<Vec<ChatMessageIn>>,
+    pub max_tokens: Option<u64>,
+    pub max_completion_tokens: Option<u64>,
+    pub temperature: Option<f64>,
+    pub top_p: Option<f64>,
+    #[schema(value_type = Option<Object>)]
+    pub stop: Option<Stop>,
+    pub seed: Option<i64>,
+    pub n: Option<u64>,
+    pub stream: Option<bool>,
+    pub stream_options: Option<StreamOptions>,
+    /// lift-serve's extension: the answer mode for a document model (as in `/ask`).
+    #[schema(value_type = Option<String>)]
+    pub mode: Option<Mode>,
+}
+
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct StreamOptions {
+    pub include_usage: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Stop {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// A chat message; only the role and the text content are read.
+#[derive(Debug, Deserialize, ToSchema)]
+pub struct ChatMessageIn {
+    #[schema(value_type = String, example = "user")]
+    pub role: Role,
+    #[schema(value_type = Option<Object>)]
+    pub content: Option<Content>,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// Read as `system`.
+    Developer,
+    System,
+    User,
+    Assistant,
+    Tool,
+}
+
+impl Role {
+    fn name(self) -> &'static str {
+        match self {
+            Role::Developer | Role::System => "system",
+            Role::User => "user",
+            Role::Assistant => "assistant",
+            Role::Tool => "tool",
+        }
+    }
+}
+
+/// Message content: a string or an array of parts, of which only text parts are supported.
+#[derive(Debug, Deserialize)]
+#[serde(untagged)]
+pub enum Content {
+    Text(String),
+    Parts(Vec<ContentPart>),
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ContentPart {
+    #[serde(rename = "type")]
+    pub kind: String,
+    pub text: Option<String>,
+}
+
+/// Where a chat completion goes.
+pub enum ChatTarget {
+    /// The base model, on the whole conversation.
+    Base(Vec<ChatMessage>),
+    /// A document, on the last user message.
+    Document(Question),
+}
+
+pub struct ValidChat {
+    pub model: String,
+    pub target: ChatTarget,
+    pub params: SamplingParams,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+fn bad_messages(msg: impl Into<String>) -> ApiError {
+    ApiError::bad_request("invalid_messages", msg).param("messages")
+}
+
+impl ChatMessageIn {
+    fn into_message(self) -> ApiResult<ChatMessage> {
+        let content = match self.content {
+            None => String::new(),
+            Some(Content::Text(s)) => s,
+            Some(Content::Parts(parts)) => {
+                let mut out = String::new();
+                for p in parts {
+                    match (p.kind.as_str(), p.text) {
+                        ("text", Some(t)) => out.push_str(&t),
+                        _ => return Err(bad_messages("only text content parts are supported")),
+                    }
+                }
+                out
+            }
+        };
+        Ok(ChatMessage { role: self.role.name().to_string(), content })
+    }
+}
+
+impl ChatRequest {
+    /// Checks the request; `is_document` tells a document id from an unknown model.
+    pub fn validate(
+        self,
+        limits: &GenerationLimits,
+        base_id: &str,
+        is_document: impl Fn(&str) -> bool,
+    ) -> ApiResult<ValidChat> {
+        let model = self.model.ok_or_else(|| missing("model"))?;
+        let messages = self.messages.ok_or_else(|| missing("messages"))?;
+        if messages.is_empty() {
+            return Err(bad_messages("'messages' must not be empty"));
+        }
+        let messages: Vec<ChatMessage> = messages.into_iter().map(ChatMessageIn::into_message).collect::<ApiResult<_>>()?;
+        let (chars, limit) = (messages.iter().map(|m| m.content.chars().count()).sum::<usize>(), limits.max_question_chars);
+        if chars > limit {
+            return Err(ApiError::bad_request(
+                "messages_too_long",
+                format!("the messages have {chars} characters; the limit is {limit}"),
+            )
+            .param("messages"));
+        }
+        let max_tokens = match self.max_completion_tokens {
+            Some(n) => limits.max_tokens(Some(n), "max_completion_tokens")?,
+            None => limits.max_tokens(self.max_tokens, "max_tokens")?,
+        };
+        let params = SamplingParams {
+            max_tokens,
+            temperature: temperature(self.temperature)?,
+            top_p: top_p(self.top_p)?,
+            seed: self.seed.unwrap_or(0) as u64,
+            stop: stop(self.stop)?,
+        };
+        if let Some(n) = self.n.filter(|&n| n != 1) {
+            return Err(ApiError::bad_request("unsupported_n", format!("only n = 1 is supported (got {n})")).param("n"));
+        }
+        let target = if model == base_id {
+            ChatTarget::Base(messages)
+        } else if is_document(&model) {
+            let question = messages
+                .into_iter()
+                .rev()
+                .find(|m| m.role == "user")
+                .map(|m| m.content)
+                .ok_or_else(|| bad_messages("a document model needs a user message"))?;
+            limits.question(&question, "messages")?;
+            ChatTarget::Document(Question { document_id: model.clone(), question, mode: self.mode.unwrap_or_default() })
+        } else {
+            return Err(
+                ApiError::not_found("model_not_found", format!("the model '{model}' does not exist")).param("model")
+            );
+        };
+        let include_usage = self.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
+        Ok(ValidChat { model, target, params, stream: self.stream.unwrap_or(false), include_usage })
+    }
+}
+
+fn top_p(v: Option<f64>) -> ApiResult<f64> {
+    match v {
+        None => Ok(1.0),
+        Some(p) if p > 0.0 && p <= 1.0 => Ok(p),
+        Some(p) => Err(ApiError::bad_request("invalid_top_p", format!("'top_p' must be in (0, 1] (got {p})")).param("top_p")),
+    }
+}
+
+/// Most stop strings.
+const MAX_STOP: usize = 4;
+
+fn stop(v: Option<Stop>) -> ApiResult<Vec<String>> {
+    match v {
+        None => Ok(Vec::new()),
+        Some(Stop::One(s)) => Ok(vec![s]),
+        Some(Stop::Many(v)) if v.len() <= MAX_STOP => Ok(v),
+        Some(Stop::Many(v)) => Err(ApiError::bad_request(
+            "invalid_stop",
+            format!("'stop' must be a string or up to {MAX_STOP} strings (got {})", v.len()),
+        )
+        .param("stop")),
+    }
+}
+
+/// OpenAI's `finish_reason`.
+pub fn finish_reason(f: FinishReason) -> &'static str {
+    match f {
+        FinishReason::Length => "length",
+        _ => "stop",
+    }
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChatCompletion {
+    pub id: String,
+    /// "chat.completion".
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChatChoice>,
+    pub usage: ChatUsage,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChatChoice {
+    pub index: usize,
+    pub message: ChatMessageOut,
+    #[schema(value_type = Option<Object>)]
+    pub logprobs: Option<serde_json::Value>,
+    pub finish_reason: &'static str,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChatMessageOut {
+    pub role: &'static str,
+    pub content: String,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, ToSchema)]
+pub struct ChatUsage {
+    pub prompt_tokens: usize,
+    pub completion_tokens: usize,
+    pub total_tokens: usize,
+}
+
+impl ChatUsage {
+    pub fn new(prompt_tokens: usize, completion_tokens: usize) -> Self {
+        Self { prompt_tokens, completion_tokens, total_tokens: prompt_tokens + completion_tokens }
+    }
+}
+
+/// One event of a streamed completion.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChatChunk {
+    pub id: String,
+    /// "chat.completion.chunk".
+    pub object: &'static str,
+    pub created: u64,
+    pub model: String,
+    pub choices: Vec<ChunkChoice>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub usage: Option<ChatUsage>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChunkChoice {
+    pub index: usize,
+    pub delta: Delta,
+    #[schema(value_type = Option<Object>)]
+    pub logprobs: Option<serde_json::Value>,
+    pub finish_reason: Option<&'static str>,
+}
+
+#[derive(Debug, Default, Serialize, ToSchema)]
+pub struct Delta {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub content: Option<String>,
+}
+
+/// An entry of `/v1/models`: the base model, or a ready document.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ModelCard {
+    pub id: String,
+    /// "model".
+    pub object: &'static str,
+    pub created: u64,
+    pub owned_by: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub root: Option<String>,
+    /// A document's title (documents only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub title: Option<Option<String>>,
+}
+
+#[derive(Debug, Serialize, ToSchema)]
+pub struct Health {
+    /// "ok", or "shutting_down" (with 503).
+    pub status: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse<T: DeserializeOwned>(body: serde_json::Value, kind: Body) -> ApiError {
+        json_body::<T>(&HeaderMap::new(), body.to_string().as_bytes(), kind).err().expect("refused")
+    }
+
+    #[test]
+    fn field_errors_name_the_field_by_its_path() {
+        let e = parse::<PostDocument>(serde_json::json!({"text": "x", "options": {"colour": "red"}}), Body::Document);
+        assert_eq!((e.code, e.param.as_deref()), ("unknown_option", Some("options.colour")), "{e}");
+        let e = parse::<PostDocument>(serde_json::json!({"text": "x", "options": {"window": "big"}}), Body::Document);
+        assert_eq!((e.code, e.param.as_deref()), ("invalid_option", Some("options.window")), "{e}");
+        assert!(e.message.contains("'options.window'") && e.message.contains("invalid type"), "{e}");
+        let e = parse::<PostDocument>(serde_json::json!({"text": 5}), Body::Document);
+        assert_eq!((e.code, e.param.as_deref()), ("invalid_type", Some("text")), "{e}");
+        let e = parse::<AskRequest>(serde_json::json!({"document_id": "d", "question": "q", "colour": 1}), Body::Ask);
+        assert_eq!((e.code, e.param.as_deref()), ("unknown_field", Some("colour")), "{e}");
+        let e = parse::<AskRequest>(serde_json::json!({"question": "q", "mode": "psychic"}), Body::Ask);
+        assert_eq!((e.code, e.param.as_deref()), ("invalid_mode", Some("mode")), "{e}");
+        let body = serde_json::json!({"model": "m", "messages": [{"role": "wizard", "content": "x"}]});
+        let e = parse::<ChatRequest>(body, Body::Chat);
+        assert_eq!((e.code, e.param.as_deref()), ("invalid_messages", Some("messages[0].role")), "{e}");
+    }
+
+    #[test]
+    fn option_bounds_name_the_limit_and_the_value() {
+        let o = DocumentOptions { window: Some(8), ..Default::default() };
+        let e = o.apply(&AbsorbOptions::default(), 30, 2048).err().expect("refused");
+        assert_eq!((e.code, e.param.as_deref()), ("invalid_option", Some("options.window")));
+        assert!(e.message.contains("32") && e.message.contains("2048") && e.message.contains("got 8"), "{e}");
+        let o = DocumentOptions { epochs: Some([0, 0]), ..Default::default() };
+        let e = o.apply(&AbsorbOptions::default(), 30, 2048).err().expect("refused");
+        assert_eq!(e.param.as_deref(), Some("options.epochs"));
+        let o = DocumentOptions { aux_qa: Some(5), window: Some(64), stride: Some(64), ..Default::default() };
+        let a = o.apply(&AbsorbOptions::default(), 30, 2048).unwrap();
+        assert_eq!((a.qa.max_pairs, a.plan.window, a.plan.stride()), (5, 64, 64));
+    }
+}

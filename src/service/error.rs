@@ -1,0 +1,67 @@
+//! What the service refuses or fails with. Each variant carries the numbers a client needs (the
+//! limit and the value given); `server::error` maps them to HTTP once.
+
+use crate::engine::{GenerateError, SubmitError};
+use crate::store::Status;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServiceError {
+    /// Unknown, or another tenant's.
+    #[error("no document '{0}'")]
+    UnknownDocument(String),
+    #[error("document {id} is {}, not ready", status.name())]
+    NotReady { id: String, status: Status },
+    #[error("the document could not be tokenized: {0}")]
+    Untokenizable(String),
+    #[error("the document has {tokens} tokens; the limit is {limit}")]
+    DocumentTooLarge { tokens: usize, limit: usize },
+    #[error(
+        "these options plan about {planned} training tokens for this document of {tokens} tokens; the server's limit is \
+         {limit} (fewer epochs or aux_qa, or a larger stride, plan less)"
+    )]
+    TrainingTooLarge { planned: u64, tokens: usize, limit: u64 },
+    #[error(
+        "the prompt has {prompt_tokens} tokens; with max_tokens {max_tokens} it exceeds the model's window of {window} tokens"
+    )]
+    ContextLength { prompt_tokens: usize, max_tokens: usize, window: usize },
+    /// The prompt outgrew the window while it was built (after the up-front check).
+    #[error("the prompt has {prompt_tokens} tokens; the model's window is {window}")]
+    PromptTooLong { prompt_tokens: usize, window: usize },
+    #[error("the server's queue is full; retry later")]
+    QueueFull,
+    #[error("the server is shutting down")]
+    ShuttingDown,
+    /// A server-side failure; the detail is for the log only.
+    #[error("internal error: {0}")]
+    Internal(String),
+}
+
+impl ServiceError {
+    pub fn internal(detail: impl std::fmt::Display) -> Self {
+        ServiceError::Internal(detail.to_string())
+    }
+
+    pub(super) fn poisoned<T>(_: T) -> Self {
+        ServiceError::Internal("state lock poisoned".into())
+    }
+}
+
+impl From<SubmitError> for ServiceError {
+    fn from(e: SubmitError) -> Self {
+        match e {
+            SubmitError::Full => ServiceError::QueueFull,
+            SubmitError::Closed => ServiceError::ShuttingDown,
+            SubmitError::WrongLane => ServiceError::internal(e),
+        }
+    }
+}
+
+impl From<GenerateError> for ServiceError {
+    fn from(e: GenerateError) -> Self {
+        match e {
+            GenerateError::UnknownDocument(id) => ServiceError::UnknownDocument(id),
+            GenerateError::ContextLength(c) => ServiceError::PromptTooLong { prompt_tokens: c.prompt, window: c.window },
+            GenerateError::Failed(detail) => ServiceError::Internal(detail),
+        }
+    }
+}

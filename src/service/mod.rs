@@ -1,0 +1,414 @@
+//! The service: documents and jobs, independent of HTTP. It owns the engine (model work), the
+//! store (adapters and records on disk) and the records of the documents it knows.
+//!
+//! A document's way through it: [`Service::submit`] tokenizes the text once, checks it against
+//! the limits, keeps the text until its adapter is saved, records the job and queues an
+//! [`AbsorbJob`] on the engine; the engine trains and saves it and reports progress and the outcome
+//! to [`records::Records`], which writes the record through to disk. [`Service::ask`] and
+//! [`Service::chat`] check a question against the model's window and queue a [`GenerateJob`],
+//! which loads the document from the store and answers through [`crate::lift::answer::answer`].
+//! On start, jobs a previous process left unfinished are settled or re-queued
+//! ([`Service::open`]); [`Service::begin_shutdown`] stops training so that the job is re-queued at
+//! the next start.
+
+mod error;
+pub mod records;
+
+pub use error::ServiceError;
+pub use crate::engine::Generated;
+pub use records::{DocumentView, ErrorMessage};
+
+use crate::document::Document;
+use crate::engine::{AbsorbJob, Engine, GenerateError, GenerateJob, Job, Lane, Prompt};
+use crate::lift::answer::Mode;
+use crate::lift::AbsorbOptions;
+use crate::metrics::Metrics;
+use crate::model::generate::SamplingParams;
+use crate::model::{ChatMessage, Model};
+use crate::store::{self, JobRecord, Status, Store};
+use anyhow::Result;
+use records::{DocEntry, Records};
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::Instant;
+
+/// What the service needs to know (the server's flags map onto it).
+#[derive(Clone, Debug)]
+pub struct ServiceConfig {
+    pub adapters_dir: PathBuf,
+    /// Bytes of loaded adapters (with their documents) kept in memory.
+    pub cache_bytes: u64,
+    pub train_queue: usize,
+    pub generate_queue: usize,
+    /// Largest document, in tokens of the base model.
+    pub max_document_tokens: usize,
+    /// Cap on the training one document may plan (tokens through the model, all epochs).
+    pub max_training_tokens: u64,
+    /// In-context document budget when answering (None: what fits the window).
+    pub context_tokens: Option<usize>,
+    /// Absorb options of a document that sets none.
+    pub default_options: AbsorbOptions,
+}
+
+/// A document to absorb, its options already validated against their own bounds.
+pub struct NewDocument {
+    pub text: String,
+    pub title: Option<String>,
+    pub options: AbsorbOptions,
+}
+
+/// [`Service::submit`]'s answer: a new job, or the document already known under this id.
+pub enum Submitted {
+    Queued(DocumentView),
+    Existing(DocumentView),
+}
+
+/// A question about a document.
+#[derive(Clone, Debug)]
+pub struct Question {
+    pub document_id: String,
+    pub question: String,
+    pub mode: Mode,
+}
+
+/// Counts shown by `/metrics`.
+pub struct Stats {
+    pub train_queue: (usize, usize),
+    pub generate_queue: (usize, usize),
+    pub documents: HashMap<Status, usize>,
+    pub cache_hits: u64,
+    pub cache_misses: u64,
+    pub cache_evictions: u64,
+    pub cache_resident_bytes: u64,
+}
+
+pub struct Service {
+    pub engine: Engine,
+    store: Arc<Store>,
+    records: Arc<Records>,
+    cfg: ServiceConfig,
+}
+
+impl Service {
+    /// Opens the store, starts the engine, and settles the jobs a previous process left
+    /// unfinished: `ready` when their adapter was saved, re-queued (in posting order) when their
+    /// text was kept and still hashes to their id, `failed` with the reason otherwise (blocking).
+    pub fn open(model: Arc<Model>, cfg: ServiceConfig, metrics: Arc<Metrics>) -> Result<Self> {
+        let store = Arc::new(Store::open(&cfg.adapters_dir, cfg.cache_bytes)?);
+        let mut docs = HashMap::new();
+        let mut requeue = Vec::new();
+        for r in store.recover()? {
+            if let Some(text) = r.requeue_text {
+                requeue.push((r.rec.id.clone(), text));
+            }
+            docs.insert(r.rec.id.clone(), DocEntry::new(r.rec));
+        }
+        tracing::info!(documents = docs.len(), requeued = requeue.len(), dir = %cfg.adapters_dir.display(), "store opened");
+        let records = Arc::new(Records {
+            docs: RwLock::new(docs),
+            store: store.clone(),
+            metrics,
+            shutting_down: AtomicBool::new(false),
+        });
+        let engine = Engine::start(model, store.clone(), records.clone(), cfg.train_queue, cfg.generate_queue)?;
+        let service = Self { engine, store, records, cfg };
+        for (id, text) in requeue {
+            service.requeue(&id, text);
+        }
+        Ok(service)
+    }
+
+    pub fn model(&self) -> &Model {
+        &self.engine.model
+    }
+
+    pub fn is_shutting_down(&self) -> bool {
+        self.records.shutting_down.load(Ordering::SeqCst)
+    }
+
+    // ---------- documents ----------
+
+    /// Tokenizes the document (once), checks it against the limits and queues its absorption; a
+    /// document already queued, training or ready under the same id is answered as it is. A
+    /// refused request (full queue, over a limit) writes nothing.
+    pub async fn submit(&self, owner: Option<String>, doc: NewDocument) -> Result<Submitted, ServiceError> {
+        let NewDocument { text, title, options } = doc;
+        let model = self.engine.model.clone();
+        let document = tokio::task::spawn_blocking(move || Document::encode(&model, text))
+            .await
+            .map_err(ServiceError::internal)?
+            .map_err(|e| ServiceError::Untokenizable(format!("{e:#}")))?;
+        let (tokens, limit) = (document.len(), self.cfg.max_document_tokens);
+        if tokens > limit {
+            return Err(ServiceError::DocumentTooLarge { tokens, limit });
+        }
+        self.check_training_cost(&options, tokens)?;
+        let options_json = serde_json::to_value(&options).map_err(ServiceError::internal)?;
+        let fingerprint = &self.engine.model.info.fingerprint;
+        let id = store::document_id(fingerprint, owner.as_deref(), &document.text, &options_json);
+        if let Some(view) = self.existing(&id)? {
+            return Ok(Submitted::Existing(view));
+        }
+        // A place in the queue first: a refused request (429) writes nothing.
+        let slot = self.engine.reserve(Lane::Train)?;
+        // The text is kept until the adapter is saved, so that a restart can train it again.
+        let (store, id2) = (self.store.clone(), id.clone());
+        let document = tokio::task::spawn_blocking(move || store.write_pending_text(&id2, &document.text).map(|()| document))
+            .await
+            .map_err(ServiceError::internal)?
+            .map_err(|e| ServiceError::internal(format!("cannot keep the document text: {e:#}")))?;
+
+        let mut docs = self.records.docs.write().map_err(ServiceError::poisoned)?;
+        if let Some(view) = existing_view(&docs, &id) {
+            // The same document was queued meanwhile: its job keeps the text it wrote.
+            return Ok(Submitted::Existing(view));
+        }
+        let rec = JobRecord {
+            id: id.clone(),
+            owner,
+            title,
+            status: Status::Queued,
+            tokens,
+            created_at: store::now(),
+            seq: store::next_seq(),
+            ready_at: None,
+            error: None,
+            adapter: None,
+            options: options_json,
+        };
+        let entry = DocEntry::new(rec);
+        let job = AbsorbJob {
+            id: id.clone(),
+            document,
+            title: entry.rec.title.clone(),
+            options,
+            cancel: entry.cancel.clone(),
+        };
+        slot.submit(Job::Absorb(job))?;
+        self.store.write_record(&entry.rec).map_err(|e| ServiceError::internal(format!("cannot write the job record: {e}")))?;
+        let view = entry.view();
+        docs.insert(id.clone(), entry);
+        tracing::info!(id, tokens, "document queued");
+        Ok(Submitted::Queued(view))
+    }
+
+    fn existing(&self, id: &str) -> Result<Option<DocumentView>, ServiceError> {
+        Ok(existing_view(&*self.records.docs.read().map_err(ServiceError::poisoned)?, id))
+    }
+
+    /// The training the options plan for a document of `tokens` must stay within the cap (each
+    /// option is bounded alone; this bounds their product).
+    fn check_training_cost(&self, o: &AbsorbOptions, tokens: usize) -> Result<(), ServiceError> {
+        let planned = crate::lift::plan::planned_training_tokens(tokens, &o.plan, o.train.epochs, o.qa.max_pairs);
+        let limit = self.cfg.max_training_tokens;
+        if planned > limit {
+            return Err(ServiceError::TrainingTooLarge { planned, tokens, limit });
+        }
+        Ok(())
+    }
+
+    /// Queues again a job interrupted by the previous process (its text was kept), or records why
+    /// it cannot be: its id no longer matches the text, options and base model, or the queue is
+    /// full.
+    fn requeue(&self, id: &str, text: String) {
+        let Ok(mut docs) = self.records.docs.write() else { return };
+        let Some(entry) = docs.get_mut(id) else { return };
+        match self.requeue_job(entry, text) {
+            Ok(()) => tracing::info!(id, "re-queued a job interrupted by the previous process"),
+            Err(why) => {
+                entry.rec.status = Status::Failed;
+                entry.rec.error = Some(format!(
+                    "interrupted: the server stopped during the job and could not re-queue it: {why}; POST the document again to retry"
+                ));
+                self.store.remove_pending_text(id);
+                if let Err(e) = self.store.write_record(&entry.rec) {
+                    tracing::error!(id, error = %e, "cannot write job record");
+                }
+                tracing::warn!(id, why, "interrupted job not re-queued");
+            }
+        }
+    }
+
+    fn requeue_job(&self, entry: &DocEntry, text: String) -> Result<(), String> {
+        let r = &entry.rec;
+        let options = serde_json::from_value::<AbsorbOptions>(r.options.clone())
+            .map_err(|e| format!("its options no longer parse ({e})"))?;
+        let model = &self.engine.model;
+        if store::document_id(&model.info.fingerprint, r.owner.as_deref(), &text, &r.options) != r.id {
+            return Err("its text, options or the base model changed".to_string());
+        }
+        let document = Document::encode(model, text).map_err(|e| format!("its text cannot be tokenized ({e:#})"))?;
+        let job = AbsorbJob { id: r.id.clone(), document, title: r.title.clone(), options, cancel: entry.cancel.clone() };
+        self.engine.submit(Job::Absorb(job)).map_err(|e| format!("the training queue refused it ({e})"))
+    }
+
+    /// The document `id` as `owner` sees it: unknown ids and other tenants' documents are both
+    /// `UnknownDocument`.
+    pub fn document(&self, owner: Option<&str>, id: &str) -> Result<DocumentView, ServiceError> {
+        self.with_doc(owner, id, DocEntry::view)
+    }
+
+    /// `owner`'s documents in posting order.
+    pub fn documents(&self, owner: Option<&str>) -> Result<Vec<DocumentView>, ServiceError> {
+        let docs = self.records.docs.read().map_err(ServiceError::poisoned)?;
+        let mut list: Vec<&DocEntry> = docs.values().filter(|d| d.rec.owner.as_deref() == owner).collect();
+        list.sort_by(|a, b| a.rec.posting_order().cmp(&b.rec.posting_order()));
+        Ok(list.into_iter().map(DocEntry::view).collect())
+    }
+
+    /// Updates of the document's view, for event streams (closed when the document is deleted).
+    pub fn watch(&self, owner: Option<&str>, id: &str) -> Result<tokio::sync::watch::Receiver<DocumentView>, ServiceError> {
+        self.with_doc(owner, id, |d| d.watch.subscribe())
+    }
+
+    /// Stops the document's job if it runs and removes its adapter and record.
+    pub async fn delete(&self, owner: Option<&str>, id: &str) -> Result<(), ServiceError> {
+        self.with_doc(owner, id, |_| ())?;
+        let entry = self.records.docs.write().map_err(ServiceError::poisoned)?.remove(id);
+        if let Some(e) = entry {
+            e.cancel.store(true, Ordering::SeqCst);
+        }
+        let (store, id2) = (self.store.clone(), id.to_string());
+        tokio::task::spawn_blocking(move || store.delete(&id2))
+            .await
+            .map_err(ServiceError::internal)?
+            .map_err(|e| ServiceError::internal(format!("cannot delete: {e:#}")))?;
+        tracing::info!(id, "document deleted");
+        Ok(())
+    }
+
+    fn with_doc<T>(&self, owner: Option<&str>, id: &str, f: impl FnOnce(&DocEntry) -> T) -> Result<T, ServiceError> {
+        if !store::valid_id(id) {
+            return Err(ServiceError::UnknownDocument(id.to_string()));
+        }
+        let docs = self.records.docs.read().map_err(ServiceError::poisoned)?;
+        match docs.get(id) {
+            Some(d) if d.rec.owner.as_deref() == owner => Ok(f(d)),
+            _ => Err(ServiceError::UnknownDocument(id.to_string())),
+        }
+    }
+
+    // ---------- generation ----------
+
+    /// Queues an answer to `q` about a ready document, after checking, in tokens of the base
+    /// model, that the question and `max_tokens` of answer fit the window.
+    pub fn ask(
+        &self,
+        owner: Option<&str>,
+        q: Question,
+        params: SamplingParams,
+        pieces: Option<Pieces>,
+    ) -> Result<PendingGeneration, ServiceError> {
+        let status = self.with_doc(owner, &q.document_id, |d| d.rec.status)?;
+        if status != Status::Ready {
+            return Err(ServiceError::NotReady { id: q.document_id, status });
+        }
+        let model = &self.engine.model;
+        let question_tokens = model.tokenizer.encode(&q.question, false).map_err(ServiceError::internal)?.len();
+        // A FltLM filter lays the context out with the question twice.
+        let filtered = model.base_filter().is_some() && q.mode.uses_context();
+        let needed = crate::lift::answer::min_prompt_tokens(question_tokens, filtered);
+        self.check_fits(needed, params.max_tokens)?;
+        let prompt = Prompt::Document {
+            id: q.document_id,
+            question: q.question,
+            mode: q.mode,
+            context_tokens: self.cfg.context_tokens,
+        };
+        self.generate(prompt, params, pieces)
+    }
+
+    /// Queues a chat completion on the base model.
+    pub fn chat(
+        &self,
+        messages: &[ChatMessage],
+        params: SamplingParams,
+        pieces: Option<Pieces>,
+    ) -> Result<PendingGeneration, ServiceError> {
+        let ids = self.engine.model.encode_chat(messages).map_err(ServiceError::internal)?;
+        self.check_fits(ids.len(), params.max_tokens)?;
+        self.generate(Prompt::Chat(ids), params, pieces)
+    }
+
+    /// `prompt_tokens + max_tokens` must fit the model's window.
+    fn check_fits(&self, prompt_tokens: usize, max_tokens: usize) -> Result<(), ServiceError> {
+        let window = self.engine.model.config().max_position_embeddings;
+        if prompt_tokens + max_tokens > window {
+            return Err(ServiceError::ContextLength { prompt_tokens, max_tokens, window });
+        }
+        Ok(())
+    }
+
+    fn generate(&self, prompt: Prompt, params: SamplingParams, pieces: Option<Pieces>) -> Result<PendingGeneration, ServiceError> {
+        let (reply, result) = tokio::sync::oneshot::channel();
+        let cancel = Arc::new(AtomicBool::new(false));
+        let job = GenerateJob { prompt, params, cancel: cancel.clone(), pieces, reply, queued_at: Instant::now() };
+        self.engine.submit(Job::Generate(job))?;
+        Ok(PendingGeneration { result, _cancel: CancelOnDrop(cancel) })
+    }
+
+    // ---------- operations ----------
+
+    /// Stops taking work: the running training job stops (recorded as queued, re-queued by the
+    /// next start) and so do queued ones when their turn comes.
+    pub fn begin_shutdown(&self) {
+        self.records.shutting_down.store(true, Ordering::SeqCst);
+        if let Ok(docs) = self.records.docs.read() {
+            for d in docs.values().filter(|d| !d.rec.status.is_terminal()) {
+                d.cancel.store(true, Ordering::SeqCst);
+            }
+        }
+    }
+
+    pub fn stats(&self) -> Stats {
+        let mut documents = HashMap::new();
+        if let Ok(docs) = self.records.docs.read() {
+            for d in docs.values() {
+                *documents.entry(d.rec.status).or_insert(0) += 1;
+            }
+        }
+        let s = &self.store.stats;
+        Stats {
+            train_queue: self.engine.train_queue(),
+            generate_queue: self.engine.generate_queue(),
+            documents,
+            cache_hits: s.hits.load(Ordering::Relaxed),
+            cache_misses: s.misses.load(Ordering::Relaxed),
+            cache_evictions: s.evictions.load(Ordering::Relaxed),
+            cache_resident_bytes: self.store.resident_bytes(),
+        }
+    }
+}
+
+fn existing_view(docs: &HashMap<String, DocEntry>, id: &str) -> Option<DocumentView> {
+    docs.get(id).filter(|d| matches!(d.rec.status, Status::Queued | Status::Training | Status::Ready)).map(DocEntry::view)
+}
+
+/// Where a streaming generation sends its text pieces.
+pub type Pieces = tokio::sync::mpsc::UnboundedSender<String>;
+
+/// A queued generation: its result, and a guard that cancels it when dropped (the handler's
+/// future or the response stream is dropped when the client goes away).
+pub struct PendingGeneration {
+    result: tokio::sync::oneshot::Receiver<Result<Generated, GenerateError>>,
+    _cancel: CancelOnDrop,
+}
+
+impl PendingGeneration {
+    pub async fn wait(&mut self) -> Result<Generated, ServiceError> {
+        match (&mut self.result).await {
+            Ok(r) => r.map_err(ServiceError::from),
+            Err(_) => Err(ServiceError::internal("the generation was dropped")),
+        }
+    }
+}
+
+struct CancelOnDrop(Arc<AtomicBool>);
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        self.0.store(true, Ordering::SeqCst);
+    }
+}
