@@ -353,9 +353,38 @@ pub fn run(
     let t0 = Instant::now();
     let methods: Vec<Method> =
         cfg.methods.iter().map(|m| method(m, &cfg.absorb, model.config().num_layers)).collect::<Result<_>>()?;
-    // Methods sharing absorb options share one adapter per document.
+    let groups = absorb_groups(&methods)?;
+    let n_questions: usize = docs.iter().map(|d| d.questions.len()).sum();
+    let bars = Bars::new(show_progress, (n_questions * methods.len() + docs.len() * groups.len()) as u64);
+    let mut runner = Runner { model, backend, cfg, methods, groups, bars };
+    let results = |documents: Vec<EvalDocument>, absorbs: &[AbsorbRecord], answers: &[AnswerRecord]| Results {
+        model: model.info.id.clone(),
+        config: cfg.clone(),
+        documents,
+        absorbs: absorbs.to_vec(),
+        answers: answers.to_vec(),
+        seconds: t0.elapsed().as_secs_f64(),
+    };
+    let (mut absorbs, mut answers) = (Vec::new(), Vec::new());
+    for (i, doc) in docs.iter().enumerate() {
+        let document = Document::encode(model, doc.text.clone())?;
+        anyhow::ensure!(document.len() == doc.tokens, "{}: token count changed", doc.id);
+        let handles = runner.absorb(doc, &document, &mut absorbs)?;
+        for q in &doc.questions {
+            runner.answer(doc, &document, q, &handles, &mut answers)?;
+        }
+        runner.backend.release();
+        // The results so far (documents done), e.g. for a report that survives an interruption.
+        on_document(&results(docs[..=i].to_vec(), &absorbs, &answers))?;
+    }
+    runner.bars.finish();
+    Ok(results(docs, &absorbs, &answers))
+}
+
+/// Methods with the same absorb options share one adapter per document: (options, method names).
+fn absorb_groups(methods: &[Method]) -> Result<Vec<(AbsorbOptions, Vec<String>)>> {
     let mut groups: Vec<(AbsorbOptions, Vec<String>)> = Vec::new();
-    for m in &methods {
+    for m in methods {
         if let Some(o) = &m.absorb {
             let key = serde_json::to_string(o)?;
             match groups.iter_mut().find(|(g, _)| serde_json::to_string(g).is_ok_and(|k| k == key)) {
@@ -364,108 +393,113 @@ pub fn run(
             }
         }
     }
-    let n_questions: usize = docs.iter().map(|d| d.questions.len()).sum();
-    let multi = MultiProgress::with_draw_target(if show_progress {
-        ProgressDrawTarget::stderr()
-    } else {
-        ProgressDrawTarget::hidden()
-    });
-    let overall = multi.add(ProgressBar::new((n_questions * methods.len() + docs.len() * groups.len()) as u64));
-    overall.set_style(
-        ProgressStyle::with_template("{prefix:>8} [{bar:30}] {pos}/{len} {elapsed_precise} eta {eta} {msg}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    overall.set_prefix("eval");
-    let step_bar = multi.add(ProgressBar::new(0));
-    step_bar.set_style(
-        ProgressStyle::with_template("{prefix:>8} [{bar:30}] {pos}/{len} {msg}")
-            .expect("valid template")
-            .progress_chars("=> "),
-    );
-    step_bar.set_prefix("absorb");
+    Ok(groups)
+}
 
-    let mut absorbs = Vec::new();
-    let mut answers = Vec::new();
-    for doc in &docs {
-        let document = Document::encode(model, doc.text.clone())?;
-        anyhow::ensure!(document.len() == doc.tokens, "{}: token count changed", doc.id);
-        let mut handles: BTreeMap<String, usize> = BTreeMap::new();
-        for (opts, names) in &groups {
+/// The run's progress: questions and absorptions overall, and the steps of the absorption running.
+struct Bars {
+    overall: ProgressBar,
+    step: ProgressBar,
+    _multi: MultiProgress,
+}
+
+impl Bars {
+    fn new(show: bool, total: u64) -> Self {
+        let multi = MultiProgress::with_draw_target(if show { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
+        let bar = |len: u64, template: &str, prefix: &'static str| {
+            let b = multi.add(ProgressBar::new(len));
+            b.set_style(ProgressStyle::with_template(template).expect("valid template").progress_chars("=> "));
+            b.set_prefix(prefix);
+            b
+        };
+        let overall = bar(total, "{prefix:>8} [{bar:30}] {pos}/{len} {elapsed_precise} eta {eta} {msg}", "eval");
+        let step = bar(0, "{prefix:>8} [{bar:30}] {pos}/{len} {msg}", "absorb");
+        Self { overall, step, _multi: multi }
+    }
+
+    fn finish(&self) {
+        self.step.finish_and_clear();
+        self.overall.finish_and_clear();
+    }
+}
+
+struct Runner<'a> {
+    model: &'a Model,
+    backend: &'a mut dyn Backend,
+    cfg: &'a RunConfig,
+    methods: Vec<Method>,
+    groups: Vec<(AbsorbOptions, Vec<String>)>,
+    bars: Bars,
+}
+
+impl Runner<'_> {
+    /// Absorbs `doc` once per group of methods; returns each method's adapter handle.
+    fn absorb(&mut self, doc: &EvalDocument, document: &Document, absorbs: &mut Vec<AbsorbRecord>) -> Result<BTreeMap<String, usize>> {
+        let mut handles = BTreeMap::new();
+        for (opts, names) in &self.groups {
+            let (overall, step) = (&self.bars.overall, &self.bars.step);
             overall.set_message(format!("absorbing {} ({} tokens) for {}", doc.id, doc.tokens, names.join(",")));
-            let (mut rec, h) = backend.absorb(doc, &document, opts, &mut |step, steps, loss| {
-                step_bar.set_length(steps as u64);
-                step_bar.set_position(step as u64);
-                step_bar.set_message(format!("loss {loss:.3}"));
+            let (mut rec, h) = self.backend.absorb(doc, document, opts, &mut |n, steps, loss| {
+                step.set_length(steps as u64);
+                step.set_position(n as u64);
+                step.set_message(format!("loss {loss:.3}"));
             })?;
             rec.methods = names.clone();
             tracing::info!(document = %doc.id, seconds = rec.seconds, steps = rec.steps, bytes = rec.adapter_bytes, "absorbed");
             absorbs.push(rec);
-            for n in names {
-                handles.insert(n.clone(), h);
-            }
+            handles.extend(names.iter().map(|n| (n.clone(), h)));
             overall.inc(1);
         }
-        for q in &doc.questions {
-            let label_prompt =
-                build_prompt(model, &document, &ask(&q.question, Mode::Lift, cfg), cfg.max_tokens)?;
-            let label = in_window(&label_prompt, &q.evidence_tokens);
-            for m in &methods {
-                overall.set_message(format!("{} {} {}", doc.id, q.id, m.name));
-                let t = Instant::now();
-                let (prediction, prompt_tokens) =
-                    backend.ask(doc, &document, handles.get(&m.name).copied(), &q.question, m.mode)?;
-                let expected =
-                    build_prompt(model, &document, &ask(&q.question, m.mode, cfg), cfg.max_tokens)?;
-                if prompt_tokens != expected.tokens.len() {
-                    bail!(
-                        "{} {}: the {} prompt has {prompt_tokens} tokens, the labels assume {}: the answering side uses \
-                         another context budget (pass the server's --context-tokens as --ask-context-tokens)",
-                        doc.id,
-                        q.id,
-                        m.name,
-                        expected.tokens.len()
-                    );
-                }
-                answers.push(AnswerRecord {
-                    document: doc.id.clone(),
-                    question: q.id.clone(),
-                    method: m.name.clone(),
-                    scores: metrics::score(&prediction, &q.answers),
-                    prediction,
-                    in_window: label,
-                    depth: q.depth,
-                    kind: q.kind,
-                    target_tokens: doc.target_tokens,
-                    document_tokens: doc.tokens,
-                    prompt_tokens,
-                    seconds: t.elapsed().as_secs_f64(),
-                });
-                overall.inc(1);
-            }
-        }
-        backend.release();
-        // The results so far (documents done), e.g. for a report that survives an interruption.
-        let done = docs.iter().position(|d| std::ptr::eq(d, doc)).map_or(0, |i| i + 1);
-        on_document(&Results {
-            model: model.info.id.clone(),
-            config: cfg.clone(),
-            documents: docs[..done].to_vec(),
-            absorbs: absorbs.clone(),
-            answers: answers.clone(),
-            seconds: t0.elapsed().as_secs_f64(),
-        })?;
+        Ok(handles)
     }
-    step_bar.finish_and_clear();
-    overall.finish_and_clear();
-    Ok(Results {
-        model: model.info.id.clone(),
-        config: cfg.clone(),
-        documents: docs,
-        absorbs,
-        answers,
-        seconds: t0.elapsed().as_secs_f64(),
-    })
+
+    /// Every method answers `q`; each answer is labelled in or out of window by the prompt the
+    /// answering code builds, and its prompt length is checked against that prompt.
+    fn answer(
+        &mut self,
+        doc: &EvalDocument,
+        document: &Document,
+        q: &EvalQuestion,
+        handles: &BTreeMap<String, usize>,
+        answers: &mut Vec<AnswerRecord>,
+    ) -> Result<()> {
+        let (model, cfg) = (self.model, self.cfg);
+        let label_prompt = build_prompt(model, document, &ask(&q.question, Mode::Lift, cfg), cfg.max_tokens)?;
+        let label = in_window(&label_prompt, &q.evidence_tokens);
+        for m in &self.methods {
+            self.bars.overall.set_message(format!("{} {} {}", doc.id, q.id, m.name));
+            let t = Instant::now();
+            let (prediction, prompt_tokens) =
+                self.backend.ask(doc, document, handles.get(&m.name).copied(), &q.question, m.mode)?;
+            let expected = build_prompt(model, document, &ask(&q.question, m.mode, cfg), cfg.max_tokens)?;
+            if prompt_tokens != expected.tokens.len() {
+                bail!(
+                    "{} {}: the {} prompt has {prompt_tokens} tokens, the labels assume {}: the answering side uses \
+                     another context budget (pass the server's --context-tokens as --ask-context-tokens)",
+                    doc.id,
+                    q.id,
+                    m.name,
+                    expected.tokens.len()
+                );
+            }
+            answers.push(AnswerRecord {
+                document: doc.id.clone(),
+                question: q.id.clone(),
+                method: m.name.clone(),
+                scores: metrics::score(&prediction, &q.answers),
+                prediction,
+                in_window: label,
+                depth: q.depth,
+                kind: q.kind,
+                target_tokens: doc.target_tokens,
+                document_tokens: doc.tokens,
+                prompt_tokens,
+                seconds: t.elapsed().as_secs_f64(),
+            });
+            self.bars.overall.inc(1);
+        }
+        Ok(())
+    }
 }
 
 /// `lift-serve eval` options (absorb options come from the shared training flags).

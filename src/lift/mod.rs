@@ -221,32 +221,9 @@ pub fn absorb(
     tracing::info!(pairs = pairs.len(), seconds = qa_seconds, "auxiliary QA ready");
 
     on_event(AbsorbEvent::Stage(AbsorbStage::Training));
-    let cfg = model.config();
-    let seed = opts.train.seed;
-    let adapter = match opts.adapter {
-        AdapterKind::GatedMemory => {
-            let layers = opts.gated_memory_layers(cfg.num_layers);
-            anyhow::ensure!(
-                layers.iter().all(|&l| l < cfg.num_layers),
-                "adapter layers must be below {}",
-                cfg.num_layers
-            );
-            AnyAdapter::GatedMemory(GatedMemory::new(cfg, &layers, cfg.attention_bias, seed, model.device())?)
-        }
-        AdapterKind::Lora => AnyAdapter::Lora(Lora::new(cfg, &opts.lora, seed, model.device())?),
-    };
-    // The prepared base's FltLM filter lays out and softly masks the QA examples as it will when
-    // answering (frozen: a detached copy, no filter loss). Its bookkeeping (chunks) is per row.
-    let mut plan_opts = opts.plan.clone();
-    if model.base_filter().is_some() {
-        plan_opts.qa_pack = 1;
-    }
-    let plan = Plan::new(model, doc, &pairs, &plan_opts)?;
+    let adapter = new_adapter(model, opts)?;
+    let (plan, filter_examples) = plan(model, document, &pairs, opts)?;
     let train_opts = opts.effective_train();
-    let filter_examples = match model.base_filter() {
-        Some(f) => filter::qa_examples(model, document, &pairs, opts.plan.qa_context(), f)?,
-        None => Vec::new(),
-    };
     let base_filter = model.base_filter().map(|f| FilterTraining::frozen(f, &filter_examples));
     let report = trainer::train_with(
         model,
@@ -262,25 +239,61 @@ pub fn absorb(
 
     on_event(AbsorbEvent::Stage(AbsorbStage::Saving));
     let bundle = AdapterBundle::new(adapter.detached());
-    let manifest = Manifest::new(
-        &bundle,
-        BaseModelRef::of(model),
-        DocumentRef::new(text, doc.len(), title.map(str::to_string)),
-        serde_json::to_value(opts)?,
-        serde_json::json!({
-            "steps": report.steps,
-            "examples": report.examples,
-            "tokens": report.tokens,
-            "train_seconds": report.seconds,
-            "tokens_per_s": report.tokens_per_s,
-            "final_loss": report.final_loss,
-            "epoch_losses": report.epoch_losses,
-            "stopped_early": report.stopped_early,
-            "qa_pairs": pairs.len(),
-            "qa_seconds": qa_seconds,
-            "segments": plan.segments.len(),
-            "total_seconds": t0.elapsed().as_secs_f64(),
-        }),
-    );
+    let figures = training_figures(&report, pairs.len(), qa_seconds, plan.segments.len(), t0);
+    let document_ref = DocumentRef::new(text, doc.len(), title.map(str::to_string));
+    let manifest = Manifest::new(&bundle, BaseModelRef::of(model), document_ref, serde_json::to_value(opts)?, figures);
     Ok(Absorbed { bundle, manifest, qa: pairs, report })
+}
+
+/// A fresh adapter of the kind the options ask for.
+fn new_adapter(model: &Model, opts: &AbsorbOptions) -> Result<AnyAdapter> {
+    let cfg = model.config();
+    let seed = opts.train.seed;
+    Ok(match opts.adapter {
+        AdapterKind::GatedMemory => {
+            let layers = opts.gated_memory_layers(cfg.num_layers);
+            anyhow::ensure!(
+                layers.iter().all(|&l| l < cfg.num_layers),
+                "adapter layers must be below {}",
+                cfg.num_layers
+            );
+            AnyAdapter::GatedMemory(GatedMemory::new(cfg, &layers, cfg.attention_bias, seed, model.device())?)
+        }
+        AdapterKind::Lora => AnyAdapter::Lora(Lora::new(cfg, &opts.lora, seed, model.device())?),
+    })
+}
+
+/// The training plan. With the prepared base's FltLM filter the QA examples are built once, in
+/// its layout (one question per row: its bookkeeping of chunks is per row), as the answer lays
+/// out the context; the filter then masks them, frozen (a detached copy, no filter loss).
+fn plan(
+    model: &Model,
+    document: &Document,
+    pairs: &[QaPair],
+    opts: &AbsorbOptions,
+) -> Result<(Plan, Vec<filter::FilterExample>)> {
+    let Some(f) = model.base_filter() else {
+        return Ok((Plan::new(model, document.tokens(), pairs, &opts.plan)?, Vec::new()));
+    };
+    let examples = filter::qa_examples(model, document, pairs, opts.plan.qa_context(), f)?;
+    let qa = examples.iter().map(|e| e.example.clone()).collect();
+    Ok((Plan::with_qa(model, document.tokens(), qa, &opts.plan)?, examples))
+}
+
+/// The manifest's `training` figures.
+fn training_figures(r: &TrainReport, qa_pairs: usize, qa_seconds: f64, segments: usize, t0: Instant) -> serde_json::Value {
+    serde_json::json!({
+        "steps": r.steps,
+        "examples": r.examples,
+        "tokens": r.tokens,
+        "train_seconds": r.seconds,
+        "tokens_per_s": r.tokens_per_s,
+        "final_loss": r.final_loss,
+        "epoch_losses": r.epoch_losses,
+        "stopped_early": r.stopped_early,
+        "qa_pairs": qa_pairs,
+        "qa_seconds": qa_seconds,
+        "segments": segments,
+        "total_seconds": t0.elapsed().as_secs_f64(),
+    })
 }

@@ -132,8 +132,15 @@ pub struct Plan {
 }
 
 impl Plan {
+    /// The plan with QA examples that are already built (the prepared base's filter layout, one
+    /// question per row).
+    pub fn with_qa(model: &Model, doc: &[u32], qa: Vec<Example>, opts: &PlanOptions) -> Result<Self> {
+        let segments = segments(doc.len(), opts.window, opts.stride());
+        Ok(Self { segments, qa, opts: opts.clone(), elision: elision_tokens(model)? })
+    }
+
+    /// The plan with QA examples in the plain layout, `qa_pack` questions per row.
     pub fn new(model: &Model, doc: &[u32], qa_pairs: &[QaPair], opts: &PlanOptions) -> Result<Self> {
-        let segs = segments(doc.len(), opts.window, opts.stride());
         let elision = elision_tokens(model)?;
         // QA examples: the same truncated document as at answer time (head and tail halves).
         let budget = opts.qa_context();
@@ -154,7 +161,7 @@ impl Plan {
                 Self::packed_example(ExampleKind::Qa(r), &members)
             })
             .collect();
-        Ok(Self { segments: segs, qa, opts: opts.clone(), elision })
+        Self::with_qa(model, doc, qa, opts)
     }
 
     fn example(kind: ExampleKind, prompt: Vec<u32>, answer: &[u32]) -> Example {
