@@ -13,7 +13,7 @@ use lift_serve::model::generate::{generate, SamplingParams};
 use lift_serve::model::{ChatMessage, KvCache, Model, NoHooks};
 use lift_serve::store;
 use std::io::Write;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 #[derive(Parser)]
 #[command(name = "lift-serve", version, about = "Test-time adaptation server for long documents")]
@@ -45,10 +45,8 @@ enum Command {
     /// Evaluate methods (icl, lift, memory, ...) side by side on long-document QA: facts planted
     /// in real essays at controlled depths, or a JSONL set; writes results.json, results.md, PNGs.
     Eval {
-        #[arg(long, env = "LIFT_MODEL")]
-        model: Option<PathBuf>,
         #[command(flatten)]
-        base: BaseArg,
+        model: ModelArgs,
         #[command(flatten)]
         train: TrainArgs,
         #[command(flatten)]
@@ -108,10 +106,8 @@ struct AbsorbArgs {
     /// Output adapter directory (created; an existing adapter there is replaced atomically).
     #[arg(short, long)]
     output: PathBuf,
-    #[arg(long, env = "LIFT_MODEL")]
-    model: Option<PathBuf>,
     #[command(flatten)]
-    base: BaseArg,
+    model: ModelArgs,
     #[command(flatten)]
     train: TrainArgs,
 }
@@ -137,10 +133,8 @@ struct AskArgs {
     max_tokens: usize,
     #[arg(long, default_value_t = 0.0)]
     temperature: f64,
-    #[arg(long, env = "LIFT_MODEL")]
-    model: Option<PathBuf>,
     #[command(flatten)]
-    base: BaseArg,
+    model: ModelArgs,
 }
 
 #[derive(clap::Args)]
@@ -196,19 +190,22 @@ struct EvalBaseArgs {
     output: PathBuf,
 }
 
-/// `--prepared-base PATH|none`.
+/// `--model PATH` and `--prepared-base PATH|none`: the model a command runs on.
 #[derive(clap::Args)]
-struct BaseArg {
+struct ModelArgs {
+    /// Model file (.gguf) or Hugging Face directory; default: the fetched default model.
+    #[arg(long, env = "LIFT_MODEL")]
+    model: Option<PathBuf>,
     /// Prepared base (directory written by `prepare-base`) under every document adapter, or
     /// `none`; default: `base/` in the working directory if it holds one.
     #[arg(long, env = "LIFT_PREPARED_BASE")]
     prepared_base: Option<String>,
 }
 
-impl BaseArg {
+impl ModelArgs {
     /// Loads the model with its prepared base installed.
-    fn load(&self, device: &Device, model: Option<&Path>) -> Result<Model> {
-        let mut m = Model::load(&fetch::resolve_model(model)?, device)?;
+    fn load(&self, device: &Device) -> Result<Model> {
+        let mut m = Model::load(&fetch::resolve_model(self.model.as_deref())?, device)?;
         lift_serve::base::install_from_arg(&mut m, self.prepared_base.as_deref())?;
         Ok(m)
     }
@@ -343,7 +340,7 @@ impl AbsorbArgs {
     fn run(&self, device: &Device) -> Result<()> {
         let file = &self.file;
         let text = std::fs::read_to_string(file).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
-        let model = self.base.load(device, self.model.as_deref())?;
+        let model = self.model.load(device)?;
         let opts = self.train.options(model.config().num_layers)?;
         let window = model.config().max_position_embeddings;
         anyhow::ensure!(
@@ -402,7 +399,7 @@ impl AskArgs {
     /// `ask`: an absorbed adapter directory (loaded as the server loads it), or a plain text file
     /// read in context only; answered by the one answer function, streamed to stdout.
     fn run(&self, device: &Device) -> Result<()> {
-        let model = self.base.load(device, self.model.as_deref())?;
+        let model = self.model.load(device)?;
         let (loaded, document, mode) = match (&self.adapter, &self.document) {
             (Some(dir), _) => {
                 let loaded = store::load_dir(dir, &model)?;
@@ -475,9 +472,6 @@ impl PrepareBaseArgs {
         opts.seed = self.seed.unwrap_or(opts.seed);
         Ok(opts)
     }
-}
-
-impl PrepareBaseArgs {
     /// `prepare-base`: builds the examples, trains, evaluates on the validation split, saves.
     fn run(&self, device: &Device) -> Result<()> {
         use lift_serve::base::{data, train};
@@ -662,9 +656,9 @@ fn main() -> Result<()> {
         Command::Absorb(args) => args.run(&lift_serve::runtime::device(&cli.device)?)?,
         Command::Ask(args) => args.run(&lift_serve::runtime::device(&cli.device)?)?,
         Command::PrepareBase(args) => args.run(&lift_serve::runtime::device(&cli.device)?)?,
-        Command::Eval { model, base, train, eval } => {
+        Command::Eval { model, train, eval } => {
             let device = lift_serve::runtime::device(&cli.device)?;
-            let model = base.load(&device, model.as_deref())?;
+            let model = model.load(&device)?;
             let opts = train.options(model.config().num_layers)?;
             lift_serve::eval::run_cli(&model, opts, train.seed.unwrap_or(0), &eval)?;
         }
