@@ -70,6 +70,14 @@ pub fn tokens_from_bytes(bytes: &[u8], expected: usize) -> Result<Vec<u32>> {
     Ok(bytes.chunks_exact(4).map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]])).collect())
 }
 
+/// The document tokens `[a, b)` that the byte span `span` of `text` falls in: the tokens of
+/// `text[..start]` and `text[..end]` counted as the document is tokenized (at least one token).
+pub fn token_span(model: &Model, text: &str, span: (usize, usize)) -> Result<(usize, usize)> {
+    let count = |end: usize| -> Result<usize> { Ok(model.encode_document(&text[..end.min(text.len())])?.len()) };
+    let a = count(span.0)?;
+    Ok((a, count(span.1)?.max(a + 1)))
+}
+
 /// Whether each document token ends a sentence or a line.
 pub fn sentence_ends(model: &Model, doc: &[u32]) -> Result<Vec<bool>> {
     doc.iter()

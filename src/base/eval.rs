@@ -79,12 +79,7 @@ pub fn read(model: &Model, items: &[ReadingItem], on_done: &mut dyn FnMut(usize)
             let positive: Vec<(usize, usize)> = ex
                 .positive
                 .iter()
-                .map(|&i| -> Result<(usize, usize)> {
-                    let (a, b) = spans[i];
-                    let ta = model.encode_document(&text[..a])?.len();
-                    let tb = model.encode_document(&text[..b])?.len();
-                    Ok((ta, tb.max(ta + 1)))
-                })
+                .map(|&i| crate::document::token_span(model, &text, spans[i]))
                 .collect::<Result<_>>()?;
             let relevant = |c: &crate::lift::filter::ChunkScore| positive.iter().any(|&(a, b)| c.start < b && a < c.end);
             let kept = scores.iter().filter(|c| c.score > 0.0).count();

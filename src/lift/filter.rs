@@ -379,10 +379,7 @@ fn layout(
 
 /// Document token span of a QA pair's evidence (byte offsets → tokens of the prefix).
 pub fn evidence_tokens(model: &Model, text: &str, pair: &QaPair) -> Result<(usize, usize)> {
-    let (a, b) = pair.evidence_span;
-    let a = model.tokenizer.encode(&text[..a.min(text.len())], false)?.len();
-    let b = model.tokenizer.encode(&text[..b.min(text.len())], false)?.len();
-    Ok((a, b.max(a + 1)))
+    crate::document::token_span(model, text, pair.evidence_span)
 }
 
 /// A QA training example in the filter layout with its chunk labels.
