@@ -4,7 +4,8 @@ use crate::document::Document;
 use crate::lift::answer::{answer, Ask, Mode};
 use crate::lift::filter::ChunkScore;
 use crate::lift::{AbsorbEvent, AbsorbOptions, AbsorbStage};
-use crate::model::generate::{generate as generate_tokens, ContextLengthExceeded, FinishReason, Generation, SamplingParams};
+use super::EngineError;
+use crate::model::generate::{generate as generate_tokens, FinishReason, Generation, SamplingParams};
 use crate::model::{KvCache, Model, NoHooks};
 use crate::store::{AdapterInfo, Store};
 use serde::Serialize;
@@ -137,7 +138,7 @@ pub struct GenerateJob {
     /// Set when the client goes away: a queued job never runs, a running one stops.
     pub cancel: Arc<AtomicBool>,
     pub pieces: Option<tokio::sync::mpsc::UnboundedSender<String>>,
-    pub reply: tokio::sync::oneshot::Sender<Result<Generated, GenerateError>>,
+    pub reply: tokio::sync::oneshot::Sender<Result<Generated, EngineError>>,
     pub queued_at: Instant,
 }
 
@@ -160,27 +161,6 @@ pub struct Generated {
     pub queue_ms: f64,
     pub prompt_ms: f64,
     pub generate_ms: f64,
-}
-
-#[derive(Debug, thiserror::Error)]
-pub enum GenerateError {
-    /// The document was deleted while the request waited.
-    #[error("no document '{0}'")]
-    UnknownDocument(String),
-    #[error(transparent)]
-    ContextLength(#[from] ContextLengthExceeded),
-    /// Anything else: a server-side failure (details for the log).
-    #[error("{0}")]
-    Failed(String),
-}
-
-impl From<anyhow::Error> for GenerateError {
-    fn from(e: anyhow::Error) -> Self {
-        match e.downcast::<ContextLengthExceeded>() {
-            Ok(c) => GenerateError::ContextLength(c),
-            Err(e) => GenerateError::Failed(format!("{e:#}")),
-        }
-    }
 }
 
 pub(super) fn generate(model: &Model, store: &Store, events: &dyn JobEvents, job: GenerateJob) {
@@ -216,12 +196,12 @@ fn run_prompt(
     prompt: &Prompt,
     params: &SamplingParams,
     on_text: &mut dyn FnMut(&str) -> bool,
-) -> Result<(Generation, ChunkTexts), GenerateError> {
+) -> Result<(Generation, ChunkTexts), EngineError> {
     match prompt {
         Prompt::Document { id, question, mode, context_tokens } => {
             let loaded = store.get(id, model).map_err(|e| {
                 // Deleted while the request waited: the document is gone, not a server fault.
-                if store.adapter_dir(id).exists() { GenerateError::from(e) } else { GenerateError::UnknownDocument(id.clone()) }
+                if store.adapter_dir(id).exists() { EngineError::from(e) } else { EngineError::UnknownDocument(id.clone()) }
             })?;
             let ask = Ask { question, mode: *mode, context_tokens: *context_tokens };
             let a = answer(model, &loaded.document, Some(&loaded.bundle.adapter), &ask, params, on_text)?;

@@ -16,7 +16,7 @@
 
 mod jobs;
 
-pub use jobs::{AbsorbJob, AbsorbOutcome, GenerateError, GenerateJob, Generated, JobEvents, JobProgress, JobUpdate, Prompt};
+pub use jobs::{AbsorbJob, AbsorbOutcome, GenerateJob, Generated, JobEvents, JobProgress, JobUpdate, Prompt};
 
 use crate::model::Model;
 use crate::store::Store;
@@ -50,17 +50,35 @@ impl Job {
     }
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum SubmitError {
+/// What the engine refuses or fails with: queueing (`submit`) and generating (a job's reply).
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
     /// The queue is full: try again later (429).
     #[error("the queue is full")]
-    Full,
+    QueueFull,
     /// The engine is shutting down (503).
     #[error("the engine is shutting down")]
     Closed,
     /// A job was given to the reservation of the other lane (a bug).
     #[error("the job belongs to the other queue")]
     WrongLane,
+    /// The document was deleted while the request waited.
+    #[error("no document '{0}'")]
+    UnknownDocument(String),
+    #[error(transparent)]
+    ContextLength(#[from] crate::model::generate::ContextLengthExceeded),
+    /// Anything else: a server-side failure (details for the log).
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl From<anyhow::Error> for EngineError {
+    fn from(e: anyhow::Error) -> Self {
+        match e.downcast::<crate::model::generate::ContextLengthExceeded>() {
+            Ok(c) => EngineError::ContextLength(c),
+            Err(e) => EngineError::Failed(format!("{e:#}")),
+        }
+    }
 }
 
 /// What every job runs with.
@@ -108,13 +126,13 @@ impl Worker {
 
     /// Takes a place in the queue, or says why there is none. `depth` never exceeds the channel's
     /// capacity, so a reserved place can always be filled.
-    fn reserve(&self) -> Result<Reservation<'_>, SubmitError> {
-        if self.tx.lock().map_err(|_| SubmitError::Closed)?.is_none() {
-            return Err(SubmitError::Closed);
+    fn reserve(&self) -> Result<Reservation<'_>, EngineError> {
+        if self.tx.lock().map_err(|_| EngineError::Closed)?.is_none() {
+            return Err(EngineError::Closed);
         }
         self.depth
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| (d < self.capacity).then_some(d + 1))
-            .map_err(|_| SubmitError::Full)?;
+            .map_err(|_| EngineError::QueueFull)?;
         Ok(Reservation { worker: self, used: false })
     }
 
@@ -145,19 +163,19 @@ pub struct Reservation<'a> {
 }
 
 impl Reservation<'_> {
-    pub fn submit(mut self, job: Job) -> Result<(), SubmitError> {
+    pub fn submit(mut self, job: Job) -> Result<(), EngineError> {
         if job.lane() != self.worker.lane {
-            return Err(SubmitError::WrongLane);
+            return Err(EngineError::WrongLane);
         }
-        let guard = self.worker.tx.lock().map_err(|_| SubmitError::Closed)?;
-        let tx = guard.as_ref().ok_or(SubmitError::Closed)?;
+        let guard = self.worker.tx.lock().map_err(|_| EngineError::Closed)?;
+        let tx = guard.as_ref().ok_or(EngineError::Closed)?;
         match tx.try_send(job) {
             Ok(()) => {
                 self.used = true;
                 Ok(())
             }
-            Err(TrySendError::Full(_)) => Err(SubmitError::Full),
-            Err(TrySendError::Disconnected(_)) => Err(SubmitError::Closed),
+            Err(TrySendError::Full(_)) => Err(EngineError::QueueFull),
+            Err(TrySendError::Disconnected(_)) => Err(EngineError::Closed),
         }
     }
 }
@@ -202,12 +220,12 @@ impl Engine {
     }
 
     /// Queues `job` on its lane.
-    pub fn submit(&self, job: Job) -> Result<(), SubmitError> {
+    pub fn submit(&self, job: Job) -> Result<(), EngineError> {
         self.worker(job.lane()).reserve()?.submit(job)
     }
 
     /// Holds a place in a queue, so that a request is refused (429) before it writes anything.
-    pub fn reserve(&self, lane: Lane) -> Result<Reservation<'_>, SubmitError> {
+    pub fn reserve(&self, lane: Lane) -> Result<Reservation<'_>, EngineError> {
         self.worker(lane).reserve()
     }
 

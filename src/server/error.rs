@@ -163,7 +163,7 @@ mod tests {
         assert!(!e.message.contains("/srv") && !e.message.contains("backtrace"), "{}", e.message);
         assert!(e.message.contains("reference"), "{}", e.message);
         // A client error raised inside model work keeps its status.
-        let gone = ServiceError::from(crate::engine::GenerateError::UnknownDocument("doc_x".into()));
+        let gone = ServiceError::from(crate::engine::EngineError::UnknownDocument("doc_x".into()));
         assert_eq!(ApiError::from(gone).status, StatusCode::NOT_FOUND);
     }
 }

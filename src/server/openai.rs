@@ -45,7 +45,7 @@ pub async fn models(State(st): State<AppState>, Extension(tenant): Extension<Ten
 
 #[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatRequest,
     responses((status = 200, description = "a completion, or with `stream` a text/event-stream of chunks ending in \
-        `data: [DONE]`", body = ChatCompletion), (status = "4XX", body = super::error::ErrorBody)))]
+        `data: [DONE]`", body = ChatCompletion), (status = "4XX", description = "refused (see the error codes)", body = super::error::ErrorBody)))]
 pub async fn chat_completions(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,

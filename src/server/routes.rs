@@ -77,7 +77,7 @@ pub async fn list_documents(
 }
 
 #[utoipa::path(get, path = "/documents/{id}", tag = "documents", params(("id" = String, Path)),
-    responses((status = 200, body = DocumentView), (status = 404, body = super::error::ErrorBody)))]
+    responses((status = 200, description = "the Document", body = DocumentView), (status = 404, description = "unknown (or another tenant's)", body = super::error::ErrorBody)))]
 pub async fn get_document(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,
@@ -87,7 +87,7 @@ pub async fn get_document(
 }
 
 #[utoipa::path(delete, path = "/documents/{id}", tag = "documents", params(("id" = String, Path)),
-    responses((status = 204, description = "deleted (a running job is stopped)"), (status = 404, body = super::error::ErrorBody)))]
+    responses((status = 204, description = "deleted (a running job is stopped)"), (status = 404, description = "unknown (or another tenant's)", body = super::error::ErrorBody)))]
 pub async fn delete_document(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,
@@ -139,7 +139,7 @@ pub async fn document_events(
 // ---------- asking ----------
 
 #[utoipa::path(post, path = "/ask", tag = "asking", request_body = AskRequest,
-    responses((status = 200, body = AskResponse), (status = "4XX", body = super::error::ErrorBody)))]
+    responses((status = 200, description = "the answer", body = AskResponse), (status = "4XX", description = "refused (see the error codes)", body = super::error::ErrorBody)))]
 pub async fn ask(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,
@@ -171,7 +171,7 @@ pub async fn ask(
 // ---------- operations ----------
 
 #[utoipa::path(get, path = "/health", tag = "operations",
-    responses((status = 200, body = Health), (status = 503, description = "shutting down", body = Health)))]
+    responses((status = 200, description = "the model is loaded", body = Health), (status = 503, description = "shutting down", body = Health)))]
 pub async fn health(State(st): State<AppState>) -> Response {
     if st.service.is_shutting_down() {
         return (StatusCode::SERVICE_UNAVAILABLE, Json(Health { status: "shutting_down", model: None })).into_response();

@@ -1,7 +1,7 @@
 //! What the service refuses or fails with. Each variant carries the numbers a client needs (the
 //! limit and the value given); `server::error` maps them to HTTP once.
 
-use crate::engine::{GenerateError, SubmitError};
+use crate::engine::EngineError;
 use crate::store::Status;
 
 #[derive(Debug, thiserror::Error)]
@@ -46,22 +46,15 @@ impl ServiceError {
     }
 }
 
-impl From<SubmitError> for ServiceError {
-    fn from(e: SubmitError) -> Self {
+impl From<EngineError> for ServiceError {
+    fn from(e: EngineError) -> Self {
         match e {
-            SubmitError::Full => ServiceError::QueueFull,
-            SubmitError::Closed => ServiceError::ShuttingDown,
-            SubmitError::WrongLane => ServiceError::internal(e),
-        }
-    }
-}
-
-impl From<GenerateError> for ServiceError {
-    fn from(e: GenerateError) -> Self {
-        match e {
-            GenerateError::UnknownDocument(id) => ServiceError::UnknownDocument(id),
-            GenerateError::ContextLength(c) => ServiceError::PromptTooLong { prompt_tokens: c.prompt, window: c.window },
-            GenerateError::Failed(detail) => ServiceError::Internal(detail),
+            EngineError::QueueFull => ServiceError::QueueFull,
+            EngineError::Closed => ServiceError::ShuttingDown,
+            EngineError::UnknownDocument(id) => ServiceError::UnknownDocument(id),
+            EngineError::ContextLength(c) => ServiceError::PromptTooLong { prompt_tokens: c.prompt, window: c.window },
+            EngineError::WrongLane => ServiceError::internal(e),
+            EngineError::Failed(detail) => ServiceError::Internal(detail),
         }
     }
 }

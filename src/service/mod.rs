@@ -19,7 +19,7 @@ pub use crate::engine::Generated;
 pub use records::{DocumentView, ErrorMessage};
 
 use crate::document::Document;
-use crate::engine::{AbsorbJob, Engine, GenerateError, GenerateJob, Job, Lane, Prompt};
+use crate::engine::{AbsorbJob, Engine, EngineError, GenerateJob, Job, Lane, Prompt};
 use crate::lift::answer::Mode;
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
@@ -392,7 +392,7 @@ pub type Pieces = tokio::sync::mpsc::UnboundedSender<String>;
 /// A queued generation: its result, and a guard that cancels it when dropped (the handler's
 /// future or the response stream is dropped when the client goes away).
 pub struct PendingGeneration {
-    result: tokio::sync::oneshot::Receiver<Result<Generated, GenerateError>>,
+    result: tokio::sync::oneshot::Receiver<Result<Generated, EngineError>>,
     _cancel: CancelOnDrop,
 }
 
