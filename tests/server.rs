@@ -457,8 +457,8 @@ async fn bad_inputs() {
     assert_eq!(after, before, "stored adapter files byte-identical");
 }
 
-/// A full training queue answers 429; once shutdown begins new work gets 503 and the training
-/// job is recorded as failed with the reason (then settled the same way after a restart).
+/// A full training queue answers 429; once shutdown begins new work gets 503, and the training
+/// job and the queued one are recorded as queued and re-queued by the next start.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn queue_full_and_shutdown() {
     let e = env();
