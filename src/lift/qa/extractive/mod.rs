@@ -57,7 +57,7 @@ fn clause_questions(text: &str, offset: usize, lex: &Lexicon) -> Vec<(String, St
         // The general rules after, where the fact opens or closes the clause (so the question
         // stays short).
         if ent.w0 == 0 || ent.w1 == n {
-            if let (Some(d), _, _) = direct_question(&s, lex, ent, copula) {
+            if let Some(d) = direct_question(&s, lex, ent, copula).question {
                 out.push((d, answer.clone()));
             }
         }
@@ -77,101 +77,134 @@ pub(super) fn extractive_candidates(doc: &str, sentences: &[Span], opts: &QaOpti
             prev_name = None;
             continue;
         };
-        // Short questions from the sentence's clauses, grouped by answer (in order).
-        let mut by_answer: Vec<(String, Vec<String>)> = Vec::new();
-        for clause in clauses(&s, &lex, prev_name.as_deref()) {
-            for (q, a) in clause_questions(&clause, s.offset, &lex) {
-                if !s.body.contains(a.as_str()) || content_tokens(&a).is_empty() {
-                    continue;
-                }
-                match by_answer.iter_mut().find(|(x, _)| *x == a) {
-                    Some((_, qs)) => qs.push(q),
-                    None => by_answer.push((a, vec![q])),
-                }
-            }
-        }
-        let copula = copula_split(&s);
-        let mut ents = find_entities(&s, &lex);
-        prev_name = ents
-            .iter()
-            .filter(|e| matches!(e.kind, Kind::Person | Kind::Place | Kind::Thing { .. }))
-            .max_by_key(|e| e.w0)
-            .map(|e| {
-                let the = e.w0 > 0 && s.words[e.w0 - 1].lower() == "the";
-                let start = if the { s.words[e.w0 - 1].core.0 } else { e.s };
-                s.body[start..e.e].to_string()
-            });
-        ents.extend(predicate_entity(&s, copula, &ents));
-        // Priority: predicates of copulas and naming, numbers/dates, then names.
-        let score = |e: &Entity| -> (usize, usize) {
-            let pred = copula.is_some_and(|c| e.w0 > c && e.w1 == s.words.len());
-            let p = match e.kind {
-                _ if pred => 0,
-                Kind::Number | Kind::Count { .. } | Kind::Year | Kind::Date | Kind::Time | Kind::Code => 1,
-                Kind::Person | Kind::Quote => 2,
-                Kind::Place | Kind::Thing { .. } => 3,
-                Kind::Phrase => 4,
-            };
-            (p, e.w0)
-        };
-        ents.sort_by_key(score);
-        let mut facts: Vec<Vec<(String, String)>> = Vec::new();
-        for ent in &ents {
-            if facts.len() >= MAX_FACTS_PER_SENTENCE {
-                break;
-            }
-            let Some(fact) = make_fact(&s, &lex, ent, copula) else {
-                continue;
-            };
-            let answer = &s.body[ent.s..ent.e];
-            let short = match by_answer.iter().position(|(a, _)| a == answer) {
-                Some(i) => by_answer.remove(i).1,
-                None => Vec::new(),
-            };
-            // Clause questions lead (short, the way people ask), the sentence's wordings follow.
-            let mut wordings: Vec<(String, String)> = Vec::new();
-            let mut rest = fact.questions.into_iter();
-            for q in short {
-                wordings.push((q, answer.to_string()));
-                wordings.extend(rest.next());
-            }
-            wordings.extend(rest);
-            facts.push(wordings);
-        }
-        // Facts only the clauses found (common nouns, predicates of coordinated clauses).
-        let full = squeeze(s.body.trim());
-        for (answer, qs) in by_answer.into_iter().take(MAX_FACTS_PER_SENTENCE) {
-            let mut wordings = vec![(qs[0].clone(), answer.clone())];
-            wordings.push((format!("According to the document, {}", decap(&qs[0], &lex)), full.clone()));
-            wordings.extend(qs[1..].iter().map(|q| (q.clone(), answer.clone())));
-            facts.push(wordings);
-        }
-        for questions in facts {
-            let ev = (s.offset, s.offset + s.body.len());
-            let mut seen = HashSet::new();
-            let mut rank = 0;
-            for (q, a) in questions {
-                if rank >= per_fact {
-                    break;
-                }
-                if !seen.insert(normalize_question(&q)) {
-                    continue;
-                }
-                out.push(Candidate {
-                    rank,
-                    fact: fact_idx,
-                    pair: QaPair {
-                        question: q,
-                        answer: a,
-                        evidence: doc[ev.0..ev.1].to_string(),
-                        evidence_span: ev,
-                        source: QaSource::Extractive,
-                    },
-                });
-                rank += 1;
-            }
+        for wordings in sentence_facts(&s, &lex, &mut prev_name) {
+            out.extend(fact_candidates(doc, &s, fact_idx, wordings, per_fact));
             fact_idx += 1;
         }
+    }
+    out
+}
+
+/// The facts of one sentence, each as its wordings (question, answer), most direct first.
+/// `prev_name` (the previous sentence's last name, for a possessive pronoun opening this one)
+/// becomes this sentence's last name.
+fn sentence_facts(s: &Sent, lex: &Lexicon, prev_name: &mut Option<String>) -> Vec<Vec<(String, String)>> {
+    let mut by_answer = clause_questions_by_answer(s, lex, prev_name.as_deref());
+    let copula = copula_split(s);
+    let mut ents = find_entities(s, lex);
+    *prev_name = last_name(s, &ents);
+    ents.extend(predicate_entity(s, copula, &ents));
+    ents.sort_by_key(|e| priority(s, copula, e));
+    let mut facts: Vec<Vec<(String, String)>> = Vec::new();
+    for ent in &ents {
+        if facts.len() >= MAX_FACTS_PER_SENTENCE {
+            break;
+        }
+        let Some(fact) = make_fact(s, lex, ent, copula) else {
+            continue;
+        };
+        let answer = &s.body[ent.s..ent.e];
+        let short = match by_answer.iter().position(|(a, _)| a == answer) {
+            Some(i) => by_answer.remove(i).1,
+            None => Vec::new(),
+        };
+        facts.push(interleave(short, answer, fact.questions));
+    }
+    // Facts only the clauses found (common nouns, predicates of coordinated clauses).
+    let full = squeeze(s.body.trim());
+    for (answer, qs) in by_answer.into_iter().take(MAX_FACTS_PER_SENTENCE) {
+        let mut wordings = vec![(qs[0].clone(), answer.clone())];
+        wordings.push((format!("According to the document, {}", decap(&qs[0], lex)), full.clone()));
+        wordings.extend(qs[1..].iter().map(|q| (q.clone(), answer.clone())));
+        facts.push(wordings);
+    }
+    facts
+}
+
+/// Short questions from the sentence's clauses, grouped by answer (in order); answers must be
+/// verbatim in the sentence.
+fn clause_questions_by_answer(s: &Sent, lex: &Lexicon, prev_name: Option<&str>) -> Vec<(String, Vec<String>)> {
+    let mut by_answer: Vec<(String, Vec<String>)> = Vec::new();
+    for clause in clauses(s, lex, prev_name) {
+        for (q, a) in clause_questions(&clause, s.offset, lex) {
+            if !s.body.contains(a.as_str()) || content_tokens(&a).is_empty() {
+                continue;
+            }
+            match by_answer.iter_mut().find(|(x, _)| *x == a) {
+                Some((_, qs)) => qs.push(q),
+                None => by_answer.push((a, vec![q])),
+            }
+        }
+    }
+    by_answer
+}
+
+/// The sentence's last name of a person, place or thing (with its "the").
+fn last_name(s: &Sent, ents: &[Entity]) -> Option<String> {
+    let names = ents.iter().filter(|e| matches!(e.kind, Kind::Person | Kind::Place | Kind::Thing { .. }));
+    let e = names.max_by_key(|e| e.w0)?;
+    let the = e.w0 > 0 && s.words[e.w0 - 1].lower() == "the";
+    let start = if the { s.words[e.w0 - 1].core.0 } else { e.s };
+    Some(s.body[start..e.e].to_string())
+}
+
+/// Which entities become facts first: predicates of copulas and naming, numbers/dates, then names
+/// (then by position).
+fn priority(s: &Sent, copula: Option<usize>, e: &Entity) -> (usize, usize) {
+    let pred = copula.is_some_and(|c| e.w0 > c && e.w1 == s.words.len());
+    let p = match e.kind {
+        _ if pred => 0,
+        Kind::Number | Kind::Count { .. } | Kind::Year | Kind::Date | Kind::Time | Kind::Code => 1,
+        Kind::Person | Kind::Quote => 2,
+        Kind::Place | Kind::Thing { .. } => 3,
+        Kind::Phrase => 4,
+    };
+    (p, e.w0)
+}
+
+/// A fact's wordings with its clause questions leading (short, the way people ask), each followed
+/// by one of the sentence's wordings, then the rest of those.
+fn interleave(short: Vec<String>, answer: &str, sentence_wordings: Vec<(String, String)>) -> Vec<(String, String)> {
+    let mut wordings: Vec<(String, String)> = Vec::new();
+    let mut rest = sentence_wordings.into_iter();
+    for q in short {
+        wordings.push((q, answer.to_string()));
+        wordings.extend(rest.next());
+    }
+    wordings.extend(rest);
+    wordings
+}
+
+/// Candidates for one fact: its first `per_fact` distinct wordings, ranked in order, with the whole
+/// sentence as evidence.
+fn fact_candidates(
+    doc: &str,
+    s: &Sent,
+    fact: usize,
+    wordings: Vec<(String, String)>,
+    per_fact: usize,
+) -> Vec<Candidate> {
+    let ev = (s.offset, s.offset + s.body.len());
+    let mut seen = HashSet::new();
+    let mut out = Vec::new();
+    for (q, a) in wordings {
+        if out.len() >= per_fact {
+            break;
+        }
+        if !seen.insert(normalize_question(&q)) {
+            continue;
+        }
+        out.push(Candidate {
+            rank: out.len(),
+            fact,
+            pair: QaPair {
+                question: q,
+                answer: a,
+                evidence: doc[ev.0..ev.1].to_string(),
+                evidence_span: ev,
+                source: QaSource::Extractive,
+            },
+        });
     }
     out
 }

@@ -52,174 +52,259 @@ fn question(s: &str) -> String {
     format!("{}?", first_char_upper(&squeeze(strip_final(s))))
 }
 
-/// The direct wh-question for an entity, when the sentence's shape allows one.
-pub(super) fn direct_question(
-    s: &Sent,
-    lex: &Lexicon,
-    ent: &Entity,
-    copula: Option<usize>,
-) -> (Option<String>, Option<String>, Option<String>) {
-    let ws = &s.words;
-    let n = ws.len();
-    let prep_word = ent.prep.map(|p| ws[p].lower());
-    let cs = constituent(s, ent);
-    let (mut direct, mut typed, mut tense) = (None, None, None);
+/// The direct wh-question for an entity, with a typed ("Which year is X?") and an other-tense
+/// variant where the sentence's shape gives them.
+#[derive(Default)]
+pub(super) struct Direct {
+    pub(super) question: Option<String>,
+    typed: Option<String>,
+    tense: Option<String>,
+}
 
+/// Determiners that open the noun phrase a name is given to ("a dog named Rex").
+const DETERMINERS: &[&str] = &["a", "an", "the", "his", "her", "their", "its", "our", "my", "your"];
+
+/// The direct wh-question for an entity, when the sentence's shape allows one. Shapes are tried in
+/// order: the copula or auxiliary, naming, apposition, subject position.
+pub(super) fn direct_question(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<usize>) -> Direct {
+    let mut direct = Direct::default();
     if let Some(c) = copula {
-        let cop = ws[c].lower();
-        let subject = decap(&s.phrase(0, c), lex);
+        let Some(found) = copula_question(s, ent, &Copula::new(s, lex, c)) else {
+            return Direct::default();
+        };
+        direct = found;
+    }
+    if direct.question.is_none() {
+        if let Some((question, typed)) = naming_question(s, lex, ent) {
+            direct.question = Some(question);
+            if typed.is_some() {
+                direct.typed = typed;
+            }
+        }
+    }
+    if direct.question.is_none() {
+        direct.question = apposition_question(s, lex, ent);
+    }
+    if direct.question.is_none() {
+        direct.question = subject_question(s, ent);
+    }
+    direct
+}
+
+/// A sentence's copula or auxiliary ("is", "was", "has", "will", …), as the question rules see it.
+struct Copula {
+    /// Its word index, and the word lower-cased.
+    at: usize,
+    word: String,
+    /// A form of "be" (not "has", "will", …).
+    is_be: bool,
+    /// The subject before it, ready to move into a question.
+    subject: String,
+    /// First word of the predicate, after adverbs ("was *first* opened").
+    p0: usize,
+    /// The predicate opens with a participle ("was founded", "had learned").
+    participle: bool,
+}
+
+impl Copula {
+    fn new(s: &Sent, lex: &Lexicon, c: usize) -> Self {
+        let ws = &s.words;
+        let n = ws.len();
+        let word = ws[c].lower();
         let mut p0 = c + 1;
         while p0 < n && ADVERBS.contains(&ws[p0].lower().as_str()) {
             p0 += 1;
         }
-        let participle = p0 < n && is_participle(ws[p0].text);
-        let det = |i: usize| matches!(ws[i].lower().as_str(), "the" | "a" | "an");
-        let pred_start = ent.w0 == p0 || (ent.w0 == p0 + 1 && (ent.prep == Some(p0) || det(p0)));
-        let is_cop = COPULAS.contains(&cop.as_str());
-        // "X is Y, a …": the appositive does not belong in the question.
-        let apposed = ent.w1 < n && s.body[ent.e..].starts_with(',');
-        if is_cop && pred_start && (ent.w1 == n || apposed) && !participle {
-            // "X is Y": What/Who/When/Where is X?
-            let wh = match ent.kind {
-                Kind::Person => "Who",
-                Kind::Year | Kind::Date | Kind::Time => "When",
-                Kind::Place => "Where",
-                _ if ent.prep == Some(p0) && matches!(prep_word.as_deref(), Some("in" | "at" | "near" | "on")) => {
-                    "Where"
-                }
-                _ => "What",
-            };
-            direct = Some(format!("{wh} {cop} {subject}?"));
-            let noun = kind_noun(ent.kind);
-            typed = Some(if noun.is_empty() || ent.prep == Some(p0) {
-                format!("What does the document say {subject} {cop}?")
-            } else {
-                format!("Which {noun} {cop} {subject}?")
-            });
-            let other = match cop.as_str() {
-                "is" => "was",
-                "was" => "is",
-                "are" => "were",
-                _ => "are",
-            };
-            tense = Some(format!("{wh} {other} {subject}?"));
-        } else if ent.w0 > c && cs.is_some() && (!is_cop || participle) {
-            // "X was founded in 1998 by Y" → When was X founded by Y? / By whom was X founded in 1998?
-            let cs = cs.unwrap_or(ent.w0);
-            let with_prep = matches!(ent.prep, Some(p) if p + 1 == cs && p > c);
-            let a = if with_prep { cs - 1 } else { cs };
-            let b = match ent.kind {
-                Kind::Count { noun } if noun == ent.w1 && noun < n => noun + 1,
-                _ => ent.w1,
-            };
-            let wh = match (ent.kind, prep_word.as_deref()) {
-                (Kind::Person, Some("by")) if with_prep => "By whom".to_string(),
-                (Kind::Year | Kind::Date | Kind::Time, Some("in" | "on" | "at" | "during")) if with_prep => {
-                    "When".to_string()
-                }
-                (Kind::Place, Some("in" | "at" | "near")) if with_prep => "Where".to_string(),
-                (Kind::Place, Some("from")) if with_prep => "From where".to_string(),
-                (Kind::Place, Some(p)) if with_prep => {
-                    format!("{} which place", first_char_upper(p))
-                }
-                (Kind::Count { noun }, _) if !with_prep => format!("How many {}", ws[noun].lower()),
-                (Kind::Person, Some(p)) if with_prep => format!("{} whom", first_char_upper(p)),
-                (_, Some(p)) if with_prep => format!("{} what", first_char_upper(p)),
-                (Kind::Person, _) => "Who".to_string(),
-                _ => "What".to_string(),
-            };
-            // An appositive after the entity (", a retired sea captain") is dropped.
-            let after =
-                if b < n && !s.body[ws[ent.w1 - 1].core.1..ws[b].raw.0].contains(',') { s.text(b, n) } else { "" };
-            let rest = squeeze(strip_final(&format!("{} {}", s.text(c + 1, a), after)));
-            let possession = matches!(cop.as_str(), "has" | "have" | "had") && !participle;
+        Self {
+            at: c,
+            is_be: COPULAS.contains(&word.as_str()),
+            word,
+            subject: decap(&s.phrase(0, c), lex),
+            p0,
+            participle: p0 < n && is_participle(ws[p0].text),
+        }
+    }
+}
+
+/// Questions through the copula: "X is Y" → "What is X?"; "X was founded in 1998 by Y" → "When was
+/// X founded by Y?"; a possessive subject → "Whose …?". `None` when the sentence allows no direct
+/// question at all (a possession other than a count: "X has a garden").
+fn copula_question(s: &Sent, ent: &Entity, cop: &Copula) -> Option<Direct> {
+    let ws = &s.words;
+    let n = ws.len();
+    let c = cop.at;
+    let p0 = cop.p0;
+    let det = |i: usize| matches!(ws[i].lower().as_str(), "the" | "a" | "an");
+    let pred_start = ent.w0 == p0 || (ent.w0 == p0 + 1 && (ent.prep == Some(p0) || det(p0)));
+    // "X is Y, a …": the appositive does not belong in the question.
+    let apposed = ent.w1 < n && s.body[ent.e..].starts_with(',');
+    let mut direct = Direct::default();
+    if cop.is_be && pred_start && (ent.w1 == n || apposed) && !cop.participle {
+        direct = predicate_questions(s, ent, cop);
+    } else if ent.w0 > c && (!cop.is_be || cop.participle) {
+        if let Some(cs) = constituent(s, ent) {
+            let possession = matches!(cop.word.as_str(), "has" | "have" | "had") && !cop.participle;
             if possession && !matches!(ent.kind, Kind::Count { .. }) {
-                return (None, None, None);
+                return None;
             }
-            let (aux, tail) = match cop.as_str() {
-                "has" | "have" | "had" if !participle => (
-                    if cop == "had" {
-                        "did"
-                    } else if cop == "has" {
-                        "does"
-                    } else {
-                        "do"
-                    }
-                    .to_string(),
-                    format!("have {rest}"),
-                ),
-                _ => (cop.clone(), rest),
-            };
-            if !tail.trim().is_empty() || is_cop {
-                direct = Some(question(&format!("{wh} {aux} {subject} {tail}")));
-            }
-        }
-        // Possessive subject: "Anna's favourite colour is green." → Whose favourite colour is green?
-        if ent.w0 == 0 && ent.w1 < c && s.is_possessive(ent.w1 - 1) {
-            direct = Some(question(&format!("Whose {}", s.text(ent.w1, n))));
+            direct.question = object_question(s, ent, cop, cs);
         }
     }
-    // Naming: "a dog named Rex" → What is the name of the dog? / "The ship was called the Aurora."
-    if direct.is_none() && ent.w0 >= 1 {
-        let mut v = ent.w0 - 1;
-        if v >= 1 && ws[v].lower() == "the" {
-            v -= 1;
-        }
-        let verb = ws[v].lower();
-        if NAMING_VERBS.contains(&verb.as_str()) && !(verb == "known" && prep_word.as_deref() != Some("as")) {
-            let det = (v.saturating_sub(5)..v).rev().find(|&d| {
-                ["a", "an", "the", "his", "her", "their", "its", "our", "my", "your"].contains(&ws[d].lower().as_str())
-            });
-            if v >= 1 && COPULAS.contains(&ws[v - 1].lower().as_str()) && v >= 2 {
-                let subject = decap(&s.phrase(0, v - 1), lex);
-                direct = Some(question(&format!("What {} {} {}", ws[v - 1].lower(), subject, verb)));
-            } else if let Some(d) = det.filter(|&d| d + 1 < v) {
-                let np = s.phrase(d + 1, v);
-                direct = Some(question(&format!("What is the name of the {np}")));
-                typed = Some(question(&format!("What was the {np} called")));
-            }
-        }
+    // Possessive subject: "Anna's favourite colour is green." → Whose favourite colour is green?
+    if ent.w0 == 0 && ent.w1 < c && s.is_possessive(ent.w1 - 1) {
+        direct.question = Some(question(&format!("Whose {}", s.text(ent.w1, n))));
     }
-    // Apposition: "The nearest town, Longyearbyen, is …" → What is the name of the nearest town?
-    if direct.is_none() && matches!(ent.kind, Kind::Person | Kind::Place | Kind::Thing { .. }) && ent.w0 >= 2 {
-        let before_comma = s.body[..ws[ent.w0].raw.0].trim_end().ends_with(',');
-        let after_comma = ent.w1 == n || s.body[ent.e..].starts_with(',');
-        let det = (ent.w0.saturating_sub(6)..ent.w0 - 1).rev().find(|&d| {
-            ["a", "an", "the", "his", "her", "their", "its", "our", "my", "your"].contains(&ws[d].lower().as_str())
-        });
-        if let (true, true, Some(d)) = (before_comma, after_comma, det) {
-            let np = s.phrase(d, ent.w0);
-            if !np.contains(',')
-                && (d == 0
-                    || s.body[..ws[d].raw.0].trim_end().ends_with(',')
-                    || PREPOSITIONS.contains(&ws[d - 1].lower().as_str())
-                    || verbish(&ws[d - 1]))
-            {
-                direct = Some(question(&format!("What is the name of {}", decap(&np, lex))));
-            }
-        }
+    Some(direct)
+}
+
+/// "X is Y": What/Who/When/Where is X? (typed: "Which year is X?"; other tense: "What was X?").
+fn predicate_questions(s: &Sent, ent: &Entity, cop: &Copula) -> Direct {
+    let prep_word = ent.prep.map(|p| s.words[p].lower());
+    let (word, subject) = (&cop.word, &cop.subject);
+    let wh = match ent.kind {
+        Kind::Person => "Who",
+        Kind::Year | Kind::Date | Kind::Time => "When",
+        Kind::Place => "Where",
+        _ if ent.prep == Some(cop.p0) && matches!(prep_word.as_deref(), Some("in" | "at" | "near" | "on")) => "Where",
+        _ => "What",
+    };
+    let noun = kind_noun(ent.kind);
+    let typed = if noun.is_empty() || ent.prep == Some(cop.p0) {
+        format!("What does the document say {subject} {word}?")
+    } else {
+        format!("Which {noun} {word} {subject}?")
+    };
+    let other = match word.as_str() {
+        "is" => "was",
+        "was" => "is",
+        "are" => "were",
+        _ => "are",
+    };
+    Direct {
+        question: Some(format!("{wh} {word} {subject}?")),
+        typed: Some(typed),
+        tense: Some(format!("{wh} {other} {subject}?")),
     }
-    // Subject position: "Maria Santos founded the company." → Who founded the company?
-    // (also after an introductory phrase: "In 1998, Maria Santos founded …" → "In 1998, who founded …")
-    if direct.is_none() {
-        if let Some(cs) = cs {
-            let intro = cs == 0 || s.body[..s.words[cs].raw.0].trim_end().ends_with(',');
-            let verb_next = ent.w1 < n && ws[ent.w1].starts_lower() && !s.breaks_after(ent.w1 - 1);
-            if intro && verb_next {
-                let (wh, rest_from) = match ent.kind {
-                    Kind::Thing { head: Some(h) } => (format!("which {}", ws[h].lower()), ent.w1),
-                    Kind::Count { noun } if noun == ent.w1 => (format!("how many {}", ws[noun].lower()), noun + 1),
-                    Kind::Person => ("who".to_string(), ent.w1),
-                    _ => ("what".to_string(), ent.w1),
-                };
-                if rest_from < n {
-                    let prefix = &s.body[..ws[cs].raw.0];
-                    direct = Some(question(&format!("{prefix}{wh} {}", s.text(rest_from, n))));
-                }
+}
+
+/// An entity after the verb, asked through the auxiliary: "X was founded in 1998 by Y" → "When was
+/// X founded by Y?" / "By whom was X founded in 1998?"; "X has 42 rooms" → "How many rooms does X
+/// have?". `cs` is the entity's first word as a phrase (see [`constituent`]).
+fn object_question(s: &Sent, ent: &Entity, cop: &Copula, cs: usize) -> Option<String> {
+    let ws = &s.words;
+    let n = ws.len();
+    let c = cop.at;
+    let prep_word = ent.prep.map(|p| ws[p].lower());
+    let with_prep = matches!(ent.prep, Some(p) if p + 1 == cs && p > c);
+    let a = if with_prep { cs - 1 } else { cs };
+    let b = match ent.kind {
+        Kind::Count { noun } if noun == ent.w1 && noun < n => noun + 1,
+        _ => ent.w1,
+    };
+    let wh = match (ent.kind, prep_word.as_deref()) {
+        (Kind::Person, Some("by")) if with_prep => "By whom".to_string(),
+        (Kind::Year | Kind::Date | Kind::Time, Some("in" | "on" | "at" | "during")) if with_prep => "When".to_string(),
+        (Kind::Place, Some("in" | "at" | "near")) if with_prep => "Where".to_string(),
+        (Kind::Place, Some("from")) if with_prep => "From where".to_string(),
+        (Kind::Place, Some(p)) if with_prep => format!("{} which place", first_char_upper(p)),
+        (Kind::Count { noun }, _) if !with_prep => format!("How many {}", ws[noun].lower()),
+        (Kind::Person, Some(p)) if with_prep => format!("{} whom", first_char_upper(p)),
+        (_, Some(p)) if with_prep => format!("{} what", first_char_upper(p)),
+        (Kind::Person, _) => "Who".to_string(),
+        _ => "What".to_string(),
+    };
+    // An appositive after the entity (", a retired sea captain") is dropped.
+    let after = if b < n && !s.body[ws[ent.w1 - 1].core.1..ws[b].raw.0].contains(',') { s.text(b, n) } else { "" };
+    let rest = squeeze(strip_final(&format!("{} {}", s.text(c + 1, a), after)));
+    let (aux, tail) = match cop.word.as_str() {
+        "has" | "have" | "had" if !cop.participle => (
+            if cop.word == "had" {
+                "did"
+            } else if cop.word == "has" {
+                "does"
+            } else {
+                "do"
             }
-        }
+            .to_string(),
+            format!("have {rest}"),
+        ),
+        _ => (cop.word.clone(), rest),
+    };
+    let subject = &cop.subject;
+    (!tail.trim().is_empty() || cop.is_be).then(|| question(&format!("{wh} {aux} {subject} {tail}")))
+}
+
+/// Naming: "a dog named Rex" → "What is the name of the dog?" (typed: "What was the dog called?");
+/// "The ship was called the Aurora." → "What was the ship called?".
+fn naming_question(s: &Sent, lex: &Lexicon, ent: &Entity) -> Option<(String, Option<String>)> {
+    let ws = &s.words;
+    if ent.w0 < 1 {
+        return None;
     }
-    (direct, typed, tense)
+    let prep_word = ent.prep.map(|p| ws[p].lower());
+    let mut v = ent.w0 - 1;
+    if v >= 1 && ws[v].lower() == "the" {
+        v -= 1;
+    }
+    let verb = ws[v].lower();
+    if !NAMING_VERBS.contains(&verb.as_str()) || (verb == "known" && prep_word.as_deref() != Some("as")) {
+        return None;
+    }
+    let det = (v.saturating_sub(5)..v).rev().find(|&d| DETERMINERS.contains(&ws[d].lower().as_str()));
+    if v >= 1 && COPULAS.contains(&ws[v - 1].lower().as_str()) && v >= 2 {
+        let subject = decap(&s.phrase(0, v - 1), lex);
+        Some((question(&format!("What {} {} {}", ws[v - 1].lower(), subject, verb)), None))
+    } else if let Some(d) = det.filter(|&d| d + 1 < v) {
+        let np = s.phrase(d + 1, v);
+        Some((question(&format!("What is the name of the {np}")), Some(question(&format!("What was the {np} called")))))
+    } else {
+        None
+    }
+}
+
+/// Apposition: "The nearest town, Longyearbyen, is …" → "What is the name of the nearest town?".
+fn apposition_question(s: &Sent, lex: &Lexicon, ent: &Entity) -> Option<String> {
+    let ws = &s.words;
+    let n = ws.len();
+    if !matches!(ent.kind, Kind::Person | Kind::Place | Kind::Thing { .. }) || ent.w0 < 2 {
+        return None;
+    }
+    let before_comma = s.body[..ws[ent.w0].raw.0].trim_end().ends_with(',');
+    let after_comma = ent.w1 == n || s.body[ent.e..].starts_with(',');
+    let det = (ent.w0.saturating_sub(6)..ent.w0 - 1).rev().find(|&d| DETERMINERS.contains(&ws[d].lower().as_str()));
+    let (true, true, Some(d)) = (before_comma, after_comma, det) else {
+        return None;
+    };
+    let np = s.phrase(d, ent.w0);
+    let fits = !np.contains(',')
+        && (d == 0
+            || s.body[..ws[d].raw.0].trim_end().ends_with(',')
+            || PREPOSITIONS.contains(&ws[d - 1].lower().as_str())
+            || verbish(&ws[d - 1]));
+    fits.then(|| question(&format!("What is the name of {}", decap(&np, lex))))
+}
+
+/// Subject position: "Maria Santos founded the company." → "Who founded the company?" (also after
+/// an introductory phrase: "In 1998, Maria Santos founded …" → "In 1998, who founded …").
+fn subject_question(s: &Sent, ent: &Entity) -> Option<String> {
+    let ws = &s.words;
+    let n = ws.len();
+    let cs = constituent(s, ent)?;
+    let intro = cs == 0 || s.body[..s.words[cs].raw.0].trim_end().ends_with(',');
+    let verb_next = ent.w1 < n && ws[ent.w1].starts_lower() && !s.breaks_after(ent.w1 - 1);
+    if !(intro && verb_next) {
+        return None;
+    }
+    let (wh, rest_from) = match ent.kind {
+        Kind::Thing { head: Some(h) } => (format!("which {}", ws[h].lower()), ent.w1),
+        Kind::Count { noun } if noun == ent.w1 => (format!("how many {}", ws[noun].lower()), noun + 1),
+        Kind::Person => ("who".to_string(), ent.w1),
+        _ => ("what".to_string(), ent.w1),
+    };
+    (rest_from < n).then(|| {
+        let prefix = &s.body[..ws[cs].raw.0];
+        question(&format!("{prefix}{wh} {}", s.text(rest_from, n)))
+    })
 }
 
 /// The sentence with the entity replaced in place by a wh-phrase ("The hotel has how many rooms?",
@@ -262,7 +347,7 @@ pub(super) fn make_fact(s: &Sent, lex: &Lexicon, ent: &Entity, copula: Option<us
     let full = squeeze(s.body.trim());
     let cloze_text = squeeze(&format!("{}___{}", &s.body[..ent.s], &s.body[ent.e..]));
     let cloze = format!("Complete the sentence from the document: {cloze_text}");
-    let (direct, typed, tense) = direct_question(s, lex, ent, copula);
+    let Direct { question: direct, typed, tense } = direct_question(s, lex, ent, copula);
     let in_situ = in_situ_question(s, ent);
     let direct = direct.or_else(|| in_situ.clone());
     let mut questions = Vec::new();
