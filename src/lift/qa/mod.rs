@@ -34,9 +34,7 @@ use super::text::{split_sentences, Span};
 use crate::model::Model;
 use anyhow::Result;
 use extractive::{extractive_candidates, fallback_candidates};
-use model::{generate_for_window, spread_windows, GIVE_UP_AFTER_WINDOWS};
 use std::collections::{HashMap, HashSet};
-use std::time::Instant;
 
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub enum QaSource {
@@ -128,7 +126,8 @@ pub struct QaStats {
 
 /// Generates auxiliary QA pairs for `doc`: model pairs from windows spread over the whole document
 /// plus extractive pairs (see the module docs). `progress` is called as model windows finish;
-/// `cancel` is polled between and during generations (an `Err` wrapping [`Cancelled`] results).
+/// `cancel` is polled between and during generations (an `Err` wrapping
+/// [`Cancelled`](crate::lift::Cancelled) results).
 pub fn generate_qa(
     model: &Model,
     doc: &str,
@@ -149,92 +148,10 @@ pub fn generate_qa_with_stats(
 ) -> Result<(Vec<QaPair>, QaStats)> {
     let sentences = split_sentences(doc);
     let mut stats = QaStats { sentences: sentences.len(), ..Default::default() };
-    let max_pairs = opts.max_pairs.max(1);
-    let target = if opts.use_model && !sentences.is_empty() {
-        sentences.len().div_ceil(opts.sentences_per_pair.max(1)).min(max_pairs)
-    } else {
-        0
-    };
-    let windows = spread_windows(sentences.len(), opts.window_sentences, target);
-    stats.windows = windows.len();
-    let mut model_pairs: Vec<QaPair> = Vec::new();
-    let mut seen_q: HashSet<String> = HashSet::new();
-    let mut seen_ae: HashSet<(String, (usize, usize))> = HashSet::new();
-    let mut prog = QaProgress { done: 0, total: windows.len(), valid: 0 };
-    progress(&prog);
-    let t0 = Instant::now();
-    let mut seen_windows: HashSet<(usize, usize)> = HashSet::new();
-    for (wi, &(s0, s1)) in windows.iter().enumerate() {
-        if cancel() {
-            return Err(super::Cancelled("QA generation").into());
-        }
-        if stats.model_gave_up {
-            break;
-        }
-        let span = (sentences[s0].start, sentences[s1 - 1].end);
-        let repeated = !seen_windows.insert((s0, s1));
-        let valid = generate_for_window(model, doc, span, wi, repeated, opts, cancel, &mut stats, &mut |pair| {
-            let qn = normalize_question(&pair.question);
-            let ae = (normalize_question(&pair.answer), pair.evidence_span);
-            if seen_q.contains(&qn) || seen_ae.contains(&ae) {
-                return false;
-            }
-            seen_q.insert(qn);
-            seen_ae.insert(ae);
-            model_pairs.push(pair);
-            true
-        })?;
-        if valid {
-            stats.model_valid += 1;
-        }
-        prog.done = wi + 1;
-        prog.valid = stats.model_valid;
-        progress(&prog);
-        let tried = wi + 1;
-        if tried >= GIVE_UP_AFTER_WINDOWS && stats.model_valid * 10 < tried && tried < windows.len() {
-            tracing::warn!(
-                windows = tried,
-                valid = stats.model_valid,
-                "the model rarely produces valid QA pairs; the extractive generator fills in"
-            );
-            stats.model_gave_up = true;
-        }
-    }
-    if prog.done < prog.total {
-        prog.done = prog.total;
-        progress(&prog);
-    }
-    stats.model_seconds = t0.elapsed().as_secs_f64();
-
-    // Extractive pairs: everything the rules find, minus questions the model already asked, thinned
-    // evenly to the remaining budget.
-    let budget = max_pairs.saturating_sub(model_pairs.len());
-    let cands: Vec<Candidate> = extractive_candidates(doc, &sentences, opts)
-        .into_iter()
-        .filter(|c| !seen_q.contains(&normalize_question(&c.pair.question)))
-        .collect();
-    stats.extractive_candidates = cands.len();
-    let mut chosen = select_even(cands, budget);
-    stats.extractive = chosen.len();
-    for c in &chosen {
-        seen_q.insert(normalize_question(&c.pair.question));
-    }
-    // Never train without QA: plain cloze questions when facts were too scarce.
-    let have = model_pairs.len() + chosen.len();
-    let floor = opts.min_pairs.min(max_pairs);
-    if have < floor {
-        let extra: Vec<Candidate> = fallback_candidates(doc, &sentences)
-            .into_iter()
-            .filter(|c| !seen_q.contains(&normalize_question(&c.pair.question)))
-            .collect();
-        let extra = select_even(extra, floor - have);
-        stats.fallback = extra.len();
-        chosen.extend(extra);
-    }
-    let mut all: Vec<(usize, usize, QaPair)> = model_pairs.into_iter().map(|p| (p.evidence_span.0, 0, p)).collect();
-    all.extend(chosen.into_iter().map(|c| (c.pair.evidence_span.0, 1 + c.rank, c.pair)));
-    all.sort_by_key(|&(pos, rank, _)| (pos, rank));
-    let pairs: Vec<QaPair> = all.into_iter().map(|(_, _, p)| p).collect();
+    let run = model::Run { model, doc, opts, cancel };
+    let model_pairs = model::model_pairs(&run, &sentences, progress, &mut stats)?;
+    let chosen = select_extractive(doc, &sentences, opts, &model_pairs, &mut stats);
+    let pairs = in_document_order(model_pairs, chosen);
     stats.total = pairs.len();
     tracing::info!(
         sentences = stats.sentences,
@@ -248,6 +165,15 @@ pub fn generate_qa_with_stats(
     Ok((pairs, stats))
 }
 
+/// Deterministic rule-based QA over the document's fact-bearing sentences (no model): for each
+/// fact, up to `wordings_per_fact` differently-worded questions with short and full-sentence
+/// answers; capped by `max_pairs` with even coverage, topped up with plain cloze questions to
+/// `min_pairs` when facts are scarce.
+pub fn extractive_qa(doc: &str, sentences: &[Span], opts: &QaOptions) -> Vec<QaPair> {
+    let chosen = select_extractive(doc, sentences, opts, &[], &mut QaStats::default());
+    in_document_order(Vec::new(), chosen)
+}
+
 /// One extractive pair with its wording rank (0 = the most direct question for the fact) and the
 /// index of its fact in document order.
 #[derive(Clone, Debug)]
@@ -255,6 +181,37 @@ struct Candidate {
     rank: usize,
     fact: usize,
     pair: QaPair,
+}
+
+/// The extractive pairs for what `max_pairs` leaves after the model's: everything the rules find,
+/// minus questions the model already asked, thinned evenly; then, never to train without QA, plain
+/// cloze questions up to `min_pairs` when facts were too scarce. Fills the extractive counts of
+/// `stats`.
+fn select_extractive(
+    doc: &str,
+    sentences: &[Span],
+    opts: &QaOptions,
+    model_pairs: &[QaPair],
+    stats: &mut QaStats,
+) -> Vec<Candidate> {
+    let max_pairs = opts.max_pairs.max(1);
+    let mut seen: HashSet<String> = model_pairs.iter().map(|p| normalize_question(&p.question)).collect();
+    let unseen = |cands: Vec<Candidate>, seen: &HashSet<String>| -> Vec<Candidate> {
+        cands.into_iter().filter(|c| !seen.contains(&normalize_question(&c.pair.question))).collect()
+    };
+    let cands = unseen(extractive_candidates(doc, sentences, opts), &seen);
+    stats.extractive_candidates = cands.len();
+    let mut chosen = select_even(cands, max_pairs.saturating_sub(model_pairs.len()));
+    stats.extractive = chosen.len();
+    seen.extend(chosen.iter().map(|c| normalize_question(&c.pair.question)));
+    let have = model_pairs.len() + chosen.len();
+    let floor = opts.min_pairs.min(max_pairs);
+    if have < floor {
+        let extra = select_even(unseen(fallback_candidates(doc, sentences), &seen), floor - have);
+        stats.fallback = extra.len();
+        chosen.extend(extra);
+    }
+    chosen
 }
 
 /// Keeps at most `budget` candidates: rank by rank (every fact's first wording before any fact's
@@ -282,24 +239,13 @@ fn select_even(mut cands: Vec<Candidate>, budget: usize) -> Vec<Candidate> {
     out
 }
 
-/// Deterministic rule-based QA over the document's fact-bearing sentences (no model): for each
-/// fact, up to `wordings_per_fact` differently-worded questions with short and full-sentence
-/// answers; capped by `max_pairs` with even coverage, topped up with plain cloze questions to
-/// `min_pairs` when facts are scarce.
-pub fn extractive_qa(doc: &str, sentences: &[Span], opts: &QaOptions) -> Vec<QaPair> {
-    let max_pairs = opts.max_pairs.max(1);
-    let mut chosen = select_even(extractive_candidates(doc, sentences, opts), max_pairs);
-    let floor = opts.min_pairs.min(max_pairs);
-    if chosen.len() < floor {
-        let seen: HashSet<String> = chosen.iter().map(|c| normalize_question(&c.pair.question)).collect();
-        let extra: Vec<Candidate> = fallback_candidates(doc, sentences)
-            .into_iter()
-            .filter(|c| !seen.contains(&normalize_question(&c.pair.question)))
-            .collect();
-        chosen.extend(select_even(extra, floor - chosen.len()));
-    }
-    chosen.sort_by_key(|c| (c.pair.evidence_span.0, c.rank));
-    chosen.into_iter().map(|c| c.pair).collect()
+/// All pairs by position in the document; at one position the model's pair first, then the
+/// extractive ones by wording rank.
+fn in_document_order(model_pairs: Vec<QaPair>, chosen: Vec<Candidate>) -> Vec<QaPair> {
+    let mut all: Vec<(usize, usize, QaPair)> = model_pairs.into_iter().map(|p| (p.evidence_span.0, 0, p)).collect();
+    all.extend(chosen.into_iter().map(|c| (c.pair.evidence_span.0, 1 + c.rank, c.pair)));
+    all.sort_by_key(|&(pos, rank, _)| (pos, rank));
+    all.into_iter().map(|(_, _, p)| p).collect()
 }
 
 /// Counts pairs per source (for logs and tests).
