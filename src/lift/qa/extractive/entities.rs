@@ -2,8 +2,8 @@
 //! strings, codes, short predicates and passive objects).
 
 use super::lexicon::{
-    is_code, is_contraction, is_day, is_participle, is_time, is_title, is_year, verbish, Lexicon, ADVERBS,
-    CLAUSE_WORDS, CONNECTORS, COPULAS, MONTHS, NUMBER_WORDS, ORG_HEADS, PLACE_HEADS, PREPOSITIONS, WEEKDAYS,
+    is_code, is_contraction, is_day, is_participle, is_time, is_title, is_year, verbish, Lexicon, CLAUSE_WORDS,
+    CONNECTORS, COPULAS, MONTHS, NUMBER_WORDS, ORG_HEADS, PLACE_HEADS, PREPOSITIONS, WEEKDAYS,
 };
 use super::sentence::Sent;
 use crate::lift::qa::words::is_stopword;
@@ -373,10 +373,7 @@ pub(super) fn passive_object(s: &Sent) -> Option<Entity> {
     let ws = &s.words;
     let n = ws.len();
     let c = ws.iter().position(|w| COPULAS.contains(&w.lower().as_str()))?;
-    let mut p = c + 1;
-    while p < n && ADVERBS.contains(&ws[p].lower().as_str()) {
-        p += 1;
-    }
+    let p = s.predicate_start(c);
     if p + 2 >= n || !is_participle(ws[p].text) || !ws[p].starts_lower() {
         return None;
     }
@@ -417,10 +414,7 @@ pub(super) fn passive_object(s: &Sent) -> Option<Entity> {
 pub(super) fn predicate_entity(s: &Sent, copula: Option<usize>, ents: &[Entity]) -> Option<Entity> {
     let c = copula?;
     let n = s.words.len();
-    let mut p0 = c + 1;
-    while p0 < n && ADVERBS.contains(&s.words[p0].lower().as_str()) {
-        p0 += 1;
-    }
+    let p0 = s.predicate_start(c);
     let pred_words = n - p0;
     let passive = is_participle(s.words[p0].text)
         && s.words.get(p0 + 1).is_none_or(|w| PREPOSITIONS.contains(&w.lower().as_str()) || s.breaks_after(p0));

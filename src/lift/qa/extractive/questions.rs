@@ -4,8 +4,8 @@
 
 use super::entities::{constituent, Entity, Kind};
 use super::lexicon::{
-    base_form, decap, first_char_upper, is_participle, past_equals_participle, squeeze, verbish, Lexicon, ADVERBS,
-    AUXILIARIES, CLAUSE_WORDS, COMMON_VERBS, COPULAS, NAMING_VERBS, PREPOSITIONS, PRONOUN_SUBJECTS,
+    base_form, decap, first_char_upper, is_participle, past_equals_participle, squeeze, verbish, Lexicon, AUXILIARIES,
+    CLAUSE_WORDS, COMMON_VERBS, COPULAS, NAMING_VERBS, PREPOSITIONS, PRONOUN_SUBJECTS,
 };
 use super::sentence::Sent;
 use crate::lift::qa::words::{content_tokens, is_stopword, strip_final};
@@ -111,10 +111,7 @@ impl Copula {
         let ws = &s.words;
         let n = ws.len();
         let word = ws[c].lower();
-        let mut p0 = c + 1;
-        while p0 < n && ADVERBS.contains(&ws[p0].lower().as_str()) {
-            p0 += 1;
-        }
+        let p0 = s.predicate_start(c);
         Self {
             at: c,
             is_be: COPULAS.contains(&word.as_str()),

@@ -1,6 +1,6 @@
 //! Sentences and words as the extractive rules see them.
 
-use super::lexicon::is_title;
+use super::lexicon::{is_title, ADVERBS};
 use crate::lift::qa::words::strip_final;
 use crate::lift::text::{list_marker_len, Span};
 
@@ -111,19 +111,29 @@ impl<'a> Sent<'a> {
         strip_final(self.text(w0, w1)).to_string()
     }
 
+    /// What follows the core of word `i` in its token (closing punctuation, a possessive 's).
+    fn after_core(&self, i: usize) -> &'a str {
+        let w = &self.words[i];
+        &self.body[w.core.1..w.raw.1]
+    }
+
     /// Whether the raw token of word `i` ends with punctuation that breaks a name run.
     pub(super) fn breaks_after(&self, i: usize) -> bool {
-        let w = &self.words[i];
-        let raw = &self.body[w.raw.0..w.raw.1];
-        let after = &raw[w.core.1 - w.raw.0..];
-        let after = after.trim_start_matches(['\'', '’']).trim_start_matches('s');
-        !(after.is_empty() || (after == "." && is_title(w.text)))
+        let after = self.after_core(i).trim_start_matches(['\'', '’']).trim_start_matches('s');
+        !(after.is_empty() || (after == "." && is_title(self.words[i].text)))
     }
 
     pub(super) fn is_possessive(&self, i: usize) -> bool {
-        let w = &self.words[i];
-        let raw = &self.body[w.raw.0..w.raw.1];
-        let after = &raw[w.core.1 - w.raw.0..];
+        let after = self.after_core(i);
         after.starts_with("'s") || after.starts_with("’s")
+    }
+
+    /// The first word after the copula at `c` that is not an adverb ("was *first* opened").
+    pub(super) fn predicate_start(&self, c: usize) -> usize {
+        let mut p = c + 1;
+        while p < self.words.len() && ADVERBS.contains(&self.words[p].lower().as_str()) {
+            p += 1;
+        }
+        p
     }
 }
