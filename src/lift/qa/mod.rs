@@ -1,0 +1,327 @@
+//! Auxiliary QA for LIFT: question/answer pairs about the document, trained alongside the document
+//! segments (loss on the answer only), as in "LIFT: Improving Long Context Understanding of Large
+//! Language Models through Long Input Fine-Tuning" (Mao et al.), §3.2 and App. A.3.
+//!
+//! Two sources, both from the document alone (never from an evaluation set):
+//! - **Model** (`model`, replies parsed by `parse` and checked by `evidence`): the loaded
+//!   model reads windows of consecutive sentences spread over the document, with the LIFT paper's
+//!   App. A.3 prompt, and writes `Question:/Answer:/Evidence:`; the evidence must be verbatim
+//!   document text and the answer grounded in the window. Off by default (`use_model`).
+//! - **Extractive** (`extractive`): a deterministic rule-based generator over fact-bearing
+//!   sentences, several differently-worded questions per fact. It always contributes — how a
+//!   fact's question is worded decides whether it is recalled later — and fills the quota when the
+//!   model produces too few valid pairs, so absorption never trains without QA; when facts are
+//!   scarce, plain cloze questions top up to `min_pairs`.
+//!
+//! The result is capped by `max_pairs` with even coverage over the document (first one wording per
+//! fact everywhere, then further wordings), sorted by position in the document and deterministic
+//! for a given seed. Deduplication: no two pairs share a normalised question; model pairs also
+//! never repeat an (answer, evidence) of another model pair, while the extractive wordings of one
+//! fact share theirs on purpose.
+
+mod evidence;
+mod extractive;
+mod model;
+mod parse;
+mod words;
+
+pub use evidence::{locate_evidence, locate_evidence_near};
+pub use model::qa_prompt;
+pub use parse::parse_qa;
+pub use words::normalize_question;
+
+use super::text::{split_sentences, Span};
+use crate::model::Model;
+use anyhow::Result;
+use extractive::{extractive_candidates, fallback_candidates};
+use std::collections::{HashMap, HashSet};
+
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub enum QaSource {
+    Model,
+    Extractive,
+}
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+pub struct QaPair {
+    pub question: String,
+    pub answer: String,
+    /// Verbatim document text: `doc[evidence_span.0..evidence_span.1] == evidence`.
+    pub evidence: String,
+    /// Byte offsets in the document.
+    pub evidence_span: (usize, usize),
+    pub source: QaSource,
+}
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+#[serde(default)]
+pub struct QaOptions {
+    /// Coverage: one model-generated pair per this many sentences (windows spread evenly).
+    pub sentences_per_pair: usize,
+    /// Cap on all pairs (model + extractive); extractive pairs are thinned evenly to fit.
+    pub max_pairs: usize,
+    /// Floor: the extractive generator (and, failing that, plain cloze questions) fills up to it.
+    pub min_pairs: usize,
+    /// Consecutive sentences shown to the model (the paper's 16).
+    pub window_sentences: usize,
+    /// Extra attempts per window after the first (greedy) one; the paper's 5.
+    pub retries: usize,
+    pub use_model: bool,
+    /// Tokens the model may write per attempt: the evidence may use all of them, the question and
+    /// the answer half each (a question or answer still unfinished then is dropped).
+    pub max_new_tokens: usize,
+    /// Differently-worded extractive questions per fact (short, full-sentence, cloze, typed, ...).
+    pub wordings_per_fact: usize,
+    pub seed: u64,
+}
+
+impl Default for QaOptions {
+    fn default() -> Self {
+        Self {
+            sentences_per_pair: 8,
+            max_pairs: 256,
+            min_pairs: 10,
+            window_sentences: 16,
+            retries: 5,
+            // Off by default: the default 135M model writes almost no valid pairs (the extractive
+            // generator carries the load) and generating them costs minutes per document.
+            use_model: false,
+            max_new_tokens: 128,
+            wordings_per_fact: 4,
+            seed: 0,
+        }
+    }
+}
+
+/// Progress of model generation: windows done out of total, valid model pairs so far.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct QaProgress {
+    pub done: usize,
+    pub total: usize,
+    pub valid: usize,
+}
+
+/// What happened during [`generate_qa_with_stats`] (for logs and reports).
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct QaStats {
+    pub sentences: usize,
+    pub windows: usize,
+    pub attempts: usize,
+    pub generated_tokens: usize,
+    pub model_valid: usize,
+    pub rejected_parse: usize,
+    pub rejected_evidence: usize,
+    pub rejected_answer: usize,
+    pub rejected_duplicate: usize,
+    /// The model stopped being asked: after at least 3 windows, fewer than 1 in 10 gave a pair.
+    pub model_gave_up: bool,
+    pub model_seconds: f64,
+    /// Extractive pairs available before the `max_pairs` cap, and kept after it.
+    pub extractive_candidates: usize,
+    pub extractive: usize,
+    /// Plain cloze pairs added to reach `min_pairs` when facts were scarce.
+    pub fallback: usize,
+    pub total: usize,
+}
+
+/// Generates auxiliary QA pairs for `doc`: model pairs from windows spread over the whole document
+/// plus extractive pairs (see the module docs). `progress` is called as model windows finish;
+/// `cancel` is polled between and during generations (an `Err` wrapping
+/// [`Cancelled`](crate::lift::Cancelled) results).
+pub fn generate_qa(
+    model: &Model,
+    doc: &str,
+    opts: &QaOptions,
+    progress: &mut dyn FnMut(&QaProgress),
+    cancel: &dyn Fn() -> bool,
+) -> Result<Vec<QaPair>> {
+    generate_qa_with_stats(model, doc, opts, progress, cancel).map(|(pairs, _)| pairs)
+}
+
+/// [`generate_qa`], also returning what happened.
+pub fn generate_qa_with_stats(
+    model: &Model,
+    doc: &str,
+    opts: &QaOptions,
+    progress: &mut dyn FnMut(&QaProgress),
+    cancel: &dyn Fn() -> bool,
+) -> Result<(Vec<QaPair>, QaStats)> {
+    let sentences = split_sentences(doc);
+    let mut stats = QaStats { sentences: sentences.len(), ..Default::default() };
+    let run = model::Run { model, doc, opts, cancel };
+    let model_pairs = model::model_pairs(&run, &sentences, progress, &mut stats)?;
+    let chosen = select_extractive(doc, &sentences, opts, &model_pairs, &mut stats);
+    let pairs = in_document_order(model_pairs, chosen);
+    stats.total = pairs.len();
+    tracing::info!(
+        sentences = stats.sentences,
+        windows = stats.windows,
+        model = stats.model_valid,
+        extractive = stats.extractive,
+        fallback = stats.fallback,
+        seconds = stats.model_seconds,
+        "auxiliary QA generated"
+    );
+    Ok((pairs, stats))
+}
+
+/// Deterministic rule-based QA over the document's fact-bearing sentences (no model): for each
+/// fact, up to `wordings_per_fact` differently-worded questions with short and full-sentence
+/// answers; capped by `max_pairs` with even coverage, topped up with plain cloze questions to
+/// `min_pairs` when facts are scarce.
+pub fn extractive_qa(doc: &str, sentences: &[Span], opts: &QaOptions) -> Vec<QaPair> {
+    let chosen = select_extractive(doc, sentences, opts, &[], &mut QaStats::default());
+    in_document_order(Vec::new(), chosen)
+}
+
+/// One extractive pair with its wording rank (0 = the most direct question for the fact) and the
+/// index of its fact in document order.
+#[derive(Clone, Debug)]
+struct Candidate {
+    rank: usize,
+    fact: usize,
+    pair: QaPair,
+}
+
+/// The extractive pairs for what `max_pairs` leaves after the model's: everything the rules find,
+/// minus questions the model already asked, thinned evenly; then, never to train without QA, plain
+/// cloze questions up to `min_pairs` when facts were too scarce. Fills the extractive counts of
+/// `stats`.
+fn select_extractive(
+    doc: &str,
+    sentences: &[Span],
+    opts: &QaOptions,
+    model_pairs: &[QaPair],
+    stats: &mut QaStats,
+) -> Vec<Candidate> {
+    let max_pairs = opts.max_pairs.max(1);
+    let mut seen: HashSet<String> = model_pairs.iter().map(|p| normalize_question(&p.question)).collect();
+    let unseen = |cands: Vec<Candidate>, seen: &HashSet<String>| -> Vec<Candidate> {
+        cands.into_iter().filter(|c| !seen.contains(&normalize_question(&c.pair.question))).collect()
+    };
+    let cands = unseen(extractive_candidates(doc, sentences, opts), &seen);
+    stats.extractive_candidates = cands.len();
+    let mut chosen = select_even(cands, max_pairs.saturating_sub(model_pairs.len()));
+    stats.extractive = chosen.len();
+    seen.extend(chosen.iter().map(|c| normalize_question(&c.pair.question)));
+    let have = model_pairs.len() + chosen.len();
+    let floor = opts.min_pairs.min(max_pairs);
+    if have < floor {
+        let extra = select_even(unseen(fallback_candidates(doc, sentences), &seen), floor - have);
+        stats.fallback = extra.len();
+        chosen.extend(extra);
+    }
+    chosen
+}
+
+/// Keeps at most `budget` candidates: rank by rank (every fact's first wording before any fact's
+/// second), thinning a rank evenly over the document when it does not fit. Drops repeated
+/// questions.
+fn select_even(mut cands: Vec<Candidate>, budget: usize) -> Vec<Candidate> {
+    let mut seen = HashSet::new();
+    cands.retain(|c| seen.insert(normalize_question(&c.pair.question)));
+    let max_rank = cands.iter().map(|c| c.rank).max().unwrap_or(0);
+    let mut out = Vec::new();
+    for rank in 0..=max_rank {
+        let left = budget - out.len();
+        if left == 0 {
+            break;
+        }
+        let group: Vec<&Candidate> = cands.iter().filter(|c| c.rank == rank).collect();
+        if group.len() <= left {
+            out.extend(group.into_iter().cloned());
+        } else {
+            let n = group.len();
+            out.extend((0..left).map(|i| group[((2 * i + 1) * n) / (2 * left)].clone()));
+        }
+    }
+    out.sort_by_key(|c| (c.fact, c.rank));
+    out
+}
+
+/// All pairs by position in the document; at one position the model's pair first, then the
+/// extractive ones by wording rank.
+fn in_document_order(model_pairs: Vec<QaPair>, chosen: Vec<Candidate>) -> Vec<QaPair> {
+    let mut all: Vec<(usize, usize, QaPair)> = model_pairs.into_iter().map(|p| (p.evidence_span.0, 0, p)).collect();
+    all.extend(chosen.into_iter().map(|c| (c.pair.evidence_span.0, 1 + c.rank, c.pair)));
+    all.sort_by_key(|&(pos, rank, _)| (pos, rank));
+    all.into_iter().map(|(_, _, p)| p).collect()
+}
+
+/// Counts pairs per source (for logs and tests).
+pub fn count_by_source(pairs: &[QaPair]) -> HashMap<&'static str, usize> {
+    let mut m = HashMap::new();
+    for p in pairs {
+        *m.entry(match p.source {
+            QaSource::Model => "model",
+            QaSource::Extractive => "extractive",
+        })
+        .or_insert(0) += 1;
+    }
+    m
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    pub(super) const PARAGRAPH: &str = "The Harbor Museum opened in 1987 in the old customs house. \
+The museum was founded by Elena Marsh, a retired sea captain. \
+Its first director was Tomas Berg. \
+The collection holds 4,200 objects from the age of sail. \
+Most visitors come in the summer. \
+The vault code at the Lisbon office is 4417. \
+The museum's oldest ship model is called \"Morning Star\". \
+On March 3, 1999, a fire damaged the east wing. \
+The restoration cost 2.5 million euros. \
+Anna's favourite exhibit is the brass telescope. \
+The library has 12,000 books about navigation. \
+In 2005, Maria Santos became the chief curator. \
+The museum is a popular place for school trips. \
+Every winter the staff repaint the figureheads. \
+The annual lecture takes place at 7:30 p.m. on the first Friday of October. \
+Visitors can reach the museum from Central Station in ten minutes.";
+
+    pub(super) fn assert_verbatim(doc: &str, pairs: &[QaPair]) {
+        for p in pairs {
+            let (s, e) = p.evidence_span;
+            assert_eq!(&doc[s..e], p.evidence, "evidence not at its span: {p:?}");
+            assert!(!p.question.trim().is_empty() && !p.answer.trim().is_empty(), "{p:?}");
+        }
+    }
+
+    #[test]
+    fn generate_qa_with_a_tiny_model_falls_back_to_extractive() {
+        use crate::testing::{write_hf, TinySpec};
+        let dir = tempfile::tempdir().unwrap();
+        let path = write_hf(&dir.path().join("tiny"), &TinySpec::default()).unwrap();
+        let model = Model::load(&path, &candle_core::Device::Cpu).unwrap();
+        let o = QaOptions {
+            retries: 1,
+            max_new_tokens: 8,
+            min_pairs: 12,
+            max_pairs: 40,
+            use_model: true,
+            ..Default::default()
+        };
+        let mut reports = Vec::new();
+        let (pairs, stats) =
+            generate_qa_with_stats(&model, PARAGRAPH, &o, &mut |p| reports.push((p.done, p.total)), &|| false).unwrap();
+        assert_eq!(stats.windows, 2);
+        assert_eq!(reports.first(), Some(&(0, 2)));
+        assert_eq!(reports.last(), Some(&(2, 2)));
+        assert!(pairs.len() >= 12 && pairs.len() <= 40, "{}", pairs.len());
+        assert_verbatim(PARAGRAPH, &pairs);
+        let qs: HashSet<String> = pairs.iter().map(|p| normalize_question(&p.question)).collect();
+        assert_eq!(qs.len(), pairs.len());
+        let again = generate_qa(&model, PARAGRAPH, &o, &mut |_| {}, &|| false).unwrap();
+        assert_eq!(serde_json::to_string(&pairs).unwrap(), serde_json::to_string(&again).unwrap());
+        // Cancellation is an error that says so.
+        let err = generate_qa(&model, PARAGRAPH, &o, &mut |_| {}, &|| true).unwrap_err();
+        assert!(err.downcast_ref::<crate::lift::Cancelled>().is_some());
+        // Without the model: extractive only.
+        let no_model = QaOptions { use_model: false, ..o };
+        let pairs = generate_qa(&model, PARAGRAPH, &no_model, &mut |_| {}, &|| false).unwrap();
+        assert!(pairs.len() >= 12 && pairs.iter().all(|p| p.source == QaSource::Extractive));
+    }
+}
