@@ -20,13 +20,15 @@
 //! `causal_attention` uses the masked-softmax kernel (`crate::kernels`) between two cuBLAS
 //! matmuls; the other ops take their composites there (computed in f32 where it matters).
 //!
-//! Only candle-core, candle-nn, rayon and std are used.
+//! Besides `crate::kernels` (the vectorisable exp, and the masked softmax on CUDA), only
+//! candle-core, candle-nn, rayon and std are used.
 
 use candle_core::backend::BackendStorage;
 use candle_core::{
     bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape,
     Storage, Tensor, D,
 };
+use crate::kernels::math::{exp_f32, sigmoid_fast};
 use rayon::prelude::*;
 
 // ---------------------------------------------------------------------------------------
@@ -68,42 +70,6 @@ fn cpu_tensor<S: Into<Shape>>(data: Vec<f32>, shape: S) -> Result<Tensor> {
 /// a plain `iter().sum()` runs one scalar add per element; 16 independent lanes let the
 /// loop vectorise (AVX2/AVX-512) and also shorten the rounding chains.
 const LANES: usize = 16;
-
-/// exp(x) for f32, Cephes-style: range reduction to r in [-ln2/2, ln2/2], a degree-6
-/// polynomial and an exponent splice; relative error < 5e-7 (tested). Unlike `f32::exp` (a libm
-/// call) it is branch-free and inlines, so the loops that use it vectorise; softmax and the
-/// 49152-wide cross-entropy spend most of their time here.
-///
-/// x < -87.33 (including -inf) returns exactly 0, x > 88.3 saturates at ~2.2e38, NaN stays
-/// NaN.
-#[inline(always)]
-pub(crate) fn exp_f32(x: f32) -> f32 {
-    const LOG2E: f32 = std::f32::consts::LOG2_E;
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    const LO: f32 = -87.33;
-    const HI: f32 = 88.3;
-    let xc = x.clamp(LO, HI);
-    // n = round(x / ln2), within [-126, 127] thanks to the clamp, so 2^n is a normal float.
-    let n = (xc * LOG2E + 0.5).floor();
-    let r = xc - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.987_569_2e-4_f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 0.5; // Cephes: 5.0000001201e-1, which is 0.5 in f32
-    let y = p * r * r + r + 1.0;
-    // 2^n without a float→int conversion (which blocks vectorisation): n + 127 is an
-    // integer in [1, 254], so adding 2^23 puts it verbatim in the low mantissa bits, and
-    // shifting those into the exponent field drops everything else.
-    let scale = f32::from_bits((n + (8_388_608.0 + 127.0)).to_bits() << 23);
-    if x < LO {
-        0.0
-    } else {
-        y * scale
-    }
-}
 
 /// Max of a slice (-inf for an empty slice). NaNs are skipped here but still surface in the
 /// result of the exp pass that follows.
@@ -549,11 +515,6 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 
 struct SiluMul;
 
-#[inline(always)]
-fn sigmoid_f32(x: f32) -> f32 {
-    1.0 / (1.0 + exp_f32(-x))
-}
-
 /// Elements per rayon task for the purely elementwise kernels.
 const ELEMWISE_CHUNK: usize = 1 << 14;
 
@@ -579,7 +540,7 @@ impl CustomOp2 for SiluMul {
             )
             .for_each(|(o, (g, u))| {
                 for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                    *o = g * sigmoid_f32(g) * u;
+                    *o = g * sigmoid_fast(g) * u;
                 }
             });
         Ok((CpuStorage::F32(out), gl.shape().clone()))
@@ -618,7 +579,7 @@ impl CustomOp2 for SiluMul {
                                 let outs = dg.iter_mut().zip(du.iter_mut());
                                 for ((dg, du), ((&g, &u), &gr)) in outs.zip(g.iter().zip(u).zip(gr))
                                 {
-                                    let s = sigmoid_f32(g);
+                                    let s = sigmoid_fast(g);
                                     *du = gr * g * s;
                                     *dg = gr * u * s * (1.0 + g * (1.0 - s));
                                 }
@@ -630,7 +591,7 @@ impl CustomOp2 for SiluMul {
                                     for (dg, ((&g, &u), &gr)) in
                                         dg.iter_mut().zip(g.iter().zip(u).zip(gr))
                                     {
-                                        let s = sigmoid_f32(g);
+                                        let s = sigmoid_fast(g);
                                         *dg = gr * u * s * (1.0 + g * (1.0 - s));
                                     }
                                 })
@@ -640,7 +601,7 @@ impl CustomOp2 for SiluMul {
                             .zip(inputs)
                             .for_each(|(du, ((g, _u), gr))| {
                                 for (du, (&g, &gr)) in du.iter_mut().zip(g.iter().zip(gr)) {
-                                    *du = gr * g * sigmoid_f32(g);
+                                    *du = gr * g * sigmoid_fast(g);
                                 }
                             }),
                     }
@@ -1657,22 +1618,6 @@ mod tests {
 
     fn plain_softmax(x: &Tensor) -> Tensor {
         candle_nn::ops::softmax(x, D::Minus1).unwrap()
-    }
-
-    #[test]
-    fn exp_f32_matches_std() {
-        let mut worst = 0f32;
-        let mut x = -87.0f32;
-        while x < 88.0 {
-            let (a, b) = (exp_f32(x), x.exp());
-            worst = worst.max(((a - b) / b).abs());
-            x += 0.0137;
-        }
-        assert!(worst < 5e-7, "worst relative error {worst}");
-        assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
-        assert_eq!(exp_f32(-100.0), 0.0);
-        assert!(exp_f32(f32::NAN).is_nan());
-        assert!(exp_f32(100.0).is_finite());
     }
 
     // Checks forward + x-gradient against x·wᵀ for ranks 2, 3, 4 and a transposed x, and
