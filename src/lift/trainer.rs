@@ -374,37 +374,47 @@ pub(crate) fn training_loss(
     Ok((total, flt))
 }
 
-/// Trains `vars` (the parameters behind `adapter`) on `plan`: plain LIFT.
-#[allow(clippy::too_many_arguments)]
-pub fn train(
-    model: &Model,
-    doc: &[u32],
-    plan: &Plan,
-    adapter: &dyn Adapter,
-    vars: &[Var],
-    opts: &TrainOptions,
-    on_progress: &mut dyn FnMut(&Progress),
-    cancel: &dyn Fn() -> bool,
-) -> Result<TrainReport> {
-    train_with(model, doc, plan, adapter, vars, opts, None, on_progress, cancel)
+/// What a LIFT run trains: `adapter` (its parameters `vars`) on the document `doc` as `plan` lays
+/// it out.
+#[derive(Clone, Copy)]
+pub struct TrainInputs<'a> {
+    pub doc: &'a [u32],
+    pub plan: &'a Plan,
+    pub adapter: &'a dyn Adapter,
+    pub vars: &'a [Var],
 }
 
-/// Trains `vars` (the parameters behind `adapter`) on `plan`, the QA examples in `filter`'s layout
-/// and under its mask when there is one. A trainable filter's parameters are trained beside
-/// `vars` with their own optimizer, learning rate (× `lr_scale`) and clipping (their gradients
-/// would otherwise dominate the global norm and shrink the adapter's updates).
-#[allow(clippy::too_many_arguments)]
+/// How a caller follows and stops a training run: `on_progress` after every optimizer step,
+/// `cancel` polled before each.
+pub struct RunControl<'a, P> {
+    pub on_progress: &'a mut dyn FnMut(&P),
+    pub cancel: &'a dyn Fn() -> bool,
+}
+
+/// Trains `inputs.vars` (the parameters behind `inputs.adapter`) on `inputs.plan`: plain LIFT.
+pub fn train(
+    model: &Model,
+    inputs: TrainInputs,
+    opts: &TrainOptions,
+    control: RunControl<Progress>,
+) -> Result<TrainReport> {
+    train_with(model, inputs, opts, None, control)
+}
+
+/// Trains `inputs.vars` (the parameters behind `inputs.adapter`) on `inputs.plan`, the QA examples
+/// in `filter`'s layout and under its mask when there is one. A trainable filter's parameters are
+/// trained beside the adapter's with their own optimizer, learning rate (× `lr_scale`) and
+/// clipping (their gradients would otherwise dominate the global norm and shrink the adapter's
+/// updates).
 pub fn train_with(
     model: &Model,
-    doc: &[u32],
-    plan: &Plan,
-    adapter: &dyn Adapter,
-    vars: &[Var],
+    inputs: TrainInputs,
     opts: &TrainOptions,
     filter: Option<&FilterTraining>,
-    on_progress: &mut dyn FnMut(&Progress),
-    cancel: &dyn Fn() -> bool,
+    control: RunControl<Progress>,
 ) -> Result<TrainReport> {
+    let TrainInputs { doc, plan, adapter, vars } = inputs;
+    let RunControl { on_progress, cancel } = control;
     if let Some(ft) = filter {
         anyhow::ensure!(ft.examples.len() == plan.qa.len(), "one filter example per QA example");
     }
