@@ -975,20 +975,20 @@ impl MatView {
     }
 }
 
-/// out[b] = a[b] (m×k) · b[b] (k×n) for `batch` matrices, returned contiguous
-/// (batch, m, n), via candle's CPU gemm. candle does not bounds-check matmul layouts (the
-/// gemm reads raw pointers), so the views are checked here.
-#[allow(clippy::too_many_arguments)]
-fn bgemm(
-    a: &CpuStorage,
-    av: MatView,
-    b: &CpuStorage,
-    bv: MatView,
+/// Sizes of a batched product: `batch` products of an m×k and a k×n matrix.
+#[derive(Clone, Copy)]
+struct GemmShape {
     batch: usize,
     m: usize,
     n: usize,
     k: usize,
-) -> Result<Vec<f32>> {
+}
+
+/// out[b] = a[b] (m×k) · b[b] (k×n) for `batch` matrices, returned contiguous
+/// (batch, m, n), via candle's CPU gemm. candle does not bounds-check matmul layouts (the
+/// gemm reads raw pointers), so the views are checked here.
+fn bgemm(a: &CpuStorage, av: MatView, b: &CpuStorage, bv: MatView, shape: GemmShape) -> Result<Vec<f32>> {
+    let GemmShape { batch, m, n, k } = shape;
     if batch * m * n == 0 {
         return Ok(vec![]);
     }
@@ -1098,10 +1098,7 @@ impl CausalProbs {
                 MatView::rows(ql.start_offset() + i0 * d, tq * d, d),
                 ks,
                 MatView::cols(kl.start_offset(), tk * d, d),
-                bh,
-                i1 - i0,
-                lim,
-                d,
+                GemmShape { batch: bh, m: i1 - i0, n: lim, k: d },
             )?;
             scores.push(RowBlock {
                 start: i0,
@@ -1159,93 +1156,16 @@ impl CausalProbs {
         p: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        const NAME: &str = "fused-attention";
         let (want_q, want_k) = (q.track_op(), k.track_op());
         if !want_q && !want_k && !bias_wants_grad {
             return Ok((None, None, None));
         }
         let (b, h, tq, d) = q.dims4()?;
-        let tk = k.dim(2)?;
-        let bh = b * h;
+        let dims = AttnDims { bh: b * h, tq, tk: k.dim(2)?, d };
         let grad = grad.contiguous()?;
-        let ds = with_f32(p, NAME, |p| {
-            with_f32(&grad, NAME, |g| {
-                let mut ds = vec![0f32; p.len()];
-                ds.par_chunks_mut(tk)
-                    .zip(p.par_chunks(tk).zip(g.par_chunks(tk)))
-                    .enumerate()
-                    .for_each(|(idx, (ds, (p, g)))| {
-                        let lim = visible_keys(idx % tq, tq, tk);
-                        softmax_bwd_row(&p[..lim], &g[..lim], &mut ds[..lim]);
-                    });
-                Ok(ds)
-            })
-        })?;
-        let ds = CpuStorage::F32(ds);
-        let scale = self.scale;
-        let dq = if want_q {
-            let blks = with_cpu(k, NAME, |ks, kl| {
-                blocks(tq)
-                    .map(|(i0, i1)| {
-                        let lim = visible_keys(i1 - 1, tq, tk);
-                        let data = bgemm(
-                            &ds,
-                            MatView::rows(i0 * tk, tq * tk, tk),
-                            ks,
-                            MatView::rows(kl.start_offset(), tk * d, d),
-                            bh,
-                            i1 - i0,
-                            d,
-                            lim,
-                        )?;
-                        Ok(Some(RowBlock {
-                            start: i0,
-                            width: d,
-                            data,
-                        }))
-                    })
-                    .collect::<Result<Vec<_>>>()
-            })?;
-            Some(cpu_tensor(
-                assemble(bh, tq, d, &blks, scale, |_| d),
-                q.shape(),
-            )?)
-        } else {
-            None
-        };
-        let dk = if want_k {
-            let blks = with_cpu(q, NAME, |qs, ql| {
-                blocks(tk)
-                    .map(|(j0, j1)| {
-                        let first = first_query_seeing(j0, tq, tk);
-                        if first >= tq {
-                            return Ok(None);
-                        }
-                        let data = bgemm(
-                            &ds,
-                            MatView::cols(first * tk + j0, tq * tk, tk),
-                            qs,
-                            MatView::rows(ql.start_offset() + first * d, tq * d, d),
-                            bh,
-                            j1 - j0,
-                            d,
-                            tq - first,
-                        )?;
-                        Ok(Some(RowBlock {
-                            start: j0,
-                            width: d,
-                            data,
-                        }))
-                    })
-                    .collect::<Result<Vec<_>>>()
-            })?;
-            Some(cpu_tensor(
-                assemble(bh, tk, d, &blks, scale, |_| d),
-                k.shape(),
-            )?)
-        } else {
-            None
-        };
+        let ds = CpuStorage::F32(causal_softmax_bwd(p, &grad, dims)?);
+        let dq = if want_q { Some(cpu_tensor(causal_dq(&ds, k, dims, self.scale)?, q.shape())?) } else { None };
+        let dk = if want_k { Some(cpu_tensor(causal_dk(&ds, q, dims, self.scale)?, k.shape())?) } else { None };
         let dbias = if bias_wants_grad {
             match ds {
                 CpuStorage::F32(ds) => Some(cpu_tensor(ds, p.shape())?),
@@ -1256,6 +1176,80 @@ impl CausalProbs {
         };
         Ok((dq, dk, dbias))
     }
+}
+
+/// Sizes of a causal attention: batch × heads, queries, keys and head dim.
+#[derive(Clone, Copy)]
+struct AttnDims {
+    bh: usize,
+    tq: usize,
+    tk: usize,
+    d: usize,
+}
+
+/// The attention ops' name in errors.
+const FUSED_ATTENTION: &str = "fused-attention";
+
+/// dS = P ⊙ (dP − Σ dP⊙P) on each row's visible entries (zero beyond them), `[bh, tq, tk]`.
+fn causal_softmax_bwd(p: &Tensor, grad: &Tensor, dims: AttnDims) -> Result<Vec<f32>> {
+    let AttnDims { tq, tk, .. } = dims;
+    with_f32(p, FUSED_ATTENTION, |p| {
+        with_f32(grad, FUSED_ATTENTION, |g| {
+            let mut ds = vec![0f32; p.len()];
+            ds.par_chunks_mut(tk).zip(p.par_chunks(tk).zip(g.par_chunks(tk))).enumerate().for_each(
+                |(idx, (ds, (p, g)))| {
+                    let lim = visible_keys(idx % tq, tq, tk);
+                    softmax_bwd_row(&p[..lim], &g[..lim], &mut ds[..lim]);
+                },
+            );
+            Ok(ds)
+        })
+    })
+}
+
+/// dq = scale·dS·k, per query block against the keys it sees.
+fn causal_dq(ds: &CpuStorage, k: &Tensor, dims: AttnDims, scale: f32) -> Result<Vec<f32>> {
+    let AttnDims { bh, tq, tk, d } = dims;
+    let blks = with_cpu(k, FUSED_ATTENTION, |ks, kl| {
+        blocks(tq)
+            .map(|(i0, i1)| {
+                let lim = visible_keys(i1 - 1, tq, tk);
+                let data = bgemm(
+                    ds,
+                    MatView::rows(i0 * tk, tq * tk, tk),
+                    ks,
+                    MatView::rows(kl.start_offset(), tk * d, d),
+                    GemmShape { batch: bh, m: i1 - i0, n: d, k: lim },
+                )?;
+                Ok(Some(RowBlock { start: i0, width: d, data }))
+            })
+            .collect::<Result<Vec<_>>>()
+    })?;
+    Ok(assemble(bh, tq, d, &blks, scale, |_| d))
+}
+
+/// dk = scale·dSᵀ·q, per key block over only the queries that see it.
+fn causal_dk(ds: &CpuStorage, q: &Tensor, dims: AttnDims, scale: f32) -> Result<Vec<f32>> {
+    let AttnDims { bh, tq, tk, d } = dims;
+    let blks = with_cpu(q, FUSED_ATTENTION, |qs, ql| {
+        blocks(tk)
+            .map(|(j0, j1)| {
+                let first = first_query_seeing(j0, tq, tk);
+                if first >= tq {
+                    return Ok(None);
+                }
+                let data = bgemm(
+                    ds,
+                    MatView::cols(first * tk + j0, tq * tk, tk),
+                    qs,
+                    MatView::rows(ql.start_offset() + first * d, tq * d, d),
+                    GemmShape { batch: bh, m: j1 - j0, n: d, k: tq - first },
+                )?;
+                Ok(Some(RowBlock { start: j0, width: d, data }))
+            })
+            .collect::<Result<Vec<_>>>()
+    })?;
+    Ok(assemble(bh, tk, d, &blks, scale, |_| d))
 }
 
 impl CustomOp2 for CausalProbs {
@@ -1346,10 +1340,7 @@ impl CustomOp2 for CausalPv {
                     MatView::rows(pl.start_offset() + i0 * tk, tq * tk, tk),
                     vs,
                     MatView::rows(vl.start_offset(), tk * d, d),
-                    bh,
-                    i1 - i0,
-                    d,
-                    lim,
+                    GemmShape { batch: bh, m: i1 - i0, n: d, k: lim },
                 )?;
                 Ok(Some(RowBlock {
                     start: i0,
@@ -1369,14 +1360,13 @@ impl CustomOp2 for CausalPv {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
-        const NAME: &str = "fused-attention";
         let (b, h, tq, tk) = p.dims4()?;
         let d = v.dim(3)?;
         let bh = b * h;
         let grad = grad.contiguous()?;
-        let (dp, dv) = with_cpu(&grad, NAME, |gs, gl| {
-            with_cpu(p, NAME, |ps, pl| {
-                with_cpu(v, NAME, |vs, vl| {
+        let (dp, dv) = with_cpu(&grad, FUSED_ATTENTION, |gs, gl| {
+            with_cpu(p, FUSED_ATTENTION, |ps, pl| {
+                with_cpu(v, FUSED_ATTENTION, |vs, vl| {
                     let dp = if p.track_op() {
                         let blks = blocks(tq)
                             .map(|(i0, i1)| {
@@ -1386,10 +1376,7 @@ impl CustomOp2 for CausalPv {
                                     MatView::rows(gl.start_offset() + i0 * d, tq * d, d),
                                     vs,
                                     MatView::cols(vl.start_offset(), tk * d, d),
-                                    bh,
-                                    i1 - i0,
-                                    lim,
-                                    d,
+                                    GemmShape { batch: bh, m: i1 - i0, n: lim, k: d },
                                 )?;
                                 Ok(Some(RowBlock {
                                     start: i0,
@@ -1415,10 +1402,7 @@ impl CustomOp2 for CausalPv {
                                     MatView::cols(pl.start_offset() + first * tk + j0, tq * tk, tk),
                                     gs,
                                     MatView::rows(gl.start_offset() + first * d, tq * d, d),
-                                    bh,
-                                    j1 - j0,
-                                    d,
-                                    tq - first,
+                                    GemmShape { batch: bh, m: j1 - j0, n: d, k: tq - first },
                                 )?;
                                 Ok(Some(RowBlock {
                                     start: j0,
