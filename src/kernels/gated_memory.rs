@@ -10,6 +10,8 @@
 //! (`tests/cuda.rs`) and the op's fast CPU path (`fast_forward` / `fast_backward`, per-head gemm)
 //! are tested against them.
 
+#[cfg(feature = "cuda")]
+use super::cuda::CudaInput;
 use super::math::sigmoid_fast;
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
@@ -484,7 +486,8 @@ impl CustomOp3 for GatedMemoryMix {
         ps: &candle_core::CudaStorage,
         pl: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        let out = super::cuda::gated_memory_fwd(qs, ql, a_s, al, ps, pl, self.dims)?;
+        let (q, attn, params) = (CudaInput::of(qs, ql), CudaInput::of(a_s, al), CudaInput::of(ps, pl));
+        let out = super::cuda::gated_memory_fwd(q, attn, params, self.dims)?;
         Ok((out, ql.shape().clone()))
     }
 
@@ -544,7 +547,9 @@ impl CustomOp3 for GatedMemoryMixBwd {
     ) -> Result<(candle_core::CudaStorage, Shape)> {
         let (storage, al) = self.attn.storage_and_layout();
         let Storage::Cuda(a_s) = &*storage else { bail!("gated-memory-mix-bwd: attn not on the gpu") };
-        let (out, len) = super::cuda::gated_memory_bwd(qs, ql, a_s, al, ps, pl, gs, gl, self.dims)?;
+        let (q, attn) = (CudaInput::of(qs, ql), CudaInput::of(a_s, al));
+        let (params, grad) = (CudaInput::of(ps, pl), CudaInput::of(gs, gl));
+        let (out, len) = super::cuda::gated_memory_bwd(q, attn, params, grad, self.dims)?;
         Ok((out, Shape::from(len)))
     }
 }
