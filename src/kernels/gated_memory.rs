@@ -356,9 +356,8 @@ pub fn fast_backward(
     t: usize,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     use rayon::prelude::*;
-    let (d, d2, s) = (dims.d, 2 * dims.d, dims.s);
     let (off, plen) = dims.offsets();
-    let bs = t * d;
+    let bs = t * dims.d;
     let mut dq = vec![0f32; q.len()];
     let mut dattn = vec![0f32; q.len()];
     let mut dp = vec![0f32; plen];
@@ -379,46 +378,8 @@ pub fn fast_backward(
             let mut outs = Vec::new();
             for i in (h..n_blocks).step_by(dims.heads) {
                 let r = i * bs..(i + 1) * bs;
-                let (x, a, go) = (&q[r.clone()], &attn[r.clone()], &gout[r]);
-                let f = block_forward(x, &w, dims, t);
-                let mut da = vec![0f32; bs];
-                let mut dm = vec![0f32; bs];
-                // d(gate logit) per row: Σ_j go·(m − a) · 3g(1 − g).
-                let mut dz = vec![0f32; t];
-                for row in 0..t {
-                    let g = f.g[row];
-                    let mut dgate = 0f32;
-                    for j in row * d..(row + 1) * d {
-                        da[j] = (1.0 - g) * go[j];
-                        dm[j] = g * go[j];
-                        dgate += go[j] * (f.m[j] - a[j]);
-                    }
-                    dz[row] = dgate * 3.0 * g * (1.0 - g);
-                }
-                // Memory MLP.
-                mm(&mut gw[2], d2, d, t, transposed(&f.z1, d2), rows(&dm, d), true);
-                col_sums(&dm, d, &mut gw[3]);
-                let mut da1 = vec![0f32; t * d2];
-                mm(&mut da1, t, d2, d, rows(&dm, d), transposed(w.w2, d), false);
-                for ((g, &a), &sv) in da1.iter_mut().zip(&f.a1).zip(&f.s1) {
-                    *g *= sv * (1.0 + a * (1.0 - sv));
-                }
-                mm(&mut gw[0], d, d2, t, transposed(x, d), rows(&da1, d2), true);
-                col_sums(&da1, d2, &mut gw[1]);
-                let mut dx = vec![0f32; bs];
-                mm(&mut dx, t, d, d2, rows(&da1, d2), transposed(w.w1, d2), false);
-                // Gate MLP.
-                let mut dag = vec![0f32; t * s];
-                for row in 0..t {
-                    for c in 0..s {
-                        let (av, sv) = (f.ag[row * s + c], f.sg[row * s + c]);
-                        gw[6][c] += av * sv * dz[row];
-                        dag[row * s + c] = w.g2[c] * dz[row] * sv * (1.0 + av * (1.0 - sv));
-                    }
-                }
-                mm(&mut gw[4], d, s, t, transposed(x, d), rows(&dag, s), true);
-                col_sums(&dag, s, &mut gw[5]);
-                mm(&mut dx, t, d, s, rows(&dag, s), transposed(w.g1, s), true);
+                let block = BlockRows { x: &q[r.clone()], a: &attn[r.clone()], go: &gout[r] };
+                let (dx, da) = block_backward(block, &w, dims, t, &mut gw);
                 outs.push((i, dx, da));
             }
             (outs, gw)
@@ -437,6 +398,68 @@ pub fn fast_backward(
         }
     }
     (dq, dattn, dp)
+}
+
+/// One (batch, head) block of `t` rows: its `q` rows `x`, `attn` rows `a` and output gradient
+/// `go`.
+struct BlockRows<'a> {
+    x: &'a [f32],
+    a: &'a [f32],
+    go: &'a [f32],
+}
+
+/// One block's backward: returns its `(dq, dattn)` rows and adds its parameter gradients to the
+/// head's `gw` (per tensor, in packed order).
+fn block_backward(
+    block: BlockRows,
+    w: &HeadWeights,
+    dims: GmDims,
+    t: usize,
+    gw: &mut [Vec<f32>; 7],
+) -> (Vec<f32>, Vec<f32>) {
+    let BlockRows { x, a, go } = block;
+    let (d, d2, s) = (dims.d, 2 * dims.d, dims.s);
+    let bs = t * d;
+    let f = block_forward(x, w, dims, t);
+    let mut da = vec![0f32; bs];
+    let mut dm = vec![0f32; bs];
+    // d(gate logit) per row: Σ_j go·(m − a) · 3g(1 − g).
+    let mut dz = vec![0f32; t];
+    for row in 0..t {
+        let g = f.g[row];
+        let mut dgate = 0f32;
+        for j in row * d..(row + 1) * d {
+            da[j] = (1.0 - g) * go[j];
+            dm[j] = g * go[j];
+            dgate += go[j] * (f.m[j] - a[j]);
+        }
+        dz[row] = dgate * 3.0 * g * (1.0 - g);
+    }
+    // Memory MLP.
+    mm(&mut gw[2], d2, d, t, transposed(&f.z1, d2), rows(&dm, d), true);
+    col_sums(&dm, d, &mut gw[3]);
+    let mut da1 = vec![0f32; t * d2];
+    mm(&mut da1, t, d2, d, rows(&dm, d), transposed(w.w2, d), false);
+    for ((g, &a), &sv) in da1.iter_mut().zip(&f.a1).zip(&f.s1) {
+        *g *= sv * (1.0 + a * (1.0 - sv));
+    }
+    mm(&mut gw[0], d, d2, t, transposed(x, d), rows(&da1, d2), true);
+    col_sums(&da1, d2, &mut gw[1]);
+    let mut dx = vec![0f32; bs];
+    mm(&mut dx, t, d, d2, rows(&da1, d2), transposed(w.w1, d2), false);
+    // Gate MLP.
+    let mut dag = vec![0f32; t * s];
+    for row in 0..t {
+        for c in 0..s {
+            let (av, sv) = (f.ag[row * s + c], f.sg[row * s + c]);
+            gw[6][c] += av * sv * dz[row];
+            dag[row * s + c] = w.g2[c] * dz[row] * sv * (1.0 + av * (1.0 - sv));
+        }
+    }
+    mm(&mut gw[4], d, s, t, transposed(x, d), rows(&dag, s), true);
+    col_sums(&dag, s, &mut gw[5]);
+    mm(&mut dx, t, d, s, rows(&dag, s), transposed(w.g1, s), true);
+    (dx, da)
 }
 
 fn cpu_f32<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
