@@ -1,5 +1,6 @@
-//! Gated Memory (seeds/001_18569741511b14ae.txt §3.4; layout from the authors' code, DESIGN.md):
-//! per layer and per query head, on the head's pre-RoPE query `q` (d = head_dim),
+//! Gated Memory ("LIFT: Improving Long Context Understanding of Large Language Models through Long
+//! Input Fine-Tuning", §3.4; layout from the authors' code): per layer and per query head, on the
+//! head's pre-RoPE query `q` (d = head_dim),
 //!   memory `m(q) = W2·SiLU(W1·q)`            (d → 2d → d)
 //!   gate   `g(q) = sigmoid(3·(G2·SiLU(G1·q) − 1))`  (d → ⌊√d⌋ → 1, no bias on G2)
 //! and the head's output becomes `(1 − g)·attn + g·m` before `o_proj`. Weights are grouped per head

@@ -1,5 +1,5 @@
 //! The LIFT trainer: two stages (segments only, then segments + auxiliary QA), AdamW with the
-//! paper's settings (Table 9), gradient accumulation over small batches, global grad-norm
+//! LIFT paper's settings (Table 9), gradient accumulation over small batches, global grad-norm
 //! clipping, seeded shuffling, cancellation, progress reports and optional early stopping. With a
 //! prepared base, its frozen FltLM filter masks the QA examples while the adapter trains.
 

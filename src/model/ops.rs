@@ -1508,10 +1508,6 @@ pub fn causal_attention(
     probs.apply_op2(&v.contiguous()?, CausalPv)
 }
 
-// ---------------------------------------------------------------------------------------
-// Tests
-// ---------------------------------------------------------------------------------------
-
 /// Interleaved RoPE (pairs 2i, 2i+1; llama.cpp's layout for llama-architecture GGUF files):
 /// one fused pass forward and backward (as `rope`); bit-identical to
 /// `candle_nn::rotary_emb::rope_i`.
@@ -1533,6 +1529,10 @@ fn rope_interleaved_composite(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<
     let y = rope(&x.contiguous()?.index_select(&to_halves, 3)?, cos, sin)?;
     y.index_select(&back, 3)
 }
+
+// ---------------------------------------------------------------------------------------
+// Tests
+// ---------------------------------------------------------------------------------------
 
 #[cfg(test)]
 mod tests {
