@@ -1207,49 +1207,63 @@ fn causal_softmax_bwd(p: &Tensor, grad: &Tensor, dims: AttnDims) -> Result<Vec<f
     })
 }
 
-/// dq = scale·dS·k, per query block against the keys it sees.
+/// dq = scale·dS·k.
 fn causal_dq(ds: &CpuStorage, k: &Tensor, dims: AttnDims, scale: f32) -> Result<Vec<f32>> {
-    let AttnDims { bh, tq, tk, d } = dims;
-    let blks = with_cpu(k, FUSED_ATTENTION, |ks, kl| {
-        blocks(tq)
-            .map(|(i0, i1)| {
-                let lim = visible_keys(i1 - 1, tq, tk);
-                let data = bgemm(
-                    ds,
-                    MatView::rows(i0 * tk, tq * tk, tk),
-                    ks,
-                    MatView::rows(kl.start_offset(), tk * d, d),
-                    GemmShape { batch: bh, m: i1 - i0, n: d, k: lim },
-                )?;
-                Ok(Some(RowBlock { start: i0, width: d, data }))
-            })
-            .collect::<Result<Vec<_>>>()
-    })?;
-    Ok(assemble(bh, tq, d, &blks, scale, |_| d))
+    with_cpu(k, FUSED_ATTENTION, |ks, kl| causal_times((ds, 0), (ks, kl.start_offset()), dims, scale))
 }
 
-/// dk = scale·dSᵀ·q, per key block over only the queries that see it.
+/// dk = scale·dSᵀ·q.
 fn causal_dk(ds: &CpuStorage, q: &Tensor, dims: AttnDims, scale: f32) -> Result<Vec<f32>> {
+    with_cpu(q, FUSED_ATTENTION, |qs, ql| causal_transposed_times((ds, 0), (qs, ql.start_offset()), dims, scale))
+}
+
+/// `mul·A·B` for causal A `[bh, tq, tk]` (zero beyond each row's visible keys) and B
+/// `[bh, tk, d]`, per query block against only the keys it sees: `[bh, tq, d]`. Each operand
+/// is a contiguous storage and the offset it starts at. (`P·v` and `dq`.)
+fn causal_times(a: (&CpuStorage, usize), b: (&CpuStorage, usize), dims: AttnDims, mul: f32) -> Result<Vec<f32>> {
     let AttnDims { bh, tq, tk, d } = dims;
-    let blks = with_cpu(q, FUSED_ATTENTION, |qs, ql| {
-        blocks(tk)
-            .map(|(j0, j1)| {
-                let first = first_query_seeing(j0, tq, tk);
-                if first >= tq {
-                    return Ok(None);
-                }
-                let data = bgemm(
-                    ds,
-                    MatView::cols(first * tk + j0, tq * tk, tk),
-                    qs,
-                    MatView::rows(ql.start_offset() + first * d, tq * d, d),
-                    GemmShape { batch: bh, m: j1 - j0, n: d, k: tq - first },
-                )?;
-                Ok(Some(RowBlock { start: j0, width: d, data }))
-            })
-            .collect::<Result<Vec<_>>>()
-    })?;
-    Ok(assemble(bh, tk, d, &blks, scale, |_| d))
+    let blks = blocks(tq)
+        .map(|(i0, i1)| {
+            let lim = visible_keys(i1 - 1, tq, tk);
+            let data = bgemm(
+                a.0,
+                MatView::rows(a.1 + i0 * tk, tq * tk, tk),
+                b.0,
+                MatView::rows(b.1, tk * d, d),
+                GemmShape { batch: bh, m: i1 - i0, n: d, k: lim },
+            )?;
+            Ok(Some(RowBlock { start: i0, width: d, data }))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(assemble(bh, tq, d, &blks, mul, |_| d))
+}
+
+/// `mul·Aᵀ·B` for causal A `[bh, tq, tk]` and B `[bh, tq, d]`, per key block over only the
+/// queries that see it: `[bh, tk, d]`. Operands as in [`causal_times`]. (`dv` and `dk`.)
+fn causal_transposed_times(
+    a: (&CpuStorage, usize),
+    b: (&CpuStorage, usize),
+    dims: AttnDims,
+    mul: f32,
+) -> Result<Vec<f32>> {
+    let AttnDims { bh, tq, tk, d } = dims;
+    let blks = blocks(tk)
+        .map(|(j0, j1)| {
+            let first = first_query_seeing(j0, tq, tk);
+            if first >= tq {
+                return Ok(None);
+            }
+            let data = bgemm(
+                a.0,
+                MatView::cols(a.1 + first * tk + j0, tq * tk, tk),
+                b.0,
+                MatView::rows(b.1 + first * d, tq * d, d),
+                GemmShape { batch: bh, m: j1 - j0, n: d, k: tq - first },
+            )?;
+            Ok(Some(RowBlock { start: j0, width: d, data }))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Ok(assemble(bh, tk, d, &blks, mul, |_| d))
 }
 
 impl CustomOp2 for CausalProbs {
@@ -1331,25 +1345,8 @@ impl CustomOp2 for CausalPv {
         if !pl.is_contiguous() || !vl.is_contiguous() {
             bail!("fused-attention: P and v must be contiguous");
         }
-        let bh = b * h;
-        let blks = blocks(tq)
-            .map(|(i0, i1)| {
-                let lim = visible_keys(i1 - 1, tq, tk);
-                let data = bgemm(
-                    ps,
-                    MatView::rows(pl.start_offset() + i0 * tk, tq * tk, tk),
-                    vs,
-                    MatView::rows(vl.start_offset(), tk * d, d),
-                    GemmShape { batch: bh, m: i1 - i0, n: d, k: lim },
-                )?;
-                Ok(Some(RowBlock {
-                    start: i0,
-                    width: d,
-                    data,
-                }))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let out = assemble(bh, tq, d, &blks, 1.0, |_| d);
+        let dims = AttnDims { bh: b * h, tq, tk, d };
+        let out = causal_times((ps, pl.start_offset()), (vs, vl.start_offset()), dims, 1.0)?;
         Ok((CpuStorage::F32(out), Shape::from((b, h, tq, d))))
     }
 
@@ -1391,30 +1388,9 @@ impl CustomOp2 for CausalPv {
                         None
                     };
                     let dv = if v.track_op() {
-                        let blks = blocks(tk)
-                            .map(|(j0, j1)| {
-                                let first = first_query_seeing(j0, tq, tk);
-                                if first >= tq {
-                                    return Ok(None);
-                                }
-                                let data = bgemm(
-                                    ps,
-                                    MatView::cols(pl.start_offset() + first * tk + j0, tq * tk, tk),
-                                    gs,
-                                    MatView::rows(gl.start_offset() + first * d, tq * d, d),
-                                    GemmShape { batch: bh, m: j1 - j0, n: d, k: tq - first },
-                                )?;
-                                Ok(Some(RowBlock {
-                                    start: j0,
-                                    width: d,
-                                    data,
-                                }))
-                            })
-                            .collect::<Result<Vec<_>>>()?;
-                        Some(cpu_tensor(
-                            assemble(bh, tk, d, &blks, 1.0, |_| d),
-                            v.shape(),
-                        )?)
+                        let dims = AttnDims { bh, tq, tk, d };
+                        let dv = causal_transposed_times((ps, pl.start_offset()), (gs, gl.start_offset()), dims, 1.0)?;
+                        Some(cpu_tensor(dv, v.shape())?)
                     } else {
                         None
                     };
