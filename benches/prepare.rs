@@ -11,6 +11,7 @@
 use candle_core::Device;
 use lift_serve::base::data::{self, BuildOptions, Split};
 use lift_serve::base::train::{self, PrepareOptions};
+use lift_serve::lift::trainer::RunControl;
 use lift_serve::model::Model;
 use std::time::Instant;
 
@@ -43,10 +44,12 @@ fn main() -> anyhow::Result<()> {
         let out = tempfile::tempdir()?;
         let mut times = Vec::new();
         let mut last = Instant::now();
-        train::prepare(&model, &examples, "bench", &opts, out.path(), false, &mut |_| {
+        let training_set = train::TrainingSet { examples: &examples, hash: "bench" };
+        let on_progress = &mut |_: &train::PrepareProgress| {
             times.push(last.elapsed().as_secs_f64());
             last = Instant::now();
-        }, &|| false)?;
+        };
+        train::prepare(&model, training_set, &opts, out.path(), false, RunControl { on_progress, cancel: &|| false })?;
         let per_step = median(times[1.min(times.len() - 1)..].to_vec());
         let base = *baseline.get_or_insert(per_step);
         println!(

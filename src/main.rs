@@ -484,29 +484,17 @@ impl PrepareBaseArgs {
         let hash = data::data_hash(&train_set);
         let bar = progress_bar();
         bar.set_message("training");
-        let (mut base, report) = train::prepare(
-            &model,
-            &train_set,
-            &hash,
-            &opts,
-            output,
-            self.resume,
-            &mut |p| {
-                bar.set_length(p.steps as u64);
-                bar.set_position(p.step as u64);
-                bar.set_message(format!("epoch {} loss {:.3} filter {:.3}", p.epoch, p.loss, p.filter_loss));
-                if bar.is_hidden() && p.step % 50 == 0 {
-                    tracing::info!(
-                        step = p.step,
-                        steps = p.steps,
-                        loss = p.loss,
-                        filter_loss = p.filter_loss,
-                        "training"
-                    );
-                }
-            },
-            &|| false,
-        )?;
+        let training_set = train::TrainingSet { examples: &train_set, hash: &hash };
+        let on_progress = &mut |p: &train::PrepareProgress| {
+            bar.set_length(p.steps as u64);
+            bar.set_position(p.step as u64);
+            bar.set_message(format!("epoch {} loss {:.3} filter {:.3}", p.epoch, p.loss, p.filter_loss));
+            if bar.is_hidden() && p.step % 50 == 0 {
+                tracing::info!(step = p.step, steps = p.steps, loss = p.loss, filter_loss = p.filter_loss, "training");
+            }
+        };
+        let control = lift_serve::lift::trainer::RunControl { on_progress, cancel: &|| false };
+        let (mut base, report) = train::prepare(&model, training_set, &opts, output, self.resume, control)?;
         bar.finish_and_clear();
         let held_out = data::build_examples_with(&essays, data::Split::Validation, validation, opts.seed, &opts.data)?;
         base.manifest.eval = train::evaluate(&model, &base, &held_out)?;

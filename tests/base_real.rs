@@ -5,6 +5,7 @@
 use candle_core::Device;
 use lift_serve::base::data::BaseExample;
 use lift_serve::base::train::{self, PrepareOptions};
+use lift_serve::lift::trainer::RunControl;
 use lift_serve::model::Model;
 
 /// `count` passages of three essay sentences each, with `fact` inserted as passage `at`.
@@ -51,8 +52,9 @@ fn prepare_base_steps_on_the_default_model() {
         .enumerate()
         .map(|(i, e)| train::filter_example(&model, e, i).unwrap().0.example.tokens.len())
         .collect();
-    let (base, report) =
-        train::prepare(&model, &examples, "real-test", &opts, out.path(), false, &mut |_| {}, &|| false).unwrap();
+    let data = train::TrainingSet { examples: &examples, hash: "real-test" };
+    let control = RunControl { on_progress: &mut |_| {}, cancel: &|| false };
+    let (base, report) = train::prepare(&model, data, &opts, out.path(), false, control).unwrap();
     let per_step = report.seconds / report.steps as f64;
     let cdt = report.cdt.as_ref().unwrap();
     eprintln!(

@@ -13,7 +13,7 @@ use lift_serve::document::Document;
 use lift_serve::lift::answer::{answer, Ask, Mode};
 use lift_serve::lift::filter::{FilterOptions, FromLayer};
 use lift_serve::lift::plan::{Example, ExampleKind};
-use lift_serve::lift::trainer::example_loss;
+use lift_serve::lift::trainer::{example_loss, RunControl};
 use lift_serve::lift::{absorb, AbsorbOptions};
 use lift_serve::model::generate::SamplingParams;
 use lift_serve::model::{Adapter, KvCache, Logits, Model, NoHooks};
@@ -91,7 +91,10 @@ fn train(
         polls.set(polls.get() + 1);
         stop_after.is_some_and(|k| polls.get() > k)
     };
-    train::prepare(model, &examples(), "test-data", &options(epochs), out, resume, &mut |_| {}, &cancel).unwrap()
+    let train_set = examples();
+    let data = train::TrainingSet { examples: &train_set, hash: "test-data" };
+    let control = RunControl { on_progress: &mut |_| {}, cancel: &cancel };
+    train::prepare(model, data, &options(epochs), out, resume, control).unwrap()
 }
 
 fn logits(model: &Model, tokens: &[u32]) -> Vec<Vec<f32>> {
@@ -151,7 +154,10 @@ fn a_short_run_lowers_the_loss_and_resume_continues_from_the_checkpoint() {
         assert!(d < 1e-4, "{k} differs by {d}");
     }
     // A checkpoint made with other options is refused.
-    let err = train::prepare(&model, &examples(), "test-data", &options(7), out2.path(), true, &mut |_| {}, &|| false)
+    let train_set = examples();
+    let data = train::TrainingSet { examples: &train_set, hash: "test-data" };
+    let control = RunControl { on_progress: &mut |_| {}, cancel: &|| false };
+    let err = train::prepare(&model, data, &options(7), out2.path(), true, control)
         .err()
         .expect("other options refused");
     assert!(err.to_string().contains("other options"), "{err}");

@@ -15,7 +15,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use lift_serve::document::Document;
 use lift_serve::adapters::{GatedMemory, Lora, LoraConfig, LoraPair};
 use lift_serve::base::{BaseShape, PreparedBase};
-use lift_serve::kernels::{gated_memory, masked_softmax};
+use lift_serve::kernels::masked_softmax;
 use lift_serve::lift::filter::{self, Filter, FilterHooks, FilterOptions};
 use lift_serve::lift::{absorb, AbsorbOptions};
 use lift_serve::model::{ops, Adapter, ForwardHooks, KvCache, Logits, Model, NoHooks, Packing};
@@ -59,7 +59,7 @@ fn gated_memory_kernel_matches_cpu_reference() {
         let run = |gm: &GatedMemory, dev: &Device| {
             let qv = Var::from_tensor(&q.to_device(dev).unwrap()).unwrap();
             let av = Var::from_tensor(&a.to_device(dev).unwrap()).unwrap();
-            let out = gated_memory::mix(&gm.layers[&0], qv.as_tensor(), av.as_tensor()).unwrap();
+            let out = gm.layers[&0].mix(qv.as_tensor(), av.as_tensor()).unwrap();
             let loss = (&out * w.to_device(dev).unwrap()).unwrap().sum_all().unwrap();
             let g = loss.backward().unwrap();
             let mut grads = vec![g.get(qv.as_tensor()).unwrap().clone(), g.get(av.as_tensor()).unwrap().clone()];

@@ -6,7 +6,7 @@ use lift_serve::adapters::{GatedMemory, Lora, LoraConfig};
 use lift_serve::lift::plan::{segments, ExampleKind, Plan, PlanOptions};
 use lift_serve::lift::prompt::{chat_with_context, RECITE_PROMPT};
 use lift_serve::lift::qa::{QaPair, QaSource};
-use lift_serve::lift::trainer::{example_loss, train, TrainOptions};
+use lift_serve::lift::trainer::{example_loss, train, RunControl, TrainInputs, TrainOptions};
 use lift_serve::model::{Adapter, KvCache, Logits, Model, NoHooks};
 use lift_serve::testing::{write_hf, TinySpec};
 
@@ -161,7 +161,8 @@ fn memorize_and_recite(model: &Model, adapter: &dyn Adapter, vars: &[candle_core
     let opts = PlanOptions { window: 64, context_tokens: 0, ..Default::default() };
     let plan = Plan::new(model, &doc, &[], &opts).unwrap();
     let train_opts = TrainOptions { epochs: [epochs, 0], lr, seed: 3, ..Default::default() };
-    let report = train(model, &doc, &plan, adapter, vars, &train_opts, &mut |_| {}, &|| false).unwrap();
+    let inputs = TrainInputs { doc: &doc, plan: &plan, adapter, vars };
+    let report = train(model, inputs, &train_opts, RunControl { on_progress: &mut |_| {}, cancel: &|| false }).unwrap();
     eprintln!("epoch losses: {:?}", report.epoch_losses.iter().step_by(10).collect::<Vec<_>>());
     assert!(report.final_loss < 0.5, "loss after training: {:?}", report.epoch_losses.last());
 

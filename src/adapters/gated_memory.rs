@@ -1,13 +1,15 @@
-//! Gated Memory (seeds/001_18569741511b14ae.txt §3.4; layout from the authors' code, DESIGN.md):
-//! per layer and per query head, on the head's pre-RoPE query `q` (d = head_dim),
+//! Gated Memory ("LIFT: Improving Long Context Understanding of Large Language Models through Long
+//! Input Fine-Tuning", §3.4; layout from the authors' code): per layer and per query head, on the
+//! head's pre-RoPE query `q` (d = head_dim),
 //!   memory `m(q) = W2·SiLU(W1·q)`            (d → 2d → d)
 //!   gate   `g(q) = sigmoid(3·(G2·SiLU(G1·q) − 1))`  (d → ⌊√d⌋ → 1, no bias on G2)
 //! and the head's output becomes `(1 − g)·attn + g·m` before `o_proj`. Weights are grouped per head
 //! (`[heads, in, out]`) so one batched matmul serves all heads. Biases exist only when the base
 //! model's attention has biases.
 
-use crate::model::{Adapter, ModelConfig};
 use super::init::Rng;
+use crate::kernels::gated_memory::{self as kernel, GmDims};
+use crate::model::{Adapter, ModelConfig};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use std::collections::BTreeMap;
 
@@ -52,6 +54,26 @@ impl GatedMemoryLayer {
             gate_b1: self.gate_b1.as_ref().map(f).transpose()?,
             gate_w2: f(&self.gate_w2)?,
         })
+    }
+
+    /// The layer's shapes as the fused kernel takes them.
+    pub fn kernel_dims(&self) -> Result<GmDims> {
+        let (heads, d, s) = self.gate_w1.dims3()?;
+        Ok(GmDims { heads, d, s, bias: self.mem_b1.is_some() })
+    }
+
+    /// The parameters flattened and concatenated in `named` order, the kernel's packed layout
+    /// (differentiable: the gradients reach every parameter).
+    pub fn packed(&self) -> Result<Tensor> {
+        let parts: Vec<Tensor> = self.named().into_iter().map(|(_, t)| t.flatten_all()).collect::<Result<_>>()?;
+        Tensor::cat(&parts, 0)
+    }
+
+    /// `attn + g·(m − attn)` for `q`, `attn` `[b, heads, t, d]` (f32) through the fused kernel op,
+    /// with gradients to `q`, `attn` and every parameter.
+    pub fn mix(&self, q: &Tensor, attn: &Tensor) -> Result<Tensor> {
+        let dims = self.kernel_dims()?;
+        kernel::mix(q, attn, &self.packed()?, dims)
     }
 
     /// `q`: `[b, heads, t, d]` → (memory `[b, heads, t, d]`, gate `[b, heads, t, 1]`).
@@ -232,7 +254,7 @@ impl Adapter for GatedMemory {
         let (q, attn) = (q_pre_rope.to_dtype(DType::F32)?, attn.to_dtype(DType::F32)?);
         // One fused op forward and backward: kernels/gated_memory.cu on CUDA, per-head gemm on
         // the CPU (measured: the composite below cost 9 ms per layer at 512 tokens).
-        crate::kernels::gated_memory::mix(l, &q, &attn)?.to_dtype(dt)
+        l.mix(&q, &attn)?.to_dtype(dt)
     }
 
     fn first_layer(&self) -> usize {
@@ -248,5 +270,69 @@ impl GatedMemory {
         let (m, g) = l.memory_and_gate(q_pre_rope)?;
         // (1 − g)·attn + g·m, written as attn + g·(m − attn).
         attn.clone() + g.broadcast_mul(&(m - attn)?)?
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn cfg(heads: usize, d: usize) -> ModelConfig {
+        let mut c = crate::testing::smollm2_135m_config();
+        c.num_heads = heads;
+        c.head_dim = d;
+        c
+    }
+
+    fn rand(shape: (usize, usize, usize, usize), seed: u64) -> Tensor {
+        let n = shape.0 * shape.1 * shape.2 * shape.3;
+        Tensor::from_vec(Rng::new(seed).vec(n, 1.0), shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
+    }
+
+    // The fused op (CPU reference inside) matches the composite adapter path, forward and every
+    // gradient, with and without biases.
+    #[test]
+    fn reference_matches_composite_forward_and_backward() {
+        for bias in [false, true] {
+            let c = cfg(3, 16);
+            let gm = GatedMemory::new(&c, &[0], bias, 7, &Device::Cpu).unwrap();
+            let layer = &gm.layers[&0];
+            let q = Var::from_tensor(&rand((2, 3, 5, 16), 1)).unwrap();
+            let a = Var::from_tensor(&rand((2, 3, 5, 16), 2)).unwrap();
+            let w = rand((2, 3, 5, 16), 3);
+            let fused = layer.mix(q.as_tensor(), a.as_tensor()).unwrap();
+            let composite = gm.mix_attention_composite(0, q.as_tensor(), a.as_tensor().clone()).unwrap();
+            assert!(max_diff(&fused, &composite) < 1e-5, "forward");
+            let gf = (fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let gc = (composite * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let mut checked = 0;
+            for t in [q.as_tensor(), a.as_tensor()].into_iter().chain(gm.vars().iter().map(|v| v.as_tensor())) {
+                let (x, y) = (gf.get(t).expect("fused grad"), gc.get(t).expect("composite grad"));
+                let scale =
+                    y.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap().max(1.0);
+                assert!(max_diff(x, y) / scale < 1e-4, "gradient {checked} (bias {bias})");
+                checked += 1;
+            }
+            assert_eq!(checked, 2 + if bias { 7 } else { 4 });
+        }
+    }
+
+    #[test]
+    fn offsets_follow_named_order() {
+        let c = cfg(3, 16);
+        for bias in [false, true] {
+            let gm = GatedMemory::new(&c, &[0], bias, 1, &Device::Cpu).unwrap();
+            let layer = &gm.layers[&0];
+            let dims = layer.kernel_dims().unwrap();
+            let (off, len) = dims.offsets();
+            assert_eq!(len, layer.packed().unwrap().elem_count());
+            assert_eq!(off[0], 0);
+            assert_eq!(off[1] >= 0, bias);
+        }
     }
 }

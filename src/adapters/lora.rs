@@ -6,8 +6,9 @@
 //! Layout note: our `A`/`B` are the transposes of PEFT's `lora_A.weight` (`[r, in]`) and
 //! `lora_B.weight` (`[out, r]`), so the forward pass needs no transposes.
 //!
-//! The LIFT authors' later version (DESIGN.md) replaced Gated Memory with LoRA at r = 128, α = 256
-//! on all linear layers, trained with AdamW at lr 5e-5: that is `LoraConfig::default()` and
+//! The later version of "LIFT: Improving Long Context Understanding of Large Language Models
+//! through Long Input Fine-Tuning" replaced Gated Memory with LoRA at r = 128, α = 256 on all
+//! linear layers, trained with AdamW at lr 5e-5: that is `LoraConfig::default()` and
 //! [`RECOMMENDED_LR`].
 
 use crate::model::{Adapter, ModelConfig, Projection};

@@ -351,6 +351,10 @@ pub fn load(dir: &Path, model: &Model) -> Result<(AdapterBundle, Manifest)> {
     bail!("{}: the adapter kept changing while being read", dir.display())
 }
 
+/// The tensor an earlier version saved a per-document FltLM filter's head under (a name in old
+/// files, so spelled here rather than taken from `lift::filter`, which may rename its own).
+const PER_DOCUMENT_FILTER_HEAD: &str = "filter.head.weight";
+
 fn parse_bundle(
     data: &[u8],
     manifest: &Manifest,
@@ -383,7 +387,7 @@ fn parse_bundle(
     // Earlier versions could train a FltLM filter per document; it is now part of the prepared
     // base, and answering without the filter the adapter was trained under would be another model.
     anyhow::ensure!(
-        !bundle.extras.contains_key(crate::lift::filter::HEAD_WEIGHT),
+        !bundle.extras.contains_key(PER_DOCUMENT_FILTER_HEAD),
         "{}: absorbed with a per-document FltLM filter, which this version no longer trains or applies \
          (the filter is part of the prepared base): absorb the document again",
         apath.display()

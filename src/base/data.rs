@@ -493,13 +493,45 @@ fn build_one(source: &Source, opts: &BuildOptions, seed: u64) -> Result<Built> {
 }
 
 /// One attempt; `None` when the drawn values or lengths do not fit (the caller draws again).
+/// Draws, in this order: the kind, the facts' templates, the prose, the values, the fact gaps.
 fn try_build(source: &Source, opts: &BuildOptions, rng: &mut StdRng) -> Result<Option<Built>> {
     let templates = templates_for(source.split);
-    let pools = pools_for(source.split);
-    let pick = |rng: &mut StdRng, f: &dyn Fn(&Template) -> bool| -> usize {
-        let ok: Vec<usize> = (0..templates.len()).filter(|&i| f(&templates[i])).collect();
-        *ok.choose(rng).expect("every value kind has templates")
+    let (kind, n_distractors) = draw_kind(opts, rng);
+    let facts_plan = plan_facts(templates, kind, n_distractors, rng);
+    let plans = &facts_plan.plans;
+    let fact_words: usize = plans.iter().map(|p| templates[p.template].sentence.split_whitespace().count() + 2).sum();
+    let used_sentences = draw_prose(source, opts, fact_words, rng)?;
+    let mut values = ValueDraw {
+        pools: pools_for(source.split),
+        prose_lower: used_sentences.iter().map(|&i| source.lower[i].as_str()).collect(),
+        taken: Vec::new(),
     };
+    let Some((persons, mut facts)) = values.facts(templates, plans, rng) else { return Ok(None) };
+    let answer = facts[if kind == "two-hop" { 1 } else { 0 }].value.clone();
+    let subject = match facts_plan.question_subject {
+        Some(role) => role.replace("{S}", &persons[0]),
+        None => persons[0].clone(),
+    };
+    let question = templates[facts_plan.question_template].question.replace("{S}", &subject);
+    let Some(passages) = plant_and_pack(source, &used_sentences, &mut facts, opts, rng) else { return Ok(None) };
+
+    let total = words_to_tokens(passages.iter().map(|p| p.split_whitespace().count()).sum());
+    if !(opts.min_tokens..=opts.max_tokens).contains(&total) {
+        return Ok(None);
+    }
+    let mut positive: Vec<usize> = facts.iter().filter(|f| f.role == Role::Support).map(|f| f.passage).collect();
+    positive.sort_unstable();
+    positive.dedup();
+    let mut distractors: Vec<usize> =
+        facts.iter().filter(|f| f.role == Role::Distractor).map(|f| f.passage).filter(|p| !positive.contains(p)).collect();
+    distractors.sort_unstable();
+    distractors.dedup();
+    let example = BaseExample { passages, positive, question, answer, kind: kind.to_string(), distractors };
+    Ok(Some(Built { example, facts, sentences: used_sentences }))
+}
+
+/// The example's kind and its number of distractors (drawn first).
+fn draw_kind(opts: &BuildOptions, rng: &mut StdRng) -> (&'static str, usize) {
     let n_distractors = rng.random_range(opts.min_distractors..=opts.max_distractors);
     let r: f64 = rng.random();
     let kind = if r < opts.two_hop_fraction {
@@ -509,11 +541,25 @@ fn try_build(source: &Source, opts: &BuildOptions, rng: &mut StdRng) -> Result<O
     } else {
         "single"
     };
+    (kind, n_distractors)
+}
 
-    // Facts: persons are numbered (0 is the question's subject), values drawn later.
+/// The facts of an example before their values, and how its question is asked.
+struct FactsPlan {
+    plans: Vec<Plan>,
+    question_template: usize,
+    /// Two-hop: the subject described through the first hop ("{S}'s landlord").
+    question_subject: Option<&'static str>,
+}
+
+/// Facts: persons are numbered (0 is the question's subject), values drawn later.
+fn plan_facts(templates: &[Template], kind: &str, n_distractors: usize, rng: &mut StdRng) -> FactsPlan {
+    let pick = |rng: &mut StdRng, f: &dyn Fn(&Template) -> bool| -> usize {
+        let ok: Vec<usize> = (0..templates.len()).filter(|&i| f(&templates[i])).collect();
+        *ok.choose(rng).expect("every value kind has templates")
+    };
     let mut plans = Vec::new();
     let fact = |role, template, subject, value| Plan { role, template, subject, value };
-    let (question_tpl, question_subject);
     match kind {
         "two-hop" => {
             let bridge = pick(rng, &|t| t.role.is_some());
@@ -530,8 +576,7 @@ fn try_build(source: &Source, opts: &BuildOptions, rng: &mut StdRng) -> Result<O
                 plans.push(fact(Role::Distractor, other, 1 + k, Slot::Fresh));
             }
             let role = templates[bridge].role.expect("bridge templates have a role");
-            question_tpl = attr;
-            question_subject = Some(role);
+            FactsPlan { plans, question_template: attr, question_subject: Some(role) }
         }
         _ => {
             let main = pick(rng, &|_| true);
@@ -543,14 +588,15 @@ fn try_build(source: &Source, opts: &BuildOptions, rng: &mut StdRng) -> Result<O
                     if same { main } else { pick(rng, &|t| t.value == value && !std::ptr::eq(t, &templates[main])) };
                 plans.push(fact(Role::Distractor, tpl, 1 + k, Slot::Fresh));
             }
-            question_tpl = main;
-            question_subject = None;
+            FactsPlan { plans, question_template: main, question_subject: None }
         }
     }
+}
 
-    // Prose: consecutive sentences from a random point, wrapping over the split's essays.
+/// Prose: consecutive sentences from a random point, wrapping over the split's essays, until the
+/// document (with `fact_words` words of facts) reaches a drawn target length.
+fn draw_prose(source: &Source, opts: &BuildOptions, fact_words: usize, rng: &mut StdRng) -> Result<Vec<usize>> {
     let target = rng.random_range(opts.min_tokens..=opts.max_tokens);
-    let fact_words: usize = plans.iter().map(|p| templates[p.template].sentence.split_whitespace().count() + 2).sum();
     let n = source.sentences.len();
     let start = if rng.random_bool(0.5) { *source.essay_starts.choose(rng).unwrap() } else { rng.random_range(0..n) };
     let mut used_sentences = Vec::new();
@@ -570,65 +616,87 @@ fn try_build(source: &Source, opts: &BuildOptions, rng: &mut StdRng) -> Result<O
             bail!("the {:?} essays cannot make a document of {target} tokens", source.split);
         }
     }
-    let prose_lower: Vec<&str> = used_sentences.iter().map(|&i| source.lower[i].as_str()).collect();
+    Ok(used_sentences)
+}
 
-    // Values: persons distinct, every value absent from the prose and from the other values.
-    let mut taken: Vec<String> = Vec::new();
-    let mut fresh = |rng: &mut StdRng, value: Value| -> Option<String> {
+/// Values for the facts: persons distinct, every value absent from the prose and from the other
+/// values.
+struct ValueDraw<'a> {
+    pools: &'static Pools,
+    /// The document's prose sentences, lower-cased.
+    prose_lower: Vec<&'a str>,
+    /// Values drawn so far, lower-cased.
+    taken: Vec<String>,
+}
+
+impl ValueDraw<'_> {
+    /// A value of kind `value` that clashes with nothing, or `None` after 200 draws.
+    fn fresh(&mut self, rng: &mut StdRng, value: Value) -> Option<String> {
         for _ in 0..200 {
-            let v = pools.draw(value, rng);
+            let v = self.pools.draw(value, rng);
             let l = v.to_lowercase();
-            let clash = taken.iter().any(|u| u.contains(&l) || l.contains(u.as_str()));
-            if !clash && !prose_lower.iter().any(|s| s.contains(&l)) {
-                taken.push(l);
+            let clash = self.taken.iter().any(|u| u.contains(&l) || l.contains(u.as_str()));
+            if !clash && !self.prose_lower.iter().any(|s| s.contains(&l)) {
+                self.taken.push(l);
                 return Some(v);
             }
         }
         None
-    };
-    let n_persons = plans.iter().map(|p| match p.value {
-        Slot::Person(v) => p.subject.max(v) + 1,
-        Slot::Fresh => p.subject + 1,
-    });
-    let mut persons = Vec::new();
-    for _ in 0..n_persons.max().unwrap_or(0) {
-        let Some(p) = fresh(rng, Value::Person) else { return Ok(None) };
-        persons.push(p);
     }
-    let mut facts = Vec::new();
-    for p in &plans {
-        let tpl = &templates[p.template];
-        let s = p.subject;
-        let value = match p.value {
-            Slot::Person(v) => persons[v].clone(),
-            Slot::Fresh => match fresh(rng, tpl.value) {
-                Some(v) => v,
-                None => return Ok(None),
-            },
-        };
-        let text = tpl.sentence.replace("{S}", &persons[s]).replace("{V}", &value);
-        facts.push(Planted {
-            text,
-            role: p.role,
-            template: p.template,
-            subject: persons[s].clone(),
-            value,
-            passage: 0,
-        });
-    }
-    let answer = facts[if kind == "two-hop" { 1 } else { 0 }].value.clone();
-    let subject = match question_subject {
-        Some(role) => role.replace("{S}", &persons[0]),
-        None => persons[0].clone(),
-    };
-    let question = templates[question_tpl].question.replace("{S}", &subject);
 
-    // Plant the facts at distinct sentence gaps, then pack sentences into passages, one fact at most each.
+    /// The persons (index 0 the question's subject), then each planned fact with its values
+    /// drawn and its sentence written (passage still 0); `None` when a draw fails.
+    fn facts(
+        &mut self,
+        templates: &[Template],
+        plans: &[Plan],
+        rng: &mut StdRng,
+    ) -> Option<(Vec<String>, Vec<Planted>)> {
+        let n_persons = plans.iter().map(|p| match p.value {
+            Slot::Person(v) => p.subject.max(v) + 1,
+            Slot::Fresh => p.subject + 1,
+        });
+        let mut persons = Vec::new();
+        for _ in 0..n_persons.max().unwrap_or(0) {
+            persons.push(self.fresh(rng, Value::Person)?);
+        }
+        let mut facts = Vec::new();
+        for p in plans {
+            let tpl = &templates[p.template];
+            let s = p.subject;
+            let value = match p.value {
+                Slot::Person(v) => persons[v].clone(),
+                Slot::Fresh => self.fresh(rng, tpl.value)?,
+            };
+            let text = tpl.sentence.replace("{S}", &persons[s]).replace("{V}", &value);
+            facts.push(Planted {
+                text,
+                role: p.role,
+                template: p.template,
+                subject: persons[s].clone(),
+                value,
+                passage: 0,
+            });
+        }
+        Some((persons, facts))
+    }
+}
+
+/// Plants the facts at distinct sentence gaps of the prose, then packs sentences into passages
+/// of at most `passage_tokens`, one fact at most each; records each fact's passage. `None` when
+/// there are fewer gaps than facts.
+fn plant_and_pack(
+    source: &Source,
+    used_sentences: &[usize],
+    facts: &mut [Planted],
+    opts: &BuildOptions,
+    rng: &mut StdRng,
+) -> Option<Vec<String>> {
     let mut gaps: Vec<usize> = (0..=used_sentences.len()).collect();
     gaps.shuffle(rng);
     let mut at: Vec<(usize, usize)> = gaps.into_iter().take(facts.len()).zip(0..facts.len()).collect();
     if at.len() < facts.len() {
-        return Ok(None);
+        return None;
     }
     at.sort();
     let mut units: Vec<(&str, Option<usize>)> = Vec::new();
@@ -663,20 +731,7 @@ fn try_build(source: &Source, opts: &BuildOptions, rng: &mut StdRng) -> Result<O
     for (f, p) in facts.iter_mut().zip(fact_passage) {
         f.passage = p;
     }
-
-    let total = words_to_tokens(passages.iter().map(|p| p.split_whitespace().count()).sum());
-    if !(opts.min_tokens..=opts.max_tokens).contains(&total) {
-        return Ok(None);
-    }
-    let mut positive: Vec<usize> = facts.iter().filter(|f| f.role == Role::Support).map(|f| f.passage).collect();
-    positive.sort_unstable();
-    positive.dedup();
-    let mut distractors: Vec<usize> =
-        facts.iter().filter(|f| f.role == Role::Distractor).map(|f| f.passage).filter(|p| !positive.contains(p)).collect();
-    distractors.sort_unstable();
-    distractors.dedup();
-    let example = BaseExample { passages, positive, question, answer, kind: kind.to_string(), distractors };
-    Ok(Some(Built { example, facts, sentences: used_sentences }))
+    Some(passages)
 }
 
 #[cfg(test)]

@@ -15,7 +15,7 @@ use crate::lift::cdt::{CdtOptions, CdtStats};
 use crate::lift::filter::{self, FilterEval, FilterExample, FilterHooks};
 use crate::lift::plan::{Example, ExampleKind, Plan};
 use crate::lift::prompt::end_of_turn;
-use crate::lift::trainer::{self, AdamW, FilterTraining, QaPositions, TrainOptions};
+use crate::lift::trainer::{self, AdamW, FilterTraining, QaPositions, RunControl, TrainOptions};
 use crate::model::Model;
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
@@ -24,7 +24,7 @@ use rand::seq::SliceRandom;
 use rand::Rng;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -253,105 +253,54 @@ struct CheckpointState {
     report: PrepareReport,
 }
 
-#[allow(clippy::too_many_arguments)]
-/// Trains a prepared base on `examples` (hash `data_hash`); checkpoints go under
-/// `out/checkpoint/`. `cancel` is polled between steps: a cancelled run writes a checkpoint and
-/// returns its partial base with `report.stopped`.
+/// The training examples and their hash (a checkpoint records it and refuses other data).
+#[derive(Clone, Copy)]
+pub struct TrainingSet<'a> {
+    pub examples: &'a [BaseExample],
+    pub hash: &'a str,
+}
+
+/// Trains a prepared base on `data`; checkpoints go under `out/checkpoint/` (`resume`: continue
+/// from the one there). `control.cancel` is polled between steps: a cancelled run writes a
+/// checkpoint and returns its partial base with `report.stopped`.
 pub fn prepare(
     model: &Model,
-    examples: &[BaseExample],
-    data_hash: &str,
+    data: TrainingSet,
     opts: &PrepareOptions,
     out: &Path,
     resume: bool,
-    on_progress: &mut dyn FnMut(&PrepareProgress),
-    cancel: &dyn Fn() -> bool,
+    control: RunControl<PrepareProgress>,
 ) -> Result<(PreparedBase, PrepareReport)> {
-    anyhow::ensure!(!examples.is_empty(), "no training examples");
-    let mut base = PreparedBase::new(model, &opts.shape, opts.seed)?;
-    let (prepared, truncated) = training_examples(model, examples, opts)?;
+    let RunControl { on_progress, cancel } = control;
+    anyhow::ensure!(!data.examples.is_empty(), "no training examples");
+    let base = PreparedBase::new(model, &opts.shape, opts.seed)?;
+    let (prepared, truncated) = training_examples(model, data.examples, opts)?;
     if truncated > 0 {
         tracing::info!(truncated, examples = prepared.len(), "training examples shown truncated");
     }
-    let train_opts = opts.train_options();
-    let mut lora_opt = AdamW::new(base.lora.vars().to_vec(), &train_opts)?;
-    let mut filter_opt = AdamW::new(base.filter.vars().to_vec(), &train_opts)?;
-    let mut report = PrepareReport::default();
-    let mut step = 0;
-    let ckpt = out.join(CHECKPOINT_DIR);
-    if resume {
-        let (state, restored, [l, f]) = read_checkpoint(&ckpt, model, &base)?;
-        if state.options != *opts || state.data_hash != data_hash {
-            bail!(
-                "{}: the checkpoint was made with other options or other data; start afresh without --resume",
-                ckpt.display()
-            );
-        }
-        (base, lora_opt, filter_opt) = (restored, l, f);
-        step = state.step;
-        report = PrepareReport { steps_this_run: 0, ..state.report };
-        tracing::info!(step, "resumed from checkpoint");
-    }
-    let n = prepared.len();
-    let steps = opts.epochs * n;
-    let ft = FilterTraining {
-        filter: &base.filter,
-        examples: &[],
-        lambda: opts.shape.filter.lambda,
-        margin: opts.shape.filter.margin,
-        lr_scale: opts.filter_lr_scale,
-    };
-    let mut cdt_stats = report.cdt.clone().unwrap_or_default();
+    let mut run = BaseRun::start(model, base, opts, data.hash, out.join(CHECKPOINT_DIR), resume)?;
+    let steps = opts.epochs * prepared.len();
     let t0 = Instant::now();
     let mut last_ckpt = Instant::now();
-    report.stopped = false;
-    report.truncated_examples = truncated;
-    report.options = Some(opts.clone());
-    while step < steps {
+    run.report.stopped = false;
+    run.report.truncated_examples = truncated;
+    run.report.options = Some(opts.clone());
+    while run.step < steps {
         if cancel() {
-            report.stopped = true;
+            run.report.stopped = true;
             break;
         }
-        let epoch = step / n;
-        // Each epoch's order derives from the seed alone, so a resumed run takes the same path.
-        let mut order: Vec<usize> = (0..n).collect();
-        order.shuffle(&mut Plan::rng(opts.seed.wrapping_add(epoch as u64)));
-        let (fx, qp) = &prepared[order[step % n]];
-        let cdt = opts.cdt.enabled.then_some((opts.cdt.relative_move, qp));
-        // Without the filter (an ablation arm) its parameters stay at zero: the mask is inert.
-        let filter = opts.shape.filter.enabled.then_some((&ft, fx));
-        let (loss, flt) = trainer::training_loss(model, &base.lora, &fx.example, filter, cdt, &mut cdt_stats, None)?;
-        let vars: Vec<_> = base.lora.vars().iter().chain(base.filter.vars()).cloned().collect();
-        let mut grads = trainer::gradients(&loss, &vars)?;
-        let filter_grads = grads.split_off(base.lora.vars().len());
-        lora_opt.step(&trainer::clip(grads, train_opts.max_grad_norm)?, opts.lr)?;
-        filter_opt.step(&trainer::clip(filter_grads, train_opts.max_grad_norm)?, opts.lr * opts.filter_lr_scale)?;
-        let loss = loss.to_scalar::<f32>()? as f64;
-        let filter_loss = flt.map(|f| f.to_scalar::<f32>()).transpose()?.unwrap_or(0.0) as f64;
-        report.step_losses.push(loss);
-        report.filter_losses.push(filter_loss);
-        step += 1;
-        report.steps = step;
-        report.steps_this_run += 1;
-        if step % n == 0 {
-            let from = report.step_losses.len() - n.min(report.step_losses.len());
-            report.epoch_losses.push(report.step_losses[from..].iter().sum::<f64>() / n as f64);
-            tracing::info!(epoch = epoch + 1, loss = report.epoch_losses.last(), "epoch done");
-        }
-        on_progress(&PrepareProgress { step, steps, epoch: epoch + 1, loss, filter_loss });
-        if opts.cdt.enabled {
-            report.cdt = Some(cdt_stats.clone());
-        }
-        if step < steps && last_ckpt.elapsed().as_secs_f64() >= opts.checkpoint_seconds {
-            write_checkpoint(&ckpt, &base, &lora_opt, &filter_opt, opts, data_hash, step, &report)?;
+        on_progress(&run.train_step(model, &prepared)?);
+        if run.step < steps && last_ckpt.elapsed().as_secs_f64() >= opts.checkpoint_seconds {
+            run.write_checkpoint()?;
             last_ckpt = Instant::now();
         }
     }
-    report.seconds += t0.elapsed().as_secs_f64();
-    if report.stopped {
-        write_checkpoint(&ckpt, &base, &lora_opt, &filter_opt, opts, data_hash, step, &report)?;
+    run.report.seconds += t0.elapsed().as_secs_f64();
+    if run.report.stopped {
+        run.write_checkpoint()?;
     }
-    if let Some(c) = &report.cdt {
+    if let Some(c) = &run.report.cdt {
         tracing::info!(
             relative_move = c.mean_relative_shift,
             loss_ratio = c.mean_loss_ratio,
@@ -359,10 +308,155 @@ pub fn prepare(
             "cdt"
         );
     }
-    base.manifest.seed = opts.seed;
-    base.manifest.data_hash = data_hash.to_string();
-    base.manifest.training = serde_json::to_value(&report)?;
-    Ok((base, report))
+    run.finish()
+}
+
+/// A `prepare` run: the base in training, both optimizers, the step, the report and CDT's
+/// running figures, and what a checkpoint records beside them.
+struct BaseRun<'a> {
+    base: PreparedBase,
+    lora_opt: AdamW,
+    filter_opt: AdamW,
+    step: usize,
+    report: PrepareReport,
+    cdt_stats: CdtStats,
+    train_opts: TrainOptions,
+    opts: &'a PrepareOptions,
+    data_hash: &'a str,
+    checkpoint_dir: PathBuf,
+}
+
+impl<'a> BaseRun<'a> {
+    /// A fresh run on `base`, or with `resume` the checkpoint's base, optimizers, step and report.
+    fn start(
+        model: &Model,
+        base: PreparedBase,
+        opts: &'a PrepareOptions,
+        data_hash: &'a str,
+        checkpoint_dir: PathBuf,
+        resume: bool,
+    ) -> Result<Self> {
+        let train_opts = opts.train_options();
+        let lora_opt = AdamW::new(base.lora.vars().to_vec(), &train_opts)?;
+        let filter_opt = AdamW::new(base.filter.vars().to_vec(), &train_opts)?;
+        let mut run = Self {
+            base,
+            lora_opt,
+            filter_opt,
+            step: 0,
+            report: PrepareReport::default(),
+            cdt_stats: CdtStats::default(),
+            train_opts,
+            opts,
+            data_hash,
+            checkpoint_dir,
+        };
+        if resume {
+            let (state, restored, [l, f]) = read_checkpoint(&run.checkpoint_dir, model, &run.base)?;
+            if state.options != *opts || state.data_hash != data_hash {
+                bail!(
+                    "{}: the checkpoint was made with other options or other data; start afresh without --resume",
+                    run.checkpoint_dir.display()
+                );
+            }
+            (run.base, run.lora_opt, run.filter_opt) = (restored, l, f);
+            run.step = state.step;
+            run.report = PrepareReport { steps_this_run: 0, ..state.report };
+            tracing::info!(step = run.step, "resumed from checkpoint");
+        }
+        run.cdt_stats = run.report.cdt.clone().unwrap_or_default();
+        Ok(run)
+    }
+
+    /// One optimizer step on the next example of the epoch's seeded order: the loss (with CDT and
+    /// the filter as configured), both optimizers, the losses recorded. Returns the progress.
+    fn train_step(&mut self, model: &Model, prepared: &[(FilterExample, QaPositions)]) -> Result<PrepareProgress> {
+        let opts = self.opts;
+        let n = prepared.len();
+        let epoch = self.step / n;
+        // Each epoch's order derives from the seed alone, so a resumed run takes the same path.
+        let mut order: Vec<usize> = (0..n).collect();
+        order.shuffle(&mut Plan::rng(opts.seed.wrapping_add(epoch as u64)));
+        let (fx, qp) = &prepared[order[self.step % n]];
+        let cdt = opts.cdt.enabled.then_some((opts.cdt.relative_move, qp));
+        let base = &self.base;
+        let ft = FilterTraining {
+            filter: &base.filter,
+            examples: &[],
+            lambda: opts.shape.filter.lambda,
+            margin: opts.shape.filter.margin,
+            lr_scale: opts.filter_lr_scale,
+        };
+        // Without the filter (an ablation arm) its parameters stay at zero: the mask is inert.
+        let filter = opts.shape.filter.enabled.then_some((&ft, fx));
+        let (loss, flt) =
+            trainer::training_loss(model, &base.lora, &fx.example, filter, cdt, &mut self.cdt_stats, None)?;
+        let vars: Vec<_> = base.lora.vars().iter().chain(base.filter.vars()).cloned().collect();
+        let mut grads = trainer::gradients(&loss, &vars)?;
+        let filter_grads = grads.split_off(base.lora.vars().len());
+        let max_norm = self.train_opts.max_grad_norm;
+        self.lora_opt.step(&trainer::clip(grads, max_norm)?, opts.lr)?;
+        self.filter_opt.step(&trainer::clip(filter_grads, max_norm)?, opts.lr * opts.filter_lr_scale)?;
+        let loss = loss.to_scalar::<f32>()? as f64;
+        let filter_loss = flt.map(|f| f.to_scalar::<f32>()).transpose()?.unwrap_or(0.0) as f64;
+        self.record(loss, filter_loss, n, epoch);
+        Ok(PrepareProgress { step: self.step, steps: opts.epochs * n, epoch: epoch + 1, loss, filter_loss })
+    }
+
+    /// Books one step's losses (and the epoch's mean when the step ends an epoch of `n`).
+    fn record(&mut self, loss: f64, filter_loss: f64, n: usize, epoch: usize) {
+        let report = &mut self.report;
+        report.step_losses.push(loss);
+        report.filter_losses.push(filter_loss);
+        self.step += 1;
+        report.steps = self.step;
+        report.steps_this_run += 1;
+        if self.step % n == 0 {
+            let from = report.step_losses.len() - n.min(report.step_losses.len());
+            report.epoch_losses.push(report.step_losses[from..].iter().sum::<f64>() / n as f64);
+            tracing::info!(epoch = epoch + 1, loss = report.epoch_losses.last(), "epoch done");
+        }
+        if self.opts.cdt.enabled {
+            report.cdt = Some(self.cdt_stats.clone());
+        }
+    }
+
+    /// The trained base with its manifest's record of the run, and the report.
+    fn finish(self) -> Result<(PreparedBase, PrepareReport)> {
+        let mut base = self.base;
+        base.manifest.seed = self.opts.seed;
+        base.manifest.data_hash = self.data_hash.to_string();
+        base.manifest.training = serde_json::to_value(&self.report)?;
+        Ok((base, self.report))
+    }
+
+    /// Writes the weights, both optimizers' moments and the state (options, data hash, step,
+    /// report) under the checkpoint directory.
+    fn write_checkpoint(&self) -> Result<()> {
+        let dir = &self.checkpoint_dir;
+        std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
+        let mut tensors = self.base.named_tensors()?;
+        for (name, opt) in [("lora", &self.lora_opt), ("filter", &self.filter_opt)] {
+            let (m, v, t) = opt.state();
+            for (i, (m, v)) in m.iter().zip(v).enumerate() {
+                tensors.insert(format!("optimizer.{name}.{i}.m"), m.clone());
+                tensors.insert(format!("optimizer.{name}.{i}.v"), v.clone());
+            }
+            tensors.insert(format!("optimizer.{name}.t"), Tensor::new(&[t as u32], self.base.filter.w.device())?);
+        }
+        let tmp = dir.join(format!(".{TENSORS_FILE}.tmp"));
+        candle_core::safetensors::save(&tensors, &tmp)?;
+        std::fs::rename(&tmp, dir.join(TENSORS_FILE))?;
+        let state = CheckpointState {
+            options: self.opts.clone(),
+            data_hash: self.data_hash.to_string(),
+            step: self.step,
+            report: self.report.clone(),
+        };
+        super::write_json(&dir.join(STATE_FILE), &state)?;
+        tracing::info!(step = self.step, dir = %dir.display(), "checkpoint written");
+        Ok(())
+    }
 }
 
 /// The trained base's held-out figures on `examples`: mean LM loss and the filter's precision and
@@ -384,37 +478,6 @@ pub fn evaluate(model: &Model, base: &PreparedBase, examples: &[BaseExample]) ->
         "filter_recall": recall,
         "filter": fe,
     }))
-}
-
-#[allow(clippy::too_many_arguments)]
-fn write_checkpoint(
-    dir: &Path,
-    base: &PreparedBase,
-    lora_opt: &AdamW,
-    filter_opt: &AdamW,
-    options: &PrepareOptions,
-    data_hash: &str,
-    step: usize,
-    report: &PrepareReport,
-) -> Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
-    let mut tensors = base.named_tensors()?;
-    for (name, opt) in [("lora", lora_opt), ("filter", filter_opt)] {
-        let (m, v, t) = opt.state();
-        for (i, (m, v)) in m.iter().zip(v).enumerate() {
-            tensors.insert(format!("optimizer.{name}.{i}.m"), m.clone());
-            tensors.insert(format!("optimizer.{name}.{i}.v"), v.clone());
-        }
-        tensors.insert(format!("optimizer.{name}.t"), Tensor::new(&[t as u32], base.filter.w.device())?);
-    }
-    let tmp = dir.join(format!(".{TENSORS_FILE}.tmp"));
-    candle_core::safetensors::save(&tensors, &tmp)?;
-    std::fs::rename(&tmp, dir.join(TENSORS_FILE))?;
-    let state =
-        CheckpointState { options: options.clone(), data_hash: data_hash.to_string(), step, report: report.clone() };
-    super::write_json(&dir.join(STATE_FILE), &state)?;
-    tracing::info!(step, dir = %dir.display(), "checkpoint written");
-    Ok(())
 }
 
 /// Reads a checkpoint: its state, the trainable LoRA and filter, and both optimizers on them.

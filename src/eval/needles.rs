@@ -291,8 +291,39 @@ pub fn build_document(
         bail!("{n_needles} needles per document, but only {} distinct facts exist", TEMPLATES.len());
     }
     let mut rng = StdRng::seed_from_u64(seed);
+    let (source, names) = haystack_source(essays, target_tokens, &mut rng);
+    let chosen = choose_templates(n_needles, &mut rng);
+    let mut values = FreshValues { lower_source: source.to_lowercase(), used: Vec::new() };
+    let mut questions = Vec::new();
+    let mut plants = Vec::new();
+    for (n, &ti) in chosen.iter().enumerate() {
+        let depth = depths[n / needles_per_depth];
+        let (question, needle_plants) = plant_needle(&TEMPLATES[ti], n, depth, &mut values, &mut rng)?;
+        questions.push(question);
+        plants.extend(needle_plants);
+    }
+    let hay = cut_haystack(model, &source, &plants, target_tokens)?;
+    let inserts = insertion_points(model, hay, &plants)?;
+    let (text, spans) = assemble(hay, &plants, &inserts);
+    let n_tokens = record_evidence(model, &text, &plants, &spans, &mut questions)?;
+    // Questions in document order, ids stable.
+    questions.sort_by_key(|q| q.evidence[0].0);
+    for (i, q) in questions.iter_mut().enumerate() {
+        q.id = format!("q{i}");
+    }
+    Ok(EvalDocument {
+        id: String::new(),
+        source: names.join("+"),
+        target_tokens: Some(target_tokens),
+        tokens: n_tokens,
+        text,
+        questions,
+    })
+}
 
-    // Haystack source: essays in order from a random one, comfortably longer than needed.
+/// Haystack source: essays in order from a random one, comfortably longer than needed. Returns
+/// the text and the essays' names.
+fn haystack_source(essays: &[Essay], target_tokens: usize, rng: &mut StdRng) -> (String, Vec<String>) {
     let first = rng.random_range(0..essays.len());
     let mut source = String::new();
     let mut names = Vec::new();
@@ -308,10 +339,13 @@ pub fn build_document(
             break;
         }
     }
+    (source, names)
+}
 
-    // Facts: distinct templates, kinds interleaved; values distinct and absent from the source.
+/// `n_needles` distinct templates, kinds interleaved, in a seeded order.
+fn choose_templates(n_needles: usize, rng: &mut StdRng) -> Vec<usize> {
     let mut order: Vec<usize> = (0..TEMPLATES.len()).collect();
-    order.shuffle(&mut rng);
+    order.shuffle(rng);
     let kinds = [FactKind::Number, FactKind::Name, FactKind::Place, FactKind::Date, FactKind::Confusable];
     let mut chosen = Vec::new();
     'outer: while chosen.len() < n_needles {
@@ -324,69 +358,91 @@ pub fn build_document(
             }
         }
     }
-    chosen.shuffle(&mut rng);
-    let lower_source = source.to_lowercase();
-    let mut used: Vec<String> = Vec::new();
-    let mut fresh = |slot: Slot, rng: &mut StdRng| -> Result<(String, Vec<String>)> {
+    chosen.shuffle(rng);
+    chosen
+}
+
+/// Values distinct from each other and absent from the source text.
+struct FreshValues {
+    lower_source: String,
+    /// Values drawn so far, lower-cased.
+    used: Vec<String>,
+}
+
+impl FreshValues {
+    fn draw(&mut self, slot: Slot, rng: &mut StdRng) -> Result<(String, Vec<String>)> {
         for _ in 0..10_000 {
             let (v, answers) = draw(slot, rng);
             let l = v.to_lowercase();
-            let clash = used.iter().any(|u| u.contains(&l) || l.contains(u.as_str()));
-            if !clash && !lower_source.contains(&l) {
-                used.push(l);
+            let clash = self.used.iter().any(|u| u.contains(&l) || l.contains(u.as_str()));
+            if !clash && !self.lower_source.contains(&l) {
+                self.used.push(l);
                 return Ok((v, answers));
             }
         }
         bail!("cannot draw a {slot:?} that occurs nowhere in the text")
-    };
-    let mut questions = Vec::new();
-    let mut plants = Vec::new();
-    for (n, &ti) in chosen.iter().enumerate() {
-        let tpl = &TEMPLATES[ti];
-        let depth = depths[n / needles_per_depth];
-        let (value, answers) = fresh(tpl.slot, &mut rng)?;
-        let sentence = tpl.sentence.replace("{X}", &value);
-        plants.push(Plant { text: sentence.clone(), depth, needle: n, target: true });
-        let mut distractor = None;
-        if let Some(d) = tpl.distractor {
-            let (other, _) = fresh(tpl.slot, &mut rng)?;
-            let text = d.replace("{Y}", &other);
-            // At least a quarter of the document away from the answer.
-            let ddepth = loop {
-                let x: f64 = rng.random_range(0.0..=1.0);
-                if (x - depth).abs() >= 0.25 {
-                    break x;
-                }
-            };
-            plants.push(Plant { text: text.clone(), depth: ddepth, needle: n, target: false });
-            distractor = Some(text);
-        }
-        questions.push(EvalQuestion {
-            id: String::new(),
-            question: tpl.question.to_string(),
-            answers,
-            kind: Some(tpl.kind),
-            depth: Some(depth),
-            planted: Some(sentence),
-            distractor,
-            evidence: Vec::new(),
-            ..Default::default()
-        });
     }
+}
 
-    // Cut the source so the finished document has about `target_tokens` tokens.
+/// Needle `n` from `tpl` at `depth`: its question (evidence still empty) and its planted
+/// sentences, the answer-bearing one and any distractor (at least a quarter of the document
+/// away).
+fn plant_needle(
+    tpl: &Template,
+    n: usize,
+    depth: f64,
+    values: &mut FreshValues,
+    rng: &mut StdRng,
+) -> Result<(EvalQuestion, Vec<Plant>)> {
+    let (value, answers) = values.draw(tpl.slot, rng)?;
+    let sentence = tpl.sentence.replace("{X}", &value);
+    let mut plants = vec![Plant { text: sentence.clone(), depth, needle: n, target: true }];
+    let mut distractor = None;
+    if let Some(d) = tpl.distractor {
+        let (other, _) = values.draw(tpl.slot, rng)?;
+        let text = d.replace("{Y}", &other);
+        // At least a quarter of the document away from the answer.
+        let ddepth = loop {
+            let x: f64 = rng.random_range(0.0..=1.0);
+            if (x - depth).abs() >= 0.25 {
+                break x;
+            }
+        };
+        plants.push(Plant { text: text.clone(), depth: ddepth, needle: n, target: false });
+        distractor = Some(text);
+    }
+    let question = EvalQuestion {
+        id: String::new(),
+        question: tpl.question.to_string(),
+        answers,
+        kind: Some(tpl.kind),
+        depth: Some(depth),
+        planted: Some(sentence),
+        distractor,
+        evidence: Vec::new(),
+        ..Default::default()
+    };
+    Ok((question, plants))
+}
+
+/// The source cut at a sentence start so the finished document has about `target_tokens`
+/// tokens.
+fn cut_haystack<'s>(model: &Model, source: &'s str, plants: &[Plant], target_tokens: usize) -> Result<&'s str> {
     let planted_tokens: usize = plants
         .iter()
         .map(|p| model.tokenizer.encode(&format!(" {}", p.text), false).map(|t| t.len()))
         .sum::<Result<usize>>()?;
     let keep = target_tokens.saturating_sub(planted_tokens).max(1);
-    let offsets = token_offsets(model, &source)?;
+    let offsets = token_offsets(model, source)?;
     let cut_byte = offsets.get(keep).map_or(source.len(), |o| o.0);
-    let starts: Vec<usize> = split_sentences(&source).iter().map(|s| s.start).collect();
+    let starts: Vec<usize> = split_sentences(source).iter().map(|s| s.start).collect();
     let cut = starts.iter().copied().filter(|&s| s <= cut_byte && s > 0).max().unwrap_or(cut_byte);
-    let hay = source[..cut].trim_end();
+    Ok(source[..cut].trim_end())
+}
 
-    // Insertion points: sentence starts and the end, each with its token index.
+/// Where each plant goes: the sentence start (or either end) of `hay` nearest its depth in
+/// tokens, as `(byte, plant)` in byte order.
+fn insertion_points(model: &Model, hay: &str, plants: &[Plant]) -> Result<Vec<(usize, usize)>> {
     let hay_offsets = token_offsets(model, hay)?;
     let n_hay = hay_offsets.len();
     let mut points: Vec<(usize, usize)> =
@@ -407,12 +463,15 @@ pub fn build_document(
         })
         .collect();
     inserts.sort();
+    Ok(inserts)
+}
 
-    // Assemble, recording each planted sentence's byte span.
+/// The document: `hay` with the plants inserted, and each planted sentence's byte span.
+fn assemble(hay: &str, plants: &[Plant], inserts: &[(usize, usize)]) -> (String, Vec<(usize, usize)>) {
     let mut text = String::with_capacity(hay.len() + 2048);
     let mut spans = vec![(0usize, 0usize); plants.len()];
     let mut at = 0;
-    for &(pos, k) in &inserts {
+    for &(pos, k) in inserts {
         text.push_str(&hay[at..pos]);
         at = pos;
         if pos == hay.len() {
@@ -426,8 +485,19 @@ pub fn build_document(
         }
     }
     text.push_str(&hay[at..]);
+    (text, spans)
+}
 
-    let doc_offsets = token_offsets(model, &text)?;
+/// Records each question's evidence (byte and token spans, actual depth) and its distractor's
+/// tokens in the finished `text`; returns the document's length in tokens.
+fn record_evidence(
+    model: &Model,
+    text: &str,
+    plants: &[Plant],
+    spans: &[(usize, usize)],
+    questions: &mut [EvalQuestion],
+) -> Result<usize> {
+    let doc_offsets = token_offsets(model, text)?;
     let n_tokens = doc_offsets.len();
     for (k, p) in plants.iter().enumerate() {
         let q = &mut questions[p.needle];
@@ -440,19 +510,7 @@ pub fn build_document(
             q.distractor_tokens = Some(tokens);
         }
     }
-    // Questions in document order, ids stable.
-    questions.sort_by_key(|q| q.evidence[0].0);
-    for (i, q) in questions.iter_mut().enumerate() {
-        q.id = format!("q{i}");
-    }
-    Ok(EvalDocument {
-        id: String::new(),
-        source: names.join("+"),
-        target_tokens: Some(target_tokens),
-        tokens: n_tokens,
-        text,
-        questions,
-    })
+    Ok(n_tokens)
 }
 
 #[cfg(test)]

@@ -68,34 +68,7 @@ pub fn markdown(results: &Results) -> String {
     );
     let _ = writeln!(s, "|---|---|---|---|---|---|---|---|---|---|---|");
     for m in methods(results) {
-        let m = m.as_str();
-        let rows = |w: bool| results.answers.iter().filter(move |a| a.method == m && a.in_window == Some(w));
-        let (n_in, acc_in) = mean(rows(true), |a| a.scores.contains);
-        let (n_out, acc_out) = mean(rows(false), |a| a.scores.contains);
-        let (_, em_in) = mean(rows(true), |a| a.scores.em);
-        let (_, em_out) = mean(rows(false), |a| a.scores.em);
-        let (_, f1_in) = mean(rows(true), |a| a.scores.f1);
-        let (_, f1_out) = mean(rows(false), |a| a.scores.f1);
-        let abs: Vec<_> = results.absorbs.iter().filter(|a| a.methods.iter().any(|x| x == m)).collect();
-        let avg = |f: &dyn Fn(&super::AbsorbRecord) -> Option<f64>| {
-            let v: Vec<f64> = abs.iter().filter_map(|a| f(a)).collect();
-            (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
-        };
-        let secs = avg(&|a| Some(a.seconds)).map_or("–".into(), |x| format!("{x:.0}"));
-        let tps = avg(&|a| a.tokens_per_s).map_or("–".into(), |x| format!("{x:.0}"));
-        let bytes = avg(&|a| Some(a.adapter_bytes as f64)).map_or("–".into(), |x| format!("{x:.0}"));
-        let no_label = results.answers.iter().filter(|a| a.method == m && a.in_window.is_none()).count();
-        let extra = if no_label > 0 { format!(" (+{no_label} unlabelled)") } else { String::new() };
-        let _ = writeln!(
-            s,
-            "| {m} | {n_in} / {n_out}{extra} | {} | {} | {} | {} | {:.2} | {:.2} | {secs} | {tps} | {bytes} |",
-            pct(acc_in),
-            pct(acc_out),
-            pct(em_in),
-            pct(em_out),
-            f1_in.unwrap_or(f64::NAN),
-            f1_out.unwrap_or(f64::NAN),
-        );
+        method_row(&mut s, results, &m);
     }
     let _ = writeln!(
         s,
@@ -103,35 +76,73 @@ pub fn markdown(results: &Results) -> String {
          token F1 (SQuAD normalisation). In/out of window: whether the answer's evidence is in the truncated \
          document the `lift`/`icl` prompt holds. absorb s: wall time of the absorption (QA + training)."
     );
+    depth_tables(&mut s, results);
+    s
+}
+
+/// Method `m`'s row of the summary table.
+fn method_row(s: &mut String, results: &Results, m: &str) {
+    let rows = |w: bool| results.answers.iter().filter(move |a| a.method == m && a.in_window == Some(w));
+    let (n_in, acc_in) = mean(rows(true), |a| a.scores.contains);
+    let (n_out, acc_out) = mean(rows(false), |a| a.scores.contains);
+    let (_, em_in) = mean(rows(true), |a| a.scores.em);
+    let (_, em_out) = mean(rows(false), |a| a.scores.em);
+    let (_, f1_in) = mean(rows(true), |a| a.scores.f1);
+    let (_, f1_out) = mean(rows(false), |a| a.scores.f1);
+    let abs: Vec<_> = results.absorbs.iter().filter(|a| a.methods.iter().any(|x| x == m)).collect();
+    let avg = |f: &dyn Fn(&super::AbsorbRecord) -> Option<f64>| {
+        let v: Vec<f64> = abs.iter().filter_map(|a| f(a)).collect();
+        (!v.is_empty()).then(|| v.iter().sum::<f64>() / v.len() as f64)
+    };
+    let secs = avg(&|a| Some(a.seconds)).map_or("–".into(), |x| format!("{x:.0}"));
+    let tps = avg(&|a| a.tokens_per_s).map_or("–".into(), |x| format!("{x:.0}"));
+    let bytes = avg(&|a| Some(a.adapter_bytes as f64)).map_or("–".into(), |x| format!("{x:.0}"));
+    let no_label = results.answers.iter().filter(|a| a.method == m && a.in_window.is_none()).count();
+    let extra = if no_label > 0 { format!(" (+{no_label} unlabelled)") } else { String::new() };
+    let _ = writeln!(
+        s,
+        "| {m} | {n_in} / {n_out}{extra} | {} | {} | {} | {} | {:.2} | {:.2} | {secs} | {tps} | {bytes} |",
+        pct(acc_in),
+        pct(acc_out),
+        pct(em_in),
+        pct(em_out),
+        f1_in.unwrap_or(f64::NAN),
+        f1_out.unwrap_or(f64::NAN),
+    );
+}
+
+/// Accuracy by document length (rows) and needle depth (columns), one table per method; nothing
+/// without planted questions.
+fn depth_tables(s: &mut String, results: &Results) {
     let cells = heatmap_cells(results);
-    if !cells.is_empty() {
-        let (lengths, depths) = axes(&cells);
-        let _ = writeln!(s, "\nAccuracy by document length (rows, tokens) and needle depth (columns):\n");
-        for m in methods(results) {
-            let _ = write!(s, "| {m} |");
+    if cells.is_empty() {
+        return;
+    }
+    let (lengths, depths) = axes(&cells);
+    let _ = writeln!(s, "\nAccuracy by document length (rows, tokens) and needle depth (columns):\n");
+    for m in methods(results) {
+        let _ = write!(s, "| {m} |");
+        for d in &depths {
+            let _ = write!(s, " {d} |");
+        }
+        let _ = writeln!(s);
+        let _ = writeln!(s, "|---|{}", "---|".repeat(depths.len()));
+        for l in &lengths {
+            let _ = write!(s, "| {l} |");
             for d in &depths {
-                let _ = write!(s, " {d} |");
-            }
-            let _ = writeln!(s);
-            let _ = writeln!(s, "|---|{}", "---|".repeat(depths.len()));
-            for l in &lengths {
-                let _ = write!(s, "| {l} |");
-                for d in &depths {
-                    match cells.get(&(m.clone(), *l, d.clone())) {
-                        Some(&(ok, n)) => {
-                            let _ = write!(s, " {ok}/{n} |");
-                        }
-                        None => {
-                            let _ = write!(s, " – |");
-                        }
+                match cells.get(&(m.clone(), *l, d.clone())) {
+                    Some(&(ok, n)) => {
+                        let _ = write!(s, " {ok}/{n} |");
+                    }
+                    None => {
+                        let _ = write!(s, " – |");
                     }
                 }
-                let _ = writeln!(s);
             }
             let _ = writeln!(s);
         }
+        let _ = writeln!(s);
     }
-    s
 }
 
 /// (method, length, depth label) → (correct, questions), for planted questions.

@@ -20,6 +20,23 @@ fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<
     Ok(s.as_cuda_slice::<T>()?.slice(start..end))
 }
 
+/// One op input as candle hands it to a custom op: the storage and its layout.
+#[derive(Clone, Copy)]
+pub struct CudaInput<'a> {
+    pub storage: &'a CudaStorage,
+    pub layout: &'a Layout,
+}
+
+impl<'a> CudaInput<'a> {
+    pub fn of(storage: &'a CudaStorage, layout: &'a Layout) -> Self {
+        Self { storage, layout }
+    }
+
+    fn view<T: CudaDType>(&self, what: &str) -> Result<CudaView<'a, T>> {
+        view(self.storage, self.layout, what)
+    }
+}
+
 /// `GmParams` in kernels/gated_memory.cu.
 #[repr(C)]
 #[derive(Clone, Copy)]
@@ -51,19 +68,12 @@ fn gm_launch(dims: GmDims, b: usize, t: usize, floats_per_row: usize) -> (Launch
     (cfg, tr as i32)
 }
 
-pub fn gated_memory_fwd(
-    qs: &CudaStorage,
-    ql: &Layout,
-    a_s: &CudaStorage,
-    al: &Layout,
-    ps: &CudaStorage,
-    pl: &Layout,
-    dims: GmDims,
-) -> Result<CudaStorage> {
-    let (b, _, t, _) = ql.shape().dims4()?;
-    let dev = qs.device().clone();
-    let (q, a, p) = (view::<f32>(qs, ql, "gm q")?, view::<f32>(a_s, al, "gm attn")?, view::<f32>(ps, pl, "gm p")?);
-    let n = ql.shape().elem_count();
+/// The mixed output for `q`, `attn` (`[b, heads, t, d]`) and the packed `params`.
+pub fn gated_memory_fwd(q: CudaInput, attn: CudaInput, params: CudaInput, dims: GmDims) -> Result<CudaStorage> {
+    let (b, _, t, _) = q.layout.shape().dims4()?;
+    let dev = q.storage.device().clone();
+    let n = q.layout.shape().elem_count();
+    let (q, a, p) = (q.view::<f32>("gm q")?, attn.view::<f32>("gm attn")?, params.view::<f32>("gm p")?);
     let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(n)? };
     let (cfg, tr) = gm_launch(dims, b, t, 3 * dims.d + dims.s + 1);
     let params = gm_params(dims, t);
@@ -79,27 +89,22 @@ pub fn gated_memory_fwd(
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
 
-/// `[dq | dattn | dp]` and its length.
-#[allow(clippy::too_many_arguments)]
+/// `[dq | dattn | dp]` for the output gradient `grad`, and its length.
 pub fn gated_memory_bwd(
-    qs: &CudaStorage,
-    ql: &Layout,
-    a_s: &CudaStorage,
-    al: &Layout,
-    ps: &CudaStorage,
-    pl: &Layout,
-    gs: &CudaStorage,
-    gl: &Layout,
+    q: CudaInput,
+    attn: CudaInput,
+    params: CudaInput,
+    grad: CudaInput,
     dims: GmDims,
 ) -> Result<(CudaStorage, usize)> {
-    let (b, _, t, _) = ql.shape().dims4()?;
-    let dev = qs.device().clone();
-    let q = view::<f32>(qs, ql, "gm q")?;
-    let a = view::<f32>(a_s, al, "gm attn")?;
-    let p = view::<f32>(ps, pl, "gm p")?;
-    let g = view::<f32>(gs, gl, "gm grad")?;
-    let n = ql.shape().elem_count();
-    let len = 2 * n + pl.shape().elem_count();
+    let (b, _, t, _) = q.layout.shape().dims4()?;
+    let dev = q.storage.device().clone();
+    let n = q.layout.shape().elem_count();
+    let len = 2 * n + params.layout.shape().elem_count();
+    let q = q.view::<f32>("gm q")?;
+    let a = attn.view::<f32>("gm attn")?;
+    let p = params.view::<f32>("gm p")?;
+    let g = grad.view::<f32>("gm grad")?;
     let grads: CudaSlice<f32> = dev.alloc_zeros::<f32>(len)?;
     let (cfg, tr) = gm_launch(dims, b, t, 7 * dims.d + 2 * dims.s + 2);
     let params = gm_params(dims, t);

@@ -175,8 +175,7 @@ pub fn masked_softmax(scores: &Tensor, bias: Option<&Tensor>, scale: f64) -> Res
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::ops;
-    use candle_core::{Device, Var};
+    use candle_core::{Device, Var, D};
 
     fn rand(shape: &[usize], seed: u64) -> Tensor {
         let n = shape.iter().product();
@@ -205,7 +204,7 @@ mod tests {
         let mask = Tensor::from_vec(mask, (tq, tk), &Device::Cpu).unwrap();
         let logits =
             (s.as_tensor() * scale).unwrap().broadcast_add(&mask).unwrap().broadcast_add(bias.as_tensor()).unwrap();
-        let p_ref = ops::softmax_last_dim(&logits).unwrap();
+        let p_ref = candle_nn::ops::softmax(&logits, D::Minus1).unwrap();
         assert!(max_diff(&p, &p_ref) < 1e-6);
         let g = (p * &w).unwrap().sum_all().unwrap().backward().unwrap();
         let g_ref = (p_ref * &w).unwrap().sum_all().unwrap().backward().unwrap();

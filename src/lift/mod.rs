@@ -29,7 +29,7 @@ use serde::{Deserialize, Serialize};
 #[error("{0} cancelled")]
 pub struct Cancelled(pub &'static str);
 use std::time::Instant;
-use trainer::{FilterTraining, Progress, TrainOptions, TrainReport};
+use trainer::{FilterTraining, Progress, RunControl, TrainInputs, TrainOptions, TrainReport};
 
 /// Everything that shapes an adapter. Part of a document's content address: the same text with
 /// the same options on the same base model is the same adapter. FltLM's filter and CDT are not
@@ -225,17 +225,9 @@ pub fn absorb(
     let (plan, filter_examples) = plan(model, document, &pairs, opts)?;
     let train_opts = opts.effective_train();
     let base_filter = model.base_filter().map(|f| FilterTraining::frozen(f, &filter_examples));
-    let report = trainer::train_with(
-        model,
-        doc,
-        &plan,
-        &adapter,
-        adapter.vars(),
-        &train_opts,
-        base_filter.as_ref(),
-        &mut |p| on_event(AbsorbEvent::Train(p)),
-        cancel,
-    )?;
+    let inputs = TrainInputs { doc, plan: &plan, adapter: &adapter, vars: adapter.vars() };
+    let control = RunControl { on_progress: &mut |p| on_event(AbsorbEvent::Train(p)), cancel };
+    let report = trainer::train_with(model, inputs, &train_opts, base_filter.as_ref(), control)?;
 
     on_event(AbsorbEvent::Stage(AbsorbStage::Saving));
     let bundle = AdapterBundle::new(adapter.detached());

@@ -1,5 +1,5 @@
 //! The LIFT trainer: two stages (segments only, then segments + auxiliary QA), AdamW with the
-//! paper's settings (Table 9), gradient accumulation over small batches, global grad-norm
+//! LIFT paper's settings (Table 9), gradient accumulation over small batches, global grad-norm
 //! clipping, seeded shuffling, cancellation, progress reports and optional early stopping. With a
 //! prepared base, its frozen FltLM filter masks the QA examples while the adapter trains.
 
@@ -9,6 +9,7 @@ use super::plan::{Example, Plan};
 use crate::model::{ops, Adapter, ForwardHooks, Model, NoHooks, Packing};
 use anyhow::{bail, Result};
 use candle_core::{Tensor, Var};
+use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -374,117 +375,83 @@ pub(crate) fn training_loss(
     Ok((total, flt))
 }
 
-/// Trains `vars` (the parameters behind `adapter`) on `plan`: plain LIFT.
-#[allow(clippy::too_many_arguments)]
-pub fn train(
-    model: &Model,
-    doc: &[u32],
-    plan: &Plan,
-    adapter: &dyn Adapter,
-    vars: &[Var],
-    opts: &TrainOptions,
-    on_progress: &mut dyn FnMut(&Progress),
-    cancel: &dyn Fn() -> bool,
-) -> Result<TrainReport> {
-    train_with(model, doc, plan, adapter, vars, opts, None, on_progress, cancel)
+/// What a LIFT run trains: `adapter` (its parameters `vars`) on the document `doc` as `plan` lays
+/// it out.
+#[derive(Clone, Copy)]
+pub struct TrainInputs<'a> {
+    pub doc: &'a [u32],
+    pub plan: &'a Plan,
+    pub adapter: &'a dyn Adapter,
+    pub vars: &'a [Var],
 }
 
-/// Trains `vars` (the parameters behind `adapter`) on `plan`, the QA examples in `filter`'s layout
-/// and under its mask when there is one. A trainable filter's parameters are trained beside
-/// `vars` with their own optimizer, learning rate (× `lr_scale`) and clipping (their gradients
-/// would otherwise dominate the global norm and shrink the adapter's updates).
-#[allow(clippy::too_many_arguments)]
+/// How a caller follows and stops a training run: `on_progress` after every optimizer step,
+/// `cancel` polled before each.
+pub struct RunControl<'a, P> {
+    pub on_progress: &'a mut dyn FnMut(&P),
+    pub cancel: &'a dyn Fn() -> bool,
+}
+
+/// Trains `inputs.vars` (the parameters behind `inputs.adapter`) on `inputs.plan`: plain LIFT.
+pub fn train(
+    model: &Model,
+    inputs: TrainInputs,
+    opts: &TrainOptions,
+    control: RunControl<Progress>,
+) -> Result<TrainReport> {
+    train_with(model, inputs, opts, None, control)
+}
+
+/// Trains `inputs.vars` (the parameters behind `inputs.adapter`) on `inputs.plan`, the QA examples
+/// in `filter`'s layout and under its mask when there is one. A trainable filter's parameters are
+/// trained beside the adapter's with their own optimizer, learning rate (× `lr_scale`) and
+/// clipping (their gradients would otherwise dominate the global norm and shrink the adapter's
+/// updates).
 pub fn train_with(
     model: &Model,
-    doc: &[u32],
-    plan: &Plan,
-    adapter: &dyn Adapter,
-    vars: &[Var],
+    inputs: TrainInputs,
     opts: &TrainOptions,
     filter: Option<&FilterTraining>,
-    on_progress: &mut dyn FnMut(&Progress),
-    cancel: &dyn Fn() -> bool,
+    control: RunControl<Progress>,
 ) -> Result<TrainReport> {
+    let RunControl { on_progress, cancel } = control;
     if let Some(ft) = filter {
-        anyhow::ensure!(ft.examples.len() == plan.qa.len(), "one filter example per QA example");
+        anyhow::ensure!(ft.examples.len() == inputs.plan.qa.len(), "one filter example per QA example");
     }
     let filter_vars: &[Var] = filter.map_or(&[], |f| f.filter.vars());
-    let filter_lr_scale = filter.map_or(1.0, |f| f.lr_scale);
-    let mut filter_optimizer = AdamW::new(filter_vars.to_vec(), opts)?;
-    let n_adapter_vars = vars.len();
-    let vars: Vec<Var> = vars.iter().chain(filter_vars).cloned().collect();
-    let mut no_cdt = CdtStats::default();
-    let mut frozen = FrozenCache::new(FROZEN_CACHE_BYTES);
-    let n_seg = plan.segments.len();
-    let segment_pack = plan.options().segment_pack.max(1);
-    let seg_rows = n_seg.div_ceil(segment_pack);
-    let n_qa = plan.qa.len();
-    let accumulation = opts.accumulation.max(1);
-    let epochs_total = opts.epochs[0] + opts.epochs[1];
-    let steps_total =
-        opts.epochs[0] * seg_rows.div_ceil(accumulation) + opts.epochs[1] * (seg_rows + n_qa).div_ceil(accumulation);
-    let mut optimizer = AdamW::new(vars[..n_adapter_vars].to_vec(), opts)?;
-    let mut rng = Plan::rng(opts.seed);
+    let mut optimizers = Optimizers::new(inputs.vars, filter_vars, filter.map_or(1.0, |f| f.lr_scale), opts)?;
+    let mut run = LiftRun {
+        model,
+        inputs,
+        filter,
+        vars: inputs.vars.iter().chain(filter_vars).cloned().collect(),
+        frozen: FrozenCache::new(FROZEN_CACHE_BYTES),
+        no_cdt: CdtStats::default(),
+        rng: Plan::rng(opts.seed),
+    };
+    let rows = EpochRows::of(inputs.plan, opts);
+    let (epochs_total, steps_total) = (opts.epochs[0] + opts.epochs[1], rows.steps_total(opts));
     let mut report = TrainReport::default();
     let start = Instant::now();
-    let mut best = f64::INFINITY;
-    let mut since_best = 0;
+    let mut patience = Patience { best: f64::INFINITY, since_best: 0 };
     let mut epoch = 0;
     'stages: for (stage, epochs) in [(Stage::Segments, opts.epochs[0]), (Stage::SegmentsAndQa, opts.epochs[1])] {
         for _ in 0..epochs {
             epoch += 1;
-            // Which segments share each CT row this epoch.
-            let seg_members: Vec<Vec<usize>> = if segment_pack == 1 {
-                (0..n_seg).map(|i| vec![i]).collect()
-            } else {
-                let mut perm: Vec<usize> = (0..n_seg).collect();
-                perm.shuffle(&mut rng);
-                perm.chunks(segment_pack).map(<[usize]>::to_vec).collect()
-            };
-            let mut order: Vec<(bool, usize)> = (0..seg_rows).map(|i| (false, i)).collect();
-            if stage == Stage::SegmentsAndQa {
-                order.extend((0..n_qa).map(|i| (true, i)));
-            }
-            order.shuffle(&mut rng);
+            let (seg_members, order) = rows.draw(stage, &mut run.rng);
             let mut epoch_loss = 0.0;
-            for batch in order.chunks(accumulation) {
+            for batch in order.chunks(rows.accumulation) {
                 if cancel() {
                     return Err(super::Cancelled("training").into());
                 }
                 let t0 = Instant::now();
-                let mut sum: Option<Vec<Tensor>> = None;
-                let mut batch_loss = 0.0;
-                let mut batch_tokens = 0;
-                for &(is_qa, i) in batch {
-                    let fx = filter.filter(|_| is_qa).map(|ft| (ft, &ft.examples[i]));
-                    let example = match (fx, is_qa) {
-                        (Some((_, fx)), _) => fx.example.clone(),
-                        (None, true) => plan.qa[i].clone(),
-                        (None, false) => plan.segments_example(model, doc, &seg_members[i], &mut rng)?,
-                    };
-                    // QA examples are the same tokens every epoch; segments get a new context each time.
-                    let cached = is_qa.then_some((&mut frozen, i));
-                    let (loss, _) = training_loss(model, adapter, &example, fx, None, &mut no_cdt, cached)?;
-                    let g = gradients(&(loss.clone() / batch.len() as f64)?, &vars)?;
-                    sum = Some(match sum {
-                        None => g,
-                        Some(acc) => acc.iter().zip(&g).map(|(a, b)| a + b).collect::<candle_core::Result<_>>()?,
-                    });
-                    batch_loss += loss.to_scalar::<f32>()? as f64 / batch.len() as f64;
-                    batch_tokens += example.tokens.len();
-                }
-                let mut grads = sum.unwrap_or_default();
-                let filter_grads = grads.split_off(n_adapter_vars.min(grads.len()));
-                let lr = current_lr(opts, report.steps);
-                optimizer.step(&clip(grads, opts.max_grad_norm)?, lr)?;
-                if !filter_grads.is_empty() {
-                    filter_optimizer.step(&clip(filter_grads, opts.max_grad_norm)?, lr * filter_lr_scale)?;
-                }
+                let b = run.batch(batch, &seg_members)?;
+                optimizers.step(b.grads, opts, report.steps)?;
                 report.steps += 1;
                 report.examples += batch.len();
-                report.tokens += batch_tokens;
-                report.step_losses.push(batch_loss);
-                epoch_loss += batch_loss * batch.len() as f64;
+                report.tokens += b.tokens;
+                report.step_losses.push(b.loss);
+                epoch_loss += b.loss * batch.len() as f64;
                 let secs = t0.elapsed().as_secs_f64();
                 on_progress(&Progress {
                     stage,
@@ -492,24 +459,16 @@ pub fn train_with(
                     epochs: epochs_total,
                     step: report.steps,
                     steps: steps_total,
-                    loss: batch_loss,
-                    tokens_per_s: batch_tokens as f64 / secs.max(1e-9),
+                    loss: b.loss,
+                    tokens_per_s: b.tokens as f64 / secs.max(1e-9),
                 });
             }
             let mean = epoch_loss / order.len().max(1) as f64;
             report.epoch_losses.push(mean);
             tracing::debug!(epoch, ?stage, loss = mean, "epoch done");
-            if let Some(es) = &opts.early_stop {
-                if mean < best - es.min_delta {
-                    best = mean;
-                    since_best = 0;
-                } else {
-                    since_best += 1;
-                    if since_best >= es.patience {
-                        report.stopped_early = true;
-                        break 'stages;
-                    }
-                }
+            if patience.exhausted(opts.early_stop.as_ref(), mean) {
+                report.stopped_early = true;
+                break 'stages;
             }
         }
     }
@@ -517,6 +476,150 @@ pub fn train_with(
     report.tokens_per_s = report.tokens as f64 / report.seconds.max(1e-9);
     report.final_loss = report.epoch_losses.last().copied().unwrap_or(f64::NAN);
     Ok(report)
+}
+
+/// How a run's epochs are laid out: segments packed `segment_pack` to a CT row, QA examples
+/// one each, `accumulation` rows per optimizer step.
+struct EpochRows {
+    n_seg: usize,
+    segment_pack: usize,
+    seg_rows: usize,
+    n_qa: usize,
+    accumulation: usize,
+}
+
+impl EpochRows {
+    fn of(plan: &Plan, opts: &TrainOptions) -> Self {
+        let n_seg = plan.segments.len();
+        let segment_pack = plan.options().segment_pack.max(1);
+        let seg_rows = n_seg.div_ceil(segment_pack);
+        Self { n_seg, segment_pack, seg_rows, n_qa: plan.qa.len(), accumulation: opts.accumulation.max(1) }
+    }
+
+    /// Optimizer steps over both stages.
+    fn steps_total(&self, opts: &TrainOptions) -> usize {
+        let a = self.accumulation;
+        opts.epochs[0] * self.seg_rows.div_ceil(a) + opts.epochs[1] * (self.seg_rows + self.n_qa).div_ceil(a)
+    }
+
+    /// One epoch's draw: which segments share each CT row, and the shuffled order of the rows
+    /// (`(false, row)`) and, in stage 2, the QA examples (`(true, i)`).
+    fn draw(&self, stage: Stage, rng: &mut StdRng) -> (Vec<Vec<usize>>, Vec<(bool, usize)>) {
+        let seg_members: Vec<Vec<usize>> = if self.segment_pack == 1 {
+            (0..self.n_seg).map(|i| vec![i]).collect()
+        } else {
+            let mut perm: Vec<usize> = (0..self.n_seg).collect();
+            perm.shuffle(rng);
+            perm.chunks(self.segment_pack).map(<[usize]>::to_vec).collect()
+        };
+        let mut order: Vec<(bool, usize)> = (0..self.seg_rows).map(|i| (false, i)).collect();
+        if stage == Stage::SegmentsAndQa {
+            order.extend((0..self.n_qa).map(|i| (true, i)));
+        }
+        order.shuffle(rng);
+        (seg_members, order)
+    }
+}
+
+/// What a `train_with` run's batches draw on: the model and inputs, every trained parameter
+/// (the adapter's, then a trainable filter's), the frozen-layer cache and the seeded stream.
+struct LiftRun<'a> {
+    model: &'a Model,
+    inputs: TrainInputs<'a>,
+    filter: Option<&'a FilterTraining<'a>>,
+    vars: Vec<Var>,
+    frozen: FrozenCache,
+    no_cdt: CdtStats,
+    rng: StdRng,
+}
+
+/// One batch: its gradients summed (in `LiftRun::vars` order), mean loss and tokens.
+struct Batch {
+    grads: Vec<Tensor>,
+    loss: f64,
+    tokens: usize,
+}
+
+impl LiftRun<'_> {
+    /// The losses and gradients of the examples of `batch` (`(is_qa, index)`; segment rows made
+    /// of `seg_members[index]`), each weighted 1 / batch size.
+    fn batch(&mut self, batch: &[(bool, usize)], seg_members: &[Vec<usize>]) -> Result<Batch> {
+        let TrainInputs { doc, plan, adapter, .. } = self.inputs;
+        let model = self.model;
+        let mut sum: Option<Vec<Tensor>> = None;
+        let mut batch_loss = 0.0;
+        let mut batch_tokens = 0;
+        for &(is_qa, i) in batch {
+            let fx = self.filter.filter(|_| is_qa).map(|ft| (ft, &ft.examples[i]));
+            let example = match (fx, is_qa) {
+                (Some((_, fx)), _) => fx.example.clone(),
+                (None, true) => plan.qa[i].clone(),
+                (None, false) => plan.segments_example(model, doc, &seg_members[i], &mut self.rng)?,
+            };
+            // QA examples are the same tokens every epoch; segments get a new context each time.
+            let cached = is_qa.then_some((&mut self.frozen, i));
+            let (loss, _) = training_loss(model, adapter, &example, fx, None, &mut self.no_cdt, cached)?;
+            let g = gradients(&(loss.clone() / batch.len() as f64)?, &self.vars)?;
+            sum = Some(match sum {
+                None => g,
+                Some(acc) => acc.iter().zip(&g).map(|(a, b)| a + b).collect::<candle_core::Result<_>>()?,
+            });
+            batch_loss += loss.to_scalar::<f32>()? as f64 / batch.len() as f64;
+            batch_tokens += example.tokens.len();
+        }
+        Ok(Batch { grads: sum.unwrap_or_default(), loss: batch_loss, tokens: batch_tokens })
+    }
+}
+
+/// The adapter's optimizer and a trainable filter's, each clipped on its own.
+struct Optimizers {
+    adapter: AdamW,
+    filter: AdamW,
+    n_adapter_vars: usize,
+    filter_lr_scale: f64,
+}
+
+impl Optimizers {
+    fn new(adapter_vars: &[Var], filter_vars: &[Var], filter_lr_scale: f64, opts: &TrainOptions) -> Result<Self> {
+        Ok(Self {
+            adapter: AdamW::new(adapter_vars.to_vec(), opts)?,
+            filter: AdamW::new(filter_vars.to_vec(), opts)?,
+            n_adapter_vars: adapter_vars.len(),
+            filter_lr_scale,
+        })
+    }
+
+    /// Optimizer step `step` with `grads` (the adapter's, then the filter's).
+    fn step(&mut self, mut grads: Vec<Tensor>, opts: &TrainOptions, step: usize) -> Result<()> {
+        let filter_grads = grads.split_off(self.n_adapter_vars.min(grads.len()));
+        let lr = current_lr(opts, step);
+        self.adapter.step(&clip(grads, opts.max_grad_norm)?, lr)?;
+        if !filter_grads.is_empty() {
+            self.filter.step(&clip(filter_grads, opts.max_grad_norm)?, lr * self.filter_lr_scale)?;
+        }
+        Ok(())
+    }
+}
+
+/// Early stopping's count: the best epoch mean so far and the epochs since it.
+struct Patience {
+    best: f64,
+    since_best: usize,
+}
+
+impl Patience {
+    /// Books an epoch of mean loss `mean`; true when `early_stop` (if any) says to stop.
+    fn exhausted(&mut self, early_stop: Option<&EarlyStop>, mean: f64) -> bool {
+        let Some(es) = early_stop else { return false };
+        if mean < self.best - es.min_delta {
+            self.best = mean;
+            self.since_best = 0;
+            false
+        } else {
+            self.since_best += 1;
+            self.since_best >= es.patience
+        }
+    }
 }
 
 /// The gradient of `loss` for each of `vars` (zeros where it does not depend on one), detached.

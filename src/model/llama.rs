@@ -293,7 +293,8 @@ impl Decoder {
         for (li, layer) in self.layers.iter().enumerate() {
             let ctx = LayerCtx { li, adapter, base: self.unmerged_base(float), float, start };
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, self.config.rms_norm_eps as f32)?;
-            let attn = self.attention_infer(&ctx, layer, &h, &cos, &sin, mask.as_ref(), Some(&mut *cache), hooks)?;
+            let positions = Positions { cos: &cos, sin: &sin, mask: mask.as_ref() };
+            let attn = self.attention_infer(&ctx, layer, &h, positions, Some(&mut *cache), hooks)?;
             x = (x + attn)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, self.config.rms_norm_eps as f32)?;
             let gate = ctx.linear(layer, Projection::Gate, &h)?;
@@ -320,18 +321,16 @@ impl Decoder {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn attention_infer(
         &self,
         ctx: &LayerCtx,
         layer: &DecoderLayer,
         h: &Tensor,
-        cos: &Tensor,
-        sin: &Tensor,
-        mask: Option<&Tensor>,
+        positions: Positions,
         cache: Option<&mut KvCache>,
         hooks: &mut dyn ForwardHooks,
     ) -> Result<Tensor> {
+        let Positions { cos, sin, mask } = positions;
         let cfg = &self.config;
         let (b, t, _) = h.dims3()?;
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
@@ -479,7 +478,8 @@ impl Decoder {
         for (li, layer) in self.layers.iter().enumerate().take(upto) {
             let ctx = LayerCtx { li, adapter: None, base: self.unmerged_base(true), float: true, start: 0 };
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let attn = self.attention_infer(&ctx, layer, &h, &cos, &sin, mask.as_ref(), None, hooks)?;
+            let positions = Positions { cos: &cos, sin: &sin, mask: mask.as_ref() };
+            let attn = self.attention_infer(&ctx, layer, &h, positions, None, hooks)?;
             x = (x + attn)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
             let gate = ctx.linear(layer, Projection::Gate, &h)?;
@@ -593,6 +593,15 @@ impl Decoder {
         }
         Ok(())
     }
+}
+
+/// The positions an inference attention covers: their RoPE rows `[t, d/2]` and the additive mask
+/// over its keys (none: nothing to mask).
+#[derive(Clone, Copy)]
+struct Positions<'a> {
+    cos: &'a Tensor,
+    sin: &'a Tensor,
+    mask: Option<&'a Tensor>,
 }
 
 /// What one layer's inference step needs to know.

@@ -296,72 +296,14 @@ fn new_suffix<'t>(prefix: &str, text: &'t str) -> &'t str {
 fn build_from_gguf(md: &HashMap<String, gguf_file::Value>) -> Result<TextTokenizer> {
     let model = meta_str(md, "tokenizer.ggml.model")?
         .ok_or_else(|| anyhow!("no tokenizer.ggml.model in the metadata"))?;
-    let tokens = meta_str_array(md, "tokenizer.ggml.tokens")?
-        .ok_or_else(|| anyhow!("no tokenizer.ggml.tokens in the metadata"))?;
-    if tokens.is_empty() {
-        bail!("tokenizer.ggml.tokens is empty");
-    }
-    let types = match meta_int_array(md, "tokenizer.ggml.token_type")? {
-        Some(t) if t.len() == tokens.len() => t,
-        Some(t) => bail!(
-            "tokenizer.ggml.token_type has {} entries for {} tokens",
-            t.len(),
-            tokens.len()
-        ),
-        None => vec![TOKEN_NORMAL; tokens.len()],
-    };
+    let vocab = GgufVocab::read(md)?;
     let pre = meta_str(md, "tokenizer.ggml.pre")?.unwrap_or("default");
-
-    // Duplicate token texts exist in some GGUFs: the first id wins.
-    let mut vocab: HashMap<String, u32> = HashMap::with_capacity(tokens.len());
-    for (id, tok) in tokens.iter().enumerate() {
-        vocab.entry(tok.clone()).or_insert(id as u32);
-    }
-
-    let (mut inner, default_add_bos) = match model {
-        "gpt2" => {
-            let merges = meta_str_array(md, "tokenizer.ggml.merges")?
-                .ok_or_else(|| anyhow!("no tokenizer.ggml.merges for a gpt2 tokenizer"))?;
-            build_byte_level_bpe(vocab, &merges, pre)?
-        }
-        "llama" => {
-            let scores = meta_f32_array(md, "tokenizer.ggml.scores")?;
-            let add_space_prefix =
-                meta_bool(md, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
-            let unk = meta_u32(md, "tokenizer.ggml.unknown_token_id")?
-                .and_then(|id| tokens.get(id as usize).cloned());
-            let spm = SentencePieceVocab {
-                tokens: &tokens,
-                types: &types,
-                scores: scores.as_deref(),
-                unk,
-                add_space_prefix,
-            };
-            (build_sentencepiece_bpe(spm, vocab)?, true)
-        }
-        other => bail!(
-            "unsupported tokenizer model {other:?} (tokenizer.ggml.model); \
-             supported: \"gpt2\", \"llama\""
-        ),
-    };
-
-    // Control/unknown tokens are special; user-defined ones are matched
-    // verbatim but are ordinary text. Both bypass normalization.
-    let added: Vec<AddedToken> = tokens
-        .iter()
-        .zip(&types)
-        .filter(|(tok, _)| !tok.is_empty())
-        .filter_map(|(tok, &ty)| match ty {
-            TOKEN_CONTROL | TOKEN_UNKNOWN => Some(AddedToken::from(tok.clone(), true)),
-            TOKEN_USER_DEFINED => Some(AddedToken::from(tok.clone(), false)),
-            _ => None,
-        })
-        .map(|t| t.normalized(false))
-        .collect();
+    let (mut inner, default_add_bos) = build_gguf_model(md, model, pre, &vocab)?;
     inner
-        .add_special_tokens(added)
+        .add_special_tokens(vocab.added_tokens())
         .map_err(|e| anyhow!("special tokens: {e}"))?;
 
+    let GgufVocab { tokens, types } = &vocab;
     let token_at = |key: &str| -> Result<Option<(String, u32)>> {
         Ok(meta_u32(md, key)?.and_then(|id| tokens.get(id as usize).map(|t| (t.clone(), id))))
     };
@@ -375,7 +317,7 @@ fn build_from_gguf(md: &HashMap<String, gguf_file::Value>) -> Result<TextTokeniz
         stop_ids.extend(meta_u32(md, key)?);
     }
     for name in END_OF_TURN_TOKENS {
-        stop_ids.extend(special_token_id(&tokens, &types, name));
+        stop_ids.extend(special_token_id(tokens, types, name));
     }
 
     Ok(TextTokenizer {
@@ -388,6 +330,95 @@ fn build_from_gguf(md: &HashMap<String, gguf_file::Value>) -> Result<TextTokeniz
         add_bos,
         vocab_size: tokens.len(),
     })
+}
+
+/// A GGUF tokenizer's token texts and their types (`tokenizer.ggml.token_type`).
+struct GgufVocab {
+    tokens: Vec<String>,
+    types: Vec<i64>,
+}
+
+impl GgufVocab {
+    fn read(md: &HashMap<String, gguf_file::Value>) -> Result<Self> {
+        let tokens = meta_str_array(md, "tokenizer.ggml.tokens")?
+            .ok_or_else(|| anyhow!("no tokenizer.ggml.tokens in the metadata"))?;
+        if tokens.is_empty() {
+            bail!("tokenizer.ggml.tokens is empty");
+        }
+        let types = match meta_int_array(md, "tokenizer.ggml.token_type")? {
+            Some(t) if t.len() == tokens.len() => t,
+            Some(t) => bail!(
+                "tokenizer.ggml.token_type has {} entries for {} tokens",
+                t.len(),
+                tokens.len()
+            ),
+            None => vec![TOKEN_NORMAL; tokens.len()],
+        };
+        Ok(Self { tokens, types })
+    }
+
+    /// Text → id. Duplicate token texts exist in some GGUFs: the first id wins.
+    fn ids(&self) -> HashMap<String, u32> {
+        let mut vocab: HashMap<String, u32> = HashMap::with_capacity(self.tokens.len());
+        for (id, tok) in self.tokens.iter().enumerate() {
+            vocab.entry(tok.clone()).or_insert(id as u32);
+        }
+        vocab
+    }
+
+    /// Control/unknown tokens are special; user-defined ones are matched
+    /// verbatim but are ordinary text. Both bypass normalization.
+    fn added_tokens(&self) -> Vec<AddedToken> {
+        self.tokens
+            .iter()
+            .zip(&self.types)
+            .filter(|(tok, _)| !tok.is_empty())
+            .filter_map(|(tok, &ty)| match ty {
+                TOKEN_CONTROL | TOKEN_UNKNOWN => Some(AddedToken::from(tok.clone(), true)),
+                TOKEN_USER_DEFINED => Some(AddedToken::from(tok.clone(), false)),
+                _ => None,
+            })
+            .map(|t| t.normalized(false))
+            .collect()
+    }
+}
+
+/// The tokenizer model named by `tokenizer.ggml.model` (`pre`: `tokenizer.ggml.pre`), and the
+/// default for `add_bos_token`.
+fn build_gguf_model(
+    md: &HashMap<String, gguf_file::Value>,
+    model: &str,
+    pre: &str,
+    vocab: &GgufVocab,
+) -> Result<(Tokenizer, bool)> {
+    let ids = vocab.ids();
+    match model {
+        "gpt2" => {
+            let merges = meta_str_array(md, "tokenizer.ggml.merges")?
+                .ok_or_else(|| anyhow!("no tokenizer.ggml.merges for a gpt2 tokenizer"))?;
+            build_byte_level_bpe(ids, &merges, pre)
+        }
+        "llama" => {
+            let tokens = &vocab.tokens;
+            let scores = meta_f32_array(md, "tokenizer.ggml.scores")?;
+            let add_space_prefix =
+                meta_bool(md, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+            let unk = meta_u32(md, "tokenizer.ggml.unknown_token_id")?
+                .and_then(|id| tokens.get(id as usize).cloned());
+            let spm = SentencePieceVocab {
+                tokens,
+                types: &vocab.types,
+                scores: scores.as_deref(),
+                unk,
+                add_space_prefix,
+            };
+            Ok((build_sentencepiece_bpe(spm, ids)?, true))
+        }
+        other => bail!(
+            "unsupported tokenizer model {other:?} (tokenizer.ggml.model); \
+             supported: \"gpt2\", \"llama\""
+        ),
+    }
 }
 
 /// A copy of `inner` that splits special tokens written in the text like any other text.
@@ -503,22 +534,41 @@ fn build_sentencepiece_bpe(
     spm: SentencePieceVocab<'_>,
     vocab: HashMap<String, u32>,
 ) -> Result<Tokenizer> {
-    let SentencePieceVocab {
-        tokens,
-        types,
-        scores,
-        unk,
-        add_space_prefix,
-    } = spm;
-    if let Some(s) = scores {
-        if s.len() != tokens.len() {
+    if let Some(s) = spm.scores {
+        if s.len() != spm.tokens.len() {
             bail!(
                 "tokenizer.ggml.scores has {} entries for {} tokens",
                 s.len(),
-                tokens.len()
+                spm.tokens.len()
             );
         }
     }
+    let merges = sentencepiece_merges(&spm);
+
+    let byte_fallback = vocab.contains_key("<0x00>");
+    let mut builder = BPE::builder()
+        .vocab_and_merges(vocab.into_iter().collect::<Vocab>(), merges)
+        .byte_fallback(byte_fallback)
+        .fuse_unk(true);
+    if let Some(unk) = spm.unk {
+        builder = builder.unk_token(unk);
+    }
+    let bpe = builder
+        .build()
+        .map_err(|e| anyhow!("invalid BPE vocabulary: {e}"))?;
+
+    let (normalizer, decoder) = sentencepiece_spaces(spm.add_space_prefix)?;
+    let mut tok = Tokenizer::new(bpe);
+    tok.with_normalizer(Some(normalizer))
+        .map_err(|e| anyhow!("tokenizer normalizer: {e}"))?
+        .with_decoder(Some(decoder));
+    Ok(tok)
+}
+
+/// The merges of a SentencePiece vocabulary, best score first: every split of a normal piece
+/// into two normal pieces, ranked by the whole piece's score.
+fn sentencepiece_merges(spm: &SentencePieceVocab<'_>) -> Vec<(String, String)> {
+    let SentencePieceVocab { tokens, types, scores, .. } = *spm;
     // Without scores, earlier pieces are assumed to be more frequent.
     let score = |id: usize| scores.map_or(-(id as f32), |s| s[id]);
 
@@ -547,23 +597,15 @@ fn build_sentencepiece_bpe(
     }
     // Stable sort: equal scores keep vocab order, as in HF's extractor.
     merges.sort_by(|a, b| b.2.total_cmp(&a.2));
-    let merges = merges
+    merges
         .into_iter()
         .map(|(l, r, _)| (tokens[l].clone(), tokens[r].clone()))
-        .collect();
+        .collect()
+}
 
-    let byte_fallback = vocab.contains_key("<0x00>");
-    let mut builder = BPE::builder()
-        .vocab_and_merges(vocab.into_iter().collect::<Vocab>(), merges)
-        .byte_fallback(byte_fallback)
-        .fuse_unk(true);
-    if let Some(unk) = unk {
-        builder = builder.unk_token(unk);
-    }
-    let bpe = builder
-        .build()
-        .map_err(|e| anyhow!("invalid BPE vocabulary: {e}"))?;
-
+/// SentencePiece's spaces: `▁` for a space (and a `▁` prefix with `add_space_prefix`) when
+/// encoding, undone with the byte fallback when decoding.
+fn sentencepiece_spaces(add_space_prefix: bool) -> Result<(NormalizerSequence, DecoderSequence)> {
     let replace = |from: &str, to: &str| {
         Replace::new(from, to).map_err(|e| anyhow!("invalid replace pattern: {e}"))
     };
@@ -581,12 +623,7 @@ fn build_sentencepiece_bpe(
         // Undo the prefix space added when encoding.
         decoders.push(DecoderWrapper::Strip(Strip::new(' ', 1, 0)));
     }
-
-    let mut tok = Tokenizer::new(bpe);
-    tok.with_normalizer(Some(NormalizerSequence::new(normalizers)))
-        .map_err(|e| anyhow!("tokenizer normalizer: {e}"))?
-        .with_decoder(Some(DecoderSequence::new(decoders)));
-    Ok(tok)
+    Ok((NormalizerSequence::new(normalizers), DecoderSequence::new(decoders)))
 }
 
 // ---------------------------------------------------------------------------
