@@ -9,10 +9,11 @@ use candle_core::Tensor;
 use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::time::Instant;
 
+/// A request's generation settings, as the APIs carry them (`temperature` 0: greedy).
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 pub struct SamplingParams {
     pub max_tokens: usize,
-    /// 0 means greedy.
+    /// 0 (or less) means greedy; see [`SamplingParams::sampling`].
     pub temperature: f64,
     pub top_p: f64,
     pub seed: u64,
@@ -22,6 +23,26 @@ pub struct SamplingParams {
 impl Default for SamplingParams {
     fn default() -> Self {
         Self { max_tokens: 256, temperature: 0.0, top_p: 1.0, seed: 0, stop: Vec::new() }
+    }
+}
+
+/// How the next token is picked.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub enum Sampling {
+    /// The most likely token.
+    Greedy,
+    /// From the softmax at `temperature`, restricted to the smallest set of tokens whose
+    /// probability reaches `top_p` (1: all).
+    Sample { temperature: f64, top_p: f64 },
+}
+
+impl SamplingParams {
+    pub fn sampling(&self) -> Sampling {
+        if self.temperature <= 0.0 {
+            Sampling::Greedy
+        } else {
+            Sampling::Sample { temperature: self.temperature, top_p: self.top_p }
+        }
     }
 }
 
@@ -58,32 +79,35 @@ pub const PREFILL_CHUNK: usize = 512;
 /// Picks the next token from a logits vector.
 pub struct Sampler {
     rng: StdRng,
-    temperature: f64,
-    top_p: f64,
+    sampling: Sampling,
 }
 
 impl Sampler {
     pub fn new(params: &SamplingParams) -> Self {
-        Self { rng: StdRng::seed_from_u64(params.seed), temperature: params.temperature, top_p: params.top_p }
+        Self { rng: StdRng::seed_from_u64(params.seed), sampling: params.sampling() }
     }
 
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if self.temperature <= 0.0 {
-            return argmax(logits);
+        match self.sampling {
+            Sampling::Greedy => argmax(logits),
+            Sampling::Sample { temperature, top_p } => self.draw(logits, temperature, top_p),
         }
-        let t = self.temperature as f32;
+    }
+
+    fn draw(&mut self, logits: &[f32], temperature: f64, top_p: f64) -> u32 {
+        let t = temperature as f32;
         let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         let mut probs: Vec<(u32, f32)> =
             logits.iter().enumerate().map(|(i, &l)| (i as u32, ((l - max) / t).exp())).collect();
         let sum: f32 = probs.iter().map(|p| p.1).sum();
         probs.iter_mut().for_each(|p| p.1 /= sum);
-        if self.top_p < 1.0 {
+        if top_p < 1.0 {
             probs.sort_unstable_by(|a, b| b.1.total_cmp(&a.1));
             let mut acc = 0.0;
             let mut keep = probs.len();
             for (i, p) in probs.iter().enumerate() {
                 acc += p.1;
-                if acc as f64 >= self.top_p {
+                if acc as f64 >= top_p {
                     keep = i + 1;
                     break;
                 }
