@@ -107,5 +107,24 @@ if [ "${FLASH_ATTN:-0}" = 1 ]; then
     cargo check --release --features cuda,flash-attn --all-targets
     echo "cuda,flash-attn check: $(($(date +%s) - start)) s"
 fi
+if [ "${GPU_TESTS:-0}" = 1 ]; then
+    # tests/cuda.rs for a GPU machine: built for any AVX2 CPU (the default build uses this
+    # machine's own instruction set, which another machine's CPU may lack: SIGILL), stripped and
+    # compressed to target/gpu-carry/cuda-tests.xz (about 9 MB) to carry there and run with
+    # `xz -dc target/gpu-carry/cuda-tests.xz > t && chmod +x t && ./t --test-threads=1`.
+    step "portable tests/cuda.rs binary (into $CARGO_TARGET_DIR-portable)"
+    start=$(date +%s)
+    out="$(CARGO_TARGET_DIR="$CARGO_TARGET_DIR-portable" RUSTFLAGS="-C target-cpu=x86-64-v3" \
+        cargo build --release --features cuda --test cuda --message-format=json |
+        python3 -c 'import json,sys
+for l in sys.stdin:
+    m = json.loads(l)
+    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "cuda" and m.get("executable"):
+        print(m["executable"])')"
+    mkdir -p target/gpu-carry
+    strip -o target/gpu-carry/cuda-tests "$out"
+    xz -f -T2 target/gpu-carry/cuda-tests
+    echo "portable cuda tests: $(($(date +%s) - start)) s, $(du -h target/gpu-carry/cuda-tests.xz | cut -f1)"
+fi
 trap - ERR
 echo "cuda compile check: ok"

@@ -159,6 +159,32 @@ fn tiny_model_inference_on_cuda_is_bf16_and_close_to_cpu() {
     assert!(rel_diff(&last, &full) < 5e-2);
 }
 
+/// candle's dequantization of GGUF blocks on CUDA against the CPU's, per block type and for the
+/// shapes of the tiny model's and SmolLM2's linear layers.
+#[test]
+fn dequantize_on_cuda_matches_cpu() {
+    use candle_core::quantized::QTensor;
+    let mut bad = Vec::new();
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1, GgmlDType::Q4_0, GgmlDType::Q4K, GgmlDType::Q6K] {
+        for (rows, cols) in [(64, 64), (128, 64), (64, 256), (576, 576), (1536, 576), (256, 256)] {
+            if cols % dtype.block_size() != 0 {
+                continue;
+            }
+            let w = rand(&[rows, cols], 5, 1.0);
+            let q = QTensor::quantize(&w, dtype).unwrap();
+            let cpu = q.dequantize(&Device::Cpu).unwrap();
+            let q_gpu = QTensor::quantize(&w.to_device(&gpu()).unwrap(), dtype).unwrap();
+            let on_gpu = q_gpu.dequantize(&gpu()).unwrap();
+            let d = rel_diff(&on_gpu, &cpu);
+            eprintln!("{dtype:?} [{rows}, {cols}]: {d}");
+            if d > 1e-5 {
+                bad.push(format!("{dtype:?} [{rows}, {cols}]: {d}"));
+            }
+        }
+    }
+    assert!(bad.is_empty(), "dequantized on CUDA differs from the CPU: {bad:?}");
+}
+
 #[test]
 fn quantized_gguf_runs_on_cuda() {
     let spec = TinySpec::default();
@@ -170,10 +196,16 @@ fn quantized_gguf_runs_on_cuda() {
     let input = |m: &Model| Tensor::new(toks.as_slice(), m.device()).unwrap().unsqueeze(0).unwrap();
     // Threshold 1: every matmul through the bf16 float weights; usize::MAX: through the quantized
     // kernels (in f32, cast at the layer).
+    for (name, m) in [("cpu", &cpu), ("gpu", &gpu)] {
+        let f = m.decoder.forward_with_float_threshold(&input(m), 1).unwrap();
+        let q = m.decoder.forward_with_float_threshold(&input(m), usize::MAX).unwrap();
+        eprintln!("{name}: float vs quantized path {}", rel_diff(&f, &q));
+    }
     for rows in [1usize, usize::MAX] {
         let a = cpu.decoder.forward_with_float_threshold(&input(&cpu), rows).unwrap();
         let b = gpu.decoder.forward_with_float_threshold(&input(&gpu), rows).unwrap();
-        assert!(rel_diff(&b, &a) < 5e-2, "threshold {rows}");
+        let d = rel_diff(&b, &a);
+        assert!(d < 5e-2, "threshold {rows}: relative difference {d}");
     }
 }
 
@@ -389,7 +421,15 @@ fn filter_training_gradients_on_cuda_match_cpu() {
         let fl = filter::filter_loss(&hooks.scores().unwrap(), &positive, 1.0, &f.log_tau).unwrap();
         let loss = (lm + (fl * 0.5).unwrap()).unwrap();
         let grads = loss.backward().unwrap();
-        let g: Vec<Tensor> = f.vars().iter().map(|v| grads.get(v.as_tensor()).expect("filter gradient").clone()).collect();
+        let g: Vec<Tensor> = f
+            .vars()
+            .iter()
+            .enumerate()
+            .map(|(i, v)| {
+                let g = grads.get(v.as_tensor());
+                g.unwrap_or_else(|| panic!("no gradient for filter parameter {i} {:?} on {:?}", v.shape(), m.device())).clone()
+            })
+            .collect();
         (loss.to_scalar::<f32>().unwrap(), g)
     };
     assert_steps_close("filter", &step(&cpu), &step(&gpu));

@@ -173,6 +173,35 @@ fn incremental_inference_matches_one_trainable_pass_and_gradients_reach_the_filt
     }
 }
 
+/// With no adapter and plain embeddings (nothing else trainable), a trainable filter's hooks still
+/// put the layers its mask reaches in the graph: the LM loss alone gives w and b a gradient (the
+/// decoder used to run every layer frozen then, found by tests/cuda.rs on the first GPU run).
+#[test]
+fn a_trainable_filter_alone_gets_gradients_through_its_mask() {
+    let (_d, model) = tiny();
+    let p = prompt(&model, 120);
+    let f = filter(&model, 1.0, -median_score(&model, &p));
+    let opts = FilterOptions { enabled: true, layer: Some(0), chunk_tokens: 24, ..Default::default() };
+    let tf = Filter::new(model.config(), &opts, &Device::Cpu).unwrap();
+    tf.vars()[0].set(&f.head_w).unwrap();
+    tf.vars()[2].set(&f.w).unwrap();
+    tf.vars()[3].set(&f.b).unwrap();
+    let mut hooks = FilterHooks::new(&tf, &p.chunks, model.config().num_layers);
+    let ids = Tensor::new(p.tokens.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
+    let emb = model.decoder.embed(&ids).unwrap();
+    assert!(!emb.track_op());
+    let hidden = model.decoder.forward_train(&emb, None, &mut hooks).unwrap();
+    let grads = model.decoder.logits_train(&hidden.squeeze(0).unwrap()).unwrap().sum_all().unwrap().backward().unwrap();
+    for (i, name) in [(0, "head_w"), (2, "w"), (3, "b")] {
+        let g = grads.get(tf.vars()[i].as_tensor()).unwrap_or_else(|| panic!("no gradient for {name}"));
+        assert!(g.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() > 0.0, "zero gradient for {name}");
+    }
+    // A frozen copy trains nothing: the same pass keeps its layers off the graph.
+    let frozen = tf.detached();
+    let mut hooks = FilterHooks::new(&frozen, &p.chunks, model.config().num_layers);
+    assert!(!model.decoder.forward_train(&emb, None, &mut hooks).unwrap().track_op());
+}
+
 #[test]
 fn absorb_over_a_prepared_base_trains_qa_in_its_filter_layout_and_leaves_the_filter_frozen() {
     let dir = tempfile::tempdir().unwrap();

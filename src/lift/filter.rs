@@ -513,6 +513,12 @@ impl ForwardHooks for FilterHooks<'_> {
         Ok(())
     }
 
+    /// A trainable filter's bias reaches the layers above its score layer: they must run in the
+    /// graph even without an adapter below them (a frozen copy has no parameters).
+    fn first_trainable_layer(&self) -> Option<usize> {
+        (!self.filter.vars().is_empty()).then_some(self.filter.layer + 1)
+    }
+
     fn attention_bias(&self, layer: usize, q_start: usize, q_len: usize, k_len: usize) -> candle_core::Result<Option<Tensor>> {
         if layer <= self.filter.layer {
             return Ok(None);

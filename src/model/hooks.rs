@@ -80,6 +80,13 @@ pub trait ForwardHooks {
     fn attention_bias(&self, _layer: usize, _q_start: usize, _q_len: usize, _k_len: usize) -> Result<Option<Tensor>> {
         Ok(None)
     }
+
+    /// The lowest layer whose computation the hooks' own trainable parameters reach (a trainable
+    /// FltLM filter: the layers its bias masks), so that training runs it in the autograd graph.
+    /// `None`: the hooks train nothing.
+    fn first_trainable_layer(&self) -> Option<usize> {
+        None
+    }
 }
 
 /// Hooks that do nothing.

@@ -417,7 +417,8 @@ impl Decoder {
         adapter: Option<&dyn Adapter>,
         hooks: &mut dyn ForwardHooks,
     ) -> Result<Tensor> {
-        let first = self.first_trainable_layer(x, adapter);
+        let hooked = hooks.first_trainable_layer().unwrap_or(usize::MAX).min(self.layers.len());
+        let first = self.first_trainable_layer(x, adapter).min(hooked);
         let h = self.forward_frozen(x, first, packing, hooks)?;
         self.forward_train_from(&h, first, packing, adapter, hooks)
     }
