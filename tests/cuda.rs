@@ -194,8 +194,8 @@ fn quantized_gguf_runs_on_cuda() {
     let gpu = Model::load(&path, &gpu()).unwrap();
     let toks = cpu.tokenizer.encode("Quantized weights on the GPU.", false).unwrap();
     let input = |m: &Model| Tensor::new(toks.as_slice(), m.device()).unwrap().unsqueeze(0).unwrap();
-    // Threshold 1: every matmul through the bf16 float weights; usize::MAX: through the quantized
-    // kernels (in f32, cast at the layer).
+    // Threshold 1: every matmul through the bf16 float weights; usize::MAX: the inference path,
+    // which on CUDA also runs a quantized layer through its float copy (`Linear::forward`).
     for (name, m) in [("cpu", &cpu), ("gpu", &gpu)] {
         let f = m.decoder.forward_with_float_threshold(&input(m), 1).unwrap();
         let q = m.decoder.forward_with_float_threshold(&input(m), usize::MAX).unwrap();
