@@ -203,6 +203,9 @@ pub struct AskRequest {
     pub max_tokens: Option<u64>,
     /// 0 (default): greedy.
     pub temperature: Option<f64>,
+    /// Answer as a `text/event-stream`: `token` events as the text is generated, then one
+    /// `answer` event with the whole answer (or `error`).
+    pub stream: Option<bool>,
 }
 
 /// The server's bounds on generation requests.
@@ -256,14 +259,16 @@ fn temperature(v: Option<f64>) -> ApiResult<f64> {
 }
 
 impl AskRequest {
-    pub fn validate(self, limits: &GenerationLimits) -> ApiResult<(Question, SamplingParams)> {
+    /// The question, its sampling parameters and whether to stream.
+    pub fn validate(self, limits: &GenerationLimits) -> ApiResult<(Question, SamplingParams, bool)> {
         let document_id = self.document_id.ok_or_else(|| missing("document_id"))?;
         let question = self.question.ok_or_else(|| missing("question"))?;
         limits.question(&question, "question")?;
         let max_tokens = limits.max_tokens(self.max_tokens, "max_tokens")?;
         let temperature = temperature(self.temperature)?;
         let params = SamplingParams { max_tokens, temperature, ..Default::default() };
-        Ok((Question { document_id, question, mode: self.mode.unwrap_or_default() }, params))
+        let question = Question { document_id, question, mode: self.mode.unwrap_or_default() };
+        Ok((question, params, self.stream.unwrap_or(false)))
     }
 }
 
@@ -281,6 +286,12 @@ pub struct AskResponse {
     /// server with a prepared base).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context: Option<Context>,
+}
+
+/// A piece of a streamed answer (`event: token`).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AskToken {
+    pub text: String,
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -8,6 +8,7 @@ pub mod error;
 pub mod openai;
 pub mod openapi;
 pub mod routes;
+pub mod web;
 
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
@@ -218,7 +219,7 @@ async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Respo
         req.extensions_mut().insert(Tenant(None));
         return next.run(req).await;
     }
-    if st.keys.is_empty() || req.uri().path() == "/health" {
+    if st.keys.is_empty() || req.uri().path() == "/health" || web::is_page(req.uri().path()) {
         req.extensions_mut().insert(Tenant(None));
         return next.run(req).await;
     }
@@ -299,6 +300,8 @@ async fn not_found() -> ApiError {
 pub fn router(state: AppState) -> axum::Router {
     use axum::routing::{get, post};
     axum::Router::new()
+        .route("/", get(web::index))
+        .route("/ui/{file}", get(web::asset))
         .route("/documents", post(routes::post_document).get(routes::list_documents))
         .route("/documents/{id}", get(routes::get_document).delete(routes::delete_document))
         .route("/documents/{id}/events", get(routes::document_events))

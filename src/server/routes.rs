@@ -1,10 +1,11 @@
 //! Documents, asking, health and metrics: each handler reads its typed request, validates it
 //! (`api`), calls the service, and writes the typed response.
 
-use super::api::{self, AskRequest, AskResponse, AskUsage, Body as BodyKind, Context, ContextChunk, Health, List, PostDocument, Timings};
+use super::api::{self, AskRequest, AskResponse, AskToken, AskUsage, Body as BodyKind, Context, ContextChunk, Health, List, PostDocument, Timings};
 use super::error::{ApiError, ApiResult, Params};
 use super::{signalled, AppState, Inner, Tenant};
-use crate::service::{DocumentView, Submitted};
+use crate::lift::answer::Mode;
+use crate::service::{DocumentView, Generated, PendingGeneration, Submitted};
 use axum::body::{Body, Bytes};
 use axum::extract::{Path, State};
 use axum::http::{header, HeaderMap, StatusCode};
@@ -139,33 +140,82 @@ pub async fn document_events(
 // ---------- asking ----------
 
 #[utoipa::path(post, path = "/ask", tag = "asking", request_body = AskRequest,
-    responses((status = 200, description = "the answer", body = AskResponse), (status = "4XX", description = "refused (see the error codes)", body = super::error::ErrorBody)))]
+    responses((status = 200, description = "the answer; with `stream` a text/event-stream of `token` events \
+        (AskToken) and one `answer` (AskResponse) or `error` event", body = AskResponse), (status = "4XX", description = "refused (see the error codes)", body = super::error::ErrorBody)))]
 pub async fn ask(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,
     headers: HeaderMap,
     body: Body,
-) -> ApiResult<Json<AskResponse>> {
+) -> ApiResult<Response> {
     let bytes = read_body(&st, body).await?;
-    let (question, params) = api::json_body::<AskRequest>(&headers, &bytes, BodyKind::Ask)?.validate(&st.limits)?;
+    let (question, params, stream) = api::json_body::<AskRequest>(&headers, &bytes, BodyKind::Ask)?.validate(&st.limits)?;
     let (id, mode) = (question.document_id.clone(), question.mode);
-    let names = Params { document: "document_id", prompt: "question" };
-    let service_error = |e| ApiError::service(e, names);
-    let r = st.service.ask(tenant.0.as_deref(), question, params, None).map_err(service_error)?.wait().await.map_err(service_error)?;
+    let (ptx, prx) = tokio::sync::mpsc::unbounded_channel::<String>();
+    let pending = st.service.ask(tenant.0.as_deref(), question, params, stream.then_some(ptx)).map_err(ask_error)?;
+    if stream {
+        return Ok(ask_stream(&st, pending, prx, id, mode));
+    }
+    let mut pending = pending;
+    let r = pending.wait().await.map_err(ask_error)?;
+    Ok(Json(ask_response(r, id, mode)).into_response())
+}
+
+fn to_json<T: serde::Serialize>(v: &T) -> String {
+    serde_json::to_string(v).unwrap_or_default()
+}
+
+fn ask_error(e: crate::service::ServiceError) -> ApiError {
+    ApiError::service(e, Params { document: "document_id", prompt: "question" })
+}
+
+fn ask_response(r: Generated, document_id: String, mode: Mode) -> AskResponse {
     let chunks: Vec<ContextChunk> = r
         .chunks
         .into_iter()
         .map(|(c, text)| ContextChunk { start: c.start, end: c.end, score: c.score, mask: c.mask, text })
         .collect();
-    Ok(Json(AskResponse {
+    AskResponse {
         answer: r.text,
-        document_id: id,
+        document_id,
         mode,
         usage: AskUsage { prompt_tokens: r.prompt_tokens, completion_tokens: r.completion_tokens },
         finish_reason: r.finish_reason,
         timings: Timings { queue_ms: r.queue_ms, prompt_ms: r.prompt_ms, generate_ms: r.generate_ms },
         context: (!chunks.is_empty()).then_some(Context { chunks }),
-    }))
+    }
+}
+
+/// A streamed answer: `token` events (`{"text": …}`) as pieces are generated, then `answer` (the
+/// whole AskResponse) or `error` (the error object). A client that goes away cancels the
+/// generation (dropping `pending`); on shutdown the stream ends with `error` `shutting_down`.
+fn ask_stream(
+    st: &AppState,
+    mut pending: PendingGeneration,
+    mut pieces: tokio::sync::mpsc::UnboundedReceiver<String>,
+    id: String,
+    mode: Mode,
+) -> Response {
+    let mut shutdown = st.shutdown.subscribe();
+    let events = async_stream::stream! {
+        loop {
+            tokio::select! {
+                piece = pieces.recv() => match piece {
+                    Some(text) => yield Ok::<Event, std::convert::Infallible>(Event::default().event("token").data(to_json(&AskToken { text }))),
+                    None => break,
+                },
+                _ = signalled(&mut shutdown) => {
+                    yield Ok(Event::default().event("error").data(ApiError::shutting_down().body().to_string()));
+                    return;
+                }
+            }
+        }
+        match pending.wait().await {
+            Ok(r) => yield Ok(Event::default().event("answer").data(to_json(&ask_response(r, id, mode)))),
+            Err(e) => yield Ok(Event::default().event("error").data(ask_error(e).body().to_string())),
+        }
+    };
+    Sse::new(events).keep_alive(KeepAlive::default()).into_response()
 }
 
 // ---------- operations ----------

@@ -1,0 +1,70 @@
+//! The built-in web page (`GET /`): one HTML file, its script and its style sheet, embedded in
+//! the binary at build time (no toolchain beyond cargo). Served without a key: the page holds no
+//! data; it asks for the tenant key itself and sends it with every API call.
+
+use axum::extract::Path;
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use sha2::{Digest, Sha256};
+use std::sync::OnceLock;
+
+/// One embedded file.
+pub struct Asset {
+    pub path: &'static str,
+    pub content_type: &'static str,
+    pub body: &'static str,
+}
+
+/// Every file of the page, by the path it is served under.
+pub const ASSETS: &[Asset] = &[
+    Asset { path: "/", content_type: "text/html; charset=utf-8", body: include_str!("web/index.html") },
+    Asset { path: "/ui/app.js", content_type: "text/javascript; charset=utf-8", body: include_str!("web/app.js") },
+    Asset { path: "/ui/style.css", content_type: "text/css; charset=utf-8", body: include_str!("web/style.css") },
+];
+
+/// Whether `path` is one of the page's files (served without a key).
+pub fn is_page(path: &str) -> bool {
+    ASSETS.iter().any(|a| a.path == path)
+}
+
+/// Strong ETags, one per asset, computed once.
+fn etags() -> &'static [String] {
+    static TAGS: OnceLock<Vec<String>> = OnceLock::new();
+    TAGS.get_or_init(|| ASSETS.iter().map(|a| format!("\"{}\"", hex::encode(&Sha256::digest(a.body)[..12]))).collect())
+}
+
+fn serve(path: &str, headers: &HeaderMap) -> Response {
+    let Some(i) = ASSETS.iter().position(|a| a.path == path) else {
+        return super::error::ApiError::not_found("route_not_found", "no such route").into_response();
+    };
+    let (asset, etag) = (&ASSETS[i], &etags()[i]);
+    let cached = headers.get(header::IF_NONE_MATCH).and_then(|v| v.to_str().ok()).is_some_and(|v| {
+        v.split(',').any(|t| t.trim() == etag || t.trim() == "*")
+    });
+    let mut resp = if cached { StatusCode::NOT_MODIFIED.into_response() } else { asset.body.into_response() };
+    let h = resp.headers_mut();
+    h.insert(header::CONTENT_TYPE, HeaderValue::from_static(asset.content_type));
+    h.insert(header::ETAG, HeaderValue::from_str(etag).expect("hex ETag is a valid header"));
+    // Revalidated on every load (cheap: 304), so a new binary's page is never mixed with an old one's.
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-cache"));
+    h.insert(header::X_CONTENT_TYPE_OPTIONS, HeaderValue::from_static("nosniff"));
+    // Document text and answers are shown as text, never as markup; the policy backs that up.
+    h.insert(
+        header::CONTENT_SECURITY_POLICY,
+        HeaderValue::from_static(
+            "default-src 'self'; img-src 'self' data:; style-src 'self'; script-src 'self'; object-src 'none'; \
+             frame-ancestors 'none'; base-uri 'none'",
+        ),
+    );
+    resp
+}
+
+/// `GET /`.
+pub async fn index(headers: HeaderMap) -> Response {
+    serve("/", &headers)
+}
+
+/// `GET /ui/{file}`.
+pub async fn asset(Path(file): Path<String>, headers: HeaderMap) -> Response {
+    serve(&format!("/ui/{file}"), &headers)
+}
