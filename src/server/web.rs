@@ -20,6 +20,7 @@ pub const ASSETS: &[Asset] = &[
     Asset { path: "/", content_type: "text/html; charset=utf-8", body: include_str!("web/index.html") },
     Asset { path: "/ui/app.js", content_type: "text/javascript; charset=utf-8", body: include_str!("web/app.js") },
     Asset { path: "/ui/style.css", content_type: "text/css; charset=utf-8", body: include_str!("web/style.css") },
+    Asset { path: "/ui/icon.svg", content_type: "image/svg+xml", body: include_str!("web/icon.svg") },
 ];
 
 /// Whether `path` is one of the page's files (served without a key).
