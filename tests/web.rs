@@ -348,7 +348,25 @@ async fn tiny_model_key_errors_delete_narrow() {
     let answers = ask_on_page(&b, "Who built the harbor?", &["lift"], Duration::from_secs(60)).await;
     assert!(answers.contains_key("lift"));
     assert_no_error_toasts(&b, "after asking").await;
-    shot(&b, "13-tiny-ready").await;
+    // Context passages are highlighted by relevance (the tiny model has no FltLM filter, so the
+    // page's own renderer is fed chunks shaped like an answer's `context.chunks`).
+    let bg = b
+        .js("const box = renderChunks([{start: 0, end: 8, score: 2.0, mask: 0.9, text: 'very relevant '}, \
+                                       {start: 8, end: 16, score: 0.5, mask: 0.6, text: 'a little relevant '}, \
+                                       {start: 16, end: 24, score: -1.0, mask: 0.1, text: 'not relevant'}], true); \
+             document.getElementById('answer-lift').append(box); \
+             return [...box.querySelectorAll('.chunk')].map(c => [getComputedStyle(c).backgroundColor, c.title])")
+        .await;
+    let alpha = |i: usize| -> f64 {
+        let s = bg[i][0].as_str().unwrap();
+        let parts: Vec<&str> = s.trim_end_matches(')').split(',').collect();
+        if parts.len() == 4 { parts[3].trim().parse().unwrap() } else if s.starts_with("rgb(") { 1.0 } else { 0.0 }
+    };
+    assert!(alpha(0) > alpha(1) && alpha(1) > 0.0 && alpha(2) == 0.0, "highlight follows the score: {bg}");
+    assert!(bg[0][1].as_str().unwrap().contains("mask 0.900"), "the mask shows in the tooltip: {bg}");
+    b.js("document.querySelector('#answer-lift .chunks').scrollIntoView({block: 'center'})").await;
+    shot(&b, "13-tiny-chunks").await;
+    b.js("window.scrollTo(0, 0)").await;
 
     // Delete: dismissing the confirmation keeps the document; accepting removes it.
     let row = format!("#doc-list li[data-id='{id}'] [data-testid=delete]");

@@ -304,6 +304,8 @@ function initUpload() {
 // ---------- document list ----------
 
 async function loadList() {
+  clearTimeout(state.listTimer);
+  state.listTimer = 0;
   try {
     const r = await api('GET', '/documents');
     state.docs = r.data.data || [];
@@ -318,16 +320,14 @@ async function loadList() {
 
 // Polls while some document is still queued or training.
 function scheduleList() {
-  clearTimeout(state.listTimer);
-  if (state.docs.some((d) => !TERMINAL.has(d.status))) state.listTimer = setTimeout(loadList, 3000);
+  if (!state.listTimer && state.docs.some((d) => !TERMINAL.has(d.status))) state.listTimer = setTimeout(loadList, 3000);
 }
 
 function upsert(d) {
   const i = state.docs.findIndex((x) => x.id === d.id);
-  const wasTerminal = i >= 0 && TERMINAL.has(state.docs[i].status);
   if (i >= 0) state.docs[i] = d; else state.docs.push(d);
   renderList();
-  if (!wasTerminal && TERMINAL.has(d.status)) scheduleList();
+  scheduleList();
 }
 
 function renderList() {
@@ -639,14 +639,12 @@ function newTurn(question, modes) {
   for (const m of modes) {
     const col = el('div', 'col-answer');
     col.id = 'answer-' + m;
-    col.dataset.testid = 'answer-' + m;
     col.dataset.mode = m;
     col.dataset.state = 'waiting';
     const head = el('div', 'ahead');
     head.append(el('span', 'mode-tag ' + m, m), el('span', 'muted small', MODE_INFO[m]));
     const text = el('div', 'atext', '');
     text.id = 'answer-' + m + '-text';
-    text.dataset.testid = 'answer-' + m + '-text';
     text.classList.add('pending');
     const meta = el('div', 'ameta muted small', 'waiting…');
     meta.dataset.testid = 'answer-' + m + '-meta';
@@ -712,7 +710,7 @@ function renderAnswerMeta(ui, v, wallMs) {
     s.append(el('b', null, fmtNum(Math.round(n))), ' ' + label);
     ui.meta.append(s);
   }
-  if (gen) { const s = el('span', 'chip'); s.append(el('b', null, gen.toFixed(1)), ' tok/s'); ui.meta.append(s); }
+  if (gen) { const s = el('span', 'chip'); s.append(el('b', null, fmtNum(gen)), ' tok/s'); ui.meta.append(s); }
   if (v.finish_reason) ui.meta.append(el('span', 'chip', 'finish: ' + v.finish_reason));
   ui.meta.title = 'round trip ' + Math.round(wallMs) + ' ms';
   const chunks = v.context && v.context.chunks;
