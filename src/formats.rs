@@ -63,7 +63,7 @@ impl Format {
 }
 
 /// How a document's text was made: what was uploaded and what read it.
-#[derive(Clone, Debug, PartialEq, Serialize, Deserialize, utoipa::ToSchema)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 pub struct Source {
     pub format: Format,
     /// The uploaded file's name, when it came as a file.
@@ -173,6 +173,14 @@ pub fn extract(bytes: &[u8], filename: Option<&str>, media_type: Option<&str>) -
         extraction,
     };
     Ok(Extracted { text, title: title.filter(|t| !t.is_empty()), source })
+}
+
+/// A document file from disk (`lift-serve absorb`, `ask --document`): its name and bytes decide
+/// the format.
+pub fn read_file(path: &std::path::Path) -> anyhow::Result<Extracted> {
+    let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let name = path.file_name().map(|f| f.to_string_lossy().to_string());
+    Ok(extract(&bytes, name.as_deref(), None)?)
 }
 
 fn utf8<'a>(bytes: &'a [u8], what: &str) -> Result<&'a str, ExtractError> {
