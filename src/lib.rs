@@ -11,6 +11,7 @@ pub mod document;
 pub mod engine;
 pub mod eval;
 pub mod fetch;
+pub mod formats;
 pub mod kernels;
 pub mod lift;
 pub mod metrics;

@@ -101,7 +101,7 @@ struct GenerateArgs {
 
 #[derive(clap::Args)]
 struct AbsorbArgs {
-    /// The document (UTF-8 text file).
+    /// The document: a text, Markdown, HTML or PDF file (told by its name, else its contents).
     file: PathBuf,
     /// Output adapter directory (created; an existing adapter there is replaced atomically).
     #[arg(short, long)]
@@ -117,7 +117,7 @@ struct AskArgs {
     /// Adapter directory written by `absorb`.
     #[arg(long, required_unless_present = "document", conflicts_with = "document")]
     adapter: Option<PathBuf>,
-    /// A document (UTF-8 text file) to read in context, without absorbing it.
+    /// A document (text, Markdown, HTML or PDF file) to read in context, without absorbing it.
     #[arg(long)]
     document: Option<PathBuf>,
     #[arg(long)]
@@ -339,7 +339,7 @@ impl AbsorbArgs {
     /// `absorb`: trains the adapter with a progress bar and writes the adapter directory.
     fn run(&self, device: &Device) -> Result<()> {
         let file = &self.file;
-        let text = std::fs::read_to_string(file).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+        let extracted = lift_serve::formats::read_file(file)?;
         let model = self.model.load(device)?;
         let opts = self.train.options(model.config().num_layers)?;
         let window = model.config().max_position_embeddings;
@@ -348,11 +348,14 @@ impl AbsorbArgs {
             "--window {} exceeds the model's window of {window}",
             opts.plan.window
         );
-        let document = Document::encode(&model, text)?;
-        let title = self.train.title.clone().or_else(|| file.file_name().map(|f| f.to_string_lossy().to_string()));
+        let source = extracted.source;
+        tracing::info!(format = ?source.format, characters = source.characters, pages = ?source.pages, "document read");
+        let document = Document::encode(&model, extracted.text)?;
+        let title = self.train.title.clone().or(extracted.title).or_else(|| source.filename.clone());
         let bar = progress_bar();
-        let absorbed =
+        let mut absorbed =
             lift::absorb(&model, &document, title.as_deref(), &opts, &mut |e| show_absorb(&bar, e), &|| false)?;
+        absorbed.manifest.document.source = Some(source);
         bar.finish_and_clear();
         let (qa_pairs, r) = (absorbed.qa.len(), absorbed.report.clone());
         let saved = store::save_dir(&self.output, absorbed.into_new_adapter(document)?)?;
@@ -412,7 +415,7 @@ impl AskArgs {
                     "--document reads the document in context only (mode icl); mode {mode:?} needs an adapter: \
                      `lift-serve absorb` it, then ask with --adapter"
                 );
-                let text = std::fs::read_to_string(file).map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?;
+                let text = lift_serve::formats::read_file(file)?.text;
                 (None, Document::encode(&model, text)?, mode)
             }
             (None, None) => anyhow::bail!("ask needs --adapter DIR or --document FILE"),

@@ -255,3 +255,92 @@ fn gguf_name(hf: &str) -> String {
         .replace("input_layernorm", "attn_norm");
     format!("blk.{layer}.{t}")
 }
+
+/// What a test PDF holds.
+pub enum PdfPages<'a> {
+    /// One page per entry, each line of it drawn as text (Helvetica).
+    Text(&'a [&'a str]),
+    /// One page with only a picture on it: no text layer (a scan).
+    ImageOnly,
+}
+
+/// A small real PDF, written with lopdf: pages of text (or an image-only page), a `Title` in its
+/// information dictionary, and, with `user_password`, encrypted (RC4, 128-bit; an empty user
+/// password with an owner password makes an "owner-locked" PDF that opens without one).
+pub fn write_pdf(pages: PdfPages, title: &str, user_password: Option<&str>) -> Result<Vec<u8>> {
+    use lopdf::content::{Content, Operation};
+    use lopdf::{dictionary, Document, Object, Stream};
+    let mut doc = Document::with_version("1.5");
+    let pages_id = doc.new_object_id();
+    let font_id = doc.add_object(dictionary! {"Type" => "Font", "Subtype" => "Type1", "BaseFont" => "Helvetica"});
+    let mut image_id = None;
+    let contents: Vec<Vec<Operation>> = match pages {
+        PdfPages::Text(texts) => texts
+            .iter()
+            .map(|text| {
+                let mut ops = vec![
+                    Operation::new("BT", vec![]),
+                    Operation::new("Tf", vec!["F1".into(), 11.into()]),
+                    Operation::new("TL", vec![14.into()]),
+                    Operation::new("Td", vec![72.into(), 770.into()]),
+                ];
+                for line in text.lines() {
+                    ops.push(Operation::new("Tj", vec![Object::string_literal(line)]));
+                    ops.push(Operation::new("T*", vec![]));
+                }
+                ops.push(Operation::new("ET", vec![]));
+                ops
+            })
+            .collect(),
+        PdfPages::ImageOnly => {
+            // An 8x8 grey gradient, drawn over most of the page.
+            let pixels: Vec<u8> = (0..64u8).map(|i| i * 4).collect();
+            let image = Stream::new(
+                dictionary! {"Type" => "XObject", "Subtype" => "Image", "Width" => 8, "Height" => 8,
+                             "ColorSpace" => "DeviceGray", "BitsPerComponent" => 8},
+                pixels,
+            );
+            image_id = Some(doc.add_object(image));
+            vec![vec![
+                Operation::new("q", vec![]),
+                Operation::new("cm", vec![400.into(), 0.into(), 0.into(), 600.into(), 100.into(), 100.into()]),
+                Operation::new("Do", vec!["Im1".into()]),
+                Operation::new("Q", vec![]),
+            ]]
+        }
+    };
+    let mut resources = dictionary! {"Font" => dictionary! {"F1" => font_id}};
+    if let Some(id) = image_id {
+        resources.set("XObject", dictionary! {"Im1" => id});
+    }
+    let resources_id = doc.add_object(resources);
+    let mut kids = Vec::new();
+    for operations in contents {
+        let content_id = doc.add_object(Stream::new(dictionary! {}, Content { operations }.encode()?));
+        kids.push(Object::from(doc.add_object(dictionary! {"Type" => "Page", "Parent" => pages_id, "Contents" => content_id})));
+    }
+    let count = kids.len() as i64;
+    let pages = dictionary! {"Type" => "Pages", "Kids" => kids, "Count" => count, "Resources" => resources_id,
+                             "MediaBox" => vec![0.into(), 0.into(), 612.into(), 792.into()]};
+    doc.objects.insert(pages_id, Object::Dictionary(pages));
+    let catalog_id = doc.add_object(dictionary! {"Type" => "Catalog", "Pages" => pages_id});
+    let info_id = doc.add_object(dictionary! {"Title" => Object::string_literal(title)});
+    doc.trailer.set("Root", catalog_id);
+    doc.trailer.set("Info", info_id);
+    doc.trailer.set("ID", vec![Object::string_literal("lift-serve-test-0"), Object::string_literal("lift-serve-test-0")]);
+    doc.compress();
+    if let Some(user) = user_password {
+        let version = lopdf::EncryptionVersion::V2 {
+            document: &doc,
+            owner_password: "owner-secret",
+            user_password: user,
+            key_length: 128,
+            permissions: lopdf::Permissions::all(),
+        };
+        let state = lopdf::EncryptionState::try_from(version)?;
+        doc.encrypt(&state)?;
+    }
+    let mut out = Vec::new();
+    doc.save_to(&mut out)?;
+    Ok(out)
+}

@@ -327,3 +327,42 @@ fn ask_with_a_document_reads_it_in_context_and_refuses_adapter_modes() {
         assert!(err.contains("needs an adapter"), "{err}");
     }
 }
+
+/// `lift-serve absorb` reads the formats the server takes: a PDF made here is absorbed from its
+/// text layer, titled by its metadata, and its manifest says how the text was made; a locked PDF
+/// is refused with the reason.
+#[test]
+fn absorb_reads_a_pdf_and_refuses_a_locked_one() {
+    use lift_serve::testing::{write_pdf, PdfPages};
+    let (d, path) = tiny();
+    let pdf = d.path().join("harbor.pdf");
+    std::fs::write(&pdf, write_pdf(PdfPages::Text(&[DOC, "The bell rings at noon."]), "Harbor notes", None).unwrap()).unwrap();
+    let locked = d.path().join("locked.pdf");
+    std::fs::write(&locked, write_pdf(PdfPages::Text(&[DOC]), "Locked", Some("pw")).unwrap()).unwrap();
+    let absorb = |file: &Path, out: &Path| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
+            .args(["absorb", "--prepared-base", "none", "--window", "32", "--context-tokens", "16", "--epochs", "1,1"])
+            .args(["--no-model-qa", "--max-qa", "2", "--model"])
+            .arg(&path)
+            .arg(file)
+            .arg("-o")
+            .arg(out)
+            .output()
+            .unwrap()
+    };
+    let out_dir = d.path().join("adapter");
+    let out = absorb(&pdf, &out_dir);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let manifest: serde_json::Value =
+        serde_json::from_slice(&std::fs::read(out_dir.join("manifest.json")).unwrap()).unwrap();
+    let doc = &manifest["document"];
+    assert_eq!(doc["title"], "Harbor notes", "{doc}");
+    assert_eq!((doc["source"]["format"].as_str(), doc["source"]["pages"].as_u64()), (Some("pdf"), Some(2)), "{doc}");
+    assert_eq!(doc["source"]["filename"], "harbor.pdf");
+    let text = lift_serve::formats::read_file(&pdf).unwrap().text;
+    assert!(text.contains("lighthouse") && text.contains("noon"), "{text}");
+    let out = absorb(&locked, &d.path().join("locked"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("encrypted with a password"), "{err}");
+    assert!(!d.path().join("locked").exists(), "nothing written for a refused file");
+}

@@ -1378,3 +1378,198 @@ async fn out_of_file_descriptors_the_server_keeps_accepting() {
     assert!(text.contains("accept failed; retrying"), "no failed accept in the log (was the limit reached?):\n{text}");
     drop(idle);
 }
+
+// ---------- issue 18: documents in the formats people have, the page, streamed answers ----------
+
+/// A multipart upload: the `file` part (name, media type, bytes) and any text parts.
+async fn upload(c: &Client, base: &str, file: Option<(&str, &str, Vec<u8>)>, texts: &[(&str, &str)]) -> (StatusCode, Value) {
+    let mut form = reqwest::multipart::Form::new();
+    if let Some((name, media_type, bytes)) = file {
+        let part = reqwest::multipart::Part::bytes(bytes).file_name(name.to_string());
+        form = form.part("file", if media_type.is_empty() { part } else { part.mime_str(media_type).unwrap() });
+    }
+    for (k, v) in texts {
+        form = form.text(k.to_string(), v.to_string());
+    }
+    let resp = c.post(format!("{base}/documents")).multipart(form).send().await.unwrap();
+    let s = resp.status();
+    (s, resp.json().await.unwrap_or(Value::Null))
+}
+
+/// Every format as a multipart upload and as a raw body (text, Markdown, HTML, a real PDF made
+/// here), what `GET /documents/{id}` says about each (and still says after a restart), the file
+/// and form errors with their codes, and nothing written for a refused upload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_in_every_format() {
+    use lift_serve::testing::{write_pdf, PdfPages};
+    let e = env();
+    let (running, base) = start(config(&e, &[])).await;
+    let c = client();
+    let html = format!("<!doctype html><html><head><title>Harbor page</title><script>var hidden = 'SCRIPTWORD';</script>\
+        <style>.x {{ color: red }}</style></head><body><h1>Velmora</h1><p>{DOC}</p></body></html>");
+    let md = format!("# Velmora\n\n*{DOC}*\n\n- [north pier](http://example.invalid/north)\n");
+    let pages = [DOC, "The harbor master's office keeps a brass bell.\nIt rings at noon."];
+    let pdf = write_pdf(PdfPages::Text(&pages), "Velmora in PDF", None).unwrap();
+
+    // (file name, declared type, bytes, title field) → (format, expected title, a word of the text)
+    let cases: Vec<(&str, &str, Vec<u8>, Option<&str>, &str, &str)> = vec![
+        ("harbor.txt", "text/plain", DOC.as_bytes().to_vec(), None, "text", "harbor.txt"),
+        ("harbor.md", "", md.clone().into_bytes(), Some("Notes"), "markdown", "Notes"),
+        ("harbor.html", "text/html", html.clone().into_bytes(), None, "html", "Harbor page"),
+        ("harbor.pdf", "application/octet-stream", pdf.clone(), None, "pdf", "Velmora in PDF"),
+    ];
+    let mut ids = Vec::new();
+    for (name, media_type, bytes, title, format, want_title) in cases {
+        let texts: Vec<(&str, &str)> = title.map(|t| vec![("title", t)]).unwrap_or_default();
+        let (s, d) = upload(&c, &base, Some((name, media_type, bytes.clone())), &texts).await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{name}: {d}");
+        assert_eq!(d["source"]["format"], format, "{name}: {d}");
+        assert_eq!(d["source"]["filename"], name, "{name}: {d}");
+        assert_eq!(d["source"]["bytes"], bytes.len(), "{name}: {d}");
+        assert!(d["source"]["extraction"].as_str().is_some_and(|x| !x.is_empty()), "{d}");
+        assert_eq!(d["title"], want_title, "{name}: {d}");
+        assert!(d["tokens"].as_u64().unwrap() > 50, "{name}: {d}");
+        ids.push(d["id"].as_str().unwrap().to_string());
+    }
+    assert_eq!(ids.iter().collect::<std::collections::BTreeSet<_>>().len(), 4, "four texts, four ids: {ids:?}");
+    let d = wait_ready(&c, &base, &ids[3], None).await;
+    assert_eq!(d["source"]["pages"], 2, "{d}");
+    assert!(d["training"]["steps"].as_u64().unwrap() > 0, "ready documents report their training: {d}");
+    assert!(d["training"]["qa_pairs"].is_u64(), "{d}");
+    // The text the PDF gave is what was absorbed: its id is that of the extracted text posted as JSON.
+    let extracted = lift_serve::formats::extract(&pdf, Some("harbor.pdf"), None).unwrap().text;
+    let (s, same) = post_json(&c, &format!("{base}/documents"), json!({"text": extracted}), None).await;
+    assert_eq!((s, same["id"].as_str()), (StatusCode::OK, Some(ids[3].as_str())), "{same}");
+    // HTML: scripts and styles are not part of the document.
+    let text = lift_serve::formats::extract(html.as_bytes(), Some("h.html"), None).unwrap().text;
+    assert!(text.contains("Ada Quill") && !text.contains("SCRIPTWORD") && !text.contains("color"), "{text}");
+
+    // Raw bodies in a document format (no multipart): the media type decides.
+    let r = c.post(format!("{base}/documents")).header("content-type", "application/pdf").body(pdf.clone()).send().await.unwrap();
+    assert_eq!(r.status(), 200, "the same PDF as a raw body is the same document");
+    let v: Value = r.json().await.unwrap();
+    assert_eq!(v["id"], ids[3].as_str());
+    let r = c.post(format!("{base}/documents")).header("content-type", "text/markdown").body(md.clone()).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.json::<Value>().await.unwrap()["id"], ids[1].as_str());
+    // Options in a multipart form: a JSON object, read like a JSON body's (other options, new id).
+    let (s, d) = upload(&c, &base, Some(("harbor.txt", "", DOC.as_bytes().to_vec())), &[("options", r#"{"epochs": [1, 2]}"#)]).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{d}");
+    assert_eq!(d["options"]["train"]["epochs"], json!([1, 2]), "{d}");
+    for id in &ids {
+        wait_ready(&c, &base, id, None).await;
+    }
+    wait_ready(&c, &base, d["id"].as_str().unwrap(), None).await;
+
+    // Bad files and forms: the reason, the field, and nothing written.
+    let before = snapshot(&e.adapters);
+    let locked = write_pdf(PdfPages::Text(&["secret"]), "Locked", Some("user-password")).unwrap();
+    let scan = write_pdf(PdfPages::ImageOnly, "Scan", None).unwrap();
+    let mut cut = pdf.clone();
+    cut.truncate(pdf.len() / 3);
+    let png = b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR".to_vec();
+    let bad: Vec<(Option<(&str, &str, Vec<u8>)>, Vec<(&str, &str)>, u16, &str, &str)> = vec![
+        (Some(("locked.pdf", "application/pdf", locked)), vec![], 422, "encrypted_pdf", "file"),
+        (Some(("scan.pdf", "application/pdf", scan)), vec![], 422, "no_text", "file"),
+        (Some(("cut.pdf", "", cut)), vec![], 422, "unreadable_pdf", "file"),
+        (Some(("fake.pdf", "", b"hello, not a pdf".to_vec())), vec![], 422, "unreadable_pdf", "file"),
+        (Some(("photo.png", "image/png", png.clone())), vec![], 415, "unsupported_format", "file"),
+        (Some(("photo", "", png)), vec![], 415, "unsupported_format", "file"),
+        (Some(("report.docx", "", b"PK\x03\x04\0\0binary".to_vec())), vec![], 415, "unsupported_format", "file"),
+        (Some(("latin1.txt", "text/plain", b"caf\xe9 au lait".to_vec())), vec![], 400, "invalid_utf8", "file"),
+        (Some(("empty.txt", "text/plain", b"  \n\n ".to_vec())), vec![], 422, "empty_document", "text"),
+        (Some(("scripts.html", "", b"<html><script>x()</script><style>p{}</style></html>".to_vec())), vec![], 422, "no_text", "file"),
+        (None, vec![("title", "no file")], 400, "missing_field", "file"),
+        (Some(("a.txt", "", DOC.as_bytes().to_vec())), vec![("colour", "red")], 400, "unknown_field", "colour"),
+        (Some(("a.txt", "", DOC.as_bytes().to_vec())), vec![("options", r#"{"colour": 1}"#)], 400, "unknown_option", "options.colour"),
+        (Some(("a.txt", "", DOC.as_bytes().to_vec())), vec![("options", "{not json")], 400, "invalid_json", "options"),
+        (Some(("a.txt", "", DOC.as_bytes().to_vec())), vec![("title", "a"), ("title", "b")], 400, "duplicate_field", "title"),
+    ];
+    for (file, texts, status, code, param) in bad {
+        let ctx = format!("{:?} {texts:?}", file.as_ref().map(|f| f.0));
+        let (s, v) = upload(&c, &base, file, &texts).await;
+        assert_eq!(s.as_u16(), status, "{ctx}: {v}");
+        assert_error_shape(&v, code, &ctx);
+        assert_eq!(v["error"]["param"], param, "{ctx}: {v}");
+    }
+    let r = c.post(format!("{base}/documents")).header("content-type", "multipart/form-data").body("x").send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert_error_shape(&r.json().await.unwrap(), "invalid_multipart", "no boundary");
+    let r = c.post(format!("{base}/documents")).header("content-type", "image/png").body("x").send().await.unwrap();
+    assert_eq!(r.status(), 415);
+    assert_error_shape(&r.json().await.unwrap(), "unsupported_media_type", "image body");
+    assert_eq!(snapshot(&e.adapters), before, "a refused upload writes nothing");
+
+    // A streamed answer: its pieces make the whole answer, which is the unstreamed one (greedy).
+    let ask = json!({"document_id": ids[0], "question": "Who built the harbor?", "max_tokens": 8});
+    let (s, whole) = post_json(&c, &format!("{base}/ask"), ask.clone(), None).await;
+    assert_eq!(s, 200, "{whole}");
+    let mut streamed = ask.clone();
+    streamed["stream"] = json!(true);
+    let resp = c.post(format!("{base}/ask")).json(&streamed).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"].to_str().unwrap().starts_with("text/event-stream"));
+    let body = resp.text().await.unwrap();
+    let events = sse_events(&body);
+    let pieces: String = events
+        .iter()
+        .filter(|(e, _)| e == "token")
+        .map(|(_, d)| serde_json::from_str::<Value>(d).unwrap()["text"].as_str().unwrap().to_string())
+        .collect();
+    let (last, data) = events.last().expect("events");
+    assert_eq!(last, "answer", "{body}");
+    let answer: Value = serde_json::from_str(data).unwrap();
+    assert_eq!(answer["answer"], whole["answer"], "{body}");
+    assert_eq!(pieces, whole["answer"].as_str().unwrap(), "{body}");
+    assert_eq!(answer["usage"], whole["usage"]);
+    // A streamed ask refused before any model work is a plain JSON error.
+    let (s, v) = post_json(&c, &format!("{base}/ask"), json!({"document_id": "doc_0", "question": "q", "stream": true}), None).await;
+    assert_eq!(s, 404, "{v}");
+
+    // The record keeps the source across a restart.
+    running.shutdown().await;
+    let (running, base) = start(config(&e, &[])).await;
+    let (_, d) = get_json(&c, &format!("{base}/documents/{}", ids[3]), None).await;
+    assert_eq!((d["status"].as_str(), d["source"]["format"].as_str(), d["source"]["pages"].as_u64()), (Some("ready"), Some("pdf"), Some(2)), "{d}");
+    assert!(d["training"]["steps"].as_u64().unwrap() > 0, "{d}");
+    running.shutdown().await;
+}
+
+/// `(event, data)` pairs of a text/event-stream body.
+fn sse_events(body: &str) -> Vec<(String, String)> {
+    body.split("\n\n")
+        .filter_map(|block| {
+            let event = block.lines().find_map(|l| l.strip_prefix("event: "))?;
+            let data = block.lines().filter_map(|l| l.strip_prefix("data: ")).collect::<Vec<_>>().join("\n");
+            Some((event.to_string(), data))
+        })
+        .collect()
+}
+
+/// The page and its files need no key (they hold no data); everything else still does. Files are
+/// revalidated by ETag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_page_is_served_without_a_key() {
+    let e = env();
+    let (running, base) = start(config(&e, &["k1"])).await;
+    let c = client();
+    for (path, kind) in [("/", "text/html"), ("/ui/app.js", "text/javascript"), ("/ui/style.css", "text/css")] {
+        let r = c.get(format!("{base}{path}")).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{path}");
+        assert!(r.headers()["content-type"].to_str().unwrap().starts_with(kind), "{path}");
+        assert!(r.headers()["content-security-policy"].to_str().unwrap().contains("script-src 'self'"));
+        let etag = r.headers()["etag"].clone();
+        assert!(!r.bytes().await.unwrap().is_empty());
+        let again = c.get(format!("{base}{path}")).header("if-none-match", etag).send().await.unwrap();
+        assert_eq!(again.status(), 304, "{path}");
+    }
+    let r = c.get(format!("{base}/").to_string()).send().await.unwrap().text().await.unwrap();
+    assert!(r.contains("/ui/app.js"), "the page loads its script");
+    let (s, v) = get_json(&c, &format!("{base}/ui/nothing.js"), None).await;
+    assert_eq!(s, 401, "unknown files are not the page's: the key is asked for first: {v}");
+    let (s, v) = get_json(&c, &format!("{base}/ui/nothing.js"), Some("k1")).await;
+    assert_eq!(s, 404, "{v}");
+    let (s, _) = get_json(&c, &format!("{base}/documents"), None).await;
+    assert_eq!(s, 401);
+    running.shutdown().await;
+}

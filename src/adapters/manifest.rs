@@ -93,11 +93,15 @@ pub struct DocumentRef {
     /// Its length in tokens of the base model.
     pub tokens: usize,
     pub title: Option<String>,
+    /// How the text was made from an uploaded file (format, extractor); absent for text given as is
+    /// by a library caller.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<crate::formats::Source>,
 }
 
 impl DocumentRef {
     pub fn new(text: &str, tokens: usize, title: Option<String>) -> Self {
-        Self { sha256: hex::encode(Sha256::digest(text.as_bytes())), tokens, title }
+        Self { sha256: hex::encode(Sha256::digest(text.as_bytes())), tokens, title, source: None }
     }
 }
 

@@ -18,6 +18,8 @@ pub struct AbsorbJob {
     pub id: String,
     pub document: Document,
     pub title: Option<String>,
+    /// Where the text came from: recorded in the adapter's manifest.
+    pub source: Option<crate::formats::Source>,
     pub options: AbsorbOptions,
     /// Set to stop the job (delete, shutdown); polled between training steps. Also tells the
     /// job apart from a later job of the same id.
@@ -82,7 +84,7 @@ impl From<AbsorbEvent<'_>> for JobProgress {
 #[derive(Clone, Debug)]
 pub enum AbsorbOutcome {
     /// Saved in the store.
-    Ready { adapter: AdapterInfo, tokens_per_s: f64, seconds: f64 },
+    Ready { adapter: AdapterInfo, training: serde_json::Value, tokens_per_s: f64, seconds: f64 },
     /// Stopped through `cancel`: before it started, or part-way (nothing saved).
     Cancelled { started: bool },
     /// Failed; the message is for the document's record.
@@ -90,7 +92,7 @@ pub enum AbsorbOutcome {
 }
 
 pub(super) fn absorb(model: &Model, store: &Store, events: &dyn JobEvents, job: AbsorbJob) {
-    let AbsorbJob { id, document, title, options, cancel } = job;
+    let AbsorbJob { id, document, title, source, options, cancel } = job;
     let cancelled = || cancel.load(Ordering::SeqCst);
     if cancelled() {
         events.absorb(&id, &cancel, JobUpdate::Finished(AbsorbOutcome::Cancelled { started: false }));
@@ -103,13 +105,15 @@ pub(super) fn absorb(model: &Model, store: &Store, events: &dyn JobEvents, job: 
     let outcome = match result {
         _ if cancelled() => AbsorbOutcome::Cancelled { started: true },
         Err(e) => AbsorbOutcome::Failed(format!("{e:#}")),
-        Ok(absorbed) => {
+        Ok(mut absorbed) => {
+            absorbed.manifest.document.source = source;
             let tokens_per_s = absorbed.report.tokens_per_s;
             match absorbed.into_new_adapter(document).and_then(|a| store.save(&id, a)) {
                 Ok(loaded) => {
                     let m = &loaded.manifest;
                     let adapter = AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes };
-                    AbsorbOutcome::Ready { adapter, tokens_per_s, seconds: t0.elapsed().as_secs_f64() }
+                    let training = m.training.clone();
+                    AbsorbOutcome::Ready { adapter, training, tokens_per_s, seconds: t0.elapsed().as_secs_f64() }
                 }
                 Err(e) => AbsorbOutcome::Failed(format!("{e:#}")),
             }

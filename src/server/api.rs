@@ -8,7 +8,9 @@ use crate::lift::answer::Mode;
 use crate::lift::{AbsorbOptions, OptionError};
 use crate::model::generate::{FinishReason, SamplingParams};
 use crate::model::ChatMessage;
+use crate::formats::{self, ExtractError, Extracted, Format, Source};
 use crate::service::{NewDocument, Question};
+use axum::body::Bytes;
 use axum::http::{header, HeaderMap, StatusCode};
 use serde::de::DeserializeOwned;
 use serde::{Deserialize, Serialize};
@@ -166,12 +168,26 @@ impl PostDocument {
     pub fn validate(self, defaults: &AbsorbOptions, num_layers: usize, max_window: usize) -> ApiResult<NewDocument> {
         let text = self.text.ok_or_else(|| missing("text"))?;
         let options = self.options.unwrap_or_default().apply(defaults, num_layers, max_window)?;
-        document(text, self.title, options)
+        let source = as_sent(&text, "application/json");
+        document(text, self.title, options, source)
+    }
+}
+
+/// The source of text sent as it is (a JSON field or a `text/plain` body).
+pub fn as_sent(text: &str, media_type: &str) -> Source {
+    Source {
+        format: Format::Text,
+        filename: None,
+        media_type: Some(media_type.to_string()),
+        bytes: text.len(),
+        pages: None,
+        characters: text.chars().count(),
+        extraction: "UTF-8 text as sent".into(),
     }
 }
 
 /// A document's text and title checked.
-pub fn document(text: String, title: Option<String>, options: AbsorbOptions) -> ApiResult<NewDocument> {
+pub fn document(text: String, title: Option<String>, options: AbsorbOptions, source: Source) -> ApiResult<NewDocument> {
     if text.trim().is_empty() {
         return Err(ApiError::unprocessable("empty_document", "the document text is empty").param("text"));
     }
@@ -182,7 +198,112 @@ pub fn document(text: String, title: Option<String>, options: AbsorbOptions) -> 
         )
         .param("title"));
     }
-    Ok(NewDocument { text, title, options })
+    Ok(NewDocument { text, title, options, source })
+}
+
+// ---------- files: raw bodies in a document format, multipart uploads ----------
+
+/// Media types `POST /documents` takes as the document itself (besides JSON and `text/plain`).
+pub fn is_document_media_type(media_type: &str) -> bool {
+    matches!(
+        media_type,
+        "text/markdown" | "text/x-markdown" | "text/html" | "application/xhtml+xml" | "application/pdf" | "application/x-pdf"
+            | "application/octet-stream"
+    )
+}
+
+/// The text of an uploaded file (`param` names it in errors), extracted on a blocking thread (a
+/// PDF can take a while).
+pub async fn extract_file(bytes: Bytes, filename: Option<String>, media_type: Option<String>, param: Option<&str>) -> ApiResult<Extracted> {
+    let extracted = tokio::task::spawn_blocking(move || formats::extract(&bytes, filename.as_deref(), media_type.as_deref()))
+        .await
+        .map_err(|e| ApiError::internal(format!("the extraction task failed: {e}")))?;
+    extracted.map_err(|e| {
+        let status = match e {
+            ExtractError::Unsupported { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            ExtractError::NotUtf8 { .. } => StatusCode::BAD_REQUEST,
+            _ => StatusCode::UNPROCESSABLE_ENTITY,
+        };
+        let err = ApiError::new(status, e.code(), e.to_string());
+        match param {
+            Some(p) => err.param(p),
+            None => err,
+        }
+    })
+}
+
+/// A document from an extracted file: the title given, else the file's own (HTML `<title>`, PDF
+/// metadata), else its name.
+pub fn file_document(e: Extracted, title: Option<String>, options: AbsorbOptions) -> ApiResult<NewDocument> {
+    let title = title.or(e.title).or_else(|| e.source.filename.clone());
+    document(e.text, title, options, e.source)
+}
+
+/// `options` sent as a JSON text (a multipart field): read like the `options` of a JSON body, so
+/// errors name `options.<field>`.
+fn options_field(text: &str) -> ApiResult<DocumentOptions> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct Wrapped {
+        options: DocumentOptions,
+    }
+    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| {
+        ApiError::bad_request("invalid_json", format!("the 'options' field is not valid JSON: {e}")).param("options")
+    })?;
+    if !value.is_object() {
+        return Err(ApiError::bad_request("invalid_type", "the 'options' field must be a JSON object").param("options"));
+    }
+    let wrapped = serde_json::json!({ "options": value });
+    serde_path_to_error::deserialize::<_, Wrapped>(wrapped).map(|w| w.options).map_err(|e| field_error(e, Body::Document))
+}
+
+/// A `multipart/form-data` upload: one `file` part (its name and type guide the extraction),
+/// optional `title` and `options` (JSON) parts; any other part is refused.
+pub async fn multipart_document(
+    headers: &HeaderMap,
+    bytes: Bytes,
+    defaults: &AbsorbOptions,
+    num_layers: usize,
+    max_window: usize,
+) -> ApiResult<NewDocument> {
+    let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let boundary = multer::parse_boundary(content_type)
+        .map_err(|e| ApiError::bad_request("invalid_multipart", format!("multipart/form-data needs a boundary: {e}")))?;
+    let body = futures_util::stream::once(async move { Ok::<_, std::convert::Infallible>(bytes) });
+    let mut form = multer::Multipart::new(body, boundary);
+    let malformed = |e: multer::Error| ApiError::bad_request("invalid_multipart", format!("malformed multipart body: {e}"));
+    let (mut file, mut title, mut options) = (None, None, None);
+    while let Some(field) = form.next_field().await.map_err(malformed)? {
+        let name = field.name().unwrap_or("").to_string();
+        let seen = match name.as_str() {
+            "file" => file.is_some(),
+            "title" => title.is_some(),
+            "options" => options.is_some(),
+            _ => {
+                return Err(ApiError::bad_request(
+                    "unknown_field",
+                    format!("unknown form field '{name}'; expected 'file', 'title' or 'options'"),
+                )
+                .param(&name))
+            }
+        };
+        if seen {
+            return Err(ApiError::bad_request("duplicate_field", format!("the form field '{name}' is given twice")).param(&name));
+        }
+        let filename = field.file_name().map(str::to_string);
+        let media_type = field.content_type().map(|m| m.essence_str().to_ascii_lowercase());
+        let data = field.bytes().await.map_err(malformed)?;
+        match name.as_str() {
+            "file" => file = Some((data, filename, media_type)),
+            "title" => title = Some(utf8(&data)?.to_string()),
+            _ => options = Some(options_field(utf8(&data)?)?),
+        }
+    }
+    let (data, filename, media_type) = file.ok_or_else(|| missing("file"))?;
+    let options = options.unwrap_or_default().apply(defaults, num_layers, max_window)?;
+    // Browsers label files they do not know as octet-stream: the name and the bytes decide then.
+    let extracted = extract_file(data, filename, media_type, Some("file")).await?;
+    file_document(extracted, title.filter(|t| !t.trim().is_empty()), options)
 }
 
 fn missing(field: &str) -> ApiError {

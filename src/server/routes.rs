@@ -57,9 +57,19 @@ pub async fn post_document(
     let bytes = read_body(&st, body).await?;
     let cfg = st.service.model().config();
     let (layers, window) = (cfg.num_layers, cfg.max_position_embeddings);
+    let defaults = st.default_options.clone();
     let doc = match api::media_type(&headers).as_deref() {
-        Some("text/plain") => api::document(api::utf8(&bytes)?.to_string(), None, st.default_options.clone())?,
-        _ => api::json_body::<PostDocument>(&headers, &bytes, BodyKind::Document)?.validate(&st.default_options, layers, window)?,
+        Some("text/plain") => {
+            let text = api::utf8(&bytes)?.to_string();
+            let source = api::as_sent(&text, "text/plain");
+            api::document(text, None, defaults, source)?
+        }
+        Some("multipart/form-data") => api::multipart_document(&headers, bytes, &defaults, layers, window).await?,
+        Some(m) if api::is_document_media_type(m) => {
+            let extracted = api::extract_file(bytes, None, Some(m.to_string()), None).await?;
+            api::file_document(extracted, None, defaults)?
+        }
+        _ => api::json_body::<PostDocument>(&headers, &bytes, BodyKind::Document)?.validate(&defaults, layers, window)?,
     };
     let params = Params { prompt: "text", document: "text" };
     match st.service.submit(tenant.0, doc).await.map_err(|e| ApiError::service(e, params))? {

@@ -21,6 +21,7 @@ pub use records::{DocumentView, ErrorMessage};
 use crate::document::Document;
 use crate::engine::{AbsorbJob, Engine, EngineError, GenerateJob, Job, Lane, Prompt};
 use crate::lift::answer::Mode;
+use crate::formats::Source;
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
 use crate::model::generate::SamplingParams;
@@ -57,6 +58,8 @@ pub struct NewDocument {
     pub text: String,
     pub title: Option<String>,
     pub options: AbsorbOptions,
+    /// How the text was made (format, file name, extractor).
+    pub source: Source,
 }
 
 /// [`Service::submit`]'s answer: a new job, or the document already known under this id.
@@ -134,7 +137,7 @@ impl Service {
     /// document already queued, training or ready under the same id is answered as it is. A
     /// refused request (full queue, over a limit) writes nothing.
     pub async fn submit(&self, owner: Option<String>, doc: NewDocument) -> Result<Submitted, ServiceError> {
-        let NewDocument { text, title, options } = doc;
+        let NewDocument { text, title, options, source } = doc;
         let model = self.engine.model.clone();
         let document = tokio::task::spawn_blocking(move || Document::encode(&model, text))
             .await
@@ -177,12 +180,15 @@ impl Service {
             error: None,
             adapter: None,
             options: options_json,
+            source: Some(source),
+            training: None,
         };
         let entry = DocEntry::new(rec);
         let job = AbsorbJob {
             id: id.clone(),
             document,
             title: entry.rec.title.clone(),
+            source: entry.rec.source.clone(),
             options,
             cancel: entry.cancel.clone(),
         };
@@ -240,7 +246,14 @@ impl Service {
             return Err("its text, options or the base model changed".to_string());
         }
         let document = Document::encode(model, text).map_err(|e| format!("its text cannot be tokenized ({e:#})"))?;
-        let job = AbsorbJob { id: r.id.clone(), document, title: r.title.clone(), options, cancel: entry.cancel.clone() };
+        let job = AbsorbJob {
+            id: r.id.clone(),
+            document,
+            title: r.title.clone(),
+            source: r.source.clone(),
+            options,
+            cancel: entry.cancel.clone(),
+        };
         self.engine.submit(Job::Absorb(job)).map_err(|e| format!("the training queue refused it ({e})"))
     }
 

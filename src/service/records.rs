@@ -6,6 +6,7 @@ use crate::engine::{AbsorbOutcome, JobEvents, JobProgress, JobUpdate};
 use crate::metrics::Metrics;
 use crate::model::generate::Generation;
 use crate::store::{self, AdapterInfo, JobRecord, Status, Store};
+use crate::formats::Source;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -30,6 +31,13 @@ pub struct DocumentView {
     /// The effective absorb options.
     #[schema(value_type = Object)]
     pub options: serde_json::Value,
+    /// How the text was made from what was uploaded: format, file name, pages, extractor.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub source: Option<Source>,
+    /// Once ready: figures of the training that made the adapter (steps, QA pairs, seconds, loss).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<Object>)]
+    pub training: Option<serde_json::Value>,
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, utoipa::ToSchema)]
@@ -75,6 +83,8 @@ fn view(r: &JobRecord, progress: Option<&JobProgress>) -> DocumentView {
         adapter: r.adapter.clone(),
         error: r.error.as_ref().map(|m| ErrorMessage { message: m.clone() }),
         options: r.options.clone(),
+        source: r.source.clone(),
+        training: r.training.clone(),
     }
 }
 
@@ -107,11 +117,12 @@ impl Records {
     fn finished(&self, id: &str, cancel: &Arc<AtomicBool>, outcome: AbsorbOutcome) {
         let stopping = self.shutting_down.load(Ordering::SeqCst);
         match outcome {
-            AbsorbOutcome::Ready { adapter, tokens_per_s, seconds } => {
+            AbsorbOutcome::Ready { adapter, training, tokens_per_s, seconds } => {
                 let ready = |d: &mut DocEntry| {
                     d.rec.status = Status::Ready;
                     d.rec.ready_at = Some(store::now());
                     d.rec.adapter = Some(adapter);
+                    d.rec.training = Some(training);
                     d.progress = None;
                 };
                 if self.update(id, cancel, true, ready) {

@@ -75,6 +75,12 @@ pub struct JobRecord {
     pub adapter: Option<AdapterInfo>,
     /// Effective absorb options.
     pub options: serde_json::Value,
+    /// How the text was made from what was uploaded (records before it existed have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source: Option<crate::formats::Source>,
+    /// Once ready: the training figures of the adapter's manifest (steps, QA pairs, seconds, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub training: Option<serde_json::Value>,
 }
 
 impl JobRecord {
