@@ -47,20 +47,6 @@ fn http() -> reqwest::Client {
     reqwest::Client::builder().timeout(Duration::from_secs(300)).build().unwrap()
 }
 
-/// Whether the server takes `multipart/form-data` uploads on `POST /documents` (probed with a
-/// form that has no file: an answer other than 415 means the server reads forms). Nothing is
-/// created by the probe.
-async fn multipart_supported(base: &str, key: Option<&str>) -> bool {
-    let body = "--XyZb\r\nContent-Disposition: form-data; name=\"title\"\r\n\r\nprobe\r\n--XyZb--\r\n";
-    let mut r = http().post(format!("{base}/documents")).header("content-type", "multipart/form-data; boundary=XyZb").body(body);
-    if let Some(k) = key {
-        r = r.bearer_auth(k);
-    }
-    let s = r.send().await.unwrap().status();
-    assert!(s.as_u16() >= 400, "a form without a file or text must be refused, got {s}");
-    s != reqwest::StatusCode::UNSUPPORTED_MEDIA_TYPE
-}
-
 /// The page's error toasts: [[code, message], …].
 async fn toasts(b: &Browser) -> Vec<(String, String)> {
     let v = b
@@ -145,7 +131,6 @@ async fn real_model_upload_absorb_ask_compare() {
     let doc_text = &text[..cut];
     let doc_path = tmp.path().join("harbor_history.txt");
     std::fs::write(&doc_path, doc_text).unwrap();
-    let multipart = multipart_supported(&base, None).await;
 
     let driver = Driver::start();
     let b = driver.browser(1280, 900).await;
@@ -154,18 +139,11 @@ async fn real_model_upload_absorb_ask_compare() {
     wait_list_loaded(&b).await;
     shot(&b, "01-empty").await;
 
-    if multipart {
-        let input = b.find(Locator::Css("#file-input")).await.unwrap();
-        input.send_keys(&doc_path.display().to_string()).await.unwrap();
-        let shown = b.js("return document.getElementById('drop-text').textContent").await;
-        assert!(shown.as_str().unwrap().contains("harbor_history.txt"), "the drop zone names the file: {shown}");
-    } else {
-        // TODO(lead): multipart uploads are not on this branch yet (POST /documents answered 415 to a
-        // form); the paste path stands in. Once multipart lands the file input above is used.
-        eprintln!("NOTE: the server does not read multipart forms yet; uploading through the paste box");
-        click(&b, "#tab-paste").await;
-        b.js_args("document.getElementById('paste-text').value = arguments[0]", vec![json!(doc_text)]).await;
-    }
+    // The file goes through the file input (multipart/form-data: file, title).
+    let input = b.find(Locator::Css("#file-input")).await.unwrap();
+    input.send_keys(&doc_path.display().to_string()).await.unwrap();
+    let shown = b.js("return document.getElementById('drop-text').textContent").await;
+    assert!(shown.as_str().unwrap().contains("harbor_history.txt"), "the drop zone names the file: {shown}");
     type_into(&b, "#doc-title", "Harbor history").await;
     shot(&b, "02-chosen").await;
     click(&b, "#submit-doc").await;
@@ -197,7 +175,9 @@ async fn real_model_upload_absorb_ask_compare() {
         .await;
     let figures: Vec<String> = serde_json::from_value(figures).unwrap();
     assert!(figures.iter().any(|f| f.starts_with("adapter-kind=")), "the adapter's figures show: {figures:?}");
-    assert!(figures.iter().any(|f| f.starts_with("adapter-bytes=")), "{figures:?}");
+    for f in ["adapter-bytes=", "source-format=text", "source-filename=harbor_history.txt", "training-steps=", "training-final_loss="] {
+        assert!(figures.iter().any(|x| x.starts_with(f)), "{f}: {figures:?}");
+    }
     assert_eq!(b.js("return document.getElementById('progress').dataset.value").await, json!("100"));
     assert_no_error_toasts(&b, "after absorbing").await;
     eprintln!("loss points plotted: {points}; figures: {figures:?}");
@@ -269,7 +249,6 @@ async fn tiny_model_key_errors_delete_narrow() {
     cfg.max_tokens_limit = 64;
     cfg.default_max_tokens = 8;
     let (running, base) = start(cfg).await;
-    let multipart = multipart_supported(&base, Some("key-a")).await;
 
     let driver = Driver::start();
     let b = driver.browser(1280, 900).await;
@@ -314,7 +293,7 @@ async fn tiny_model_key_errors_delete_narrow() {
     shot(&b, "11-error").await;
     b.js("document.querySelectorAll('#toasts .toast').forEach(t => t.remove())").await;
 
-    if multipart {
+    {
         // An unsupported file type is refused by the server, and the page says so.
         let bad = tmp.path().join("image.png");
         std::fs::write(&bad, [0x89u8, b'P', b'N', b'G', 0, 1, 2, 3]).unwrap();
@@ -326,7 +305,7 @@ async fn tiny_model_key_errors_delete_narrow() {
                 "return [...document.querySelectorAll('#toasts .toast.error')].map(t => t.dataset.code)",
                 |v| v.as_array().is_some_and(|a| !a.is_empty()))
             .await;
-        eprintln!("unsupported file: {t}");
+        assert_eq!(t, json!(["unsupported_format"]), "the server's refusal shows");
         shot(&b, "12-unsupported-file").await;
         b.js("document.querySelectorAll('#toasts .toast').forEach(t => t.remove())").await;
     }

@@ -24,6 +24,7 @@ const state = {
   tab: 'file',
   listTimer: 0,
   asking: false,
+  turns: new Map(),    // id -> the answer panels of a document not shown now
 };
 
 // ---------- small helpers ----------
@@ -368,6 +369,7 @@ async function remove(d) {
     await api('DELETE', '/documents/' + encodeURIComponent(d.id));
     state.docs = state.docs.filter((x) => x.id !== d.id);
     state.loss.delete(d.id);
+    state.turns.delete(d.id);
     if (state.selected === d.id) select(null);
     renderList();
     toast('Deleted.', null, 'info');
@@ -382,6 +384,10 @@ function select(id, force) {
   if (id === state.selected && !force) return;
   if (state.follow) state.follow.abort();
   state.follow = null;
+  // Each document keeps its own questions and answers.
+  const box = $('turns');
+  if (state.selected && state.docs.some((d) => d.id === state.selected)) state.turns.set(state.selected, [...box.children]);
+  box.replaceChildren(...(state.turns.get(id) || []));
   state.selected = id;
   state.view = id ? state.docs.find((d) => d.id === id) || null : null;
   renderList();
@@ -545,7 +551,8 @@ function drawLoss(pts, steps) {
   for (const [, l] of pts) { lo = Math.min(lo, l); hi = Math.max(hi, l); }
   if (hi - lo < 1e-6) { hi += 0.5; lo = Math.max(0, lo - 0.5); }
   const pad = (hi - lo) * 0.08;
-  lo -= pad; hi += pad;
+  lo = lo >= 0 ? Math.max(0, lo - pad) : lo - pad;
+  hi += pad;
   const s0 = Math.min(pts[0][0], 0), s1 = Math.max(pts[pts.length - 1][0], steps || 0, s0 + 1);
   const x = (s) => L + (w - L - R) * (s - s0) / (s1 - s0);
   const y = (l) => T + (h - T - B) * (1 - (l - lo) / (hi - lo));
@@ -576,7 +583,7 @@ const LABELS = {
   kind: 'adapter', parameters: 'parameters', bytes: 'size',
   steps: 'optimizer steps', qa_pairs: 'QA pairs', segments: 'segments', train_seconds: 'training time',
   total_seconds: 'total time', final_loss: 'final loss', tokens_per_s: 'training tokens/s',
-  format: 'format', filename: 'file', media_type: 'media type', characters: 'characters', pages: 'pages', extractor: 'extractor',
+  format: 'format', filename: 'file', media_type: 'media type', characters: 'characters', pages: 'pages', extraction: 'extraction',
 };
 
 function figure(dl, label, value, testid) {
@@ -587,7 +594,12 @@ function figure(dl, label, value, testid) {
 }
 
 function fmtField(k, v) {
-  if (typeof v !== 'number') return typeof v === 'object' ? JSON.stringify(v) : String(v);
+  if (Array.isArray(v)) {
+    const xs = v.slice(0, 6).map((x) => (typeof x === 'number' ? fmtNum(x) : JSON.stringify(x)));
+    return xs.join(', ') + (v.length > 6 ? ', … (' + v.length + ')' : '');
+  }
+  if (typeof v === 'boolean') return v ? 'yes' : 'no';
+  if (typeof v !== 'number') return typeof v === 'object' ? JSON.stringify(v).slice(0, 120) : String(v);
   if (k === 'bytes') return fmtBytes(v);
   if (k.endsWith('_seconds')) return fmtSecs(v);
   if (k === 'final_loss' || k.endsWith('loss')) return v.toFixed(4);
