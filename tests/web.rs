@@ -306,9 +306,18 @@ async fn tiny_model_key_errors_delete_narrow() {
                 |v| v.as_array().is_some_and(|a| !a.is_empty()))
             .await;
         assert_eq!(t, json!(["unsupported_format"]), "the server's refusal shows");
+        tokio::time::sleep(Duration::from_millis(400)).await;
         shot(&b, "12-unsupported-file").await;
         b.js("document.querySelectorAll('#toasts .toast').forEach(t => t.remove())").await;
     }
+
+    // A file dropped on the drop zone is the one to upload (a synthetic drop event).
+    let dropped = b
+        .js("const dt = new DataTransfer(); dt.items.add(new File(['dropped text'], 'dropped.md', {type: 'text/markdown'})); \
+             document.getElementById('drop-zone').dispatchEvent(new DragEvent('drop', {dataTransfer: dt, bubbles: true, cancelable: true})); \
+             return document.getElementById('drop-text').textContent")
+        .await;
+    assert!(dropped.as_str().unwrap().starts_with("dropped.md"), "{dropped}");
 
     // A document through the paste box, absorbed (tiny model: seconds).
     click(&b, "#tab-paste").await;
