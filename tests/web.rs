@@ -209,6 +209,8 @@ async fn real_model_upload_absorb_ask_compare() {
         .await
         .unwrap();
     assert_eq!(page_lift, direct["answer"].as_str().unwrap(), "the page shows the server's answer ({direct})");
+    let pieces = b.js("return Number(document.getElementById('answer-lift').dataset.pieces)").await;
+    assert!(pieces.as_u64().unwrap() >= 2, "the answer arrived in pieces (token events): {pieces}");
     let meta = b.js("return document.querySelector('#answer-lift .ameta').textContent").await;
     assert!(meta.as_str().unwrap().contains("answer tok"), "timings and tokens show: {meta}");
     if direct["context"]["chunks"].as_array().is_some_and(|c| !c.is_empty()) {

@@ -673,7 +673,7 @@ async function askOne(docId, question, mode, maxTokens, ui) {
   ui.col.dataset.state = 'streaming';
   ui.meta.textContent = 'thinking…';
   const t0 = performance.now();
-  let got = false;
+  let got = false, pieces = 0;
   try {
     const body = { document_id: docId, question, mode, max_tokens: maxTokens, temperature: 0, stream: true };
     const resp = await check(await fetch('/ask', {
@@ -686,6 +686,7 @@ async function askOne(docId, question, mode, maxTokens, ui) {
       if (name === 'token') {
         ui.text.classList.remove('pending');
         ui.text.textContent += v.text;
+        ui.col.dataset.pieces = String(++pieces);
       } else if (name === 'answer') {
         got = true;
         ui.text.classList.remove('pending');
