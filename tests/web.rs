@@ -218,6 +218,7 @@ async fn real_model_upload_absorb_ask_compare() {
         assert_eq!(n.as_u64().unwrap() as usize, direct["context"]["chunks"].as_array().unwrap().len(), "context passages");
     }
     eprintln!("lift answer: {page_lift:?}");
+    b.js("document.getElementById('answer-lift').scrollIntoView({block: 'center'})").await;
     shot(&b, "05-answer-lift").await;
 
     // Compare: three columns side by side.
