@@ -1565,6 +1565,24 @@ async fn the_page_is_served_without_a_key() {
     }
     let r = c.get(format!("{base}/").to_string()).send().await.unwrap().text().await.unwrap();
     assert!(r.contains("/ui/app.js"), "the page loads its script");
+    // gzip when the client takes it: the same bytes once decoded, under their own ETag.
+    let raw = c.get(format!("{base}/ui/app.js")).send().await.unwrap();
+    let raw_tag = raw.headers()["etag"].to_str().unwrap().to_string();
+    let raw = raw.bytes().await.unwrap();
+    let z = c.get(format!("{base}/ui/app.js")).header("accept-encoding", "br, gzip").send().await.unwrap();
+    assert_eq!(z.headers()["content-encoding"], "gzip");
+    assert_eq!(z.headers()["vary"], "accept-encoding");
+    let z_tag = z.headers()["etag"].to_str().unwrap().to_string();
+    assert_ne!(z_tag, raw_tag);
+    let zipped = z.bytes().await.unwrap();
+    assert!(zipped.len() * 2 < raw.len(), "{} vs {}", zipped.len(), raw.len());
+    let mut unzipped = Vec::new();
+    std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&zipped[..]), &mut unzipped).unwrap();
+    assert_eq!(unzipped, raw.to_vec());
+    let again = c.get(format!("{base}/ui/app.js")).header("accept-encoding", "gzip").header("if-none-match", &z_tag).send().await.unwrap();
+    assert_eq!(again.status(), 304);
+    let refused = c.get(format!("{base}/ui/app.js")).header("accept-encoding", "gzip;q=0").send().await.unwrap();
+    assert!(refused.headers().get("content-encoding").is_none());
     let (s, v) = get_json(&c, &format!("{base}/ui/nothing.js"), None).await;
     assert_eq!(s, 401, "unknown files are not the page's: the key is asked for first: {v}");
     let (s, v) = get_json(&c, &format!("{base}/ui/nothing.js"), Some("k1")).await;
