@@ -14,6 +14,9 @@
 //! BENCH_MAX_TOKENS (answer length for a., 48), BENCH_CLIENTS (16), BENCH_REQUESTS (concurrent
 //! requests in all, 48), BENCH_GENERATE_QUEUE (the server's generation queue, default 32).
 
+#[path = "common/stats.rs"]
+mod stats;
+use stats::percentile;
 use anyhow::{bail, Context, Result};
 use futures_util::StreamExt;
 use lift_serve::server::{self, ServeConfig};
@@ -28,16 +31,6 @@ fn median(xs: &[f64]) -> f64 {
     percentile(xs, 0.5)
 }
 
-/// Nearest-rank percentile.
-fn percentile(xs: &[f64], p: f64) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((p * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    v[rank - 1]
-}
 
 /// One streamed chat completion, timed on the client.
 struct Streamed {

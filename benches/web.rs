@@ -15,6 +15,9 @@
 #[path = "../tests/webdriver/mod.rs"]
 mod webdriver;
 
+#[path = "common/stats.rs"]
+mod stats;
+use stats::percentile;
 use flate2::{write::GzEncoder, Compression};
 use lift_serve::server::{self, ServeConfig};
 use serde_json::Value;
@@ -25,16 +28,6 @@ fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|s| s.parse().ok()).unwrap_or(default)
 }
 
-/// Nearest-rank percentile.
-fn percentile(xs: &[f64], p: f64) -> f64 {
-    let mut v = xs.to_vec();
-    v.sort_by(|a, b| a.total_cmp(b));
-    if v.is_empty() {
-        return f64::NAN;
-    }
-    let rank = ((p * v.len() as f64).ceil() as usize).clamp(1, v.len());
-    v[rank - 1]
-}
 
 fn gzip_len(bytes: &[u8]) -> usize {
     let mut e = GzEncoder::new(Vec::new(), Compression::best());
