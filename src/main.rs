@@ -254,6 +254,10 @@ struct TrainArgs {
     /// model writes almost no valid ones).
     #[arg(long, conflicts_with = "no_model_qa")]
     model_qa: bool,
+    /// Absorb until learned: hold some QA pairs aside as probes and stop once their loss stops
+    /// improving (the --epochs schedule is the ceiling). Default: the paper's fixed schedule.
+    #[arg(long)]
+    until_learned: bool,
     #[arg(long)]
     seed: Option<u64>,
     #[arg(long)]
@@ -307,6 +311,9 @@ impl TrainArgs {
         }
         if self.model_qa {
             o.qa.use_model = true;
+        }
+        if self.until_learned {
+            o.train.until_learned = Some(Default::default());
         }
         if let Some(s) = self.seed {
             o.train.seed = s;

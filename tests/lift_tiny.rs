@@ -194,3 +194,63 @@ fn lora_memory_mode_recites_a_passage_the_base_model_cannot() {
     let adapter = Lora::new(model.config(), &lora, 7, &Device::Cpu).unwrap();
     memorize_and_recite(&model, &adapter, adapter.vars(), 2e-3, 100);
 }
+
+/// Absorb until learned (issue 21) on the tiny model: held-aside probe questions are measured as
+/// training goes; once their loss stops improving the run stops — well before the fixed
+/// schedule's end, never before the step floor — and the manifest records the probe curve. The
+/// fixed schedule (no `until_learned`) runs every planned step.
+#[test]
+fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_the_floor() {
+    use lift_serve::document::Document;
+    use lift_serve::lift::trainer::UntilLearned;
+    use lift_serve::lift::{absorb, AbsorbOptions};
+    let (_d, model) = tiny();
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt")).unwrap();
+    let text: String = text.chars().take(1200).collect();
+    let document = Document::encode(&model, text).unwrap();
+    let run = |rule: Option<UntilLearned>| {
+        let mut o = AbsorbOptions::default();
+        o.plan.window = 64;
+        o.plan.context_tokens = 32;
+        o.qa.use_model = false;
+        o.qa.max_pairs = 12;
+        o.train.epochs = [0, 12];
+        o.lr = Some(5e-3);
+        o.train.until_learned = rule;
+        let mut probe_events = 0;
+        let a = absorb(&model, &document, None, &o, &mut |e| {
+            if let lift_serve::lift::AbsorbEvent::Train(p) = e {
+                probe_events += p.probe_loss.is_some() as usize;
+            }
+        }, &|| false)
+        .unwrap();
+        (a, probe_events)
+    };
+    let (fixed, _) = run(None);
+    let planned = fixed.report.planned_steps;
+    assert_eq!(fixed.report.steps, planned, "the fixed schedule runs every step");
+    assert!(fixed.report.probe_curve.is_empty() && !fixed.report.stopped_early);
+
+    let rule = UntilLearned { probe_every: 4, min_steps: 24, patience: 2, min_delta: 0.01, ..Default::default() };
+    let (learned, probe_events) = run(Some(rule.clone()));
+    let r = &learned.report;
+    let curve: Vec<f64> = r.probe_curve.iter().map(|&(_, l)| l).collect();
+    eprintln!("until learned: {} of {} steps (fixed: {planned}); probe curve {:?}", r.steps, r.planned_steps, r.probe_curve);
+    assert!(r.stopped_early && r.steps < planned, "stops before the ceiling: {} of {planned} steps, probes {curve:?}", r.steps);
+    assert!(r.steps >= rule.min_steps, "never before the floor: {} steps", r.steps);
+    // The ceiling is the fixed schedule over the pairs left to train on.
+    let probes = learned.manifest.training["probe_pairs"].as_u64().unwrap() as usize;
+    assert_eq!(r.planned_steps, planned - 12 * probes);
+    assert!(curve.len() >= 3 && probe_events > 0, "{curve:?}");
+    let best = curve.iter().copied().fold(f64::INFINITY, f64::min);
+    assert!(best < curve[0], "the probes were learned before the stop: {curve:?}");
+    let figures = &learned.manifest.training;
+    assert!(probes >= 2, "{figures}");
+    assert_eq!(figures["probe_curve"].as_array().unwrap().len(), curve.len());
+    assert_eq!(figures["planned_steps"], r.planned_steps);
+
+    // A floor above where the probes plateau holds the run until the floor.
+    let floor = planned * 3 / 4;
+    let (held, _) = run(Some(UntilLearned { min_steps: floor, patience: 1, ..rule }));
+    assert!(held.report.steps >= floor, "{} steps, floor {floor}", held.report.steps);
+}

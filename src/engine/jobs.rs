@@ -60,6 +60,9 @@ pub enum JobProgress {
         steps: usize,
         loss: f64,
         tokens_per_s: f64,
+        /// Absorbing until learned: the latest loss of the held-aside probe questions.
+        #[serde(skip_serializing_if = "Option::is_none")]
+        probe_loss: Option<f64>,
     },
 }
 
@@ -76,6 +79,7 @@ impl From<AbsorbEvent<'_>> for JobProgress {
                 steps: p.steps,
                 loss: p.loss,
                 tokens_per_s: p.tokens_per_s,
+                probe_loss: p.probe_loss,
             },
         }
     }

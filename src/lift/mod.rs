@@ -222,16 +222,29 @@ pub fn absorb(
 
     on_event(AbsorbEvent::Stage(AbsorbStage::Training));
     let adapter = new_adapter(model, opts)?;
-    let (plan, filter_examples) = plan(model, document, &pairs, opts)?;
+    let (trained, held) = hold_aside(&pairs, opts);
+    let (plan, filter_examples) = plan(model, document, &trained, opts)?;
     let train_opts = opts.effective_train();
     let base_filter = model.base_filter().map(|f| FilterTraining::frozen(f, &filter_examples));
+    // Probes in the layout the QA examples train in, one question per row.
+    let mut probe_opts = opts.clone();
+    probe_opts.plan.qa_pack = 1;
+    let probe_plan = match held.is_empty() {
+        true => None,
+        false => Some(self::plan(model, document, &held, &probe_opts)?),
+    };
+    let probes = probe_plan.as_ref().map(|(p, fx)| trainer::Probes {
+        examples: &p.qa,
+        filter: model.base_filter().map(|f| FilterTraining::frozen(f, fx)),
+    });
     let inputs = TrainInputs { doc, plan: &plan, adapter: &adapter, vars: adapter.vars() };
     let control = RunControl { on_progress: &mut |p| on_event(AbsorbEvent::Train(p)), cancel };
-    let report = trainer::train_with(model, inputs, &train_opts, base_filter.as_ref(), control)?;
+    let report = trainer::train_with(model, inputs, &train_opts, base_filter.as_ref(), probes.as_ref(), control)?;
 
     on_event(AbsorbEvent::Stage(AbsorbStage::Saving));
     let bundle = AdapterBundle::new(adapter.detached());
-    let figures = training_figures(&report, pairs.len(), qa_seconds, plan.segments.len(), t0);
+    let mut figures = training_figures(&report, pairs.len(), qa_seconds, plan.segments.len(), t0);
+    figures["probe_pairs"] = held.len().into();
     let document_ref = DocumentRef::new(text, doc.len(), title.map(str::to_string));
     let manifest = Manifest::new(&bundle, BaseModelRef::of(model), document_ref, serde_json::to_value(opts)?, figures);
     Ok(Absorbed { bundle, manifest, qa: pairs, report })
@@ -272,6 +285,27 @@ fn plan(
     Ok((Plan::with_qa(model, document.tokens(), qa, &opts.plan)?, examples))
 }
 
+/// The QA pairs to train on and those held aside as probes (absorb until learned; none
+/// otherwise, or when there are too few pairs to spare: the fixed schedule then runs to its end).
+fn hold_aside(pairs: &[QaPair], opts: &AbsorbOptions) -> (Vec<QaPair>, Vec<QaPair>) {
+    let Some(rule) = &opts.train.until_learned else { return (pairs.to_vec(), Vec::new()) };
+    let n = rule.probe_count(pairs.len());
+    if n == 0 {
+        tracing::warn!(pairs = pairs.len(), "too few QA pairs to hold any aside as probes: the fixed schedule runs to its end");
+        return (pairs.to_vec(), Vec::new());
+    }
+    // Spread over the document: pairs come in document order, so take every k-th, seeded offset.
+    let step = pairs.len() as f64 / n as f64;
+    let offset = (opts.train.seed as f64 * 0.618_033_988_7).fract() * step;
+    let held: std::collections::BTreeSet<usize> =
+        (0..n).map(|i| ((offset + i as f64 * step) as usize).min(pairs.len() - 1)).collect();
+    let (mut trained, mut probes) = (Vec::new(), Vec::new());
+    for (i, p) in pairs.iter().enumerate() {
+        if held.contains(&i) { probes.push(p.clone()) } else { trained.push(p.clone()) }
+    }
+    (trained, probes)
+}
+
 /// The manifest's `training` figures.
 fn training_figures(r: &TrainReport, qa_pairs: usize, qa_seconds: f64, segments: usize, t0: Instant) -> serde_json::Value {
     serde_json::json!({
@@ -283,6 +317,8 @@ fn training_figures(r: &TrainReport, qa_pairs: usize, qa_seconds: f64, segments:
         "final_loss": r.final_loss,
         "epoch_losses": r.epoch_losses,
         "stopped_early": r.stopped_early,
+        "planned_steps": r.planned_steps,
+        "probe_curve": r.probe_curve,
         "qa_pairs": qa_pairs,
         "qa_seconds": qa_seconds,
         "segments": segments,

@@ -33,7 +33,69 @@ pub struct TrainOptions {
     pub warmup_steps: usize,
     /// Stop when the epoch's mean loss has not improved by `min_delta` for `patience` epochs.
     pub early_stop: Option<EarlyStop>,
+    /// Absorb until learned: stop when held-aside probe questions stop improving (the fixed
+    /// schedule, `epochs`, is then the ceiling). None: the paper's fixed schedule.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub until_learned: Option<UntilLearned>,
     pub seed: u64,
+}
+
+/// Absorb until learned. A sample of the auxiliary QA pairs is held aside, never trained on; every
+/// `probe_every` optimizer steps the mean loss of their answer tokens under the adapter (the
+/// document's facts recalled from what the other pairs and the segments taught) is measured, and
+/// training stops once it has not improved by `min_delta` (relative) for `patience` probes in a
+/// row — never before `min_steps`, never past the fixed schedule's steps.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct UntilLearned {
+    pub probe_every: usize,
+    pub min_steps: usize,
+    pub patience: usize,
+    pub min_delta: f64,
+    /// Share of the QA pairs held aside as probes: at least 2, at most `max_probes`, and only when
+    /// at least as many pairs are left to train on.
+    pub probe_share: f64,
+    pub max_probes: usize,
+}
+
+impl Default for UntilLearned {
+    fn default() -> Self {
+        Self { probe_every: 16, min_steps: 48, patience: 3, min_delta: 0.02, probe_share: 0.15, max_probes: 16 }
+    }
+}
+
+impl UntilLearned {
+    /// How many of `pairs` QA pairs to hold aside (0: too few to spare any).
+    pub fn probe_count(&self, pairs: usize) -> usize {
+        let n = ((pairs as f64 * self.probe_share).round() as usize).clamp(2, self.max_probes.max(2));
+        if pairs >= 2 * n {
+            n
+        } else {
+            0
+        }
+    }
+}
+
+/// Held-aside examples never trained on (`UntilLearned`), in the layout the QA examples train in:
+/// under the prepared base's frozen filter when there is one.
+pub struct Probes<'a> {
+    pub examples: &'a [Example],
+    pub filter: Option<FilterTraining<'a>>,
+}
+
+impl Probes<'_> {
+    /// Mean loss of the probes' answer tokens under `adapter` (forward only).
+    fn loss(&self, model: &Model, adapter: &dyn Adapter) -> Result<f64> {
+        let mut sum = 0.0;
+        let mut stats = CdtStats::default();
+        for (i, example) in self.examples.iter().enumerate() {
+            let fx = self.filter.as_ref().map(|ft| (ft, &ft.examples[i]));
+            let example = fx.map_or(example, |(_, fx)| &fx.example);
+            let (loss, _) = training_loss(model, adapter, example, fx, None, &mut stats, None)?;
+            sum += loss.to_scalar::<f32>()? as f64;
+        }
+        Ok(sum / self.examples.len().max(1) as f64)
+    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -55,6 +117,7 @@ impl Default for TrainOptions {
             accumulation: 1,
             warmup_steps: 0,
             early_stop: None,
+            until_learned: None,
             seed: 0,
         }
     }
@@ -80,6 +143,8 @@ pub struct Progress {
     pub loss: f64,
     /// Training tokens (forward + backward) per second over the last step.
     pub tokens_per_s: f64,
+    /// The latest probe loss (absorb until learned).
+    pub probe_loss: Option<f64>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -95,6 +160,10 @@ pub struct TrainReport {
     pub step_losses: Vec<f64>,
     pub final_loss: f64,
     pub stopped_early: bool,
+    /// Steps the fixed schedule plans (the ceiling when absorbing until learned).
+    pub planned_steps: usize,
+    /// `(step, probe loss)` at every probe (absorb until learned).
+    pub probe_curve: Vec<(usize, f64)>,
 }
 
 /// A FltLM filter in training: the filter, the QA examples in its layout (they replace
@@ -399,19 +468,20 @@ pub fn train(
     opts: &TrainOptions,
     control: RunControl<Progress>,
 ) -> Result<TrainReport> {
-    train_with(model, inputs, opts, None, control)
+    train_with(model, inputs, opts, None, None, control)
 }
 
 /// Trains `inputs.vars` (the parameters behind `inputs.adapter`) on `inputs.plan`, the QA examples
 /// in `filter`'s layout and under its mask when there is one. A trainable filter's parameters are
 /// trained beside the adapter's with their own optimizer, learning rate (× `lr_scale`) and
 /// clipping (their gradients would otherwise dominate the global norm and shrink the adapter's
-/// updates).
+/// updates). With `opts.until_learned` and `probes`, the run stops once the probes are learned.
 pub fn train_with(
     model: &Model,
     inputs: TrainInputs,
     opts: &TrainOptions,
     filter: Option<&FilterTraining>,
+    probes: Option<&Probes>,
     control: RunControl<Progress>,
 ) -> Result<TrainReport> {
     let RunControl { on_progress, cancel } = control;
@@ -431,15 +501,19 @@ pub fn train_with(
     };
     let rows = EpochRows::of(inputs.plan, opts);
     let (epochs_total, steps_total) = (opts.epochs[0] + opts.epochs[1], rows.steps_total(opts));
-    let mut report = TrainReport::default();
+    let mut report = TrainReport { planned_steps: steps_total, ..Default::default() };
     let start = Instant::now();
     let mut patience = Patience { best: f64::INFINITY, since_best: 0 };
+    let until_learned = opts.until_learned.as_ref().zip(probes.filter(|p| !p.examples.is_empty()));
+    let mut probed = Patience { best: f64::INFINITY, since_best: 0 };
+    let mut probe_loss = None;
     let mut epoch = 0;
     'stages: for (stage, epochs) in [(Stage::Segments, opts.epochs[0]), (Stage::SegmentsAndQa, opts.epochs[1])] {
         for _ in 0..epochs {
             epoch += 1;
             let (seg_members, order) = rows.draw(stage, &mut run.rng);
             let mut epoch_loss = 0.0;
+            let epoch_start = report.examples;
             for batch in order.chunks(rows.accumulation) {
                 if cancel() {
                     return Err(super::Cancelled("training").into());
@@ -453,6 +527,14 @@ pub fn train_with(
                 report.step_losses.push(b.loss);
                 epoch_loss += b.loss * batch.len() as f64;
                 let secs = t0.elapsed().as_secs_f64();
+                let mut learned = false;
+                if let Some((rule, probes)) = until_learned.filter(|(r, _)| report.steps % r.probe_every.max(1) == 0) {
+                    let loss = probes.loss(model, inputs.adapter)?;
+                    report.probe_curve.push((report.steps, loss));
+                    probe_loss = Some(loss);
+                    let rule_as_patience = EarlyStop { patience: rule.patience, min_delta: rule.min_delta * probed.best.min(loss) };
+                    learned = probed.exhausted(Some(&rule_as_patience), loss) && report.steps >= rule.min_steps;
+                }
                 on_progress(&Progress {
                     stage,
                     epoch,
@@ -461,7 +543,14 @@ pub fn train_with(
                     steps: steps_total,
                     loss: b.loss,
                     tokens_per_s: b.tokens as f64 / secs.max(1e-9),
+                    probe_loss,
                 });
+                if learned {
+                    tracing::info!(step = report.steps, planned = steps_total, probe_loss, "the probes are learned: training stops");
+                    report.epoch_losses.push(epoch_loss / (report.examples - epoch_start).max(1) as f64);
+                    report.stopped_early = true;
+                    break 'stages;
+                }
             }
             let mean = epoch_loss / order.len().max(1) as f64;
             report.epoch_losses.push(mean);
