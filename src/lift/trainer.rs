@@ -44,7 +44,7 @@ pub struct TrainOptions {
 /// `probe_every` optimizer steps the mean loss of their answer tokens under the adapter (the
 /// document's facts recalled from what the other pairs and the segments taught) is measured, and
 /// training stops once it has not improved by `min_delta` (relative) for `patience` probes in a
-/// row — never before `min_steps`, never past the fixed schedule's steps.
+/// row — in the last stage only, never before `min_steps`, never past the fixed schedule's steps.
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct UntilLearned {
@@ -507,6 +507,7 @@ pub fn train_with(
     let until_learned = opts.until_learned.as_ref().zip(probes.filter(|p| !p.examples.is_empty()));
     let mut probed = Patience { best: f64::INFINITY, since_best: 0 };
     let mut probe_loss = None;
+    let final_stage = if opts.epochs[1] > 0 { Stage::SegmentsAndQa } else { Stage::Segments };
     let mut epoch = 0;
     'stages: for (stage, epochs) in [(Stage::Segments, opts.epochs[0]), (Stage::SegmentsAndQa, opts.epochs[1])] {
         for _ in 0..epochs {
@@ -533,7 +534,11 @@ pub fn train_with(
                     report.probe_curve.push((report.steps, loss));
                     probe_loss = Some(loss);
                     let rule_as_patience = EarlyStop { patience: rule.patience, min_delta: rule.min_delta * probed.best.min(loss) };
-                    learned = probed.exhausted(Some(&rule_as_patience), loss) && report.steps >= rule.min_steps;
+                    // Only in the last stage: the probes are questions, which the QA stage teaches
+                    // to answer; a plateau over segments alone says nothing about that.
+                    learned = probed.exhausted(Some(&rule_as_patience), loss)
+                        && report.steps >= rule.min_steps
+                        && stage == final_stage;
                 }
                 on_progress(&Progress {
                     stage,
