@@ -1460,6 +1460,21 @@ async fn uploads_in_every_format() {
         wait_ready(&c, &base, id, None).await;
     }
     wait_ready(&c, &base, d["id"].as_str().unwrap(), None).await;
+    // Absorb until learned, per document: probes held aside, their curve in the figures.
+    let harbor: String = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt"))
+        .unwrap()
+        .chars()
+        .take(1500)
+        .collect();
+    let body = json!({"text": harbor, "options": {"until_learned": true, "epochs": [0, 8]}});
+    let (s, d) = post_json(&c, &format!("{base}/documents"), body, None).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{d}");
+    assert!(d["options"]["train"]["until_learned"]["probe_every"].is_u64(), "{d}");
+    let d = wait_ready(&c, &base, d["id"].as_str().unwrap(), None).await;
+    let t = &d["training"];
+    assert_eq!(t["probe_pairs"], 2, "{t}");
+    assert!(!t["probe_curve"].as_array().unwrap().is_empty(), "{t}");
+    assert!(t["steps"].as_u64().unwrap() <= t["planned_steps"].as_u64().unwrap(), "{t}");
 
     // Bad files and forms: the reason, the field, and nothing written.
     let before = snapshot(&e.adapters);

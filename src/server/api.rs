@@ -120,6 +120,9 @@ pub struct DocumentOptions {
     pub epochs: Option<[usize; 2]>,
     /// Most auxiliary QA pairs.
     pub aux_qa: Option<usize>,
+    /// Absorb until learned: stop once held-aside probe questions stop improving (`epochs` is then
+    /// the ceiling); false: the fixed schedule. Default: the server's options.
+    pub until_learned: Option<bool>,
     /// Removed: FltLM's filter belongs to the server's prepared base (400 `removed_option`).
     #[schema(value_type = Option<Object>)]
     pub filter: Option<serde_json::Value>,
@@ -154,6 +157,11 @@ impl DocumentOptions {
         if let Some(n) = self.aux_qa {
             o.qa.max_pairs = n;
             o.qa.min_pairs = o.qa.min_pairs.min(n);
+        }
+        match self.until_learned {
+            Some(true) if o.train.until_learned.is_none() => o.train.until_learned = Some(Default::default()),
+            Some(false) => o.train.until_learned = None,
+            _ => {}
         }
         o.validate(num_layers, max_window).map_err(invalid_option)?;
         Ok(o)
