@@ -540,6 +540,42 @@ The lighthouse keeper, Tomas Brell, painted the tower blue in 1901. The harbor m
 }
 
 #[test]
+fn absorbing_until_learned_on_cuda_probes_like_the_cpu() {
+    // Absorb until learned (issue 21) on the GPU: the same probe pairs held aside, probes at the
+    // same steps, the first probe loss (before training has diverged) close to the CPU's, and the
+    // stop rule's floor and ceiling held.
+    let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
+    let mut opts = AbsorbOptions::default();
+    opts.plan.window = 32;
+    opts.plan.context_tokens = 16;
+    opts.train.epochs = [0, 6];
+    opts.qa.use_model = false;
+    opts.qa.max_pairs = 8;
+    opts.qa.min_pairs = 4;
+    opts.train.until_learned = Some(lift_serve::lift::trainer::UntilLearned {
+        probe_every: 1,
+        min_steps: 10,
+        patience: 2,
+        ..Default::default()
+    });
+    let text = "The harbor of Velmora was built in 1843 by the engineer Ada Quill. It has three piers. \
+The lighthouse keeper, Tomas Brell, painted the tower blue in 1901. The harbor master keeps a brass bell. \
+Every spring the town holds a lantern festival on the east pier. The ferry to Tern Island leaves at dawn.";
+    let run = |m: &Model| absorb(m, &Document::encode(m, text).unwrap(), None, &opts, &mut |_| {}, &|| false).unwrap();
+    let (c, g) = (run(&cpu), run(&gpu));
+    assert_eq!(c.manifest.training["probe_pairs"], g.manifest.training["probe_pairs"], "same probes held aside");
+    assert!(c.manifest.training["probe_pairs"].as_u64().unwrap() >= 2);
+    assert_eq!(c.report.planned_steps, g.report.planned_steps);
+    let (pc, pg) = (c.report.probe_curve[0], g.report.probe_curve[0]);
+    assert_eq!(pc.0, pg.0, "probes at the same steps");
+    assert!((pc.1 - pg.1).abs() < 5e-2 * pc.1.abs().max(1.0), "first probe loss {} vs {}", pc.1, pg.1);
+    for r in [&c.report, &g.report] {
+        assert!(r.steps >= 10 && r.steps <= r.planned_steps, "floor and ceiling: {} of {}", r.steps, r.planned_steps);
+        assert!(r.probe_curve.iter().all(|(_, l)| l.is_finite()));
+    }
+}
+
+#[test]
 fn prepared_base_under_a_document_adapter_on_cuda_matches_cpu() {
     // A prepared base saved once (non-zero LoRA B, an active filter), loaded and installed on
     // each device: answering (base LoRA + filter mask + document Gated Memory, prefill and
