@@ -326,6 +326,8 @@ async fn tiny_model_key_errors_delete_narrow() {
     click(&b, "#tab-paste").await;
     b.js_args("document.getElementById('paste-text').value = arguments[0]", vec![json!(TINY_DOC)]).await;
     type_into(&b, "#doc-title", "Velmora").await;
+    // The schedule chosen in the absorb options reaches the document's options.
+    b.js("document.getElementById('opt-schedule').value = 'until_learned'").await;
     click(&b, "#submit-doc").await;
     b.wait_js("ready", Duration::from_secs(120), "return document.getElementById('doc-status').dataset.status", |v| {
         v == "ready" || v == "failed"
@@ -335,6 +337,7 @@ async fn tiny_model_key_errors_delete_narrow() {
     let http = http();
     let list: Value = http.get(format!("{base}/documents")).bearer_auth("key-a").send().await.unwrap().json().await.unwrap();
     let id = list["data"][0]["id"].as_str().unwrap().to_string();
+    assert!(list["data"][0]["options"]["train"]["until_learned"].is_object(), "{list}");
     // A streamed answer on the tiny model (random weights: any text).
     let answers = ask_on_page(&b, "Who built the harbor?", &["lift"], Duration::from_secs(60)).await;
     assert!(answers.contains_key("lift"));

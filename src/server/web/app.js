@@ -242,6 +242,9 @@ function absorbOptions() {
   }
   const q = int('opt-aux-qa');
   if (q !== null) o.aux_qa = q;
+  // Absorb until learned: held-aside probe questions decide when training stops.
+  const schedule = $('opt-schedule').value;
+  if (schedule) o.until_learned = schedule === 'until_learned';
   return Object.keys(o).length ? o : null;
 }
 
