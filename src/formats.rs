@@ -83,6 +83,23 @@ pub struct Source {
     pub extraction: String,
 }
 
+impl Source {
+    /// Text sent as it is (a JSON field or a `text/plain` body): kept exactly, not tidied.
+    pub fn as_sent(text: &str, media_type: &str) -> Self {
+        Self {
+            format: Format::Text,
+            filename: None,
+            media_type: Some(media_type.to_string()),
+            bytes: text.len(),
+            pages: None,
+            characters: text.chars().count(),
+            extraction: AS_SENT.into(),
+        }
+    }
+}
+
+const AS_SENT: &str = "UTF-8 text as sent";
+
 /// The text to absorb, a title found in the file (HTML `<title>`, PDF metadata), and its source.
 #[derive(Debug)]
 pub struct Extracted {
@@ -143,7 +160,7 @@ pub fn extract(bytes: &[u8], filename: Option<&str>, media_type: Option<&str>) -
         }
     };
     let (text, title, pages, extraction) = match format {
-        Format::Text => (utf8(bytes, &what)?.to_string(), None, None, "UTF-8 text as sent".to_string()),
+        Format::Text => (utf8(bytes, &what)?.to_string(), None, None, AS_SENT.to_string()),
         Format::Markdown => (markdown_to_text(utf8(bytes, &what)?), None, None, "Markdown rendered to plain text (pulldown-cmark)".into()),
         Format::Html => {
             let (text, title) = html_to_text(&String::from_utf8_lossy(bytes));

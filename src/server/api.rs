@@ -8,7 +8,7 @@ use crate::lift::answer::Mode;
 use crate::lift::{AbsorbOptions, OptionError};
 use crate::model::generate::{FinishReason, SamplingParams};
 use crate::model::ChatMessage;
-use crate::formats::{self, ExtractError, Extracted, Format, Source};
+use crate::formats::{self, ExtractError, Extracted, Source};
 use crate::service::{NewDocument, Question};
 use axum::body::Bytes;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -176,21 +176,8 @@ impl PostDocument {
     pub fn validate(self, defaults: &AbsorbOptions, num_layers: usize, max_window: usize) -> ApiResult<NewDocument> {
         let text = self.text.ok_or_else(|| missing("text"))?;
         let options = self.options.unwrap_or_default().apply(defaults, num_layers, max_window)?;
-        let source = as_sent(&text, "application/json");
+        let source = Source::as_sent(&text, "application/json");
         document(text, self.title, options, source)
-    }
-}
-
-/// The source of text sent as it is (a JSON field or a `text/plain` body).
-pub fn as_sent(text: &str, media_type: &str) -> Source {
-    Source {
-        format: Format::Text,
-        filename: None,
-        media_type: Some(media_type.to_string()),
-        bytes: text.len(),
-        pages: None,
-        characters: text.chars().count(),
-        extraction: "UTF-8 text as sent".into(),
     }
 }
 

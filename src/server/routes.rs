@@ -61,7 +61,7 @@ pub async fn post_document(
     let doc = match api::media_type(&headers).as_deref() {
         Some("text/plain") => {
             let text = api::utf8(&bytes)?.to_string();
-            let source = api::as_sent(&text, "text/plain");
+            let source = crate::formats::Source::as_sent(&text, "text/plain");
             api::document(text, None, defaults, source)?
         }
         Some("multipart/form-data") => api::multipart_document(&headers, bytes, &defaults, layers, window).await?,
@@ -121,7 +121,7 @@ pub async fn document_events(
     let stream = async_stream::stream! {
         loop {
             let view = rx.borrow_and_update().clone();
-            let data = serde_json::to_string(&view).unwrap_or_default();
+            let data = to_json(&view);
             yield Ok::<Event, std::convert::Infallible>(Event::default().event("progress").data(&data));
             if view.status.is_terminal() {
                 yield Ok(Event::default().event("done").data(data));

@@ -62,8 +62,8 @@ fn accepts_gzip(headers: &HeaderMap) -> bool {
     v.split(',').any(|item| {
         let mut parts = item.split(';').map(str::trim);
         let coding = parts.next().unwrap_or("");
-        let refused = parts.any(|p| p.replace(' ', "").starts_with("q=0") && !p.replace(' ', "").starts_with("q=0."));
-        (coding.eq_ignore_ascii_case("gzip") || coding == "*") && !refused
+        let q = parts.find_map(|p| p.strip_prefix("q=")).and_then(|q| q.trim().parse::<f32>().ok()).unwrap_or(1.0);
+        (coding.eq_ignore_ascii_case("gzip") || coding == "*") && q > 0.0
     })
 }
 
