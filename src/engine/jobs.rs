@@ -40,18 +40,12 @@ pub enum JobUpdate {
     Finished(AbsorbOutcome),
 }
 
-/// An absorption's progress as the API shows it (`Document.progress`).
-#[derive(Clone, Debug, PartialEq, Serialize, utoipa::ToSchema)]
+/// An absorption's progress as the API shows it (`Document.progress`). Read back from JSON too
+/// (replicas share it through the database): untagged, so the variant with the most fields
+/// comes first.
+#[derive(Clone, Debug, PartialEq, Serialize, serde::Deserialize, utoipa::ToSchema)]
 #[serde(untagged)]
 pub enum JobProgress {
-    Stage {
-        stage: AbsorbStage,
-    },
-    Qa {
-        stage: AbsorbStage,
-        step: usize,
-        steps: usize,
-    },
     Training {
         stage: AbsorbStage,
         epoch: usize,
@@ -61,8 +55,16 @@ pub enum JobProgress {
         loss: f64,
         tokens_per_s: f64,
         /// Absorbing until learned: the latest loss of the held-aside probe questions.
-        #[serde(skip_serializing_if = "Option::is_none")]
+        #[serde(default, skip_serializing_if = "Option::is_none")]
         probe_loss: Option<f64>,
+    },
+    Qa {
+        stage: AbsorbStage,
+        step: usize,
+        steps: usize,
+    },
+    Stage {
+        stage: AbsorbStage,
     },
 }
 
@@ -152,7 +154,8 @@ pub struct GenerateJob {
 
 pub enum Prompt {
     /// A question about a stored document, answered by [`crate::lift::answer::answer`].
-    Document { id: String, question: String, mode: Mode, context_tokens: Option<usize> },
+    /// `blob`: with replicas sharing an adapter store, the archive the document's adapter is in.
+    Document { id: String, question: String, mode: Mode, context_tokens: Option<usize>, blob: Option<crate::store::blobs::BlobRef> },
     /// The token ids of a chat prompt for the base model (encoded and checked against the window
     /// before queueing).
     Chat(Vec<u32>),
@@ -206,8 +209,8 @@ fn run_prompt(
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<(Generation, ChunkTexts), EngineError> {
     match prompt {
-        Prompt::Document { id, question, mode, context_tokens } => {
-            let loaded = store.get(id, model).map_err(|e| {
+        Prompt::Document { id, question, mode, context_tokens, blob } => {
+            let loaded = store.get(id, model, blob.as_ref()).map_err(|e| {
                 // Deleted while the request waited: the document is gone, not a server fault.
                 if store.adapter_dir(id).exists() { EngineError::from(e) } else { EngineError::UnknownDocument(id.clone()) }
             })?;

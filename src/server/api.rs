@@ -753,10 +753,13 @@ pub struct ModelCard {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Health {
-    /// "ok", or "shutting_down" (with 503).
+    /// "ok", or with 503 "shutting_down" or (replicas) "database_unavailable".
     pub status: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
+    /// Why the replica is unavailable.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 #[cfg(test)]

@@ -107,6 +107,8 @@ impl ApiError {
             }
             ServiceError::QueueFull => ApiError::queue_full(),
             ServiceError::ShuttingDown => ApiError::shutting_down(),
+            ServiceError::Unavailable(msg) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "database_unavailable", msg),
+            ServiceError::NotServing => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_serving", e.to_string()),
             ServiceError::Internal(detail) => ApiError::internal(detail),
         }
     }

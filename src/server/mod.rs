@@ -13,6 +13,7 @@ pub mod web;
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
 use crate::model::Model;
+use crate::service::shared::{Role, SharedConfig};
 use crate::service::{Service, ServiceConfig};
 use anyhow::{Context, Result};
 use axum::extract::{MatchedPath, Request, State};
@@ -102,6 +103,25 @@ pub struct ServeConfig {
     /// Seconds the shutdown waits for in-flight requests before the process exits.
     #[arg(long, env = "LIFT_DRAIN_SECS", default_value_t = 5.0)]
     pub drain_secs: f64,
+    /// Replicas: the PostgreSQL database they share for documents and the job queue
+    /// (`postgres://user:password@host:port/db`). Without it this process keeps its documents in
+    /// files under --adapters-dir.
+    #[arg(long, env = "LIFT_DATABASE_URL")]
+    pub database_url: Option<String>,
+    /// Replicas: the blob store of the adapters (`file:///path`, `s3://bucket/prefix`,
+    /// `gs://…`, `az://…`); --adapters-dir is then this replica's local cache.
+    #[arg(long, env = "LIFT_ADAPTER_STORE")]
+    pub adapter_store: Option<String>,
+    /// Replicas: train and answer (`all`), only train, or only answer.
+    #[arg(long, env = "LIFT_ROLE", value_enum, default_value = "all")]
+    pub role: Role,
+    /// Replicas: this replica's name in job leases (default: host name and process id).
+    #[arg(long, env = "LIFT_REPLICA_ID")]
+    pub replica_id: Option<String>,
+    /// Replicas: seconds a claimed job stays this replica's without a renewal (renewed every
+    /// third of it while training); another replica takes over a job whose lease ran out.
+    #[arg(long, env = "LIFT_LEASE_SECS", default_value_t = 30.0)]
+    pub lease_secs: f64,
 }
 
 impl ServeConfig {
@@ -132,7 +152,40 @@ impl ServeConfig {
             body_timeout_secs: 60.0,
             max_connections: 1024,
             drain_secs: 5.0,
+            database_url: None,
+            adapter_store: None,
+            role: Role::All,
+            replica_id: None,
+            lease_secs: 30.0,
         }
+    }
+
+    /// The replica settings, when a database is given (checked: a store URL goes with it, a
+    /// role other than `all` needs it).
+    pub fn shared(&self) -> Result<Option<SharedConfig>> {
+        let Some(database_url) = self.database_url.clone() else {
+            if self.role != Role::All || self.adapter_store.is_some() {
+                anyhow::bail!("--role and --adapter-store are for replicas: give --database-url too");
+            }
+            return Ok(None);
+        };
+        let adapter_store = self.adapter_store.clone().context("--database-url needs --adapter-store (where the adapters are shared)")?;
+        if !(self.lease_secs.is_finite() && self.lease_secs >= 1.0) {
+            anyhow::bail!("--lease-secs must be at least 1 (got {})", self.lease_secs);
+        }
+        let replica = self.replica_id.clone().unwrap_or_else(|| {
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+            format!("{}-{}", if host.is_empty() { "replica" } else { &host }, std::process::id())
+        });
+        Ok(Some(SharedConfig {
+            database_url,
+            adapter_store,
+            role: self.role,
+            replica,
+            lease: Duration::from_secs_f64(self.lease_secs),
+            poll: Duration::from_millis(500),
+            max_attempts: 5,
+        }))
     }
 
     /// All configured keys (flag/env and file).
@@ -152,7 +205,8 @@ impl ServeConfig {
             "host={} port={} model={} adapters_dir={} api_keys={} absorb_options={} max_body_bytes={} \
              max_document_tokens={} max_question_chars={} max_tokens_limit={} default_max_tokens={} \
              train_queue={} generate_queue={} cache_bytes={} context_tokens={} max_training_tokens={} metrics_key={} \
-             header_timeout_secs={} body_timeout_secs={} max_connections={} drain_secs={}",
+             header_timeout_secs={} body_timeout_secs={} max_connections={} drain_secs={} database_url={} \
+             adapter_store={} role={:?} replica_id={} lease_secs={}",
             self.host,
             self.port,
             self.model.as_ref().map_or("(default)".into(), |p| p.display().to_string()),
@@ -174,7 +228,24 @@ impl ServeConfig {
             self.body_timeout_secs,
             self.max_connections,
             self.drain_secs,
+            self.database_url.as_deref().map_or("(none: files)".to_string(), mask_password),
+            self.adapter_store.as_deref().unwrap_or("(none)"),
+            self.role,
+            self.replica_id.as_deref().unwrap_or("(auto)"),
+            self.lease_secs,
         )
+    }
+}
+
+/// A connection string with its password masked, for logs.
+fn mask_password(url: &str) -> String {
+    match url::Url::parse(url) {
+        Ok(mut u) if u.password().is_some() => {
+            let _ = u.set_password(Some("****"));
+            u.to_string()
+        }
+        Ok(u) => u.to_string(),
+        Err(_) => "(not a URL)".to_string(),
     }
 }
 
@@ -322,7 +393,7 @@ pub fn router(state: AppState) -> axum::Router {
 }
 
 /// Loads the model, opens the service (store, engine, recovered jobs) and builds the shared
-/// state (blocking).
+/// state (blocking; within a tokio runtime's context: a replica starts its background work).
 pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<AppState> {
     let keys = cfg.keys()?;
     tracing::info!(config = %cfg.describe(keys.len()), "lift-serve starting");
@@ -341,6 +412,7 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
         max_training_tokens: cfg.max_training_tokens,
         context_tokens: cfg.context_tokens,
         default_options: default_options.clone(),
+        shared: cfg.shared()?,
     };
     let service = Service::open(model.clone(), service_cfg, metrics.clone())?;
     let limits = api::GenerationLimits {
@@ -548,8 +620,11 @@ async fn serve_connection(
 
 /// `lift-serve serve`: runs until SIGTERM or Ctrl-C, then shuts down gracefully.
 pub fn serve(cfg: ServeConfig, device: &candle_core::Device) -> Result<()> {
-    let state = build_state(cfg, device)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let state = {
+        let _context = rt.enter();
+        build_state(cfg, device)?
+    };
     let result = rt.block_on(async move {
         let running = start(state).await?;
         let ctrl_c = async {

@@ -29,7 +29,7 @@ pub async fn models(State(st): State<AppState>, Extension(tenant): Extension<Ten
         title: None,
     };
     let mut ready: Vec<_> =
-        st.service.documents(tenant.0.as_deref())?.into_iter().filter(|d| d.status == Status::Ready).collect();
+        st.service.documents(tenant.0.as_deref()).await?.into_iter().filter(|d| d.status == Status::Ready).collect();
     ready.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
     let documents = ready.into_iter().map(|d| ModelCard {
         created: d.ready_at.unwrap_or(d.created_at),
@@ -55,9 +55,19 @@ pub async fn chat_completions(
     let bytes = read_body(&st, body).await?;
     let request: ChatRequest = api::json_body(&headers, &bytes, BodyKind::Chat)?;
     let owner = tenant.0.as_deref();
-    let chat = request.validate(&st.limits, &st.base_id, |id| st.service.document(owner, id).is_ok())?;
+    // Whether `model` names one of the caller's documents (a database that is away is a 503,
+    // not an unknown model).
+    let is_document = match request.model.as_deref() {
+        Some(m) if m != st.base_id => match st.service.document(owner, m).await {
+            Ok(_) => true,
+            Err(crate::service::ServiceError::UnknownDocument(_)) => false,
+            Err(e) => return Err(ApiError::service(e, Params { document: "model", prompt: "messages" })),
+        },
+        _ => false,
+    };
+    let chat = request.validate(&st.limits, &st.base_id, |_| is_document)?;
     let (ptx, prx) = tokio::sync::mpsc::unbounded_channel::<String>();
-    let pending = submit(&st, owner, &chat, chat.stream.then_some(ptx))?;
+    let pending = submit(&st, owner, &chat, chat.stream.then_some(ptx)).await?;
     let completion = Completion { id: format!("chatcmpl-{}", crate::store::now_nanos_hex()), created: crate::store::now(), model: chat.model };
     if chat.stream {
         Ok(stream(&st, completion, pending, prx, chat.include_usage))
@@ -67,12 +77,12 @@ pub async fn chat_completions(
     }
 }
 
-fn submit(st: &AppState, owner: Option<&str>, chat: &ValidChat, pieces: Option<Pieces>) -> ApiResult<PendingGeneration> {
+async fn submit(st: &AppState, owner: Option<&str>, chat: &ValidChat, pieces: Option<Pieces>) -> ApiResult<PendingGeneration> {
     let names = Params { document: "model", prompt: "messages" };
     let params = chat.params.clone();
     let pending = match &chat.target {
         ChatTarget::Base(messages) => st.service.chat(messages, params, pieces),
-        ChatTarget::Document(q) => st.service.ask(owner, q.clone(), params, pieces),
+        ChatTarget::Document(q) => st.service.ask(owner, q.clone(), params, pieces).await,
     };
     pending.map_err(|e| ApiError::service(e, names))
 }

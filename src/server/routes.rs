@@ -84,7 +84,7 @@ pub async fn list_documents(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,
 ) -> ApiResult<Json<List<DocumentView>>> {
-    Ok(Json(List::new(st.service.documents(tenant.0.as_deref()).map_err(ApiError::from)?)))
+    Ok(Json(List::new(st.service.documents(tenant.0.as_deref()).await.map_err(ApiError::from)?)))
 }
 
 #[utoipa::path(get, path = "/documents/{id}", tag = "documents", params(("id" = String, Path)),
@@ -94,7 +94,7 @@ pub async fn get_document(
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> ApiResult<Json<DocumentView>> {
-    Ok(Json(st.service.document(tenant.0.as_deref(), &id)?))
+    Ok(Json(st.service.document(tenant.0.as_deref(), &id).await?))
 }
 
 #[utoipa::path(delete, path = "/documents/{id}", tag = "documents", params(("id" = String, Path)),
@@ -116,7 +116,7 @@ pub async fn document_events(
     Extension(tenant): Extension<Tenant>,
     Path(id): Path<String>,
 ) -> ApiResult<Response> {
-    let mut rx = st.service.watch(tenant.0.as_deref(), &id)?;
+    let mut rx = st.service.watch(tenant.0.as_deref(), &id).await?;
     let mut shutdown = st.shutdown.subscribe();
     let stream = async_stream::stream! {
         loop {
@@ -162,7 +162,7 @@ pub async fn ask(
     let (question, params, stream) = api::json_body::<AskRequest>(&headers, &bytes, BodyKind::Ask)?.validate(&st.limits)?;
     let (id, mode) = (question.document_id.clone(), question.mode);
     let (ptx, prx) = tokio::sync::mpsc::unbounded_channel::<String>();
-    let pending = st.service.ask(tenant.0.as_deref(), question, params, stream.then_some(ptx)).map_err(ask_error)?;
+    let pending = st.service.ask(tenant.0.as_deref(), question, params, stream.then_some(ptx)).await.map_err(ask_error)?;
     if stream {
         return Ok(ask_stream(&st, pending, prx, id, mode));
     }
@@ -233,16 +233,19 @@ fn ask_stream(
 #[utoipa::path(get, path = "/health", tag = "operations",
     responses((status = 200, description = "the model is loaded", body = Health), (status = 503, description = "shutting down", body = Health)))]
 pub async fn health(State(st): State<AppState>) -> Response {
-    if st.service.is_shutting_down() {
-        return (StatusCode::SERVICE_UNAVAILABLE, Json(Health { status: "shutting_down", model: None })).into_response();
+    use crate::service::Health as H;
+    let unavailable = |status, error| (StatusCode::SERVICE_UNAVAILABLE, Json(Health { status, model: None, error })).into_response();
+    match st.service.health().await {
+        H::Ok => Json(Health { status: "ok", model: Some(st.base_id.clone()), error: None }).into_response(),
+        H::ShuttingDown => unavailable("shutting_down", None),
+        H::DatabaseUnavailable(why) => unavailable("database_unavailable", Some(why)),
     }
-    Json(Health { status: "ok", model: Some(st.base_id.clone()) }).into_response()
 }
 
 #[utoipa::path(get, path = "/metrics", tag = "operations",
     responses((status = 200, description = "Prometheus (OpenMetrics) text", content_type = "application/openmetrics-text")))]
 pub async fn metrics(State(st): State<AppState>) -> Response {
-    let s = st.service.stats();
+    let s = st.service.stats().await;
     let docs = |status| s.documents.get(&status).copied().unwrap_or(0);
     use crate::store::Status;
     let snapshot = crate::metrics::Snapshot {
@@ -259,6 +262,8 @@ pub async fn metrics(State(st): State<AppState>) -> Response {
         documents_ready: docs(Status::Ready),
         documents_failed: docs(Status::Failed),
         resident_memory_bytes: crate::runtime::resident_bytes().unwrap_or(0),
+        blob_puts: s.blob_puts,
+        blob_fetches: s.blob_fetches,
     };
     ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], st.metrics.render(&snapshot)).into_response()
 }

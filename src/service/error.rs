@@ -31,6 +31,12 @@ pub enum ServiceError {
     QueueFull,
     #[error("the server is shutting down")]
     ShuttingDown,
+    /// Replicas: the shared database cannot be reached (503; retry).
+    #[error("{0}")]
+    Unavailable(String),
+    /// A training-only replica (`--role trainer`) was asked a question (503: ask another replica).
+    #[error("this replica only trains (--role trainer); ask a replica that serves")]
+    NotServing,
     /// A server-side failure; the detail is for the log only.
     #[error("internal error: {0}")]
     Internal(String),

@@ -10,9 +10,14 @@
 //! On start, jobs a previous process left unfinished are settled or re-queued
 //! ([`Service::open`]); [`Service::begin_shutdown`] stops training so that the job is re-queued at
 //! the next start.
+//!
+//! That is the default registry: this process's memory and files. With a shared database
+//! ([`ServiceConfig::shared`]) the records and the job queue live in PostgreSQL instead and the
+//! adapters in a shared blob store ([`shared`]): the same calls, answered for every replica.
 
 mod error;
 pub mod records;
+pub mod shared;
 
 pub use error::ServiceError;
 pub use crate::engine::Generated;
@@ -26,6 +31,7 @@ use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
 use crate::model::generate::SamplingParams;
 use crate::model::{ChatMessage, Model};
+use crate::store::blobs::BlobRef;
 use crate::store::{self, JobRecord, Status, Store};
 use anyhow::Result;
 use records::{DocEntry, Records};
@@ -51,6 +57,8 @@ pub struct ServiceConfig {
     pub context_tokens: Option<usize>,
     /// Absorb options of a document that sets none.
     pub default_options: AbsorbOptions,
+    /// Replicas sharing a database and an adapter store (None: this process's files).
+    pub shared: Option<shared::SharedConfig>,
 }
 
 /// A document to absorb, its options already validated against their own bounds.
@@ -78,6 +86,8 @@ pub struct Question {
 
 /// Counts shown by `/metrics`.
 pub struct Stats {
+    pub blob_puts: u64,
+    pub blob_fetches: u64,
     pub train_queue: (usize, usize),
     pub generate_queue: (usize, usize),
     pub documents: HashMap<Status, usize>,
@@ -88,10 +98,25 @@ pub struct Stats {
 }
 
 pub struct Service {
-    pub engine: Engine,
+    pub engine: Arc<Engine>,
     store: Arc<Store>,
-    records: Arc<Records>,
+    registry: Registry,
     cfg: ServiceConfig,
+}
+
+/// Where the documents' records and the job queue live.
+enum Registry {
+    /// This process's memory, written through to files beside the adapters (the default).
+    Files(Arc<Records>),
+    /// PostgreSQL, shared by replicas.
+    Shared(Arc<shared::Shared>),
+}
+
+/// What `/health` says.
+pub enum Health {
+    Ok,
+    ShuttingDown,
+    DatabaseUnavailable(String),
 }
 
 impl Service {
@@ -99,6 +124,9 @@ impl Service {
     /// unfinished: `ready` when their adapter was saved, re-queued (in posting order) when their
     /// text was kept and still hashes to their id, `failed` with the reason otherwise (blocking).
     pub fn open(model: Arc<Model>, cfg: ServiceConfig, metrics: Arc<Metrics>) -> Result<Self> {
+        if let Some(shared_cfg) = cfg.shared.clone() {
+            return Self::open_shared(model, cfg, shared_cfg, metrics);
+        }
         let store = Arc::new(Store::open(&cfg.adapters_dir, cfg.cache_bytes)?);
         let mut docs = HashMap::new();
         let mut requeue = Vec::new();
@@ -115,12 +143,56 @@ impl Service {
             metrics,
             shutting_down: AtomicBool::new(false),
         });
-        let engine = Engine::start(model, store.clone(), records.clone(), cfg.train_queue, cfg.generate_queue)?;
-        let service = Self { engine, store, records, cfg };
+        let engine = Arc::new(Engine::start(model, store.clone(), records.clone(), cfg.train_queue, cfg.generate_queue)?);
+        let service = Self { engine, store, registry: Registry::Files(records), cfg };
         for (id, text) in requeue {
             service.requeue(&id, text);
         }
         Ok(service)
+    }
+
+    /// A replica on a shared database and adapter store: `adapters_dir` is its local cache of
+    /// the shared archives. The schema and the trainer loop start in the background (on the
+    /// current tokio runtime), so a replica may start before the database is up.
+    fn open_shared(model: Arc<Model>, cfg: ServiceConfig, shared_cfg: shared::SharedConfig, metrics: Arc<Metrics>) -> Result<Self> {
+        let blobs = Arc::new(store::blobs::Blobs::open(&shared_cfg.adapter_store)?);
+        let store = Arc::new(Store::open(&cfg.adapters_dir, cfg.cache_bytes)?.with_blobs(blobs));
+        let shared = Arc::new(shared::Shared::new(shared_cfg.clone(), store.clone(), metrics)?);
+        let engine = Arc::new(Engine::start(model, store.clone(), shared.clone(), cfg.train_queue, cfg.generate_queue)?);
+        tokio::spawn(shared.clone().run(engine.clone()));
+        tracing::info!(
+            replica = %shared_cfg.replica, role = ?shared_cfg.role, adapter_store = %shared_cfg.adapter_store,
+            cache_dir = %cfg.adapters_dir.display(), "replica on a shared database"
+        );
+        Ok(Self { engine, store, registry: Registry::Shared(shared), cfg })
+    }
+
+    fn records(&self) -> Option<&Arc<Records>> {
+        match &self.registry {
+            Registry::Files(r) => Some(r),
+            Registry::Shared(_) => None,
+        }
+    }
+
+    /// Whether this process answers questions (a training-only replica does not).
+    fn check_serves(&self) -> Result<(), ServiceError> {
+        match &self.registry {
+            Registry::Shared(s) if !s.role().answers() => Err(ServiceError::NotServing),
+            _ => Ok(()),
+        }
+    }
+
+    pub async fn health(&self) -> Health {
+        if self.is_shutting_down() {
+            return Health::ShuttingDown;
+        }
+        match &self.registry {
+            Registry::Files(_) => Health::Ok,
+            Registry::Shared(s) => match s.healthy().await {
+                Ok(()) => Health::Ok,
+                Err(e) => Health::DatabaseUnavailable(e.to_string()),
+            },
+        }
     }
 
     pub fn model(&self) -> &Model {
@@ -128,7 +200,10 @@ impl Service {
     }
 
     pub fn is_shutting_down(&self) -> bool {
-        self.records.shutting_down.load(Ordering::SeqCst)
+        match &self.registry {
+            Registry::Files(r) => r.shutting_down.load(Ordering::SeqCst),
+            Registry::Shared(s) => s.is_shutting_down(),
+        }
     }
 
     // ---------- documents ----------
@@ -151,23 +226,6 @@ impl Service {
         let options_json = serde_json::to_value(&options).map_err(ServiceError::internal)?;
         let fingerprint = &self.engine.model.info.fingerprint;
         let id = store::document_id(fingerprint, owner.as_deref(), &document.text, &options_json);
-        if let Some(view) = self.existing(&id)? {
-            return Ok(Submitted::Existing(view));
-        }
-        // A place in the queue first: a refused request (429) writes nothing.
-        let slot = self.engine.reserve(Lane::Train)?;
-        // The text is kept until the adapter is saved, so that a restart can train it again.
-        let (store, id2) = (self.store.clone(), id.clone());
-        let document = tokio::task::spawn_blocking(move || store.write_pending_text(&id2, &document.text).map(|()| document))
-            .await
-            .map_err(ServiceError::internal)?
-            .map_err(|e| ServiceError::internal(format!("cannot keep the document text: {e:#}")))?;
-
-        let mut docs = self.records.docs.write().map_err(ServiceError::poisoned)?;
-        if let Some(view) = existing_view(&docs, &id) {
-            // The same document was queued meanwhile: its job keeps the text it wrote.
-            return Ok(Submitted::Existing(view));
-        }
         let rec = JobRecord {
             id: id.clone(),
             owner,
@@ -183,6 +241,33 @@ impl Service {
             source: Some(source),
             training: None,
         };
+        let records = match &self.registry {
+            Registry::Files(r) => r,
+            Registry::Shared(s) => {
+                let submitted = s.submit(rec, &document.text, self.cfg.train_queue).await?;
+                if let Submitted::Queued(_) = submitted {
+                    tracing::info!(id, tokens, "document queued (shared queue)");
+                }
+                return Ok(submitted);
+            }
+        };
+        if let Some(view) = existing_view(&*records.docs.read().map_err(ServiceError::poisoned)?, &id) {
+            return Ok(Submitted::Existing(view));
+        }
+        // A place in the queue first: a refused request (429) writes nothing.
+        let slot = self.engine.reserve(Lane::Train)?;
+        // The text is kept until the adapter is saved, so that a restart can train it again.
+        let (store, id2) = (self.store.clone(), id.clone());
+        let document = tokio::task::spawn_blocking(move || store.write_pending_text(&id2, &document.text).map(|()| document))
+            .await
+            .map_err(ServiceError::internal)?
+            .map_err(|e| ServiceError::internal(format!("cannot keep the document text: {e:#}")))?;
+
+        let mut docs = records.docs.write().map_err(ServiceError::poisoned)?;
+        if let Some(view) = existing_view(&docs, &id) {
+            // The same document was queued meanwhile: its job keeps the text it wrote.
+            return Ok(Submitted::Existing(view));
+        }
         let entry = DocEntry::new(rec);
         let job = AbsorbJob {
             id: id.clone(),
@@ -200,10 +285,6 @@ impl Service {
         Ok(Submitted::Queued(view))
     }
 
-    fn existing(&self, id: &str) -> Result<Option<DocumentView>, ServiceError> {
-        Ok(existing_view(&*self.records.docs.read().map_err(ServiceError::poisoned)?, id))
-    }
-
     /// The training the options plan for a document of `tokens` must stay within the cap (each
     /// option is bounded alone; this bounds their product).
     fn check_training_cost(&self, o: &AbsorbOptions, tokens: usize) -> Result<(), ServiceError> {
@@ -219,7 +300,8 @@ impl Service {
     /// it cannot be: its id no longer matches the text, options and base model, or the queue is
     /// full.
     fn requeue(&self, id: &str, text: String) {
-        let Ok(mut docs) = self.records.docs.write() else { return };
+        let Some(records) = self.records() else { return };
+        let Ok(mut docs) = records.docs.write() else { return };
         let Some(entry) = docs.get_mut(id) else { return };
         match self.requeue_job(entry, text) {
             Ok(()) => tracing::info!(id, "re-queued a job interrupted by the previous process"),
@@ -259,27 +341,59 @@ impl Service {
 
     /// The document `id` as `owner` sees it: unknown ids and other tenants' documents are both
     /// `UnknownDocument`.
-    pub fn document(&self, owner: Option<&str>, id: &str) -> Result<DocumentView, ServiceError> {
-        self.with_doc(owner, id, DocEntry::view)
+    pub async fn document(&self, owner: Option<&str>, id: &str) -> Result<DocumentView, ServiceError> {
+        Ok(self.lookup(owner, id).await?.0)
+    }
+
+    /// The document and, with shared blobs, the archive of its adapter.
+    async fn lookup(&self, owner: Option<&str>, id: &str) -> Result<(DocumentView, Option<BlobRef>), ServiceError> {
+        if !store::valid_id(id) {
+            return Err(ServiceError::UnknownDocument(id.to_string()));
+        }
+        match &self.registry {
+            Registry::Files(r) => Ok((with_doc(r, owner, id, DocEntry::view)?, None)),
+            Registry::Shared(s) => s.document(owner, id).await,
+        }
     }
 
     /// `owner`'s documents in posting order.
-    pub fn documents(&self, owner: Option<&str>) -> Result<Vec<DocumentView>, ServiceError> {
-        let docs = self.records.docs.read().map_err(ServiceError::poisoned)?;
+    pub async fn documents(&self, owner: Option<&str>) -> Result<Vec<DocumentView>, ServiceError> {
+        let records = match &self.registry {
+            Registry::Files(r) => r,
+            Registry::Shared(s) => return s.documents(owner).await,
+        };
+        let docs = records.docs.read().map_err(ServiceError::poisoned)?;
         let mut list: Vec<&DocEntry> = docs.values().filter(|d| d.rec.owner.as_deref() == owner).collect();
         list.sort_by(|a, b| a.rec.posting_order().cmp(&b.rec.posting_order()));
         Ok(list.into_iter().map(DocEntry::view).collect())
     }
 
     /// Updates of the document's view, for event streams (closed when the document is deleted).
-    pub fn watch(&self, owner: Option<&str>, id: &str) -> Result<tokio::sync::watch::Receiver<DocumentView>, ServiceError> {
-        self.with_doc(owner, id, |d| d.watch.subscribe())
+    pub async fn watch(&self, owner: Option<&str>, id: &str) -> Result<tokio::sync::watch::Receiver<DocumentView>, ServiceError> {
+        if !store::valid_id(id) {
+            return Err(ServiceError::UnknownDocument(id.to_string()));
+        }
+        match &self.registry {
+            Registry::Files(r) => with_doc(r, owner, id, |d| d.watch.subscribe()),
+            Registry::Shared(s) => s.watch(owner, id).await,
+        }
     }
 
     /// Stops the document's job if it runs and removes its adapter and record.
     pub async fn delete(&self, owner: Option<&str>, id: &str) -> Result<(), ServiceError> {
-        self.with_doc(owner, id, |_| ())?;
-        let entry = self.records.docs.write().map_err(ServiceError::poisoned)?.remove(id);
+        if !store::valid_id(id) {
+            return Err(ServiceError::UnknownDocument(id.to_string()));
+        }
+        let records = match &self.registry {
+            Registry::Files(r) => r,
+            Registry::Shared(s) => {
+                s.delete(owner, id).await?;
+                tracing::info!(id, "document deleted");
+                return Ok(());
+            }
+        };
+        with_doc(records, owner, id, |_| ())?;
+        let entry = records.docs.write().map_err(ServiceError::poisoned)?.remove(id);
         if let Some(e) = entry {
             e.cancel.store(true, Ordering::SeqCst);
         }
@@ -292,31 +406,21 @@ impl Service {
         Ok(())
     }
 
-    fn with_doc<T>(&self, owner: Option<&str>, id: &str, f: impl FnOnce(&DocEntry) -> T) -> Result<T, ServiceError> {
-        if !store::valid_id(id) {
-            return Err(ServiceError::UnknownDocument(id.to_string()));
-        }
-        let docs = self.records.docs.read().map_err(ServiceError::poisoned)?;
-        match docs.get(id) {
-            Some(d) if d.rec.owner.as_deref() == owner => Ok(f(d)),
-            _ => Err(ServiceError::UnknownDocument(id.to_string())),
-        }
-    }
-
     // ---------- generation ----------
 
     /// Queues an answer to `q` about a ready document, after checking, in tokens of the base
     /// model, that the question and `max_tokens` of answer fit the window.
-    pub fn ask(
+    pub async fn ask(
         &self,
         owner: Option<&str>,
         q: Question,
         params: SamplingParams,
         pieces: Option<Pieces>,
     ) -> Result<PendingGeneration, ServiceError> {
-        let status = self.with_doc(owner, &q.document_id, |d| d.rec.status)?;
-        if status != Status::Ready {
-            return Err(ServiceError::NotReady { id: q.document_id, status });
+        self.check_serves()?;
+        let (view, blob) = self.lookup(owner, &q.document_id).await?;
+        if view.status != Status::Ready {
+            return Err(ServiceError::NotReady { id: q.document_id, status: view.status });
         }
         let model = &self.engine.model;
         let question_tokens = model.tokenizer.encode(&q.question, false).map_err(ServiceError::internal)?.len();
@@ -329,6 +433,7 @@ impl Service {
             question: q.question,
             mode: q.mode,
             context_tokens: self.cfg.context_tokens,
+            blob,
         };
         self.generate(prompt, params, pieces)
     }
@@ -340,6 +445,7 @@ impl Service {
         params: SamplingParams,
         pieces: Option<Pieces>,
     ) -> Result<PendingGeneration, ServiceError> {
+        self.check_serves()?;
         let ids = self.engine.model.encode_chat(messages).map_err(ServiceError::internal)?;
         self.check_fits(ids.len(), params.max_tokens)?;
         self.generate(Prompt::Chat(ids), params, pieces)
@@ -367,24 +473,46 @@ impl Service {
     /// Stops taking work: the running training job stops (recorded as queued, re-queued by the
     /// next start) and so do queued ones when their turn comes.
     pub fn begin_shutdown(&self) {
-        self.records.shutting_down.store(true, Ordering::SeqCst);
-        if let Ok(docs) = self.records.docs.read() {
+        let records = match &self.registry {
+            Registry::Files(r) => r,
+            Registry::Shared(s) => return s.begin_shutdown(),
+        };
+        records.shutting_down.store(true, Ordering::SeqCst);
+        if let Ok(docs) = records.docs.read() {
             for d in docs.values().filter(|d| !d.rec.status.is_terminal()) {
                 d.cancel.store(true, Ordering::SeqCst);
             }
         }
     }
 
-    pub fn stats(&self) -> Stats {
+    /// Counts for `/metrics`. With a shared database the document counts are every replica's,
+    /// the training queue's waiting jobs the shared queue's (empty when the database is away).
+    pub async fn stats(&self) -> Stats {
         let mut documents = HashMap::new();
-        if let Ok(docs) = self.records.docs.read() {
-            for d in docs.values() {
-                *documents.entry(d.rec.status).or_insert(0) += 1;
+        let mut train_queue = self.engine.train_queue();
+        let (mut blob_puts, mut blob_fetches) = (0, 0);
+        match &self.registry {
+            Registry::Files(r) => {
+                if let Ok(docs) = r.docs.read() {
+                    for d in docs.values() {
+                        *documents.entry(d.rec.status).or_insert(0) += 1;
+                    }
+                }
+            }
+            Registry::Shared(s) => {
+                if let Ok((counts, waiting)) = s.counts().await {
+                    documents = counts;
+                    train_queue.0 = waiting;
+                }
+                blob_puts = s.blobs().stats.puts.load(Ordering::Relaxed);
+                blob_fetches = s.blobs().stats.fetches.load(Ordering::Relaxed);
             }
         }
         let s = &self.store.stats;
         Stats {
-            train_queue: self.engine.train_queue(),
+            blob_puts,
+            blob_fetches,
+            train_queue,
             generate_queue: self.engine.generate_queue(),
             documents,
             cache_hits: s.hits.load(Ordering::Relaxed),
@@ -392,6 +520,14 @@ impl Service {
             cache_evictions: s.evictions.load(Ordering::Relaxed),
             cache_resident_bytes: self.store.resident_bytes(),
         }
+    }
+}
+
+fn with_doc<T>(records: &Records, owner: Option<&str>, id: &str, f: impl FnOnce(&DocEntry) -> T) -> Result<T, ServiceError> {
+    let docs = records.docs.read().map_err(ServiceError::poisoned)?;
+    match docs.get(id) {
+        Some(d) if d.rec.owner.as_deref() == owner => Ok(f(d)),
+        _ => Err(ServiceError::UnknownDocument(id.to_string())),
     }
 }
 

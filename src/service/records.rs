@@ -70,7 +70,7 @@ impl DocEntry {
     }
 }
 
-fn view(r: &JobRecord, progress: Option<&JobProgress>) -> DocumentView {
+pub(super) fn view(r: &JobRecord, progress: Option<&JobProgress>) -> DocumentView {
     DocumentView {
         id: r.id.clone(),
         object: "document",

@@ -13,7 +13,10 @@
 //! become `ready` when the adapter was saved, are re-queued when their pending text is there, and
 //! are marked `failed` with the reason otherwise: never silently lost.
 
+pub mod blobs;
+
 use crate::adapters::{manifest, AdapterBundle, Manifest};
+use blobs::{BlobRef, Blobs};
 use crate::document::{tokens_from_bytes, Document};
 use crate::model::Model;
 use anyhow::{Context, Result};
@@ -168,10 +171,16 @@ pub struct CacheStats {
     pub evictions: AtomicU64,
 }
 
+/// The adapters of one process: its directory and the loaded ones held in memory. With `blobs`
+/// (replicas sharing an adapter store) the directory is this replica's local cache of the shared
+/// archives: an adapter is fetched (and verified) on first use, and `<id>.blob` beside its
+/// directory names the archive it was unpacked from, so that a stale copy is never served.
 pub struct Store {
     root: PathBuf,
+    /// Keyed by document id, or `id@sha256` with shared blobs.
     cache: moka::sync::Cache<String, Arc<Loaded>>,
     pub stats: Arc<CacheStats>,
+    blobs: Option<Arc<Blobs>>,
 }
 
 pub fn now() -> u64 {
@@ -214,6 +223,7 @@ impl Store {
         let s2 = stats.clone();
         let cache = moka::sync::Cache::builder()
             .max_capacity(cache_bytes)
+            .support_invalidation_closures()
             .weigher(|_k: &String, v: &Arc<Loaded>| {
                 u32::try_from((v.manifest.bytes + v.document.bytes()).max(1)).unwrap_or(u32::MAX)
             })
@@ -223,7 +233,32 @@ impl Store {
                 }
             })
             .build();
-        Ok(Self { root: root.to_path_buf(), cache, stats })
+        Ok(Self { root: root.to_path_buf(), cache, stats, blobs: None })
+    }
+
+    /// Serves adapters from a shared blob store (this directory becomes its local cache).
+    pub fn with_blobs(mut self, blobs: Arc<Blobs>) -> Self {
+        self.blobs = Some(blobs);
+        self
+    }
+
+    pub fn blobs(&self) -> Option<&Arc<Blobs>> {
+        self.blobs.as_ref()
+    }
+
+    fn blob_note_path(&self, id: &str) -> PathBuf {
+        self.root.join(format!("{id}.blob"))
+    }
+
+    /// Records that the local directory of `id` holds the archive `blob` (written after a fetch,
+    /// and by the replica that trained and published it).
+    pub fn note_blob(&self, id: &str, blob: &BlobRef) -> Result<()> {
+        write_atomic(&self.blob_note_path(id), blob.sha256.as_bytes())
+    }
+
+    fn local_copy_is(&self, id: &str, blob: &BlobRef) -> bool {
+        std::fs::read_to_string(self.blob_note_path(id)).is_ok_and(|s| s.trim() == blob.sha256)
+            && self.adapter_dir(id).join(manifest::MANIFEST_FILE).exists()
     }
 
     pub fn root(&self) -> &Path {
@@ -327,29 +362,52 @@ impl Store {
         Ok(out)
     }
 
-    /// Saves an absorbed adapter with its document and QA pairs (atomic) and caches it.
+    /// Saves an absorbed adapter with its document and QA pairs (atomic) and caches it (with
+    /// shared blobs it is cached once published, under its archive's hash).
     pub fn save(&self, id: &str, adapter: NewAdapter) -> Result<Arc<Loaded>> {
         let loaded = Arc::new(save_dir(&self.adapter_dir(id), adapter)?);
         self.remove_pending_text(id);
-        self.cache.insert(id.to_string(), loaded.clone());
+        if self.blobs.is_none() {
+            self.cache.insert(id.to_string(), loaded.clone());
+        }
         Ok(loaded)
     }
 
-    /// Everything an answer about `id` needs (from the cache, else from disk; blocking).
-    pub fn get(&self, id: &str, model: &Model) -> Result<Arc<Loaded>> {
-        if let Some(l) = self.cache.get(id) {
+    /// Everything an answer about `id` needs: from the cache, else from disk; with shared blobs
+    /// (`blob` given) the archive is fetched, verified and unpacked first unless the local copy
+    /// is that archive (blocking).
+    pub fn get(&self, id: &str, model: &Model, blob: Option<&BlobRef>) -> Result<Arc<Loaded>> {
+        let key = match blob {
+            Some(b) => format!("{id}@{}", b.sha256),
+            None => id.to_string(),
+        };
+        if let Some(l) = self.cache.get(&key) {
             self.stats.hits.fetch_add(1, Ordering::Relaxed);
             return Ok(l);
         }
         self.stats.misses.fetch_add(1, Ordering::Relaxed);
+        if let (Some(blob), Some(blobs)) = (blob, &self.blobs) {
+            if !self.local_copy_is(id, blob) {
+                let archive = blobs.block_on(blobs.get(blob))?;
+                blobs::unpack(&archive, &self.adapter_dir(id))?;
+                self.note_blob(id, blob)?;
+                tracing::info!(id, sha256 = %blob.sha256, bytes = archive.len(), "adapter fetched from the shared store");
+            }
+        }
         let loaded = Arc::new(load_dir(&self.adapter_dir(id), model)?);
-        self.cache.insert(id.to_string(), loaded.clone());
+        self.cache.insert(key, loaded.clone());
         Ok(loaded)
     }
 
     /// Removes a document's adapter and record from memory and disk.
     pub fn delete(&self, id: &str) -> Result<()> {
         self.cache.invalidate(id);
+        let prefix = format!("{id}@");
+        let _ = self.cache.invalidate_entries_if(move |k, _| k.starts_with(&prefix));
+        let note = self.blob_note_path(id);
+        if note.exists() {
+            std::fs::remove_file(&note)?;
+        }
         let dir = self.adapter_dir(id);
         if dir.exists() {
             std::fs::remove_dir_all(&dir).with_context(|| format!("{}: cannot remove", dir.display()))?;
