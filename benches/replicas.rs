@@ -5,7 +5,7 @@
 //! a. **Queue overhead**: time from POST to ready for the same kind of document (a slice of
 //!    `tests/fixtures/harbor_history.txt`, short absorb options), on one process with files vs
 //!    posted to an answer-only replica A and trained by a training-only replica B; the overhead
-//!    is the wall time minus the training's own seconds (from the document's `training`).
+//!    is the wall time minus the absorb's own seconds (`training.total_seconds`: QA, plan, training).
 //! b. **Answer latency on a cache miss vs a hit**: a fresh answer-only replica asks about a ready
 //!    document (first ask: fetch the archive, verify, unpack, load), then asks again (cached);
 //!    `max_tokens` 1, so the figure is load + prompt. The same on files (first ask loads from the
@@ -109,7 +109,7 @@ impl Bench {
         let t0 = Instant::now();
         let id = self.post(post_to, text).await?;
         let d = self.wait_ready(post_to, &id).await?;
-        let trained = d["training"]["seconds"].as_f64().context("no training seconds")?;
+        let trained = d["training"]["total_seconds"].as_f64().context("no absorb seconds")?;
         Ok((t0.elapsed().as_secs_f64(), trained))
     }
 

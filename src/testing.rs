@@ -394,3 +394,16 @@ fn pg_cluster(command: &str, dir: &Path) -> Result<String> {
     );
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
+
+/// The tiny model and absorb options of the server tests in `dir`: `(model directory, options
+/// file)`. The options train in a fraction of a second (window 32, one epoch each, 2–4 extractive
+/// QA pairs).
+pub fn write_tiny_server_setup(dir: &Path) -> Result<(PathBuf, PathBuf)> {
+    let model = write_hf(&dir.join("tiny"), &TinySpec::default())?;
+    let options = dir.join("absorb.json");
+    let json = serde_json::json!({"plan": {"window": 32, "context_tokens": 16},
+                                  "train": {"epochs": [1, 1]},
+                                  "qa": {"use_model": false, "max_pairs": 4, "min_pairs": 2}});
+    std::fs::write(&options, json.to_string())?;
+    Ok((model, options))
+}

@@ -3,7 +3,7 @@
 //! blob store, real HTTP. Killing a replica is SIGKILL; restarting the database is `pg_ctl stop`
 //! then start on the same port.
 
-use lift_serve::testing::{write_hf, PgCluster, TinySpec};
+use lift_serve::testing::{write_tiny_server_setup, PgCluster};
 use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
@@ -24,16 +24,7 @@ struct Env {
 
 fn env() -> Env {
     let tmp = tempfile::tempdir().unwrap();
-    let model = write_hf(&tmp.path().join("tiny"), &TinySpec::default()).unwrap();
-    let options = tmp.path().join("absorb.json");
-    std::fs::write(
-        &options,
-        json!({"plan": {"window": 32, "context_tokens": 16},
-               "train": {"epochs": [1, 1]},
-               "qa": {"use_model": false, "max_pairs": 4, "min_pairs": 2}})
-        .to_string(),
-    )
-    .unwrap();
+    let (model, options) = write_tiny_server_setup(tmp.path()).unwrap();
     let blobs = tmp.path().join("blobs");
     Env { model, options, blobs, pg: PgCluster::start().unwrap(), tmp }
 }

@@ -2,7 +2,7 @@
 //! adapters directory and tiny absorb options; a real HTTP client (reqwest).
 
 use lift_serve::server::{self, Running, ServeConfig};
-use lift_serve::testing::{write_hf, TinySpec};
+use lift_serve::testing::write_tiny_server_setup;
 use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
@@ -24,17 +24,8 @@ struct Env {
 
 fn env() -> Env {
     let tmp = tempfile::tempdir().unwrap();
-    let model = write_hf(&tmp.path().join("tiny"), &TinySpec::default()).unwrap();
+    let (model, options) = write_tiny_server_setup(tmp.path()).unwrap();
     let adapters = tmp.path().join("adapters");
-    let options = tmp.path().join("absorb.json");
-    std::fs::write(
-        &options,
-        json!({"plan": {"window": 32, "context_tokens": 16},
-               "train": {"epochs": [1, 1]},
-               "qa": {"use_model": false, "max_pairs": 4, "min_pairs": 2}})
-        .to_string(),
-    )
-    .unwrap();
     Env { _tmp: tmp, model, adapters, options }
 }
 
