@@ -57,7 +57,8 @@ impl Replica {
             .arg("--adapters-dir").arg(&cache)
             .arg("--absorb-options").arg(&e.options)
             .args(["--prepared-base", "none", "--database-url", &e.pg.url, "--adapter-store", &store])
-            .args(["--role", role, "--replica-id", name, "--lease-secs", "2"])
+            .args(["--role", role, "--replica-id", name])
+            .args(if extra.contains(&"--lease-secs") { &[][..] } else { &["--lease-secs", "2"][..] })
             .args(["--api-keys", "key-one,key-two"])
             .args(extra)
             .stdout(std::process::Stdio::null())
@@ -346,4 +347,28 @@ async fn a_database_restart_mid_run_loses_nothing() {
     }
     assert_eq!(archives(&e.blobs).len(), 2);
     assert_eq!(jobs_left(&e.pg.url).await, 0);
+}
+
+/// A replica stopped gracefully (SIGTERM) mid-training hands its job back at once: another
+/// replica claims it long before the lease (60 s) would have run out, as a fresh claim.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_graceful_shutdown_hands_the_job_back_at_once() {
+    let e = env();
+    let lease = ["--metrics-key", "metrics", "--lease-secs", "60"];
+    let mut a = Replica::start(&e, "a", "all", &lease).await;
+    let body = json!({"text": DOC.repeat(4), "options": {"epochs": [30, 30]}});
+    let (s, d) = post(&a.url("/documents"), body, "key-one").await;
+    assert_eq!(s, 202, "{d}");
+    let id = d["id"].as_str().unwrap().to_string();
+    wait_status(&a, &id, "key-one", "training", 60).await;
+    let b = Replica::start(&e, "b", "all", &lease).await;
+    let t0 = Instant::now();
+    unsafe { libc::kill(a.child.id() as i32, libc::SIGTERM) };
+    let status = a.child.wait().unwrap();
+    assert!(status.success(), "A exits cleanly: {status:?}\n{}", a.log_text());
+    wait_status(&b, &id, "key-one", "ready", 300).await;
+    let m = b.metrics().await;
+    assert_eq!(metric(&m, "lift_jobs_claimed_total{how=\"fresh\"}"), 1.0, "handed back, not taken over: {m}");
+    assert!(t0.elapsed() < Duration::from_secs(50), "claimed before the 60 s lease ran out: {:?}", t0.elapsed());
+    assert_eq!(archives(&e.blobs).len(), 1);
 }
