@@ -249,8 +249,53 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     assert_eq!(figures["probe_curve"].as_array().unwrap().len(), curve.len());
     assert_eq!(figures["planned_steps"], r.planned_steps);
 
-    // A floor above where the probes plateau holds the run until the floor.
+    // A floor above where the probes plateau holds the run until the floor (nothing skipped, so
+    // that the epochs reach it).
     let floor = planned * 3 / 4;
-    let (held, _) = run(Some(UntilLearned { min_steps: floor, patience: 1, ..rule }));
+    let (held, _) = run(Some(UntilLearned { min_steps: floor, patience: 1, learned_loss: 0.0, ..rule }));
     assert!(held.report.steps >= floor, "{} steps, floor {floor}", held.report.steps);
+}
+
+/// Absorbing until learned spends steps where the document is not yet known (issue 21): an
+/// example learned at its last visit is skipped and revisited every `revisit_every` epochs. With a
+/// threshold every example passes at once and `revisit_every` 2, epochs alternate between all
+/// examples and none, so the run trains exactly: the first epoch's segments, then segments and QA
+/// pairs in every other epoch — counted against fixed runs of the same plan.
+#[test]
+fn absorbing_until_learned_skips_learned_examples_and_revisits_them() {
+    use lift_serve::document::Document;
+    use lift_serve::lift::trainer::UntilLearned;
+    use lift_serve::lift::{absorb, AbsorbOptions};
+    let (_d, model) = tiny();
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt")).unwrap();
+    let text: String = text.chars().take(900).collect();
+    let document = Document::encode(&model, text).unwrap();
+    let rule = UntilLearned { min_steps: usize::MAX, learned_loss: 1e9, revisit_every: 2, ..Default::default() };
+    let run = |epochs: [usize; 2], rule: Option<UntilLearned>| {
+        let mut o = AbsorbOptions::default();
+        o.plan.window = 64;
+        o.plan.context_tokens = 32;
+        o.qa.use_model = false;
+        o.qa.max_pairs = 12;
+        o.train.epochs = epochs;
+        o.train.until_learned = rule;
+        absorb(&model, &document, None, &o, &mut |_| {}, &|| false).unwrap()
+    };
+    // The same plan (and the same probes held aside) with nothing skipped: one epoch of segments,
+    // then one of segments + QA pairs.
+    let no_skip = UntilLearned { learned_loss: 0.0, ..rule.clone() };
+    let segments = run([1, 0], Some(no_skip.clone())).report.examples;
+    let both = run([0, 1], Some(no_skip.clone())).report.examples;
+    let qa = both - segments;
+    assert!(segments >= 2 && qa >= 2, "{segments} segments, {qa} QA pairs");
+    let full = run([2, 4], Some(no_skip));
+    assert_eq!(full.report.examples, 2 * segments + 4 * both, "learned_loss 0 trains every example");
+    assert_eq!(full.report.skipped_examples, 0);
+
+    let focused = run([2, 4], Some(rule));
+    // Epochs 1..6: all segments; none; segments + QA; none; segments + QA; none.
+    assert_eq!(focused.report.examples, segments + 2 * both, "{:?}", focused.report);
+    assert_eq!(focused.report.skipped_examples, (2 * segments + 4 * both) - (segments + 2 * both));
+    assert_eq!(focused.manifest.training["skipped_examples"], focused.report.skipped_examples);
+    assert!(!focused.report.stopped_early, "the probe rule never fired (min_steps is out of reach)");
 }

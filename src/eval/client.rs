@@ -126,6 +126,8 @@ impl Backend for Server {
             adapter_bytes: doc_json["adapter"]["bytes"].as_u64().unwrap_or(0) as usize,
             final_loss: losses.last().copied(),
             step_losses: losses,
+            probe_curve: serde_json::from_value(doc_json["training"]["probe_curve"].clone()).unwrap_or_default(),
+            planned_steps: doc_json["training"]["planned_steps"].as_u64().map(|n| n as usize),
             ..Default::default()
         };
         self.ids.push(id);

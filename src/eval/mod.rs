@@ -196,6 +196,12 @@ pub struct AbsorbRecord {
     pub step_losses: Vec<f64>,
     pub epoch_losses: Vec<f64>,
     pub final_loss: Option<f64>,
+    /// Absorbing until learned: `(step, loss of the held-aside probe questions)`, and the steps
+    /// the fixed schedule would have run.
+    #[serde(default)]
+    pub probe_curve: Vec<(usize, f64)>,
+    #[serde(default)]
+    pub planned_steps: Option<usize>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -309,6 +315,8 @@ impl Backend for Local<'_> {
             step_losses: r.step_losses.clone(),
             epoch_losses: r.epoch_losses.clone(),
             final_loss: Some(r.final_loss),
+            probe_curve: r.probe_curve.clone(),
+            planned_steps: Some(r.planned_steps),
         };
         self.adapters.push(absorbed);
         Ok((rec, self.adapters.len() - 1))

@@ -268,7 +268,8 @@ fn running_mean(v: &[f64], k: usize) -> Vec<f64> {
         .collect()
 }
 
-/// Training loss per optimizer step, one line per absorption.
+/// Training loss per optimizer step, one line per absorption; absorbing until learned, the loss of
+/// the held-aside probe questions as dots joined by a thin line, in the same colour.
 pub fn loss_plot(results: &Results, path: &Path) -> Result<()> {
     register_font();
     let series: Vec<_> = results.absorbs.iter().filter(|a| !a.step_losses.is_empty()).collect();
@@ -311,6 +312,15 @@ pub fn loss_plot(results: &Results, path: &Path) -> Result<()> {
             .map_err(plot_err)?
             .label(label)
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        if !a.probe_curve.is_empty() {
+            let probes = || a.probe_curve.iter().map(|&(s, l)| (s as f64, l.min(max_loss * 1.05)));
+            chart.draw_series(LineSeries::new(probes(), color.stroke_width(1))).map_err(plot_err)?;
+            chart
+                .draw_series(probes().map(|p| Circle::new(p, 4, color.filled())))
+                .map_err(plot_err)?
+                .label(format!("{}: probe loss (held-aside questions)", a.document))
+                .legend(move |(x, y)| Circle::new((x + 10, y), 4, color.filled()));
+        }
     }
     chart
         .configure_series_labels()
@@ -325,6 +335,42 @@ pub fn loss_plot(results: &Results, path: &Path) -> Result<()> {
 
 #[cfg(test)]
 mod tests {
+    use super::super::{AbsorbRecord, Results, RunConfig};
+
+    #[test]
+    fn the_loss_plot_draws_the_probe_curve_when_there_is_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let absorb = AbsorbRecord {
+            document: "essay".into(),
+            methods: vec!["lift".into()],
+            step_losses: (0..64).map(|s| 3.0 / (1.0 + s as f64)).collect(),
+            ..Default::default()
+        };
+        let results = |absorb: AbsorbRecord| Results {
+            model: "tiny".into(),
+            config: RunConfig {
+                methods: vec!["lift".into()],
+                context_tokens: None,
+                max_tokens: 8,
+                absorb: Default::default(),
+                needles: None,
+                jsonl: None,
+                server: None,
+            },
+            documents: Vec::new(),
+            absorbs: vec![absorb],
+            answers: Vec::new(),
+            seconds: 0.0,
+        };
+        let (plain, probed) = (dir.path().join("plain.png"), dir.path().join("probed.png"));
+        super::loss_plot(&results(absorb.clone()), &plain).unwrap();
+        let with_probes = AbsorbRecord { probe_curve: vec![(16, 2.5), (32, 1.5), (48, 1.4)], planned_steps: Some(96), ..absorb };
+        super::loss_plot(&results(with_probes), &probed).unwrap();
+        let (a, b) = (std::fs::read(&plain).unwrap(), std::fs::read(&probed).unwrap());
+        assert!(a.starts_with(b"\x89PNG") && b.starts_with(b"\x89PNG"));
+        assert_ne!(a, b, "the probe curve is drawn");
+    }
+
     #[test]
     fn running_mean_of_the_last_k() {
         assert_eq!(super::running_mean(&[2.0, 4.0, 6.0, 8.0], 2), vec![2.0, 3.0, 5.0, 7.0]);

@@ -45,6 +45,14 @@ pub struct TrainOptions {
 /// document's facts recalled from what the other pairs and the segments taught) is measured, and
 /// training stops once it has not improved by `min_delta` (relative) for `patience` probes in a
 /// row — in the last stage only, never before `min_steps`, never past the fixed schedule's steps.
+///
+/// Steps also go where the document is not yet known: a QA pair or segment whose loss at its last
+/// visit was below `learned_loss` is skipped in the next epochs and revisited every
+/// `revisit_every` epochs (to catch forgetting) — example-level selection by current loss, in the
+/// spirit of the "impactful tokens" of LongRecipe: Recipe for Efficient Long Context
+/// Generalization in Large Language Models (§4.1). `learned_loss` 0 trains every example. The
+/// epochs stay the ceiling: skipping shortens them, so a run may end, with every example learned,
+/// before `min_steps` (which bounds the probe rule only).
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct UntilLearned {
@@ -56,11 +64,60 @@ pub struct UntilLearned {
     /// at least as many pairs are left to train on.
     pub probe_share: f64,
     pub max_probes: usize,
+    /// Mean loss per answer (or segment) token under which an example counts as learned.
+    pub learned_loss: f64,
+    /// A learned example is trained again every this many epochs.
+    pub revisit_every: usize,
 }
 
 impl Default for UntilLearned {
     fn default() -> Self {
-        Self { probe_every: 16, min_steps: 48, patience: 3, min_delta: 0.02, probe_share: 0.15, max_probes: 16 }
+        Self {
+            probe_every: 16,
+            min_steps: 48,
+            patience: 3,
+            min_delta: 0.02,
+            probe_share: 0.15,
+            max_probes: 16,
+            learned_loss: 0.05,
+            revisit_every: 3,
+        }
+    }
+}
+
+/// Which examples an epoch trains when absorbing until learned (see [`UntilLearned`]): each
+/// segment's and QA pair's loss at its last visit, and the epoch of that visit.
+struct Focus {
+    learned_loss: f64,
+    revisit_every: usize,
+    segments: Vec<Visit>,
+    qa: Vec<Visit>,
+}
+
+#[derive(Clone, Copy, Default)]
+struct Visit {
+    loss: Option<f64>,
+    epoch: usize,
+}
+
+impl Focus {
+    fn new(rule: Option<&UntilLearned>, n_seg: usize, n_qa: usize) -> Self {
+        let (learned_loss, revisit_every) = rule.map_or((0.0, 1), |r| (r.learned_loss, r.revisit_every.max(1)));
+        Self { learned_loss, revisit_every, segments: vec![Visit::default(); n_seg], qa: vec![Visit::default(); n_qa] }
+    }
+
+    /// Whether epoch `epoch` trains example `i`: never seen, not yet learned, or due for a revisit.
+    fn wants(&self, is_qa: bool, i: usize, epoch: usize) -> bool {
+        let v = if is_qa { self.qa[i] } else { self.segments[i] };
+        match v.loss {
+            None => true,
+            Some(loss) => loss >= self.learned_loss || epoch >= v.epoch + self.revisit_every,
+        }
+    }
+
+    fn book(&mut self, is_qa: bool, i: usize, loss: f64, epoch: usize) {
+        let v = if is_qa { &mut self.qa[i] } else { &mut self.segments[i] };
+        *v = Visit { loss: Some(loss), epoch };
     }
 }
 
@@ -164,6 +221,9 @@ pub struct TrainReport {
     pub planned_steps: usize,
     /// `(step, probe loss)` at every probe (absorb until learned).
     pub probe_curve: Vec<(usize, f64)>,
+    /// Examples (segments and QA pairs) skipped as learned, summed over epochs (absorb until
+    /// learned).
+    pub skipped_examples: usize,
 }
 
 /// A FltLM filter in training: the filter, the QA examples in its layout (they replace
@@ -505,6 +565,7 @@ pub fn train_with(
     let start = Instant::now();
     let mut patience = Patience { best: f64::INFINITY, since_best: 0 };
     let until_learned = opts.until_learned.as_ref().zip(probes.filter(|p| !p.examples.is_empty()));
+    let mut focus = Focus::new(opts.until_learned.as_ref(), rows.n_seg, rows.n_qa);
     let mut probed = Patience { best: f64::INFINITY, since_best: 0 };
     let mut probe_loss = None;
     let final_stage = if opts.epochs[1] > 0 { Stage::SegmentsAndQa } else { Stage::Segments };
@@ -512,7 +573,8 @@ pub fn train_with(
     'stages: for (stage, epochs) in [(Stage::Segments, opts.epochs[0]), (Stage::SegmentsAndQa, opts.epochs[1])] {
         for _ in 0..epochs {
             epoch += 1;
-            let (seg_members, order) = rows.draw(stage, &mut run.rng);
+            let (seg_members, order, skipped) = rows.draw(stage, &mut run.rng, |is_qa, i| focus.wants(is_qa, i, epoch));
+            report.skipped_examples += skipped;
             let mut epoch_loss = 0.0;
             let epoch_start = report.examples;
             for batch in order.chunks(rows.accumulation) {
@@ -521,6 +583,12 @@ pub fn train_with(
                 }
                 let t0 = Instant::now();
                 let b = run.batch(batch, &seg_members)?;
+                for (&(is_qa, i), &loss) in batch.iter().zip(&b.losses) {
+                    let members = if is_qa { std::slice::from_ref(&i) } else { &seg_members[i][..] };
+                    for &m in members {
+                        focus.book(is_qa, m, loss, epoch);
+                    }
+                }
                 optimizers.step(b.grads, opts, report.steps)?;
                 report.steps += 1;
                 report.examples += batch.len();
@@ -557,9 +625,14 @@ pub fn train_with(
                     break 'stages;
                 }
             }
-            let mean = epoch_loss / order.len().max(1) as f64;
+            if order.is_empty() {
+                // Every example was learned and none is due for a revisit: nothing trained, no loss.
+                tracing::debug!(epoch, ?stage, "epoch skipped: every example is learned");
+                continue;
+            }
+            let mean = epoch_loss / order.len() as f64;
             report.epoch_losses.push(mean);
-            tracing::debug!(epoch, ?stage, loss = mean, "epoch done");
+            tracing::debug!(epoch, ?stage, loss = mean, skipped, "epoch done");
             if patience.exhausted(opts.early_stop.as_ref(), mean) {
                 report.stopped_early = true;
                 break 'stages;
@@ -596,22 +669,33 @@ impl EpochRows {
         opts.epochs[0] * self.seg_rows.div_ceil(a) + opts.epochs[1] * (self.seg_rows + self.n_qa).div_ceil(a)
     }
 
-    /// One epoch's draw: which segments share each CT row, and the shuffled order of the rows
-    /// (`(false, row)`) and, in stage 2, the QA examples (`(true, i)`).
-    fn draw(&self, stage: Stage, rng: &mut StdRng) -> (Vec<Vec<usize>>, Vec<(bool, usize)>) {
+    /// One epoch's draw of the examples `wants(is_qa, index)` keeps: which segments share each CT
+    /// row, the shuffled order of the rows (`(false, row)`) and, in stage 2, the QA examples
+    /// (`(true, i)`), and how many examples were left out. Keeping all draws what the fixed
+    /// schedule always drew (same rows, same order).
+    fn draw(
+        &self,
+        stage: Stage,
+        rng: &mut StdRng,
+        wants: impl Fn(bool, usize) -> bool,
+    ) -> (Vec<Vec<usize>>, Vec<(bool, usize)>, usize) {
+        let live: Vec<usize> = (0..self.n_seg).filter(|&i| wants(false, i)).collect();
+        let mut skipped = self.n_seg - live.len();
         let seg_members: Vec<Vec<usize>> = if self.segment_pack == 1 {
-            (0..self.n_seg).map(|i| vec![i]).collect()
+            live.into_iter().map(|i| vec![i]).collect()
         } else {
-            let mut perm: Vec<usize> = (0..self.n_seg).collect();
+            let mut perm = live;
             perm.shuffle(rng);
             perm.chunks(self.segment_pack).map(<[usize]>::to_vec).collect()
         };
-        let mut order: Vec<(bool, usize)> = (0..self.seg_rows).map(|i| (false, i)).collect();
+        let mut order: Vec<(bool, usize)> = (0..seg_members.len()).map(|i| (false, i)).collect();
         if stage == Stage::SegmentsAndQa {
-            order.extend((0..self.n_qa).map(|i| (true, i)));
+            let qa: Vec<(bool, usize)> = (0..self.n_qa).filter(|&i| wants(true, i)).map(|i| (true, i)).collect();
+            skipped += self.n_qa - qa.len();
+            order.extend(qa);
         }
         order.shuffle(rng);
-        (seg_members, order)
+        (seg_members, order, skipped)
     }
 }
 
@@ -627,10 +711,12 @@ struct LiftRun<'a> {
     rng: StdRng,
 }
 
-/// One batch: its gradients summed (in `LiftRun::vars` order), mean loss and tokens.
+/// One batch: its gradients summed (in `LiftRun::vars` order), mean loss, each example's loss
+/// and the tokens.
 struct Batch {
     grads: Vec<Tensor>,
     loss: f64,
+    losses: Vec<f64>,
     tokens: usize,
 }
 
@@ -642,6 +728,7 @@ impl LiftRun<'_> {
         let model = self.model;
         let mut sum: Option<Vec<Tensor>> = None;
         let mut batch_loss = 0.0;
+        let mut losses = Vec::with_capacity(batch.len());
         let mut batch_tokens = 0;
         for &(is_qa, i) in batch {
             let fx = self.filter.filter(|_| is_qa).map(|ft| (ft, &ft.examples[i]));
@@ -658,10 +745,12 @@ impl LiftRun<'_> {
                 None => g,
                 Some(acc) => acc.iter().zip(&g).map(|(a, b)| a + b).collect::<candle_core::Result<_>>()?,
             });
-            batch_loss += loss.to_scalar::<f32>()? as f64 / batch.len() as f64;
+            let loss = loss.to_scalar::<f32>()? as f64;
+            losses.push(loss);
+            batch_loss += loss / batch.len() as f64;
             batch_tokens += example.tokens.len();
         }
-        Ok(Batch { grads: sum.unwrap_or_default(), loss: batch_loss, tokens: batch_tokens })
+        Ok(Batch { grads: sum.unwrap_or_default(), loss: batch_loss, losses, tokens: batch_tokens })
     }
 }
 
