@@ -347,9 +347,7 @@ impl Service {
 
     /// The document and, with shared blobs, the archive of its adapter.
     async fn lookup(&self, owner: Option<&str>, id: &str) -> Result<(DocumentView, Option<BlobRef>), ServiceError> {
-        if !store::valid_id(id) {
-            return Err(ServiceError::UnknownDocument(id.to_string()));
-        }
+        known_shape(id)?;
         match &self.registry {
             Registry::Files(r) => Ok((with_doc(r, owner, id, DocEntry::view)?, None)),
             Registry::Shared(s) => s.document(owner, id).await,
@@ -370,9 +368,7 @@ impl Service {
 
     /// Updates of the document's view, for event streams (closed when the document is deleted).
     pub async fn watch(&self, owner: Option<&str>, id: &str) -> Result<tokio::sync::watch::Receiver<DocumentView>, ServiceError> {
-        if !store::valid_id(id) {
-            return Err(ServiceError::UnknownDocument(id.to_string()));
-        }
+        known_shape(id)?;
         match &self.registry {
             Registry::Files(r) => with_doc(r, owner, id, |d| d.watch.subscribe()),
             Registry::Shared(s) => s.watch(owner, id).await,
@@ -381,9 +377,7 @@ impl Service {
 
     /// Stops the document's job if it runs and removes its adapter and record.
     pub async fn delete(&self, owner: Option<&str>, id: &str) -> Result<(), ServiceError> {
-        if !store::valid_id(id) {
-            return Err(ServiceError::UnknownDocument(id.to_string()));
-        }
+        known_shape(id)?;
         let records = match &self.registry {
             Registry::Files(r) => r,
             Registry::Shared(s) => {
@@ -521,6 +515,11 @@ impl Service {
             cache_resident_bytes: self.store.resident_bytes(),
         }
     }
+}
+
+/// An id that is not a well-formed document id names no document (and never a path).
+fn known_shape(id: &str) -> Result<(), ServiceError> {
+    if store::valid_id(id) { Ok(()) } else { Err(ServiceError::UnknownDocument(id.to_string())) }
 }
 
 fn with_doc<T>(records: &Records, owner: Option<&str>, id: &str, f: impl FnOnce(&DocEntry) -> T) -> Result<T, ServiceError> {

@@ -111,6 +111,9 @@ const MIGRATIONS: &[(i32, &str)] = &[(
     CREATE INDEX jobs_in_order ON jobs (seq, id);",
 )];
 
+/// Jobs nobody holds: never claimed, handed back, or with a lease that ran out.
+const WAITING_JOBS: &str = "SELECT count(*) FROM jobs WHERE lease_until IS NULL OR lease_until < now()";
+
 const DOC_COLUMNS: &str =
     "id, owner, title, status, tokens, created_at, seq, ready_at, error, adapter, options, source, training, progress, blob_sha256";
 
@@ -306,7 +309,7 @@ impl Shared {
                 return Ok(Some(Row::read(&row)?.view()));
             }
             let waiting: i64 = tx
-                .query_one("SELECT count(*) FROM jobs WHERE lease_until IS NULL OR lease_until < now()", &[])
+                .query_one(WAITING_JOBS, &[])
                 .await
                 .map_err(db_error)?
                 .get(0);
@@ -446,7 +449,7 @@ impl Shared {
             }
         }
         let waiting: i64 = timed(async {
-            c.query_one("SELECT count(*) FROM jobs WHERE lease_until IS NULL OR lease_until < now()", &[]).await.map_err(db_error)
+            c.query_one(WAITING_JOBS, &[]).await.map_err(db_error)
         })
         .await?
         .get(0);
