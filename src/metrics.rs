@@ -43,6 +43,9 @@ pub struct Snapshot {
     /// Replicas sharing an adapter store: archives written and fetched by this replica.
     pub blob_puts: u64,
     pub blob_fetches: u64,
+    /// KV cache tokens held by admitted generations, and the budget.
+    pub kv_tokens_held: usize,
+    pub kv_tokens_budget: usize,
 }
 
 struct Gauges {
@@ -61,6 +64,8 @@ struct Gauges {
     resident_memory_bytes: Gauge,
     blob_puts: Gauge,
     blob_fetches: Gauge,
+    kv_tokens_held: Gauge,
+    kv_tokens_budget: Gauge,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -79,6 +84,7 @@ pub struct Metrics {
     generated_tokens: Counter,
     decode_seconds: Counter<f64, AtomicU64>,
     generation_tokens_per_s: FloatGauge,
+    batch_sizes: Histogram,
     gauges: Gauges,
     claims: Family<ClaimLabels, Counter>,
     lease_renewals: Counter,
@@ -109,6 +115,8 @@ impl Default for Metrics {
         r.register("lift_generation_decode_seconds", "Time spent decoding", decode_seconds.clone());
         let generation_tokens_per_s = FloatGauge::default();
         r.register("lift_generation_tokens_per_second", "Mean decode throughput", generation_tokens_per_s.clone());
+        let batch_sizes = Histogram::new(exponential_buckets(1.0, 2.0, 8));
+        r.register("lift_generation_batch_size", "Sequences in each generation step", batch_sizes.clone());
         let mut gauge = |name: &str, help: &str| {
             let g = Gauge::default();
             r.register(name, help, g.clone());
@@ -133,6 +141,8 @@ impl Default for Metrics {
             resident_memory_bytes: gauge("process_resident_memory_bytes", "Resident memory of the server process"),
             blob_puts: gauge("lift_blob_puts", "Adapter archives this replica wrote to the shared store (total)"),
             blob_fetches: gauge("lift_blob_fetches", "Adapter archives this replica fetched and verified (total)"),
+            kv_tokens_held: gauge("lift_kv_cache_tokens_held", "KV cache tokens held by admitted generations"),
+            kv_tokens_budget: gauge("lift_kv_cache_tokens_budget", "KV cache tokens the generations may hold"),
         };
         let claims = Family::<ClaimLabels, Counter>::default();
         r.register("lift_jobs_claimed", "Training jobs this replica claimed from the shared queue", claims.clone());
@@ -150,6 +160,7 @@ impl Default for Metrics {
             generated_tokens,
             decode_seconds,
             generation_tokens_per_s,
+            batch_sizes,
             gauges,
             claims,
             lease_renewals,
@@ -182,6 +193,11 @@ impl Metrics {
         self.time_to_first_token.observe(ttft_s);
         self.generated_tokens.inc_by(tokens as u64);
         self.decode_seconds.inc_by(decode_s);
+    }
+
+    /// A generation step ran `sequences` side by side.
+    pub fn batch_step(&self, sequences: usize) {
+        self.batch_sizes.observe(sequences as f64);
     }
 
     /// A job claimed from the shared queue; `stolen` when another replica's lease had expired.
@@ -217,6 +233,8 @@ impl Metrics {
             (&g.resident_memory_bytes, count(s.resident_memory_bytes)),
             (&g.blob_puts, count(s.blob_puts)),
             (&g.blob_fetches, count(s.blob_fetches)),
+            (&g.kv_tokens_held, count(s.kv_tokens_held)),
+            (&g.kv_tokens_budget, count(s.kv_tokens_budget)),
         ] {
             gauge.set(v);
         }
@@ -258,8 +276,11 @@ mod tests {
             resident_memory_bytes: 1 << 20,
             blob_puts: 0,
             blob_fetches: 3,
+            kv_tokens_held: 700,
+            kv_tokens_budget: 9000,
         };
         m.job_claimed(true);
+        m.batch_step(3);
         let text = m.render(&snapshot);
         for line in [
             "lift_http_requests_total{method=\"GET\",route=\"/health\",status=\"200\"} 1",
@@ -270,6 +291,8 @@ mod tests {
             "lift_training_queue_depth 1",
             "lift_adapter_cache_misses 1",
             "lift_blob_fetches 3",
+            "lift_kv_cache_tokens_held 700",
+            "lift_generation_batch_size_count 1",
             "lift_jobs_claimed_total{how=\"stolen\"} 1",
             "# EOF",
         ] {

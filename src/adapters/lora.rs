@@ -279,9 +279,15 @@ impl Adapter for Lora {
         let Some(&inp) = dims.last() else { candle_core::bail!("LoRA input must have a feature dimension") };
         let rows = x.elem_count() / inp.max(1);
         let x2 = x.reshape((rows, inp))?.to_dtype(pair.a.dtype())?;
+        // One row (decode) runs as two: the CPU gemm takes a different path for a single row,
+        // and a sequence must get the same arithmetic alone as in a batch of decoding sequences
+        // (`Decoder::forward_batch`), where its row shares the matmul with others.
+        let single = rows == 1 && x2.device().is_cpu();
+        let x2 = if single { Tensor::cat(&[&x2, &x2], 0)? } else { x2 };
         // Scale the narrow [rows, r] intermediate rather than the [rows, out] result.
         let h = (x2.matmul(&pair.a)? * self.scale)?;
         let d = h.matmul(&pair.b)?.to_dtype(x.dtype())?;
+        let d = if single { d.narrow(0, 0, 1)? } else { d };
         let mut out = dims;
         *out.last_mut().expect("non-empty dims") = d.dim(1)?;
         Ok(Some(d.reshape(out)?))

@@ -1,13 +1,15 @@
 //! The two kinds of model work and how each runs on its thread.
 
 use crate::document::Document;
-use crate::lift::answer::{answer, Ask, Mode};
+use super::batcher::{Batch, Entry};
+use crate::lift::answer::{chunk_scores, prepare, Ask, AnswerHooks, Mode};
 use crate::lift::filter::ChunkScore;
 use crate::lift::{AbsorbEvent, AbsorbOptions, AbsorbStage};
 use super::EngineError;
-use crate::model::generate::{generate as generate_tokens, FinishReason, Generation, SamplingParams};
-use crate::model::{KvCache, Model, NoHooks};
-use crate::store::{AdapterInfo, Store};
+use crate::model::generate::{FinishReason, Generation, SamplingParams, Sequence};
+use crate::model::{Adapter, KvCache, Model, Projection};
+use crate::store::{AdapterInfo, Loaded, Store};
+use candle_core::Tensor;
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -31,6 +33,8 @@ pub struct AbsorbJob {
 pub trait JobEvents: Send + Sync {
     fn absorb(&self, id: &str, cancel: &Arc<AtomicBool>, update: JobUpdate);
     fn generated(&self, generation: &Generation);
+    /// A generation step is about to run `sequences` side by side.
+    fn batch(&self, _sequences: usize) {}
 }
 
 #[derive(Clone, Debug)]
@@ -150,6 +154,11 @@ pub struct GenerateJob {
     pub pieces: Option<tokio::sync::mpsc::UnboundedSender<String>>,
     pub reply: tokio::sync::oneshot::Sender<Result<Generated, EngineError>>,
     pub queued_at: Instant,
+    /// KV cache tokens the request may need (prompt + answer, an upper bound): the engine
+    /// refuses it when its memory budget cannot hold them.
+    pub kv_tokens: usize,
+    /// The part of the budget held for it (set by the engine; freed when the job is dropped).
+    pub kv_hold: Option<super::KvHold>,
 }
 
 pub enum Prompt {
@@ -174,59 +183,135 @@ pub struct Generated {
     pub generate_ms: f64,
 }
 
-pub(super) fn generate(model: &Model, store: &Store, events: &dyn JobEvents, job: GenerateJob) {
+/// A request in the batch: where its text and reply go, and what its report needs.
+pub(super) struct Running {
+    job: GenerateJob,
+    queue_ms: f64,
+    /// The document (chunk texts for the report) and its adapter, kept while the request runs.
+    loaded: Option<Arc<Loaded>>,
+}
+
+impl Running {
+    /// Sends a piece of text to the client; false when it is gone.
+    fn send(&self, piece: &str) -> bool {
+        !self.job.cancel.load(Ordering::SeqCst) && self.job.pieces.as_ref().is_none_or(|p| p.send(piece.to_string()).is_ok())
+    }
+
+    fn gone(&self) -> bool {
+        self.job.cancel.load(Ordering::SeqCst)
+    }
+}
+
+/// The store's adapter as the batch holds it (kept alive with its document).
+struct StoredAdapter(Arc<Loaded>);
+
+impl Adapter for StoredAdapter {
+    fn linear_delta(&self, layer: usize, proj: Projection, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
+        self.0.bundle.adapter.linear_delta(layer, proj, x)
+    }
+
+    fn mix_attention(&self, layer: usize, q: &Tensor, attn: Tensor) -> candle_core::Result<Tensor> {
+        self.0.bundle.adapter.mix_attention(layer, q, attn)
+    }
+
+    fn first_layer(&self) -> usize {
+        self.0.bundle.adapter.first_layer()
+    }
+}
+
+pub(super) type GenerationBatch<'m> = Batch<'m, AnswerHooks<'m>, Running>;
+
+/// Starts `job` in `batch`, or answers it at once (cancelled while it waited, or failing).
+pub(super) fn admit<'m>(model: &'m Model, store: &Store, batch: &mut GenerationBatch<'m>, mut job: GenerateJob) {
     if job.cancel.load(Ordering::SeqCst) {
         return; // the client left while the request waited
     }
     let queue_ms = job.queued_at.elapsed().as_secs_f64() * 1000.0;
-    let (cancel, pieces) = (&job.cancel, &job.pieces);
-    let mut on_text = |piece: &str| {
-        !cancel.load(Ordering::SeqCst) && pieces.as_ref().is_none_or(|p| p.send(piece.to_string()).is_ok())
-    };
-    let result = run_prompt(model, store, &job.prompt, &job.params, &mut on_text).map(|(out, chunks)| {
-        events.generated(&out);
-        Generated {
-            chunks,
-            completion_tokens: out.tokens.len(),
-            prompt_tokens: out.prompt_tokens,
-            finish_reason: out.finish_reason,
-            queue_ms,
-            prompt_ms: out.prompt_ms,
-            generate_ms: out.generate_ms,
-            text: out.text,
+    match start(model, store, &job) {
+        Ok((seq, loaded, adapter)) => {
+            // The budget held what the request could take; keep what its sequence needs.
+            if let Some(hold) = job.kv_hold.as_mut() {
+                hold.shrink_to(seq.cache_tokens());
+            }
+            let adapter_key = loaded.as_ref().filter(|_| adapter).map_or(0, |l| Arc::as_ptr(l) as usize);
+            let adapter = loaded.clone().filter(|_| adapter).map(|l| Arc::new(StoredAdapter(l)) as Arc<dyn Adapter>);
+            batch.join(Entry { seq, adapter, adapter_key, data: Running { job, queue_ms, loaded } });
         }
-    });
-    let _ = job.reply.send(result);
+        Err(e) => {
+            let _ = job.reply.send(Err(e));
+        }
+    }
 }
 
-type ChunkTexts = Vec<(ChunkScore, String)>;
+type Started<'m> = (Sequence<'m, AnswerHooks<'m>>, Option<Arc<Loaded>>, bool);
 
-fn run_prompt(
-    model: &Model,
-    store: &Store,
-    prompt: &Prompt,
-    params: &SamplingParams,
-    on_text: &mut dyn FnMut(&str) -> bool,
-) -> Result<(Generation, ChunkTexts), EngineError> {
-    match prompt {
+/// The sequence of a request, the document it reads and whether its adapter answers.
+fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Started<'m>, EngineError> {
+    match &job.prompt {
         Prompt::Document { id, question, mode, context_tokens, blob } => {
             let loaded = store.get(id, model, blob.as_ref()).map_err(|e| {
                 // Deleted while the request waited: the document is gone, not a server fault.
                 if store.adapter_dir(id).exists() { EngineError::from(e) } else { EngineError::UnknownDocument(id.clone()) }
             })?;
             let ask = Ask { question, mode: *mode, context_tokens: *context_tokens };
-            let a = answer(model, &loaded.document, Some(&loaded.bundle.adapter), &ask, params, on_text)?;
-            let doc = loaded.document.tokens();
-            let chunks = a
-                .chunks
-                .into_iter()
-                .map(|c| Ok((c, model.tokenizer.decode(&doc[c.start..c.end])?)))
-                .collect::<anyhow::Result<_>>()?;
-            Ok((a.generation, chunks))
+            let (_, seq) = prepare(model, &loaded.document, &ask, &job.params)?;
+            Ok((seq, Some(loaded), mode.uses_adapter()))
         }
         Prompt::Chat(ids) => {
-            let mut cache = KvCache::new(model.config().num_layers);
-            Ok((generate_tokens(model, ids, &mut cache, None, &mut NoHooks, params, on_text)?, Vec::new()))
+            let cache = KvCache::with_capacity(model.config().num_layers, ids.len() + job.params.max_tokens);
+            Ok((Sequence::new(model, ids.clone(), cache, job.params.clone(), None)?, None, false))
         }
     }
+}
+
+/// One step of the batch; finished requests get their reply, and every request fails with the
+/// error if the step does.
+pub(super) fn step(model: &Model, events: &dyn JobEvents, batch: &mut GenerationBatch) {
+    batch.cancel_where(Running::gone);
+    match batch.step(model, &mut |r: &mut Running, piece: &str| r.send(piece)) {
+        Ok(done) => {
+            for e in done {
+                finish(model, events, e);
+            }
+        }
+        Err(e) => {
+            let msg = format!("{e:#}");
+            tracing::error!(error = %msg, sequences = batch.len(), "generation step failed");
+            for e in batch.drain() {
+                let _ = e.data.job.reply.send(Err(EngineError::Failed(msg.clone())));
+            }
+        }
+    }
+}
+
+fn finish(model: &Model, events: &dyn JobEvents, e: Entry<'_, AnswerHooks<'_>, Running>) {
+    let Entry { seq, data, .. } = e;
+    if data.gone() {
+        return; // nobody to answer; dropping the entry frees its cache and budget
+    }
+    let (out, _, hooks) = seq.into_parts();
+    events.generated(&out);
+    let chunks = match (chunk_scores(&hooks), &data.loaded) {
+        (Ok(scores), Some(loaded)) => {
+            let doc = loaded.document.tokens();
+            scores
+                .into_iter()
+                .map(|c| Ok((c, model.tokenizer.decode(&doc[c.start..c.end])?)))
+                .collect::<anyhow::Result<Vec<_>>>()
+                .map_err(EngineError::from)
+        }
+        (Ok(_), None) => Ok(Vec::new()),
+        (Err(e), _) => Err(EngineError::from(e)),
+    };
+    let result = chunks.map(|chunks| Generated {
+        chunks,
+        completion_tokens: out.tokens.len(),
+        prompt_tokens: out.prompt_tokens,
+        finish_reason: out.finish_reason,
+        queue_ms: data.queue_ms,
+        prompt_ms: out.prompt_ms,
+        generate_ms: out.generate_ms,
+        text: out.text,
+    });
+    let _ = data.job.reply.send(result);
 }

@@ -2,8 +2,11 @@
 //! by a bounded queue of typed [`Job`]s:
 //! - the **training** thread absorbs one document at a time ([`AbsorbJob`]: train, save to the
 //!   store) — training a second document concurrently would only oversubscribe the cores;
-//! - the **generation** thread answers one request at a time ([`GenerateJob`]: a question about a
-//!   stored document through [`crate::lift::answer::answer`], or a plain chat prompt).
+//! - the **generation** thread answers many requests at once ([`GenerateJob`]: a question about
+//!   a stored document, or a plain chat prompt) by continuous batching ([`batcher`]): requests
+//!   join and leave the running batch at any step, each with its own adapter. Admission is
+//!   bounded twice: by the queue, and by a KV cache memory budget (a request whose cache would
+//!   not fit is refused, 429, rather than slowing everyone down).
 //!
 //! Both share one `Arc<Model>` (the decoder is immutable and `Sync`). A training step cannot be
 //! interrupted part-way, so instead of interleaving generation between training steps on one
@@ -14,6 +17,7 @@
 //! [`JobEvents`] it was started with (the service's document records), a generation answers
 //! through its own channels.
 
+pub mod batcher;
 mod jobs;
 
 pub use jobs::{AbsorbJob, AbsorbOutcome, GenerateJob, Generated, JobEvents, JobProgress, JobUpdate, Prompt};
@@ -21,7 +25,7 @@ pub use jobs::{AbsorbJob, AbsorbOutcome, GenerateJob, Generated, JobEvents, JobP
 use crate::model::Model;
 use crate::store::Store;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, Mutex};
 
 /// Model work the engine runs.
@@ -56,6 +60,9 @@ pub enum EngineError {
     /// The queue is full: try again later (429).
     #[error("the queue is full")]
     QueueFull,
+    /// The KV cache budget cannot hold the request now (429): try again later.
+    #[error("the generation memory budget is full ({needed} KV tokens asked, {free} free of {budget})")]
+    MemoryFull { needed: usize, free: usize, budget: usize },
     /// The engine is shutting down (503).
     #[error("the engine is shutting down")]
     Closed,
@@ -86,6 +93,8 @@ struct Context {
     model: Arc<Model>,
     store: Arc<Store>,
     events: Arc<dyn JobEvents>,
+    /// Most sequences in the generation batch.
+    max_batch: usize,
 }
 
 struct Worker {
@@ -94,7 +103,7 @@ struct Worker {
     capacity: usize,
     /// Jobs waiting (not yet started), and places reserved for jobs about to be submitted.
     depth: Arc<AtomicUsize>,
-    /// Jobs running (0 or 1).
+    /// Jobs running (training: 0 or 1; generation: the batch).
     busy: Arc<AtomicUsize>,
     handle: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
@@ -105,21 +114,14 @@ impl Worker {
         let (tx, rx) = sync_channel::<Job>(capacity);
         let depth = Arc::new(AtomicUsize::new(0));
         let busy = Arc::new(AtomicUsize::new(0));
-        let (d, b) = (depth.clone(), busy.clone());
+        let counters = Counters { depth: depth.clone(), busy: busy.clone() };
         let name = match lane {
             Lane::Train => "lift-train",
             Lane::Generate => "lift-generate",
         };
-        let handle = std::thread::Builder::new().name(name.to_string()).spawn(move || {
-            while let Ok(job) = rx.recv() {
-                d.fetch_sub(1, Ordering::SeqCst);
-                b.store(1, Ordering::SeqCst);
-                // A panic in one job must not take the worker down.
-                if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| run(&ctx, job))).is_err() {
-                    tracing::error!(thread = name, "engine job panicked");
-                }
-                b.store(0, Ordering::SeqCst);
-            }
+        let handle = std::thread::Builder::new().name(name.to_string()).spawn(move || match lane {
+            Lane::Train => run_one_at_a_time(&ctx, rx, &counters),
+            Lane::Generate => run_batched(&ctx, rx, &counters),
         })?;
         Ok(Self { lane, tx: Mutex::new(Some(tx)), capacity, depth, busy, handle: Mutex::new(Some(handle)) })
     }
@@ -148,11 +150,110 @@ impl Worker {
     }
 }
 
-fn run(ctx: &Context, job: Job) {
-    match job {
-        Job::Absorb(job) => jobs::absorb(&ctx.model, &ctx.store, &*ctx.events, job),
-        Job::Generate(job) => jobs::generate(&ctx.model, &ctx.store, &*ctx.events, job),
-        Job::Hold { until, .. } => while until.recv().is_ok() {},
+/// A lane's queue figures, as its thread updates them.
+struct Counters {
+    /// Jobs waiting in the channel (and places reserved for jobs about to be submitted).
+    depth: Arc<AtomicUsize>,
+    /// Jobs running.
+    busy: Arc<AtomicUsize>,
+}
+
+/// The training lane: one job at a time.
+fn run_one_at_a_time(ctx: &Context, rx: Receiver<Job>, counters: &Counters) {
+    while let Ok(job) = rx.recv() {
+        counters.depth.fetch_sub(1, Ordering::SeqCst);
+        counters.busy.store(1, Ordering::SeqCst);
+        // A panic in one job must not take the worker down.
+        let run = || match job {
+            Job::Absorb(job) => jobs::absorb(&ctx.model, &ctx.store, &*ctx.events, job),
+            Job::Generate(job) => {
+                let _ = job.reply.send(Err(EngineError::WrongLane));
+            }
+            Job::Hold { until, .. } => while until.recv().is_ok() {},
+        };
+        if std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).is_err() {
+            tracing::error!("training job panicked");
+        }
+        counters.busy.store(0, Ordering::SeqCst);
+    }
+}
+
+/// The generation lane: continuous batching. Waits for work when idle; otherwise takes what has
+/// arrived (up to the batch's room) before each step.
+fn run_batched(ctx: &Context, rx: Receiver<Job>, counters: &Counters) {
+    let model = &*ctx.model;
+    let mut batch = jobs::GenerationBatch::new(ctx.max_batch, crate::model::generate::PREFILL_CHUNK);
+    let mut open = true;
+    loop {
+        while open && batch.has_room() {
+            let job = if batch.is_empty() {
+                rx.recv().ok()
+            } else {
+                match rx.try_recv() {
+                    Ok(job) => Some(job),
+                    Err(TryRecvError::Empty) => break,
+                    Err(TryRecvError::Disconnected) => None,
+                }
+            };
+            let Some(job) = job else {
+                open = false;
+                break;
+            };
+            counters.depth.fetch_sub(1, Ordering::SeqCst);
+            match job {
+                Job::Generate(job) => {
+                    let admitted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                        jobs::admit(model, &ctx.store, &mut batch, job)
+                    }));
+                    if admitted.is_err() {
+                        tracing::error!("starting a generation panicked");
+                    }
+                }
+                Job::Hold { until, .. } => {
+                    counters.busy.store(batch.len() + 1, Ordering::SeqCst);
+                    while until.recv().is_ok() {}
+                }
+                Job::Absorb(job) => {
+                    tracing::error!(id = %job.id, "an absorb job reached the generation lane");
+                }
+            }
+            counters.busy.store(batch.len(), Ordering::SeqCst);
+        }
+        if batch.is_empty() {
+            if open {
+                continue;
+            }
+            return;
+        }
+        ctx.events.batch(batch.len());
+        let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| jobs::step(model, &*ctx.events, &mut batch)));
+        if stepped.is_err() {
+            tracing::error!(sequences = batch.len(), "a generation step panicked; its requests are dropped");
+            batch.drain();
+        }
+        counters.busy.store(batch.len(), Ordering::SeqCst);
+    }
+}
+
+/// KV cache tokens held for one generation out of the engine's budget; given back when dropped.
+pub struct KvHold {
+    reserved: Arc<AtomicUsize>,
+    tokens: usize,
+}
+
+impl KvHold {
+    /// Keeps only `tokens` (never grows the hold).
+    pub fn shrink_to(&mut self, tokens: usize) {
+        if tokens < self.tokens {
+            self.reserved.fetch_sub(self.tokens - tokens, Ordering::SeqCst);
+            self.tokens = tokens;
+        }
+    }
+}
+
+impl Drop for KvHold {
+    fn drop(&mut self) {
+        self.reserved.fetch_sub(self.tokens, Ordering::SeqCst);
     }
 }
 
@@ -188,10 +289,24 @@ impl Drop for Reservation<'_> {
     }
 }
 
+/// How much generation the engine takes on at once.
+#[derive(Clone, Copy, Debug)]
+pub struct GenerateLimits {
+    /// Requests waiting for a place in the batch.
+    pub queue: usize,
+    /// Most sequences in the running batch.
+    pub max_batch: usize,
+    /// KV cache tokens all admitted requests may hold together (prompt + answer each).
+    pub kv_tokens: usize,
+}
+
 pub struct Engine {
     pub model: Arc<Model>,
     train: Worker,
     gen: Worker,
+    limits: GenerateLimits,
+    /// KV cache tokens held by admitted generations (waiting or running).
+    kv_reserved: Arc<AtomicUsize>,
 }
 
 impl Engine {
@@ -202,13 +317,15 @@ impl Engine {
         store: Arc<Store>,
         events: Arc<dyn JobEvents>,
         train_capacity: usize,
-        gen_capacity: usize,
+        limits: GenerateLimits,
     ) -> std::io::Result<Self> {
-        let ctx = Arc::new(Context { model: model.clone(), store, events });
+        let ctx = Arc::new(Context { model: model.clone(), store, events, max_batch: limits.max_batch });
         Ok(Self {
             train: Worker::start(Lane::Train, ctx.clone(), train_capacity)?,
-            gen: Worker::start(Lane::Generate, ctx, gen_capacity)?,
+            gen: Worker::start(Lane::Generate, ctx, limits.queue)?,
             model,
+            limits,
+            kv_reserved: Arc::new(AtomicUsize::new(0)),
         })
     }
 
@@ -219,9 +336,22 @@ impl Engine {
         }
     }
 
-    /// Queues `job` on its lane.
-    pub fn submit(&self, job: Job) -> Result<(), EngineError> {
-        self.worker(job.lane()).reserve()?.submit(job)
+    /// Queues `job` on its lane; a generation first takes its KV tokens from the budget.
+    pub fn submit(&self, mut job: Job) -> Result<(), EngineError> {
+        let place = self.worker(job.lane()).reserve()?;
+        if let Job::Generate(g) = &mut job {
+            g.kv_hold = Some(self.hold_kv(g.kv_tokens)?);
+        }
+        place.submit(job)
+    }
+
+    /// Takes `tokens` from the KV budget, or says how full it is.
+    fn hold_kv(&self, tokens: usize) -> Result<KvHold, EngineError> {
+        let budget = self.limits.kv_tokens;
+        self.kv_reserved
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |r| (r + tokens <= budget).then_some(r + tokens))
+            .map_err(|held| EngineError::MemoryFull { needed: tokens, free: budget.saturating_sub(held), budget })?;
+        Ok(KvHold { reserved: self.kv_reserved.clone(), tokens })
     }
 
     /// Holds a place in a queue, so that a request is refused (429) before it writes anything.
@@ -237,6 +367,15 @@ impl Engine {
     /// (waiting, running) generation requests.
     pub fn generate_queue(&self) -> (usize, usize) {
         self.gen.queue()
+    }
+
+    /// (held, budget) KV cache tokens of the generations admitted.
+    pub fn kv_tokens(&self) -> (usize, usize) {
+        (self.kv_reserved.load(Ordering::SeqCst), self.limits.kv_tokens)
+    }
+
+    pub fn limits(&self) -> GenerateLimits {
+        self.limits
     }
 
     /// Stops accepting work; the workers finish what they hold and exit. Returns their handles.

@@ -8,8 +8,8 @@
 use super::filter::{self, ChunkScore, FilterHooks};
 use crate::document::Document;
 use super::prompt::{chat_with_context, elision_tokens, head_tail, kept_ranges};
-use crate::model::generate::{generate, Generation, SamplingParams};
-use crate::model::{Adapter, KvCache, Model, NoHooks};
+use crate::model::generate::{run_alone, Generation, SamplingParams, Sequence};
+use crate::model::{Adapter, KvCache, Model};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 
@@ -118,6 +118,30 @@ pub struct Answer {
     pub chunks: Vec<ChunkScore>,
 }
 
+/// The hooks an answer runs with: the prepared base's FltLM filter when the prompt has chunks.
+pub type AnswerHooks<'m> = Option<FilterHooks<'m>>;
+
+/// An answer ready to run, alone ([`answer`]) or in the server's batch: its prompt and its
+/// sequence, with FltLM hooks when the prompt's context is laid out in chunks.
+pub fn prepare<'m>(
+    model: &'m Model,
+    doc: &Document,
+    ask: &Ask,
+    params: &SamplingParams,
+) -> Result<(AnswerPrompt, Sequence<'m, AnswerHooks<'m>>)> {
+    let prompt = build_prompt(model, doc, ask, params.max_tokens)?;
+    let layers = model.config().num_layers;
+    let hooks = model.base_filter().filter(|_| !prompt.chunks.is_empty()).map(|f| FilterHooks::new(f, &prompt.chunks, layers));
+    let cache = KvCache::with_capacity(layers, prompt.tokens.len() + params.max_tokens);
+    let seq = Sequence::new(model, prompt.tokens.clone(), cache, params.clone(), hooks)?;
+    Ok((prompt, seq))
+}
+
+/// Each in-context chunk's FltLM score and mask, once the answer's prompt has run.
+pub fn chunk_scores(hooks: &AnswerHooks) -> Result<Vec<ChunkScore>> {
+    hooks.as_ref().map_or(Ok(Vec::new()), |h| h.report())
+}
+
 /// Answers `ask` about `doc`; `adapter` (a detached, inference copy) is used in `lift` and
 /// `memory` modes. With the prepared base's FltLM filter, in every mode with context, the context
 /// is laid out in chunks with markers, scored and softly masked in the same pass. Streams text
@@ -131,14 +155,8 @@ pub fn answer(
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<Answer> {
     let adapter = if ask.mode.uses_adapter() { adapter } else { None };
-    let prompt = build_prompt(model, doc, ask, params.max_tokens)?;
-    let mut cache = KvCache::new(model.config().num_layers);
-    let Some(filter) = model.base_filter().filter(|_| !prompt.chunks.is_empty()) else {
-        let generation = generate(model, &prompt.tokens, &mut cache, adapter, &mut NoHooks, params, on_text)?;
-        return Ok(Answer { prompt, generation, chunks: Vec::new() });
-    };
-    let mut hooks = FilterHooks::new(filter, &prompt.chunks, model.config().num_layers);
-    let generation = generate(model, &prompt.tokens, &mut cache, adapter, &mut hooks, params, on_text)?;
-    let chunks = hooks.report()?;
+    let (prompt, seq) = prepare(model, doc, ask, params)?;
+    let (generation, _, hooks) = run_alone(model, seq, adapter, on_text)?;
+    let chunks = chunk_scores(&hooks)?;
     Ok(Answer { prompt, generation, chunks })
 }

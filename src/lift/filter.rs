@@ -426,7 +426,8 @@ pub fn qa_examples(
 /// filter: reads scores at layer N, biases the attention of the layers above it.
 pub struct FilterHooks<'a> {
     filter: &'a Filter,
-    chunks: &'a [Chunk],
+    /// Its own copy of the layout, so a generation in a batch can hold its hooks.
+    chunks: Vec<Chunk>,
     num_layers: usize,
     /// Positions already processed by earlier forward calls.
     seen: usize,
@@ -437,8 +438,8 @@ pub struct FilterHooks<'a> {
 }
 
 impl<'a> FilterHooks<'a> {
-    pub fn new(filter: &'a Filter, chunks: &'a [Chunk], num_layers: usize) -> Self {
-        Self { filter, chunks, num_layers, seen: 0, scores: vec![None; chunks.len()], bias: None }
+    pub fn new(filter: &'a Filter, chunks: &[Chunk], num_layers: usize) -> Self {
+        Self { filter, chunks: chunks.to_vec(), num_layers, seen: 0, scores: vec![None; chunks.len()], bias: None }
     }
 
     /// Scores `[n]` of every chunk (all markers must have been seen).

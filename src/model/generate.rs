@@ -2,7 +2,7 @@
 //! EOS, and streaming of decoded text through a callback.
 
 use super::hooks::{Adapter, ForwardHooks};
-use super::llama::{KvCache, Logits};
+use super::llama::{KvCache, SeqInput};
 use super::Model;
 use anyhow::Result;
 use candle_core::Tensor;
@@ -73,8 +73,10 @@ impl Generation {
     }
 }
 
-/// Prompt tokens processed per forward pass: bounds the attention score matrix of long prompts.
-pub const PREFILL_CHUNK: usize = 512;
+/// Prompt tokens processed per forward pass: bounds the attention score matrix of long prompts,
+/// and how long a batch of decoding sequences waits for a newcomer's prompt step (chunked
+/// prefill). One size for alone and batched, so a prompt is cut the same way in both.
+pub const PREFILL_CHUNK: usize = 256;
 
 /// Picks the next token from a logits vector.
 pub struct Sampler {
@@ -161,22 +163,26 @@ pub fn prefill(
     hooks: &mut dyn ForwardHooks,
 ) -> Result<Tensor> {
     anyhow::ensure!(!ids.is_empty(), "empty prompt");
-    let window = model.config().max_position_embeddings;
-    if cache.len() + ids.len() > window {
-        return Err(ContextLengthExceeded { prompt: cache.len() + ids.len(), window }.into());
-    }
-    let dev = model.device();
+    check_window(model, cache.len() + ids.len())?;
     let mut last = None;
     for chunk in ids.chunks(PREFILL_CHUNK) {
-        let input = Tensor::new(chunk, dev)?.unsqueeze(0)?;
-        last = Some(model.decoder.forward(&input, cache, adapter, hooks, Logits::Last)?);
+        let input = SeqInput { ids: chunk, cache: &mut *cache, adapter, adapter_key: 0, hooks: &mut *hooks };
+        last = Some(model.decoder.forward_batch(&mut [input])?);
     }
     Ok(last.expect("at least one chunk").squeeze(0)?)
 }
 
+fn check_window(model: &Model, tokens: usize) -> Result<()> {
+    let window = model.config().max_position_embeddings;
+    if tokens > window {
+        return Err(ContextLengthExceeded { prompt: tokens, window }.into());
+    }
+    Ok(())
+}
+
 /// Generates a continuation of `prompt` (token ids, after what `cache` already holds).
 /// `on_text` receives each newly decoded piece of text (stop strings never leak into it) and
-/// returns `false` to cancel.
+/// returns `false` to cancel. A [`Sequence`] run alone: the same steps as in a batch.
 pub fn generate(
     model: &Model,
     prompt: &[u32],
@@ -186,65 +192,202 @@ pub fn generate(
     params: &SamplingParams,
     on_text: &mut dyn FnMut(&str) -> bool,
 ) -> Result<Generation> {
-    let dev = model.device().clone();
-    let max_pos = model.config().max_position_embeddings;
-    let t0 = Instant::now();
-    let mut logits = prefill(model, prompt, cache, adapter, hooks)?;
-    let prompt_ms = t0.elapsed().as_secs_f64() * 1e3;
+    let held = std::mem::replace(cache, KvCache::new(0));
+    let seq = Sequence::new(model, prompt.to_vec(), held, params.clone(), hooks)?;
+    let (generation, held, _) = run_alone(model, seq, adapter, on_text)?;
+    *cache = held;
+    Ok(generation)
+}
 
-    let t1 = Instant::now();
-    let mut sampler = Sampler::new(params);
-    let eos = model.tokenizer.eos_token_ids().to_vec();
-    let mut stream = model.tokenizer.decode_stream();
-    let mut text = String::new();
-    let mut emitted = 0usize;
-    let mut tokens = Vec::new();
-    let mut finish = FinishReason::Length;
-    while tokens.len() < params.max_tokens && cache.len() < max_pos {
-        let next = sampler.sample(&logits.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?);
-        if eos.contains(&next) {
-            finish = FinishReason::Stop;
-            break;
-        }
-        tokens.push(next);
-        if let Some(piece) = stream.push(next)? {
-            text.push_str(&piece);
-            if let Some(cut) = find_stop(&text, &params.stop) {
-                text.truncate(cut);
-                if cut > emitted && !on_text(&text[emitted..cut]) {
-                    finish = FinishReason::Cancelled;
-                    break;
-                }
-                emitted = cut;
-                finish = FinishReason::Stop;
-                break;
-            }
-            let safe = text.len() - held_back(&text, &params.stop);
-            if safe > emitted {
-                if !on_text(&text[emitted..safe]) {
-                    finish = FinishReason::Cancelled;
-                    break;
-                }
-                emitted = safe;
-            }
-        }
-        if tokens.len() >= params.max_tokens {
-            break;
-        }
-        let input = Tensor::new(&[next], &dev)?.unsqueeze(0)?;
-        logits = model.decoder.forward(&input, cache, adapter, hooks, Logits::Last)?.squeeze(0)?;
+/// Runs `seq` to its end on its own (a batch of one).
+pub fn run_alone<'m, H: ForwardHooks>(
+    model: &'m Model,
+    mut seq: Sequence<'m, H>,
+    adapter: Option<&dyn Adapter>,
+    on_text: &mut dyn FnMut(&str) -> bool,
+) -> Result<(Generation, KvCache, H)> {
+    while !seq.is_finished() {
+        let logits = model.decoder.forward_batch(&mut [seq.input(adapter, 0)])?;
+        seq.advance(&logits, 0, on_text)?;
     }
-    if finish != FinishReason::Cancelled && text.len() > emitted {
-        on_text(&text[emitted..]);
+    Ok(seq.into_parts())
+}
+
+/// One generation in progress: the prompt still to feed (in chunks of [`PREFILL_CHUNK`]), its
+/// KV cache, its hooks, and the decoding state (sampler, EOS, stop strings, streamed text).
+/// [`generate`] runs one alone; the engine's batcher runs many side by side through
+/// `Decoder::forward_batch`, so the same code picks every token either way.
+pub struct Sequence<'m, H> {
+    pub cache: KvCache,
+    pub hooks: H,
+    prompt: Vec<u32>,
+    /// Prompt tokens already in the cache.
+    fed: usize,
+    /// The token sampled last, to feed next.
+    next: Option<u32>,
+    params: SamplingParams,
+    sampler: Sampler,
+    eos: Vec<u32>,
+    window: usize,
+    stream: super::tokenizer::DecodeStream<'m>,
+    text: String,
+    emitted: usize,
+    tokens: Vec<u32>,
+    finish: Option<FinishReason>,
+    started: Instant,
+    prompt_ms: f64,
+    decode_started: Option<Instant>,
+}
+
+impl<'m, H: ForwardHooks> Sequence<'m, H> {
+    /// A generation of `prompt` after what `cache` holds; refused when the prompt does not fit
+    /// the model's window.
+    pub fn new(model: &'m Model, prompt: Vec<u32>, cache: KvCache, params: SamplingParams, hooks: H) -> Result<Self> {
+        anyhow::ensure!(!prompt.is_empty(), "empty prompt");
+        check_window(model, cache.len() + prompt.len())?;
+        Ok(Self {
+            cache,
+            hooks,
+            prompt,
+            fed: 0,
+            next: None,
+            sampler: Sampler::new(&params),
+            params,
+            eos: model.tokenizer.eos_token_ids().to_vec(),
+            window: model.config().max_position_embeddings,
+            stream: model.tokenizer.decode_stream(),
+            text: String::new(),
+            emitted: 0,
+            tokens: Vec::new(),
+            finish: None,
+            started: Instant::now(),
+            prompt_ms: 0.0,
+            decode_started: None,
+        })
     }
-    Ok(Generation {
-        text,
-        tokens,
-        prompt_tokens: prompt.len(),
-        finish_reason: finish,
-        prompt_ms,
-        generate_ms: t1.elapsed().as_secs_f64() * 1e3,
-    })
+
+    pub fn is_finished(&self) -> bool {
+        self.finish.is_some()
+    }
+
+    /// Still feeding its prompt.
+    pub fn in_prefill(&self) -> bool {
+        self.fed < self.prompt.len()
+    }
+
+    /// Tokens its cache holds at the end at most (what is there, the prompt, the answer).
+    pub fn cache_tokens(&self) -> usize {
+        (self.cache.len() + self.prompt_left() + self.params.max_tokens.saturating_sub(self.tokens.len())).min(self.window)
+    }
+
+    /// Prompt tokens still to feed.
+    pub fn prompt_left(&self) -> usize {
+        self.prompt.len() - self.fed
+    }
+
+    /// The tokens its next step feeds: the next prompt chunk, or the token sampled last.
+    pub fn pending(&self) -> &[u32] {
+        if self.is_finished() {
+            return &[];
+        }
+        if self.in_prefill() {
+            let end = (self.fed + PREFILL_CHUNK).min(self.prompt.len());
+            return &self.prompt[self.fed..end];
+        }
+        self.next.as_ref().map_or(&[], std::slice::from_ref)
+    }
+
+    /// Its part of the next forward step, with `adapter` active (`key`: see `SeqInput`).
+    pub fn input<'s>(&'s mut self, adapter: Option<&'s dyn Adapter>, key: usize) -> SeqInput<'s> {
+        let ids = if self.in_prefill() {
+            &self.prompt[self.fed..(self.fed + PREFILL_CHUNK).min(self.prompt.len())]
+        } else {
+            self.next.as_ref().map_or(&[][..], std::slice::from_ref)
+        };
+        SeqInput { ids, cache: &mut self.cache, adapter, adapter_key: key, hooks: &mut self.hooks }
+    }
+
+    /// Takes row `row` of a step's logits (`[n, vocab]`) after `pending()` went through the
+    /// model: a prompt chunk moves on; after the prompt, the next token is picked, streamed
+    /// through `on_text` and checked against EOS, stop strings and the limits.
+    pub fn advance(&mut self, logits: &Tensor, row: usize, on_text: &mut dyn FnMut(&str) -> bool) -> Result<()> {
+        if self.is_finished() {
+            return Ok(());
+        }
+        if self.in_prefill() {
+            self.fed = (self.fed + PREFILL_CHUNK).min(self.prompt.len());
+            if self.in_prefill() {
+                return Ok(());
+            }
+            self.prompt_ms = self.started.elapsed().as_secs_f64() * 1e3;
+            self.decode_started = Some(Instant::now());
+        }
+        if self.tokens.len() >= self.params.max_tokens || self.cache.len() >= self.window {
+            return self.end(FinishReason::Length, on_text);
+        }
+        let row = logits.get(row)?.to_dtype(candle_core::DType::F32)?.to_vec1::<f32>()?;
+        let next = self.sampler.sample(&row);
+        if self.eos.contains(&next) {
+            return self.end(FinishReason::Stop, on_text);
+        }
+        self.tokens.push(next);
+        self.next = Some(next);
+        if let Some(piece) = self.stream.push(next)? {
+            self.text.push_str(&piece);
+            if let Some(cut) = find_stop(&self.text, &self.params.stop) {
+                self.text.truncate(cut);
+                if cut > self.emitted && !on_text(&self.text[self.emitted..cut]) {
+                    self.finish = Some(FinishReason::Cancelled);
+                    return Ok(());
+                }
+                self.emitted = cut;
+                return self.end(FinishReason::Stop, on_text);
+            }
+            let safe = self.text.len() - held_back(&self.text, &self.params.stop);
+            if safe > self.emitted {
+                if !on_text(&self.text[self.emitted..safe]) {
+                    self.finish = Some(FinishReason::Cancelled);
+                    return Ok(());
+                }
+                self.emitted = safe;
+            }
+        }
+        if self.tokens.len() >= self.params.max_tokens {
+            return self.end(FinishReason::Length, on_text);
+        }
+        Ok(())
+    }
+
+    /// Stops it (the client went away): nothing more is streamed.
+    pub fn cancel(&mut self) {
+        if self.finish.is_none() {
+            self.finish = Some(FinishReason::Cancelled);
+        }
+    }
+
+    /// Finishes with `reason`, streaming the text held back for stop strings.
+    fn end(&mut self, reason: FinishReason, on_text: &mut dyn FnMut(&str) -> bool) -> Result<()> {
+        self.finish = Some(reason);
+        if self.text.len() > self.emitted {
+            on_text(&self.text[self.emitted..]);
+            self.emitted = self.text.len();
+        }
+        Ok(())
+    }
+
+    /// The generation (its figures so far when not finished), the cache and the hooks.
+    pub fn into_parts(self) -> (Generation, KvCache, H) {
+        let generate_ms = self.decode_started.map_or(0.0, |t| t.elapsed().as_secs_f64() * 1e3);
+        let generation = Generation {
+            text: self.text,
+            tokens: self.tokens,
+            prompt_tokens: self.prompt.len(),
+            finish_reason: self.finish.unwrap_or(FinishReason::Cancelled),
+            prompt_ms: self.prompt_ms,
+            generate_ms,
+        };
+        (generation, self.cache, self.hooks)
+    }
 }
 
 /// Byte offset where the earliest stop string starts, if any occurs.

@@ -92,3 +92,33 @@ pub trait ForwardHooks {
 /// Hooks that do nothing.
 pub struct NoHooks;
 impl ForwardHooks for NoHooks {}
+
+/// Borrowed hooks are hooks (so a caller can lend its hooks to a [`super::generate::Sequence`]).
+impl<H: ForwardHooks + ?Sized> ForwardHooks for &mut H {
+    fn after_layer(&mut self, layer: usize, hidden: &Tensor) -> Result<()> {
+        (**self).after_layer(layer, hidden)
+    }
+
+    fn attention_bias(&self, layer: usize, q_start: usize, q_len: usize, k_len: usize) -> Result<Option<Tensor>> {
+        (**self).attention_bias(layer, q_start, q_len, k_len)
+    }
+
+    fn first_trainable_layer(&self) -> Option<usize> {
+        (**self).first_trainable_layer()
+    }
+}
+
+/// Optional hooks: `None` does nothing (a batch whose sequences differ in having hooks).
+impl<H: ForwardHooks> ForwardHooks for Option<H> {
+    fn after_layer(&mut self, layer: usize, hidden: &Tensor) -> Result<()> {
+        self.as_mut().map_or(Ok(()), |h| h.after_layer(layer, hidden))
+    }
+
+    fn attention_bias(&self, layer: usize, q_start: usize, q_len: usize, k_len: usize) -> Result<Option<Tensor>> {
+        self.as_ref().map_or(Ok(None), |h| h.attention_bias(layer, q_start, q_len, k_len))
+    }
+
+    fn first_trainable_layer(&self) -> Option<usize> {
+        self.as_ref().and_then(|h| h.first_trainable_layer())
+    }
+}

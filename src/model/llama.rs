@@ -90,6 +90,30 @@ pub enum Logits {
     All,
 }
 
+/// One sequence's part of a [`Decoder::forward_batch`] step.
+pub struct SeqInput<'s> {
+    /// The tokens to append: a prompt chunk, or the one token sampled last.
+    pub ids: &'s [u32],
+    pub cache: &'s mut KvCache,
+    pub adapter: Option<&'s dyn Adapter>,
+    /// Equal for sequences that share one adapter (0: none): their deltas run as one matmul.
+    pub adapter_key: usize,
+    pub hooks: &'s mut dyn ForwardHooks,
+}
+
+/// The most rows one adapter-delta matmul takes in a batch. Up to this many rows a float
+/// matmul's rows come out exactly as they do in a matmul of two rows (the shape a sequence's
+/// delta gets alone, see `Lora::linear_delta`); far beyond it the CPU gemm changes strategy.
+pub const SHARED_DELTA_ROWS: usize = 32;
+
+/// How a batch's rows are laid out: `order[j]` is the sequence whose rows are `spans[j]`;
+/// `float[i]` says whether sequence `i` goes through the float weights.
+struct BatchPlan<'a> {
+    order: &'a [usize],
+    spans: &'a [std::ops::Range<usize>],
+    float: &'a [bool],
+}
+
 /// Per-sequence-batch key/value cache for the inference path; grows by doubling.
 pub struct KvCache {
     layers: Vec<Option<(Tensor, Tensor)>>,
@@ -99,7 +123,14 @@ pub struct KvCache {
 
 impl KvCache {
     pub fn new(num_layers: usize) -> Self {
-        Self { layers: (0..num_layers).map(|_| None).collect(), len: 0, capacity: 0 }
+        Self::with_capacity(num_layers, 0)
+    }
+
+    /// A cache whose buffers are made for `tokens` tokens at the first append (it still grows
+    /// past them): a generation that knows its length never copies its cache to grow it, and
+    /// holds what the engine's memory budget counted for it.
+    pub fn with_capacity(num_layers: usize, tokens: usize) -> Self {
+        Self { layers: (0..num_layers).map(|_| None).collect(), len: 0, capacity: tokens }
     }
 
     /// Tokens already in the cache (the position of the next token).
@@ -330,13 +361,31 @@ impl Decoder {
         cache: Option<&mut KvCache>,
         hooks: &mut dyn ForwardHooks,
     ) -> Result<Tensor> {
-        let Positions { cos, sin, mask } = positions;
-        let cfg = &self.config;
-        let (b, t, _) = h.dims3()?;
-        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let q = ctx.linear(layer, Projection::Q, h)?;
         let k = ctx.linear(layer, Projection::K, h)?;
         let v = ctx.linear(layer, Projection::V, h)?;
+        let attn = self.attend(ctx.li, ctx.adapter, ctx.start, [&q, &k, &v], positions, cache, hooks)?;
+        ctx.linear(layer, Projection::O, &attn)
+    }
+
+    /// One sequence's attention from its projections `q`, `k`, `v` (`[b, t, heads·d]`, before
+    /// RoPE) at positions `start..start+t`: RoPE, the KV cache, the mask and the hooks' bias, then
+    /// the adapter's mix. Returns `[b, t, heads·d]`, the input of `o_proj`.
+    #[allow(clippy::too_many_arguments)]
+    fn attend(
+        &self,
+        li: usize,
+        adapter: Option<&dyn Adapter>,
+        start: usize,
+        [q, k, v]: [&Tensor; 3],
+        positions: Positions,
+        cache: Option<&mut KvCache>,
+        hooks: &mut dyn ForwardHooks,
+    ) -> Result<Tensor> {
+        let Positions { cos, sin, mask } = positions;
+        let cfg = &self.config;
+        let (b, t, _) = q.dims3()?;
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
         let q = q.reshape((b, t, nh, hd))?.transpose(1, 2)?.contiguous()?;
         let k = k.reshape((b, t, nkv, hd))?.transpose(1, 2)?.contiguous()?;
         let v = v.reshape((b, t, nkv, hd))?.transpose(1, 2)?;
@@ -344,16 +393,22 @@ impl Decoder {
         let q_rot = rope(&q, cos, sin)?;
         let k_rot = rope(&k, cos, sin)?;
         let (k_all, v_all) = match cache {
-            Some(cache) => cache.append(ctx.li, &k_rot, &v)?,
+            Some(cache) => cache.append(li, &k_rot, &v)?,
             None => (k_rot, v),
         };
         let tk = k_all.dim(2)?;
-        let bias = hooks.attention_bias(ctx.li, ctx.start, t, tk)?;
+        let bias = hooks.attention_bias(li, start, t, tk)?;
         let bias = bias.map(|b| b.to_dtype(q_rot.dtype())).transpose()?;
+        let mix = |attn: Tensor| -> Result<Tensor> {
+            let attn = match adapter {
+                Some(a) => a.mix_attention(li, &q, attn)?,
+                None => attn,
+            };
+            attn.transpose(1, 2)?.reshape((b, t, nh * hd))
+        };
         #[cfg(feature = "flash-attn")]
         if t > 1 && bias.is_none() && q_rot.device().is_cuda() {
-            let attn = flash_attention(&q_rot, &k_all, &v_all, cfg)?;
-            return self.finish_attention(ctx, layer, &q, attn);
+            return mix(flash_attention(&q_rot, &k_all, &v_all, cfg)?);
         }
 
         let g = cfg.kv_groups();
@@ -382,18 +437,138 @@ impl Decoder {
             Some(v) => probs.matmul(&v)?,
             None => probs.reshape((b, nkv, g, tk))?.matmul(&v_all)?.reshape((b, nh, 1, hd))?,
         };
-        self.finish_attention(ctx, layer, &q, attn)
+        mix(attn)
     }
 
-    /// Adapter mix and output projection of the inference attention (`attn` `[b, heads, t, d]`).
-    fn finish_attention(&self, ctx: &LayerCtx, layer: &DecoderLayer, q: &Tensor, attn: Tensor) -> Result<Tensor> {
-        let (b, nh, t, hd) = attn.dims4()?;
-        let attn = match ctx.adapter {
-            Some(a) => a.mix_attention(ctx.li, q, attn)?,
-            None => attn,
-        };
-        let attn = attn.transpose(1, 2)?.reshape((b, t, nh * hd))?;
-        ctx.linear(layer, Projection::O, &attn)
+    /// One inference step of many sequences at once (continuous batching): each appends its
+    /// `ids` after what its own cache holds, with its own adapter and hooks. The frozen base
+    /// runs batched — one matmul per projection for all decoding rows, which is what makes
+    /// serving many users cheaper than serving them in turn: decode reads every weight once per
+    /// step instead of once per user. Attention and the adapter's mix run per sequence (each has
+    /// its own cache and memory). Returns each sequence's last-position logits `[n, vocab]` (f32),
+    /// in the order given.
+    ///
+    /// A sequence gets exactly the arithmetic it gets alone: rows that would go through the
+    /// quantized weights alone (fewer than `float_prefill_min_rows`) share one quantized matmul
+    /// (row-independent), a prompt chunk gets its own float matmul, and an adapter's linear
+    /// deltas run over at most [`SHARED_DELTA_ROWS`] rows of the sequences that share it.
+    pub fn forward_batch(&self, seqs: &mut [SeqInput]) -> Result<Tensor> {
+        if seqs.is_empty() || seqs.iter().any(|s| s.ids.is_empty()) {
+            candle_core::bail!("a batch needs at least one sequence and one token per sequence");
+        }
+        let n = seqs.len();
+        let float: Vec<bool> = seqs.iter().map(|s| s.ids.len() >= self.float_prefill_min_rows).collect();
+        // Rows laid out with the quantized-path sequences first, grouped by adapter.
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by_key(|&i| (float[i], seqs[i].adapter_key));
+        let mut spans = Vec::with_capacity(n);
+        let mut rows = 0;
+        for &i in &order {
+            spans.push(rows..rows + seqs[i].ids.len());
+            rows += seqs[i].ids.len();
+        }
+        let ids: Vec<u32> = order.iter().flat_map(|&i| seqs[i].ids.iter().copied()).collect();
+        let mut x = self.embed(&Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?)?;
+        let mut tables = Vec::with_capacity(n);
+        for &i in &order {
+            let (start, t) = (seqs[i].cache.len(), seqs[i].ids.len());
+            let (cos, sin) = self.rope_slice(start, t)?;
+            let mask = causal_mask(t, start, self.config.sliding_window, &self.device)?;
+            tables.push((start, cos, sin, mask.map(|m| m.to_dtype(self.dtype)).transpose()?));
+        }
+        let plan = BatchPlan { order: &order, spans: &spans, float: &float };
+        let eps = self.config.rms_norm_eps as f32;
+        for (li, layer) in self.layers.iter().enumerate() {
+            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
+            let [q, k, v] = [Projection::Q, Projection::K, Projection::V]
+                .map(|p| self.batch_linear(li, layer, p, &h, &plan, seqs));
+            let (q, k, v) = (q?, k?, v?);
+            let mut parts = Vec::with_capacity(n);
+            for (j, &i) in order.iter().enumerate() {
+                let r = &spans[j];
+                let rows = |a: &Tensor| a.narrow(1, r.start, r.len());
+                let (start, cos, sin, mask) = &tables[j];
+                let positions = Positions { cos, sin, mask: mask.as_ref() };
+                let s = &mut seqs[i];
+                let qkv = [&rows(&q)?, &rows(&k)?, &rows(&v)?];
+                parts.push(self.attend(li, s.adapter, *start, qkv, positions, Some(&mut *s.cache), &mut *s.hooks)?);
+            }
+            let attn = if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(&parts, 1)? };
+            x = (x + self.batch_linear(li, layer, Projection::O, &attn, &plan, seqs)?)?;
+            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
+            let gate = self.batch_linear(li, layer, Projection::Gate, &h, &plan, seqs)?;
+            let up = self.batch_linear(li, layer, Projection::Up, &h, &plan, seqs)?;
+            let act = (candle_nn::ops::silu(&gate)? * up)?;
+            x = (x + self.batch_linear(li, layer, Projection::Down, &act, &plan, seqs)?)?;
+            for (j, &i) in order.iter().enumerate() {
+                seqs[i].hooks.after_layer(li, &x.narrow(1, spans[j].start, spans[j].len())?)?;
+            }
+        }
+        for s in seqs.iter_mut() {
+            s.cache.commit(s.ids.len());
+        }
+        // Each sequence's last row, back in the caller's order.
+        let mut last = vec![0u32; n];
+        for (j, &i) in order.iter().enumerate() {
+            last[i] = (spans[j].end - 1) as u32;
+        }
+        let x = x.squeeze(0)?.index_select(&Tensor::new(last.as_slice(), &self.device)?, 0)?;
+        let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
+        self.lm_head.forward(&x)?.to_dtype(DType::F32)
+    }
+
+    /// Projection `p` of every row of a batch (`x` `[1, rows, in]`, laid out by `plan`): one
+    /// quantized matmul for all quantized-path rows, one float matmul per prompt chunk; then the
+    /// base adapter's and each sequence's adapter deltas, as `LayerCtx::linear` adds them alone.
+    fn batch_linear(
+        &self,
+        li: usize,
+        layer: &DecoderLayer,
+        p: Projection,
+        x: &Tensor,
+        plan: &BatchPlan,
+        seqs: &[SeqInput],
+    ) -> Result<Tensor> {
+        let lin = layer.linear(p);
+        let quantized = plan.float.iter().filter(|f| !**f).count();
+        let mut pieces = Vec::new();
+        if quantized > 0 {
+            let rows = plan.spans[quantized - 1].end;
+            let xq = x.narrow(1, 0, rows)?;
+            let mut y = lin.forward(&xq)?;
+            if let Some(base) = self.unmerged_base(false) {
+                let runs: Vec<_> = (0..rows).step_by(SHARED_DELTA_ROWS).map(|r| r..(r + SHARED_DELTA_ROWS).min(rows)).collect();
+                y = add_run_deltas(&y, &xq, &runs, |_| Some(base), li, p)?;
+            }
+            // Runs of sequences sharing one adapter (the layout groups them), ≤ SHARED_DELTA_ROWS.
+            let mut runs = Vec::new();
+            let mut adapters = Vec::new();
+            let mut j = 0;
+            while j < quantized {
+                let s = &seqs[plan.order[j]];
+                let mut end = j + 1;
+                while end < quantized
+                    && seqs[plan.order[end]].adapter_key == s.adapter_key
+                    && plan.spans[end].end - plan.spans[j].start <= SHARED_DELTA_ROWS
+                {
+                    end += 1;
+                }
+                runs.push(plan.spans[j].start..plan.spans[end - 1].end);
+                adapters.push(s.adapter);
+                j = end;
+            }
+            pieces.push(add_run_deltas(&y, &xq, &runs, |k| adapters[k], li, p)?);
+        }
+        for j in quantized..plan.order.len() {
+            let r = &plan.spans[j];
+            let s = &seqs[plan.order[j]];
+            let ctx = LayerCtx { li, adapter: s.adapter, base: self.unmerged_base(true), float: true, start: 0 };
+            pieces.push(ctx.linear(layer, p, &x.narrow(1, r.start, r.len())?)?);
+        }
+        if pieces.len() == 1 {
+            return Ok(pieces.remove(0));
+        }
+        Tensor::cat(&pieces, 1)
     }
 
     /// Trainable forward from embeddings `[b, t, hidden]` (positions `0..t`). Returns the final
@@ -636,6 +811,41 @@ fn add_deltas(
         }
     }
     Ok(y)
+}
+
+/// `y` with `adapter(k)`'s linear delta added to the rows `runs[k]` (`[1, rows, _]`); `y` itself
+/// when no run has a delta.
+fn add_run_deltas<'a>(
+    y: &Tensor,
+    x: &Tensor,
+    runs: &[std::ops::Range<usize>],
+    adapter: impl Fn(usize) -> Option<&'a dyn Adapter>,
+    li: usize,
+    p: Projection,
+) -> Result<Tensor> {
+    let mut deltas = Vec::with_capacity(runs.len());
+    for (k, r) in runs.iter().enumerate() {
+        let d = match adapter(k) {
+            Some(a) => a.linear_delta(li, p, &x.narrow(1, r.start, r.len())?)?,
+            None => None,
+        };
+        deltas.push(d);
+    }
+    if deltas.iter().all(Option::is_none) {
+        return Ok(y.clone());
+    }
+    let pieces = runs
+        .iter()
+        .zip(deltas)
+        .map(|(r, d)| {
+            let yr = y.narrow(1, r.start, r.len())?;
+            match d {
+                Some(d) => yr + d,
+                None => Ok(yr),
+            }
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&pieces, 1)
 }
 
 fn train_linear(

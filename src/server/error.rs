@@ -106,6 +106,7 @@ impl ApiError {
                 ApiError::bad_request("context_length_exceeded", e.to_string()).param(params.prompt)
             }
             ServiceError::QueueFull => ApiError::queue_full(),
+            ServiceError::MemoryFull(msg) => ApiError::new(StatusCode::TOO_MANY_REQUESTS, "memory_full", msg),
             ServiceError::ShuttingDown => ApiError::shutting_down(),
             ServiceError::Unavailable(msg) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "database_unavailable", msg),
             ServiceError::NotServing => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_serving", e.to_string()),

@@ -72,6 +72,13 @@ pub struct ServeConfig {
     /// Generation requests that may wait in the queue.
     #[arg(long, env = "LIFT_GENERATE_QUEUE", default_value_t = 32)]
     pub generate_queue: usize,
+    /// Most requests generating side by side (continuous batching; 1: one at a time).
+    #[arg(long, env = "LIFT_MAX_BATCH", default_value_t = 16)]
+    pub max_batch: usize,
+    /// Memory for the KV caches of admitted requests (prompt + max_tokens each, counted when a
+    /// request is queued); a request that would not fit is refused with 429 `memory_full`.
+    #[arg(long, env = "LIFT_KV_CACHE_BYTES", default_value_t = 4 << 30)]
+    pub kv_cache_bytes: u64,
     /// Bytes of loaded adapters kept in memory.
     #[arg(long, env = "LIFT_CACHE_BYTES", default_value_t = 1 << 30)]
     pub cache_bytes: u64,
@@ -142,6 +149,8 @@ impl ServeConfig {
             default_max_tokens: 128,
             train_queue: 8,
             generate_queue: 32,
+            max_batch: 16,
+            kv_cache_bytes: 4 << 30,
             cache_bytes: 1 << 30,
             context_tokens: None,
             // Explicit: a `base/` in the working directory belongs to the default model.
@@ -204,7 +213,7 @@ impl ServeConfig {
         format!(
             "host={} port={} model={} adapters_dir={} api_keys={} absorb_options={} max_body_bytes={} \
              max_document_tokens={} max_question_chars={} max_tokens_limit={} default_max_tokens={} \
-             train_queue={} generate_queue={} cache_bytes={} context_tokens={} max_training_tokens={} metrics_key={} \
+             train_queue={} generate_queue={} max_batch={} kv_cache_bytes={} cache_bytes={} context_tokens={} max_training_tokens={} metrics_key={} \
              header_timeout_secs={} body_timeout_secs={} max_connections={} drain_secs={} database_url={} \
              adapter_store={} role={:?} replica_id={} lease_secs={}",
             self.host,
@@ -220,6 +229,8 @@ impl ServeConfig {
             self.default_max_tokens,
             self.train_queue,
             self.generate_queue,
+            self.max_batch,
+            self.kv_cache_bytes,
             self.cache_bytes,
             self.context_tokens.map_or("(auto)".into(), |c| c.to_string()),
             self.max_training_tokens,
@@ -408,6 +419,8 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
         cache_bytes: cfg.cache_bytes,
         train_queue: cfg.train_queue,
         generate_queue: cfg.generate_queue,
+        max_batch: cfg.max_batch,
+        kv_cache_bytes: cfg.kv_cache_bytes,
         max_document_tokens: cfg.max_document_tokens,
         max_training_tokens: cfg.max_training_tokens,
         context_tokens: cfg.context_tokens,

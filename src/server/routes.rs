@@ -264,6 +264,8 @@ pub async fn metrics(State(st): State<AppState>) -> Response {
         resident_memory_bytes: crate::runtime::resident_bytes().unwrap_or(0),
         blob_puts: s.blob_puts,
         blob_fetches: s.blob_fetches,
+        kv_tokens_held: s.kv_tokens.0,
+        kv_tokens_budget: s.kv_tokens.1,
     };
     ([(header::CONTENT_TYPE, crate::metrics::CONTENT_TYPE)], st.metrics.render(&snapshot)).into_response()
 }

@@ -29,6 +29,9 @@ pub enum ServiceError {
     PromptTooLong { prompt_tokens: usize, window: usize },
     #[error("the server's queue is full; retry later")]
     QueueFull,
+    /// The KV cache budget of the requests being answered is full (429).
+    #[error("{0}; retry later")]
+    MemoryFull(String),
     #[error("the server is shutting down")]
     ShuttingDown,
     /// Replicas: the shared database cannot be reached (503; retry).
@@ -59,6 +62,7 @@ impl From<EngineError> for ServiceError {
             EngineError::Closed => ServiceError::ShuttingDown,
             EngineError::UnknownDocument(id) => ServiceError::UnknownDocument(id),
             EngineError::ContextLength(c) => ServiceError::PromptTooLong { prompt_tokens: c.prompt, window: c.window },
+            EngineError::MemoryFull { .. } => ServiceError::MemoryFull(e.to_string()),
             EngineError::WrongLane => ServiceError::internal(e),
             EngineError::Failed(detail) => ServiceError::Internal(detail),
         }

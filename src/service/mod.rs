@@ -24,7 +24,7 @@ pub use crate::engine::Generated;
 pub use records::{DocumentView, ErrorMessage};
 
 use crate::document::Document;
-use crate::engine::{AbsorbJob, Engine, EngineError, GenerateJob, Job, Lane, Prompt};
+use crate::engine::{AbsorbJob, Engine, EngineError, GenerateJob, GenerateLimits, Job, Lane, Prompt};
 use crate::lift::answer::Mode;
 use crate::formats::Source;
 use crate::lift::AbsorbOptions;
@@ -49,6 +49,11 @@ pub struct ServiceConfig {
     pub cache_bytes: u64,
     pub train_queue: usize,
     pub generate_queue: usize,
+    /// Most requests generating side by side (continuous batching).
+    pub max_batch: usize,
+    /// Memory for the KV caches of the requests admitted (waiting and generating); a request
+    /// whose cache would not fit is refused (429).
+    pub kv_cache_bytes: u64,
     /// Largest document, in tokens of the base model.
     pub max_document_tokens: usize,
     /// Cap on the training one document may plan (tokens through the model, all epochs).
@@ -59,6 +64,18 @@ pub struct ServiceConfig {
     pub default_options: AbsorbOptions,
     /// Replicas sharing a database and an adapter store (None: this process's files).
     pub shared: Option<shared::SharedConfig>,
+}
+
+impl ServiceConfig {
+    /// The engine's generation limits, the KV budget counted in tokens of `model`.
+    fn generate_limits(&self, model: &Model) -> GenerateLimits {
+        let per_token = model.kv_bytes_per_token().max(1) as u64;
+        GenerateLimits {
+            queue: self.generate_queue,
+            max_batch: self.max_batch,
+            kv_tokens: (self.kv_cache_bytes / per_token).min(usize::MAX as u64) as usize,
+        }
+    }
 }
 
 /// A document to absorb, its options already validated against their own bounds.
@@ -90,6 +107,8 @@ pub struct Stats {
     pub blob_fetches: u64,
     pub train_queue: (usize, usize),
     pub generate_queue: (usize, usize),
+    /// (held, budget) KV cache tokens of admitted generations.
+    pub kv_tokens: (usize, usize),
     pub documents: HashMap<Status, usize>,
     pub cache_hits: u64,
     pub cache_misses: u64,
@@ -143,7 +162,7 @@ impl Service {
             metrics,
             shutting_down: AtomicBool::new(false),
         });
-        let engine = Arc::new(Engine::start(model, store.clone(), records.clone(), cfg.train_queue, cfg.generate_queue)?);
+        let engine = Arc::new(Engine::start(model.clone(), store.clone(), records.clone(), cfg.train_queue, cfg.generate_limits(&model))?);
         let service = Self { engine, store, registry: Registry::Files(records), cfg };
         for (id, text) in requeue {
             service.requeue(&id, text);
@@ -158,7 +177,7 @@ impl Service {
         let blobs = Arc::new(store::blobs::Blobs::open(&shared_cfg.adapter_store)?);
         let store = Arc::new(Store::open(&cfg.adapters_dir, cfg.cache_bytes)?.with_blobs(blobs));
         let shared = Arc::new(shared::Shared::new(shared_cfg.clone(), store.clone(), metrics)?);
-        let engine = Arc::new(Engine::start(model, store.clone(), shared.clone(), cfg.train_queue, cfg.generate_queue)?);
+        let engine = Arc::new(Engine::start(model.clone(), store.clone(), shared.clone(), cfg.train_queue, cfg.generate_limits(&model))?);
         tokio::spawn(shared.clone().run(engine.clone()));
         tracing::info!(
             replica = %shared_cfg.replica, role = ?shared_cfg.role, adapter_store = %shared_cfg.adapter_store,
@@ -422,6 +441,11 @@ impl Service {
         let filtered = model.base_filter().is_some() && q.mode.uses_context();
         let needed = crate::lift::answer::min_prompt_tokens(question_tokens, filtered);
         self.check_fits(needed, params.max_tokens)?;
+        // The KV tokens it may take: its in-context share of the document (with a FltLM
+        // layout's markers), the template and question, the answer; never past the window.
+        let context = if q.mode.uses_context() { view.tokens.min(self.cfg.context_tokens.unwrap_or(usize::MAX)) } else { 0 };
+        let markers = model.base_filter().filter(|_| filtered).map_or(0, |f| context / f.chunk_tokens.max(1) + 1);
+        let kv_tokens = (context + markers + needed + params.max_tokens).min(model.config().max_position_embeddings);
         let prompt = Prompt::Document {
             id: q.document_id,
             question: q.question,
@@ -429,7 +453,7 @@ impl Service {
             context_tokens: self.cfg.context_tokens,
             blob,
         };
-        self.generate(prompt, params, pieces)
+        self.generate(prompt, params, kv_tokens, pieces)
     }
 
     /// Queues a chat completion on the base model.
@@ -442,7 +466,8 @@ impl Service {
         self.check_serves()?;
         let ids = self.engine.model.encode_chat(messages).map_err(ServiceError::internal)?;
         self.check_fits(ids.len(), params.max_tokens)?;
-        self.generate(Prompt::Chat(ids), params, pieces)
+        let kv_tokens = ids.len() + params.max_tokens;
+        self.generate(Prompt::Chat(ids), params, kv_tokens, pieces)
     }
 
     /// `prompt_tokens + max_tokens` must fit the model's window.
@@ -454,10 +479,17 @@ impl Service {
         Ok(())
     }
 
-    fn generate(&self, prompt: Prompt, params: SamplingParams, pieces: Option<Pieces>) -> Result<PendingGeneration, ServiceError> {
+    fn generate(
+        &self,
+        prompt: Prompt,
+        params: SamplingParams,
+        kv_tokens: usize,
+        pieces: Option<Pieces>,
+    ) -> Result<PendingGeneration, ServiceError> {
         let (reply, result) = tokio::sync::oneshot::channel();
         let cancel = Arc::new(AtomicBool::new(false));
-        let job = GenerateJob { prompt, params, cancel: cancel.clone(), pieces, reply, queued_at: Instant::now() };
+        let queued_at = Instant::now();
+        let job = GenerateJob { prompt, params, cancel: cancel.clone(), pieces, reply, queued_at, kv_tokens, kv_hold: None };
         self.engine.submit(Job::Generate(job))?;
         Ok(PendingGeneration { result, _cancel: CancelOnDrop(cancel) })
     }
@@ -508,6 +540,7 @@ impl Service {
             blob_fetches,
             train_queue,
             generate_queue: self.engine.generate_queue(),
+            kv_tokens: self.engine.kv_tokens(),
             documents,
             cache_hits: s.hits.load(Ordering::Relaxed),
             cache_misses: s.misses.load(Ordering::Relaxed),

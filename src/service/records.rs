@@ -175,4 +175,8 @@ impl JobEvents for Records {
     fn generated(&self, g: &Generation) {
         self.metrics.generation(g.prompt_ms / 1000.0, g.tokens.len(), g.generate_ms / 1000.0);
     }
+
+    fn batch(&self, sequences: usize) {
+        self.metrics.batch_step(sequences);
+    }
 }
