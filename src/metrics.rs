@@ -69,6 +69,12 @@ struct Gauges {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FinishLabels {
+    /// `stop`, `length`, or `cancelled` (the client went away).
+    finish: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClaimLabels {
     /// `fresh`: never claimed before; `stolen`: its lease had expired (its replica died).
     how: String,
@@ -84,6 +90,7 @@ pub struct Metrics {
     generated_tokens: Counter,
     decode_seconds: Counter<f64, AtomicU64>,
     generation_tokens_per_s: FloatGauge,
+    generations: Family<FinishLabels, Counter>,
     batch_sizes: Histogram,
     gauges: Gauges,
     claims: Family<ClaimLabels, Counter>,
@@ -115,6 +122,8 @@ impl Default for Metrics {
         r.register("lift_generation_decode_seconds", "Time spent decoding", decode_seconds.clone());
         let generation_tokens_per_s = FloatGauge::default();
         r.register("lift_generation_tokens_per_second", "Mean decode throughput", generation_tokens_per_s.clone());
+        let generations = Family::<FinishLabels, Counter>::default();
+        r.register("lift_generations", "Generations by how they finished", generations.clone());
         let batch_sizes = Histogram::new(exponential_buckets(1.0, 2.0, 8));
         r.register("lift_generation_batch_size", "Sequences in each generation step", batch_sizes.clone());
         let mut gauge = |name: &str, help: &str| {
@@ -160,6 +169,7 @@ impl Default for Metrics {
             generated_tokens,
             decode_seconds,
             generation_tokens_per_s,
+            generations,
             batch_sizes,
             gauges,
             claims,
@@ -188,8 +198,10 @@ impl Metrics {
         }
     }
 
-    /// One generation: time to first token (prompt) and decode time for `tokens` tokens.
-    pub fn generation(&self, ttft_s: f64, tokens: usize, decode_s: f64) {
+    /// One generation: how it finished, time to first token (prompt) and decode time for
+    /// `tokens` tokens.
+    pub fn generation(&self, finish: &str, ttft_s: f64, tokens: usize, decode_s: f64) {
+        self.generations.get_or_create(&FinishLabels { finish: finish.to_string() }).inc();
         self.time_to_first_token.observe(ttft_s);
         self.generated_tokens.inc_by(tokens as u64);
         self.decode_seconds.inc_by(decode_s);
@@ -259,7 +271,7 @@ mod tests {
         let m = Metrics::default();
         m.request("GET", "/health", 200, 0.002);
         m.job("ready", Some(150.0));
-        m.generation(0.1, 5, 0.5);
+        m.generation("stop", 0.1, 5, 0.5);
         let snapshot = Snapshot {
             training_waiting: 1,
             training_running: 0,
@@ -286,6 +298,7 @@ mod tests {
             "lift_http_requests_total{method=\"GET\",route=\"/health\",status=\"200\"} 1",
             "lift_training_jobs_total{outcome=\"ready\"} 1",
             "lift_generated_tokens_total 5",
+            "lift_generations_total{finish=\"stop\"} 1",
             "lift_generation_time_to_first_token_seconds_count 1",
             "lift_generation_tokens_per_second 10.0",
             "lift_training_queue_depth 1",

@@ -1597,3 +1597,93 @@ async fn the_page_is_served_without_a_key() {
     assert_eq!(s, 401);
     running.shutdown().await;
 }
+
+// ---------- continuous batching (issue 19) ----------
+
+/// The generation memory budget: a request whose KV cache (prompt + max_tokens) would not fit
+/// beside those admitted is refused at once with 429 `memory_full`, and the budget comes back
+/// when the admitted request is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_budget_full_is_429_memory_full_until_answered() {
+    let e = env();
+    let model = lift_serve::model::Model::load(&e.model, &candle_core::Device::Cpu).unwrap();
+    let hi = lift_serve::model::ChatMessage { role: "user".into(), content: "hi".into() };
+    let prompt = model.encode_chat(&[hi]).unwrap().len();
+    // Room for one request of 60 tokens and one of 2, not for two of 60.
+    let budget = (prompt + 60) + (prompt + 2) + 10;
+    let mut cfg = config(&e, &[]);
+    cfg.kv_cache_bytes = (model.kv_bytes_per_token() * budget) as u64;
+    let (running, base) = start(cfg).await;
+    let c = client();
+    let base_id = base_model_id(&c, &base).await;
+    let chat = move |max_tokens: usize| {
+        json!({"model": base_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens})
+    };
+    let hold = hold_thread(&running, false).await;
+    let first = {
+        let (c, url, body) = (c.clone(), format!("{base}/v1/chat/completions"), chat(60));
+        tokio::spawn(async move { post_json(&c, &url, body, None).await })
+    };
+    wait_engine(&running, "the first request to wait", |e| e.generate_queue().0 == 1).await;
+    assert_eq!(running.state.service.engine.kv_tokens(), (prompt + 60, budget));
+    let (s, v) = post_json(&c, &format!("{base}/v1/chat/completions"), chat(60), None).await;
+    assert_eq!(s, 429, "{v}");
+    assert_error_shape(&v, "memory_full", "budget");
+    // A request that fits beside it is taken.
+    let small = {
+        let (c, url, body) = (c.clone(), format!("{base}/v1/chat/completions"), chat(2));
+        tokio::spawn(async move { post_json(&c, &url, body, None).await })
+    };
+    wait_engine(&running, "the small request to wait", |e| e.generate_queue().0 == 2).await;
+    drop(hold);
+    let (s, v) = first.await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    let (s, v) = small.await.unwrap();
+    assert_eq!(s, 200, "{v}");
+    wait_engine(&running, "the budget to come back", |e| e.kv_tokens().0 == 0).await;
+    let (s, v) = post_json(&c, &format!("{base}/v1/chat/completions"), chat(60), None).await;
+    assert_eq!(s, 200, "{v}");
+    running.shutdown().await;
+}
+
+/// A client that goes away mid-stream frees its place in the batch at once: with one place,
+/// the next request is answered while the first would still be generating, and the metrics
+/// count the first as cancelled, short of its max_tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_frees_its_batch_slot() {
+    let e = env();
+    let mut cfg = config(&e, &[]);
+    cfg.max_batch = 1;
+    cfg.max_tokens_limit = 1900;
+    let (running, base) = start(cfg).await;
+    let c = client();
+    let base_id = base_model_id(&c, &base).await;
+    // A prompt whose answer streams text early (a random model may repeat a token that decodes
+    // to no text of its own).
+    let mut streaming = None;
+    for i in 0..20 {
+        let body = json!({"model": base_id, "messages": [{"role": "user", "content": format!("story {i}")}], "max_tokens": 8});
+        let (s, v) = post_json(&c, &format!("{base}/v1/chat/completions"), body, None).await;
+        assert_eq!(s, 200, "{v}");
+        if v["choices"][0]["message"]["content"].as_str().is_some_and(|t| !t.is_empty()) {
+            streaming = Some(format!("story {i}"));
+            break;
+        }
+    }
+    let content = streaming.expect("a prompt with text within 20");
+    let body = json!({"model": base_id, "messages": [{"role": "user", "content": content}], "max_tokens": 1900,
+                      "stream": true});
+    let mut resp = c.post(format!("{base}/v1/chat/completions")).json(&body).send().await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let first = resp.chunk().await.unwrap();
+    assert!(first.is_some(), "the stream started");
+    wait_engine(&running, "the stream to run", |e| e.generate_queue().1 == 1).await;
+    drop(resp);
+    wait_engine(&running, "the slot to free", |e| e.generate_queue() == (0, 0) && e.kv_tokens().0 == 0).await;
+    let body = json!({"model": base_id, "messages": [{"role": "user", "content": "next"}], "max_tokens": 4});
+    let (s, v) = post_json(&c, &format!("{base}/v1/chat/completions"), body, None).await;
+    assert_eq!(s, 200, "{v}");
+    let text = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert_eq!(metric(&text, "lift_generations_total{finish=\"cancelled\"}"), 1.0, "{text}");
+    running.shutdown().await;
+}

@@ -286,10 +286,13 @@ pub(super) fn step(model: &Model, events: &dyn JobEvents, batch: &mut Generation
 
 fn finish(model: &Model, events: &dyn JobEvents, e: Entry<'_, AnswerHooks<'_>, Running>) {
     let Entry { seq, data, .. } = e;
+    let (mut out, _, hooks) = seq.into_parts();
     if data.gone() {
-        return; // nobody to answer; dropping the entry frees its cache and budget
+        // Nobody to answer; dropping the entry frees its cache and budget.
+        out.finish_reason = FinishReason::Cancelled;
+        events.generated(&out);
+        return;
     }
-    let (out, _, hooks) = seq.into_parts();
     events.generated(&out);
     let chunks = match (chunk_scores(&hooks), &data.loaded) {
         (Ok(scores), Some(loaded)) => {

@@ -57,6 +57,16 @@ pub enum FinishReason {
     Cancelled,
 }
 
+impl FinishReason {
+    pub fn name(self) -> &'static str {
+        match self {
+            FinishReason::Stop => "stop",
+            FinishReason::Length => "length",
+            FinishReason::Cancelled => "cancelled",
+        }
+    }
+}
+
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct Generation {
     pub text: String,

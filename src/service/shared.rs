@@ -828,7 +828,7 @@ impl JobEvents for Shared {
     }
 
     fn generated(&self, g: &Generation) {
-        self.metrics.generation(g.prompt_ms / 1000.0, g.tokens.len(), g.generate_ms / 1000.0);
+        self.metrics.generation(g.finish_reason.name(), g.prompt_ms / 1000.0, g.tokens.len(), g.generate_ms / 1000.0);
     }
 
     fn batch(&self, sequences: usize) {
