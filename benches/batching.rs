@@ -9,7 +9,8 @@
 //!   RAYON_NUM_THREADS=2 LIFT_MODELS_DIR=models cargo bench --bench batching
 //!
 //! Environment: BENCH_CLIENTS (16), BENCH_REQUESTS per client (2), BENCH_MAX_TOKENS (32),
-//! BENCH_CONTEXT_TOKENS (256), BENCH_BATCHES ("1,4,16").
+//! BENCH_CONTEXT_TOKENS (256), BENCH_BATCHES ("1,4,16"), BENCH_ADAPTERS (a directory kept between
+//! runs: the 16 absorptions take ~10 minutes on 2 cores).
 
 #[path = "common/stats.rs"]
 mod stats;
@@ -64,6 +65,7 @@ async fn start(adapters: &Path, max_batch: usize, context_tokens: usize, options
     cfg.context_tokens = Some(context_tokens);
     cfg.max_batch = max_batch;
     cfg.generate_queue = 256;
+    cfg.train_queue = 64;
     let state = tokio::task::block_in_place(|| server::build_state(cfg, &candle_core::Device::Cpu))?;
     let running = server::start(state).await?;
     let base = format!("http://{}", running.addr);
@@ -117,7 +119,8 @@ async fn run() -> Result<()> {
         .filter_map(|s| s.trim().parse().ok())
         .collect();
     let tmp = tempfile::tempdir()?;
-    let adapters = tmp.path().join("adapters");
+    // BENCH_ADAPTERS: a store kept between runs (its documents are found again, not re-absorbed).
+    let adapters = std::env::var_os("BENCH_ADAPTERS").map_or_else(|| tmp.path().join("adapters"), std::path::PathBuf::from);
     let options = tmp.path().join("absorb.json");
     // Quick absorptions: this measures serving, not what the adapters learned.
     std::fs::write(&options, json!({"plan": {"window": 128, "context_tokens": 32}, "train": {"epochs": [1, 1]},

@@ -80,3 +80,75 @@ fn gguf_tokenizer_round_trips_and_matches_known_ids() {
     assert_eq!(t.encode("<|im_end|>", false).unwrap(), vec![2]);
     assert!(t.eos_token_ids().contains(&2));
 }
+
+/// Continuous batching on the real model over the shipped prepared base (its LoRA added on the
+/// quantized decode path, its FltLM filter scoring and masking each in-context chunk): answers
+/// about one document with different adapters (none, two Gated Memories) and a plain chat,
+/// joining at different steps, give the tokens, text and chunk scores each gives alone.
+#[test]
+fn batched_answers_over_the_prepared_base_match_each_alone() {
+    use lift_serve::adapters::GatedMemory;
+    use lift_serve::document::Document;
+    use lift_serve::engine::batcher::{Batch, Entry};
+    use lift_serve::lift::answer::{answer, chunk_scores, prepare, Ask, Mode};
+    use lift_serve::model::generate::{Sequence, PREFILL_CHUNK};
+    use lift_serve::model::Adapter;
+    use std::sync::Arc;
+
+    let path = lift_serve::fetch::resolve_model(None).unwrap();
+    let mut m = Model::load(&path, &Device::Cpu).unwrap();
+    let base_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("base");
+    lift_serve::base::PreparedBase::load(&base_dir, &m).unwrap().install(&mut m).unwrap();
+    assert!(m.base_filter().is_some());
+    let text = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harbor_history.txt")).unwrap();
+    let doc = Document::encode(&m, text).unwrap();
+    let layers: Vec<usize> = (15..m.config().num_layers).collect();
+    let gm = |seed| -> Arc<dyn Adapter> { Arc::new(GatedMemory::new(m.config(), &layers, false, seed, &Device::Cpu).unwrap().detached()) };
+    let params = SamplingParams { max_tokens: 12, ..Default::default() };
+    // (question, mode, adapter, join at step, context budget)
+    let cases: Vec<(&str, Mode, Option<Arc<dyn Adapter>>, usize, usize)> = vec![
+        ("Who built the harbor?", Mode::Icl, None, 0, 300),
+        ("When was the lighthouse built?", Mode::Lift, Some(gm(1)), 0, 600),
+        ("What is the harbor known for?", Mode::Lift, Some(gm(2)), 2, 200),
+    ];
+    let alone: Vec<_> = cases
+        .iter()
+        .map(|(q, mode, a, _, ctx)| {
+            let ask = Ask { question: q, mode: *mode, context_tokens: Some(*ctx) };
+            let out = answer(&m, &doc, a.as_deref(), &ask, &params, &mut |_| true).unwrap();
+            (out.generation.tokens, out.generation.text, out.chunks)
+        })
+        .collect();
+    let chat = m.encode_chat(&[ChatMessage { role: "user".into(), content: "Name a color.".into() }]).unwrap();
+    let chat_alone =
+        generate(&m, &chat, &mut KvCache::new(m.config().num_layers), None, &mut NoHooks, &params, &mut |_| true).unwrap().tokens;
+
+    let mut batch = Batch::new(8, PREFILL_CHUNK);
+    let mut done = std::collections::BTreeMap::new();
+    let mut step = 0;
+    while done.len() < cases.len() + 1 {
+        for (i, (q, mode, a, join, ctx)) in cases.iter().enumerate() {
+            if *join == step {
+                let ask = Ask { question: q, mode: *mode, context_tokens: Some(*ctx) };
+                let (_, seq) = prepare(&m, &doc, &ask, &params).unwrap();
+                let key = a.as_ref().map_or(0, |a| Arc::as_ptr(a) as *const () as usize);
+                batch.join(Entry { seq, adapter: a.clone(), adapter_key: key, data: i });
+            }
+        }
+        if step == 1 {
+            let seq = Sequence::new(&m, chat.clone(), KvCache::new(m.config().num_layers), params.clone(), None).unwrap();
+            batch.join(Entry { seq, adapter: None, adapter_key: 0, data: cases.len() });
+        }
+        for e in batch.step(&m, &mut |_: &mut usize, _: &str| true).unwrap() {
+            let (g, _, hooks) = e.seq.into_parts();
+            done.insert(e.data, (g.tokens, g.text, chunk_scores(&hooks).unwrap()));
+        }
+        step += 1;
+        assert!(step < 1000);
+    }
+    for (i, want) in alone.iter().enumerate() {
+        assert!(!want.2.is_empty(), "case {i} is scored by the filter");
+        assert_eq!(&done[&i], want, "case {i}: batched differs from alone");
+    }
+    assert_eq!(done[&cases.len()].0, chat_alone, "the plain chat");
+}
