@@ -123,9 +123,11 @@ if [ "$SERVER" = 1 ]; then
 fi
 
 # --- summary ---
-"$PY" - "$B1" "$SRV" "$OUT" "$THREADS" <<'EOF'
+# Our server logs its configuration at start; older builds had no max_batch (one at a time).
+MAX_BATCH=$(grep -o 'max_batch=[0-9]*' "$OUT/ours-server.log" 2>/dev/null | head -1 | cut -d= -f2 || true)
+"$PY" - "$B1" "$SRV" "$OUT" "$THREADS" "${MAX_BATCH:-1}" <<'EOF'
 import json, statistics, sys, platform
-b1, srv, out, threads = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4]
+b1, srv, out, threads, max_batch = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
 rows = [json.loads(l) for l in open(b1) if l.strip()]
 side = {s: [r for r in rows if r["side"] == s] for s in ("ours", "llama")}
 med = lambda s, k: statistics.median(r[k] for r in side[s]) if side[s] and all(k in r for r in side[s]) else None
@@ -161,10 +163,12 @@ if srows:
         res["server"].append(r)
         md.append(f"| {r['label']} | {r['clients']} | {r['requests']} | {r['errors']} | {r['req_s']:.2f} | {r['tok_s']:.1f} | "
                   f"{r['completion_tokens'] / max(r['requests'], 1):.1f} | {r['ttft_p50_ms']:.0f} | {r['ttft_p95_ms']:.0f} | {r['latency_p50_ms']:.0f} | {r['tokens_source']} |")
-    md += ["", "Both servers answer one request at a time (no batching): llama-cpp-python's server holds a",
-           "global lock around its one `Llama` and has no parallel-slot option; lift-serve's generation thread",
-           "serves requests in turn. llama-cpp-python sends no `usage` in streams, so its tokens are counted",
-           "as content chunks."]
+    ours_mode = (f"lift-serve batches up to {max_batch} generations (continuous batching, --max-batch)"
+                 if max_batch > 1 else "lift-serve serves one request at a time")
+    md += ["", "llama-cpp-python's server answers one request at a time: a global lock around its one `Llama`,",
+           f"no parallel-slot option (run with --interrupt_requests false); {ours_mode}.",
+           "llama-cpp-python sends no `usage` in streams, so its tokens are counted as content chunks."]
+    res["ours_max_batch"] = max_batch
 res["machine"] = platform.processor() or platform.machine()
 text = "\n".join(md) + "\n"
 open(f"{out}/results.md", "w").write(text)
