@@ -15,10 +15,13 @@ use lift_serve::testing::{write_gguf, TinySpec};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
+/// The tiny model, with every batch's decoding rows on the quantized path (the exact one; see
+/// `float_rows_batch_close_to_alone` for the float path of large batches).
 fn tiny_q8() -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().unwrap();
     let path = write_gguf(&dir.path().join("tiny_q8.gguf"), &TinySpec::default(), GgmlDType::Q8_0).unwrap();
-    let model = Model::load(&path, &Device::Cpu).unwrap();
+    let mut model = Model::load(&path, &Device::Cpu).unwrap();
+    model.decoder.float_batch_min_rows = usize::MAX;
     (dir, model)
 }
 
@@ -204,4 +207,52 @@ fn a_cancelled_sequence_leaves_at_the_next_step() {
     let (g, _, _) = left.remove(0).seq.into_parts();
     assert_eq!(g.finish_reason, FinishReason::Cancelled, "{:?}", g.tokens);
     assert!(batch.is_empty());
+}
+
+/// At `float_batch_min_rows` decoding rows and more, a step runs them through the float weights
+/// in one gemm (the quantized kernels cost the same per row batched or not): each sequence's
+/// logits stay within quantization rounding of its logits alone, and below the threshold the
+/// step is exact.
+#[test]
+fn float_rows_batch_close_to_alone() {
+    let (_dir, mut model) = tiny_q8();
+    let vocab = model.config().vocab_size;
+    let n = 8;
+    let prompts: Vec<Vec<u32>> = (0..n).map(|i| prompt(10 + 3 * i, 100 + i as u64, vocab)).collect();
+    let step = |model: &Model, rows: usize| -> (Vec<Tensor>, Tensor) {
+        let mut caches: Vec<KvCache> = (0..rows).map(|_| KvCache::new(2)).collect();
+        let mut alone = Vec::new();
+        for (p, c) in prompts.iter().zip(caches.iter_mut()) {
+            let head = &p[..p.len() - 1];
+            let mut h = NoHooks;
+            model.decoder.forward_batch(&mut [lift_serve::model::SeqInput { ids: head, cache: c, adapter: None, adapter_key: 0, hooks: &mut h }]).unwrap();
+            let mut fork = c.fork().unwrap();
+            let last = &p[p.len() - 1..];
+            let mut h = NoHooks;
+            alone.push(model.decoder.forward_batch(&mut [lift_serve::model::SeqInput { ids: last, cache: &mut fork, adapter: None, adapter_key: 0, hooks: &mut h }]).unwrap());
+        }
+        let mut hooks: Vec<NoHooks> = (0..rows).map(|_| NoHooks).collect();
+        let mut inputs: Vec<lift_serve::model::SeqInput> = caches
+            .iter_mut()
+            .zip(hooks.iter_mut())
+            .zip(&prompts)
+            .map(|((cache, hooks), p)| lift_serve::model::SeqInput { ids: &p[p.len() - 1..], cache, adapter: None, adapter_key: 0, hooks })
+            .collect();
+        (alone, model.decoder.forward_batch(&mut inputs).unwrap())
+    };
+    let diff = |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+    model.decoder.float_batch_min_rows = 4;
+    let (alone, batched) = step(&model, 3);
+    for (i, a) in alone.iter().enumerate() {
+        assert_eq!(diff(&batched.get(i).unwrap(), &a.squeeze(0).unwrap()), 0.0, "below the threshold: exact");
+    }
+    let (alone, batched) = step(&model, n);
+    let mut largest = 0f32;
+    for (i, a) in alone.iter().enumerate() {
+        let a = a.squeeze(0).unwrap();
+        let scale = a.abs().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
+        largest = largest.max(diff(&batched.get(i).unwrap(), &a) / scale);
+    }
+    assert!(largest > 0.0, "the float path is another arithmetic");
+    assert!(largest < 0.05, "float batch vs quantized alone: relative {largest}");
 }

@@ -5,11 +5,14 @@
 //! - `gated_memory`: the Gated Memory per-head MLPs and the mix, fused (forward + backward).
 //! - `masked_softmax`: causal softmax of scaled attention scores plus the soft-mask bias
 //!   (forward + backward), the middle of the trainable attention on CUDA.
+//! - `decode_attention`: one query row per sequence over its own KV cache, a whole batch step of
+//!   decoding sequences in one parallel loop (CPU only; CUDA keeps candle's ops).
 //! - `math`: the vectorisable exp and sigmoid of the CPU paths (here and in `model::ops`).
 //!
 //! The lowest layer of the crate's numerics: kernels import nothing from `model` or `adapters`
 //! (an adapter hands its parameters in packed; `model::ops` and the adapters call in).
 
+pub mod decode_attention;
 pub mod gated_memory;
 pub mod masked_softmax;
 pub(crate) mod math;

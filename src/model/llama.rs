@@ -10,6 +10,7 @@ use super::hooks::{Adapter, ForwardHooks, Projection};
 use super::ops;
 use super::packing::Packing;
 use super::weights::{base_dtype, Linear};
+use crate::kernels::decode_attention::DecodeCache;
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use std::sync::Arc;
 
@@ -74,6 +75,11 @@ pub struct Decoder {
     /// Prompts of at least this many rows go through float matmuls (compute-bound); shorter ones
     /// (decode) through the quantized weights (memory-bound). `usize::MAX`: always quantized.
     pub float_prefill_min_rows: usize,
+    /// A batch step whose decoding rows (see `forward_batch`) number at least this many runs them
+    /// through the float weights in one gemm: the CPU's quantized kernels are compute-bound (a
+    /// row costs the same alone or batched), the float gemm reuses each weight across rows.
+    /// Below it they share the quantized matmul and get exactly the arithmetic they get alone.
+    pub float_batch_min_rows: usize,
     /// A frozen adapter under every other (a prepared base's LoRA): its deltas are added on the
     /// inference, frozen and trainable paths alike, so a document adapter trains and answers
     /// over it. Its tensors are plain (no `Var`): no gradient reaches it.
@@ -203,6 +209,15 @@ impl KvCache {
         Ok((ck.narrow(2, 0, needed)?, cv.narrow(2, 0, needed)?))
     }
 
+    /// Layer `layer`'s key and value buffers (`[b, kv_heads, capacity, d]`, the first `len`
+    /// positions filled, plus what was appended in the current step) and their capacity.
+    fn buffers(&self, layer: usize) -> Result<(&Tensor, &Tensor, usize)> {
+        match &self.layers[layer] {
+            Some((k, v)) => Ok((k, v, self.capacity)),
+            None => candle_core::bail!("layer {layer} has nothing in its cache"),
+        }
+    }
+
     fn commit(&mut self, t: usize) {
         self.len += t;
     }
@@ -237,6 +252,7 @@ impl Decoder {
             dtype,
             rope_interleaved: false,
             float_prefill_min_rows: 16,
+            float_batch_min_rows: 6,
             base_adapter: None,
             base_merged: false,
         })
@@ -460,7 +476,14 @@ impl Decoder {
         let float: Vec<bool> = seqs.iter().map(|s| s.ids.len() >= self.float_prefill_min_rows).collect();
         // Rows laid out with the quantized-path sequences first, grouped by adapter.
         let mut order: Vec<usize> = (0..n).collect();
-        order.sort_by_key(|&i| (float[i], seqs[i].adapter_key));
+        // Decoding rows first (one attention call for all, see `decode_attention`), then
+        // short prompt chunks, both on the quantized path; prompt chunks on the float path last.
+        order.sort_by_key(|&i| (float[i], seqs[i].ids.len() > 1, seqs[i].adapter_key));
+        let decoding = if self.device.is_cpu() && self.dtype == DType::F32 {
+            order.iter().take_while(|&&i| seqs[i].ids.len() == 1).count()
+        } else {
+            0
+        };
         let mut spans = Vec::with_capacity(n);
         let mut rows = 0;
         for &i in &order {
@@ -484,7 +507,10 @@ impl Decoder {
                 .map(|p| self.batch_linear(li, layer, p, &h, &plan, seqs));
             let (q, k, v) = (q?, k?, v?);
             let mut parts = Vec::with_capacity(n);
-            for (j, &i) in order.iter().enumerate() {
+            if decoding > 0 {
+                parts.push(self.decode_attention(li, seqs, &order[..decoding], [&q, &k, &v])?);
+            }
+            for (j, &i) in order.iter().enumerate().skip(decoding) {
                 let r = &spans[j];
                 let rows = |a: &Tensor| a.narrow(1, r.start, r.len());
                 let (start, cos, sin, mask) = &tables[j];
@@ -514,7 +540,72 @@ impl Decoder {
         }
         let x = x.squeeze(0)?.index_select(&Tensor::new(last.as_slice(), &self.device)?, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
-        self.lm_head.forward(&x)?.to_dtype(DType::F32)
+        let logits = if n >= self.float_batch_min_rows { self.lm_head.forward_float(&x)? } else { self.lm_head.forward(&x)? };
+        logits.to_dtype(DType::F32)
+    }
+
+    /// Attention of the decoding sequences `which` (one row each, rows `0..which.len()` of the
+    /// batch's projections `q`, `k`, `v` `[1, rows, _]`) on the CPU: RoPE for all at once, each
+    /// key and value appended to its sequence's cache, then one `decode_attention` call over all
+    /// caches, then each adapter's mix. Returns `[1, which.len(), heads·d]`.
+    fn decode_attention(&self, li: usize, seqs: &mut [SeqInput], which: &[usize], [q, k, v]: [&Tensor; 3]) -> Result<Tensor> {
+        let cfg = &self.config;
+        let (nh, nkv, hd, n) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, which.len());
+        let heads = |x: &Tensor, h: usize| -> Result<Tensor> {
+            x.narrow(1, 0, n)?.reshape((n, 1, h, hd))?.transpose(1, 2)?.contiguous()
+        };
+        let (q, k, v) = (heads(q, nh)?, heads(k, nkv)?, heads(v, nkv)?);
+        let positions: Vec<u32> = which.iter().map(|&i| seqs[i].cache.len() as u32).collect();
+        let positions = Tensor::new(positions.as_slice(), &self.device)?;
+        let half = self.cos.dim(1)?;
+        let cos = self.cos.index_select(&positions, 0)?.reshape((n, 1, half))?;
+        let sin = self.sin.index_select(&positions, 0)?.reshape((n, 1, half))?;
+        let rope = if self.rope_interleaved { candle_nn::rotary_emb::rope_i } else { candle_nn::rotary_emb::rope };
+        let q_rot = rope(&q, &cos, &sin)?;
+        let k_rot = rope(&k, &cos, &sin)?;
+        let mut biases = Vec::with_capacity(n);
+        for (j, &i) in which.iter().enumerate() {
+            let s = &mut seqs[i];
+            let start = s.cache.len();
+            s.cache.append(li, &k_rot.narrow(0, j, 1)?, &v.narrow(0, j, 1)?)?;
+            let bias = s.hooks.attention_bias(li, start, 1, start + 1)?;
+            biases.push(match bias {
+                Some(b) if b.elem_count() == start + 1 => Some(b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+                Some(b) => candle_core::bail!("a decode attention bias of shape {:?} for {} keys", b.dims(), start + 1),
+                None => None,
+            });
+        }
+        let attn = {
+            let mut held = Vec::with_capacity(n);
+            for &i in which {
+                let (kc, vc, capacity) = seqs[i].cache.buffers(li)?;
+                held.push((kc.storage_and_layout(), vc.storage_and_layout(), capacity, seqs[i].cache.len() + 1));
+            }
+            fn slice<'a>(st: &'a candle_core::Storage, layout: &candle_core::Layout) -> Result<&'a [f32]> {
+                match st {
+                    candle_core::Storage::Cpu(c) => Ok(&c.as_slice::<f32>()?[layout.start_offset()..]),
+                    _ => candle_core::bail!("decode attention runs on the CPU"),
+                }
+            }
+            let mut caches = Vec::with_capacity(n);
+            for (j, (kg, vg, capacity, len)) in held.iter().enumerate() {
+                let (k, v) = (slice(&kg.0, kg.1)?, slice(&vg.0, vg.1)?);
+                caches.push(DecodeCache { k, v, capacity: *capacity, len: *len, bias: biases[j].as_deref() });
+            }
+            let qv = q_rot.flatten_all()?.to_vec1::<f32>()?;
+            let out = crate::kernels::decode_attention::decode_attention(&qv, &caches, nh, nkv, hd, 1.0 / (hd as f32).sqrt());
+            Tensor::from_vec(out, (n, nh, 1, hd), &self.device)?
+        };
+        let mut rows = Vec::with_capacity(n);
+        for (j, &i) in which.iter().enumerate() {
+            let a = attn.narrow(0, j, 1)?;
+            rows.push(match seqs[i].adapter {
+                Some(ad) => ad.mix_attention(li, &q.narrow(0, j, 1)?, a)?,
+                None => a,
+            });
+        }
+        let attn = if rows.len() == 1 { rows.remove(0) } else { Tensor::cat(&rows, 0)? };
+        attn.reshape((1, n, nh * hd))
     }
 
     /// Projection `p` of every row of a batch (`x` `[1, rows, in]`, laid out by `plan`): one
@@ -535,8 +626,9 @@ impl Decoder {
         if quantized > 0 {
             let rows = plan.spans[quantized - 1].end;
             let xq = x.narrow(1, 0, rows)?;
-            let mut y = lin.forward(&xq)?;
-            if let Some(base) = self.unmerged_base(false) {
+            let float = rows >= self.float_batch_min_rows;
+            let mut y = if float { lin.forward_float(&xq)? } else { lin.forward(&xq)? };
+            if let Some(base) = self.unmerged_base(float) {
                 let runs: Vec<_> = (0..rows).step_by(SHARED_DELTA_ROWS).map(|r| r..(r + SHARED_DELTA_ROWS).min(rows)).collect();
                 y = add_run_deltas(&y, &xq, &runs, |_| Some(base), li, p)?;
             }
