@@ -1,0 +1,58 @@
+//! The batch engine without HTTP: 16 generations (no adapter, greedy, fixed lengths) through
+//! `engine::batcher::Batch` at max batch 1 and 16, for a short prompt (decode-bound) and a
+//! 290-token prompt (prefill-bound, like the server benchmark's document questions): wall time,
+//! steps, the mean pure-decode step, and decode throughput. Measures what batching buys on this
+//! machine apart from the server around it.
+//!
+//!   RAYON_NUM_THREADS=2 LIFT_MODELS_DIR=models cargo bench --bench batch_steps
+
+use candle_core::Device;
+use lift_serve::engine::batcher::{Batch, Entry};
+use lift_serve::model::generate::{SamplingParams, Sequence, PREFILL_CHUNK};
+use lift_serve::model::{KvCache, Model, NoHooks};
+use std::time::Instant;
+
+fn main() -> anyhow::Result<()> {
+    lift_serve::runtime::tune_allocator();
+    let path = lift_serve::fetch::resolve_model(None)?;
+    let m = Model::load(&path, &Device::Cpu)?;
+    m.decoder.prepare_float_weights()?;
+    let layers = m.config().num_layers;
+    let n = 16;
+    println!("threads: {}  generations: {n}  float decode from {} rows", rayon::current_num_threads(), m.decoder.float_batch_min_rows);
+    println!("| prompt | answer | max batch | wall s | steps | pure-decode step ms | ms per decoded token | vs max batch 1 |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for (prompt, answer) in [(30usize, 64usize), (290, 32)] {
+        let mut first = None;
+        for max_batch in [1usize, n] {
+            let mut batch: Batch<NoHooks, usize> = Batch::new(max_batch, PREFILL_CHUNK);
+            let mut waiting: Vec<usize> = (0..n).collect();
+            let (t0, mut steps, mut pure, mut done) = (Instant::now(), 0usize, Vec::new(), 0usize);
+            while done < n {
+                while batch.has_room() && !waiting.is_empty() {
+                    let i = waiting.remove(0);
+                    let ids: Vec<u32> = (0..prompt).map(|j| ((i * 31 + j * 7) % 5000) as u32 + 100).collect();
+                    let params = SamplingParams { max_tokens: answer, ..Default::default() };
+                    let seq = Sequence::new(&m, ids, KvCache::new(layers), params, NoHooks)?;
+                    batch.join(Entry { seq, adapter: None, adapter_key: 0, data: i });
+                }
+                let (decoding, prompt_left) = batch.load();
+                let t = Instant::now();
+                done += batch.step(&m, &mut |_: &mut usize, _: &str| true)?.len();
+                if prompt_left == 0 && decoding == max_batch {
+                    pure.push(t.elapsed().as_secs_f64() * 1e3);
+                }
+                steps += 1;
+            }
+            let wall = t0.elapsed().as_secs_f64();
+            let step = pure.iter().sum::<f64>() / pure.len().max(1) as f64;
+            let one = *first.get_or_insert(wall);
+            println!(
+                "| {prompt} | {answer} | {max_batch} | {wall:.2} | {steps} | {step:.1} | {:.2} | {:.2}× |",
+                step / max_batch as f64,
+                one / wall
+            );
+        }
+    }
+    Ok(())
+}
