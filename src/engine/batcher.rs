@@ -97,13 +97,13 @@ impl<'m, H: ForwardHooks, T> Batch<'m, H, T> {
         }
         if !chosen.is_empty() {
             let logits = {
-                let mut inputs = Vec::with_capacity(chosen.len());
-                let mut rest = self.entries.iter_mut().enumerate();
-                for &i in &chosen {
-                    let e = rest.by_ref().find(|(j, _)| *j == i).map(|(_, e)| e).expect("chosen entries exist");
-                    let adapter: Option<&dyn Adapter> = e.adapter.as_deref();
-                    inputs.push(e.seq.input(adapter, e.adapter_key));
-                }
+                let mut inputs: Vec<_> = self
+                    .entries
+                    .iter_mut()
+                    .enumerate()
+                    .filter(|(i, _)| chosen.binary_search(i).is_ok())
+                    .map(|(_, e)| e.seq.input(e.adapter.as_deref(), e.adapter_key))
+                    .collect();
                 model.decoder.forward_batch(&mut inputs)?
             };
             for (row, &i) in chosen.iter().enumerate() {
