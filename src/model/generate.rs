@@ -297,23 +297,13 @@ impl<'m, H: ForwardHooks> Sequence<'m, H> {
 
     /// The tokens its next step feeds: the next prompt chunk, or the token sampled last.
     pub fn pending(&self) -> &[u32] {
-        if self.is_finished() {
-            return &[];
-        }
-        if self.in_prefill() {
-            let end = (self.fed + PREFILL_CHUNK).min(self.prompt.len());
-            return &self.prompt[self.fed..end];
-        }
-        self.next.as_ref().map_or(&[], std::slice::from_ref)
+        pending_ids(&self.prompt, self.fed, &self.next, self.is_finished())
     }
 
     /// Its part of the next forward step, with `adapter` active (`key`: see `SeqInput`).
     pub fn input<'s>(&'s mut self, adapter: Option<&'s dyn Adapter>, key: usize) -> SeqInput<'s> {
-        let ids = if self.in_prefill() {
-            &self.prompt[self.fed..(self.fed + PREFILL_CHUNK).min(self.prompt.len())]
-        } else {
-            self.next.as_ref().map_or(&[][..], std::slice::from_ref)
-        };
+        let finished = self.is_finished();
+        let ids = pending_ids(&self.prompt, self.fed, &self.next, finished);
         SeqInput { ids, cache: &mut self.cache, adapter, adapter_key: key, hooks: &mut self.hooks }
     }
 
@@ -397,6 +387,18 @@ impl<'m, H: ForwardHooks> Sequence<'m, H> {
             generate_ms,
         };
         (generation, self.cache, self.hooks)
+    }
+}
+
+/// What a sequence feeds next: the prompt chunk from `fed` (at most `PREFILL_CHUNK`), else the
+/// token sampled last; nothing once finished.
+fn pending_ids<'a>(prompt: &'a [u32], fed: usize, next: &'a Option<u32>, finished: bool) -> &'a [u32] {
+    if finished {
+        &[]
+    } else if fed < prompt.len() {
+        &prompt[fed..(fed + PREFILL_CHUNK).min(prompt.len())]
+    } else {
+        next.as_ref().map_or(&[], std::slice::from_ref)
     }
 }
 

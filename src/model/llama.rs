@@ -492,8 +492,10 @@ impl Decoder {
         }
         let ids: Vec<u32> = order.iter().flat_map(|&i| seqs[i].ids.iter().copied()).collect();
         let mut x = self.embed(&Tensor::new(ids.as_slice(), &self.device)?.unsqueeze(0)?)?;
-        let mut tables = Vec::with_capacity(n);
-        for &i in &order {
+        // RoPE rows and masks of the sequences attended one by one (decoding rows take theirs in
+        // `decode_attention`).
+        let mut tables = Vec::with_capacity(n - decoding);
+        for &i in &order[decoding..] {
             let (start, t) = (seqs[i].cache.len(), seqs[i].ids.len());
             let (cos, sin) = self.rope_slice(start, t)?;
             let mask = causal_mask(t, start, self.config.sliding_window, &self.device)?;
@@ -513,7 +515,7 @@ impl Decoder {
             for (j, &i) in order.iter().enumerate().skip(decoding) {
                 let r = &spans[j];
                 let rows = |a: &Tensor| a.narrow(1, r.start, r.len());
-                let (start, cos, sin, mask) = &tables[j];
+                let (start, cos, sin, mask) = &tables[j - decoding];
                 let positions = Positions { cos, sin, mask: mask.as_ref() };
                 let s = &mut seqs[i];
                 let qkv = [&rows(&q)?, &rows(&k)?, &rows(&v)?];
