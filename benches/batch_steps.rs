@@ -5,6 +5,8 @@
 //! machine apart from the server around it.
 //!
 //!   RAYON_NUM_THREADS=2 LIFT_MODELS_DIR=models cargo bench --bench batch_steps
+//!
+//! BENCH_SHORT_ONLY=1 runs the 30-token prompts only. BENCH_FLOAT_ROWS=N moves the decoder's `float_batch_min_rows` (the float-weights decode path).
 
 use candle_core::Device;
 use lift_serve::engine::batcher::{Batch, Entry};
@@ -15,14 +17,21 @@ use std::time::Instant;
 fn main() -> anyhow::Result<()> {
     lift_serve::runtime::tune_allocator();
     let path = lift_serve::fetch::resolve_model(None)?;
-    let m = Model::load(&path, &Device::Cpu)?;
+    let mut m = Model::load(&path, &Device::Cpu)?;
+    if let Some(rows) = std::env::var("BENCH_FLOAT_ROWS").ok().and_then(|s| s.parse().ok()) {
+        m.decoder.float_batch_min_rows = rows;
+    }
     m.decoder.prepare_float_weights()?;
     let layers = m.config().num_layers;
     let n = 16;
     println!("threads: {}  generations: {n}  float decode from {} rows", rayon::current_num_threads(), m.decoder.float_batch_min_rows);
     println!("| prompt | answer | max batch | wall s | steps | pure-decode step ms | ms per decoded token | vs max batch 1 |");
     println!("|---|---|---|---|---|---|---|---|");
+    let only_short = std::env::var("BENCH_SHORT_ONLY").is_ok();
     for (prompt, answer) in [(30usize, 64usize), (290, 32)] {
+        if only_short && prompt > 30 {
+            continue;
+        }
         let mut first = None;
         for max_batch in [1usize, n] {
             let mut batch: Batch<NoHooks, usize> = Batch::new(max_batch, PREFILL_CHUNK);

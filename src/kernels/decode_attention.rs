@@ -5,7 +5,6 @@
 //! the same loop, so its arithmetic does not depend on who else is in the batch.
 
 use super::math::exp_f32;
-use rayon::prelude::*;
 
 /// One sequence's keys and values for one layer: `[kv_heads, capacity, d]` buffers of which the
 /// first `len` positions are filled, and an additive bias per key (FltLM's soft mask).
@@ -20,48 +19,121 @@ pub struct DecodeCache<'a> {
 /// `q`: `[n, heads, d]` (after RoPE); returns `[n, heads, d]`:
 /// `softmax(q·Kᵀ·scale + bias)·V` per sequence and head, query head `h` reading KV head
 /// `h / (heads / kv_heads)`.
+///
+/// One unit of work is a (sequence, KV head): its query heads share each key and value row read
+/// from the cache. Units run on candle's CPU thread pool, the one the quantized matmuls around
+/// this call use (a second pool would compete with its spinning workers for the cores).
 pub fn decode_attention(q: &[f32], caches: &[DecodeCache], heads: usize, kv_heads: usize, d: usize, scale: f32) -> Vec<f32> {
-    let groups = (heads / kv_heads.max(1)).max(1);
+    let kv_heads = kv_heads.max(1);
+    let groups = (heads / kv_heads).max(1);
     let mut out = vec![0f32; caches.len() * heads * d];
-    let one = |(row, o): (usize, &mut [f32])| {
-        let (i, h) = (row / heads, row % heads);
-        let c = &caches[i];
-        let base = (h / groups) * c.capacity * d;
-        let qrow = &q[row * d..(row + 1) * d];
-        let mut scores: Vec<f32> = (0..c.len)
-            .map(|j| {
-                let k = &c.k[base + j * d..base + (j + 1) * d];
-                let s = qrow.iter().zip(k).map(|(a, b)| a * b).sum::<f32>() * scale;
-                s + c.bias.map_or(0.0, |b| b[j])
-            })
-            .collect();
-        let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        let mut sum = 0.0f32;
-        for s in scores.iter_mut() {
-            *s = exp_f32(*s - max);
-            sum += *s;
-        }
-        let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
-        for (j, w) in scores.iter().enumerate() {
-            let v = &c.v[base + j * d..base + (j + 1) * d];
-            let w = w * inv;
-            for (x, vx) in o.iter_mut().zip(v) {
-                *x += w * vx;
-            }
+    let units = caches.len() * kv_heads;
+    let out_ptr = SharedOut(out.as_mut_ptr());
+    let run = |range: std::ops::Range<usize>| {
+        let out = &out_ptr;
+        let mut scores = Vec::new();
+        for unit in range {
+            let (i, kvh) = (unit / kv_heads, unit % kv_heads);
+            let first = i * heads + kvh * groups;
+            // SAFETY: unit (i, kvh) writes only the rows of its own query heads.
+            let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(first * d), groups * d) };
+            attend_unit(&q[first * d..(first + groups) * d], &caches[i], kvh, d, scale, o, &mut scores);
         }
     };
     // Small steps (one sequence, short caches) are not worth waking the thread pool for.
     let work: usize = caches.iter().map(|c| c.len).sum::<usize>() * heads * d;
     if work < PARALLEL_WORK {
-        out.chunks_mut(d).enumerate().for_each(one);
+        run(0..units);
     } else {
-        out.par_chunks_mut(d).enumerate().for_each(one);
+        candle_core::utils::barrier_pool().execute_chunked(units, run);
     }
     out
 }
 
+/// The query heads `q` (`[g, d]`) of one KV head `kvh` over one cache, into `o` (`[g, d]`).
+fn attend_unit(q: &[f32], c: &DecodeCache, kvh: usize, d: usize, scale: f32, o: &mut [f32], scores: &mut Vec<f32>) {
+    let g = q.len() / d;
+    let base = kvh * c.capacity * d;
+    let (k, v) = (&c.k[base..base + c.len * d], &c.v[base..base + c.len * d]);
+    scores.clear();
+    scores.resize(g * c.len, 0.0);
+    for (j, kr) in k.chunks_exact(d).enumerate() {
+        for h in 0..g {
+            scores[h * c.len + j] = dot(&q[h * d..(h + 1) * d], kr) * scale;
+        }
+    }
+    for (s, oh) in scores.chunks_exact_mut(c.len).zip(o.chunks_exact_mut(d)) {
+        if let Some(bias) = c.bias {
+            for (x, b) in s.iter_mut().zip(bias) {
+                *x += b;
+            }
+        }
+        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+        for x in s.iter_mut() {
+            *x = exp_f32(*x - max);
+        }
+        let sum = lane_sum(s);
+        let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+        for (w, vr) in s.iter().zip(v.chunks_exact(d)) {
+            let w = w * inv;
+            for (x, vx) in oh.iter_mut().zip(vr) {
+                *x = w.mul_add(*vx, *x);
+            }
+        }
+    }
+}
+
+struct SharedOut(*mut f32);
+// SAFETY: the units writing through it touch disjoint rows (see `decode_attention`).
+unsafe impl Sync for SharedOut {}
+unsafe impl Send for SharedOut {}
+
 /// Multiply-adds below which the loop runs on the calling thread.
-const PARALLEL_WORK: usize = 1 << 20;
+const PARALLEL_WORK: usize = 1 << 16;
+
+/// Lanes of the vector loops: one AVX-512 register of f32. A plain `zip().sum()` is a serial
+/// chain the compiler may not reorder; 16 independent partial sums vectorise.
+const LANES: usize = 16;
+
+/// `a·b` in 16 lanes, the lanes then summed pairwise.
+#[inline(always)]
+fn dot(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let (ac, bc) = (a.chunks_exact(LANES), b.chunks_exact(LANES));
+    let tail: f32 = ac.remainder().iter().zip(bc.remainder()).map(|(x, y)| x * y).sum();
+    for (xa, xb) in ac.zip(bc) {
+        for l in 0..LANES {
+            acc[l] = xa[l].mul_add(xb[l], acc[l]);
+        }
+    }
+    fold_lanes(acc) + tail
+}
+
+/// `Σ x` in 16 lanes.
+#[inline(always)]
+fn lane_sum(x: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let c = x.chunks_exact(LANES);
+    let tail: f32 = c.remainder().iter().sum();
+    for xs in c {
+        for l in 0..LANES {
+            acc[l] += xs[l];
+        }
+    }
+    fold_lanes(acc) + tail
+}
+
+#[inline(always)]
+fn fold_lanes(mut acc: [f32; LANES]) -> f32 {
+    let mut width = LANES;
+    while width > 1 {
+        width /= 2;
+        for l in 0..width {
+            acc[l] += acc[l + width];
+        }
+    }
+    acc[0]
+}
 
 #[cfg(test)]
 mod tests {

@@ -15,6 +15,7 @@
 pub mod decode_attention;
 pub mod gated_memory;
 pub mod masked_softmax;
+pub mod quant_matmul;
 pub(crate) mod math;
 
 #[cfg(feature = "cuda")]

@@ -76,9 +76,11 @@ pub struct Decoder {
     /// (decode) through the quantized weights (memory-bound). `usize::MAX`: always quantized.
     pub float_prefill_min_rows: usize,
     /// A batch step whose decoding rows (see `forward_batch`) number at least this many runs them
-    /// through the float weights in one gemm: the CPU's quantized kernels are compute-bound (a
-    /// row costs the same alone or batched), the float gemm reuses each weight across rows.
-    /// Below it they share the quantized matmul and get exactly the arithmetic they get alone.
+    /// through the float weights in one gemm. Below it they share the quantized matmul and get
+    /// exactly the arithmetic they get alone. `usize::MAX` (never) where the weights run on our
+    /// int8 kernel (`kernels::quant_matmul`), which reuses each weight across a batch's rows;
+    /// 6 where candle's quantized kernels run instead (a row costs them the same alone or
+    /// batched, so from a few rows the float gemm is faster).
     pub float_batch_min_rows: usize,
     /// A frozen adapter under every other (a prepared base's LoRA): its deltas are added on the
     /// inference, frozen and trainable paths alike, so a document adapter trains and answers
@@ -233,6 +235,7 @@ impl Decoder {
         device: &Device,
     ) -> Result<Self> {
         let dtype = base_dtype(device);
+        let packed = !layers.is_empty() && layers.iter().all(|l| l.q.is_packed());
         let (cos, sin) = rope_tables(&config, device)?;
         let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
         let mut layers = layers;
@@ -252,7 +255,7 @@ impl Decoder {
             dtype,
             rope_interleaved: false,
             float_prefill_min_rows: 16,
-            float_batch_min_rows: 6,
+            float_batch_min_rows: if packed { usize::MAX } else { 6 },
             base_adapter: None,
             base_merged: false,
         })
@@ -299,6 +302,19 @@ impl Decoder {
     ) -> Result<Tensor> {
         let x = self.embed(ids)?;
         self.forward_embeds(&x, cache, adapter, hooks, which)
+    }
+
+    /// Runs inference through candle's quantized matmuls instead of our int8 kernel
+    /// (`kernels::quant_matmul`): the arithmetic of candle-transformers' quantized models, which
+    /// tests compare the decoder with.
+    pub fn use_candle_quantized_kernels(&mut self) {
+        for layer in self.layers.iter_mut() {
+            for p in Projection::ALL {
+                layer.linear_mut(p).drop_packed();
+            }
+        }
+        self.lm_head.drop_packed();
+        self.float_batch_min_rows = 6;
     }
 
     /// Last-position logits of a fresh prompt with a given float-matmul threshold (for comparing

@@ -3,7 +3,8 @@
 //! Float weights are f32 on the CPU and bf16 on CUDA (`base_dtype`); adapters stay f32.
 
 use super::ops;
-use candle_core::quantized::{QMatMul, QTensor};
+use crate::kernels::quant_matmul::{self, BlockFormat, PackedWeights};
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Result, Tensor};
 use std::sync::{Arc, OnceLock};
 
@@ -22,6 +23,9 @@ pub struct Linear {
     infer: QMatMul,
     /// Source of the float copy when the file is quantized.
     quantized: Option<Arc<QTensor>>,
+    /// The quantized weight repacked for our int8 kernel (`kernels::quant_matmul`), on CPUs
+    /// that run it; replaces `infer` for f32 activations on the CPU.
+    packed: Option<PackedWeights>,
     /// `[out, in]` in `base_dtype`, frozen: never a `Var`, never receives a gradient.
     float: OnceLock<Tensor>,
     /// The float weight transposed, `[in, out]` contiguous, on the CPU only: the forward gemm runs
@@ -49,7 +53,11 @@ impl Linear {
             }
             _ => Some(q),
         };
-        Ok(Self { infer, quantized, float, float_t: OnceLock::new(), bias, out_dim, in_dim })
+        let packed = match &quantized {
+            Some(q) => pack_for_cpu(q)?,
+            None => None,
+        };
+        Ok(Self { infer, quantized, packed, float, float_t: OnceLock::new(), bias, out_dim, in_dim })
     }
 
     /// Float weight `[out, in]` (any float dtype; kept in `base_dtype`).
@@ -60,7 +68,16 @@ impl Linear {
         let float = OnceLock::new();
         let _ = float.set(w.clone());
         let bias = bias.map(|b| b.to_dtype(dtype)).transpose()?;
-        Ok(Self { infer: QMatMul::Tensor(w), quantized: None, float, float_t: OnceLock::new(), bias, out_dim, in_dim })
+        Ok(Self {
+            infer: QMatMul::Tensor(w),
+            quantized: None,
+            packed: None,
+            float,
+            float_t: OnceLock::new(),
+            bias,
+            out_dim,
+            in_dim,
+        })
     }
 
     pub fn out_dim(&self) -> usize {
@@ -73,6 +90,16 @@ impl Linear {
 
     pub fn is_quantized(&self) -> bool {
         self.quantized.is_some()
+    }
+
+    /// Whether inference on the CPU runs our int8 kernel (`kernels::quant_matmul`).
+    pub fn is_packed(&self) -> bool {
+        self.packed.is_some()
+    }
+
+    /// Goes back to candle's quantized matmul for inference (drops the repacked copy).
+    pub fn drop_packed(&mut self) {
+        self.packed = None;
     }
 
     /// The float copy (`base_dtype`), dequantized once on first call.
@@ -103,6 +130,9 @@ impl Linear {
             }
             let y = self.infer.forward(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?;
             return self.add_bias(y);
+        }
+        if let Some(packed) = &self.packed {
+            return self.add_bias(packed_forward(packed, x)?);
         }
         let y = self.infer.forward(x)?;
         self.add_bias(y)
@@ -164,6 +194,43 @@ impl Linear {
             None => Ok(y),
         }
     }
+}
+
+/// `q` repacked for `kernels::quant_matmul` when it is on the CPU, in a block format the kernel
+/// reads, the CPU runs it, and `LIFT_CPU_QMATMUL` is not `candle` (the switch benchmarks use to
+/// compare with candle's kernels).
+fn pack_for_cpu(q: &QTensor) -> Result<Option<PackedWeights>> {
+    let format = match q.dtype() {
+        GgmlDType::Q4_0 => BlockFormat::Q4_0,
+        GgmlDType::Q4_1 => BlockFormat::Q4_1,
+        GgmlDType::Q8_0 => BlockFormat::Q8_0,
+        _ => return Ok(None),
+    };
+    let use_candle = std::env::var("LIFT_CPU_QMATMUL").is_ok_and(|v| v == "candle");
+    if !q.device().is_cpu() || use_candle || !quant_matmul::available() {
+        return Ok(None);
+    }
+    let (rows, cols) = q.shape().dims2()?;
+    if cols % quant_matmul::BLOCK != 0 {
+        return Ok(None);
+    }
+    let packed = PackedWeights::pack(format, &q.data()?, rows, cols).map_err(candle_core::Error::Msg)?;
+    Ok(Some(packed))
+}
+
+/// `x` `[…, in]` (f32, CPU) through the packed kernel: `[…, out]`.
+fn packed_forward(packed: &PackedWeights, x: &Tensor) -> Result<Tensor> {
+    let mut dims = x.dims().to_vec();
+    let cols = dims.pop().unwrap_or(0);
+    if cols != packed.cols() {
+        candle_core::bail!("linear layer of {} inputs applied to {cols}", packed.cols());
+    }
+    let n: usize = dims.iter().product();
+    let flat = x.flatten_all()?;
+    let data = flat.to_vec1::<f32>()?;
+    let y = packed.matmul(&data, n);
+    dims.push(packed.rows());
+    Tensor::from_vec(y, dims, x.device())
 }
 
 /// A float tensor of a norm or embedding: always dequantized.

@@ -1,0 +1,94 @@
+//! The int8 block-quantized matmul (`kernels::quant_matmul`) against candle's quantized matmul
+//! and the f32 gemm over the dequantized weights, on the default model's shapes (Q4_1 q/o,
+//! k/v, gate/up, down; the Q8_0 LM head) at 1, 4, 16 and 256 activation rows. Medians of
+//! `BENCH_RUNS` (default 20) calls after a warm-up; GMAC/s counts the multiply-adds done.
+//!
+//!   RAYON_NUM_THREADS=2 cargo bench --bench quant_matmul
+
+use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
+use candle_core::{Device, Module, Tensor};
+use lift_serve::kernels::quant_matmul::{self, BlockFormat, PackedWeights};
+use std::time::Instant;
+
+fn median_s(runs: usize, mut f: impl FnMut()) -> f64 {
+    f();
+    let mut t: Vec<f64> = (0..runs)
+        .map(|_| {
+            let s = Instant::now();
+            f();
+            s.elapsed().as_secs_f64()
+        })
+        .collect();
+    t.sort_by(|a, b| a.total_cmp(b));
+    t[t.len() / 2]
+}
+
+fn main() -> anyhow::Result<()> {
+    anyhow::ensure!(quant_matmul::available(), "this CPU lacks AVX-512 VNNI: the kernel does not run here");
+    let runs: usize = std::env::var("BENCH_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
+    let dev = Device::Cpu;
+    println!("threads: {}  runs: {runs}", rayon::current_num_threads());
+    println!("| weight | rows | ours ms | candle quantized ms | f32 gemm ms | ours GMAC/s | vs candle | vs f32 |");
+    println!("|---|---|---|---|---|---|---|---|");
+    let shapes = [
+        ("q/o 576×576 Q4_1", 576, 576, GgmlDType::Q4_1, BlockFormat::Q4_1),
+        ("gate/up 1536×576 Q4_1", 1536, 576, GgmlDType::Q4_1, BlockFormat::Q4_1),
+        ("down 576×1536 Q4_1", 576, 1536, GgmlDType::Q4_1, BlockFormat::Q4_1),
+        ("lm head 49152×576 Q8_0", 49152, 576, GgmlDType::Q8_0, BlockFormat::Q8_0),
+    ];
+    for (name, out, inp, gg, fmt) in shapes {
+        let w = Tensor::randn(0f32, 0.05, (out, inp), &dev)?;
+        let q = QTensor::quantize(&w, gg)?;
+        let packed = PackedWeights::pack(fmt, &q.data()?, out, inp).map_err(anyhow::Error::msg)?;
+        let candle = QMatMul::from_qtensor(q)?;
+        let wf = candle.dequantize_f16()?.to_dtype(candle_core::DType::F32)?.t()?.contiguous()?;
+        for n in [1usize, 4, 16, 256] {
+            if out > 10_000 && n > 16 {
+                continue;
+            }
+            let x = Tensor::randn(0f32, 1.0, (n, inp), &dev)?;
+            let xv = x.flatten_all()?.to_vec1::<f32>()?;
+            let ours = median_s(runs, || {
+                std::hint::black_box(packed.matmul(&xv, n));
+            });
+            let theirs = median_s(runs, || {
+                std::hint::black_box(candle.forward(&x).unwrap());
+            });
+            let float = median_s(runs, || {
+                std::hint::black_box(x.matmul(&wf).unwrap());
+            });
+            let gmac = (n * out * inp) as f64 / ours / 1e9;
+            println!(
+                "| {name} | {n} | {:.3} | {:.3} | {:.3} | {gmac:.1} | {:.2}× | {:.2}× |",
+                ours * 1e3,
+                theirs * 1e3,
+                float * 1e3,
+                theirs / ours,
+                float / ours
+            );
+        }
+    }
+    // Weights streamed from memory as in a decode step: one call on each of 30 layers' gate
+    // matrices in turn (58 MB of Q4_1 in all, past the caches).
+    println!();
+    println!("| 30 gate/up 1536×576 Q4_1 matrices in turn | rows | ours ms per matrix | GMAC/s | GB/s of weights |");
+    println!("|---|---|---|---|---|");
+    let layers: Vec<PackedWeights> = (0..30)
+        .map(|_| -> anyhow::Result<PackedWeights> {
+            let w = Tensor::randn(0f32, 0.05, (1536, 576), &dev)?;
+            let q = QTensor::quantize(&w, GgmlDType::Q4_1)?;
+            PackedWeights::pack(BlockFormat::Q4_1, &q.data()?, 1536, 576).map_err(anyhow::Error::msg)
+        })
+        .collect::<anyhow::Result<_>>()?;
+    for n in [1usize, 4, 16] {
+        let x: Vec<f32> = Tensor::randn(0f32, 1.0, (n, 576), &dev)?.flatten_all()?.to_vec1()?;
+        let t = median_s(runs, || {
+            for l in &layers {
+                std::hint::black_box(l.matmul(&x, n));
+            }
+        }) / layers.len() as f64;
+        let bytes = 1536.0 * 576.0 * 20.0 / 32.0;
+        println!("| | {n} | {:.3} | {:.1} | {:.1} |", t * 1e3, (n * 1536 * 576) as f64 / t / 1e9, bytes / t / 1e9);
+    }
+    Ok(())
+}

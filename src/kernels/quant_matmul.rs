@@ -1,0 +1,474 @@
+//! Block-quantized matmul on the CPU with int8 dot products (AVX-512 VNNI): `y = x·Wᵀ` for the
+//! GGUF weights of the default model (Q4_1 layers, a Q8_0 embedding as the tied LM head), and
+//! Q4_0. candle's CPU kernel for Q4_1 is its scalar reference loop, so a decode step spent most
+//! of its time there; llama.cpp's decode is int8 dot products over the same blocks.
+//!
+//! Every supported block format is an affine map of unsigned integers per block of 32 weights:
+//! `w = d·u + m` (Q4_1: `u` the nibble; Q4_0: `m = −8d`; Q8_0: `u = q + 128`, `m = −128d`,
+//! exact). Activations are quantized per block of 32 to int8 with a scale `dx` (as llama.cpp's
+//! Q8_1), so one block's product is `d·dx·Σ u·q + m·dx·Σ q`, the sum exact in i32.
+//!
+//! Weights are repacked once, in panels of 16 output rows: for each block, the bytes of four
+//! consecutive weights of the 16 rows sit side by side, so one `vpdpbusd` with a broadcast of
+//! four activation bytes adds into one i32 lane per output row — no horizontal sums. The panel's
+//! weights are unpacked once per block and reused for up to `TILE` activation rows, which is
+//! what makes a batch of decoding sequences cheaper per row than one alone.
+//!
+//! Every output element is computed by the same sequence of operations whatever the number of
+//! rows in the call or the tile it falls in, so a sequence's logits do not depend on who shares
+//! its batch (continuous batching's exactness rests on that).
+
+use half::f16;
+
+/// Weights per quantization block (all supported formats).
+pub const BLOCK: usize = 32;
+/// Output rows per panel: one 512-bit register of i32 lanes.
+const PANEL: usize = 16;
+/// Activation rows that share one unpacking of a panel's block.
+const TILE: usize = 4;
+
+/// The GGUF block formats this kernel reads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BlockFormat {
+    Q4_0,
+    Q4_1,
+    Q8_0,
+}
+
+impl BlockFormat {
+    fn block_bytes(self) -> usize {
+        match self {
+            BlockFormat::Q4_0 => 18,
+            BlockFormat::Q4_1 => 20,
+            BlockFormat::Q8_0 => 34,
+        }
+    }
+
+    fn bits(self) -> usize {
+        match self {
+            BlockFormat::Q8_0 => 8,
+            _ => 4,
+        }
+    }
+
+    /// One block as `(d, m, u[32])` with `w[i] = d·u[i] + m`.
+    fn decode(self, b: &[u8]) -> (f32, f32, [u8; BLOCK]) {
+        let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+        let mut u = [0u8; BLOCK];
+        match self {
+            BlockFormat::Q4_0 | BlockFormat::Q4_1 => {
+                let (m, qs) = match self {
+                    BlockFormat::Q4_0 => (-8.0 * d, &b[2..18]),
+                    _ => (f16::from_le_bytes([b[2], b[3]]).to_f32(), &b[4..20]),
+                };
+                for (j, &q) in qs.iter().enumerate() {
+                    u[j] = q & 0x0F;
+                    u[j + 16] = q >> 4;
+                }
+                (d, m, u)
+            }
+            BlockFormat::Q8_0 => {
+                for (j, &q) in b[2..34].iter().enumerate() {
+                    u[j] = (q as i8 as i16 + 128) as u8;
+                }
+                (d, -128.0 * d, u)
+            }
+        }
+    }
+}
+
+/// Whether this CPU runs the kernel (AVX-512 F/BW and VNNI). Where it does not, callers keep
+/// candle's quantized matmul.
+pub fn available() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512bw")
+            && std::arch::is_x86_feature_detected!("avx512vnni")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// A `[rows, cols]` weight matrix repacked for the kernel.
+pub struct PackedWeights {
+    rows: usize,
+    cols: usize,
+    bits: usize,
+    /// Per panel, per block: `bits · 64` bytes (4 bits: chunk `c` holds groups `c` (low
+    /// nibbles) and `c + 4` (high); 8 bits: chunk `g` holds group `g`). A chunk's byte
+    /// `r·4 + j` is weight `4g + j` of the block in the panel's row `r`.
+    qs: Vec<u8>,
+    /// Per panel, per block: `d` of the panel's 16 rows.
+    d: Vec<f32>,
+    /// Per panel, per block: `m` of the panel's 16 rows.
+    m: Vec<f32>,
+}
+
+impl PackedWeights {
+    /// Repacks GGUF blocks (`raw`: `rows × cols / 32` blocks, row-major). Rows past the last
+    /// full panel are padded with zero weights.
+    pub fn pack(format: BlockFormat, raw: &[u8], rows: usize, cols: usize) -> Result<Self, String> {
+        if cols % BLOCK != 0 {
+            return Err(format!("{cols} columns is not a multiple of the {BLOCK}-weight block"));
+        }
+        let nb = cols / BLOCK;
+        let bb = format.block_bytes();
+        if raw.len() != rows * nb * bb {
+            return Err(format!("{} bytes for a {rows}×{cols} {format:?} matrix, expected {}", raw.len(), rows * nb * bb));
+        }
+        let bits = format.bits();
+        let block_bytes = panel_block_bytes(bits);
+        let panels = rows.div_ceil(PANEL);
+        let mut qs = vec![0u8; panels * nb * block_bytes];
+        let mut d = vec![0f32; panels * nb * PANEL];
+        let mut m = vec![0f32; panels * nb * PANEL];
+        for row in 0..rows {
+            let (p, r) = (row / PANEL, row % PANEL);
+            for b in 0..nb {
+                let src = &raw[(row * nb + b) * bb..(row * nb + b + 1) * bb];
+                let (bd, bm, u) = format.decode(src);
+                let pb = p * nb + b;
+                d[pb * PANEL + r] = bd;
+                m[pb * PANEL + r] = bm;
+                let dst = &mut qs[pb * block_bytes..(pb + 1) * block_bytes];
+                for g in 0..BLOCK / 4 {
+                    for j in 0..4 {
+                        let v = u[4 * g + j];
+                        if bits == 8 {
+                            dst[g * 64 + r * 4 + j] = v;
+                        } else if g < 4 {
+                            dst[g * 64 + r * 4 + j] |= v;
+                        } else {
+                            dst[(g - 4) * 64 + r * 4 + j] |= v << 4;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Self { rows, cols, bits, qs, d, m })
+    }
+
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+
+    pub fn cols(&self) -> usize {
+        self.cols
+    }
+
+    fn panel_bytes(&self) -> usize {
+        (self.cols / BLOCK) * panel_block_bytes(self.bits)
+    }
+
+    /// `x`: `[n, cols]` row-major; returns `[n, rows]`. Panels are shared out over candle's CPU
+    /// thread pool (the one its own quantized matmuls use).
+    pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
+        assert_eq!(x.len(), n * self.cols, "activations are not [n, cols]");
+        let xq = QuantizedRows::new(x, n, self.cols);
+        let mut out = vec![0f32; n * self.rows];
+        let out_ptr = SharedOut(out.as_mut_ptr());
+        let panels = self.rows.div_ceil(PANEL);
+        let run = |range: std::ops::Range<usize>| {
+            let out = &out_ptr;
+            for p in range {
+                // SAFETY: panel `p` writes only columns `16p..16p+16` of each output row.
+                unsafe { self.panel(p, &xq, out.0) };
+            }
+        };
+        // One decode row of a small matrix is a few microseconds: not worth a pool wake-up.
+        if n * self.rows * self.cols < SERIAL_WORK {
+            run(0..panels);
+        } else {
+            candle_core::utils::barrier_pool().execute_chunked(panels, run);
+        }
+        out
+    }
+
+    /// Panel `p` for every activation row, `TILE` rows at a time.
+    unsafe fn panel(&self, p: usize, xq: &QuantizedRows, out: *mut f32) {
+        let nb = self.cols / BLOCK;
+        let valid = (self.rows - p * PANEL).min(PANEL);
+        let args = PanelArgs {
+            qs: self.qs.as_ptr().add(p * self.panel_bytes()),
+            d: self.d.as_ptr().add(p * nb * PANEL),
+            m: self.m.as_ptr().add(p * nb * PANEL),
+            nb,
+            out_stride: self.rows,
+            valid,
+        };
+        let mut row = 0;
+        while row < xq.n {
+            let t = (xq.n - row).min(TILE);
+            let o = out.add(row * self.rows + p * PANEL);
+            #[cfg(target_arch = "x86_64")]
+            match (self.bits, t) {
+                (4, TILE) => avx512::panel::<4, TILE>(&args, xq, row, o),
+                (4, _) => avx512::panel::<4, 1>(&args, xq, row, o),
+                (_, TILE) => avx512::panel::<8, TILE>(&args, xq, row, o),
+                _ => avx512::panel::<8, 1>(&args, xq, row, o),
+            }
+            row += if t == TILE { TILE } else { 1 };
+        }
+    }
+
+    /// The same product in plain scalar code, operation for operation the kernel's arithmetic
+    /// order (per block: `acc += (d·dx)·dot + m·sx`); for tests.
+    pub fn matmul_reference(&self, x: &[f32], n: usize) -> Vec<f32> {
+        let xq = QuantizedRows::new(x, n, self.cols);
+        let nb = self.cols / BLOCK;
+        let mut out = vec![0f32; n * self.rows];
+        for i in 0..n {
+            for row in 0..self.rows {
+                let (p, r) = (row / PANEL, row % PANEL);
+                let mut acc = 0f32;
+                for b in 0..nb {
+                    let pb = p * nb + b;
+                    let blk = &self.qs[pb * panel_block_bytes(self.bits)..];
+                    let mut dot = 0i32;
+                    for e in 0..BLOCK {
+                        let (g, j) = (e / 4, e % 4);
+                        let u = if self.bits == 8 {
+                            blk[g * 64 + r * 4 + j]
+                        } else if g < 4 {
+                            blk[g * 64 + r * 4 + j] & 0x0F
+                        } else {
+                            blk[(g - 4) * 64 + r * 4 + j] >> 4
+                        };
+                        dot += u as i32 * xq.q[i * self.cols + b * BLOCK + e] as i32;
+                    }
+                    let scale = self.d[pb * PANEL + r] * xq.dx[i * nb + b];
+                    acc = (dot as f32).mul_add(scale, acc);
+                    acc = self.m[pb * PANEL + r].mul_add(xq.sx[i * nb + b], acc);
+                }
+                out[i * self.rows + row] = acc;
+            }
+        }
+        out
+    }
+}
+
+/// Bytes of one block of a panel: 16 rows × 32 weights of `bits` bits (4 or 8 chunks of 64).
+fn panel_block_bytes(bits: usize) -> usize {
+    PANEL * BLOCK * bits / 8
+}
+
+/// Work (`n·rows·cols`) below which a matmul runs on the calling thread.
+const SERIAL_WORK: usize = 1 << 18;
+
+struct SharedOut(*mut f32);
+// SAFETY: the panels written through it are disjoint (see `matmul`).
+unsafe impl Sync for SharedOut {}
+unsafe impl Send for SharedOut {}
+
+/// Activations quantized per block of 32 to int8: `x ≈ dx·q`, and `sx = dx·Σq` per block.
+struct QuantizedRows {
+    n: usize,
+    cols: usize,
+    q: Vec<i8>,
+    dx: Vec<f32>,
+    sx: Vec<f32>,
+}
+
+impl QuantizedRows {
+    fn new(x: &[f32], n: usize, cols: usize) -> Self {
+        let nb = cols / BLOCK;
+        let mut q = vec![0i8; n * cols];
+        let mut dx = vec![0f32; n * nb];
+        let mut sx = vec![0f32; n * nb];
+        for (bi, (xb, qb)) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)).enumerate() {
+            // Written lane by lane so the loops vectorise: a max over 16 lanes, then rounding
+            // half to even (`vroundps`; `f32::round` is a libm call per element).
+            let mut lanes = [0f32; 16];
+            for half in xb.chunks_exact(16) {
+                for (l, v) in lanes.iter_mut().zip(half) {
+                    *l = l.max(v.abs());
+                }
+            }
+            let amax = lanes.iter().fold(0f32, |a, &v| a.max(v));
+            let d = amax / 127.0;
+            let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
+            let mut sum = 0i32;
+            for (v, qv) in xb.iter().zip(qb.iter_mut()) {
+                let r = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+                *qv = r;
+                sum += r as i32;
+            }
+            dx[bi] = d;
+            sx[bi] = d * sum as f32;
+        }
+        Self { n, cols, q, dx, sx }
+    }
+}
+
+/// A panel's pointers into `PackedWeights`.
+struct PanelArgs {
+    qs: *const u8,
+    d: *const f32,
+    m: *const f32,
+    nb: usize,
+    out_stride: usize,
+    valid: usize,
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use super::{PanelArgs, QuantizedRows, BLOCK, PANEL};
+    use std::arch::x86_64::*;
+
+    /// `T` activation rows from `row` against one panel; `BITS` 4 or 8. Writes the panel's
+    /// `valid` output columns of each row at `out + t·out_stride`.
+    #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
+    pub(super) unsafe fn panel<const BITS: usize, const T: usize>(
+        a: &PanelArgs,
+        xq: &QuantizedRows,
+        row: usize,
+        out: *mut f32,
+    ) {
+        let low = _mm512_set1_epi8(0x0F);
+        let nb = a.nb;
+        let mut acc = [_mm512_setzero_ps(); T];
+        for b in 0..nb {
+            let mut w = [_mm512_setzero_si512(); 8];
+            if BITS == 4 {
+                let base = a.qs.add(b * 256);
+                for c in 0..4 {
+                    let v = _mm512_loadu_si512(base.add(c * 64) as *const __m512i);
+                    w[c] = _mm512_and_si512(v, low);
+                    w[c + 4] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                }
+            } else {
+                let base = a.qs.add(b * 512);
+                for (g, wg) in w.iter_mut().enumerate() {
+                    *wg = _mm512_loadu_si512(base.add(g * 64) as *const __m512i);
+                }
+            }
+            let dw = _mm512_loadu_ps(a.d.add(b * PANEL));
+            let mw = _mm512_loadu_ps(a.m.add(b * PANEL));
+            for (t, acc_t) in acc.iter_mut().enumerate() {
+                let i = row + t;
+                let xb = xq.q.as_ptr().add(i * xq.cols + b * BLOCK) as *const i32;
+                // Two independent chains halve the dependency on vpdpbusd's latency.
+                let mut s0 = _mm512_setzero_si512();
+                let mut s1 = _mm512_setzero_si512();
+                for g in 0..4 {
+                    s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(xb.add(g).read_unaligned()));
+                    s1 = _mm512_dpbusd_epi32(s1, w[g + 4], _mm512_set1_epi32(xb.add(g + 4).read_unaligned()));
+                }
+                let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                let nbi = i * nb + b;
+                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*xq.dx.get_unchecked(nbi)));
+                *acc_t = _mm512_fmadd_ps(s, scale, *acc_t);
+                *acc_t = _mm512_fmadd_ps(mw, _mm512_set1_ps(*xq.sx.get_unchecked(nbi)), *acc_t);
+            }
+        }
+        let mask: __mmask16 = if a.valid >= 16 { 0xFFFF } else { (1u16 << a.valid) - 1 };
+        for (t, acc_t) in acc.iter().enumerate() {
+            _mm512_mask_storeu_ps(out.add(t * a.out_stride), mask, *acc_t);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn lcg(seed: &mut u64) -> u64 {
+        *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        *seed >> 33
+    }
+
+    /// Random blocks of `format`: scales around 0.01–0.05, random quants.
+    fn random_blocks(format: BlockFormat, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
+        let mut raw = Vec::new();
+        for _ in 0..rows * cols / BLOCK {
+            let d = f16::from_f32(0.01 + (lcg(seed) % 1000) as f32 * 4e-5);
+            raw.extend_from_slice(&d.to_le_bytes());
+            if format == BlockFormat::Q4_1 {
+                let m = f16::from_f32(-0.1 + (lcg(seed) % 1000) as f32 * 2e-4);
+                raw.extend_from_slice(&m.to_le_bytes());
+            }
+            let n = if format == BlockFormat::Q8_0 { 32 } else { 16 };
+            for _ in 0..n {
+                raw.push(lcg(seed) as u8);
+            }
+        }
+        raw
+    }
+
+    fn dequantize(format: BlockFormat, raw: &[u8], rows: usize, cols: usize) -> Vec<f32> {
+        let bb = format.block_bytes();
+        let mut w = Vec::with_capacity(rows * cols);
+        for b in raw.chunks_exact(bb) {
+            let (d, m, u) = format.decode(b);
+            w.extend(u.iter().map(|&u| d * u as f32 + m));
+        }
+        w
+    }
+
+    #[test]
+    fn block_formats_decode_like_ggml() {
+        // Q8_0: d·q; Q4_0: d·(nibble − 8); Q4_1: d·nibble + m.
+        let d = f16::from_f32(0.5).to_le_bytes();
+        let mut q8 = d.to_vec();
+        q8.extend((0..32).map(|i| (i as i8 - 16) as u8));
+        let (dd, m, u) = BlockFormat::Q8_0.decode(&q8);
+        assert_eq!(dd * u[3] as f32 + m, 0.5 * (3.0 - 16.0));
+        let mut q4 = d.to_vec();
+        q4.extend((0..16).map(|i| (i as u8) | (15 - i as u8) << 4));
+        let (dd, m, u) = BlockFormat::Q4_0.decode(&q4);
+        assert_eq!(dd * u[2] as f32 + m, 0.5 * (2.0 - 8.0));
+        assert_eq!(dd * u[18] as f32 + m, 0.5 * (13.0 - 8.0));
+        let mut q41 = d.to_vec();
+        q41.extend(f16::from_f32(-1.0).to_le_bytes());
+        q41.extend((0..16).map(|i| (i as u8) | (15 - i as u8) << 4));
+        let (dd, m, u) = BlockFormat::Q4_1.decode(&q41);
+        assert_eq!(dd * u[17] as f32 + m, 0.5 * 14.0 - 1.0);
+    }
+
+    #[test]
+    fn kernel_matches_reference_and_dequantized_product() {
+        let mut seed = 7;
+        for format in [BlockFormat::Q4_1, BlockFormat::Q4_0, BlockFormat::Q8_0] {
+            // 40 rows: two full panels and a partial one; 5 activation rows: a tile and one more.
+            let (rows, cols, n) = (40, 96, 5);
+            let raw = random_blocks(format, rows, cols, &mut seed);
+            let packed = PackedWeights::pack(format, &raw, rows, cols).unwrap();
+            let x: Vec<f32> = (0..n * cols).map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0).collect();
+            let reference = packed.matmul_reference(&x, n);
+            // Against the float product: the only error is the activations' int8 rounding.
+            let w = dequantize(format, &raw, rows, cols);
+            for i in 0..n {
+                for r in 0..rows {
+                    let exact: f32 = (0..cols).map(|c| x[i * cols + c] * w[r * cols + c]).sum();
+                    let norm: f32 = (0..cols).map(|c| (x[i * cols + c] * w[r * cols + c]).abs()).sum();
+                    let got = reference[i * rows + r];
+                    assert!((got - exact).abs() <= 0.01 * norm + 1e-5, "{format:?} [{i},{r}]: {got} vs {exact}");
+                }
+            }
+            if available() {
+                let fast = packed.matmul(&x, n);
+                assert_eq!(fast, reference, "{format:?}: the kernel differs from its scalar reference");
+            }
+        }
+    }
+
+    #[test]
+    fn a_row_gets_the_same_bits_alone_or_in_any_batch() {
+        if !available() {
+            return;
+        }
+        let mut seed = 11;
+        let (rows, cols) = (48, 64);
+        let raw = random_blocks(BlockFormat::Q4_1, rows, cols, &mut seed);
+        let packed = PackedWeights::pack(BlockFormat::Q4_1, &raw, rows, cols).unwrap();
+        let x: Vec<f32> = (0..9 * cols).map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0).collect();
+        let batch = packed.matmul(&x, 9);
+        for i in 0..9 {
+            let alone = packed.matmul(&x[i * cols..(i + 1) * cols], 1);
+            assert_eq!(alone, batch[i * rows..(i + 1) * rows], "row {i}");
+        }
+    }
+}
