@@ -12,6 +12,7 @@ use crate::kernels::gated_memory::{self as kernel, GmDims};
 use crate::model::{Adapter, ModelConfig};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use std::collections::BTreeMap;
+use std::sync::OnceLock;
 
 /// One layer's parameters; every tensor is `[heads, in, out]` (biases `[heads, 1, out]`).
 #[derive(Clone)]
@@ -23,6 +24,10 @@ pub struct GatedMemoryLayer {
     pub gate_w1: Tensor,
     pub gate_b1: Option<Tensor>,
     pub gate_w2: Tensor,
+    /// `packed()` made once, for layers whose tensors are plain (an answering adapter): the
+    /// concatenation copies every parameter, per call and per sequence in a batch step.
+    /// Trainable layers (`Var`s, updated in place) pack afresh each call.
+    frozen_packed: OnceLock<Tensor>,
 }
 
 impl GatedMemoryLayer {
@@ -53,6 +58,7 @@ impl GatedMemoryLayer {
             gate_w1: f(&self.gate_w1)?,
             gate_b1: self.gate_b1.as_ref().map(f).transpose()?,
             gate_w2: f(&self.gate_w2)?,
+            frozen_packed: OnceLock::new(),
         })
     }
 
@@ -73,7 +79,17 @@ impl GatedMemoryLayer {
     /// with gradients to `q`, `attn` and every parameter.
     pub fn mix(&self, q: &Tensor, attn: &Tensor) -> Result<Tensor> {
         let dims = self.kernel_dims()?;
-        kernel::mix(q, attn, &self.packed()?, dims)
+        if self.named().iter().any(|(_, t)| t.is_variable()) {
+            return kernel::mix(q, attn, &self.packed()?, dims);
+        }
+        let packed = match self.frozen_packed.get() {
+            Some(p) => p,
+            None => {
+                let p = self.packed()?;
+                self.frozen_packed.get_or_init(|| p)
+            }
+        };
+        kernel::mix(q, attn, packed, dims)
     }
 
     /// `q`: `[b, heads, t, d]` → (memory `[b, heads, t, d]`, gate `[b, heads, t, 1]`).
@@ -129,6 +145,7 @@ impl GatedMemory {
                 gate_w1: param((h, d, s), d)?,
                 gate_b1: if bias { Some(param((h, 1, s), d)?) } else { None },
                 gate_w2: param((h, s, 1), s)?,
+                frozen_packed: OnceLock::new(),
             };
             out.insert(l, layer);
         }
@@ -238,6 +255,7 @@ impl GatedMemory {
             gate_w1: take("gate_w1", &shapes["gate_w1"])?,
             gate_b1,
             gate_w2: take("gate_w2", &shapes["gate_w2"])?,
+            frozen_packed: OnceLock::new(),
         };
         if let Some(name) = tensors.keys().next() {
             candle_core::bail!("Gated Memory layers.{layer}.{name}: unknown tensor");

@@ -245,6 +245,21 @@ fn mm(dst: &mut [f32], m: usize, n: usize, k: usize, a: View, b: View, acc: bool
         }
         return;
     }
+    // One row against row-major `b` (a decoding token's memory and gate): rows of `b` added in
+    // turn, which vectorises; gemm's setup costs more than these ~8K multiply-adds.
+    if m == 1 && b.cs == 1 {
+        let dst = &mut dst[..n];
+        if !acc {
+            dst.fill(0.0);
+        }
+        for kk in 0..k {
+            let av = a.data[kk * a.cs];
+            for (o, bv) in dst.iter_mut().zip(&b.data[kk * b.rs..kk * b.rs + n]) {
+                *o = av.mul_add(*bv, *o);
+            }
+        }
+        return;
+    }
     // SAFETY: the asserts above keep every index gemm touches inside the three slices.
     unsafe {
         gemm::gemm(
@@ -342,9 +357,18 @@ pub fn fast_forward(q: &[f32], attn: &[f32], p: &[f32], dims: GmDims, t: usize) 
             }
         }
     };
-    out.par_chunks_mut(bs).enumerate().for_each(block);
+    // A decoding row (t = 1) is ~20 µs of work for all heads: handing it to the thread pool
+    // (and waiting on its latch) costs more than that, once per sequence and layer in a batch.
+    if q.len() / dims.d < PARALLEL_ROWS {
+        out.chunks_mut(bs).enumerate().for_each(block);
+    } else {
+        out.par_chunks_mut(bs).enumerate().for_each(block);
+    }
     out
 }
+
+/// Query rows (all heads) from which `fast_forward` runs its blocks in parallel.
+const PARALLEL_ROWS: usize = 32;
 
 /// Fast equivalent of [`reference_backward`]: `(dq, dattn, dp)`.
 pub fn fast_backward(
