@@ -166,25 +166,46 @@ impl PackedWeights {
     /// `x`: `[n, cols]` row-major; returns `[n, rows]`. Panels are shared out over candle's CPU
     /// thread pool (the one its own quantized matmuls use).
     pub fn matmul(&self, x: &[f32], n: usize) -> Vec<f32> {
-        assert_eq!(x.len(), n * self.cols, "activations are not [n, cols]");
-        let xq = QuantizedRows::new(x, n, self.cols);
-        let mut out = vec![0f32; n * self.rows];
-        let out_ptr = SharedOut(out.as_mut_ptr());
-        let panels = self.rows.div_ceil(PANEL);
+        Self::matmul_group(&[self], x, n).pop().unwrap_or_default()
+    }
+
+    /// Several matrices over the same input (a layer's q, k, v; gate and up): the activations
+    /// quantized once and every matrix's panels in one pass of the thread pool. Each output is
+    /// bit for bit what `matmul` gives.
+    pub fn matmul_group(ws: &[&PackedWeights], x: &[f32], n: usize) -> Vec<Vec<f32>> {
+        let Some(cols) = ws.first().map(|w| w.cols) else { return Vec::new() };
+        assert!(ws.iter().all(|w| w.cols == cols), "matrices of a group take the same input");
+        assert_eq!(x.len(), n * cols, "activations are not [n, cols]");
+        let xq = QuantizedRows::new(x, n, cols);
+        let mut outs: Vec<Vec<f32>> = ws.iter().map(|w| vec![0f32; n * w.rows]).collect();
+        let ptrs: Vec<SharedOut> = outs.iter_mut().map(|o| SharedOut(o.as_mut_ptr())).collect();
+        // Panel g of the group is panel g − first[m] of matrix m.
+        let mut first = Vec::with_capacity(ws.len() + 1);
+        let mut total = 0;
+        for w in ws {
+            first.push(total);
+            total += w.rows.div_ceil(PANEL);
+        }
+        first.push(total);
         let run = |range: std::ops::Range<usize>| {
-            let out = &out_ptr;
-            for p in range {
-                // SAFETY: panel `p` writes only columns `16p..16p+16` of each output row.
-                unsafe { self.panel(p, &xq, out.0) };
+            let mut m = 0;
+            for g in range {
+                while g >= first[m + 1] {
+                    m += 1;
+                }
+                // SAFETY: panel `p` writes only columns `16p..16p+16` of each row of output `m`.
+                unsafe { ws[m].panel(g - first[m], &xq, ptrs[m].0) };
             }
         };
         // One decode row of a small matrix is a few microseconds: not worth a pool wake-up.
-        if n * self.rows * self.cols < SERIAL_WORK {
-            run(0..panels);
+        let work: usize = ws.iter().map(|w| n * w.rows * cols).sum();
+        if work < SERIAL_WORK {
+            run(0..total);
         } else {
-            candle_core::utils::barrier_pool().execute_chunked(panels, run);
+            candle_core::utils::barrier_pool().execute_chunked(total, run);
         }
-        out
+        drop(ptrs);
+        outs
     }
 
     /// Panel `p` for every activation row, `TILE` rows at a time.
@@ -452,6 +473,25 @@ mod tests {
                 let fast = packed.matmul(&x, n);
                 assert_eq!(fast, reference, "{format:?}: the kernel differs from its scalar reference");
             }
+        }
+    }
+
+    #[test]
+    fn a_group_gives_each_matrix_its_own_product() {
+        if !available() {
+            return;
+        }
+        let mut seed = 5;
+        let cols = 64;
+        let shapes = [(40, BlockFormat::Q4_1), (16, BlockFormat::Q8_0), (33, BlockFormat::Q4_0)];
+        let packed: Vec<PackedWeights> = shapes
+            .iter()
+            .map(|&(rows, f)| PackedWeights::pack(f, &random_blocks(f, rows, cols, &mut seed), rows, cols).unwrap())
+            .collect();
+        let x: Vec<f32> = (0..6 * cols).map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0).collect();
+        let group = PackedWeights::matmul_group(&packed.iter().collect::<Vec<_>>(), &x, 6);
+        for (w, got) in packed.iter().zip(&group) {
+            assert_eq!(*got, w.matmul(&x, 6));
         }
     }
 

@@ -521,9 +521,9 @@ impl Decoder {
         let eps = self.config.rms_norm_eps as f32;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let [q, k, v] = [Projection::Q, Projection::K, Projection::V]
-                .map(|p| self.batch_linear(li, layer, p, &h, &plan, seqs));
-            let (q, k, v) = (q?, k?, v?);
+            let mut qkv = self.batch_linears(li, layer, &[Projection::Q, Projection::K, Projection::V], &h, &plan, seqs)?;
+            let (v, k, q) = (qkv.pop(), qkv.pop(), qkv.pop());
+            let (Some(q), Some(k), Some(v)) = (q, k, v) else { candle_core::bail!("three projections asked, fewer made") };
             let mut parts = Vec::with_capacity(n);
             if decoding > 0 {
                 parts.push(self.decode_attention(li, seqs, &order[..decoding], [&q, &k, &v])?);
@@ -540,8 +540,8 @@ impl Decoder {
             let attn = if parts.len() == 1 { parts.remove(0) } else { Tensor::cat(&parts, 1)? };
             x = (x + self.batch_linear(li, layer, Projection::O, &attn, &plan, seqs)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
-            let gate = self.batch_linear(li, layer, Projection::Gate, &h, &plan, seqs)?;
-            let up = self.batch_linear(li, layer, Projection::Up, &h, &plan, seqs)?;
+            let mut gate_up = self.batch_linears(li, layer, &[Projection::Gate, Projection::Up], &h, &plan, seqs)?;
+            let (Some(up), Some(gate)) = (gate_up.pop(), gate_up.pop()) else { candle_core::bail!("two projections asked, fewer made") };
             let act = (candle_nn::ops::silu(&gate)? * up)?;
             x = (x + self.batch_linear(li, layer, Projection::Down, &act, &plan, seqs)?)?;
             for (j, &i) in order.iter().enumerate() {
@@ -638,18 +638,32 @@ impl Decoder {
         plan: &BatchPlan,
         seqs: &[SeqInput],
     ) -> Result<Tensor> {
-        let lin = layer.linear(p);
+        Ok(self.batch_linears(li, layer, &[p], x, plan, seqs)?.remove(0))
+    }
+
+    /// `batch_linear` of several projections of one input (q, k, v; gate, up): their
+    /// quantized-path products in one pass of the int8 kernel (`weights::forward_group`).
+    fn batch_linears(
+        &self,
+        li: usize,
+        layer: &DecoderLayer,
+        ps: &[Projection],
+        x: &Tensor,
+        plan: &BatchPlan,
+        seqs: &[SeqInput],
+    ) -> Result<Vec<Tensor>> {
         let quantized = plan.float.iter().filter(|f| !**f).count();
-        let mut pieces = Vec::new();
+        let mut pieces: Vec<Vec<Tensor>> = ps.iter().map(|_| Vec::new()).collect();
         if quantized > 0 {
             let rows = plan.spans[quantized - 1].end;
             let xq = x.narrow(1, 0, rows)?;
             let float = rows >= self.float_batch_min_rows;
-            let mut y = if float { lin.forward_float(&xq)? } else { lin.forward(&xq)? };
-            if let Some(base) = self.unmerged_base(float) {
-                let runs: Vec<_> = (0..rows).step_by(SHARED_DELTA_ROWS).map(|r| r..(r + SHARED_DELTA_ROWS).min(rows)).collect();
-                y = add_run_deltas(&y, &xq, &runs, |_| Some(base), li, p)?;
-            }
+            let lins: Vec<&Linear> = ps.iter().map(|&p| layer.linear(p)).collect();
+            let ys = if float {
+                lins.iter().map(|l| l.forward_float(&xq)).collect::<Result<Vec<_>>>()?
+            } else {
+                super::weights::forward_group(&lins, &xq)?
+            };
             // Runs of sequences sharing one adapter (the layout groups them), ≤ SHARED_DELTA_ROWS.
             let mut runs = Vec::new();
             let mut adapters = Vec::new();
@@ -667,18 +681,25 @@ impl Decoder {
                 adapters.push(s.adapter);
                 j = end;
             }
-            pieces.push(add_run_deltas(&y, &xq, &runs, |k| adapters[k], li, p)?);
+            for ((&p, mut y), out) in ps.iter().zip(ys).zip(pieces.iter_mut()) {
+                if let Some(base) = self.unmerged_base(float) {
+                    let base_runs: Vec<_> =
+                        (0..rows).step_by(SHARED_DELTA_ROWS).map(|r| r..(r + SHARED_DELTA_ROWS).min(rows)).collect();
+                    y = add_run_deltas(&y, &xq, &base_runs, |_| Some(base), li, p)?;
+                }
+                out.push(add_run_deltas(&y, &xq, &runs, |k| adapters[k], li, p)?);
+            }
         }
         for j in quantized..plan.order.len() {
             let r = &plan.spans[j];
             let s = &seqs[plan.order[j]];
             let ctx = LayerCtx { li, adapter: s.adapter, base: self.unmerged_base(true), float: true, start: 0 };
-            pieces.push(ctx.linear(layer, p, &x.narrow(1, r.start, r.len())?)?);
+            let xj = x.narrow(1, r.start, r.len())?;
+            for (&p, out) in ps.iter().zip(pieces.iter_mut()) {
+                out.push(ctx.linear(layer, p, &xj)?);
+            }
         }
-        if pieces.len() == 1 {
-            return Ok(pieces.remove(0));
-        }
-        Tensor::cat(&pieces, 1)
+        pieces.into_iter().map(|mut v| if v.len() == 1 { Ok(v.remove(0)) } else { Tensor::cat(&v, 1) }).collect()
     }
 
     /// Trainable forward from embeddings `[b, t, hidden]` (positions `0..t`). Returns the final

@@ -220,17 +220,39 @@ fn pack_for_cpu(q: &QTensor) -> Result<Option<PackedWeights>> {
 
 /// `x` `[…, in]` (f32, CPU) through the packed kernel: `[…, out]`.
 fn packed_forward(packed: &PackedWeights, x: &Tensor) -> Result<Tensor> {
+    let (dims, n, data) = packed_input(packed.cols(), x)?;
+    output(packed.matmul(&data, n), &dims, packed.rows(), x)
+}
+
+/// `x` `[…, cols]` as (leading dims, rows, f32 data).
+fn packed_input(cols: usize, x: &Tensor) -> Result<(Vec<usize>, usize, Vec<f32>)> {
     let mut dims = x.dims().to_vec();
-    let cols = dims.pop().unwrap_or(0);
-    if cols != packed.cols() {
-        candle_core::bail!("linear layer of {} inputs applied to {cols}", packed.cols());
+    let last = dims.pop().unwrap_or(0);
+    if last != cols {
+        candle_core::bail!("linear layer of {cols} inputs applied to {last}");
     }
-    let n: usize = dims.iter().product();
-    let flat = x.flatten_all()?;
-    let data = flat.to_vec1::<f32>()?;
-    let y = packed.matmul(&data, n);
-    dims.push(packed.rows());
+    let n = dims.iter().product();
+    Ok((dims, n, x.flatten_all()?.to_vec1::<f32>()?))
+}
+
+fn output(y: Vec<f32>, lead: &[usize], rows: usize, x: &Tensor) -> Result<Tensor> {
+    let mut dims = lead.to_vec();
+    dims.push(rows);
     Tensor::from_vec(y, dims, x.device())
+}
+
+/// `forward` of several layers over one input (a layer's q, k, v; gate and up): one pass of the
+/// int8 kernel (`PackedWeights::matmul_group`: the input quantized once) when all run on it,
+/// with the same results as one by one.
+pub fn forward_group(lins: &[&Linear], x: &Tensor) -> Result<Vec<Tensor>> {
+    let packed: Vec<&PackedWeights> = lins.iter().filter_map(|l| l.packed.as_ref()).collect();
+    let same_input = packed.iter().all(|p| p.cols() == packed[0].cols());
+    if lins.len() < 2 || packed.len() < lins.len() || !same_input || !x.device().is_cpu() || x.dtype() != DType::F32 {
+        return lins.iter().map(|l| l.forward(x)).collect();
+    }
+    let (dims, n, data) = packed_input(packed[0].cols(), x)?;
+    let ys = PackedWeights::matmul_group(&packed, &data, n);
+    lins.iter().zip(ys).map(|(l, y)| l.add_bias(output(y, &dims, l.out_dim, x)?)).collect()
 }
 
 /// A float tensor of a norm or embedding: always dequantized.
