@@ -3,7 +3,7 @@
 
 use candle_core::{Device, Tensor};
 use lift_serve::model::generate::{generate, SamplingParams};
-use lift_serve::model::{ChatMessage, KvCache, Logits, Model, NoHooks};
+use lift_serve::model::{ChatMessage, KvCache, Model, NoHooks};
 use std::sync::OnceLock;
 
 fn model() -> &'static Model {

@@ -73,7 +73,9 @@ pub struct Decoder {
     /// so even a reordered dot product shows up in the logits).
     pub rope_interleaved: bool,
     /// Prompts of at least this many rows go through float matmuls (compute-bound); shorter ones
-    /// (decode) through the quantized weights (memory-bound). `usize::MAX`: always quantized.
+    /// (decode) through the quantized weights (memory-bound). `usize::MAX`: always quantized —
+    /// the default where the weights run on our int8 kernel, which beats the f32 gemm at every
+    /// row count (prefill of 512 tokens 719 vs 411 tok/s); 16 where candle's kernels run.
     pub float_prefill_min_rows: usize,
     /// A batch step whose decoding rows (see `forward_batch`) number at least this many runs them
     /// through the float weights in one gemm. Below it they share the quantized matmul and get
@@ -254,7 +256,7 @@ impl Decoder {
             device: device.clone(),
             dtype,
             rope_interleaved: false,
-            float_prefill_min_rows: 16,
+            float_prefill_min_rows: if packed { usize::MAX } else { 16 },
             float_batch_min_rows: if packed { usize::MAX } else { 6 },
             base_adapter: None,
             base_merged: false,
