@@ -185,27 +185,33 @@ fn dequantize_on_cuda_matches_cpu() {
     assert!(bad.is_empty(), "dequantized on CUDA differs from the CPU: {bad:?}");
 }
 
+/// A quantized GGUF on CUDA (quantized layers through their bf16 copies) against the CPU, whose
+/// quantized path is our int8 kernel (`kernels::quant_matmul`) where the CPU has AVX-512 VNNI:
+/// Q8_0 (the default model's LM head) and Q4_1 (its layers).
 #[test]
 fn quantized_gguf_runs_on_cuda() {
     let spec = TinySpec::default();
     let dir = tempfile::tempdir().unwrap();
-    let path = write_gguf(&dir.path().join("tiny_q8.gguf"), &spec, GgmlDType::Q8_0).unwrap();
-    let cpu = Model::load(&path, &Device::Cpu).unwrap();
-    let gpu = Model::load(&path, &gpu()).unwrap();
-    let toks = cpu.tokenizer.encode("Quantized weights on the GPU.", false).unwrap();
-    let input = |m: &Model| Tensor::new(toks.as_slice(), m.device()).unwrap().unsqueeze(0).unwrap();
-    // Threshold 1: every matmul through the bf16 float weights; usize::MAX: the inference path,
-    // which on CUDA also runs a quantized layer through its float copy (`Linear::forward`).
-    for (name, m) in [("cpu", &cpu), ("gpu", &gpu)] {
-        let f = m.decoder.forward_with_float_threshold(&input(m), 1).unwrap();
-        let q = m.decoder.forward_with_float_threshold(&input(m), usize::MAX).unwrap();
-        eprintln!("{name}: float vs quantized path {}", rel_diff(&f, &q));
-    }
-    for rows in [1usize, usize::MAX] {
-        let a = cpu.decoder.forward_with_float_threshold(&input(&cpu), rows).unwrap();
-        let b = gpu.decoder.forward_with_float_threshold(&input(&gpu), rows).unwrap();
-        let d = rel_diff(&b, &a);
-        assert!(d < 5e-2, "threshold {rows}: relative difference {d}");
+    for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
+        let path = write_gguf(&dir.path().join(format!("tiny_{dtype:?}.gguf")), &spec, dtype).unwrap();
+        let cpu = Model::load(&path, &Device::Cpu).unwrap();
+        let gpu = Model::load(&path, &gpu()).unwrap();
+        eprintln!("{dtype:?}: CPU int8 kernel: {}", cpu.decoder.layers[0].q.is_packed());
+        let toks = cpu.tokenizer.encode("Quantized weights on the GPU.", false).unwrap();
+        let input = |m: &Model| Tensor::new(toks.as_slice(), m.device()).unwrap().unsqueeze(0).unwrap();
+        // Threshold 1: every matmul through the bf16 float weights; usize::MAX: the inference
+        // path, which on CUDA also runs a quantized layer through its float copy.
+        for (name, m) in [("cpu", &cpu), ("gpu", &gpu)] {
+            let f = m.decoder.forward_with_float_threshold(&input(m), 1).unwrap();
+            let q = m.decoder.forward_with_float_threshold(&input(m), usize::MAX).unwrap();
+            eprintln!("{dtype:?} {name}: float vs quantized path {}", rel_diff(&f, &q));
+        }
+        for rows in [1usize, usize::MAX] {
+            let a = cpu.decoder.forward_with_float_threshold(&input(&cpu), rows).unwrap();
+            let b = gpu.decoder.forward_with_float_threshold(&input(&gpu), rows).unwrap();
+            let d = rel_diff(&b, &a);
+            assert!(d < 5e-2, "{dtype:?}, threshold {rows}: relative difference {d}");
+        }
     }
 }
 
