@@ -4,10 +4,13 @@
 //!
 //!   PEERS_IDS=target/peers/ids.json RAYON_NUM_THREADS=2 cargo bench --bench peer_ours
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use lift_serve::model::generate::prefill;
-use lift_serve::model::{KvCache, Logits, Model, NoHooks};
+use lift_serve::model::{KvCache, Model, NoHooks};
 use std::time::Instant;
+
+#[path = "common/decode.rs"]
+mod decode;
 
 const DECODE_PROMPT: usize = 128;
 const DECODE_STEPS: usize = 64;
@@ -36,16 +39,8 @@ fn main() -> anyhow::Result<()> {
     // Greedy decode after a fresh prompt; returns the time of each step (argmax + one forward).
     let decode = |steps: usize| -> anyhow::Result<Vec<f64>> {
         let mut cache = KvCache::new(layers);
-        let mut logits = prefill(&model, &ids[..DECODE_PROMPT], &mut cache, None, &mut NoHooks)?.unsqueeze(0)?;
-        let mut times = Vec::with_capacity(steps);
-        for _ in 0..steps {
-            let t = Instant::now();
-            let next = logits.argmax(1)?.to_vec1::<u32>()?[0];
-            let x = Tensor::new(&[next], &dev)?.unsqueeze(0)?;
-            logits = model.decoder.forward(&x, &mut cache, None, &mut NoHooks, Logits::Last)?;
-            times.push(t.elapsed().as_secs_f64());
-        }
-        Ok(times)
+        let logits = prefill(&model, &ids[..DECODE_PROMPT], &mut cache, None, &mut NoHooks)?.unsqueeze(0)?;
+        decode::timed_greedy_steps(&model, &mut cache, logits, steps)
     };
 
     // Warm-up: touches every weight, the allocator's pools and both paths once.

@@ -14,6 +14,9 @@ use lift_serve::model::generate::prefill;
 use lift_serve::model::{ops, Adapter, KvCache, Logits, Model, NoHooks};
 use std::time::Instant;
 
+#[path = "common/decode.rs"]
+mod decode;
+
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(|a, b| a.total_cmp(b));
     xs[xs.len() / 2]
@@ -107,16 +110,8 @@ fn main() -> anyhow::Result<()> {
         let prompt = Tensor::new(tokens(128, cfg.vocab_size).as_slice(), &dev)?.unsqueeze(0)?;
         let steps = 64;
         let mut cache = KvCache::new(layers);
-        let mut logits = model.decoder.forward(&prompt, &mut cache, None, &mut NoHooks, Logits::Last)?;
-        let mut times = Vec::new();
-        for _ in 0..steps {
-            let t = Instant::now();
-            let next = logits.argmax(1)?.to_vec1::<u32>()?[0];
-            let x = Tensor::new(&[next], &dev)?.unsqueeze(0)?;
-            logits = model.decoder.forward(&x, &mut cache, None, &mut NoHooks, Logits::Last)?;
-            times.push(t.elapsed().as_secs_f64());
-        }
-        let s = median(times);
+        let logits = model.decoder.forward(&prompt, &mut cache, None, &mut NoHooks, Logits::Last)?;
+        let s = median(decode::timed_greedy_steps(&model, &mut cache, logits, steps)?);
         println!("decode after 128-token prompt: {:.1} ms/token  {:.1} tok/s (median of {steps})", s * 1e3, 1.0 / s);
     }
 
