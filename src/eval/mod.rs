@@ -154,6 +154,8 @@ pub const METHODS: &[(&str, &str)] = &[
     ("lift", "adapter absorbed from the document + the same truncated context"),
     ("memory", "adapter only, no document text in context"),
     ("lift-paper", "lift absorbed with the paper's recipe (AbsorbOptions::paper_faithful)"),
+    ("lift-fixed", "lift absorbed on the fixed schedule (the epochs run to their end)"),
+    ("lift-until-learned", "lift absorbed until learned (train.until_learned; its defaults unless the options set it)"),
 ];
 
 /// The method preset `name` on top of the base absorb options (for a model of `num_layers`).
@@ -167,6 +169,16 @@ pub fn method(name: &str, base: &AbsorbOptions, num_layers: usize) -> Result<Met
             // budget stays the run's.
             let mut o = AbsorbOptions::paper_faithful(num_layers);
             o.plan.context_tokens = base.plan.context_tokens;
+            (Mode::Lift, Some(o))
+        }
+        "lift-fixed" => {
+            let mut o = base.clone();
+            o.train.until_learned = None;
+            (Mode::Lift, Some(o))
+        }
+        "lift-until-learned" => {
+            let mut o = base.clone();
+            o.train.until_learned.get_or_insert_with(Default::default);
             (Mode::Lift, Some(o))
         }
         _ => {
@@ -536,6 +548,10 @@ pub struct EvalArgs {
     /// Directory of essays (default: $LIFT_DATA_DIR/pg-essays, fetched when missing).
     #[arg(long)]
     pub essays: Option<PathBuf>,
+    /// Which essays the documents are cut from: `eval` (reported figures) or `validation` (for
+    /// tuning options; never the figures reported). The prepared base trained on neither.
+    #[arg(long, value_enum, default_value_t = EssaySplit::Eval)]
+    pub split: EssaySplit,
     /// In-context document budget when answering (default: the training context budget).
     #[arg(long)]
     pub ask_context_tokens: Option<usize>,
@@ -555,6 +571,13 @@ pub struct EvalArgs {
     pub quiet: bool,
 }
 
+/// The essay split `eval` cuts its documents from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
+pub enum EssaySplit {
+    Eval,
+    Validation,
+}
+
 /// The `eval` command: build or load the documents, run, write the report.
 pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs) -> Result<()> {
     if args.report_only {
@@ -568,8 +591,13 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
                 Some(d) => d.clone(),
                 None => data::fetch_essays(&data::data_dir())?,
             };
-            // Only the essays of the prepared base's Eval split: the base never trained on them.
-            let essays = crate::base::data::essays_in(&data::load_essays(&dir)?, crate::base::data::Split::Eval);
+            // Only the essays of the prepared base's Eval (or Validation) split: the base never
+            // trained on them.
+            let split = match args.split {
+                EssaySplit::Eval => crate::base::data::Split::Eval,
+                EssaySplit::Validation => crate::base::data::Split::Validation,
+            };
+            let essays = crate::base::data::essays_in(&data::load_essays(&dir)?, split);
             let spec = needles::NeedleSpec {
                 lengths: args.lengths.clone(),
                 depths: args.depths.clone(),

@@ -287,6 +287,12 @@ fn plan(
 
 /// The QA pairs to train on and those held aside as probes (absorb until learned; none
 /// otherwise, or when there are too few pairs to spare: the fixed schedule then runs to its end).
+///
+/// Probes are *rewordings*: one wording of a fact whose other wordings stay in training (the
+/// extractive wordings of one fact share its evidence span), so a probe measures whether a fact
+/// the adapter was taught is recalled through a question it never saw — what a user's question
+/// does — not whether a trained question is copied, nor whether an untaught fact can be guessed.
+/// Facts with a single wording are held aside whole only when too few facts have two.
 fn hold_aside(pairs: &[QaPair], opts: &AbsorbOptions) -> (Vec<QaPair>, Vec<QaPair>) {
     let Some(rule) = &opts.train.until_learned else { return (pairs.to_vec(), Vec::new()) };
     let n = rule.probe_count(pairs.len());
@@ -294,16 +300,38 @@ fn hold_aside(pairs: &[QaPair], opts: &AbsorbOptions) -> (Vec<QaPair>, Vec<QaPai
         tracing::warn!(pairs = pairs.len(), "too few QA pairs to hold any aside as probes: the fixed schedule runs to its end");
         return (pairs.to_vec(), Vec::new());
     }
-    // Spread over the document: pairs come in document order, so take every k-th, seeded offset.
-    let step = pairs.len() as f64 / n as f64;
-    let offset = (opts.train.seed as f64 * 0.618_033_988_7).fract() * step;
-    let held: std::collections::BTreeSet<usize> =
-        (0..n).map(|i| ((offset + i as f64 * step) as usize).min(pairs.len() - 1)).collect();
+    let held = probe_indices(pairs, n, opts.train.seed);
     let (mut trained, mut probes) = (Vec::new(), Vec::new());
     for (i, p) in pairs.iter().enumerate() {
         if held.contains(&i) { probes.push(p.clone()) } else { trained.push(p.clone()) }
     }
     (trained, probes)
+}
+
+/// Which `n` of `pairs` (in document order) to hold aside: one wording each of `n` facts with
+/// several, spread evenly over the document (seeded choice of the wording); single-wording facts,
+/// spread likewise, only to make up the count.
+fn probe_indices(pairs: &[QaPair], n: usize, seed: u64) -> std::collections::BTreeSet<usize> {
+    let mut facts: std::collections::BTreeMap<(usize, usize), Vec<usize>> = Default::default();
+    for (i, p) in pairs.iter().enumerate() {
+        facts.entry(p.evidence_span).or_default().push(i);
+    }
+    let (multi, single): (Vec<Vec<usize>>, Vec<Vec<usize>>) = facts.into_values().partition(|w| w.len() >= 2);
+    // `k` of `items`, evenly spaced from a seeded offset.
+    let spread = |items: &[Vec<usize>], k: usize| -> Vec<Vec<usize>> {
+        let k = k.min(items.len());
+        let step = items.len() as f64 / k.max(1) as f64;
+        let offset = (seed as f64 * 0.618_033_988_7).fract() * step;
+        (0..k).map(|i| items[((offset + i as f64 * step) as usize).min(items.len() - 1)].clone()).collect()
+    };
+    let mut held: std::collections::BTreeSet<usize> = spread(&multi, n)
+        .into_iter()
+        .enumerate()
+        .map(|(k, wordings)| wordings[(seed as usize + k) % wordings.len()])
+        .collect();
+    let missing = n - held.len();
+    held.extend(spread(&single, missing).into_iter().map(|w| w[0]));
+    held
 }
 
 /// The manifest's `training` figures.
@@ -325,4 +353,43 @@ fn training_figures(r: &TrainReport, qa_pairs: usize, qa_seconds: f64, segments:
         "segments": segments,
         "total_seconds": t0.elapsed().as_secs_f64(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use qa::QaSource;
+
+    fn pair(q: &str, span: (usize, usize)) -> QaPair {
+        QaPair { question: q.into(), answer: "a".into(), evidence: "e".into(), evidence_span: span, source: QaSource::Extractive }
+    }
+
+    #[test]
+    fn probes_are_rewordings_of_facts_that_stay_in_training() {
+        // Ten facts: the even ones with three wordings, the odd ones with one.
+        let mut pairs = Vec::new();
+        for f in 0..10 {
+            let wordings = if f % 2 == 0 { 3 } else { 1 };
+            pairs.extend((0..wordings).map(|w| pair(&format!("q{f}.{w}"), (10 * f, 10 * f + 5))));
+        }
+        for seed in 0..4 {
+            let held = probe_indices(&pairs, 4, seed);
+            assert_eq!(held.len(), 4);
+            for &i in &held {
+                let span = pairs[i].evidence_span;
+                assert!(
+                    (0..pairs.len()).any(|j| !held.contains(&j) && pairs[j].evidence_span == span),
+                    "seed {seed}: probe {} has no trained wording",
+                    pairs[i].question
+                );
+            }
+            // Four of the five multi-wording facts, at most one wording each.
+            let facts: std::collections::BTreeSet<_> = held.iter().map(|&i| pairs[i].evidence_span).collect();
+            assert_eq!(facts.len(), 4);
+        }
+        // More probes than multi-wording facts: single-wording facts make up the count.
+        let held = probe_indices(&pairs, 7, 0);
+        assert_eq!(held.len(), 7);
+        assert_eq!(held.iter().filter(|&&i| pairs[i].evidence_span.0 % 20 == 10).count(), 2);
+    }
 }
