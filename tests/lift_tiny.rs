@@ -238,6 +238,11 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     eprintln!("until learned: {} of {} steps (fixed: {planned}); probe curve {:?}", r.steps, r.planned_steps, r.probe_curve);
     assert!(r.stopped_early && r.steps < planned, "stops before the ceiling: {} of {planned} steps, probes {curve:?}", r.steps);
     assert!(r.steps >= rule.min_steps, "never before the floor: {} steps", r.steps);
+    // The plateau (at or after the floor) starts the cool-down; the run stops at its end.
+    let from = r.cooldown_from.expect("the probes plateaued");
+    assert!(from >= rule.min_steps && from % rule.probe_every == 0, "cool-down from step {from}");
+    assert_eq!(r.steps, from + (from as f64 * rule.cooldown).round() as usize, "stops when the cool-down ends");
+    assert_eq!(learned.manifest.training["cooldown_from"], from);
     // The ceiling is the fixed schedule over the pairs left to train on.
     let probes = learned.manifest.training["probe_pairs"].as_u64().unwrap() as usize;
     assert_eq!(r.planned_steps, planned - 12 * probes);

@@ -40,11 +40,16 @@ pub struct TrainOptions {
     pub seed: u64,
 }
 
-/// Absorb until learned. A sample of the auxiliary QA pairs is held aside, never trained on; every
-/// `probe_every` optimizer steps the mean loss of their answer tokens under the adapter (the
-/// document's facts recalled from what the other pairs and the segments taught) is measured, and
-/// training stops once it has not improved by `min_delta` (relative) for `patience` probes in a
-/// row — in the last stage only, never before `min_steps`, never past the fixed schedule's steps.
+/// Absorb until learned. A sample of the auxiliary QA pairs is held aside, never trained on (one
+/// wording of a fact whose other wordings train); every `probe_every` optimizer steps the mean
+/// loss of their answer tokens under the adapter (the document's facts recalled through questions
+/// never trained on) is measured. Per-example steps make that curve noisy, so the rule reads its
+/// moving average (`smoothing`: the newest probe's weight). Once the average has not improved by
+/// `min_delta` (relative) for `patience` probes in a row — in the last stage only, never before
+/// `min_steps` — the learning rate cools down linearly to zero over `cooldown` × the steps run so
+/// far, and training stops (an adapter left at the full learning rate is caught mid-update: the
+/// answers of one run stopped at once were wrong even in the window); never past the fixed
+/// schedule's steps.
 ///
 /// Steps also go where the document is not yet known: a QA pair or segment whose loss at its last
 /// visit was below `learned_loss` is skipped in the next epochs and revisited every
@@ -61,6 +66,11 @@ pub struct UntilLearned {
     pub min_steps: usize,
     pub patience: usize,
     pub min_delta: f64,
+    /// Weight of the newest probe in the moving average the rule reads (1: the raw probe loss).
+    pub smoothing: f64,
+    /// Steps of the linear cool-down after the plateau, as a share of the steps run so far (0:
+    /// stop at once).
+    pub cooldown: f64,
     /// Share of the QA pairs held aside as probes: at least 2, at most `max_probes`, and only when
     /// at least as many pairs are left to train on.
     pub probe_share: f64,
@@ -78,6 +88,8 @@ impl Default for UntilLearned {
             min_steps: 48,
             patience: 3,
             min_delta: 0.02,
+            smoothing: 0.5,
+            cooldown: 0.25,
             probe_share: 0.15,
             max_probes: 16,
             learned_loss: 0.0,
@@ -222,6 +234,10 @@ pub struct TrainReport {
     pub planned_steps: usize,
     /// `(step, probe loss)` at every probe (absorb until learned).
     pub probe_curve: Vec<(usize, f64)>,
+    /// The step at which the probes plateaued and the learning rate began to cool down (absorb
+    /// until learned).
+    #[serde(default)]
+    pub cooldown_from: Option<usize>,
     /// Examples (segments and QA pairs) skipped as learned, summed over epochs (absorb until
     /// learned).
     pub skipped_examples: usize,
@@ -569,6 +585,7 @@ pub fn train_with(
     let mut focus = Focus::new(opts.until_learned.as_ref(), rows.n_seg, rows.n_qa);
     let mut probed = Patience { best: f64::INFINITY, since_best: 0 };
     let mut probe_loss = None;
+    let (mut probe_avg, mut cooldown): (Option<f64>, Option<Cooldown>) = (None, None);
     let final_stage = if opts.epochs[1] > 0 { Stage::SegmentsAndQa } else { Stage::Segments };
     let mut epoch = 0;
     'stages: for (stage, epochs) in [(Stage::Segments, opts.epochs[0]), (Stage::SegmentsAndQa, opts.epochs[1])] {
@@ -590,25 +607,35 @@ pub fn train_with(
                         focus.book(is_qa, m, loss, epoch);
                     }
                 }
-                optimizers.step(b.grads, opts, report.steps)?;
+                let lr_scale = cooldown.map_or(1.0, |c| c.lr_scale(report.steps));
+                optimizers.step(b.grads, opts, report.steps, lr_scale)?;
                 report.steps += 1;
                 report.examples += batch.len();
                 report.tokens += b.tokens;
                 report.step_losses.push(b.loss);
                 epoch_loss += b.loss * batch.len() as f64;
                 let secs = t0.elapsed().as_secs_f64();
-                let mut learned = false;
                 if let Some((rule, probes)) = until_learned.filter(|(r, _)| report.steps % r.probe_every.max(1) == 0) {
                     let loss = probes.loss(model, inputs.adapter)?;
                     report.probe_curve.push((report.steps, loss));
+                    let avg = probe_avg.map_or(loss, |a| a + rule.smoothing.clamp(0.0, 1.0) * (loss - a));
+                    probe_avg = Some(avg);
+                    tracing::info!(step = report.steps, planned = steps_total, epoch, probe_loss = loss, probe_avg = avg, train_loss = b.loss, "probe");
                     probe_loss = Some(loss);
-                    let rule_as_patience = EarlyStop { patience: rule.patience, min_delta: rule.min_delta * probed.best.min(loss) };
+                    let rule_as_patience = EarlyStop { patience: rule.patience, min_delta: rule.min_delta * probed.best.min(avg) };
                     // Only in the last stage: the probes are questions, which the QA stage teaches
                     // to answer; a plateau over segments alone says nothing about that.
-                    learned = probed.exhausted(Some(&rule_as_patience), loss)
+                    let plateau = probed.exhausted(Some(&rule_as_patience), avg)
                         && report.steps >= rule.min_steps
                         && stage == final_stage;
+                    if plateau && cooldown.is_none() {
+                        let steps = (report.steps as f64 * rule.cooldown.max(0.0)).round() as usize;
+                        tracing::info!(step = report.steps, cooldown_steps = steps, probe_avg = avg, "the probes are learned: cooling down");
+                        cooldown = Some(Cooldown { start: report.steps, steps });
+                        report.cooldown_from = Some(report.steps);
+                    }
                 }
+                let learned = cooldown.is_some_and(|c| report.steps >= c.start + c.steps);
                 on_progress(&Progress {
                     stage,
                     epoch,
@@ -620,7 +647,7 @@ pub fn train_with(
                     probe_loss,
                 });
                 if learned {
-                    tracing::info!(step = report.steps, planned = steps_total, probe_loss, "the probes are learned: training stops");
+                    tracing::info!(step = report.steps, planned = steps_total, probe_loss, "training stops: the probes are learned");
                     report.epoch_losses.push(epoch_loss / (report.examples - epoch_start).max(1) as f64);
                     report.stopped_early = true;
                     break 'stages;
@@ -773,15 +800,32 @@ impl Optimizers {
         })
     }
 
-    /// Optimizer step `step` with `grads` (the adapter's, then the filter's).
-    fn step(&mut self, mut grads: Vec<Tensor>, opts: &TrainOptions, step: usize) -> Result<()> {
+    /// Optimizer step `step` with `grads` (the adapter's, then the filter's), the learning rate
+    /// scaled by `lr_scale`.
+    fn step(&mut self, mut grads: Vec<Tensor>, opts: &TrainOptions, step: usize, lr_scale: f64) -> Result<()> {
         let filter_grads = grads.split_off(self.n_adapter_vars.min(grads.len()));
-        let lr = current_lr(opts, step);
+        let lr = current_lr(opts, step) * lr_scale;
         self.adapter.step(&clip(grads, opts.max_grad_norm)?, lr)?;
         if !filter_grads.is_empty() {
             self.filter.step(&clip(filter_grads, opts.max_grad_norm)?, lr * self.filter_lr_scale)?;
         }
         Ok(())
+    }
+}
+
+/// The cool-down after the probes plateaued: `steps` optimizer steps from step `start`.
+#[derive(Clone, Copy)]
+struct Cooldown {
+    start: usize,
+    steps: usize,
+}
+
+impl Cooldown {
+    /// The learning rate's factor at 0-based optimizer step `step`: linear from just below 1 to
+    /// just above 0 over the cool-down.
+    fn lr_scale(self, step: usize) -> f64 {
+        let left = (self.start + self.steps).saturating_sub(step);
+        left as f64 / (self.steps + 1) as f64
     }
 }
 
@@ -920,6 +964,13 @@ mod tests {
         let (unmasked, _) = training_loss(&model, &gm, ex, None, None, &mut stats, None).unwrap();
         let d = (unmasked.to_scalar::<f32>().unwrap() - plain.to_scalar::<f32>().unwrap()).abs();
         assert!(d > 1e-4, "the soft mask changed nothing ({d})");
+    }
+
+    #[test]
+    fn the_cooldown_takes_the_learning_rate_linearly_towards_zero() {
+        let c = Cooldown { start: 100, steps: 3 };
+        let scales: Vec<f64> = (100..104).map(|s| c.lr_scale(s)).collect();
+        assert_eq!(scales, vec![0.75, 0.5, 0.25, 0.0]);
     }
 
     #[test]
