@@ -255,6 +255,35 @@ pub struct Results {
     pub seconds: f64,
 }
 
+impl Results {
+    /// One report from labelled runs of the same documents: their methods, absorbs and answers
+    /// side by side (the first run's config and documents; every run must hold the same
+    /// documents). A method already in an earlier run is renamed `method@label`.
+    pub fn merge(runs: Vec<(String, Results)>) -> Result<Results> {
+        let mut it = runs.into_iter();
+        let (_, mut out) = it.next().context("nothing to merge")?;
+        for (label, mut r) in it {
+            let ids = |r: &Results| r.documents.iter().map(|d| (d.id.clone(), d.text.len())).collect::<Vec<_>>();
+            anyhow::ensure!(ids(&r) == ids(&out), "the runs to merge hold different documents");
+            for m in r.config.methods.clone() {
+                if !out.config.methods.contains(&m) {
+                    out.config.methods.push(m);
+                    continue;
+                }
+                let renamed = format!("{m}@{label}");
+                anyhow::ensure!(!out.config.methods.contains(&renamed), "method {renamed} is in two of the runs");
+                r.absorbs.iter_mut().flat_map(|a| a.methods.iter_mut()).filter(|x| **x == m).for_each(|x| x.clone_from(&renamed));
+                r.answers.iter_mut().filter(|a| a.method == m).for_each(|a| a.method.clone_from(&renamed));
+                out.config.methods.push(renamed);
+            }
+            out.absorbs.extend(r.absorbs);
+            out.answers.extend(r.answers);
+            out.seconds += r.seconds;
+        }
+        Ok(out)
+    }
+}
+
 /// Where absorbing and answering happen: in this process, or on a server ([`client::Server`]).
 pub trait Backend {
     /// Absorbs `doc` with `opts`; returns the record and a handle for [`Backend::ask`].
@@ -566,6 +595,11 @@ pub struct EvalArgs {
     /// Only redraw the report (markdown, plots) from OUT/results.json.
     #[arg(long)]
     pub report_only: bool,
+    /// Merge the results.json of runs of the same documents with different methods (run apart,
+    /// e.g. side by side) into one report in OUT: one table, and each method paired by question
+    /// against the first.
+    #[arg(long, value_delimiter = ',')]
+    pub merge: Vec<PathBuf>,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -580,6 +614,22 @@ pub enum EssaySplit {
 
 /// The `eval` command: build or load the documents, run, write the report.
 pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs) -> Result<()> {
+    if !args.merge.is_empty() {
+        let runs = args
+            .merge
+            .iter()
+            .map(|p| {
+                let r: Results = serde_json::from_slice(&std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()))?)?;
+                // A run's label: the name of the directory its results.json is in.
+                let dir = p.parent().and_then(|d| d.file_name()).map_or_else(|| p.display().to_string(), |d| d.to_string_lossy().into_owned());
+                Ok((dir, r))
+            })
+            .collect::<Result<Vec<(String, Results)>>>()?;
+        let merged = Results::merge(runs)?;
+        report::write(&merged, &args.out)?;
+        print!("{}", report::markdown(&merged));
+        return Ok(());
+    }
     if args.report_only {
         let results: Results = serde_json::from_slice(&std::fs::read(args.out.join(report::RESULTS_FILE))?)?;
         return report::write(&results, &args.out);

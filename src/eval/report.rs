@@ -76,8 +76,54 @@ pub fn markdown(results: &Results) -> String {
          token F1 (SQuAD normalisation). In/out of window: whether the answer's evidence is in the truncated \
          document the `lift`/`icl` prompt holds. absorb s: wall time of the absorption (QA + training)."
     );
+    paired_tables(&mut s, results);
     depth_tables(&mut s, results);
     s
+}
+
+/// Each method after the first, paired by question against the first: how many questions both,
+/// only one or neither answered (out of and in the window), and the training steps and absorb
+/// time it took, per document and in all.
+fn paired_tables(s: &mut String, results: &Results) {
+    let ms = methods(results);
+    let Some((first, others)) = ms.split_first() else { return };
+    if others.is_empty() {
+        return;
+    }
+    let answer = |m: &str, doc: &str, q: &str| {
+        results.answers.iter().find(|a| a.method == m && a.document == doc && a.question == q).map(|a| a.scores.contains > 0.0)
+    };
+    let absorb = |m: &str, doc: &str| results.absorbs.iter().find(|a| a.document == doc && a.methods.iter().any(|x| x == m));
+    let _ = writeln!(s, "\nPaired by question against `{first}` (both right / only this method / only `{first}` / neither):\n");
+    let _ = writeln!(s, "| method | out of window | in window | steps (share of `{first}`'s) | absorb s | per document: steps |");
+    let _ = writeln!(s, "|---|---|---|---|---|---|");
+    for m in others {
+        let mut cells = [[0usize; 4]; 2];
+        for a in results.answers.iter().filter(|a| a.method == *first) {
+            let (Some(base), Some(this)) = (answer(first, &a.document, &a.question), answer(m, &a.document, &a.question)) else {
+                continue;
+            };
+            let w = usize::from(a.in_window == Some(true));
+            cells[w][match (base, this) {
+                (true, true) => 0,
+                (false, true) => 1,
+                (true, false) => 2,
+                (false, false) => 3,
+            }] += 1;
+        }
+        let (mut steps, mut base_steps, mut secs, mut per_doc) = (0, 0, 0.0, Vec::new());
+        for d in &results.documents {
+            if let (Some(a), Some(b)) = (absorb(m, &d.id), absorb(first, &d.id)) {
+                steps += a.steps;
+                base_steps += b.steps;
+                secs += a.seconds;
+                per_doc.push(format!("{} {}/{}", d.id, a.steps, b.steps));
+            }
+        }
+        let share = if base_steps > 0 { format!("{steps} ({:.0}%)", 100.0 * steps as f64 / base_steps as f64) } else { "–".into() };
+        let fmt = |c: [usize; 4]| format!("{} / {} / {} / {}", c[0], c[1], c[2], c[3]);
+        let _ = writeln!(s, "| {m} | {} | {} | {share} | {secs:.0} | {} |", fmt(cells[0]), fmt(cells[1]), per_doc.join(", "));
+    }
 }
 
 /// Method `m`'s row of the summary table.
@@ -369,6 +415,66 @@ mod tests {
         let (a, b) = (std::fs::read(&plain).unwrap(), std::fs::read(&probed).unwrap());
         assert!(a.starts_with(b"\x89PNG") && b.starts_with(b"\x89PNG"));
         assert_ne!(a, b, "the probe curve is drawn");
+    }
+
+    /// Two runs of one document with different methods merge into one report, and the second
+    /// method is paired by question against the first.
+    #[test]
+    fn merged_runs_are_paired_by_question() {
+        use super::super::{AnswerRecord, EvalDocument};
+        let doc = EvalDocument {
+            id: "len1024-0".into(),
+            source: "essays".into(),
+            target_tokens: Some(1024),
+            tokens: 1024,
+            text: "text".into(),
+            questions: Vec::new(),
+        };
+        // Question k right for `fixed` when k < 3, for `learned` when k is odd; k < 4 out of window.
+        let run = |m: &str, steps: usize, right: fn(usize) -> bool| Results {
+            model: "tiny".into(),
+            config: RunConfig {
+                methods: vec![m.into()],
+                context_tokens: None,
+                max_tokens: 8,
+                absorb: Default::default(),
+                needles: None,
+                jsonl: None,
+                server: None,
+            },
+            documents: vec![doc.clone()],
+            absorbs: vec![AbsorbRecord { document: doc.id.clone(), methods: vec![m.into()], steps, ..Default::default() }],
+            answers: (0..6)
+                .map(|k| AnswerRecord {
+                    document: doc.id.clone(),
+                    question: format!("q{k}"),
+                    method: m.into(),
+                    prediction: String::new(),
+                    scores: crate::eval::metrics::Scores { contains: f64::from(u8::from(right(k))), ..Default::default() },
+                    in_window: Some(k >= 4),
+                    depth: None,
+                    kind: None,
+                    target_tokens: None,
+                    document_tokens: 1024,
+                    prompt_tokens: 0,
+                    seconds: 0.0,
+                })
+                .collect(),
+            seconds: 1.0,
+        };
+        let merged =
+            Results::merge(vec![("a".into(), run("fixed", 400, |k| k < 3)), ("b".into(), run("learned", 100, |k| k % 2 == 1))])
+                .unwrap();
+        assert_eq!(merged.config.methods, vec!["fixed", "learned"]);
+        let md = super::markdown(&merged);
+        // Out of window q0..q3: both q1; only learned q3; only fixed q0, q2; neither none. In
+        // window q4, q5: only learned q5; neither q4.
+        assert!(md.contains("| learned | 1 / 1 / 2 / 0 | 0 / 1 / 0 / 1 | 100 (25%) |"), "{md}");
+        // The same method in two runs: the second is labelled by its run.
+        let twice = Results::merge(vec![("a".into(), run("fixed", 400, |k| k < 3)), ("b".into(), run("fixed", 100, |k| k % 2 == 1))])
+            .unwrap();
+        assert_eq!(twice.config.methods, vec!["fixed", "fixed@b"]);
+        assert!(super::markdown(&twice).contains("| fixed@b | 1 / 1 / 2 / 0 | 0 / 1 / 0 / 1 | 100 (25%) |"));
     }
 
     #[test]
