@@ -623,11 +623,13 @@ pub fn train_with(
                     tracing::info!(step = report.steps, planned = steps_total, epoch, probe_loss = loss, probe_avg = avg, train_loss = b.loss, "probe");
                     probe_loss = Some(loss);
                     let rule_as_patience = EarlyStop { patience: rule.patience, min_delta: rule.min_delta * probed.best.min(avg) };
-                    // Only in the last stage: the probes are questions, which the QA stage teaches
-                    // to answer; a plateau over segments alone says nothing about that.
-                    let plateau = probed.exhausted(Some(&rule_as_patience), avg)
-                        && report.steps >= rule.min_steps
-                        && stage == final_stage;
+                    // Only in the last stage, and counted from its start: the probes are
+                    // questions, which the QA stage teaches to answer; a plateau over segments
+                    // alone says nothing about that (counted through the first stage, a long one
+                    // stopped a 2K document at the QA stage's first probe).
+                    let plateau = stage == final_stage
+                        && probed.exhausted(Some(&rule_as_patience), avg)
+                        && report.steps >= rule.min_steps;
                     if plateau && cooldown.is_none() {
                         let steps = (report.steps as f64 * rule.cooldown.max(0.0)).round() as usize;
                         tracing::info!(step = report.steps, cooldown_steps = steps, probe_avg = avg, "the probes are learned: cooling down");
