@@ -208,13 +208,13 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt")).unwrap();
     let text: String = text.chars().take(1200).collect();
     let document = Document::encode(&model, text).unwrap();
-    let run = |rule: Option<UntilLearned>| {
+    let run_with = |epochs: [usize; 2], rule: Option<UntilLearned>| {
         let mut o = AbsorbOptions::default();
         o.plan.window = 64;
         o.plan.context_tokens = 32;
         o.qa.use_model = false;
         o.qa.max_pairs = 12;
-        o.train.epochs = [0, 12];
+        o.train.epochs = epochs;
         o.lr = Some(5e-3);
         o.train.until_learned = rule;
         let mut probe_events = 0;
@@ -226,6 +226,7 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
         .unwrap();
         (a, probe_events)
     };
+    let run = |rule: Option<UntilLearned>| run_with([0, 12], rule);
     let (fixed, _) = run(None);
     let planned = fixed.report.planned_steps;
     assert_eq!(fixed.report.steps, planned, "the fixed schedule runs every step");
@@ -257,8 +258,17 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     // A floor above where the probes plateau holds the run until the floor (nothing skipped, so
     // that the epochs reach it).
     let floor = planned * 3 / 4;
-    let (held, _) = run(Some(UntilLearned { min_steps: floor, patience: 1, learned_loss: 0.0, ..rule }));
+    let (held, _) = run(Some(UntilLearned { min_steps: floor, patience: 1, learned_loss: 0.0, ..rule.clone() }));
     assert!(held.report.steps >= floor, "{} steps, floor {floor}", held.report.steps);
+
+    // A first stage of segments alone, longer than the patience: the plateau is counted from the
+    // QA stage's start, never through the first stage.
+    let (staged, _) = run_with([8, 12], Some(UntilLearned { min_steps: 0, ..rule.clone() }));
+    let (segments_only, _) = run_with([8, 0], None);
+    let first_stage = segments_only.report.steps;
+    assert!(first_stage >= (rule.patience + 1) * rule.probe_every, "{first_stage} steps of segments alone");
+    let from = staged.report.cooldown_from.unwrap_or(usize::MAX);
+    assert!(from >= first_stage + rule.patience * rule.probe_every, "cool-down from step {from}, first stage {first_stage} steps");
 }
 
 /// Absorbing until learned spends steps where the document is not yet known (issue 21): an
