@@ -383,6 +383,10 @@ pub fn loss_plot(results: &Results, path: &Path) -> Result<()> {
 mod tests {
     use super::super::{AbsorbRecord, Results, RunConfig};
 
+    fn config(methods: Vec<String>) -> RunConfig {
+        RunConfig { methods, context_tokens: None, max_tokens: 8, absorb: Default::default(), needles: None, jsonl: None, server: None }
+    }
+
     #[test]
     fn the_loss_plot_draws_the_probe_curve_when_there_is_one() {
         let dir = tempfile::tempdir().unwrap();
@@ -394,15 +398,7 @@ mod tests {
         };
         let results = |absorb: AbsorbRecord| Results {
             model: "tiny".into(),
-            config: RunConfig {
-                methods: vec!["lift".into()],
-                context_tokens: None,
-                max_tokens: 8,
-                absorb: Default::default(),
-                needles: None,
-                jsonl: None,
-                server: None,
-            },
+            config: config(vec!["lift".into()]),
             documents: Vec::new(),
             absorbs: vec![absorb],
             answers: Vec::new(),
@@ -433,15 +429,7 @@ mod tests {
         // Question k right for `fixed` when k < 3, for `learned` when k is odd; k < 4 out of window.
         let run = |m: &str, steps: usize, right: fn(usize) -> bool| Results {
             model: "tiny".into(),
-            config: RunConfig {
-                methods: vec![m.into()],
-                context_tokens: None,
-                max_tokens: 8,
-                absorb: Default::default(),
-                needles: None,
-                jsonl: None,
-                server: None,
-            },
+            config: config(vec![m.into()]),
             documents: vec![doc.clone()],
             absorbs: vec![AbsorbRecord { document: doc.id.clone(), methods: vec![m.into()], steps, ..Default::default() }],
             answers: (0..6)
