@@ -232,7 +232,8 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     assert_eq!(fixed.report.steps, planned, "the fixed schedule runs every step");
     assert!(fixed.report.probe_curve.is_empty() && !fixed.report.stopped_early);
 
-    let rule = UntilLearned { probe_every: 4, min_steps: 24, patience: 2, min_delta: 0.01, ..Default::default() };
+    // No step budget here (`max_share` 1): the plateau alone decides.
+    let rule = UntilLearned { probe_every: 4, min_steps: 24, patience: 2, min_delta: 0.01, max_share: 1.0, ..Default::default() };
     let (learned, probe_events) = run(Some(rule.clone()));
     let r = &learned.report;
     let curve: Vec<f64> = r.probe_curve.iter().map(|&(_, l)| l).collect();
@@ -244,6 +245,7 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     assert!(from >= rule.min_steps && from % rule.probe_every == 0, "cool-down from step {from}");
     assert_eq!(r.steps, from + (from as f64 * rule.cooldown).round() as usize, "stops when the cool-down ends");
     assert_eq!(learned.manifest.training["cooldown_from"], from);
+    assert_eq!(learned.manifest.training["cooldown_cause"], "plateau");
     // The ceiling is the fixed schedule over the pairs left to train on.
     let probes = learned.manifest.training["probe_pairs"].as_u64().unwrap() as usize;
     assert_eq!(r.planned_steps, planned - 12 * probes);
@@ -269,6 +271,20 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     assert!(first_stage >= (rule.patience + 1) * rule.probe_every, "{first_stage} steps of segments alone");
     let from = staged.report.cooldown_from.unwrap_or(usize::MAX);
     assert!(from >= first_stage + rule.patience * rule.probe_every, "cool-down from step {from}, first stage {first_stage} steps");
+
+    // Probes that never plateau (an unreachable patience) meet the step budget: the cool-down
+    // starts when it would otherwise end past `max_share` of the fixed schedule, and the run ends
+    // exactly there — the floor still holding when it lies above.
+    let never = UntilLearned { patience: usize::MAX, min_steps: 0, max_share: 0.5, ..rule.clone() };
+    let (budget, _) = run(Some(never.clone()));
+    let (b, ceiling) = (&budget.report, (0.5 * budget.report.planned_steps as f64).round() as usize);
+    assert_eq!(b.steps, ceiling, "stops at the budget: {} of {} planned", b.steps, b.planned_steps);
+    assert_eq!(b.cooldown_cause, Some(lift_serve::lift::trainer::CooldownCause::Budget));
+    let from = b.cooldown_from.unwrap();
+    assert!(from < ceiling && from + (from as f64 * never.cooldown).round() as usize >= ceiling, "cool-down from step {from}");
+    assert!(from + ((from - 1) as f64 * never.cooldown).round() as usize - 1 < ceiling, "not a step later than needed: {from}");
+    let (floored, _) = run(Some(UntilLearned { min_steps: planned * 3 / 4, ..never }));
+    assert!(floored.report.steps >= planned * 3 / 4, "the floor over the budget: {} steps", floored.report.steps);
 }
 
 /// Absorbing until learned spends steps where the document is not yet known (issue 21): an

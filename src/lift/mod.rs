@@ -348,6 +348,7 @@ fn training_figures(r: &TrainReport, qa_pairs: usize, qa_seconds: f64, segments:
         "planned_steps": r.planned_steps,
         "probe_curve": r.probe_curve,
         "cooldown_from": r.cooldown_from,
+        "cooldown_cause": r.cooldown_cause,
         "skipped_examples": r.skipped_examples,
         "qa_pairs": qa_pairs,
         "qa_seconds": qa_seconds,

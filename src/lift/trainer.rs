@@ -48,8 +48,14 @@ pub struct TrainOptions {
 /// `min_delta` (relative) for `patience` probes in a row — in the last stage only, never before
 /// `min_steps` — the learning rate cools down linearly to zero over `cooldown` × the steps run so
 /// far, and training stops (an adapter left at the full learning rate is caught mid-update: the
-/// answers of one run stopped at once were wrong even in the window); never past the fixed
-/// schedule's steps.
+/// answers of one run stopped at once were wrong even in the window).
+///
+/// The steps have a ceiling, `max_share` of the fixed schedule's: if the probes have not
+/// plateaued by then, the cool-down starts early enough to end there (`CooldownCause::Budget`).
+/// The probe curve keeps falling slowly for the whole fixed schedule at a constant learning rate
+/// while recall is made in its first part; the cool-down is what turns a run's steps into recall
+/// (validation: 2/6 → 5/6 out of the window at similar steps), so a budget with a cool-down spends
+/// a share of the steps on what the constant rate spends all of them.
 ///
 /// Steps also go where the document is not yet known: a QA pair or segment whose loss at its last
 /// visit was below `learned_loss` is skipped in the next epochs and revisited every
@@ -71,6 +77,9 @@ pub struct UntilLearned {
     /// Steps of the linear cool-down after the plateau, as a share of the steps run so far (0:
     /// stop at once).
     pub cooldown: f64,
+    /// The ceiling: the most steps a run takes, cool-down included, as a share of the fixed
+    /// schedule's (1: the fixed schedule). Never below `min_steps`.
+    pub max_share: f64,
     /// Share of the QA pairs held aside as probes: at least 2, at most `max_probes`, and only when
     /// at least as many pairs are left to train on.
     pub probe_share: f64,
@@ -90,8 +99,9 @@ impl Default for UntilLearned {
             min_delta: 0.02,
             smoothing: 0.5,
             cooldown: 0.25,
+            max_share: 0.4,
             probe_share: 0.15,
-            max_probes: 16,
+            max_probes: 8,
             learned_loss: 0.0,
             revisit_every: 3,
         }
@@ -136,6 +146,11 @@ impl Focus {
 
 impl UntilLearned {
     /// How many of `pairs` QA pairs to hold aside (0: too few to spare any).
+    /// The most steps a run of a fixed schedule of `planned` steps takes.
+    pub fn ceiling(&self, planned: usize) -> usize {
+        ((self.max_share.clamp(0.0, 1.0) * planned as f64).round() as usize).max(self.min_steps).min(planned)
+    }
+
     pub fn probe_count(&self, pairs: usize) -> usize {
         let n = ((pairs as f64 * self.probe_share).round() as usize).clamp(2, self.max_probes.max(2));
         if pairs >= 2 * n {
@@ -238,6 +253,9 @@ pub struct TrainReport {
     /// until learned).
     #[serde(default)]
     pub cooldown_from: Option<usize>,
+    /// Why the cool-down began: the probes plateaued, or the step budget was reached.
+    #[serde(default)]
+    pub cooldown_cause: Option<CooldownCause>,
     /// Examples (segments and QA pairs) skipped as learned, summed over epochs (absorb until
     /// learned).
     pub skipped_examples: usize,
@@ -615,6 +633,7 @@ pub fn train_with(
                 report.step_losses.push(b.loss);
                 epoch_loss += b.loss * batch.len() as f64;
                 let secs = t0.elapsed().as_secs_f64();
+                let mut plateau = false;
                 if let Some((rule, probes)) = until_learned.filter(|(r, _)| report.steps % r.probe_every.max(1) == 0) {
                     let loss = probes.loss(model, inputs.adapter)?;
                     report.probe_curve.push((report.steps, loss));
@@ -627,14 +646,19 @@ pub fn train_with(
                     // questions, which the QA stage teaches to answer; a plateau over segments
                     // alone says nothing about that (counted through the first stage, a long one
                     // stopped a 2K document at the QA stage's first probe).
-                    let plateau = stage == final_stage
+                    plateau = stage == final_stage
                         && probed.exhausted(Some(&rule_as_patience), avg)
                         && report.steps >= rule.min_steps;
-                    if plateau && cooldown.is_none() {
-                        let steps = (report.steps as f64 * rule.cooldown.max(0.0)).round() as usize;
-                        tracing::info!(step = report.steps, cooldown_steps = steps, probe_avg = avg, "the probes are learned: cooling down");
-                        cooldown = Some(Cooldown { start: report.steps, steps });
+                }
+                // The budget too only in the last stage: a run cut inside the first would never
+                // see a question.
+                if let Some((rule, _)) = until_learned.filter(|_| cooldown.is_none() && stage == final_stage) {
+                    let ceiling = rule.ceiling(steps_total);
+                    if let Some((c, cause)) = Cooldown::begin(rule, report.steps, plateau, ceiling) {
+                        tracing::info!(step = report.steps, cooldown_steps = c.steps, ?cause, ceiling, "cooling down");
+                        cooldown = Some(c);
                         report.cooldown_from = Some(report.steps);
+                        report.cooldown_cause = Some(cause);
                     }
                 }
                 let learned = cooldown.is_some_and(|c| report.steps >= c.start + c.steps);
@@ -649,7 +673,7 @@ pub fn train_with(
                     probe_loss,
                 });
                 if learned {
-                    tracing::info!(step = report.steps, planned = steps_total, probe_loss, "training stops: the probes are learned");
+                    tracing::info!(step = report.steps, planned = steps_total, probe_loss, cause = ?report.cooldown_cause, "training stops: the cool-down is over");
                     report.epoch_losses.push(epoch_loss / (report.examples - epoch_start).max(1) as f64);
                     report.stopped_early = true;
                     break 'stages;
@@ -815,11 +839,39 @@ impl Optimizers {
     }
 }
 
+/// Why an absorb until learned began its cool-down.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum CooldownCause {
+    /// The probes' moving average stopped improving.
+    Plateau,
+    /// The step budget (`max_share` of the fixed schedule) would otherwise be passed.
+    Budget,
+}
+
 /// The cool-down after the probes plateaued: `steps` optimizer steps from step `start`.
 #[derive(Clone, Copy)]
 struct Cooldown {
     start: usize,
     steps: usize,
+}
+
+impl Cooldown {
+    /// The cool-down to begin after `step` optimizer steps, if one begins: on a plateau, over
+    /// `rule.cooldown` × the steps so far; without one, once that cool-down would end past the
+    /// ceiling. Either ends by the ceiling.
+    fn begin(rule: &UntilLearned, step: usize, plateau: bool, ceiling: usize) -> Option<(Self, CooldownCause)> {
+        let wanted = (step as f64 * rule.cooldown.max(0.0)).round() as usize;
+        let left = ceiling.saturating_sub(step);
+        let cause = if plateau {
+            CooldownCause::Plateau
+        } else if step + wanted >= ceiling {
+            CooldownCause::Budget
+        } else {
+            return None;
+        };
+        Some((Self { start: step, steps: wanted.min(left) }, cause))
+    }
 }
 
 impl Cooldown {
