@@ -232,8 +232,16 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     assert_eq!(fixed.report.steps, planned, "the fixed schedule runs every step");
     assert!(fixed.report.probe_curve.is_empty() && !fixed.report.stopped_early);
 
-    // No step budget here (`max_share` 1): the plateau alone decides.
-    let rule = UntilLearned { probe_every: 4, min_steps: 24, patience: 2, min_delta: 0.01, max_share: 1.0, ..Default::default() };
+    // No step budget here (`max_share` 1): the plateau alone decides; a probe round every 4 steps.
+    let rule = UntilLearned {
+        probe_every: 4,
+        probe_rounds: usize::MAX,
+        min_steps: 24,
+        patience: 2,
+        min_delta: 0.01,
+        max_share: 1.0,
+        ..Default::default()
+    };
     let (learned, probe_events) = run(Some(rule.clone()));
     let r = &learned.report;
     let curve: Vec<f64> = r.probe_curve.iter().map(|&(_, l)| l).collect();

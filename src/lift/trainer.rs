@@ -41,7 +41,8 @@ pub struct TrainOptions {
 }
 
 /// Absorb until learned. A sample of the auxiliary QA pairs is held aside, never trained on (one
-/// wording of a fact whose other wordings train); every `probe_every` optimizer steps the mean
+/// wording of a fact whose other wordings train); every [`UntilLearned::probe_interval`] optimizer
+/// steps (`probe_rounds` rounds spread over the step budget, at least `probe_every` apart) the mean
 /// loss of their answer tokens under the adapter (the document's facts recalled through questions
 /// never trained on) is measured. Per-example steps make that curve noisy, so the rule reads its
 /// moving average (`smoothing`: the newest probe's weight). Once the average has not improved by
@@ -68,7 +69,12 @@ pub struct TrainOptions {
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct UntilLearned {
+    /// The fewest optimizer steps between two probe rounds.
     pub probe_every: usize,
+    /// Probe rounds over the step budget (the ceiling): a long document is probed as often
+    /// relative to its budget as a short one, at a cost that does not grow with it (a round is
+    /// `max_probes` forward passes, ~0.3 of a training step each).
+    pub probe_rounds: usize,
     pub min_steps: usize,
     pub patience: usize,
     pub min_delta: f64,
@@ -94,6 +100,7 @@ impl Default for UntilLearned {
     fn default() -> Self {
         Self {
             probe_every: 16,
+            probe_rounds: 16,
             min_steps: 48,
             patience: 3,
             min_delta: 0.02,
@@ -145,12 +152,17 @@ impl Focus {
 }
 
 impl UntilLearned {
-    /// How many of `pairs` QA pairs to hold aside (0: too few to spare any).
     /// The most steps a run of a fixed schedule of `planned` steps takes.
     pub fn ceiling(&self, planned: usize) -> usize {
         ((self.max_share.clamp(0.0, 1.0) * planned as f64).round() as usize).max(self.min_steps).min(planned)
     }
 
+    /// Optimizer steps between probe rounds in a run of a fixed schedule of `planned` steps.
+    pub fn probe_interval(&self, planned: usize) -> usize {
+        self.probe_every.max(self.ceiling(planned).div_ceil(self.probe_rounds.max(1))).max(1)
+    }
+
+    /// How many of `pairs` QA pairs to hold aside (0: too few to spare any).
     pub fn probe_count(&self, pairs: usize) -> usize {
         let n = ((pairs as f64 * self.probe_share).round() as usize).clamp(2, self.max_probes.max(2));
         if pairs >= 2 * n {
@@ -634,7 +646,7 @@ pub fn train_with(
                 epoch_loss += b.loss * batch.len() as f64;
                 let secs = t0.elapsed().as_secs_f64();
                 let mut plateau = false;
-                if let Some((rule, probes)) = until_learned.filter(|(r, _)| report.steps % r.probe_every.max(1) == 0) {
+                if let Some((rule, probes)) = until_learned.filter(|(r, _)| report.steps % r.probe_interval(steps_total) == 0) {
                     let loss = probes.loss(model, inputs.adapter)?;
                     report.probe_curve.push((report.steps, loss));
                     let avg = probe_avg.map_or(loss, |a| a + rule.smoothing.clamp(0.0, 1.0) * (loss - a));
@@ -1025,6 +1037,28 @@ mod tests {
         let c = Cooldown { start: 100, steps: 3 };
         let scales: Vec<f64> = (100..104).map(|s| c.lr_scale(s)).collect();
         assert_eq!(scales, vec![0.75, 0.5, 0.25, 0.0]);
+    }
+
+    #[test]
+    fn the_budget_bounds_the_run_and_spreads_the_probe_rounds() {
+        let rule = UntilLearned::default();
+        // 40% of 1,000 planned steps; the floor wins over a small budget, the plan over the floor.
+        assert_eq!(rule.ceiling(1000), 400);
+        assert_eq!(rule.ceiling(100), rule.min_steps);
+        assert_eq!(rule.ceiling(30), 30);
+        // 16 rounds over the budget, never closer than `probe_every`.
+        assert_eq!(rule.probe_interval(1000), 25);
+        assert_eq!(rule.probe_interval(300), rule.probe_every);
+        // Without a plateau the cool-down (25% of the steps so far) begins when it would end at
+        // the ceiling: at 320 of 400 (320 + 80), not at 319 (319 + 80 < 400); a plateau at 100
+        // cools down over 25 steps; one at 390 has 10 left.
+        assert!(Cooldown::begin(&rule, 319, false, 400).is_none());
+        let (c, cause) = Cooldown::begin(&rule, 320, false, 400).unwrap();
+        assert_eq!((c.start, c.steps, cause), (320, 80, CooldownCause::Budget));
+        let (c, cause) = Cooldown::begin(&rule, 100, true, 400).unwrap();
+        assert_eq!((c.start, c.steps, cause), (100, 25, CooldownCause::Plateau));
+        let (c, _) = Cooldown::begin(&rule, 390, true, 400).unwrap();
+        assert_eq!(c.start + c.steps, 400);
     }
 
     #[test]
