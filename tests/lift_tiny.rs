@@ -205,7 +205,8 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     use lift_serve::lift::trainer::UntilLearned;
     use lift_serve::lift::{absorb, AbsorbOptions};
     let (_d, model) = tiny();
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt")).unwrap();
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt")).unwrap();
     let text: String = text.chars().take(1200).collect();
     let document = Document::encode(&model, text).unwrap();
     let run_with = |epochs: [usize; 2], rule: Option<UntilLearned>| {
@@ -218,11 +219,18 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
         o.lr = Some(5e-3);
         o.train.until_learned = rule;
         let mut probe_events = 0;
-        let a = absorb(&model, &document, None, &o, &mut |e| {
-            if let lift_serve::lift::AbsorbEvent::Train(p) = e {
-                probe_events += p.probe_loss.is_some() as usize;
-            }
-        }, &|| false)
+        let a = absorb(
+            &model,
+            &document,
+            None,
+            &o,
+            &mut |e| {
+                if let lift_serve::lift::AbsorbEvent::Train(p) = e {
+                    probe_events += p.probe_loss.is_some() as usize;
+                }
+            },
+            &|| false,
+        )
         .unwrap();
         (a, probe_events)
     };
@@ -245,8 +253,15 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     let (learned, probe_events) = run(Some(rule.clone()));
     let r = &learned.report;
     let curve: Vec<f64> = r.probe_curve.iter().map(|&(_, l)| l).collect();
-    eprintln!("until learned: {} of {} steps (fixed: {planned}); probe curve {:?}", r.steps, r.planned_steps, r.probe_curve);
-    assert!(r.stopped_early && r.steps < planned, "stops before the ceiling: {} of {planned} steps, probes {curve:?}", r.steps);
+    eprintln!(
+        "until learned: {} of {} steps (fixed: {planned}); probe curve {:?}",
+        r.steps, r.planned_steps, r.probe_curve
+    );
+    assert!(
+        r.stopped_early && r.steps < planned,
+        "stops before the ceiling: {} of {planned} steps, probes {curve:?}",
+        r.steps
+    );
     assert!(r.steps >= rule.min_steps, "never before the floor: {} steps", r.steps);
     // The plateau (at or after the floor) starts the cool-down; the run stops at its end.
     let from = r.cooldown_from.expect("the probes plateaued");
@@ -278,7 +293,10 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     let first_stage = segments_only.report.steps;
     assert!(first_stage >= (rule.patience + 1) * rule.probe_every, "{first_stage} steps of segments alone");
     let from = staged.report.cooldown_from.unwrap_or(usize::MAX);
-    assert!(from >= first_stage + rule.patience * rule.probe_every, "cool-down from step {from}, first stage {first_stage} steps");
+    assert!(
+        from >= first_stage + rule.patience * rule.probe_every,
+        "cool-down from step {from}, first stage {first_stage} steps"
+    );
 
     // Probes that never plateau (an unreachable patience) meet the step budget: the cool-down
     // starts when it would otherwise end past `max_share` of the fixed schedule, and the run ends
@@ -289,10 +307,40 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     assert_eq!(b.steps, ceiling, "stops at the budget: {} of {} planned", b.steps, b.planned_steps);
     assert_eq!(b.cooldown_cause, Some(lift_serve::lift::trainer::CooldownCause::Budget));
     let from = b.cooldown_from.unwrap();
-    assert!(from < ceiling && from + (from as f64 * never.cooldown).round() as usize >= ceiling, "cool-down from step {from}");
-    assert!(from + ((from - 1) as f64 * never.cooldown).round() as usize - 1 < ceiling, "not a step later than needed: {from}");
-    let (floored, _) = run(Some(UntilLearned { min_steps: planned * 3 / 4, ..never }));
+    assert!(
+        from < ceiling && from + (from as f64 * never.cooldown).round() as usize >= ceiling,
+        "cool-down from step {from}"
+    );
+    assert!(
+        from + ((from - 1) as f64 * never.cooldown).round() as usize - 1 < ceiling,
+        "not a step later than needed: {from}"
+    );
+    let (floored, _) = run(Some(UntilLearned { min_steps: planned * 3 / 4, ..never.clone() }));
     assert!(floored.report.steps >= planned * 3 / 4, "the floor over the budget: {} steps", floored.report.steps);
+
+    // The schedule planned for the budget (`decay`): the rate falls from the last stage's first
+    // step to zero at the ceiling, where the run ends; a first stage of segments runs at the full
+    // rate before it. Steps differ from the constant rate's as soon as the decay begins.
+    let decaying = UntilLearned { decay: true, ..never.clone() };
+    let (decayed, _) = run_with([8, 12], Some(decaying.clone()));
+    let (constant, _) = run_with([8, 12], Some(never.clone()));
+    let d = &decayed.report;
+    assert_eq!(d.steps, (0.5 * d.planned_steps as f64).round() as usize, "ends at the ceiling");
+    assert_eq!(d.cooldown_from, Some(first_stage + 1), "decays from the last stage's first step");
+    assert_eq!(d.cooldown_cause, Some(lift_serve::lift::trainer::CooldownCause::Budget));
+    assert_eq!(
+        d.step_losses[..first_stage + 2],
+        constant.report.step_losses[..first_stage + 2],
+        "the same run up to the decay"
+    );
+    assert_ne!(d.step_losses[first_stage + 2..d.steps], constant.report.step_losses[first_stage + 2..d.steps]);
+    // With the decay a plateau still ends the run early, over its own cool-down.
+    let (plateaued, _) = run(Some(UntilLearned { decay: true, ..rule.clone() }));
+    let p = &plateaued.report;
+    let from = p.cooldown_from.unwrap();
+    assert_eq!(p.cooldown_cause, Some(lift_serve::lift::trainer::CooldownCause::Plateau), "{:?}", p.probe_curve);
+    assert!(p.steps < planned && from >= rule.min_steps, "{} of {planned} steps, cool-down from {from}", p.steps);
+    assert_eq!(p.steps, from + (from as f64 * rule.cooldown).round() as usize, "stops when the cool-down ends");
 }
 
 /// Absorbing until learned spends steps where the document is not yet known (issue 21): an
@@ -306,7 +354,8 @@ fn absorbing_until_learned_skips_learned_examples_and_revisits_them() {
     use lift_serve::lift::trainer::UntilLearned;
     use lift_serve::lift::{absorb, AbsorbOptions};
     let (_d, model) = tiny();
-    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt")).unwrap();
+    let text =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt")).unwrap();
     let text: String = text.chars().take(900).collect();
     let document = Document::encode(&model, text).unwrap();
     let rule = UntilLearned { min_steps: usize::MAX, learned_loss: 1e9, revisit_every: 2, ..Default::default() };

@@ -86,6 +86,11 @@ pub struct UntilLearned {
     /// The ceiling: the most steps a run takes, cool-down included, as a share of the fixed
     /// schedule's (1: the fixed schedule). Never below `min_steps`.
     pub max_share: f64,
+    /// A schedule planned for the budget: from the first step of the last stage the learning rate
+    /// falls linearly to zero at the ceiling, where the run ends; a plateau of the probes before
+    /// then cools it down (from the rate it has reached) over `cooldown` × the steps so far.
+    /// false: the constant rate until the plateau or until the budget forces the cool-down.
+    pub decay: bool,
     /// Share of the QA pairs held aside as probes: at least 2, at most `max_probes`, and only when
     /// at least as many pairs are left to train on.
     pub probe_share: f64,
@@ -107,6 +112,7 @@ impl Default for UntilLearned {
             smoothing: 0.5,
             cooldown: 0.25,
             max_share: 0.4,
+            decay: false,
             probe_share: 0.15,
             max_probes: 8,
             learned_loss: 0.0,
@@ -616,6 +622,8 @@ pub fn train_with(
     let mut probed = Patience { best: f64::INFINITY, since_best: 0 };
     let mut probe_loss = None;
     let (mut probe_avg, mut cooldown): (Option<f64>, Option<Cooldown>) = (None, None);
+    // `UntilLearned::decay`: the budget's planned fall of the learning rate, beside `cooldown`.
+    let mut decay: Option<Cooldown> = None;
     let final_stage = if opts.epochs[1] > 0 { Stage::SegmentsAndQa } else { Stage::Segments };
     let mut epoch = 0;
     'stages: for (stage, epochs) in [(Stage::Segments, opts.epochs[0]), (Stage::SegmentsAndQa, opts.epochs[1])] {
@@ -637,7 +645,7 @@ pub fn train_with(
                         focus.book(is_qa, m, loss, epoch);
                     }
                 }
-                let lr_scale = cooldown.map_or(1.0, |c| c.lr_scale(report.steps));
+                let lr_scale = [cooldown, decay].iter().flatten().map(|c| c.lr_scale(report.steps)).product();
                 optimizers.step(b.grads, opts, report.steps, lr_scale)?;
                 report.steps += 1;
                 report.examples += batch.len();
@@ -646,14 +654,25 @@ pub fn train_with(
                 epoch_loss += b.loss * batch.len() as f64;
                 let secs = t0.elapsed().as_secs_f64();
                 let mut plateau = false;
-                if let Some((rule, probes)) = until_learned.filter(|(r, _)| report.steps % r.probe_interval(steps_total) == 0) {
+                if let Some((rule, probes)) =
+                    until_learned.filter(|(r, _)| report.steps % r.probe_interval(steps_total) == 0)
+                {
                     let loss = probes.loss(model, inputs.adapter)?;
                     report.probe_curve.push((report.steps, loss));
                     let avg = probe_avg.map_or(loss, |a| a + rule.smoothing.clamp(0.0, 1.0) * (loss - a));
                     probe_avg = Some(avg);
-                    tracing::info!(step = report.steps, planned = steps_total, epoch, probe_loss = loss, probe_avg = avg, train_loss = b.loss, "probe");
+                    tracing::info!(
+                        step = report.steps,
+                        planned = steps_total,
+                        epoch,
+                        probe_loss = loss,
+                        probe_avg = avg,
+                        train_loss = b.loss,
+                        "probe"
+                    );
                     probe_loss = Some(loss);
-                    let rule_as_patience = EarlyStop { patience: rule.patience, min_delta: rule.min_delta * probed.best.min(avg) };
+                    let rule_as_patience =
+                        EarlyStop { patience: rule.patience, min_delta: rule.min_delta * probed.best.min(avg) };
                     // Only in the last stage, and counted from its start: the probes are
                     // questions, which the QA stage teaches to answer; a plateau over segments
                     // alone says nothing about that (counted through the first stage, a long one
@@ -664,16 +683,32 @@ pub fn train_with(
                 }
                 // The budget too only in the last stage: a run cut inside the first would never
                 // see a question.
-                if let Some((rule, _)) = until_learned.filter(|_| cooldown.is_none() && stage == final_stage) {
+                if let Some((rule, _)) = until_learned.filter(|_| stage == final_stage) {
                     let ceiling = rule.ceiling(steps_total);
-                    if let Some((c, cause)) = Cooldown::begin(rule, report.steps, plateau, ceiling) {
+                    if rule.decay && decay.is_none() {
+                        let d = Cooldown { start: report.steps, steps: ceiling.saturating_sub(report.steps) };
+                        tracing::info!(
+                            step = report.steps,
+                            decay_steps = d.steps,
+                            ceiling,
+                            "the learning rate decays to the budget"
+                        );
+                        decay = Some(d);
+                        report.cooldown_from = Some(report.steps);
+                        report.cooldown_cause = Some(CooldownCause::Budget);
+                    }
+                    let begun =
+                        cooldown.is_none().then(|| Cooldown::begin(rule, report.steps, plateau, ceiling)).flatten();
+                    // With the decay the budget is already planned: only a plateau begins a cool-down.
+                    if let Some((c, cause)) = begun.filter(|(_, cause)| !rule.decay || *cause == CooldownCause::Plateau)
+                    {
                         tracing::info!(step = report.steps, cooldown_steps = c.steps, ?cause, ceiling, "cooling down");
                         cooldown = Some(c);
                         report.cooldown_from = Some(report.steps);
                         report.cooldown_cause = Some(cause);
                     }
                 }
-                let learned = cooldown.is_some_and(|c| report.steps >= c.start + c.steps);
+                let learned = [cooldown, decay].iter().flatten().any(|c| report.steps >= c.start + c.steps);
                 on_progress(&Progress {
                     stage,
                     epoch,
