@@ -240,8 +240,10 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     assert_eq!(fixed.report.steps, planned, "the fixed schedule runs every step");
     assert!(fixed.report.probe_curve.is_empty() && !fixed.report.stopped_early);
 
-    // No step budget here (`max_share` 1): the plateau alone decides; a probe round every 4 steps.
+    // No step budget here (`max_share` 1): the plateau alone decides; a probe round every 4 steps,
+    // at the constant rate (the decay planned for the budget is checked below).
     let rule = UntilLearned {
+        decay: false,
         probe_every: 4,
         probe_rounds: usize::MAX,
         min_steps: 24,

@@ -112,7 +112,7 @@ impl Default for UntilLearned {
             smoothing: 0.5,
             cooldown: 0.25,
             max_share: 0.4,
-            decay: false,
+            decay: true,
             probe_share: 0.15,
             max_probes: 8,
             learned_loss: 0.0,
