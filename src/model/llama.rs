@@ -156,7 +156,11 @@ impl KvCache {
 
     /// Bytes held by the cache buffers.
     pub fn bytes(&self) -> usize {
-        self.layers.iter().flatten().map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes()).sum()
+        self.layers
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+            .sum()
     }
 
     /// A deep copy (so a shared prompt prefix can be extended by several requests).
@@ -177,9 +181,10 @@ impl KvCache {
         self.len = self.len.min(len);
     }
 
-    /// Makes room for `t` more tokens: grows every layer's buffers at layer 0 when needed, creates
-    /// `layer`'s (`[b, kv_heads, capacity, d]`, of `like`'s dtype and device) on its first append.
-    fn reserve(&mut self, layer: usize, t: usize, (b, h, d): (usize, usize, usize), like: &Tensor) -> Result<()> {
+    /// Appends `k`, `v` (`[b, kv_heads, t, d]`) for `layer` and returns views of the whole cache.
+    /// `self.len` is advanced by `commit` once every layer has appended.
+    fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
+        let t = k.dim(2)?;
         let needed = self.len + t;
         if layer == 0 && needed > self.capacity {
             let new_cap = needed.max(self.capacity * 2).max(64);
@@ -199,35 +204,15 @@ impl KvCache {
         }
         let entry = &mut self.layers[layer];
         if entry.is_none() {
-            let nk = Tensor::zeros((b, h, self.capacity, d), like.dtype(), like.device())?;
-            let nv = Tensor::zeros((b, h, self.capacity, d), like.dtype(), like.device())?;
+            let (b, h, _, d) = k.dims4()?;
+            let nk = Tensor::zeros((b, h, self.capacity, d), k.dtype(), k.device())?;
+            let nv = Tensor::zeros((b, h, self.capacity, d), v.dtype(), v.device())?;
             *entry = Some((nk, nv));
         }
-        Ok(())
-    }
-
-    /// Appends `k`, `v` (`[b, kv_heads, t, d]`) for `layer` and returns views of the whole cache.
-    /// `self.len` is advanced by `commit` once every layer has appended.
-    fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let (b, h, t, d) = k.dims4()?;
-        self.reserve(layer, t, (b, h, d), k)?;
-        let (ck, cv, _) = self.buffers(layer)?;
+        let (ck, cv) = entry.as_ref().expect("cache entry initialised above");
         ck.slice_set(&k.contiguous()?, 2, self.len)?;
         cv.slice_set(&v.contiguous()?, 2, self.len)?;
-        Ok((ck.narrow(2, 0, self.len + t)?, cv.narrow(2, 0, self.len + t)?))
-    }
-
-    /// Appends row `row` of a decode step's keys and values (`k`, `v`: `[rows, kv_heads, 1, d]`
-    /// contiguous f32 on the CPU, one row per decoding sequence) as this sequence's next token of
-    /// `layer`, copied straight into the buffers: a 16-row step appends 2 × 16 × 30 times, and
-    /// `append`'s narrow + copy + `slice_set` per call was ~7% of the step.
-    fn append_row(&mut self, layer: usize, k: &Tensor, v: &Tensor, row: usize) -> Result<()> {
-        let (_, heads, _, d) = k.dims4()?;
-        self.reserve(layer, 1, (1, heads, d), k)?;
-        let (ck, cv, capacity) = self.buffers(layer)?;
-        let pos = self.len;
-        ck.inplace_op2(k, &AppendRow { row, pos, heads, d, capacity })?;
-        cv.inplace_op2(v, &AppendRow { row, pos, heads, d, capacity })
+        Ok((ck.narrow(2, 0, needed)?, cv.narrow(2, 0, needed)?))
     }
 
     /// Layer `layer`'s key and value buffers (`[b, kv_heads, capacity, d]`, the first `len`
@@ -241,48 +226,6 @@ impl KvCache {
 
     fn commit(&mut self, t: usize) {
         self.len += t;
-    }
-}
-
-/// `KvCache::append_row`'s copy: row `row` of a `[rows, heads, 1, d]` source into position `pos`
-/// of a `[1, heads, capacity, d]` cache buffer, both contiguous f32 on the CPU.
-struct AppendRow {
-    row: usize,
-    pos: usize,
-    heads: usize,
-    d: usize,
-    capacity: usize,
-}
-
-impl candle_core::InplaceOp2 for AppendRow {
-    fn name(&self) -> &'static str {
-        "kv-append-row"
-    }
-
-    fn cpu_fwd(
-        &self,
-        dst: &mut candle_core::CpuStorage,
-        dl: &candle_core::Layout,
-        src: &candle_core::CpuStorage,
-        sl: &candle_core::Layout,
-    ) -> Result<()> {
-        let (Some((d0, d1)), Some((s0, s1))) = (dl.contiguous_offsets(), sl.contiguous_offsets()) else {
-            candle_core::bail!("kv-append-row: both tensors must be contiguous")
-        };
-        let (candle_core::CpuStorage::F32(dst), candle_core::CpuStorage::F32(src)) = (dst, src) else {
-            candle_core::bail!("kv-append-row: f32 only")
-        };
-        let (dst, src) = (&mut dst[d0..d1], &src[s0..s1]);
-        let Self { row, pos, heads, d, capacity } = *self;
-        if pos >= capacity || src.len() < (row + 1) * heads * d || dst.len() < heads * capacity * d {
-            candle_core::bail!("kv-append-row: row {row} at position {pos} does not fit")
-        }
-        for h in 0..heads {
-            let from = (row * heads + h) * d;
-            let to = (h * capacity + pos) * d;
-            dst[to..to + d].copy_from_slice(&src[from..from + d]);
-        }
-        Ok(())
     }
 }
 
@@ -342,7 +285,11 @@ impl Decoder {
     fn rope_slice(&self, start: usize, len: usize) -> Result<(Tensor, Tensor)> {
         let max = self.cos.dim(0)?;
         if start + len > max {
-            candle_core::bail!("sequence of {} tokens exceeds the model's {} positions", start + len, max);
+            candle_core::bail!(
+                "sequence of {} tokens exceeds the model's {} positions",
+                start + len,
+                max
+            );
         }
         Ok((self.cos.narrow(0, start, len)?, self.sin.narrow(0, start, len)?))
     }
@@ -429,8 +376,11 @@ impl Decoder {
             Logits::All => x,
         };
         let x = candle_nn::ops::rms_norm(&x, &self.norm, self.config.rms_norm_eps as f32)?;
-        let logits =
-            if float && which == Logits::All { self.lm_head.forward_float(&x)? } else { self.lm_head.forward(&x)? };
+        let logits = if float && which == Logits::All {
+            self.lm_head.forward_float(&x)?
+        } else {
+            self.lm_head.forward(&x)?
+        };
         let logits = logits.to_dtype(DType::F32)?;
         match which {
             Logits::Last => logits.squeeze(1),
@@ -575,12 +525,9 @@ impl Decoder {
         let eps = self.config.rms_norm_eps as f32;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let mut qkv =
-                self.batch_linears(li, layer, &[Projection::Q, Projection::K, Projection::V], &h, &plan, seqs)?;
+            let mut qkv = self.batch_linears(li, layer, &[Projection::Q, Projection::K, Projection::V], &h, &plan, seqs)?;
             let (v, k, q) = (qkv.pop(), qkv.pop(), qkv.pop());
-            let (Some(q), Some(k), Some(v)) = (q, k, v) else {
-                candle_core::bail!("three projections asked, fewer made")
-            };
+            let (Some(q), Some(k), Some(v)) = (q, k, v) else { candle_core::bail!("three projections asked, fewer made") };
             let mut parts = Vec::with_capacity(n);
             if decoding > 0 {
                 parts.push(self.decode_attention(li, seqs, &order[..decoding], [&q, &k, &v])?);
@@ -598,9 +545,7 @@ impl Decoder {
             x = (x + self.batch_linear(li, layer, Projection::O, &attn, &plan, seqs)?)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
             let mut gate_up = self.batch_linears(li, layer, &[Projection::Gate, Projection::Up], &h, &plan, seqs)?;
-            let (Some(up), Some(gate)) = (gate_up.pop(), gate_up.pop()) else {
-                candle_core::bail!("two projections asked, fewer made")
-            };
+            let (Some(up), Some(gate)) = (gate_up.pop(), gate_up.pop()) else { candle_core::bail!("two projections asked, fewer made") };
             let act = (candle_nn::ops::silu(&gate)? * up)?;
             x = (x + self.batch_linear(li, layer, Projection::Down, &act, &plan, seqs)?)?;
             for (j, &i) in order.iter().enumerate() {
@@ -617,8 +562,7 @@ impl Decoder {
         }
         let x = x.squeeze(0)?.index_select(&Tensor::new(last.as_slice(), &self.device)?, 0)?;
         let x = candle_nn::ops::rms_norm(&x, &self.norm, eps)?;
-        let logits =
-            if n >= self.float_batch_min_rows { self.lm_head.forward_float(&x)? } else { self.lm_head.forward(&x)? };
+        let logits = if n >= self.float_batch_min_rows { self.lm_head.forward_float(&x)? } else { self.lm_head.forward(&x)? };
         logits.to_dtype(DType::F32)
     }
 
@@ -626,13 +570,7 @@ impl Decoder {
     /// batch's projections `q`, `k`, `v` `[1, rows, _]`) on the CPU: RoPE for all at once, each
     /// key and value appended to its sequence's cache, then one `decode_attention` call over all
     /// caches, then each adapter's mix. Returns `[1, which.len(), heads·d]`.
-    fn decode_attention(
-        &self,
-        li: usize,
-        seqs: &mut [SeqInput],
-        which: &[usize],
-        [q, k, v]: [&Tensor; 3],
-    ) -> Result<Tensor> {
+    fn decode_attention(&self, li: usize, seqs: &mut [SeqInput], which: &[usize], [q, k, v]: [&Tensor; 3]) -> Result<Tensor> {
         let cfg = &self.config;
         let (nh, nkv, hd, n) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, which.len());
         let heads = |x: &Tensor, h: usize| -> Result<Tensor> {
@@ -651,12 +589,10 @@ impl Decoder {
         for (j, &i) in which.iter().enumerate() {
             let s = &mut seqs[i];
             let start = s.cache.len();
-            s.cache.append_row(li, &k_rot, &v, j)?;
+            s.cache.append(li, &k_rot.narrow(0, j, 1)?, &v.narrow(0, j, 1)?)?;
             let bias = s.hooks.attention_bias(li, start, 1, start + 1)?;
             biases.push(match bias {
-                Some(b) if b.elem_count() == start + 1 => {
-                    Some(b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?)
-                }
+                Some(b) if b.elem_count() == start + 1 => Some(b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
                 Some(b) => candle_core::bail!("a decode attention bias of shape {:?} for {} keys", b.dims(), start + 1),
                 None => None,
             });
@@ -679,8 +615,7 @@ impl Decoder {
                 caches.push(DecodeCache { k, v, capacity: *capacity, len: *len, bias: biases[j].as_deref() });
             }
             let qv = q_rot.flatten_all()?.to_vec1::<f32>()?;
-            let out =
-                crate::kernels::decode_attention::decode_attention(&qv, &caches, nh, nkv, hd, 1.0 / (hd as f32).sqrt());
+            let out = crate::kernels::decode_attention::decode_attention(&qv, &caches, nh, nkv, hd, 1.0 / (hd as f32).sqrt());
             Tensor::from_vec(out, (n, nh, 1, hd), &self.device)?
         };
         let mut rows = Vec::with_capacity(n);
@@ -1075,7 +1010,9 @@ pub fn repeat_kv(x: &Tensor, groups: usize) -> Result<Tensor> {
         return Ok(x.clone());
     }
     let (b, h, t, d) = x.dims4()?;
-    x.unsqueeze(2)?.expand((b, h, groups, t, d))?.reshape((b, h * groups, t, d))
+    x.unsqueeze(2)?
+        .expand((b, h, groups, t, d))?
+        .reshape((b, h * groups, t, d))
 }
 
 /// Additive causal mask `[t, start + t]` for queries at `start..start+t` (None when no key is hidden).
@@ -1113,48 +1050,8 @@ fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
             sin.push(a.sin());
         }
     }
-    Ok((Tensor::from_vec(cos, (n, half), device)?, Tensor::from_vec(sin, (n, half), device)?))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A decode step's row appends leave the cache as `append` of the same rows does, through a
-    /// growth of the buffers and into a layer created by its first row.
-    #[test]
-    fn appending_rows_in_place_equals_appending_tensors() -> Result<()> {
-        let dev = Device::Cpu;
-        let (rows, heads, d, layers) = (3, 2, 4, 2);
-        let (mut by_row, mut by_tensor) = (KvCache::with_capacity(layers, 2), KvCache::with_capacity(layers, 2));
-        for step in 0..5 {
-            let k = Tensor::randn(0f32, 1.0, (rows, heads, 1, d), &dev)?;
-            let v = Tensor::randn(0f32, 1.0, (rows, heads, 1, d), &dev)?;
-            for layer in 0..layers {
-                by_row.append_row(layer, &k, &v, 1)?;
-                by_tensor.append(layer, &k.narrow(0, 1, 1)?, &v.narrow(0, 1, 1)?)?;
-            }
-            by_row.commit(1);
-            by_tensor.commit(1);
-            assert_eq!(by_row.capacity, by_tensor.capacity, "step {step}");
-        }
-        for layer in 0..layers {
-            let (rk, rv, _) = by_row.buffers(layer)?;
-            let (tk, tv, _) = by_tensor.buffers(layer)?;
-            for (a, b) in [(rk, tk), (rv, tv)] {
-                let diff = (a.narrow(2, 0, 5)? - b.narrow(2, 0, 5)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
-                assert_eq!(diff, 0.0, "layer {layer}");
-            }
-        }
-        // The other rows' values are not what was appended: the copy took row 1 only.
-        let k = Tensor::arange(0f32, (rows * heads * d) as f32, &dev)?.reshape((rows, heads, 1, d))?;
-        let mut one = KvCache::with_capacity(1, 4);
-        one.append_row(0, &k, &k, 2)?;
-        let (ck, _, _) = one.buffers(0)?;
-        assert_eq!(
-            ck.narrow(2, 0, 1)?.flatten_all()?.to_vec1::<f32>()?,
-            k.narrow(0, 2, 1)?.flatten_all()?.to_vec1::<f32>()?
-        );
-        Ok(())
-    }
+    Ok((
+        Tensor::from_vec(cos, (n, half), device)?,
+        Tensor::from_vec(sin, (n, half), device)?,
+    ))
 }
