@@ -620,6 +620,9 @@ pub fn train_with(
     let start = Instant::now();
     let mut patience = Patience { best: f64::INFINITY, since_best: 0 };
     let until_learned = opts.until_learned.as_ref().zip(probes.filter(|p| !p.examples.is_empty()));
+    // The rule's step budget and probe spacing, fixed by the planned schedule.
+    let (ceiling, probe_interval) =
+        until_learned.map_or((steps_total, 1), |(r, _)| (r.ceiling(steps_total), r.probe_interval(steps_total)));
     let mut focus = Focus::new(opts.until_learned.as_ref(), rows.n_seg, rows.n_qa);
     let mut probed = Patience { best: f64::INFINITY, since_best: 0 };
     let mut probe_loss = None;
@@ -656,9 +659,7 @@ pub fn train_with(
                 epoch_loss += b.loss * batch.len() as f64;
                 let secs = t0.elapsed().as_secs_f64();
                 let mut plateau = false;
-                if let Some((rule, probes)) =
-                    until_learned.filter(|(r, _)| report.steps % r.probe_interval(steps_total) == 0)
-                {
+                if let Some((rule, probes)) = until_learned.filter(|_| report.steps % probe_interval == 0) {
                     let loss = probes.loss(model, inputs.adapter)?;
                     report.probe_curve.push((report.steps, loss));
                     let avg = probe_avg.map_or(loss, |a| a + rule.smoothing.clamp(0.0, 1.0) * (loss - a));
@@ -686,7 +687,6 @@ pub fn train_with(
                 // The budget too only in the last stage: a run cut inside the first would never
                 // see a question.
                 if let Some((rule, _)) = until_learned.filter(|_| stage == final_stage) {
-                    let ceiling = rule.ceiling(steps_total);
                     if rule.decay && decay.is_none() {
                         let d = Cooldown { start: report.steps, steps: ceiling.saturating_sub(report.steps) };
                         tracing::info!(
@@ -921,9 +921,7 @@ impl Cooldown {
         };
         Some((Self { start: step, steps: wanted.min(left) }, cause))
     }
-}
 
-impl Cooldown {
     /// The learning rate's factor at 0-based optimizer step `step`: linear from just below 1 to
     /// just above 0 over the cool-down.
     fn lr_scale(self, step: usize) -> f64 {
