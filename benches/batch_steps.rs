@@ -24,11 +24,7 @@ fn main() -> anyhow::Result<()> {
     m.decoder.prepare_float_weights()?;
     let layers = m.config().num_layers;
     let n = 16;
-    println!(
-        "threads: {}  generations: {n}  float decode from {} rows",
-        rayon::current_num_threads(),
-        m.decoder.float_batch_min_rows
-    );
+    println!("threads: {}  generations: {n}  float decode from {} rows", rayon::current_num_threads(), m.decoder.float_batch_min_rows);
     println!("| prompt | answer | max batch | wall s | steps | pure-decode step ms | ms per decoded token | vs max batch 1 |");
     println!("|---|---|---|---|---|---|---|---|");
     let only_short = std::env::var("BENCH_SHORT_ONLY").is_ok();

@@ -90,13 +90,7 @@ fn main() -> anyhow::Result<()> {
         let mut on_event = |e: AbsorbEvent| {
             if let AbsorbEvent::Train(p) = e {
                 if p.step % 25 == 0 {
-                    eprintln!(
-                        "[{name}] step {}/{} loss {:.3} ({:.0} s)",
-                        p.step,
-                        p.steps,
-                        p.loss,
-                        t0.elapsed().as_secs_f64()
-                    );
+                    eprintln!("[{name}] step {}/{} loss {:.3} ({:.0} s)", p.step, p.steps, p.loss, t0.elapsed().as_secs_f64());
                 }
             }
         };
@@ -109,11 +103,7 @@ fn main() -> anyhow::Result<()> {
             for q in qs {
                 let (hit, reply) = ask(&model, doc, (mode == Mode::Lift).then_some(adapter), q, mode);
                 ok += hit as usize;
-                eprintln!(
-                    "[{name}] {mode:?} {label} {} {:?}: {reply:?}",
-                    if hit { "ok  " } else { "miss" },
-                    q.question
-                );
+                eprintln!("[{name}] {mode:?} {label} {} {:?}: {reply:?}", if hit { "ok  " } else { "miss" }, q.question);
             }
             ok
         };

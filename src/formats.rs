@@ -161,12 +161,7 @@ pub fn extract(bytes: &[u8], filename: Option<&str>, media_type: Option<&str>) -
     };
     let (text, title, pages, extraction) = match format {
         Format::Text => (utf8(bytes, &what)?.to_string(), None, None, AS_SENT.to_string()),
-        Format::Markdown => (
-            markdown_to_text(utf8(bytes, &what)?),
-            None,
-            None,
-            "Markdown rendered to plain text (pulldown-cmark)".into(),
-        ),
+        Format::Markdown => (markdown_to_text(utf8(bytes, &what)?), None, None, "Markdown rendered to plain text (pulldown-cmark)".into()),
         Format::Html => {
             let (text, title) = html_to_text(&String::from_utf8_lossy(bytes));
             (text, title, None, "HTML text, scripts and styles dropped (scraper)".into())
@@ -243,9 +238,9 @@ fn markdown_to_text(md: &str) -> String {
     let parser = Parser::new_ext(md, Options::ENABLE_TABLES | Options::ENABLE_STRIKETHROUGH);
     for event in parser {
         match event {
-            Event::Start(
-                Tag::Heading { .. } | Tag::Paragraph | Tag::CodeBlock(_) | Tag::BlockQuote(_) | Tag::Table(_),
-            ) => block_break(&mut out),
+            Event::Start(Tag::Heading { .. } | Tag::Paragraph | Tag::CodeBlock(_) | Tag::BlockQuote(_) | Tag::Table(_)) => {
+                block_break(&mut out)
+            }
             Event::Start(Tag::List(start)) => {
                 lists.push(start);
                 line_break(&mut out);
@@ -264,9 +259,9 @@ fn markdown_to_text(md: &str) -> String {
                     _ => out.push_str("- "),
                 }
             }
-            Event::End(
-                TagEnd::Heading(_) | TagEnd::Paragraph | TagEnd::CodeBlock | TagEnd::TableRow | TagEnd::TableHead,
-            ) => line_break(&mut out),
+            Event::End(TagEnd::Heading(_) | TagEnd::Paragraph | TagEnd::CodeBlock | TagEnd::TableRow | TagEnd::TableHead) => {
+                line_break(&mut out)
+            }
             Event::End(TagEnd::TableCell) => out.push_str(" | "),
             Event::Text(t) | Event::Code(t) => out.push_str(&t),
             Event::SoftBreak => out.push(' '),
@@ -413,7 +408,8 @@ fn pdf_to_text(bytes: &[u8], what: &str) -> Result<PdfText, ExtractError> {
         for &n in &pages {
             let mut page = String::new();
             let mut output = pdf_extract::PlainTextOutput::new(&mut page);
-            pdf_extract::output_doc_page(&doc, &mut output, n).map_err(|e| unreadable(format!("page {n}: {e}")))?;
+            pdf_extract::output_doc_page(&doc, &mut output, n)
+                .map_err(|e| unreadable(format!("page {n}: {e}")))?;
             if !text.is_empty() {
                 text.push_str("\n\n");
             }
@@ -446,18 +442,11 @@ mod tests {
         assert_eq!(extract(b"plain words", Some("a.md"), None).unwrap().source.format, Format::Markdown);
         assert_eq!(extract(b"plain words", Some("a.md"), Some("text/plain")).unwrap().source.format, Format::Text);
         assert_eq!(extract(b"<!DOCTYPE html><p>hi</p>", None, None).unwrap().source.format, Format::Html);
-        assert_eq!(
-            extract(b"words", Some("notes"), Some("application/octet-stream")).unwrap().source.format,
-            Format::Text
-        );
+        assert_eq!(extract(b"words", Some("notes"), Some("application/octet-stream")).unwrap().source.format, Format::Text);
         let e = extract(b"\x89PNG\r\n\x1a\n\0\0", Some("a.png"), None).unwrap_err();
         assert_eq!(e.code(), "unsupported_format", "{e}");
-        let e = extract(
-            b"words",
-            Some("a.docx"),
-            Some("application/vnd.openxmlformats-officedocument.wordprocessingml.document"),
-        )
-        .unwrap_err();
+        let e = extract(b"words", Some("a.docx"), Some("application/vnd.openxmlformats-officedocument.wordprocessingml.document"))
+            .unwrap_err();
         assert_eq!(e.code(), "unsupported_format");
         let e = extract(b"not a pdf", Some("a.pdf"), None).unwrap_err();
         assert_eq!(e.code(), "unreadable_pdf");
@@ -473,10 +462,7 @@ mod tests {
             <noscript>enable js</noscript><pre>  x = 1\n  y = 2</pre></body></html>";
         let e = extract(html.as_bytes(), Some("h.html"), None).unwrap();
         assert_eq!(e.title.as_deref(), Some("The Harbor"));
-        assert_eq!(
-            e.text,
-            "Velmora\n\nBuilt in 1843 by Ada.\n- north pier\n- east pier\n\na | b |\n\n  x = 1\n  y = 2"
-        );
+        assert_eq!(e.text, "Velmora\n\nBuilt in 1843 by Ada.\n- north pier\n- east pier\n\na | b |\n\n  x = 1\n  y = 2");
         assert!(!e.text.contains("secret") && !e.text.contains("color") && !e.text.contains("enable js"));
         let e = extract(b"<html><script>x()</script></html>", Some("e.html"), None).unwrap_err();
         assert_eq!(e.code(), "no_text");
@@ -487,10 +473,7 @@ mod tests {
         let md = "# Title\n\nSome *emphasis* and a [link](http://example.invalid/x).\nSame paragraph.\n\n\
             1. one\n2. two\n\n- a\n  - b\n\n```\ncode line\n```\n\n<div>raw</div>\n";
         let e = extract(md.as_bytes(), Some("r.md"), None).unwrap();
-        assert_eq!(
-            e.text,
-            "Title\n\nSome emphasis and a link. Same paragraph.\n1. one\n2. two\n- a\n  - b\n\ncode line"
-        );
+        assert_eq!(e.text, "Title\n\nSome emphasis and a link. Same paragraph.\n1. one\n2. two\n- a\n  - b\n\ncode line");
     }
 
     #[test]
@@ -509,26 +492,13 @@ mod pdf_tests {
 
     #[test]
     fn a_pdf_gives_its_text_pages_and_title() {
-        let pdf = write_pdf(
-            PdfPages::Text(&[
-                "The harbor of Velmora was built in 1843.\nIt has three piers.",
-                "The lighthouse is blue.",
-            ]),
-            "Velmora",
-            None,
-        )
-        .unwrap();
+        let pdf = write_pdf(PdfPages::Text(&["The harbor of Velmora was built in 1843.\nIt has three piers.", "The lighthouse is blue."]), "Velmora", None).unwrap();
         let e = extract(&pdf, Some("velmora.pdf"), Some("application/pdf")).unwrap();
         assert_eq!(e.source.format, Format::Pdf);
         assert_eq!(e.source.pages, Some(2));
         assert_eq!(e.title.as_deref(), Some("Velmora"));
         let words: Vec<&str> = e.text.split_whitespace().collect();
-        assert_eq!(
-            words.join(" "),
-            "The harbor of Velmora was built in 1843. It has three piers. The lighthouse is blue.",
-            "{:?}",
-            e.text
-        );
+        assert_eq!(words.join(" "), "The harbor of Velmora was built in 1843. It has three piers. The lighthouse is blue.", "{:?}", e.text);
     }
 
     #[test]

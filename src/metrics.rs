@@ -113,17 +113,9 @@ impl Default for Metrics {
         let jobs = Family::<OutcomeLabels, Counter>::default();
         r.register("lift_training_jobs", "Training jobs by outcome", jobs.clone());
         let train_tokens_per_s = FloatGauge::default();
-        r.register(
-            "lift_training_tokens_per_second",
-            "Training throughput of the last job",
-            train_tokens_per_s.clone(),
-        );
+        r.register("lift_training_tokens_per_second", "Training throughput of the last job", train_tokens_per_s.clone());
         let time_to_first_token = latency_histogram();
-        r.register(
-            "lift_generation_time_to_first_token_seconds",
-            "Prompt processing time",
-            time_to_first_token.clone(),
-        );
+        r.register("lift_generation_time_to_first_token_seconds", "Prompt processing time", time_to_first_token.clone());
         let generated_tokens = Counter::default();
         r.register("lift_generated_tokens", "Generated tokens", generated_tokens.clone());
         let decode_seconds = Counter::<f64, AtomicU64>::default();
@@ -166,11 +158,7 @@ impl Default for Metrics {
         let lease_renewals = Counter::default();
         r.register("lift_lease_renewals", "Job leases this replica renewed", lease_renewals.clone());
         let leases_lost = Counter::default();
-        r.register(
-            "lift_leases_lost",
-            "Jobs this replica stopped because another replica took them over",
-            leases_lost.clone(),
-        );
+        r.register("lift_leases_lost", "Jobs this replica stopped because another replica took them over", leases_lost.clone());
         Self {
             registry: r,
             requests,

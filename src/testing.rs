@@ -23,16 +23,7 @@ pub struct TinySpec {
 
 impl Default for TinySpec {
     fn default() -> Self {
-        Self {
-            hidden: 64,
-            intermediate: 128,
-            layers: 2,
-            heads: 4,
-            kv_heads: 2,
-            max_positions: 2048,
-            qkv_bias: false,
-            seed: 42,
-        }
+        Self { hidden: 64, intermediate: 128, layers: 2, heads: 4, kv_heads: 2, max_positions: 2048, qkv_bias: false, seed: 42 }
     }
 }
 
@@ -100,28 +91,12 @@ fn tensors(spec: &TinySpec) -> Vec<(String, Vec<usize>, Vec<f32>)> {
         let norm = |rng: &mut Rng| (0..h).map(|_| 1.0 + 0.1 * rng.next_f32()).collect::<Vec<_>>();
         out.push((format!("{p}.input_layernorm.weight"), vec![h], norm(&mut rng)));
         out.push((format!("{p}.self_attn.q_proj.weight"), vec![spec.heads * hd, h], lin(&mut rng, spec.heads * hd, h)));
-        out.push((
-            format!("{p}.self_attn.k_proj.weight"),
-            vec![spec.kv_heads * hd, h],
-            lin(&mut rng, spec.kv_heads * hd, h),
-        ));
-        out.push((
-            format!("{p}.self_attn.v_proj.weight"),
-            vec![spec.kv_heads * hd, h],
-            lin(&mut rng, spec.kv_heads * hd, h),
-        ));
+        out.push((format!("{p}.self_attn.k_proj.weight"), vec![spec.kv_heads * hd, h], lin(&mut rng, spec.kv_heads * hd, h)));
+        out.push((format!("{p}.self_attn.v_proj.weight"), vec![spec.kv_heads * hd, h], lin(&mut rng, spec.kv_heads * hd, h)));
         if spec.qkv_bias {
             out.push((format!("{p}.self_attn.q_proj.bias"), vec![spec.heads * hd], rng.vec(spec.heads * hd, 0.1)));
-            out.push((
-                format!("{p}.self_attn.k_proj.bias"),
-                vec![spec.kv_heads * hd],
-                rng.vec(spec.kv_heads * hd, 0.1),
-            ));
-            out.push((
-                format!("{p}.self_attn.v_proj.bias"),
-                vec![spec.kv_heads * hd],
-                rng.vec(spec.kv_heads * hd, 0.1),
-            ));
+            out.push((format!("{p}.self_attn.k_proj.bias"), vec![spec.kv_heads * hd], rng.vec(spec.kv_heads * hd, 0.1)));
+            out.push((format!("{p}.self_attn.v_proj.bias"), vec![spec.kv_heads * hd], rng.vec(spec.kv_heads * hd, 0.1)));
         }
         out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, spec.heads * hd], lin(&mut rng, h, spec.heads * hd)));
         out.push((format!("{p}.post_attention_layernorm.weight"), vec![h], norm(&mut rng)));
@@ -173,8 +148,11 @@ pub fn write_hf(dir: &Path, spec: &TinySpec) -> Result<PathBuf> {
 
 /// The tiny model's `tokenizer.json`: byte-level BPE, one token per byte, ChatML specials.
 pub fn tokenizer_json() -> String {
-    let vocab: serde_json::Map<String, serde_json::Value> =
-        tiny_vocab().into_iter().enumerate().map(|(i, t)| (t, serde_json::Value::from(i))).collect();
+    let vocab: serde_json::Map<String, serde_json::Value> = tiny_vocab()
+        .into_iter()
+        .enumerate()
+        .map(|(i, t)| (t, serde_json::Value::from(i)))
+        .collect();
     let added: Vec<serde_json::Value> = SPECIALS
         .iter()
         .enumerate()
@@ -319,7 +297,7 @@ pub fn write_pdf(pages: PdfPages, title: &str, user_password: Option<&str>) -> R
             let pixels: Vec<u8> = (0..64u8).map(|i| i * 4).collect();
             let image = Stream::new(
                 dictionary! {"Type" => "XObject", "Subtype" => "Image", "Width" => 8, "Height" => 8,
-                "ColorSpace" => "DeviceGray", "BitsPerComponent" => 8},
+                             "ColorSpace" => "DeviceGray", "BitsPerComponent" => 8},
                 pixels,
             );
             image_id = Some(doc.add_object(image));
@@ -339,20 +317,17 @@ pub fn write_pdf(pages: PdfPages, title: &str, user_password: Option<&str>) -> R
     let mut kids = Vec::new();
     for operations in contents {
         let content_id = doc.add_object(Stream::new(dictionary! {}, Content { operations }.encode()?));
-        kids.push(Object::from(
-            doc.add_object(dictionary! {"Type" => "Page", "Parent" => pages_id, "Contents" => content_id}),
-        ));
+        kids.push(Object::from(doc.add_object(dictionary! {"Type" => "Page", "Parent" => pages_id, "Contents" => content_id})));
     }
     let count = kids.len() as i64;
     let pages = dictionary! {"Type" => "Pages", "Kids" => kids, "Count" => count, "Resources" => resources_id,
-    "MediaBox" => vec![0.into(), 0.into(), 612.into(), 792.into()]};
+                             "MediaBox" => vec![0.into(), 0.into(), 612.into(), 792.into()]};
     doc.objects.insert(pages_id, Object::Dictionary(pages));
     let catalog_id = doc.add_object(dictionary! {"Type" => "Catalog", "Pages" => pages_id});
     let info_id = doc.add_object(dictionary! {"Title" => Object::string_literal(title)});
     doc.trailer.set("Root", catalog_id);
     doc.trailer.set("Info", info_id);
-    doc.trailer
-        .set("ID", vec![Object::string_literal("lift-serve-test-0"), Object::string_literal("lift-serve-test-0")]);
+    doc.trailer.set("ID", vec![Object::string_literal("lift-serve-test-0"), Object::string_literal("lift-serve-test-0")]);
     doc.compress();
     if let Some(user) = user_password {
         let version = lopdf::EncryptionVersion::V2 {

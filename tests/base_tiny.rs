@@ -157,8 +157,9 @@ fn a_short_run_lowers_the_loss_and_resume_continues_from_the_checkpoint() {
     let train_set = examples();
     let data = train::TrainingSet { examples: &train_set, hash: "test-data" };
     let control = RunControl { on_progress: &mut |_| {}, cancel: &|| false };
-    let err =
-        train::prepare(&model, data, &options(7), out2.path(), true, control).err().expect("other options refused");
+    let err = train::prepare(&model, data, &options(7), out2.path(), true, control)
+        .err()
+        .expect("other options refused");
     assert!(err.to_string().contains("other options"), "{err}");
 }
 
@@ -335,8 +336,7 @@ fn absorb_reads_a_pdf_and_refuses_a_locked_one() {
     use lift_serve::testing::{write_pdf, PdfPages};
     let (d, path) = tiny();
     let pdf = d.path().join("harbor.pdf");
-    std::fs::write(&pdf, write_pdf(PdfPages::Text(&[DOC, "The bell rings at noon."]), "Harbor notes", None).unwrap())
-        .unwrap();
+    std::fs::write(&pdf, write_pdf(PdfPages::Text(&[DOC, "The bell rings at noon."]), "Harbor notes", None).unwrap()).unwrap();
     let locked = d.path().join("locked.pdf");
     std::fs::write(&locked, write_pdf(PdfPages::Text(&[DOC]), "Locked", Some("pw")).unwrap()).unwrap();
     let absorb = |file: &Path, out: &Path| {

@@ -12,9 +12,9 @@
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor, Var};
+use lift_serve::document::Document;
 use lift_serve::adapters::{GatedMemory, Lora, LoraConfig, LoraPair};
 use lift_serve::base::{BaseShape, PreparedBase};
-use lift_serve::document::Document;
 use lift_serve::kernels::masked_softmax;
 use lift_serve::lift::filter::{self, Filter, FilterHooks, FilterOptions};
 use lift_serve::lift::{absorb, AbsorbOptions};
@@ -305,12 +305,8 @@ fn lora_inference_and_training_step_on_cuda_match_cpu() {
         let ids = Tensor::new(toks.as_slice(), m.device()).unwrap().unsqueeze(0).unwrap();
         let mut cache = KvCache::new(m.config().num_layers);
         let n = toks.len();
-        m.decoder
-            .forward(&ids.narrow(1, 0, n - 1).unwrap(), &mut cache, Some(&lora), &mut NoHooks, Logits::Last)
-            .unwrap();
-        m.decoder
-            .forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&lora), &mut NoHooks, Logits::Last)
-            .unwrap()
+        m.decoder.forward(&ids.narrow(1, 0, n - 1).unwrap(), &mut cache, Some(&lora), &mut NoHooks, Logits::Last).unwrap();
+        m.decoder.forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&lora), &mut NoHooks, Logits::Last).unwrap()
     };
     let d = rel_diff(&logits(&gpu), &logits(&cpu));
     assert!(d < 5e-2, "LoRA decode logits: {d}");
@@ -334,16 +330,10 @@ fn gated_memory_decode_with_kv_cache_on_cuda_matches_cpu() {
         let n = toks.len();
         let full = m.decoder.forward(&ids, &mut KvCache::new(2), Some(&gm), &mut NoHooks, Logits::All).unwrap();
         let mut cache = KvCache::new(2);
-        m.decoder
-            .forward(&ids.narrow(1, 0, n - 2).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last)
-            .unwrap();
-        m.decoder
-            .forward(&ids.narrow(1, n - 2, 1).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last)
-            .unwrap();
-        let last = m
-            .decoder
-            .forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last)
-            .unwrap();
+        m.decoder.forward(&ids.narrow(1, 0, n - 2).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last).unwrap();
+        m.decoder.forward(&ids.narrow(1, n - 2, 1).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last).unwrap();
+        let last =
+            m.decoder.forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last).unwrap();
         (full, last)
     };
     let (full_c, last_c) = run(&cpu);
@@ -443,8 +433,7 @@ fn filter_training_gradients_on_cuda_match_cpu() {
             .enumerate()
             .map(|(i, v)| {
                 let g = grads.get(v.as_tensor());
-                g.unwrap_or_else(|| panic!("no gradient for filter parameter {i} {:?} on {:?}", v.shape(), m.device()))
-                    .clone()
+                g.unwrap_or_else(|| panic!("no gradient for filter parameter {i} {:?} on {:?}", v.shape(), m.device())).clone()
             })
             .collect();
         (loss.to_scalar::<f32>().unwrap(), g)
@@ -466,8 +455,7 @@ fn cdt_embedding_gradients_and_critical_tokens_on_cuda_match_cpu() {
         let hidden = m.decoder.forward_train(&x, None, &mut NoHooks).unwrap().squeeze(0).unwrap();
         let logits = m.decoder.logits_train(&hidden).unwrap();
         let targets = Tensor::new(&toks[1..], dev).unwrap();
-        let loss =
-            ops::cross_entropy_masked(&logits, &targets, &Tensor::ones(n - 1, DType::F32, dev).unwrap()).unwrap();
+        let loss = ops::cross_entropy_masked(&logits, &targets, &Tensor::ones(n - 1, DType::F32, dev).unwrap()).unwrap();
         let grads = loss.backward().unwrap();
         grads.get(emb.as_tensor()).expect("embedding gradient").squeeze(0).unwrap()
     };
@@ -527,8 +515,7 @@ fn fused_ops_on_cuda_match_cpu() {
     );
     let targets = Tensor::new(&[3u32, 0, 39, 7, 7, 1, 2, 30, 5, 6, 8], &Device::Cpu).unwrap();
     let weights = Tensor::new(&[1f32, 1., 0., 1., 1., 1., 0., 1., 1., 1., 1.], &Device::Cpu).unwrap();
-    let ce =
-        |x: &Tensor| ops::cross_entropy_masked(x, &on(&targets, x), &on(&weights, x)).unwrap().unsqueeze(0).unwrap();
+    let ce = |x: &Tensor| ops::cross_entropy_masked(x, &on(&targets, x), &on(&weights, x)).unwrap().unsqueeze(0).unwrap();
     both("cross_entropy_masked", &ce, &x2, 1e-4);
 }
 
@@ -635,14 +622,10 @@ fn prepared_base_under_a_document_adapter_on_cuda_matches_cpu() {
         let n = p.tokens.len();
         let mut hooks = FilterHooks::new(f, &p.chunks, cfg.num_layers);
         let mut cache = KvCache::new(cfg.num_layers);
-        let prefill = m
-            .decoder
-            .forward(&ids.narrow(1, 0, n - 1).unwrap(), &mut cache, Some(&gm), &mut hooks, Logits::All)
-            .unwrap();
-        let last = m
-            .decoder
-            .forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&gm), &mut hooks, Logits::Last)
-            .unwrap();
+        let prefill =
+            m.decoder.forward(&ids.narrow(1, 0, n - 1).unwrap(), &mut cache, Some(&gm), &mut hooks, Logits::All).unwrap();
+        let last =
+            m.decoder.forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&gm), &mut hooks, Logits::Last).unwrap();
         (prefill, last, hooks.report().unwrap())
     };
     let (pre_c, last_c, rep_c) = answer(&cpu);
@@ -671,11 +654,7 @@ fn batched_forward_with_mixed_adapters_on_cuda_matches_cpu() {
     use lift_serve::model::SeqInput;
     let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
     let cfg = cpu.config().clone();
-    let prompts = [
-        tokens(&cpu, "A prompt still being read by the batch, long enough for the float path."),
-        tokens(&cpu, "Decoding"),
-        tokens(&cpu, "Also decoding here"),
-    ];
+    let prompts = [tokens(&cpu, "A prompt still being read by the batch, long enough for the float path."), tokens(&cpu, "Decoding"), tokens(&cpu, "Also decoding here")];
     let run = |m: &Model| {
         let gm: Box<dyn Adapter> = Box::new(GatedMemory::new(&cfg, &[0, 1], false, 5, m.device()).unwrap().detached());
         let lora: Box<dyn Adapter> = Box::new(lora_on(m, 3, false));
@@ -692,8 +671,7 @@ fn batched_forward_with_mixed_adapters_on_cuda_matches_cpu() {
             let last = Tensor::new(&p[p.len() - 1..], m.device()).unwrap().unsqueeze(0).unwrap();
             alone.push(m.decoder.forward(&last, &mut c, adapters[i], &mut NoHooks, Logits::Last).unwrap());
         }
-        let ids: Vec<&[u32]> =
-            vec![&prompts[0], &prompts[1][prompts[1].len() - 1..], &prompts[2][prompts[2].len() - 1..]];
+        let ids: Vec<&[u32]> = vec![&prompts[0], &prompts[1][prompts[1].len() - 1..], &prompts[2][prompts[2].len() - 1..]];
         let mut inputs: Vec<SeqInput> = caches
             .iter_mut()
             .zip(hooks.iter_mut())
@@ -711,10 +689,7 @@ fn batched_forward_with_mixed_adapters_on_cuda_matches_cpu() {
         assert!(d < 5e-2, "sequence {i}: batched logits CUDA vs CPU {d}");
     }
     for (k, i) in (1..3).enumerate() {
-        assert!(
-            rel_diff(&bc.get(i).unwrap(), &ac[k].squeeze(0).unwrap()) < 1e-5,
-            "CPU: batched = alone for sequence {i}"
-        );
+        assert!(rel_diff(&bc.get(i).unwrap(), &ac[k].squeeze(0).unwrap()) < 1e-5, "CPU: batched = alone for sequence {i}");
         let d = rel_diff(&bg.get(i).unwrap(), &ag[k].squeeze(0).unwrap());
         assert!(d < 5e-2, "CUDA: sequence {i} batched vs alone {d}");
     }

@@ -5,10 +5,10 @@
 //! `lift-serve fetch-data`, which these tests run themselves when the essays are missing).
 
 use candle_core::Device;
-use lift_serve::base::{BaseShape, PreparedBase};
-use lift_serve::document::Document;
 use lift_serve::eval::{self, data, needles, report, Backend, EvalDocument, Local, RunConfig};
+use lift_serve::document::Document;
 use lift_serve::lift::answer::{build_prompt, Ask, Mode};
+use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::lift::filter::FilterOptions;
 use lift_serve::lift::AbsorbOptions;
 use lift_serve::model::Model;
@@ -104,26 +104,16 @@ fn window_labels_agree_with_the_prompt_build_prompt_builds() {
     let (mut ins, mut outs) = (0, 0);
     for budget in [Some(64), Some(128), Some(300), None] {
         for q in &doc.questions {
-            let prompt =
-                build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Lift, context_tokens: budget }, 32)
-                    .unwrap();
+            let prompt = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Lift, context_tokens: budget }, 32).unwrap();
             let label = eval::in_window(&prompt, &q.evidence_tokens).unwrap();
             // Independent check: is the planted sentence's text in the decoded prompt?
             let shown = model.tokenizer.decode(&prompt.tokens).unwrap();
             let planted = q.planted.as_deref().unwrap();
             assert_eq!(label, shown.contains(planted), "budget {budget:?}, {planted:?}: label {label}");
             // icl builds the same context; memory none.
-            let icl =
-                build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Icl, context_tokens: budget }, 32)
-                    .unwrap();
+            let icl = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Icl, context_tokens: budget }, 32).unwrap();
             assert_eq!(icl.tokens, prompt.tokens);
-            let mem = build_prompt(
-                model,
-                &ids,
-                &Ask { question: &q.question, mode: Mode::Memory, context_tokens: budget },
-                32,
-            )
-            .unwrap();
+            let mem = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Memory, context_tokens: budget }, 32).unwrap();
             assert!(!model.tokenizer.decode(&mem.tokens).unwrap().contains(planted));
             if label {
                 ins += 1;
@@ -305,13 +295,7 @@ fn jsonl_questions_are_labelled_from_answer_occurrences() {
         .iter()
         .map(|q| {
             eval::in_window(
-                &build_prompt(
-                    &model,
-                    &ids,
-                    &Ask { question: &q.question, mode: Mode::Lift, context_tokens: Some(48) },
-                    8,
-                )
-                .unwrap(),
+                &build_prompt(&model, &ids, &Ask { question: &q.question, mode: Mode::Lift, context_tokens: Some(48) }, 8).unwrap(),
                 &q.evidence_tokens,
             )
         })

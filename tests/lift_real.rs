@@ -51,8 +51,8 @@ fn out_of_window_facts_are_recalled_in_lift_mode() {
 
     let t0 = Instant::now();
     let doc = &Document::encode(&model, DOC).expect("tokenizes");
-    let absorbed =
-        absorb(&model, doc, Some("Kestrel Valley Observatory"), &options(), &mut |_| {}, &|| false).expect("absorb");
+    let absorbed = absorb(&model, doc, Some("Kestrel Valley Observatory"), &options(), &mut |_| {}, &|| false)
+        .expect("absorb");
     let adapter: &dyn Adapter = &absorbed.bundle.adapter;
     eprintln!(
         "absorbed {} tokens in {:.0} s: {} QA pairs, {} steps, final loss {:.3}",

@@ -21,8 +21,7 @@ fn logits_match_candle_transformers_quantized_llama() {
     let mut file = std::fs::File::open(&path).unwrap();
     let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
     let mut reference =
-        candle_transformers::models::quantized_llama::ModelWeights::from_gguf(content, &mut file, &Device::Cpu)
-            .unwrap();
+        candle_transformers::models::quantized_llama::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
     let ids = m.tokenizer.encode("The history of the Roman Empire spans many centuries, and its", false).unwrap();
     let input = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
     let want = reference.forward(&input, 0).unwrap().squeeze(0).unwrap();
@@ -34,8 +33,7 @@ fn logits_match_candle_transformers_quantized_llama() {
     // prompt too, the same logits.
     let mut with_candle = Model::load(&path, &Device::Cpu).unwrap();
     with_candle.decoder.use_candle_quantized_kernels();
-    let candle_kernels =
-        with_candle.decoder.forward_with_float_threshold(&input, usize::MAX).unwrap().squeeze(0).unwrap();
+    let candle_kernels = with_candle.decoder.forward_with_float_threshold(&input, usize::MAX).unwrap().squeeze(0).unwrap();
     let diff = max_diff(&candle_kernels, &want);
     eprintln!("quantized path, candle's kernels: max |diff| = {diff:.3e}, relative {:.3e}", diff / scale);
     assert!(diff / scale <= 1e-3, "relative difference {} > 1e-3", diff / scale);
@@ -75,37 +73,23 @@ fn int8_kernel_is_as_accurate_as_candles_quantized_matmul() {
     let path = lift_serve::fetch::resolve_model(None).unwrap();
     let mut reference = Model::load(&path, &Device::Cpu).unwrap();
     reference.decoder.use_candle_quantized_kernels();
-    let rms =
-        |a: &Tensor, b: &Tensor| (a - b).unwrap().sqr().unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap().sqrt();
+    let rms = |a: &Tensor, b: &Tensor| (a - b).unwrap().sqr().unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap().sqrt();
     let (mut ours_sq, mut candle_sq) = (0f64, 0f64);
     let mut pairs = Vec::new();
     for li in [0usize, 15, 29] {
         let (a, b) = (&m.decoder.layers[li], &reference.decoder.layers[li]);
-        for (x, y) in [
-            (&a.q, &b.q),
-            (&a.k, &b.k),
-            (&a.v, &b.v),
-            (&a.o, &b.o),
-            (&a.gate, &b.gate),
-            (&a.up, &b.up),
-            (&a.down, &b.down),
-        ] {
+        for (x, y) in [(&a.q, &b.q), (&a.k, &b.k), (&a.v, &b.v), (&a.o, &b.o), (&a.gate, &b.gate), (&a.up, &b.up), (&a.down, &b.down)] {
             pairs.push((format!("layer {li}"), x, y));
         }
     }
     pairs.push(("lm head".to_string(), &m.decoder.lm_head, &reference.decoder.lm_head));
     for (name, ours, theirs) in pairs {
         let n = ours.in_dim();
-        let x: Vec<f32> =
-            (0..8 * n).map(|i| ((i as f32 * 0.37).sin() * 2.0 + (i as f32 * 0.011).cos()) * 0.5).collect();
+        let x: Vec<f32> = (0..8 * n).map(|i| ((i as f32 * 0.37).sin() * 2.0 + (i as f32 * 0.011).cos()) * 0.5).collect();
         let x = Tensor::from_vec(x, (8, n), &Device::Cpu).unwrap();
         let exact = ours.forward_float(&x).unwrap();
         let (e_ours, e_candle) = (rms(&ours.forward(&x).unwrap(), &exact), rms(&theirs.forward(&x).unwrap(), &exact));
-        assert!(
-            e_ours <= 1.1 * e_candle,
-            "{name} [{}, {n}]: RMS error {e_ours:.3e} vs candle's {e_candle:.3e}",
-            ours.out_dim()
-        );
+        assert!(e_ours <= 1.1 * e_candle, "{name} [{}, {n}]: RMS error {e_ours:.3e} vs candle's {e_candle:.3e}", ours.out_dim());
         ours_sq += (e_ours as f64).powi(2);
         candle_sq += (e_candle as f64).powi(2);
     }
@@ -123,9 +107,8 @@ fn greedy_chat_answer_knows_the_capital_of_france() {
         ])
         .unwrap();
     let params = SamplingParams { max_tokens: 40, ..Default::default() };
-    let out =
-        generate(m, &prompt, &mut KvCache::new(m.config().num_layers), None, &mut NoHooks, &params, &mut |_| true)
-            .unwrap();
+    let out = generate(m, &prompt, &mut KvCache::new(m.config().num_layers), None, &mut NoHooks, &params, &mut |_| true)
+        .unwrap();
     eprintln!("answer: {}", out.text);
     assert!(out.text.contains("Paris"), "answer was: {}", out.text);
 }
@@ -167,15 +150,10 @@ fn batched_answers_over_the_prepared_base_match_each_alone() {
     let base_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("base");
     lift_serve::base::PreparedBase::load(&base_dir, &m).unwrap().install(&mut m).unwrap();
     assert!(m.base_filter().is_some());
-    let text = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harbor_history.txt"),
-    )
-    .unwrap();
+    let text = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harbor_history.txt")).unwrap();
     let doc = Document::encode(&m, text).unwrap();
     let layers: Vec<usize> = (15..m.config().num_layers).collect();
-    let gm = |seed| -> Arc<dyn Adapter> {
-        Arc::new(GatedMemory::new(m.config(), &layers, false, seed, &Device::Cpu).unwrap().detached())
-    };
+    let gm = |seed| -> Arc<dyn Adapter> { Arc::new(GatedMemory::new(m.config(), &layers, false, seed, &Device::Cpu).unwrap().detached()) };
     let params = SamplingParams { max_tokens: 12, ..Default::default() };
     // (question, mode, adapter, join at step, context budget)
     let cases: Vec<(&str, Mode, Option<Arc<dyn Adapter>>, usize, usize)> = vec![
@@ -193,9 +171,7 @@ fn batched_answers_over_the_prepared_base_match_each_alone() {
         .collect();
     let chat = m.encode_chat(&[ChatMessage { role: "user".into(), content: "Name a color.".into() }]).unwrap();
     let chat_alone =
-        generate(&m, &chat, &mut KvCache::new(m.config().num_layers), None, &mut NoHooks, &params, &mut |_| true)
-            .unwrap()
-            .tokens;
+        generate(&m, &chat, &mut KvCache::new(m.config().num_layers), None, &mut NoHooks, &params, &mut |_| true).unwrap().tokens;
 
     let mut batch = Batch::new(8, PREFILL_CHUNK);
     let mut done = std::collections::BTreeMap::new();
@@ -210,8 +186,7 @@ fn batched_answers_over_the_prepared_base_match_each_alone() {
             }
         }
         if step == 1 {
-            let seq =
-                Sequence::new(&m, chat.clone(), KvCache::new(m.config().num_layers), params.clone(), None).unwrap();
+            let seq = Sequence::new(&m, chat.clone(), KvCache::new(m.config().num_layers), params.clone(), None).unwrap();
             batch.join(Entry { seq, adapter: None, adapter_key: 0, data: cases.len() });
         }
         for e in batch.step(&m, &mut |_: &mut usize, _: &str| true).unwrap() {

@@ -239,32 +239,15 @@ async fn document_lifecycle_and_restart() {
     assert_eq!(list["object"], "list");
     assert_eq!(list["data"].as_array().unwrap().len(), 1);
     let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
-    for m in [
-        "lift_http_requests_total{",
-        "lift_training_jobs_total{outcome=\"ready\"} 1",
-        "lift_adapter_cache_hits",
-        "lift_adapter_cache_misses",
-        "lift_adapter_cache_evictions",
-        "lift_adapter_cache_resident_bytes",
-        "lift_training_queue_depth",
-        "lift_generation_time_to_first_token_seconds_count",
-        "lift_generation_tokens_per_second",
-    ] {
+    for m in ["lift_http_requests_total{", "lift_training_jobs_total{outcome=\"ready\"} 1", "lift_adapter_cache_hits",
+              "lift_adapter_cache_misses", "lift_adapter_cache_evictions", "lift_adapter_cache_resident_bytes",
+              "lift_training_queue_depth", "lift_generation_time_to_first_token_seconds_count", "lift_generation_tokens_per_second"] {
         assert!(metrics.contains(m), "missing {m} in\n{metrics}");
     }
     let (s, api) = get_json(&c, &format!("{base}/openapi.json"), None).await;
     assert_eq!(s, 200);
     assert!(api["openapi"].as_str().unwrap().starts_with("3."));
-    for p in [
-        "/documents",
-        "/documents/{id}",
-        "/documents/{id}/events",
-        "/ask",
-        "/v1/models",
-        "/v1/chat/completions",
-        "/health",
-        "/metrics",
-    ] {
+    for p in ["/documents", "/documents/{id}", "/documents/{id}/events", "/ask", "/v1/models", "/v1/chat/completions", "/health", "/metrics"] {
         assert!(api["paths"].get(p).is_some(), "{p}");
     }
 
@@ -278,13 +261,7 @@ async fn document_lifecycle_and_restart() {
     let (s, g) = get_json(&c, &format!("{base}/documents/{ghost}"), None).await;
     assert_eq!((s, g["status"].as_str()), (StatusCode::OK, Some("failed")), "{g}");
     assert!(g["error"]["message"].as_str().unwrap().contains("interrupted"), "{g}");
-    let (s, a) = post_json(
-        &c,
-        &format!("{base}/ask"),
-        json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}),
-        None,
-    )
-    .await;
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
     assert_eq!(s, 200, "{a}");
     let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(!metrics.contains("lift_training_jobs_total{"), "nothing retrained:\n{metrics}");
@@ -338,16 +315,10 @@ async fn auth_and_tenancy() {
     assert_eq!(list["data"].as_array().unwrap().len(), 0);
     let (_, models) = get_json(&c, &format!("{base}/v1/models"), Some("key-b")).await;
     assert!(models["data"].as_array().unwrap().iter().all(|m| m["id"] != id.as_str()));
-    let (s, _) =
-        post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who?"}), Some("key-b")).await;
+    let (s, _) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who?"}), Some("key-b")).await;
     assert_eq!(s, 404);
-    let (s, _) = post_json(
-        &c,
-        &format!("{base}/v1/chat/completions"),
-        json!({"model": id, "messages": [{"role": "user", "content": "Who?"}]}),
-        Some("key-b"),
-    )
-    .await;
+    let (s, _) = post_json(&c, &format!("{base}/v1/chat/completions"),
+        json!({"model": id, "messages": [{"role": "user", "content": "Who?"}]}), Some("key-b")).await;
     assert_eq!(s, 404);
     let r = c.delete(format!("{base}/documents/{id}")).bearer_auth("key-b").send().await.unwrap();
     assert_eq!(r.status(), 404);
@@ -377,22 +348,15 @@ async fn bad_inputs() {
     assert!(before.keys().any(|k| k.ends_with("adapter.safetensors")));
 
     let long_doc: String = DOC.repeat(4);
-    let (s, slow) =
-        post_json(&c, &format!("{base}/documents"), json!({"text": long_doc, "options": {"epochs": [20, 20]}}), None)
-            .await;
+    let (s, slow) = post_json(&c, &format!("{base}/documents"), json!({"text": long_doc, "options": {"epochs": [20, 20]}}), None).await;
     assert_eq!(s, 202, "{slow}");
     let slow_id = slow["id"].as_str().unwrap().to_string();
     let (s, v) = post_json(&c, &format!("{base}/ask"), json!({"document_id": slow_id, "question": "Who?"}), None).await;
     assert_eq!(s, 409, "{v}");
     assert_error_shape(&v, "document_not_ready", "ask before ready");
     assert_eq!(v["error"]["type"], "conflict_error");
-    let (s, v) = post_json(
-        &c,
-        &format!("{base}/v1/chat/completions"),
-        json!({"model": slow_id, "messages": [{"role": "user", "content": "Who?"}]}),
-        None,
-    )
-    .await;
+    let (s, v) = post_json(&c, &format!("{base}/v1/chat/completions"),
+        json!({"model": slow_id, "messages": [{"role": "user", "content": "Who?"}]}), None).await;
     assert_eq!(s, 409, "{v}");
 
     let json_ct = "application/json";
@@ -424,13 +388,7 @@ async fn bad_inputs() {
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"cdt": false}})), 400, "removed_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"window": 0}})), 400, "invalid_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"epochs": [1]}})), 400, "invalid_option"),
-        (
-            "POST",
-            "/documents".into(),
-            ask(json!({"text": DOC, "options": {"adapter": "magic"}})),
-            400,
-            "invalid_option",
-        ),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"adapter": "magic"}})), 400, "invalid_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": "fast"})), 400, "invalid_type"),
         ("GET", "/documents/doc_unknown".into(), ("", vec![]), 404, "document_not_found"),
         ("GET", format!("/documents/{unknown}"), ("", vec![]), 404, "document_not_found"),
@@ -440,101 +398,23 @@ async fn bad_inputs() {
         ("POST", "/ask".into(), ask(json!({"document_id": unknown, "question": "Who?"})), 404, "document_not_found"),
         ("POST", "/ask".into(), ask(json!({"document_id": id})), 400, "missing_field"),
         ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "  "})), 422, "empty_question"),
-        (
-            "POST",
-            "/ask".into(),
-            ask(json!({"document_id": id, "question": "q".repeat(1001)})),
-            400,
-            "question_too_long",
-        ),
-        (
-            "POST",
-            "/ask".into(),
-            ask(json!({"document_id": id, "question": "Who?", "max_tokens": 0})),
-            400,
-            "invalid_max_tokens",
-        ),
-        (
-            "POST",
-            "/ask".into(),
-            ask(json!({"document_id": id, "question": "Who?", "max_tokens": 100000})),
-            400,
-            "invalid_max_tokens",
-        ),
-        (
-            "POST",
-            "/ask".into(),
-            ask(json!({"document_id": id, "question": "Who?", "max_tokens": "ten"})),
-            400,
-            "invalid_type",
-        ),
-        (
-            "POST",
-            "/ask".into(),
-            ask(json!({"document_id": id, "question": "Who?", "mode": "psychic"})),
-            400,
-            "invalid_mode",
-        ),
-        (
-            "POST",
-            "/ask".into(),
-            ask(json!({"document_id": id, "question": "Who?", "temperature": -1})),
-            400,
-            "invalid_temperature",
-        ),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "q".repeat(1001)})), 400, "question_too_long"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "max_tokens": 0})), 400, "invalid_max_tokens"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "max_tokens": 100000})), 400, "invalid_max_tokens"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "max_tokens": "ten"})), 400, "invalid_type"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "mode": "psychic"})), 400, "invalid_mode"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "temperature": -1})), 400, "invalid_temperature"),
         ("POST", "/ask".into(), ask(json!({"document_id": 7, "question": "Who?"})), 400, "invalid_type"),
         ("POST", "/ask".into(), ("text/plain", b"Who built it?".to_vec()), 415, "unsupported_media_type"),
-        (
-            "POST",
-            "/v1/chat/completions".into(),
-            chat(json!({"model": "gpt-9", "messages": msgs})),
-            404,
-            "model_not_found",
-        ),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": "gpt-9", "messages": msgs})), 404, "model_not_found"),
         ("POST", "/v1/chat/completions".into(), chat(json!({"model": id})), 400, "missing_field"),
         ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": []})), 400, "invalid_messages"),
-        (
-            "POST",
-            "/v1/chat/completions".into(),
-            chat(json!({"model": id, "messages": [{"role": "wizard", "content": "x"}]})),
-            400,
-            "invalid_messages",
-        ),
-        (
-            "POST",
-            "/v1/chat/completions".into(),
-            chat(json!({"model": id, "messages": msgs, "n": 2})),
-            400,
-            "unsupported_n",
-        ),
-        (
-            "POST",
-            "/v1/chat/completions".into(),
-            chat(json!({"model": id, "messages": msgs, "max_tokens": 0})),
-            400,
-            "invalid_max_tokens",
-        ),
-        (
-            "POST",
-            "/v1/chat/completions".into(),
-            chat(json!({"model": id, "messages": msgs, "stream": "yes"})),
-            400,
-            "invalid_type",
-        ),
-        (
-            "POST",
-            "/v1/chat/completions".into(),
-            chat(json!({"model": id, "messages": msgs, "top_p": 0})),
-            400,
-            "invalid_top_p",
-        ),
-        (
-            "POST",
-            "/v1/chat/completions".into(),
-            chat(json!({"model": id, "messages": msgs, "mode": "psychic"})),
-            400,
-            "invalid_mode",
-        ),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": [{"role": "wizard", "content": "x"}]})), 400, "invalid_messages"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "n": 2})), 400, "unsupported_n"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "max_tokens": 0})), 400, "invalid_max_tokens"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "stream": "yes"})), 400, "invalid_type"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "top_p": 0})), 400, "invalid_top_p"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "mode": "psychic"})), 400, "invalid_mode"),
         ("GET", "/nowhere".into(), ("", vec![]), 404, "route_not_found"),
         ("PUT", "/ask".into(), ("", vec![]), 405, "method_not_allowed"),
     ];
@@ -561,13 +441,7 @@ async fn bad_inputs() {
     // Still healthy and answering; stored adapter untouched.
     let (s, _) = get_json(&c, &format!("{base}/health"), None).await;
     assert_eq!(s, 200);
-    let (s, a) = post_json(
-        &c,
-        &format!("{base}/ask"),
-        json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}),
-        None,
-    )
-    .await;
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
     assert_eq!(s, 200, "{a}");
     running.shutdown().await;
     let after: BTreeMap<_, _> = snapshot(&e.adapters).into_iter().filter(|(k, _)| !k.contains(&slow_id)).collect();
@@ -584,8 +458,7 @@ async fn queue_full_and_shutdown() {
     let (running, base) = start(cfg).await;
     let c = client();
     let slow = json!({"epochs": [50, 50]});
-    let (s, a) =
-        post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(4), "options": slow}), None).await;
+    let (s, a) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(4), "options": slow}), None).await;
     assert_eq!(s, 202, "{a}");
     let a_id = a["id"].as_str().unwrap().to_string();
     for _ in 0..200 {
@@ -595,11 +468,9 @@ async fn queue_full_and_shutdown() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let (s, b) =
-        post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": slow}), None).await;
+    let (s, b) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": slow}), None).await;
     assert_eq!(s, 202, "{b}");
-    let (s, v) =
-        post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(2), "options": slow}), None).await;
+    let (s, v) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(2), "options": slow}), None).await;
     assert_eq!(s, 429, "{v}");
     assert_error_shape(&v, "queue_full", "queue full");
     assert_eq!(v["error"]["type"], "rate_limit_error");
@@ -635,13 +506,9 @@ async fn queue_full_and_shutdown() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert!(
-        metrics.contains("lift_training_running 1") && metrics.contains("lift_training_queue_depth 1"),
-        "{metrics}"
-    );
+    assert!(metrics.contains("lift_training_running 1") && metrics.contains("lift_training_queue_depth 1"), "{metrics}");
     // Re-posting a re-queued document finds it in progress.
-    let (s, d) =
-        post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": slow}), None).await;
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": slow}), None).await;
     assert_eq!((s, d["id"].as_str()), (StatusCode::OK, Some(b_id)), "{d}");
     for id in [a_id.as_str(), b_id] {
         let r = c.delete(format!("{base}/documents/{id}")).send().await.unwrap();
@@ -671,12 +538,9 @@ impl Drop for Child {
 fn server_command(e: &Env, port: u16, log: &Path) -> std::process::Command {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"));
     cmd.args(["serve", "--port", &port.to_string()])
-        .arg("--model")
-        .arg(&e.model)
-        .arg("--adapters-dir")
-        .arg(&e.adapters)
-        .arg("--absorb-options")
-        .arg(&e.options)
+        .arg("--model").arg(&e.model)
+        .arg("--adapters-dir").arg(&e.adapters)
+        .arg("--absorb-options").arg(&e.options)
         // A `base/` in the working directory would belong to the default model, not the tiny one.
         .args(["--prepared-base", "none"])
         .stdout(std::process::Stdio::null())
@@ -722,17 +586,11 @@ async fn killed_mid_training_requeues_on_restart() {
     let mut training = Value::Null;
     for _ in 0..1000 {
         let (_, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
-        if d["status"] == "training"
-            && d["progress"]["stage"] == "training"
-            && d["progress"]["step"].as_u64() >= Some(1)
-        {
+        if d["status"] == "training" && d["progress"]["stage"] == "training" && d["progress"]["step"].as_u64() >= Some(1) {
             training = d;
             break;
         }
-        assert!(
-            matches!(d["status"].as_str(), Some("queued") | Some("training")),
-            "the job must still be running when the process is killed: {d}"
-        );
+        assert!(matches!(d["status"].as_str(), Some("queued") | Some("training")), "the job must still be running when the process is killed: {d}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(!training.is_null(), "training never started");
@@ -740,8 +598,7 @@ async fn killed_mid_training_requeues_on_restart() {
     let ghost = write_ghost_record(&e.adapters, "cd");
     child.0.kill().unwrap(); // SIGKILL: no shutdown handler runs
     child.0.wait().unwrap();
-    let rec: Value =
-        serde_json::from_slice(&std::fs::read(e.adapters.join(format!("{id}.job.json"))).unwrap()).unwrap();
+    let rec: Value = serde_json::from_slice(&std::fs::read(e.adapters.join(format!("{id}.job.json"))).unwrap()).unwrap();
     assert_eq!(rec["status"], "training", "the dead process left the job training: {rec}");
     assert!(!e.adapters.join(&id).exists(), "no adapter was saved before the kill");
 
@@ -758,29 +615,15 @@ async fn killed_mid_training_requeues_on_restart() {
     let d = wait_ready(&c, &base, &id, None).await;
     assert_eq!(d["adapter"]["kind"], "gated_memory");
     assert_eq!(std::fs::read_to_string(e.adapters.join(&id).join("document.txt")).unwrap(), text);
-    let (s, a) = post_json(
-        &c,
-        &format!("{base}/ask"),
-        json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}),
-        None,
-    )
-    .await;
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
     assert_eq!(s, 200, "{a}");
     // The same post is now answered from the store (200, ready), not trained a third time.
     let (s, d2) = post_json(&c, &format!("{base}/documents"), body, None).await;
-    assert_eq!(
-        (s, d2["id"].as_str(), d2["status"].as_str()),
-        (StatusCode::OK, Some(id.as_str()), Some("ready")),
-        "{d2}"
-    );
+    assert_eq!((s, d2["id"].as_str(), d2["status"].as_str()), (StatusCode::OK, Some(id.as_str()), Some("ready")), "{d2}");
     let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("lift_training_jobs_total{outcome=\"ready\"} 1"), "{metrics}");
     drop(child);
-    let pending: Vec<_> = std::fs::read_dir(&e.adapters)
-        .unwrap()
-        .filter_map(|f| f.ok())
-        .filter(|f| f.file_name().to_string_lossy().ends_with(".pending.txt"))
-        .collect();
+    let pending: Vec<_> = std::fs::read_dir(&e.adapters).unwrap().filter_map(|f| f.ok()).filter(|f| f.file_name().to_string_lossy().ends_with(".pending.txt")).collect();
     assert!(pending.is_empty(), "the kept text is dropped once the adapter is saved");
 }
 
@@ -799,13 +642,7 @@ async fn ask_while_another_document_trains() {
     wait_ready(&c, &base, &ready_id, None).await;
 
     // Minutes of training on the tiny model; it is deleted (cancelled) at the end.
-    let (s, slow) = post_json(
-        &c,
-        &format!("{base}/documents"),
-        json!({"text": DOC.repeat(4), "options": {"epochs": [100, 100]}}),
-        None,
-    )
-    .await;
+    let (s, slow) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(4), "options": {"epochs": [100, 100]}}), None).await;
     assert_eq!(s, 202, "{slow}");
     let slow_id = slow["id"].as_str().unwrap().to_string();
     let mut step = 0;
@@ -821,21 +658,13 @@ async fn ask_while_another_document_trains() {
 
     for (route, body) in [
         ("/ask", json!({"document_id": ready_id, "question": "Who built the harbor?", "max_tokens": 8})),
-        (
-            "/v1/chat/completions",
-            json!({"model": ready_id, "messages": [{"role": "user", "content": "Who painted the tower?"}], "max_tokens": 8}),
-        ),
+        ("/v1/chat/completions", json!({"model": ready_id, "messages": [{"role": "user", "content": "Who painted the tower?"}], "max_tokens": 8})),
     ] {
         let t = std::time::Instant::now();
         let (s, a) = post_json(&c, &format!("{base}{route}"), body, None).await;
         assert_eq!(s, 200, "{route}: {a}");
         let (_, d) = get_json(&c, &format!("{base}/documents/{slow_id}"), None).await;
-        assert_eq!(
-            d["status"],
-            "training",
-            "{route} answered in {:?}, but only after the training job ended: {d}",
-            t.elapsed()
-        );
+        assert_eq!(d["status"], "training", "{route} answered in {:?}, but only after the training job ended: {d}", t.elapsed());
         if route == "/ask" {
             assert!(a["timings"]["queue_ms"].as_f64().unwrap() < 5000.0, "waited in the generation queue: {a}");
         }
@@ -1544,12 +1373,7 @@ async fn out_of_file_descriptors_the_server_keeps_accepting() {
 // ---------- issue 18: documents in the formats people have, the page, streamed answers ----------
 
 /// A multipart upload: the `file` part (name, media type, bytes) and any text parts.
-async fn upload(
-    c: &Client,
-    base: &str,
-    file: Option<(&str, &str, Vec<u8>)>,
-    texts: &[(&str, &str)],
-) -> (StatusCode, Value) {
+async fn upload(c: &Client, base: &str, file: Option<(&str, &str, Vec<u8>)>, texts: &[(&str, &str)]) -> (StatusCode, Value) {
     let mut form = reqwest::multipart::Form::new();
     if let Some((name, media_type, bytes)) = file {
         let part = reqwest::multipart::Part::bytes(bytes).file_name(name.to_string());
@@ -1572,10 +1396,8 @@ async fn uploads_in_every_format() {
     let e = env();
     let (running, base) = start(config(&e, &[])).await;
     let c = client();
-    let html = format!(
-        "<!doctype html><html><head><title>Harbor page</title><script>var hidden = 'SCRIPTWORD';</script>\
-        <style>.x {{ color: red }}</style></head><body><h1>Velmora</h1><p>{DOC}</p></body></html>"
-    );
+    let html = format!("<!doctype html><html><head><title>Harbor page</title><script>var hidden = 'SCRIPTWORD';</script>\
+        <style>.x {{ color: red }}</style></head><body><h1>Velmora</h1><p>{DOC}</p></body></html>");
     let md = format!("# Velmora\n\n*{DOC}*\n\n- [north pier](http://example.invalid/north)\n");
     let pages = [DOC, "The harbor master's office keeps a brass bell.\nIt rings at noon."];
     let pdf = write_pdf(PdfPages::Text(&pages), "Velmora in PDF", None).unwrap();
@@ -1614,29 +1436,15 @@ async fn uploads_in_every_format() {
     assert!(text.contains("Ada Quill") && !text.contains("SCRIPTWORD") && !text.contains("color"), "{text}");
 
     // Raw bodies in a document format (no multipart): the media type decides.
-    let r = c
-        .post(format!("{base}/documents"))
-        .header("content-type", "application/pdf")
-        .body(pdf.clone())
-        .send()
-        .await
-        .unwrap();
+    let r = c.post(format!("{base}/documents")).header("content-type", "application/pdf").body(pdf.clone()).send().await.unwrap();
     assert_eq!(r.status(), 200, "the same PDF as a raw body is the same document");
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["id"], ids[3].as_str());
-    let r = c
-        .post(format!("{base}/documents"))
-        .header("content-type", "text/markdown")
-        .body(md.clone())
-        .send()
-        .await
-        .unwrap();
+    let r = c.post(format!("{base}/documents")).header("content-type", "text/markdown").body(md.clone()).send().await.unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(r.json::<Value>().await.unwrap()["id"], ids[1].as_str());
     // Options in a multipart form: a JSON object, read like a JSON body's (other options, new id).
-    let (s, d) =
-        upload(&c, &base, Some(("harbor.txt", "", DOC.as_bytes().to_vec())), &[("options", r#"{"epochs": [1, 2]}"#)])
-            .await;
+    let (s, d) = upload(&c, &base, Some(("harbor.txt", "", DOC.as_bytes().to_vec())), &[("options", r#"{"epochs": [1, 2]}"#)]).await;
     assert_eq!(s, StatusCode::ACCEPTED, "{d}");
     assert_eq!(d["options"]["train"]["epochs"], json!([1, 2]), "{d}");
     for id in &ids {
@@ -1644,12 +1452,11 @@ async fn uploads_in_every_format() {
     }
     wait_ready(&c, &base, d["id"].as_str().unwrap(), None).await;
     // Absorb until learned, per document: probes held aside, their curve in the figures.
-    let harbor: String =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt"))
-            .unwrap()
-            .chars()
-            .take(1500)
-            .collect();
+    let harbor: String = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt"))
+        .unwrap()
+        .chars()
+        .take(1500)
+        .collect();
     let body = json!({"text": harbor, "options": {"until_learned": true, "epochs": [0, 8]}});
     let (s, d) = post_json(&c, &format!("{base}/documents"), body, None).await;
     assert_eq!(s, StatusCode::ACCEPTED, "{d}");
@@ -1677,30 +1484,12 @@ async fn uploads_in_every_format() {
         (Some(("report.docx", "", b"PK\x03\x04\0\0binary".to_vec())), vec![], 415, "unsupported_format", "file"),
         (Some(("latin1.txt", "text/plain", b"caf\xe9 au lait".to_vec())), vec![], 400, "invalid_utf8", "file"),
         (Some(("empty.txt", "text/plain", b"  \n\n ".to_vec())), vec![], 422, "empty_document", "text"),
-        (
-            Some(("scripts.html", "", b"<html><script>x()</script><style>p{}</style></html>".to_vec())),
-            vec![],
-            422,
-            "no_text",
-            "file",
-        ),
+        (Some(("scripts.html", "", b"<html><script>x()</script><style>p{}</style></html>".to_vec())), vec![], 422, "no_text", "file"),
         (None, vec![("title", "no file")], 400, "missing_field", "file"),
         (Some(("a.txt", "", DOC.as_bytes().to_vec())), vec![("colour", "red")], 400, "unknown_field", "colour"),
-        (
-            Some(("a.txt", "", DOC.as_bytes().to_vec())),
-            vec![("options", r#"{"colour": 1}"#)],
-            400,
-            "unknown_option",
-            "options.colour",
-        ),
+        (Some(("a.txt", "", DOC.as_bytes().to_vec())), vec![("options", r#"{"colour": 1}"#)], 400, "unknown_option", "options.colour"),
         (Some(("a.txt", "", DOC.as_bytes().to_vec())), vec![("options", "{not json")], 400, "invalid_json", "options"),
-        (
-            Some(("a.txt", "", DOC.as_bytes().to_vec())),
-            vec![("title", "a"), ("title", "b")],
-            400,
-            "duplicate_field",
-            "title",
-        ),
+        (Some(("a.txt", "", DOC.as_bytes().to_vec())), vec![("title", "a"), ("title", "b")], 400, "duplicate_field", "title"),
     ];
     for (file, texts, status, code, param) in bad {
         let ctx = format!("{:?} {texts:?}", file.as_ref().map(|f| f.0));
@@ -1709,13 +1498,7 @@ async fn uploads_in_every_format() {
         assert_error_shape(&v, code, &ctx);
         assert_eq!(v["error"]["param"], param, "{ctx}: {v}");
     }
-    let r = c
-        .post(format!("{base}/documents"))
-        .header("content-type", "multipart/form-data")
-        .body("x")
-        .send()
-        .await
-        .unwrap();
+    let r = c.post(format!("{base}/documents")).header("content-type", "multipart/form-data").body("x").send().await.unwrap();
     assert_eq!(r.status(), 400);
     assert_error_shape(&r.json().await.unwrap(), "invalid_multipart", "no boundary");
     let r = c.post(format!("{base}/documents")).header("content-type", "image/png").body("x").send().await.unwrap();
@@ -1746,20 +1529,14 @@ async fn uploads_in_every_format() {
     assert_eq!(pieces, whole["answer"].as_str().unwrap(), "{body}");
     assert_eq!(answer["usage"], whole["usage"]);
     // A streamed ask refused before any model work is a plain JSON error.
-    let (s, v) =
-        post_json(&c, &format!("{base}/ask"), json!({"document_id": "doc_0", "question": "q", "stream": true}), None)
-            .await;
+    let (s, v) = post_json(&c, &format!("{base}/ask"), json!({"document_id": "doc_0", "question": "q", "stream": true}), None).await;
     assert_eq!(s, 404, "{v}");
 
     // The record keeps the source across a restart.
     running.shutdown().await;
     let (running, base) = start(config(&e, &[])).await;
     let (_, d) = get_json(&c, &format!("{base}/documents/{}", ids[3]), None).await;
-    assert_eq!(
-        (d["status"].as_str(), d["source"]["format"].as_str(), d["source"]["pages"].as_u64()),
-        (Some("ready"), Some("pdf"), Some(2)),
-        "{d}"
-    );
+    assert_eq!((d["status"].as_str(), d["source"]["format"].as_str(), d["source"]["pages"].as_u64()), (Some("ready"), Some("pdf"), Some(2)), "{d}");
     assert!(d["training"]["steps"].as_u64().unwrap() > 0, "{d}");
     running.shutdown().await;
 }
@@ -1808,13 +1585,7 @@ async fn the_page_is_served_without_a_key() {
     let mut unzipped = Vec::new();
     std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&zipped[..]), &mut unzipped).unwrap();
     assert_eq!(unzipped, raw.to_vec());
-    let again = c
-        .get(format!("{base}/ui/app.js"))
-        .header("accept-encoding", "gzip")
-        .header("if-none-match", &z_tag)
-        .send()
-        .await
-        .unwrap();
+    let again = c.get(format!("{base}/ui/app.js")).header("accept-encoding", "gzip").header("if-none-match", &z_tag).send().await.unwrap();
     assert_eq!(again.status(), 304);
     let refused = c.get(format!("{base}/ui/app.js")).header("accept-encoding", "gzip;q=0").send().await.unwrap();
     assert!(refused.headers().get("content-encoding").is_none());
@@ -1845,7 +1616,9 @@ async fn kv_budget_full_is_429_memory_full_until_answered() {
     let (running, base) = start(cfg).await;
     let c = client();
     let base_id = base_model_id(&c, &base).await;
-    let chat = move |max_tokens: usize| json!({"model": base_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens});
+    let chat = move |max_tokens: usize| {
+        json!({"model": base_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens})
+    };
     let hold = hold_thread(&running, false).await;
     let first = {
         let (c, url, body) = (c.clone(), format!("{base}/v1/chat/completions"), chat(60));
@@ -1889,8 +1662,7 @@ async fn client_disconnect_frees_its_batch_slot() {
     // to no text of its own).
     let mut streaming = None;
     for i in 0..20 {
-        let body =
-            json!({"model": base_id, "messages": [{"role": "user", "content": format!("story {i}")}], "max_tokens": 8});
+        let body = json!({"model": base_id, "messages": [{"role": "user", "content": format!("story {i}")}], "max_tokens": 8});
         let (s, v) = post_json(&c, &format!("{base}/v1/chat/completions"), body, None).await;
         assert_eq!(s, 200, "{v}");
         if v["choices"][0]["message"]["content"].as_str().is_some_and(|t| !t.is_empty()) {

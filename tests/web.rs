@@ -52,11 +52,7 @@ async fn toasts(b: &Browser) -> Vec<(String, String)> {
     let v = b
         .js("return [...document.querySelectorAll('#toasts .toast.error')].map(t => [t.dataset.code || '', t.querySelector('.toast-msg').textContent])")
         .await;
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|p| (p[0].as_str().unwrap().to_string(), p[1].as_str().unwrap().to_string()))
-        .collect()
+    v.as_array().unwrap().iter().map(|p| (p[0].as_str().unwrap().to_string(), p[1].as_str().unwrap().to_string())).collect()
 }
 
 async fn assert_no_error_toasts(b: &Browser, ctx: &str) {
@@ -65,12 +61,7 @@ async fn assert_no_error_toasts(b: &Browser, ctx: &str) {
 }
 
 async fn click(b: &Browser, css: &str) {
-    b.find(Locator::Css(css))
-        .await
-        .unwrap_or_else(|e| panic!("{css}: {e}"))
-        .click()
-        .await
-        .unwrap_or_else(|e| panic!("click {css}: {e}"));
+    b.find(Locator::Css(css)).await.unwrap_or_else(|e| panic!("{css}: {e}")).click().await.unwrap_or_else(|e| panic!("click {css}: {e}"));
 }
 
 async fn type_into(b: &Browser, css: &str, text: &str) {
@@ -86,26 +77,16 @@ async fn page_status(b: &Browser) -> String {
 
 /// Waits until the page's list has loaded (its empty note or a row shows).
 async fn wait_list_loaded(b: &Browser) {
-    b.wait_js(
-        "the document list",
-        Duration::from_secs(20),
+    b.wait_js("the document list", Duration::from_secs(20),
         "return !document.getElementById('doc-empty').hidden || document.querySelectorAll('#doc-list li').length > 0",
-        |v| v == &json!(true),
-    )
-    .await;
+        |v| v == &json!(true)).await;
 }
 
 /// Asks through the page (question box, ask button) and waits until every answer column is done;
 /// returns {mode: answer text}.
 async fn ask_on_page(b: &Browser, question: &str, modes: &[&str], timeout: Duration) -> serde_json::Map<String, Value> {
     type_into(b, "#question", question).await;
-    b.wait_js(
-        "the ask button enabled",
-        Duration::from_secs(10),
-        "return !document.getElementById('ask-button').disabled",
-        |v| v == &json!(true),
-    )
-    .await;
+    b.wait_js("the ask button enabled", Duration::from_secs(10), "return !document.getElementById('ask-button').disabled", |v| v == &json!(true)).await;
     click(b, "#ask-button").await;
     let script = format!(
         "return {modes:?}.map(m => {{ const c = document.getElementById('answer-' + m); return c ? c.dataset.state : 'missing'; }})"
@@ -115,11 +96,7 @@ async fn ask_on_page(b: &Browser, question: &str, modes: &[&str], timeout: Durat
             v.as_array().unwrap().iter().all(|s| s == "done" || s == "error")
         })
         .await;
-    assert!(
-        states.as_array().unwrap().iter().all(|s| s == "done"),
-        "answer states {states}; toasts: {:?}",
-        toasts(b).await
-    );
+    assert!(states.as_array().unwrap().iter().all(|s| s == "done"), "answer states {states}; toasts: {:?}", toasts(b).await);
     let mut out = serde_json::Map::new();
     for m in modes {
         let t = b.js(&format!("return document.getElementById('answer-{m}-text').textContent")).await;
@@ -146,8 +123,7 @@ async fn real_model_upload_absorb_ask_compare() {
     let (running, base) = start(cfg).await;
 
     // The document: the first ~700 bytes of the fixture, as a .txt file.
-    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harbor_history.txt"))
-        .unwrap();
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harbor_history.txt")).unwrap();
     let mut cut = 700;
     while !text.is_char_boundary(cut) {
         cut -= 1;
@@ -183,11 +159,7 @@ async fn real_model_upload_absorb_ask_compare() {
         if status == "ready" {
             break;
         }
-        assert!(
-            status != "failed" && status != "cancelled",
-            "absorption ended {status}; toasts: {:?}",
-            toasts(&b).await
-        );
+        assert!(status != "failed" && status != "cancelled", "absorption ended {status}; toasts: {:?}", toasts(&b).await);
         if !training_shot && points >= 2 {
             shot(&b, "03-training").await;
             training_shot = true;
@@ -203,13 +175,7 @@ async fn real_model_upload_absorb_ask_compare() {
         .await;
     let figures: Vec<String> = serde_json::from_value(figures).unwrap();
     assert!(figures.iter().any(|f| f.starts_with("adapter-kind=")), "the adapter's figures show: {figures:?}");
-    for f in [
-        "adapter-bytes=",
-        "source-format=text",
-        "source-filename=harbor_history.txt",
-        "training-steps=",
-        "training-final_loss=",
-    ] {
+    for f in ["adapter-bytes=", "source-format=text", "source-filename=harbor_history.txt", "training-steps=", "training-final_loss="] {
         assert!(figures.iter().any(|x| x.starts_with(f)), "{f}: {figures:?}");
     }
     assert_eq!(b.js("return document.getElementById('progress').dataset.value").await, json!("100"));
@@ -223,9 +189,7 @@ async fn real_model_upload_absorb_ask_compare() {
     assert_eq!(doc["status"], "ready");
     assert_eq!(doc["title"], "Harbor history");
     let id = doc["id"].as_str().unwrap().to_string();
-    let row = b
-        .js("return [...document.querySelectorAll('#doc-list li')].map(li => [li.dataset.id, li.dataset.status])")
-        .await;
+    let row = b.js("return [...document.querySelectorAll('#doc-list li')].map(li => [li.dataset.id, li.dataset.status])").await;
     assert_eq!(row, json!([[id, "ready"]]));
 
     // Lift mode, streamed into the page; the same question without streaming gives the same text.
@@ -251,11 +215,7 @@ async fn real_model_upload_absorb_ask_compare() {
     assert!(meta.as_str().unwrap().contains("answer tok"), "timings and tokens show: {meta}");
     if direct["context"]["chunks"].as_array().is_some_and(|c| !c.is_empty()) {
         let n = b.js("return document.querySelectorAll('#answer-lift [data-testid=chunk]').length").await;
-        assert_eq!(
-            n.as_u64().unwrap() as usize,
-            direct["context"]["chunks"].as_array().unwrap().len(),
-            "context passages"
-        );
+        assert_eq!(n.as_u64().unwrap() as usize, direct["context"]["chunks"].as_array().unwrap().len(), "context passages");
     }
     eprintln!("lift answer: {page_lift:?}");
     b.js("document.getElementById('answer-lift').scrollIntoView({block: 'center'})").await;
@@ -298,13 +258,8 @@ async fn tiny_model_key_errors_delete_narrow() {
     b.goto(&base).await.unwrap();
 
     // No key: the list answers 401 and the page asks for the key.
-    b.wait_js(
-        "the key prompt",
-        Duration::from_secs(20),
-        "return !document.getElementById('auth-prompt').hidden",
-        |v| v == &json!(true),
-    )
-    .await;
+    b.wait_js("the key prompt", Duration::from_secs(20), "return !document.getElementById('auth-prompt').hidden", |v| v == &json!(true))
+        .await;
     let prompt = b.js("return document.getElementById('auth-prompt').textContent").await;
     assert!(prompt.as_str().unwrap().contains("API key"), "{prompt}");
     shot(&b, "10-key-prompt").await;
@@ -313,24 +268,14 @@ async fn tiny_model_key_errors_delete_narrow() {
     type_into(&b, "#key-input", "wrong").await;
     click(&b, "#key-save").await;
     tokio::time::sleep(Duration::from_millis(500)).await;
-    b.wait_js(
-        "the key prompt again",
-        Duration::from_secs(10),
-        "return !document.getElementById('auth-prompt').hidden",
-        |v| v == &json!(true),
-    )
-    .await;
+    b.wait_js("the key prompt again", Duration::from_secs(10), "return !document.getElementById('auth-prompt').hidden", |v| v == &json!(true))
+        .await;
 
     // The right key: the list loads and the key is kept in the browser.
     type_into(&b, "#key-input", "key-a").await;
     click(&b, "#key-save").await;
-    b.wait_js(
-        "the prompt gone",
-        Duration::from_secs(10),
-        "return document.getElementById('auth-prompt').hidden",
-        |v| v == &json!(true),
-    )
-    .await;
+    b.wait_js("the prompt gone", Duration::from_secs(10), "return document.getElementById('auth-prompt').hidden", |v| v == &json!(true))
+        .await;
     wait_list_loaded(&b).await;
     assert_eq!(b.js("return localStorage.getItem('lift-serve.key')").await, json!("key-a"));
 
@@ -359,12 +304,9 @@ async fn tiny_model_key_errors_delete_narrow() {
         b.find(Locator::Css("#file-input")).await.unwrap().send_keys(&bad.display().to_string()).await.unwrap();
         click(&b, "#submit-doc").await;
         let t = b
-            .wait_js(
-                "the unsupported-file error",
-                Duration::from_secs(10),
+            .wait_js("the unsupported-file error", Duration::from_secs(10),
                 "return [...document.querySelectorAll('#toasts .toast.error')].map(t => t.dataset.code)",
-                |v| v.as_array().is_some_and(|a| !a.is_empty()),
-            )
+                |v| v.as_array().is_some_and(|a| !a.is_empty()))
             .await;
         assert_eq!(t, json!(["unsupported_format"]), "the server's refusal shows");
         tokio::time::sleep(Duration::from_millis(400)).await;
@@ -393,8 +335,7 @@ async fn tiny_model_key_errors_delete_narrow() {
     .await;
     assert_eq!(page_status(&b).await, "ready");
     let http = http();
-    let list: Value =
-        http.get(format!("{base}/documents")).bearer_auth("key-a").send().await.unwrap().json().await.unwrap();
+    let list: Value = http.get(format!("{base}/documents")).bearer_auth("key-a").send().await.unwrap().json().await.unwrap();
     let id = list["data"][0]["id"].as_str().unwrap().to_string();
     assert!(list["data"][0]["options"]["train"]["until_learned"].is_object(), "{list}");
     // A streamed answer on the tiny model (random weights: any text).
@@ -413,13 +354,7 @@ async fn tiny_model_key_errors_delete_narrow() {
     let alpha = |i: usize| -> f64 {
         let s = bg[i][0].as_str().unwrap();
         let parts: Vec<&str> = s.trim_end_matches(')').split(',').collect();
-        if parts.len() == 4 {
-            parts[3].trim().parse().unwrap()
-        } else if s.starts_with("rgb(") {
-            1.0
-        } else {
-            0.0
-        }
+        if parts.len() == 4 { parts[3].trim().parse().unwrap() } else if s.starts_with("rgb(") { 1.0 } else { 0.0 }
     };
     assert!(alpha(0) > alpha(1) && alpha(1) > 0.0 && alpha(2) == 0.0, "highlight follows the score: {bg}");
     assert!(bg[0][1].as_str().unwrap().contains("mask 0.900"), "the mask shows in the tooltip: {bg}");
@@ -436,15 +371,9 @@ async fn tiny_model_key_errors_delete_narrow() {
     assert_eq!(b.js("return document.querySelectorAll('#doc-list li').length").await, json!(1));
     click(&b, &row).await;
     b.accept_alert().await.unwrap();
-    b.wait_js(
-        "the row gone",
-        Duration::from_secs(10),
-        "return document.querySelectorAll('#doc-list li').length",
-        |v| v == &json!(0),
-    )
-    .await;
-    let list: Value =
-        http.get(format!("{base}/documents")).bearer_auth("key-a").send().await.unwrap().json().await.unwrap();
+    b.wait_js("the row gone", Duration::from_secs(10), "return document.querySelectorAll('#doc-list li').length", |v| v == &json!(0))
+        .await;
+    let list: Value = http.get(format!("{base}/documents")).bearer_auth("key-a").send().await.unwrap().json().await.unwrap();
     assert_eq!(list["data"], json!([]), "deleted on the server too");
     assert_eq!(page_status(&b).await, "", "the selection is cleared");
     assert_no_error_toasts(&b, "after deleting").await;

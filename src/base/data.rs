@@ -522,12 +522,8 @@ fn try_build(source: &Source, opts: &BuildOptions, rng: &mut StdRng) -> Result<O
     let mut positive: Vec<usize> = facts.iter().filter(|f| f.role == Role::Support).map(|f| f.passage).collect();
     positive.sort_unstable();
     positive.dedup();
-    let mut distractors: Vec<usize> = facts
-        .iter()
-        .filter(|f| f.role == Role::Distractor)
-        .map(|f| f.passage)
-        .filter(|p| !positive.contains(p))
-        .collect();
+    let mut distractors: Vec<usize> =
+        facts.iter().filter(|f| f.role == Role::Distractor).map(|f| f.passage).filter(|p| !positive.contains(p)).collect();
     distractors.sort_unstable();
     distractors.dedup();
     let example = BaseExample { passages, positive, question, answer, kind: kind.to_string(), distractors };

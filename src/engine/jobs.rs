@@ -1,11 +1,11 @@
 //! The two kinds of model work and how each runs on its thread.
 
-use super::batcher::{Batch, Entry};
-use super::EngineError;
 use crate::document::Document;
-use crate::lift::answer::{chunk_scores, prepare, AnswerHooks, Ask, Mode};
+use super::batcher::{Batch, Entry};
+use crate::lift::answer::{chunk_scores, prepare, Ask, AnswerHooks, Mode};
 use crate::lift::filter::ChunkScore;
 use crate::lift::{AbsorbEvent, AbsorbOptions, AbsorbStage};
+use super::EngineError;
 use crate::model::generate::{FinishReason, Generation, SamplingParams, Sequence};
 use crate::model::{Adapter, KvCache, Model, Projection};
 use crate::store::{AdapterInfo, Loaded, Store};
@@ -164,13 +164,7 @@ pub struct GenerateJob {
 pub enum Prompt {
     /// A question about a stored document, answered by [`crate::lift::answer::answer`].
     /// `blob`: with replicas sharing an adapter store, the archive the document's adapter is in.
-    Document {
-        id: String,
-        question: String,
-        mode: Mode,
-        context_tokens: Option<usize>,
-        blob: Option<crate::store::blobs::BlobRef>,
-    },
+    Document { id: String, question: String, mode: Mode, context_tokens: Option<usize>, blob: Option<crate::store::blobs::BlobRef> },
     /// The token ids of a chat prompt for the base model (encoded and checked against the window
     /// before queueing).
     Chat(Vec<u32>),
@@ -200,8 +194,7 @@ pub(super) struct Running {
 impl Running {
     /// Sends a piece of text to the client; false when it is gone.
     fn send(&self, piece: &str) -> bool {
-        !self.job.cancel.load(Ordering::SeqCst)
-            && self.job.pieces.as_ref().is_none_or(|p| p.send(piece.to_string()).is_ok())
+        !self.job.cancel.load(Ordering::SeqCst) && self.job.pieces.as_ref().is_none_or(|p| p.send(piece.to_string()).is_ok())
     }
 
     fn gone(&self) -> bool {
@@ -258,11 +251,7 @@ fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Start
         Prompt::Document { id, question, mode, context_tokens, blob } => {
             let loaded = store.get(id, model, blob.as_ref()).map_err(|e| {
                 // Deleted while the request waited: the document is gone, not a server fault.
-                if store.adapter_dir(id).exists() {
-                    EngineError::from(e)
-                } else {
-                    EngineError::UnknownDocument(id.clone())
-                }
+                if store.adapter_dir(id).exists() { EngineError::from(e) } else { EngineError::UnknownDocument(id.clone()) }
             })?;
             let ask = Ask { question, mode: *mode, context_tokens: *context_tokens };
             let (_, seq) = prepare(model, &loaded.document, &ask, &job.params)?;

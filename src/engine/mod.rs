@@ -34,10 +34,7 @@ pub enum Job {
     Generate(GenerateJob),
     /// Holds its thread until the paired sender is dropped: pauses a lane with the model idle
     /// (maintenance; tests use it to fill a queue deterministically).
-    Hold {
-        lane: Lane,
-        until: std::sync::mpsc::Receiver<()>,
-    },
+    Hold { lane: Lane, until: std::sync::mpsc::Receiver<()> },
 }
 
 /// Which thread (and queue) a job runs on.
@@ -229,8 +226,7 @@ fn run_batched(ctx: &Context, rx: Receiver<Job>, counters: &Counters) {
             return;
         }
         ctx.events.batch(batch.len());
-        let stepped =
-            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| jobs::step(model, &*ctx.events, &mut batch)));
+        let stepped = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| jobs::step(model, &*ctx.events, &mut batch)));
         if stepped.is_err() {
             tracing::error!(sequences = batch.len(), "a generation step panicked; its requests are dropped");
             batch.drain();

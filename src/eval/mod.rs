@@ -272,11 +272,7 @@ impl Results {
                 }
                 let renamed = format!("{m}@{label}");
                 anyhow::ensure!(!out.config.methods.contains(&renamed), "method {renamed} is in two of the runs");
-                r.absorbs
-                    .iter_mut()
-                    .flat_map(|a| a.methods.iter_mut())
-                    .filter(|x| **x == m)
-                    .for_each(|x| x.clone_from(&renamed));
+                r.absorbs.iter_mut().flat_map(|a| a.methods.iter_mut()).filter(|x| **x == m).for_each(|x| x.clone_from(&renamed));
                 r.answers.iter_mut().filter(|a| a.method == m).for_each(|a| a.method.clone_from(&renamed));
                 out.config.methods.push(renamed);
             }
@@ -458,11 +454,7 @@ struct Bars {
 
 impl Bars {
     fn new(show: bool, total: u64) -> Self {
-        let multi = MultiProgress::with_draw_target(if show {
-            ProgressDrawTarget::stderr()
-        } else {
-            ProgressDrawTarget::hidden()
-        });
+        let multi = MultiProgress::with_draw_target(if show { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
         let bar = |len: u64, template: &str, prefix: &'static str| {
             let b = multi.add(ProgressBar::new(len));
             b.set_style(ProgressStyle::with_template(template).expect("valid template").progress_chars("=> "));
@@ -491,12 +483,7 @@ struct Runner<'a> {
 
 impl Runner<'_> {
     /// Absorbs `doc` once per group of methods; returns each method's adapter handle.
-    fn absorb(
-        &mut self,
-        doc: &EvalDocument,
-        document: &Document,
-        absorbs: &mut Vec<AbsorbRecord>,
-    ) -> Result<BTreeMap<String, usize>> {
+    fn absorb(&mut self, doc: &EvalDocument, document: &Document, absorbs: &mut Vec<AbsorbRecord>) -> Result<BTreeMap<String, usize>> {
         let mut handles = BTreeMap::new();
         for (opts, names) in &self.groups {
             let (overall, step) = (&self.bars.overall, &self.bars.step);
@@ -632,14 +619,9 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
             .merge
             .iter()
             .map(|p| {
-                let r: Results = serde_json::from_slice(
-                    &std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()))?,
-                )?;
+                let r: Results = serde_json::from_slice(&std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()))?)?;
                 // A run's label: the name of the directory its results.json is in.
-                let dir = p
-                    .parent()
-                    .and_then(|d| d.file_name())
-                    .map_or_else(|| p.display().to_string(), |d| d.to_string_lossy().into_owned());
+                let dir = p.parent().and_then(|d| d.file_name()).map_or_else(|| p.display().to_string(), |d| d.to_string_lossy().into_owned());
                 Ok((dir, r))
             })
             .collect::<Result<Vec<(String, Results)>>>()?;

@@ -23,14 +23,7 @@ pub struct DecodeCache<'a> {
 /// One unit of work is a (sequence, KV head): its query heads share each key and value row read
 /// from the cache. Units run on candle's CPU thread pool, the one the quantized matmuls around
 /// this call use (a second pool would compete with its spinning workers for the cores).
-pub fn decode_attention(
-    q: &[f32],
-    caches: &[DecodeCache],
-    heads: usize,
-    kv_heads: usize,
-    d: usize,
-    scale: f32,
-) -> Vec<f32> {
+pub fn decode_attention(q: &[f32], caches: &[DecodeCache], heads: usize, kv_heads: usize, d: usize, scale: f32) -> Vec<f32> {
     let kv_heads = kv_heads.max(1);
     let groups = (heads / kv_heads).max(1);
     let mut out = vec![0f32; caches.len() * heads * d];
@@ -156,10 +149,8 @@ mod tests {
         let lens = [5usize, 1, 9];
         let cap = 12;
         let q = Tensor::randn(0f32, 1.0, (lens.len(), heads, d), &dev).unwrap();
-        let ks: Vec<Tensor> =
-            lens.iter().map(|_| Tensor::randn(0f32, 1.0, (kv_heads, cap, d), &dev).unwrap()).collect();
-        let vs: Vec<Tensor> =
-            lens.iter().map(|_| Tensor::randn(0f32, 1.0, (kv_heads, cap, d), &dev).unwrap()).collect();
+        let ks: Vec<Tensor> = lens.iter().map(|_| Tensor::randn(0f32, 1.0, (kv_heads, cap, d), &dev).unwrap()).collect();
+        let vs: Vec<Tensor> = lens.iter().map(|_| Tensor::randn(0f32, 1.0, (kv_heads, cap, d), &dev).unwrap()).collect();
         let mut bias = vec![0f32; lens[2]];
         bias[3] = f32::NEG_INFINITY;
         bias[4] = -1.5;
@@ -169,27 +160,14 @@ mod tests {
             .map(|(k, v)| (k.flatten_all().unwrap().to_vec1().unwrap(), v.flatten_all().unwrap().to_vec1().unwrap()))
             .unzip();
         let caches: Vec<DecodeCache> = (0..lens.len())
-            .map(|i| DecodeCache {
-                k: &kv[i],
-                v: &vv[i],
-                capacity: cap,
-                len: lens[i],
-                bias: (i == 2).then_some(&bias[..]),
-            })
+            .map(|i| DecodeCache { k: &kv[i], v: &vv[i], capacity: cap, len: lens[i], bias: (i == 2).then_some(&bias[..]) })
             .collect();
         let scale = 1.0 / (d as f32).sqrt();
         let got = decode_attention(&q.flatten_all().unwrap().to_vec1().unwrap(), &caches, heads, kv_heads, d, scale);
         for (i, &len) in lens.iter().enumerate() {
             let k = ks[i].narrow(1, 0, len).unwrap();
             let v = vs[i].narrow(1, 0, len).unwrap();
-            let rep = |x: &Tensor| {
-                x.unsqueeze(1)
-                    .unwrap()
-                    .expand((kv_heads, heads / kv_heads, len, d))
-                    .unwrap()
-                    .reshape((heads, len, d))
-                    .unwrap()
-            };
+            let rep = |x: &Tensor| x.unsqueeze(1).unwrap().expand((kv_heads, heads / kv_heads, len, d)).unwrap().reshape((heads, len, d)).unwrap();
             let qi = q.get(i).unwrap().unsqueeze(1).unwrap();
             let mut s = (qi.matmul(&rep(&k).t().unwrap()).unwrap() * scale as f64).unwrap();
             if i == 2 {

@@ -15,8 +15,8 @@
 pub mod decode_attention;
 pub mod gated_memory;
 pub mod masked_softmax;
-pub(crate) mod math;
 pub mod quant_matmul;
+pub(crate) mod math;
 
 #[cfg(feature = "cuda")]
 mod cuda;

@@ -6,8 +6,8 @@
 //! evaluations and the benchmarks all answer through it.
 
 use super::filter::{self, ChunkScore, FilterHooks};
-use super::prompt::{chat_with_context, elision_tokens, head_tail, kept_ranges};
 use crate::document::Document;
+use super::prompt::{chat_with_context, elision_tokens, head_tail, kept_ranges};
 use crate::model::generate::{run_alone, Generation, SamplingParams, Sequence};
 use crate::model::{Adapter, KvCache, Model};
 use anyhow::Result;
@@ -131,8 +131,7 @@ pub fn prepare<'m>(
 ) -> Result<(AnswerPrompt, Sequence<'m, AnswerHooks<'m>>)> {
     let prompt = build_prompt(model, doc, ask, params.max_tokens)?;
     let layers = model.config().num_layers;
-    let hooks =
-        model.base_filter().filter(|_| !prompt.chunks.is_empty()).map(|f| FilterHooks::new(f, &prompt.chunks, layers));
+    let hooks = model.base_filter().filter(|_| !prompt.chunks.is_empty()).map(|f| FilterHooks::new(f, &prompt.chunks, layers));
     let cache = KvCache::with_capacity(layers, prompt.tokens.len() + params.max_tokens);
     let seq = Sequence::new(model, prompt.tokens.clone(), cache, params.clone(), hooks)?;
     Ok((prompt, seq))

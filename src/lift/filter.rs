@@ -417,12 +417,7 @@ pub fn qa_examples(
             let mut tokens = p.tokens.clone();
             tokens.extend_from_slice(&answer);
             let positive = p.labels(span);
-            Ok(FilterExample {
-                example: Example { kind: ExampleKind::Qa(i), tokens, target, packing: None },
-                chunks: p.chunks,
-                positive,
-                evidence,
-            })
+            Ok(FilterExample { example: Example { kind: ExampleKind::Qa(i), tokens, target, packing: None }, chunks: p.chunks, positive, evidence })
         })
         .collect()
 }
@@ -449,8 +444,7 @@ impl<'a> FilterHooks<'a> {
 
     /// Scores `[n]` of every chunk (all markers must have been seen).
     pub fn scores(&self) -> Result<Tensor> {
-        let s: Vec<Tensor> =
-            self.scores.iter().map(|s| s.clone().context("a chunk marker was not run")).collect::<Result<_>>()?;
+        let s: Vec<Tensor> = self.scores.iter().map(|s| s.clone().context("a chunk marker was not run")).collect::<Result<_>>()?;
         anyhow::ensure!(!s.is_empty(), "no chunks");
         Ok(Tensor::cat(&s, 0)?)
     }
@@ -526,13 +520,7 @@ impl ForwardHooks for FilterHooks<'_> {
         (!self.filter.vars().is_empty()).then_some(self.filter.layer + 1)
     }
 
-    fn attention_bias(
-        &self,
-        layer: usize,
-        q_start: usize,
-        q_len: usize,
-        k_len: usize,
-    ) -> candle_core::Result<Option<Tensor>> {
+    fn attention_bias(&self, layer: usize, q_start: usize, q_len: usize, k_len: usize) -> candle_core::Result<Option<Tensor>> {
         if layer <= self.filter.layer {
             return Ok(None);
         }
@@ -645,12 +633,7 @@ pub fn evaluate(
 }
 
 /// The chunk scores of a filter prompt (one prefill, no generation).
-pub fn score_prompt(
-    model: &Model,
-    adapter: Option<&dyn Adapter>,
-    filter: &Filter,
-    p: &FilterPrompt,
-) -> Result<Vec<ChunkScore>> {
+pub fn score_prompt(model: &Model, adapter: Option<&dyn Adapter>, filter: &Filter, p: &FilterPrompt) -> Result<Vec<ChunkScore>> {
     let mut hooks = FilterHooks::new(filter, &p.chunks, model.config().num_layers);
     let mut cache = crate::model::KvCache::new(model.config().num_layers);
     crate::model::generate::prefill(model, &p.tokens, &mut cache, adapter, &mut hooks)?;
@@ -710,10 +693,7 @@ mod tests {
         f.w = Tensor::new(&[2.0f32], &dev).unwrap();
         f.b = Tensor::new(&[0.5f32], &dev).unwrap();
         // Two chunks: tokens 2..4 (marker 4) and 5..8 (marker 8); 10 positions.
-        let chunks = [
-            Chunk { doc_start: 0, doc_end: 2, start: 2, end: 4 },
-            Chunk { doc_start: 2, doc_end: 5, start: 5, end: 8 },
-        ];
+        let chunks = [Chunk { doc_start: 0, doc_end: 2, start: 2, end: 4 }, Chunk { doc_start: 2, doc_end: 5, start: 5, end: 8 }];
         let mut hidden = vec![0.0f32; 10 * 4];
         // Marker rows: chunk 0 normalised first component 1 → s = 2·... ; chunk 1 negative.
         hidden[4 * 4..4 * 4 + 4].copy_from_slice(&[-3.0, 1.0, 1.0, 1.0]);
@@ -807,8 +787,7 @@ mod tests {
     fn extras_round_trip() {
         let dev = Device::Cpu;
         let cfg = crate::testing::smollm2_135m_config();
-        let f =
-            Filter::new(&cfg, &FilterOptions { enabled: true, chunk_tokens: 24, ..Default::default() }, &dev).unwrap();
+        let f = Filter::new(&cfg, &FilterOptions { enabled: true, chunk_tokens: 24, ..Default::default() }, &dev).unwrap();
         let back = Filter::from_extras(&f.to_extras().unwrap(), &cfg).unwrap().unwrap();
         assert_eq!((back.layer, back.chunk_tokens), (15, 24));
         assert_eq!(back.w.to_vec1::<f32>().unwrap(), vec![W_INIT]);

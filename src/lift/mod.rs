@@ -297,20 +297,13 @@ fn hold_aside(pairs: &[QaPair], opts: &AbsorbOptions) -> (Vec<QaPair>, Vec<QaPai
     let Some(rule) = &opts.train.until_learned else { return (pairs.to_vec(), Vec::new()) };
     let n = rule.probe_count(pairs.len());
     if n == 0 {
-        tracing::warn!(
-            pairs = pairs.len(),
-            "too few QA pairs to hold any aside as probes: the fixed schedule runs to its end"
-        );
+        tracing::warn!(pairs = pairs.len(), "too few QA pairs to hold any aside as probes: the fixed schedule runs to its end");
         return (pairs.to_vec(), Vec::new());
     }
     let held = probe_indices(pairs, n, opts.train.seed);
     let (mut trained, mut probes) = (Vec::new(), Vec::new());
     for (i, p) in pairs.iter().enumerate() {
-        if held.contains(&i) {
-            probes.push(p.clone())
-        } else {
-            trained.push(p.clone())
-        }
+        if held.contains(&i) { probes.push(p.clone()) } else { trained.push(p.clone()) }
     }
     (trained, probes)
 }
@@ -342,13 +335,7 @@ fn probe_indices(pairs: &[QaPair], n: usize, seed: u64) -> std::collections::BTr
 }
 
 /// The manifest's `training` figures.
-fn training_figures(
-    r: &TrainReport,
-    qa_pairs: usize,
-    qa_seconds: f64,
-    segments: usize,
-    t0: Instant,
-) -> serde_json::Value {
+fn training_figures(r: &TrainReport, qa_pairs: usize, qa_seconds: f64, segments: usize, t0: Instant) -> serde_json::Value {
     serde_json::json!({
         "steps": r.steps,
         "examples": r.examples,
@@ -376,13 +363,7 @@ mod tests {
     use qa::QaSource;
 
     fn pair(q: &str, span: (usize, usize)) -> QaPair {
-        QaPair {
-            question: q.into(),
-            answer: "a".into(),
-            evidence: "e".into(),
-            evidence_span: span,
-            source: QaSource::Extractive,
-        }
+        QaPair { question: q.into(), answer: "a".into(), evidence: "e".into(), evidence_span: span, source: QaSource::Extractive }
     }
 
     #[test]

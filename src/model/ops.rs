@@ -23,11 +23,12 @@
 //! Besides `crate::kernels` (the vectorisable exp, and the masked softmax on CUDA), only
 //! candle-core, candle-nn, rayon and std are used.
 
-use crate::kernels::math::{exp_f32, sigmoid_fast};
 use candle_core::backend::BackendStorage;
 use candle_core::{
-    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor, D,
+    bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape,
+    Storage, Tensor, D,
 };
+use crate::kernels::math::{exp_f32, sigmoid_fast};
 use rayon::prelude::*;
 
 // ---------------------------------------------------------------------------------------
@@ -37,7 +38,8 @@ use rayon::prelude::*;
 /// The fused kernels are written for f32 on the CPU; everything else takes the composite
 /// path.
 fn fused_f32(ts: &[&Tensor]) -> bool {
-    ts.iter().all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
+    ts.iter()
+        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
 }
 
 /// The contiguous f32 data of a custom-op input. The public wrappers make inputs
@@ -81,7 +83,9 @@ fn max_f32(x: &[f32]) -> f32 {
             acc[i] = if c[i] > acc[i] { c[i] } else { acc[i] };
         }
     }
-    acc.iter().chain(rem).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+    acc.iter()
+        .chain(rem)
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
 }
 
 #[inline]
@@ -141,7 +145,11 @@ fn softmax_row_inplace(row: &mut [f32]) {
     let m = max_f32(row);
     if m == f32::NEG_INFINITY {
         // max_f32 skips NaNs, so an all-NaN row also lands here: keep it NaN.
-        let fill = if row.iter().any(|v| v.is_nan()) { f32::NAN } else { 0.0 };
+        let fill = if row.iter().any(|v| v.is_nan()) {
+            f32::NAN
+        } else {
+            0.0
+        };
         row.fill(fill);
         return;
     }
@@ -184,7 +192,13 @@ impl CustomOp2 for FrozenLinear {
         "frozen-linear"
     }
 
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         frozen_linear_fwd(xs, xl, ws, wl)
     }
 
@@ -200,7 +214,13 @@ impl CustomOp2 for FrozenLinear {
         frozen_linear_fwd(xs, xl, ws, wl)
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         Ok((Some(frozen_linear_dx(x, w, grad)?), None))
     }
 }
@@ -291,10 +311,18 @@ pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (n, k) = w.dims2()?;
     let dims = x.dims();
     if dims.last() != Some(&k) {
-        bail!("frozen_linear: x {:?} does not end in the weight's in-features {k} (w {:?})", x.shape(), w.shape());
+        bail!(
+            "frozen_linear: x {:?} does not end in the weight's in-features {k} (w {:?})",
+            x.shape(),
+            w.shape()
+        );
     }
     if x.dtype() != w.dtype() {
-        bail!("frozen_linear: dtype mismatch {:?} vs {:?}", x.dtype(), w.dtype());
+        bail!(
+            "frozen_linear: dtype mismatch {:?} vs {:?}",
+            x.dtype(),
+            w.dtype()
+        );
     }
     let mut out_dims = dims.to_vec();
     if let Some(last) = out_dims.last_mut() {
@@ -302,7 +330,10 @@ pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     }
     if x.elem_count() == 0 || n == 0 || k == 0 || !(x.device().is_cpu() || x.device().is_cuda()) {
         let m = x.elem_count() / k.max(1);
-        return x.reshape((m, k))?.matmul(&w.detach().t()?)?.reshape(out_dims);
+        return x
+            .reshape((m, k))?
+            .matmul(&w.detach().t()?)?
+            .reshape(out_dims);
     }
     x.contiguous()?.apply_op2(&w.detach(), FrozenLinear)
 }
@@ -325,23 +356,37 @@ impl CustomOp2 for RmsNorm {
         "fused-rms-norm"
     }
 
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let x = f32_data(xs, xl, self.name())?;
         let w = f32_data(ws, wl, self.name())?;
         let dim = w.len();
         let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(dim).zip(x.par_chunks(dim)).for_each(|(o, x)| {
-            let r = rms_inv(x, self.eps);
-            for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
-                *o = x * r * w;
-            }
-        });
+        out.par_chunks_mut(dim)
+            .zip(x.par_chunks(dim))
+            .for_each(|(o, x)| {
+                let r = rms_inv(x, self.eps);
+                for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
+                    *o = x * r * w;
+                }
+            });
         Ok((CpuStorage::F32(out), xl.shape().clone()))
     }
 
     /// With r = (mean(x²) + eps)^(-1/2) and gw = g ⊙ w:
     /// dx = r·gw − x · r³ · (Σ gw⊙x) / D. The weight is frozen: no gradient.
-    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
         let name = self.name();
         let eps = self.eps;
@@ -350,16 +395,18 @@ impl CustomOp2 for RmsNorm {
                 with_f32(&grad, name, |g| {
                     let dim = w.len();
                     let mut dx = vec![0f32; x.len()];
-                    dx.par_chunks_mut(dim).zip(x.par_chunks(dim).zip(g.par_chunks(dim))).for_each(|(dx, (x, g))| {
-                        let r = rms_inv(x, eps);
-                        for ((o, &g), &w) in dx.iter_mut().zip(g).zip(w) {
-                            *o = g * w;
-                        }
-                        let c = dot_f32(dx, x) * r * r * r / dim as f32;
-                        for (o, &x) in dx.iter_mut().zip(x) {
-                            *o = *o * r - x * c;
-                        }
-                    });
+                    dx.par_chunks_mut(dim)
+                        .zip(x.par_chunks(dim).zip(g.par_chunks(dim)))
+                        .for_each(|(dx, (x, g))| {
+                            let r = rms_inv(x, eps);
+                            for ((o, &g), &w) in dx.iter_mut().zip(g).zip(w) {
+                                *o = g * w;
+                            }
+                            let c = dot_f32(dx, x) * r * r * r / dim as f32;
+                            for (o, &x) in dx.iter_mut().zip(x) {
+                                *o = *o * r - x * c;
+                            }
+                        });
                     Ok(dx)
                 })
             })
@@ -384,12 +431,16 @@ fn rms_norm_composite(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     let dim = weight.dims1()?;
     if x.dims().last() != Some(&dim) {
-        bail!("rms_norm: x {:?} does not end in the weight's size {dim}", x.shape());
+        bail!(
+            "rms_norm: x {:?} does not end in the weight's size {dim}",
+            x.shape()
+        );
     }
     if !fused_f32(&[x, weight]) || dim == 0 {
         return rms_norm_composite(x, weight, eps);
     }
-    x.contiguous()?.apply_op2(&weight.detach().contiguous()?, RmsNorm { eps })
+    x.contiguous()?
+        .apply_op2(&weight.detach().contiguous()?, RmsNorm { eps })
 }
 
 // ---------------------------------------------------------------------------------------
@@ -431,7 +482,10 @@ impl CustomOp1 for Softmax {
 /// kernel (zeros, not NaN). The max is detached: softmax is shift invariant, so this is
 /// exact and skips the max's backward.
 fn softmax_composite(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?.detach().maximum(dtype_lowest(x.dtype()))?;
+    let max = x
+        .max_keepdim(D::Minus1)?
+        .detach()
+        .maximum(dtype_lowest(x.dtype()))?;
     let num = x.broadcast_sub(&max)?.exp()?;
     // den ≥ 1 whenever the row max is finite (the max entry contributes exp(0) = 1), so
     // den == 0 only for a fully masked row. Adding a constant 1 there turns 0/0 into 0/1
@@ -469,12 +523,21 @@ impl CustomOp2 for SiluMul {
         "fused-silu-mul"
     }
 
-    fn cpu_fwd(&self, gs: &CpuStorage, gl: &Layout, us: &CpuStorage, ul: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        gs: &CpuStorage,
+        gl: &Layout,
+        us: &CpuStorage,
+        ul: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let g = f32_data(gs, gl, self.name())?;
         let u = f32_data(us, ul, self.name())?;
         let mut out = vec![0f32; g.len()];
         out.par_chunks_mut(ELEMWISE_CHUNK)
-            .zip(g.par_chunks(ELEMWISE_CHUNK).zip(u.par_chunks(ELEMWISE_CHUNK)))
+            .zip(
+                g.par_chunks(ELEMWISE_CHUNK)
+                    .zip(u.par_chunks(ELEMWISE_CHUNK)),
+            )
             .for_each(|(o, (g, u))| {
                 for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
                     *o = g * sigmoid_fast(g) * u;
@@ -506,36 +569,56 @@ impl CustomOp2 for SiluMul {
                     let c = ELEMWISE_CHUNK;
                     let inputs = g.par_chunks(c).zip(u.par_chunks(c)).zip(gr.par_chunks(c));
                     match (want_gate, want_up) {
-                        (true, true) => dg.par_chunks_mut(c).zip(du.par_chunks_mut(c)).zip(inputs).for_each(
-                            |((dg, du), ((g, u), gr))| {
+                        (true, true) => dg
+                            .par_chunks_mut(c)
+                            .zip(du.par_chunks_mut(c))
+                            .zip(inputs)
+                            .for_each(|((dg, du), ((g, u), gr))| {
                                 // Zipped iterators (no indexing) so the loop has no bounds
                                 // checks and vectorises.
                                 let outs = dg.iter_mut().zip(du.iter_mut());
-                                for ((dg, du), ((&g, &u), &gr)) in outs.zip(g.iter().zip(u).zip(gr)) {
+                                for ((dg, du), ((&g, &u), &gr)) in outs.zip(g.iter().zip(u).zip(gr))
+                                {
                                     let s = sigmoid_fast(g);
                                     *du = gr * g * s;
                                     *dg = gr * u * s * (1.0 + g * (1.0 - s));
                                 }
-                            },
-                        ),
-                        (true, false) => dg.par_chunks_mut(c).zip(inputs).for_each(|(dg, ((g, u), gr))| {
-                            for (dg, ((&g, &u), &gr)) in dg.iter_mut().zip(g.iter().zip(u).zip(gr)) {
-                                let s = sigmoid_fast(g);
-                                *dg = gr * u * s * (1.0 + g * (1.0 - s));
-                            }
-                        }),
-                        _ => du.par_chunks_mut(c).zip(inputs).for_each(|(du, ((g, _u), gr))| {
-                            for (du, (&g, &gr)) in du.iter_mut().zip(g.iter().zip(gr)) {
-                                *du = gr * g * sigmoid_fast(g);
-                            }
-                        }),
+                            }),
+                        (true, false) => {
+                            dg.par_chunks_mut(c)
+                                .zip(inputs)
+                                .for_each(|(dg, ((g, u), gr))| {
+                                    for (dg, ((&g, &u), &gr)) in
+                                        dg.iter_mut().zip(g.iter().zip(u).zip(gr))
+                                    {
+                                        let s = sigmoid_fast(g);
+                                        *dg = gr * u * s * (1.0 + g * (1.0 - s));
+                                    }
+                                })
+                        }
+                        _ => du
+                            .par_chunks_mut(c)
+                            .zip(inputs)
+                            .for_each(|(du, ((g, _u), gr))| {
+                                for (du, (&g, &gr)) in du.iter_mut().zip(g.iter().zip(gr)) {
+                                    *du = gr * g * sigmoid_fast(g);
+                                }
+                            }),
                     }
                     Ok((dg, du))
                 })
             })
         })?;
-        let dg = if want_gate { Some(cpu_tensor(dg, gate.shape())?) } else { None };
-        let du = if want_up { Some(cpu_tensor(du, up.shape())?) } else { None };
+        let dg = if want_gate {
+            Some(cpu_tensor(dg, gate.shape())?)
+        } else {
+            None
+        };
+        let du = if want_up {
+            Some(cpu_tensor(du, up.shape())?)
+        } else {
+            None
+        };
         Ok((dg, du))
     }
 }
@@ -543,7 +626,11 @@ impl CustomOp2 for SiluMul {
 /// SwiGLU activation `silu(gate) ⊙ up` (same shapes), fused; gradients flow to both inputs.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if gate.shape() != up.shape() {
-        bail!("silu_mul: shape mismatch {:?} vs {:?}", gate.shape(), up.shape());
+        bail!(
+            "silu_mul: shape mismatch {:?} vs {:?}",
+            gate.shape(),
+            up.shape()
+        );
     }
     if !fused_f32(&[gate, up]) {
         return gate.silu()? * up;
@@ -583,29 +670,31 @@ impl CustomOp3 for Rope {
         let hd = d / 2;
         let mut out = vec![0f32; x.len()];
         let interleaved = self.interleaved;
-        out.par_chunks_mut(t * d).zip(x.par_chunks(t * d)).for_each(|(o, x)| {
-            for ti in 0..t {
-                let (c, s) = (&cos[ti * hd..(ti + 1) * hd], &sin[ti * hd..(ti + 1) * hd]);
-                if interleaved {
-                    // Same expressions as candle_nn::rotary_emb::rope_i.
-                    let (xr, or) = (&x[ti * d..(ti + 1) * d], &mut o[ti * d..(ti + 1) * d]);
-                    for j in 0..hd {
-                        let (x0, x1) = (xr[2 * j], xr[2 * j + 1]);
-                        or[2 * j] = x0 * c[j] - x1 * s[j];
-                        or[2 * j + 1] = x0 * s[j] + x1 * c[j];
+        out.par_chunks_mut(t * d)
+            .zip(x.par_chunks(t * d))
+            .for_each(|(o, x)| {
+                for ti in 0..t {
+                    let (c, s) = (&cos[ti * hd..(ti + 1) * hd], &sin[ti * hd..(ti + 1) * hd]);
+                    if interleaved {
+                        // Same expressions as candle_nn::rotary_emb::rope_i.
+                        let (xr, or) = (&x[ti * d..(ti + 1) * d], &mut o[ti * d..(ti + 1) * d]);
+                        for j in 0..hd {
+                            let (x0, x1) = (xr[2 * j], xr[2 * j + 1]);
+                            or[2 * j] = x0 * c[j] - x1 * s[j];
+                            or[2 * j + 1] = x0 * s[j] + x1 * c[j];
+                        }
+                        continue;
                     }
-                    continue;
+                    let (x1, x2) = x[ti * d..(ti + 1) * d].split_at(hd);
+                    let (o1, o2) = o[ti * d..(ti + 1) * d].split_at_mut(hd);
+                    // Same expressions as candle_nn::rotary_emb::rope, so the result is
+                    // bit-identical.
+                    for j in 0..hd {
+                        o1[j] = x1[j] * c[j] - x2[j] * s[j];
+                        o2[j] = x1[j] * s[j] + x2[j] * c[j];
+                    }
                 }
-                let (x1, x2) = x[ti * d..(ti + 1) * d].split_at(hd);
-                let (o1, o2) = o[ti * d..(ti + 1) * d].split_at_mut(hd);
-                // Same expressions as candle_nn::rotary_emb::rope, so the result is
-                // bit-identical.
-                for j in 0..hd {
-                    o1[j] = x1[j] * c[j] - x2[j] * s[j];
-                    o2[j] = x1[j] * s[j] + x2[j] * c[j];
-                }
-            }
-        });
+            });
         Ok((CpuStorage::F32(out), xl.shape().clone()))
     }
 
@@ -617,7 +706,9 @@ impl CustomOp3 for Rope {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dx = grad.contiguous()?.apply_op3_no_bwd(cos, &sin.neg()?, &Rope { interleaved: self.interleaved })?;
+        let dx = grad
+            .contiguous()?
+            .apply_op3_no_bwd(cos, &sin.neg()?, &Rope { interleaved: self.interleaved })?;
         Ok((Some(dx), None, None))
     }
 }
@@ -647,7 +738,12 @@ fn rope_fused(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Resu
     let (tc, hc) = cos.dims2()?;
     let (ts, hs) = sin.dims2()?;
     if d % 2 != 0 || hc * 2 != d || hs * 2 != d || tc < t || ts < t {
-        bail!("rope: inconsistent shapes x {:?} cos {:?} sin {:?}", x.shape(), cos.shape(), sin.shape());
+        bail!(
+            "rope: inconsistent shapes x {:?} cos {:?} sin {:?}",
+            x.shape(),
+            cos.shape(),
+            sin.shape()
+        );
     }
     let cos = cos.detach().narrow(0, 0, t)?;
     let sin = sin.detach().narrow(0, 0, t)?;
@@ -657,7 +753,8 @@ fn rope_fused(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Resu
             true => rope_interleaved_composite(x, &cos, &sin),
         };
     }
-    x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { interleaved })
+    x.contiguous()?
+        .apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { interleaved })
 }
 
 // ---------------------------------------------------------------------------------------
@@ -695,7 +792,9 @@ impl CustomOp3 for CrossEntropy {
         let (n, vocab) = ll.shape().dims2()?;
         for (i, (&t, &w)) in targets.iter().zip(w).enumerate() {
             if w != 0.0 && t as usize >= vocab {
-                bail!("cross_entropy_masked: target {t} at row {i} is out of range for vocab {vocab}");
+                bail!(
+                    "cross_entropy_masked: target {t} at row {i} is out of range for vocab {vocab}"
+                );
             }
         }
         let mut out = vec![0f32; 1 + n];
@@ -742,7 +841,11 @@ impl CustomOp3 for CrossEntropy {
                     let mut dx = vec![0f32; x.len()];
                     dx.par_chunks_mut(vocab.max(1))
                         .zip(x.par_chunks(vocab.max(1)))
-                        .zip(res[1..].par_iter().zip(targets.par_iter().zip(w.par_iter())))
+                        .zip(
+                            res[1..]
+                                .par_iter()
+                                .zip(targets.par_iter().zip(w.par_iter())),
+                        )
                         .for_each(|((dx, x), (&lse, (&t, &w)))| {
                             if w == 0.0 {
                                 return; // already zero
@@ -789,11 +892,19 @@ pub fn cross_entropy_masked(logits: &Tensor, targets: &Tensor, weights: &Tensor)
             weights.shape()
         );
     }
-    let targets = if targets.dtype() == DType::U32 { targets.clone() } else { targets.to_dtype(DType::U32)? };
+    let targets = if targets.dtype() == DType::U32 {
+        targets.clone()
+    } else {
+        targets.to_dtype(DType::U32)?
+    };
     if !fused_f32(&[logits, weights]) || !targets.device().is_cpu() {
         return cross_entropy_composite(logits, &targets, weights);
     }
-    let res = logits.contiguous()?.apply_op3(&targets.contiguous()?, &weights.detach().contiguous()?, CrossEntropy)?;
+    let res = logits.contiguous()?.apply_op3(
+        &targets.contiguous()?,
+        &weights.detach().contiguous()?,
+        CrossEntropy,
+    )?;
     res.narrow(0, 0, 1)?.squeeze(0)
 }
 
@@ -829,7 +940,9 @@ fn first_query_seeing(j: usize, tq: usize, tk: usize) -> usize {
 
 /// `[start, end)` blocks of `ATTN_BLOCK` rows covering `0..n`.
 fn blocks(n: usize) -> impl Iterator<Item = (usize, usize)> {
-    (0..n).step_by(ATTN_BLOCK).map(move |s| (s, (s + ATTN_BLOCK).min(n)))
+    (0..n)
+        .step_by(ATTN_BLOCK)
+        .map(move |s| (s, (s + ATTN_BLOCK).min(n)))
 }
 
 /// A batch of strided matrices inside a CPU storage: element (b, r, c) lives at
@@ -844,11 +957,21 @@ struct MatView {
 
 impl MatView {
     fn rows(offset: usize, bs: usize, rs: usize) -> Self {
-        Self { offset, bs, rs, cs: 1 }
+        Self {
+            offset,
+            bs,
+            rs,
+            cs: 1,
+        }
     }
     /// The transpose of a row-major view.
     fn cols(offset: usize, bs: usize, cs: usize) -> Self {
-        Self { offset, bs, rs: 1, cs }
+        Self {
+            offset,
+            bs,
+            rs: 1,
+            cs,
+        }
     }
 }
 
@@ -879,8 +1002,16 @@ fn bgemm(a: &CpuStorage, av: MatView, b: &CpuStorage, bv: MatView, shape: GemmSh
     if !fits(&av, a, m, k)? || !fits(&bv, b, k, n)? {
         bail!("fused-attention: internal error, gemm view out of bounds");
     }
-    let al = Layout::new(Shape::from((batch, m, k)), vec![av.bs, av.rs, av.cs], av.offset);
-    let bl = Layout::new(Shape::from((batch, k, n)), vec![bv.bs, bv.rs, bv.cs], bv.offset);
+    let al = Layout::new(
+        Shape::from((batch, m, k)),
+        vec![av.bs, av.rs, av.cs],
+        av.offset,
+    );
+    let bl = Layout::new(
+        Shape::from((batch, k, n)),
+        vec![bv.bs, bv.rs, bv.cs],
+        bv.offset,
+    );
     match a.matmul(b, (batch, m, n, k), &al, &bl)? {
         CpuStorage::F32(v) => Ok(v),
         _ => bail!("fused-attention: expected an f32 gemm result"),
@@ -907,22 +1038,28 @@ fn assemble(
     row_width: impl Fn(usize) -> usize + Sync,
 ) -> Vec<f32> {
     let mut out = vec![0f32; batch * t * w];
-    out.par_chunks_mut(w.max(1)).enumerate().for_each(|(idx, row)| {
-        let (bi, r) = (idx / t, idx % t);
-        if let Some(Some(blk)) = blocks.get(r / ATTN_BLOCK) {
-            let rows = blk.data.len() / (batch * blk.width).max(1);
-            let src = (bi * rows + (r - blk.start)) * blk.width;
-            let n = row_width(r).min(blk.width);
-            for (o, &s) in row[..n].iter_mut().zip(&blk.data[src..src + n]) {
-                *o = s * mul;
+    out.par_chunks_mut(w.max(1))
+        .enumerate()
+        .for_each(|(idx, row)| {
+            let (bi, r) = (idx / t, idx % t);
+            if let Some(Some(blk)) = blocks.get(r / ATTN_BLOCK) {
+                let rows = blk.data.len() / (batch * blk.width).max(1);
+                let src = (bi * rows + (r - blk.start)) * blk.width;
+                let n = row_width(r).min(blk.width);
+                for (o, &s) in row[..n].iter_mut().zip(&blk.data[src..src + n]) {
+                    *o = s * mul;
+                }
             }
-        }
-    });
+        });
     out
 }
 
 /// Runs `f` on the CPU storage and layout of a tensor.
-fn with_cpu<R>(t: &Tensor, op: &'static str, f: impl FnOnce(&CpuStorage, &Layout) -> Result<R>) -> Result<R> {
+fn with_cpu<R>(
+    t: &Tensor,
+    op: &'static str,
+    f: impl FnOnce(&CpuStorage, &Layout) -> Result<R>,
+) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     match &*storage {
         Storage::Cpu(s) => f(s, layout),
@@ -963,7 +1100,11 @@ impl CausalProbs {
                 MatView::cols(kl.start_offset(), tk * d, d),
                 GemmShape { batch: bh, m: i1 - i0, n: lim, k: d },
             )?;
-            scores.push(RowBlock { start: i0, width: lim, data });
+            scores.push(RowBlock {
+                start: i0,
+                width: lim,
+                data,
+            });
         }
         let bias = match bias {
             Some((s, l)) => Some((s.as_slice::<f32>()?, l.stride().to_vec(), l.start_offset())),
@@ -975,7 +1116,8 @@ impl CausalProbs {
             let (bhi, i) = (idx / tq, idx % tq);
             let lim = visible_keys(i, tq, tk);
             let blk = &scores[i / ATTN_BLOCK];
-            let src = (bhi * (blk.data.len() / (bh * blk.width).max(1)) + i - blk.start) * blk.width;
+            let src =
+                (bhi * (blk.data.len() / (bh * blk.width).max(1)) + i - blk.start) * blk.width;
             let (vis, src) = (&mut row[..lim], &blk.data[src..src + lim]);
             match &bias {
                 None => {
@@ -1129,11 +1271,23 @@ impl CustomOp2 for CausalProbs {
         "fused-attention-probs"
     }
 
-    fn cpu_fwd(&self, qs: &CpuStorage, ql: &Layout, ks: &CpuStorage, kl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        qs: &CpuStorage,
+        ql: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         self.fwd(qs, ql, ks, kl, None)
     }
 
-    fn bwd(&self, q: &Tensor, k: &Tensor, res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dq, dk, _) = self.bwd_impl(q, k, false, res, grad)?;
         Ok((dq, dk))
     }
@@ -1179,7 +1333,13 @@ impl CustomOp2 for CausalPv {
         "fused-attention-pv"
     }
 
-    fn cpu_fwd(&self, ps: &CpuStorage, pl: &Layout, vs: &CpuStorage, vl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        ps: &CpuStorage,
+        pl: &Layout,
+        vs: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (b, h, tq, tk) = pl.shape().dims4()?;
         let d = vl.dim(3)?;
         if !pl.is_contiguous() || !vl.is_contiguous() {
@@ -1190,7 +1350,13 @@ impl CustomOp2 for CausalPv {
         Ok((CpuStorage::F32(out), Shape::from((b, h, tq, d))))
     }
 
-    fn bwd(&self, p: &Tensor, v: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        p: &Tensor,
+        v: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (b, h, tq, tk) = p.dims4()?;
         let d = v.dim(3)?;
         let bh = b * h;
@@ -1209,7 +1375,11 @@ impl CustomOp2 for CausalPv {
                                     MatView::cols(vl.start_offset(), tk * d, d),
                                     GemmShape { batch: bh, m: i1 - i0, n: lim, k: d },
                                 )?;
-                                Ok(Some(RowBlock { start: i0, width: lim, data }))
+                                Ok(Some(RowBlock {
+                                    start: i0,
+                                    width: lim,
+                                    data,
+                                }))
                             })
                             .collect::<Result<Vec<_>>>()?;
                         let dp = assemble(bh, tq, tk, &blks, 1.0, |i| visible_keys(i, tq, tk));
@@ -1243,7 +1413,13 @@ fn causal_mask(tq: usize, tk: usize, dtype: DType, device: &Device) -> Result<Te
     Tensor::from_vec(mask, (tq, tk), device)?.to_dtype(dtype)
 }
 
-fn causal_attention_composite(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, bias: Option<&Tensor>) -> Result<Tensor> {
+fn causal_attention_composite(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
     let (_, _, tq, _) = q.dims4()?;
     let (_, _, tk, _) = k.dims4()?;
     let scores = (q.contiguous()?.matmul(&k.contiguous()?.t()?)? * scale)?;
@@ -1268,11 +1444,22 @@ fn causal_attention_composite(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, bi
 /// skip fully masked key ranges, one rayon pass for scale + bias + mask + softmax, only P
 /// saved for the backward, one pass for the softmax backward. Otherwise the composite
 /// (matmul, mask, bias, softmax, matmul).
-pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, bias: Option<&Tensor>) -> Result<Tensor> {
+pub fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
     let (b, h, tq, d) = q.dims4()?;
     let (kb, kh, tk, kd) = k.dims4()?;
     if (kb, kh, kd) != (b, h, d) || v.dims4()? != (b, h, tk, d) {
-        bail!("causal_attention: q {:?}, k {:?}, v {:?} disagree", q.shape(), k.shape(), v.shape());
+        bail!(
+            "causal_attention: q {:?}, k {:?}, v {:?} disagree",
+            q.shape(),
+            k.shape(),
+            v.shape()
+        );
     }
     let mut all = vec![q, k, v];
     all.extend(bias);
@@ -1286,7 +1473,9 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, bias: Op
     if !fused_f32(&all) || tq == 0 || tk == 0 || d == 0 {
         return causal_attention_composite(q, k, v, scale, bias);
     }
-    let op = CausalProbs { scale: scale as f32 };
+    let op = CausalProbs {
+        scale: scale as f32,
+    };
     let (q, k) = (q.contiguous()?, k.contiguous()?);
     let probs = match bias {
         None => q.apply_op2(&k, op)?,
@@ -1355,13 +1544,17 @@ mod tests {
         let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let scale = b.iter().fold(1f32, |m, v| m.max(v.abs()));
         // Equal values (including matching infinities) count as 0; any NaN poisons.
-        let diff = a.iter().zip(&b).map(|(x, y)| if x == y { 0.0 } else { (x - y).abs() }).fold(0f32, |m, v| {
-            if v.is_nan() || m.is_nan() {
-                f32::NAN
-            } else {
-                m.max(v)
-            }
-        });
+        let diff = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| if x == y { 0.0 } else { (x - y).abs() })
+            .fold(0f32, |m, v| {
+                if v.is_nan() || m.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(v)
+                }
+            });
         diff / scale
     }
 
@@ -1412,12 +1605,23 @@ mod tests {
         for (si, shape) in shapes.into_iter().enumerate() {
             let x = var(shape.clone(), 10 + si as u32, 1.0);
             let y = frozen_linear(x.as_tensor(), w.as_tensor()).unwrap();
-            let y_ref = x.as_tensor().broadcast_matmul(&w.as_tensor().t().unwrap()).unwrap();
+            let y_ref = x
+                .as_tensor()
+                .broadcast_matmul(&w.as_tensor().t().unwrap())
+                .unwrap();
             assert_close(&y, &y_ref, FWD_TOL, "frozen_linear fwd");
             let g = loss_of(&y, 3).backward().unwrap();
             let g_ref = loss_of(&y_ref, 3).backward().unwrap();
-            assert_close(&grad(&g, &x), &grad(&g_ref, &x), BWD_TOL, "frozen_linear dx");
-            assert!(g.get(w.as_tensor()).is_none(), "weight must not get a gradient");
+            assert_close(
+                &grad(&g, &x),
+                &grad(&g_ref, &x),
+                BWD_TOL,
+                "frozen_linear dx",
+            );
+            assert!(
+                g.get(w.as_tensor()).is_none(),
+                "weight must not get a gradient"
+            );
             assert!(g_ref.get(w.as_tensor()).is_some());
         }
         // Non-contiguous x: [40, 6] transposed to [6, 40].
@@ -1429,7 +1633,12 @@ mod tests {
         assert_close(&y, &y_ref, FWD_TOL, "frozen_linear fwd (transposed x)");
         let g = loss_of(&y, 4).backward().unwrap();
         let g_ref = loss_of(&y_ref, 4).backward().unwrap();
-        assert_close(&grad(&g, &xt), &grad(&g_ref, &xt), BWD_TOL, "frozen_linear dx (transposed)");
+        assert_close(
+            &grad(&g, &xt),
+            &grad(&g_ref, &xt),
+            BWD_TOL,
+            "frozen_linear dx (transposed)",
+        );
         assert!(g.get(w.as_tensor()).is_none());
     }
 
@@ -1454,7 +1663,10 @@ mod tests {
         let g = loss_of(&y, 5).backward().unwrap();
         let g_ref = loss_of(&y_ref, 5).backward().unwrap();
         assert_close(&grad(&g, &x), &grad(&g_ref, &x), BWD_TOL, "rms dx");
-        assert!(g.get(w.as_tensor()).is_none(), "weight must not get a gradient");
+        assert!(
+            g.get(w.as_tensor()).is_none(),
+            "weight must not get a gradient"
+        );
         assert!(g_ref.get(w.as_tensor()).is_some());
 
         // Narrowed along the last dim → strided rows.
@@ -1466,7 +1678,12 @@ mod tests {
         assert_close(&y, &y_ref, FWD_TOL, "rms fwd (narrowed)");
         let g = loss_of(&y, 6).backward().unwrap();
         let g_ref = loss_of(&y_ref, 6).backward().unwrap();
-        assert_close(&grad(&g, &xb), &grad(&g_ref, &xb), BWD_TOL, "rms dx (narrowed)");
+        assert_close(
+            &grad(&g, &xb),
+            &grad(&g_ref, &xb),
+            BWD_TOL,
+            "rms dx (narrowed)",
+        );
     }
 
     // x used twice (residual): gradients from both consumers must be summed.
@@ -1474,10 +1691,12 @@ mod tests {
     fn gradients_accumulate_across_consumers() {
         let w = var(32, 2, 1.0);
         let x = var((4, 32), 3, 1.0);
-        let y =
-            (rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap() + softmax_last_dim(x.as_tensor()).unwrap()).unwrap();
+        let y = (rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap()
+            + softmax_last_dim(x.as_tensor()).unwrap())
+        .unwrap();
         let y = (y + x.as_tensor()).unwrap();
-        let y_ref = (rms_ref(x.as_tensor(), w.as_tensor(), 1e-6) + plain_softmax(x.as_tensor())).unwrap();
+        let y_ref =
+            (rms_ref(x.as_tensor(), w.as_tensor(), 1e-6) + plain_softmax(x.as_tensor())).unwrap();
         let y_ref = (y_ref + x.as_tensor()).unwrap();
         let g = loss_of(&y, 9).backward().unwrap();
         let g_ref = loss_of(&y_ref, 9).backward().unwrap();
@@ -1500,13 +1719,21 @@ mod tests {
 
         // Partially masked rows (causal pattern): identical to the composite.
         let x = var((5, 5), 3, 2.0);
-        let xm = x.as_tensor().broadcast_add(&causal_mask(5, 5, DType::F32, &Device::Cpu).unwrap()).unwrap();
+        let xm = x
+            .as_tensor()
+            .broadcast_add(&causal_mask(5, 5, DType::F32, &Device::Cpu).unwrap())
+            .unwrap();
         let y = softmax_last_dim(&xm).unwrap();
         let y_ref = plain_softmax(&xm);
         assert_close(&y, &y_ref, FWD_TOL, "softmax fwd (masked)");
         let g = loss_of(&y, 4).backward().unwrap();
         let g_ref = loss_of(&y_ref, 4).backward().unwrap();
-        assert_close(&grad(&g, &x), &grad(&g_ref, &x), BWD_TOL, "softmax dx (masked)");
+        assert_close(
+            &grad(&g, &x),
+            &grad(&g_ref, &x),
+            BWD_TOL,
+            "softmax dx (masked)",
+        );
 
         // Transposed input.
         let xt = var((33, 6), 8, 3.0);
@@ -1516,7 +1743,12 @@ mod tests {
         assert_close(&y, &y_ref, FWD_TOL, "softmax fwd (transposed)");
         let g = loss_of(&y, 6).backward().unwrap();
         let g_ref = loss_of(&y_ref, 6).backward().unwrap();
-        assert_close(&grad(&g, &xt), &grad(&g_ref, &xt), BWD_TOL, "softmax dx (transposed)");
+        assert_close(
+            &grad(&g, &xt),
+            &grad(&g_ref, &xt),
+            BWD_TOL,
+            "softmax dx (transposed)",
+        );
     }
 
     // A row that is entirely -inf gives zeros (no NaN), zero gradient, and leaves the other
@@ -1530,25 +1762,43 @@ mod tests {
         m[3] = f32::NEG_INFINITY; // row 0 partially masked
         let mask = Tensor::from_vec(m, (3, 8), &Device::Cpu).unwrap();
         let xm = (x.as_tensor() + &mask).unwrap();
-        for (name, y) in
-            [("fused", softmax_last_dim(&xm).unwrap()), ("composite fallback", softmax_composite(&xm).unwrap())]
-        {
+        for (name, y) in [
+            ("fused", softmax_last_dim(&xm).unwrap()),
+            ("composite fallback", softmax_composite(&xm).unwrap()),
+        ] {
             let yv = y.to_vec2::<f32>().unwrap();
-            assert!(yv[1].iter().all(|&v| v == 0.0), "{name}: masked row must be zeros");
+            assert!(
+                yv[1].iter().all(|&v| v == 0.0),
+                "{name}: masked row must be zeros"
+            );
             assert_eq!(yv[0][3], 0.0);
             let g = loss_of(&y, 3).backward().unwrap();
             let dx = grad(&g, &x).to_vec2::<f32>().unwrap();
-            assert!(dx.iter().flatten().all(|v| v.is_finite()), "{name}: NaN in grads");
-            assert!(dx[1].iter().all(|&v| v == 0.0), "{name}: masked row grad must be 0");
+            assert!(
+                dx.iter().flatten().all(|v| v.is_finite()),
+                "{name}: NaN in grads"
+            );
+            assert!(
+                dx[1].iter().all(|&v| v == 0.0),
+                "{name}: masked row grad must be 0"
+            );
             // Unmasked rows agree with candle's composite softmax.
-            let rows = Tensor::cat(&[xm.narrow(0, 0, 1).unwrap(), xm.narrow(0, 2, 1).unwrap()], 0).unwrap();
+            let rows = Tensor::cat(
+                &[xm.narrow(0, 0, 1).unwrap(), xm.narrow(0, 2, 1).unwrap()],
+                0,
+            )
+            .unwrap();
             let y_ref = plain_softmax(&rows);
-            let y_ours = Tensor::cat(&[y.narrow(0, 0, 1).unwrap(), y.narrow(0, 2, 1).unwrap()], 0).unwrap();
+            let y_ours =
+                Tensor::cat(&[y.narrow(0, 0, 1).unwrap(), y.narrow(0, 2, 1).unwrap()], 0).unwrap();
             assert_close(&y_ours, &y_ref, FWD_TOL, name);
         }
         // An all-NaN row is not mistaken for a fully masked one: it stays NaN.
         let nan_row = Tensor::from_vec(vec![f32::NAN; 4], (1, 4), &Device::Cpu).unwrap();
-        let y = softmax_last_dim(&nan_row).unwrap().to_vec2::<f32>().unwrap();
+        let y = softmax_last_dim(&nan_row)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
         assert!(y[0].iter().all(|v| v.is_nan()));
         // For contrast: candle's composite produces NaN on that row.
         let y_plain = plain_softmax(&xm).to_vec2::<f32>().unwrap();
@@ -1566,7 +1816,12 @@ mod tests {
         assert_close(&y, &y_ref, FWD_TOL, "silu_mul fwd");
         let g = loss_of(&y, 3).backward().unwrap();
         let g_ref = loss_of(&y_ref, 3).backward().unwrap();
-        assert_close(&grad(&g, &gate), &grad(&g_ref, &gate), BWD_TOL, "silu_mul dgate");
+        assert_close(
+            &grad(&g, &gate),
+            &grad(&g_ref, &gate),
+            BWD_TOL,
+            "silu_mul dgate",
+        );
         assert_close(&grad(&g, &up), &grad(&g_ref, &up), BWD_TOL, "silu_mul dup");
 
         let gt = var((50, 6), 4, 4.0);
@@ -1576,13 +1831,24 @@ mod tests {
         assert_close(&y, &y_ref, FWD_TOL, "silu_mul fwd (transposed)");
         let g = loss_of(&y, 5).backward().unwrap();
         let g_ref = loss_of(&y_ref, 5).backward().unwrap();
-        assert_close(&grad(&g, &gt), &grad(&g_ref, &gt), BWD_TOL, "silu_mul dgate (transposed)");
-        assert_close(&grad(&g, &up), &grad(&g_ref, &up), BWD_TOL, "silu_mul dup (transposed)");
+        assert_close(
+            &grad(&g, &gt),
+            &grad(&g_ref, &gt),
+            BWD_TOL,
+            "silu_mul dgate (transposed)",
+        );
+        assert_close(
+            &grad(&g, &up),
+            &grad(&g_ref, &up),
+            BWD_TOL,
+            "silu_mul dup (transposed)",
+        );
     }
 
     fn rope_tables(t: usize, hd: usize) -> (Tensor, Tensor) {
-        let ang: Vec<f32> =
-            (0..t).flat_map(|p| (0..hd).map(move |i| p as f32 / 10000f32.powf(i as f32 / hd as f32))).collect();
+        let ang: Vec<f32> = (0..t)
+            .flat_map(|p| (0..hd).map(move |i| p as f32 / 10000f32.powf(i as f32 / hd as f32)))
+            .collect();
         let a = Tensor::from_vec(ang, (t, hd), &Device::Cpu).unwrap();
         (a.cos().unwrap(), a.sin().unwrap())
     }
@@ -1598,7 +1864,11 @@ mod tests {
         let c = cos.narrow(0, 0, t).unwrap();
         let s = sin.narrow(0, 0, t).unwrap();
         let y_nn = candle_nn::rotary_emb::rope(x.as_tensor(), &c, &s).unwrap();
-        assert_eq!(rel_diff(&y, &y_nn), 0.0, "rope must match candle_nn exactly");
+        assert_eq!(
+            rel_diff(&y, &y_nn),
+            0.0,
+            "rope must match candle_nn exactly"
+        );
         let y_ref = rope_composite(x.as_tensor(), &c, &s).unwrap();
         assert_close(&y, &y_ref, FWD_TOL, "rope fwd vs composite");
         let y_slow = candle_nn::rotary_emb::rope_slow(x.as_tensor(), &c, &s).unwrap();
@@ -1615,7 +1885,12 @@ mod tests {
         assert_close(&y, &y_ref, FWD_TOL, "rope fwd (transposed)");
         let g = loss_of(&y, 4).backward().unwrap();
         let g_ref = loss_of(&y_ref, 4).backward().unwrap();
-        assert_close(&grad(&g, &xt), &grad(&g_ref, &xt), BWD_TOL, "rope dx (transposed)");
+        assert_close(
+            &grad(&g, &xt),
+            &grad(&g_ref, &xt),
+            BWD_TOL,
+            "rope dx (transposed)",
+        );
     }
 
     // Interleaved: forward bit-identical to candle_nn's rope_i; forward and dx vs the
@@ -1653,16 +1928,24 @@ mod tests {
     fn cross_entropy_matches_composite() {
         let (n, vocab) = (9, 1000);
         let logits = var((n, vocab), 1, 8.0);
-        let tv: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
+        let tv: Vec<u32> = (0..n as u32)
+            .map(|i| (i * 7919 + 13) % vocab as u32)
+            .collect();
         let targets = Tensor::from_vec(tv, n, &Device::Cpu).unwrap();
-        let w = Tensor::from_vec(vec![1f32, 0., 1., 1., 0.5, 0., 1., 2., 1.], n, &Device::Cpu).unwrap();
+        let w =
+            Tensor::from_vec(vec![1f32, 0., 1., 1., 0.5, 0., 1., 2., 1.], n, &Device::Cpu).unwrap();
         let l = cross_entropy_masked(logits.as_tensor(), &targets, &w).unwrap();
         assert_eq!(l.rank(), 0);
         let l_ref = cross_entropy_composite(logits.as_tensor(), &targets, &w).unwrap();
         assert_close(&l, &l_ref, FWD_TOL, "ce loss");
         let g = (&l * 1.7).unwrap().backward().unwrap();
         let g_ref = (&l_ref * 1.7).unwrap().backward().unwrap();
-        assert_close(&grad(&g, &logits), &grad(&g_ref, &logits), BWD_TOL, "ce dlogits");
+        assert_close(
+            &grad(&g, &logits),
+            &grad(&g_ref, &logits),
+            BWD_TOL,
+            "ce dlogits",
+        );
         assert!(g.get(&w).is_none());
         let masked_rows = grad(&g, &logits).to_vec2::<f32>().unwrap();
         assert!(masked_rows[1].iter().all(|&v| v == 0.0));
@@ -1707,13 +1990,19 @@ mod tests {
                 let bias = bshape.map(|s| var(s, seed + 4, 1.0));
                 let bt = bias.as_ref().map(|b| b.as_tensor());
                 let what = format!("attn tq={tq} tk={tk} bias#{bi}");
-                let y = causal_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, bt).unwrap();
+                let y = causal_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, bt)
+                    .unwrap();
                 let y_ref = attn_ref(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, bt);
                 assert_close(&y, &y_ref, FWD_TOL, &format!("{what} fwd"));
                 let g = loss_of(&y, 7).backward().unwrap();
                 let g_ref = loss_of(&y_ref, 7).backward().unwrap();
                 for (n, t) in [("q", &q), ("k", &k), ("v", &v)] {
-                    assert_close(&grad(&g, t), &grad(&g_ref, t), BWD_TOL, &format!("{what} d{n}"));
+                    assert_close(
+                        &grad(&g, t),
+                        &grad(&g_ref, t),
+                        BWD_TOL,
+                        &format!("{what} d{n}"),
+                    );
                 }
                 if let Some(bias) = &bias {
                     let gb = grad(&g, bias);
@@ -1742,7 +2031,12 @@ mod tests {
         let g = loss_of(&y, 5).backward().unwrap();
         let g_ref = loss_of(&y_ref, 5).backward().unwrap();
         for (n, t) in [("q", &qs), ("k", &ks), ("v", &vs)] {
-            assert_close(&grad(&g, t), &grad(&g_ref, t), BWD_TOL, &format!("attn d{n} (transposed)"));
+            assert_close(
+                &grad(&g, t),
+                &grad(&g_ref, t),
+                BWD_TOL,
+                &format!("attn d{n} (transposed)"),
+            );
         }
         assert!(g.get(&bias).is_none());
     }
@@ -1761,7 +2055,12 @@ mod tests {
         let g = loss_of(&y, 4).backward().unwrap();
         let g_ref = loss_of(&y_ref, 4).backward().unwrap();
         for (n, t) in [("q", &q), ("k", &k), ("v", &v)] {
-            assert_close(&grad(&g, t), &grad(&g_ref, t), BWD_TOL, &format!("attn d{n} (tq > tk)"));
+            assert_close(
+                &grad(&g, t),
+                &grad(&g_ref, t),
+                BWD_TOL,
+                &format!("attn d{n} (tq > tk)"),
+            );
         }
     }
 

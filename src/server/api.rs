@@ -4,11 +4,11 @@
 
 use super::error::{ApiError, ApiResult};
 use crate::adapters::AdapterKind;
-use crate::formats::{self, ExtractError, Extracted, Source};
 use crate::lift::answer::Mode;
 use crate::lift::{AbsorbOptions, OptionError};
 use crate::model::generate::{FinishReason, SamplingParams};
 use crate::model::ChatMessage;
+use crate::formats::{self, ExtractError, Extracted, Source};
 use crate::service::{NewDocument, Question};
 use axum::body::Bytes;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -73,8 +73,8 @@ pub fn json_body<T: DeserializeOwned>(headers: &HeaderMap, bytes: &[u8], body: B
     }
     let text = utf8(bytes)?;
     // Syntax first, so that a malformed body is never reported as a field's fault.
-    let value: serde_json::Value = serde_json::from_str(text)
-        .map_err(|e| ApiError::bad_request("invalid_json", format!("malformed JSON: {e}")))?;
+    let value: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| ApiError::bad_request("invalid_json", format!("malformed JSON: {e}")))?;
     if !value.is_object() {
         return Err(ApiError::bad_request("invalid_json", "the body must be a JSON object"));
     }
@@ -86,7 +86,11 @@ fn field_error(e: serde_path_to_error::Error<serde_json::Error>, body: Body) -> 
     let inner = e.into_inner();
     let message = inner.to_string();
     // serde's `Error::unknown_field` is the one data error told apart by its (fixed) wording.
-    let code = if message.starts_with("unknown field") { body.unknown_field_code(&path) } else { body.code(&path) };
+    let code = if message.starts_with("unknown field") {
+        body.unknown_field_code(&path)
+    } else {
+        body.code(&path)
+    };
     ApiError::bad_request(code, format!("'{path}': {message}")).param(&path)
 }
 
@@ -198,28 +202,17 @@ pub fn document(text: String, title: Option<String>, options: AbsorbOptions, sou
 pub fn is_document_media_type(media_type: &str) -> bool {
     matches!(
         media_type,
-        "text/markdown"
-            | "text/x-markdown"
-            | "text/html"
-            | "application/xhtml+xml"
-            | "application/pdf"
-            | "application/x-pdf"
+        "text/markdown" | "text/x-markdown" | "text/html" | "application/xhtml+xml" | "application/pdf" | "application/x-pdf"
             | "application/octet-stream"
     )
 }
 
 /// The text of an uploaded file (`param` names it in errors), extracted on a blocking thread (a
 /// PDF can take a while).
-pub async fn extract_file(
-    bytes: Bytes,
-    filename: Option<String>,
-    media_type: Option<String>,
-    param: Option<&str>,
-) -> ApiResult<Extracted> {
-    let extracted =
-        tokio::task::spawn_blocking(move || formats::extract(&bytes, filename.as_deref(), media_type.as_deref()))
-            .await
-            .map_err(|e| ApiError::internal(format!("the extraction task failed: {e}")))?;
+pub async fn extract_file(bytes: Bytes, filename: Option<String>, media_type: Option<String>, param: Option<&str>) -> ApiResult<Extracted> {
+    let extracted = tokio::task::spawn_blocking(move || formats::extract(&bytes, filename.as_deref(), media_type.as_deref()))
+        .await
+        .map_err(|e| ApiError::internal(format!("the extraction task failed: {e}")))?;
     extracted.map_err(|e| {
         let status = match e {
             ExtractError::Unsupported { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
@@ -256,9 +249,7 @@ fn options_field(text: &str) -> ApiResult<DocumentOptions> {
         return Err(ApiError::bad_request("invalid_type", "the 'options' field must be a JSON object").param("options"));
     }
     let wrapped = serde_json::json!({ "options": value });
-    serde_path_to_error::deserialize::<_, Wrapped>(wrapped)
-        .map(|w| w.options)
-        .map_err(|e| field_error(e, Body::Document))
+    serde_path_to_error::deserialize::<_, Wrapped>(wrapped).map(|w| w.options).map_err(|e| field_error(e, Body::Document))
 }
 
 /// A `multipart/form-data` upload: one `file` part (its name and type guide the extraction),
@@ -271,13 +262,11 @@ pub async fn multipart_document(
     max_window: usize,
 ) -> ApiResult<NewDocument> {
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
-    let boundary = multer::parse_boundary(content_type).map_err(|e| {
-        ApiError::bad_request("invalid_multipart", format!("multipart/form-data needs a boundary: {e}"))
-    })?;
+    let boundary = multer::parse_boundary(content_type)
+        .map_err(|e| ApiError::bad_request("invalid_multipart", format!("multipart/form-data needs a boundary: {e}")))?;
     let body = futures_util::stream::once(async move { Ok::<_, std::convert::Infallible>(bytes) });
     let mut form = multer::Multipart::new(body, boundary);
-    let malformed =
-        |e: multer::Error| ApiError::bad_request("invalid_multipart", format!("malformed multipart body: {e}"));
+    let malformed = |e: multer::Error| ApiError::bad_request("invalid_multipart", format!("malformed multipart body: {e}"));
     let (mut file, mut title, mut options) = (None, None, None);
     while let Some(field) = form.next_field().await.map_err(malformed)? {
         let name = field.name().unwrap_or("").to_string();
@@ -294,8 +283,7 @@ pub async fn multipart_document(
             }
         };
         if seen {
-            return Err(ApiError::bad_request("duplicate_field", format!("the form field '{name}' is given twice"))
-                .param(&name));
+            return Err(ApiError::bad_request("duplicate_field", format!("the form field '{name}' is given twice")).param(&name));
         }
         let filename = field.file_name().map(str::to_string);
         let media_type = field.content_type().map(|m| m.essence_str().to_ascii_lowercase());
@@ -601,10 +589,8 @@ impl ChatRequest {
         if messages.is_empty() {
             return Err(bad_messages("'messages' must not be empty"));
         }
-        let messages: Vec<ChatMessage> =
-            messages.into_iter().map(ChatMessageIn::into_message).collect::<ApiResult<_>>()?;
-        let (chars, limit) =
-            (messages.iter().map(|m| m.content.chars().count()).sum::<usize>(), limits.max_question_chars);
+        let messages: Vec<ChatMessage> = messages.into_iter().map(ChatMessageIn::into_message).collect::<ApiResult<_>>()?;
+        let (chars, limit) = (messages.iter().map(|m| m.content.chars().count()).sum::<usize>(), limits.max_question_chars);
         if chars > limit {
             return Err(ApiError::bad_request(
                 "messages_too_long",
@@ -651,9 +637,7 @@ fn top_p(v: Option<f64>) -> ApiResult<f64> {
     match v {
         None => Ok(1.0),
         Some(p) if p > 0.0 && p <= 1.0 => Ok(p),
-        Some(p) => {
-            Err(ApiError::bad_request("invalid_top_p", format!("'top_p' must be in (0, 1] (got {p})")).param("top_p"))
-        }
+        Some(p) => Err(ApiError::bad_request("invalid_top_p", format!("'top_p' must be in (0, 1] (got {p})")).param("top_p")),
     }
 }
 

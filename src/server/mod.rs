@@ -178,16 +178,12 @@ impl ServeConfig {
             }
             return Ok(None);
         };
-        let adapter_store = self
-            .adapter_store
-            .clone()
-            .context("--database-url needs --adapter-store (where the adapters are shared)")?;
+        let adapter_store = self.adapter_store.clone().context("--database-url needs --adapter-store (where the adapters are shared)")?;
         if !(self.lease_secs.is_finite() && self.lease_secs >= 1.0) {
             anyhow::bail!("--lease-secs must be at least 1 (got {})", self.lease_secs);
         }
         let replica = self.replica_id.clone().unwrap_or_else(|| {
-            let host =
-                std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
             format!("{}-{}", if host.is_empty() { "replica" } else { &host }, std::process::id())
         });
         Ok(Some(SharedConfig {

@@ -19,14 +19,14 @@ mod error;
 pub mod records;
 pub mod shared;
 
-pub use crate::engine::Generated;
 pub use error::ServiceError;
+pub use crate::engine::Generated;
 pub use records::{DocumentView, ErrorMessage};
 
 use crate::document::Document;
 use crate::engine::{AbsorbJob, Engine, EngineError, GenerateJob, GenerateLimits, Job, Lane, Prompt};
-use crate::formats::Source;
 use crate::lift::answer::Mode;
+use crate::formats::Source;
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
 use crate::model::generate::SamplingParams;
@@ -162,13 +162,7 @@ impl Service {
             metrics,
             shutting_down: AtomicBool::new(false),
         });
-        let engine = Arc::new(Engine::start(
-            model.clone(),
-            store.clone(),
-            records.clone(),
-            cfg.train_queue,
-            cfg.generate_limits(&model),
-        )?);
+        let engine = Arc::new(Engine::start(model.clone(), store.clone(), records.clone(), cfg.train_queue, cfg.generate_limits(&model))?);
         let service = Self { engine, store, registry: Registry::Files(records), cfg };
         for (id, text) in requeue {
             service.requeue(&id, text);
@@ -179,22 +173,11 @@ impl Service {
     /// A replica on a shared database and adapter store: `adapters_dir` is its local cache of
     /// the shared archives. The schema and the trainer loop start in the background (on the
     /// current tokio runtime), so a replica may start before the database is up.
-    fn open_shared(
-        model: Arc<Model>,
-        cfg: ServiceConfig,
-        shared_cfg: shared::SharedConfig,
-        metrics: Arc<Metrics>,
-    ) -> Result<Self> {
+    fn open_shared(model: Arc<Model>, cfg: ServiceConfig, shared_cfg: shared::SharedConfig, metrics: Arc<Metrics>) -> Result<Self> {
         let blobs = Arc::new(store::blobs::Blobs::open(&shared_cfg.adapter_store)?);
         let store = Arc::new(Store::open(&cfg.adapters_dir, cfg.cache_bytes)?.with_blobs(blobs));
         let shared = Arc::new(shared::Shared::new(shared_cfg.clone(), store.clone(), metrics)?);
-        let engine = Arc::new(Engine::start(
-            model.clone(),
-            store.clone(),
-            shared.clone(),
-            cfg.train_queue,
-            cfg.generate_limits(&model),
-        )?);
+        let engine = Arc::new(Engine::start(model.clone(), store.clone(), shared.clone(), cfg.train_queue, cfg.generate_limits(&model))?);
         tokio::spawn(shared.clone().run(engine.clone()));
         tracing::info!(
             replica = %shared_cfg.replica, role = ?shared_cfg.role, adapter_store = %shared_cfg.adapter_store,
@@ -294,11 +277,10 @@ impl Service {
         let slot = self.engine.reserve(Lane::Train)?;
         // The text is kept until the adapter is saved, so that a restart can train it again.
         let (store, id2) = (self.store.clone(), id.clone());
-        let document =
-            tokio::task::spawn_blocking(move || store.write_pending_text(&id2, &document.text).map(|()| document))
-                .await
-                .map_err(ServiceError::internal)?
-                .map_err(|e| ServiceError::internal(format!("cannot keep the document text: {e:#}")))?;
+        let document = tokio::task::spawn_blocking(move || store.write_pending_text(&id2, &document.text).map(|()| document))
+            .await
+            .map_err(ServiceError::internal)?
+            .map_err(|e| ServiceError::internal(format!("cannot keep the document text: {e:#}")))?;
 
         let mut docs = records.docs.write().map_err(ServiceError::poisoned)?;
         if let Some(view) = existing_view(&docs, &id) {
@@ -315,9 +297,7 @@ impl Service {
             cancel: entry.cancel.clone(),
         };
         slot.submit(Job::Absorb(job))?;
-        self.store
-            .write_record(&entry.rec)
-            .map_err(|e| ServiceError::internal(format!("cannot write the job record: {e}")))?;
+        self.store.write_record(&entry.rec).map_err(|e| ServiceError::internal(format!("cannot write the job record: {e}")))?;
         let view = entry.view();
         docs.insert(id.clone(), entry);
         tracing::info!(id, tokens, "document queued");
@@ -406,11 +386,7 @@ impl Service {
     }
 
     /// Updates of the document's view, for event streams (closed when the document is deleted).
-    pub async fn watch(
-        &self,
-        owner: Option<&str>,
-        id: &str,
-    ) -> Result<tokio::sync::watch::Receiver<DocumentView>, ServiceError> {
+    pub async fn watch(&self, owner: Option<&str>, id: &str) -> Result<tokio::sync::watch::Receiver<DocumentView>, ServiceError> {
         known_shape(id)?;
         match &self.registry {
             Registry::Files(r) => with_doc(r, owner, id, |d| d.watch.subscribe()),
@@ -467,8 +443,7 @@ impl Service {
         self.check_fits(needed, params.max_tokens)?;
         // The KV tokens it may take: its in-context share of the document (with a FltLM
         // layout's markers), the template and question, the answer; never past the window.
-        let context =
-            if q.mode.uses_context() { view.tokens.min(self.cfg.context_tokens.unwrap_or(usize::MAX)) } else { 0 };
+        let context = if q.mode.uses_context() { view.tokens.min(self.cfg.context_tokens.unwrap_or(usize::MAX)) } else { 0 };
         let markers = model.base_filter().filter(|_| filtered).map_or(0, |f| context / f.chunk_tokens.max(1) + 1);
         let kv_tokens = (context + markers + needed + params.max_tokens).min(model.config().max_position_embeddings);
         let prompt = Prompt::Document {
@@ -514,8 +489,7 @@ impl Service {
         let (reply, result) = tokio::sync::oneshot::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let queued_at = Instant::now();
-        let job =
-            GenerateJob { prompt, params, cancel: cancel.clone(), pieces, reply, queued_at, kv_tokens, kv_hold: None };
+        let job = GenerateJob { prompt, params, cancel: cancel.clone(), pieces, reply, queued_at, kv_tokens, kv_hold: None };
         self.engine.submit(Job::Generate(job))?;
         Ok(PendingGeneration { result, _cancel: CancelOnDrop(cancel) })
     }
@@ -578,19 +552,10 @@ impl Service {
 
 /// An id that is not a well-formed document id names no document (and never a path).
 fn known_shape(id: &str) -> Result<(), ServiceError> {
-    if store::valid_id(id) {
-        Ok(())
-    } else {
-        Err(ServiceError::UnknownDocument(id.to_string()))
-    }
+    if store::valid_id(id) { Ok(()) } else { Err(ServiceError::UnknownDocument(id.to_string())) }
 }
 
-fn with_doc<T>(
-    records: &Records,
-    owner: Option<&str>,
-    id: &str,
-    f: impl FnOnce(&DocEntry) -> T,
-) -> Result<T, ServiceError> {
+fn with_doc<T>(records: &Records, owner: Option<&str>, id: &str, f: impl FnOnce(&DocEntry) -> T) -> Result<T, ServiceError> {
     let docs = records.docs.read().map_err(ServiceError::poisoned)?;
     match docs.get(id) {
         Some(d) if d.rec.owner.as_deref() == owner => Ok(f(d)),
@@ -599,9 +564,7 @@ fn with_doc<T>(
 }
 
 fn existing_view(docs: &HashMap<String, DocEntry>, id: &str) -> Option<DocumentView> {
-    docs.get(id)
-        .filter(|d| matches!(d.rec.status, Status::Queued | Status::Training | Status::Ready))
-        .map(DocEntry::view)
+    docs.get(id).filter(|d| matches!(d.rec.status, Status::Queued | Status::Training | Status::Ready)).map(DocEntry::view)
 }
 
 /// Where a streaming generation sends its text pieces.

@@ -3,10 +3,10 @@
 //! ([`JobEvents`]); every change to a record is written through to the store.
 
 use crate::engine::{AbsorbOutcome, JobEvents, JobProgress, JobUpdate};
-use crate::formats::Source;
 use crate::metrics::Metrics;
 use crate::model::generate::Generation;
 use crate::store::{self, AdapterInfo, JobRecord, Status, Store};
+use crate::formats::Source;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};

@@ -16,10 +16,10 @@
 pub mod blobs;
 
 use crate::adapters::{manifest, AdapterBundle, Manifest};
+use blobs::{BlobRef, Blobs};
 use crate::document::{tokens_from_bytes, Document};
 use crate::model::Model;
 use anyhow::{Context, Result};
-use blobs::{BlobRef, Blobs};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -191,9 +191,7 @@ pub fn now() -> u64 {
 /// JSON of the effective options (serde_json maps are sorted, so `to_string` is canonical).
 pub fn document_id(fingerprint: &str, owner: Option<&str>, text: &str, options: &serde_json::Value) -> String {
     let mut h = Sha256::new();
-    for part in
-        [fingerprint.as_bytes(), owner.unwrap_or("").as_bytes(), text.as_bytes(), options.to_string().as_bytes()]
-    {
+    for part in [fingerprint.as_bytes(), owner.unwrap_or("").as_bytes(), text.as_bytes(), options.to_string().as_bytes()] {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part);
     }
@@ -202,9 +200,7 @@ pub fn document_id(fingerprint: &str, owner: Option<&str>, text: &str, options: 
 
 /// A well-formed document id (also keeps ids from naming paths outside the store).
 pub fn valid_id(id: &str) -> bool {
-    id.len() == 36
-        && id.starts_with("doc_")
-        && id[4..].bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    id.len() == 36 && id.starts_with("doc_") && id[4..].bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
 }
 
 /// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename.
@@ -221,8 +217,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 impl Store {
     /// Opens (creating) the store; `cache_bytes` bounds the loaded adapters held in memory.
     pub fn open(root: &Path, cache_bytes: u64) -> Result<Self> {
-        std::fs::create_dir_all(root)
-            .with_context(|| format!("{}: cannot create adapters directory", root.display()))?;
+        std::fs::create_dir_all(root).with_context(|| format!("{}: cannot create adapters directory", root.display()))?;
         let _ = manifest::remove_stale_saves(root, std::time::Duration::from_secs(0));
         let stats = Arc::new(CacheStats::default());
         let s2 = stats.clone();
@@ -320,22 +315,20 @@ impl Store {
             if !valid_id(id) {
                 continue;
             }
-            let mut rec: JobRecord =
-                match std::fs::read(&path).map_err(anyhow::Error::from).and_then(|b| Ok(serde_json::from_slice(&b)?)) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        tracing::warn!(path = %path.display(), error = %e, "unreadable job record skipped");
-                        continue;
-                    }
-                };
+            let mut rec: JobRecord = match std::fs::read(&path).map_err(anyhow::Error::from).and_then(|b| Ok(serde_json::from_slice(&b)?)) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "unreadable job record skipped");
+                    continue;
+                }
+            };
             let mut requeue_text = None;
             if !rec.status.is_terminal() {
                 let was = rec.status.name();
                 if let Ok(m) = Manifest::read(&self.adapter_dir(id)) {
                     rec.status = Status::Ready;
                     rec.ready_at = Some(m.created_at);
-                    rec.adapter =
-                        Some(AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes });
+                    rec.adapter = Some(AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes });
                 } else {
                     match std::fs::read_to_string(self.pending_path(id)) {
                         Ok(text) => {
