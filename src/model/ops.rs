@@ -367,14 +367,18 @@ impl CustomOp2 for RmsNorm {
         let w = f32_data(ws, wl, self.name())?;
         let dim = w.len();
         let mut out = vec![0f32; x.len()];
-        out.par_chunks_mut(dim)
-            .zip(x.par_chunks(dim))
-            .for_each(|(o, x)| {
-                let r = rms_inv(x, self.eps);
-                for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
-                    *o = x * r * w;
-                }
-            });
+        let row = |(o, x): (&mut [f32], &[f32])| {
+            let r = rms_inv(x, self.eps);
+            for ((o, &x), &w) in o.iter_mut().zip(x).zip(w) {
+                *o = x * r * w;
+            }
+        };
+        // A decode step's few rows: waking the rayon pool costs more than the rows.
+        if x.len() <= SERIAL_ELEMWISE {
+            out.chunks_mut(dim).zip(x.chunks(dim)).for_each(row);
+        } else {
+            out.par_chunks_mut(dim).zip(x.par_chunks(dim)).for_each(row);
+        }
         Ok((CpuStorage::F32(out), xl.shape().clone()))
     }
 
@@ -518,6 +522,9 @@ struct SiluMul;
 /// Elements per rayon task for the purely elementwise kernels.
 const ELEMWISE_CHUNK: usize = 1 << 14;
 
+/// Elements up to which an elementwise forward runs on the calling thread.
+const SERIAL_ELEMWISE: usize = 1 << 16;
+
 impl CustomOp2 for SiluMul {
     fn name(&self) -> &'static str {
         "fused-silu-mul"
@@ -533,16 +540,19 @@ impl CustomOp2 for SiluMul {
         let g = f32_data(gs, gl, self.name())?;
         let u = f32_data(us, ul, self.name())?;
         let mut out = vec![0f32; g.len()];
-        out.par_chunks_mut(ELEMWISE_CHUNK)
-            .zip(
-                g.par_chunks(ELEMWISE_CHUNK)
-                    .zip(u.par_chunks(ELEMWISE_CHUNK)),
-            )
-            .for_each(|(o, (g, u))| {
-                for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
-                    *o = g * sigmoid_fast(g) * u;
-                }
-            });
+        let kernel = |o: &mut [f32], g: &[f32], u: &[f32]| {
+            for ((o, &g), &u) in o.iter_mut().zip(g).zip(u) {
+                *o = g * sigmoid_fast(g) * u;
+            }
+        };
+        // A decode step's few rows take microseconds: waking the rayon pool costs more.
+        if g.len() <= SERIAL_ELEMWISE {
+            kernel(&mut out, g, u);
+        } else {
+            out.par_chunks_mut(ELEMWISE_CHUNK)
+                .zip(g.par_chunks(ELEMWISE_CHUNK).zip(u.par_chunks(ELEMWISE_CHUNK)))
+                .for_each(|(o, (g, u))| kernel(o, g, u));
+        }
         Ok((CpuStorage::F32(out), gl.shape().clone()))
     }
 
