@@ -66,7 +66,7 @@ fn reset_peak_rss() {
 }
 
 fn main() -> anyhow::Result<()> {
-    lift_serve::runtime::tune_allocator();
+    lift_serve::runtime::tune_cpu();
     let lengths: Vec<usize> = std::env::var("BENCH_LENGTHS")
         .unwrap_or_else(|_| "1024,2048,4096".into())
         .split(',')

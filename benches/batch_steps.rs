@@ -15,7 +15,7 @@ use lift_serve::model::{KvCache, Model, NoHooks};
 use std::time::Instant;
 
 fn main() -> anyhow::Result<()> {
-    lift_serve::runtime::tune_allocator();
+    lift_serve::runtime::tune_cpu();
     let path = lift_serve::fetch::resolve_model(None)?;
     let mut m = Model::load(&path, &Device::Cpu)?;
     if let Some(rows) = std::env::var("BENCH_FLOAT_ROWS").ok().and_then(|s| s.parse().ok()) {

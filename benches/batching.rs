@@ -194,6 +194,6 @@ async fn run() -> Result<()> {
 }
 
 fn main() -> Result<()> {
-    lift_serve::runtime::tune_allocator();
+    lift_serve::runtime::tune_cpu();
     tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?.block_on(run())
 }

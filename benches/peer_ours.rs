@@ -16,7 +16,7 @@ const DECODE_PROMPT: usize = 128;
 const DECODE_STEPS: usize = 64;
 
 fn main() -> anyhow::Result<()> {
-    lift_serve::runtime::tune_allocator();
+    lift_serve::runtime::tune_cpu();
     let ids_path = std::env::var("PEERS_IDS").map_err(|_| anyhow::anyhow!("set PEERS_IDS to the ids JSON file"))?;
     let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&ids_path)?)?;
     let ids: Vec<u32> = serde_json::from_value(doc["ids"].clone())?;

@@ -25,7 +25,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
-    lift_serve::runtime::tune_allocator();
+    lift_serve::runtime::tune_cpu();
     let steps: usize = env_or("BENCH_STEPS", 3);
     let tokens: usize = env_or("BENCH_TOKENS", 1024);
     let arms = std::env::var("BENCH_ARMS").unwrap_or_else(|_| "lora,filter,cdt,both".into());

@@ -51,7 +51,7 @@ fn prefill_flops(m: &Model, t: usize) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
-    lift_serve::runtime::tune_allocator();
+    lift_serve::runtime::tune_cpu();
     let runs: usize = std::env::var("BENCH_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     let want = |name: &str| only.is_empty() || only.split(',').any(|o| o == name);

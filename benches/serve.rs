@@ -342,7 +342,7 @@ async fn run() -> Result<()> {
 }
 
 fn main() -> Result<()> {
-    lift_serve::runtime::tune_allocator();
+    lift_serve::runtime::tune_cpu();
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     rt.block_on(run())
 }

@@ -280,6 +280,10 @@ fn plan(
     let Some(f) = model.base_filter() else {
         return Ok((Plan::new(model, document.tokens(), pairs, &opts.plan)?, Vec::new()));
     };
+    if opts.plan.qa_pack > 1 {
+        // Each question's filter masks the context its own way; a packed row shares one context.
+        tracing::warn!(qa_pack = opts.plan.qa_pack, "qa_pack has no effect under the prepared base's filter: one question per row");
+    }
     let examples = filter::qa_examples(model, document, pairs, opts.plan.qa_context(), f)?;
     let qa = examples.iter().map(|e| e.example.clone()).collect();
     Ok((Plan::with_qa(model, document.tokens(), qa, &opts.plan)?, examples))

@@ -25,7 +25,8 @@ pub struct PlanOptions {
     /// Auxiliary questions packed into one training row behind their shared head+tail context
     /// (`model::Packing`: each sees the context and itself only, so the gradient is that of the
     /// separate examples summed, at a fraction of the tokens). 1: one question per row. Left out
-    /// of the JSON (and so of document ids) when 1.
+    /// of the JSON (and so of document ids) when 1. No effect under a prepared base with an FltLM
+    /// filter: its QA examples are built one question per row (`lift::plan`).
     #[serde(skip_serializing_if = "is_unpacked")]
     pub qa_pack: usize,
     /// Segments packed into one contextualized-training row behind one head+tail context (as

@@ -570,8 +570,9 @@ impl Decoder {
 
     /// RMSNorm of a batch step's rows: on the CPU the fused row loop of `ops::rms_norm`
     /// (vectorised sum of squares; on the calling thread for a decode step's few rows), where
-    /// candle's sums each row serially (0.3 of ~20 ms in a 16-row step); elsewhere candle's
-    /// kernel. Row by row either way, so a row's arithmetic does not depend on its batch.
+    /// candle's sums each row serially (0.7 ms of a 22.6 ms 16-row step; 0.3 ms this way);
+    /// elsewhere candle's kernel. Row by row either way, so a row's arithmetic does not depend
+    /// on its batch.
     fn inference_norm(&self, x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
         if self.device.is_cpu() {
             super::ops::rms_norm(x, weight, eps)
