@@ -70,23 +70,33 @@ fn attend_unit(q: &[f32], c: &DecodeCache, kvh: usize, d: usize, scale: f32, o: 
         }
     }
     for (s, oh) in scores.chunks_exact_mut(c.len).zip(o.chunks_exact_mut(d)) {
-        if let Some(bias) = c.bias {
-            for (x, b) in s.iter_mut().zip(bias) {
-                *x += b;
-            }
-        }
-        let max = s.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-        for x in s.iter_mut() {
-            *x = exp_f32(*x - max);
-        }
-        let sum = lane_sum(s);
-        let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+        let inv = exp_scores(s, c.bias);
         for (w, vr) in s.iter().zip(v.chunks_exact(d)) {
             let w = w * inv;
             for (x, vx) in oh.iter_mut().zip(vr) {
                 *x = w.mul_add(*vx, *x);
             }
         }
+    }
+}
+
+/// One head's scores (scaled) into unnormalised softmax weights, in place: the bias added, the
+/// maximum subtracted, exponentiated. Returns 1 / their sum (0 when every key is masked).
+fn exp_scores(s: &mut [f32], bias: Option<&[f32]>) -> f32 {
+    if let Some(bias) = bias {
+        for (x, b) in s.iter_mut().zip(bias) {
+            *x += b;
+        }
+    }
+    let max = lane_max(s);
+    for x in s.iter_mut() {
+        *x = exp_f32(*x - max);
+    }
+    let sum = lane_sum(s);
+    if sum > 0.0 {
+        1.0 / sum
+    } else {
+        0.0
     }
 }
 
@@ -138,17 +148,7 @@ fn attend_unit_64<const G: usize>(q: &[f32], c: &DecodeCache, kvh: usize, scale:
         for x in s.iter_mut() {
             *x *= scale;
         }
-        if let Some(bias) = c.bias {
-            for (x, b) in s.iter_mut().zip(bias) {
-                *x += b;
-            }
-        }
-        let max = lane_max(s);
-        for x in s.iter_mut() {
-            *x = exp_f32(*x - max);
-        }
-        let sum = lane_sum(s);
-        inv[h] = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+        inv[h] = exp_scores(s, c.bias);
     }
     let mut acc = [[0f32; D]; G];
     for (j, vr) in v.chunks_exact(D).enumerate() {
