@@ -139,13 +139,25 @@ impl Sampler {
 }
 
 pub fn argmax(xs: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, &x) in xs.iter().enumerate() {
-        if x > xs[best] {
-            best = i;
+    // The maximum in 16 lanes (vectorises; a running index is a serial chain through the whole
+    // vocabulary, 16 rows of 49,152 a batch step), then its first position. NaNs are skipped
+    // as the plain loop skips them, except a NaN first element, which that loop never left.
+    const LANES: usize = 16;
+    if xs.first().is_none_or(|x| x.is_nan()) {
+        return 0;
+    }
+    let mut lanes = [f32::NEG_INFINITY; LANES];
+    let chunks = xs.chunks_exact(LANES);
+    let mut max = chunks.remainder().iter().fold(f32::NEG_INFINITY, |m, &x| if x > m { x } else { m });
+    for c in chunks {
+        for (l, &x) in lanes.iter_mut().zip(c) {
+            *l = if x > *l { x } else { *l };
         }
     }
-    best as u32
+    for l in lanes {
+        max = if l > max { l } else { max };
+    }
+    xs.iter().position(|&x| x == max).unwrap_or(0) as u32
 }
 
 /// A prompt longer than the model's window, refused before any forward pass (a prompt past the
@@ -423,6 +435,41 @@ fn held_back(text: &str, stops: &[String]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The vectorised argmax against the plain first-maximum loop: ties (the first wins),
+    /// NaNs, infinities, lengths around the 16-lane blocks.
+    #[test]
+    fn argmax_is_the_first_maximum() {
+        fn plain(xs: &[f32]) -> u32 {
+            let mut best = 0;
+            for (i, &x) in xs.iter().enumerate() {
+                if x > xs[best] {
+                    best = i;
+                }
+            }
+            best as u32
+        }
+        let mut seed = 9u64;
+        for len in [1, 2, 15, 16, 17, 33, 100, 49_152] {
+            for case in 0..6 {
+                let mut xs: Vec<f32> = (0..len)
+                    .map(|_| {
+                        seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+                        ((seed >> 40) % 50) as f32 // few distinct values: many ties
+                    })
+                    .collect();
+                match case {
+                    1 => xs[len / 2] = f32::NAN,
+                    2 => xs[0] = f32::NAN,
+                    3 => xs[len - 1] = f32::INFINITY,
+                    4 => xs.iter_mut().for_each(|x| *x = f32::NEG_INFINITY),
+                    5 => xs.iter_mut().for_each(|x| *x = -*x),
+                    _ => {}
+                }
+                assert_eq!(argmax(&xs), plain(&xs), "length {len}, case {case}");
+            }
+        }
+    }
 
     #[test]
     fn stop_strings_are_found_and_held_back() {
