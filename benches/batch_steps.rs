@@ -6,10 +6,15 @@
 //!
 //!   RAYON_NUM_THREADS=2 LIFT_MODELS_DIR=models cargo bench --bench batch_steps
 //!
-//! BENCH_SHORT_ONLY=1 runs the 30-token prompts only. BENCH_FLOAT_ROWS=N moves the decoder's `float_batch_min_rows` (the float-weights decode path).
+//! BENCH_SHORT_ONLY=1 runs the 30-token prompts only. BENCH_GATED_MEMORY=1 gives each generation
+//! its own Gated Memory adapter on every layer (random, the default absorb's shape), as 16 users
+//! on 16 documents are: the adapters' cost per token in a mixed batch. BENCH_FLOAT_ROWS=N moves the decoder's `float_batch_min_rows` (the float-weights decode path).
 
 use candle_core::Device;
+use lift_serve::adapters::GatedMemory;
 use lift_serve::engine::batcher::{Batch, Entry};
+use lift_serve::model::Adapter;
+use std::sync::Arc;
 use lift_serve::model::generate::{SamplingParams, Sequence, PREFILL_CHUNK};
 use lift_serve::model::{KvCache, Model, NoHooks};
 use std::time::Instant;
@@ -24,6 +29,18 @@ fn main() -> anyhow::Result<()> {
     m.decoder.prepare_float_weights()?;
     let layers = m.config().num_layers;
     let n = 16;
+    let adapters: Vec<Option<Arc<dyn Adapter>>> = (0..n)
+        .map(|i| -> anyhow::Result<Option<Arc<dyn Adapter>>> {
+            if std::env::var("BENCH_GATED_MEMORY").is_err() {
+                return Ok(None);
+            }
+            let cfg = m.config();
+            let layers: Vec<usize> = (0..cfg.num_layers).collect();
+            let gm = GatedMemory::new(cfg, &layers, cfg.attention_bias, 100 + i as u64, &Device::Cpu)?;
+            Ok(Some(Arc::new(gm.detached())))
+        })
+        .collect::<anyhow::Result<_>>()?;
+    println!("adapters: {}", if adapters[0].is_some() { "a Gated Memory per generation, all layers" } else { "none" });
     println!("threads: {}  generations: {n}  float decode from {} rows", rayon::current_num_threads(), m.decoder.float_batch_min_rows);
     println!("| prompt | answer | max batch | wall s | steps | pure-decode step ms | ms per decoded token | vs max batch 1 |");
     println!("|---|---|---|---|---|---|---|---|");
@@ -43,7 +60,8 @@ fn main() -> anyhow::Result<()> {
                     let ids: Vec<u32> = (0..prompt).map(|j| ((i * 31 + j * 7) % 5000) as u32 + 100).collect();
                     let params = SamplingParams { max_tokens: answer, ..Default::default() };
                     let seq = Sequence::new(&m, ids, KvCache::new(layers), params, NoHooks)?;
-                    batch.join(Entry { seq, adapter: None, adapter_key: 0, data: i });
+                    let adapter_key = if adapters[i].is_some() { i + 1 } else { 0 };
+                    batch.join(Entry { seq, adapter: adapters[i].clone(), adapter_key, data: i });
                 }
                 let (decoding, prompt_left) = batch.load();
                 let t = Instant::now();

@@ -128,10 +128,18 @@ fn causal_attention_on_cuda_matches_cpu() {
     assert!(rel_diff(&gpu_bf, &cpu) < 3e-2);
 }
 
+/// The CPU side of a comparison: f32 arithmetic throughout, the KV cache included (the default
+/// f16 cache is measured on the CPU alone, in `tests/runtime_real.rs`).
+fn cpu_model(path: &std::path::Path) -> Model {
+    let mut m = Model::load(path, &Device::Cpu).unwrap();
+    m.decoder.cpu_kv_dtype = DType::F32;
+    m
+}
+
 fn load_pair(spec: &TinySpec) -> (tempfile::TempDir, Model, Model) {
     let dir = tempfile::tempdir().unwrap();
     let path = write_hf(&dir.path().join("tiny"), spec).unwrap();
-    let cpu = Model::load(&path, &Device::Cpu).unwrap();
+    let cpu = cpu_model(&path);
     let gpu = Model::load(&path, &gpu()).unwrap();
     (dir, cpu, gpu)
 }
@@ -148,6 +156,12 @@ fn tiny_model_inference_on_cuda_is_bf16_and_close_to_cpu() {
     assert_eq!(b.dtype(), DType::F32, "logits come back as f32");
     let d = rel_diff(&b, &a);
     assert!(d < 5e-2, "bf16 CUDA vs f32 CPU logits: {d}");
+    // The CPU's default f16 KV cache: as close to the GPU's bf16 pass (which keeps a bf16 cache).
+    let mut cpu16 = Model::load(&cpu.info.path, &Device::Cpu).unwrap();
+    cpu16.decoder.cpu_kv_dtype = DType::F16;
+    let h = cpu16.decoder.forward(&input(&cpu16), &mut KvCache::new(2), None, &mut NoHooks, Logits::All).unwrap();
+    let dh = rel_diff(&b, &h);
+    assert!(dh < 5e-2, "bf16 CUDA vs CPU with an f16 KV cache: {dh}");
     // Prefill + one-token decode through the KV cache equals the full pass (on the GPU).
     let n = toks.len();
     let mut cache = KvCache::new(2);
@@ -194,7 +208,7 @@ fn quantized_gguf_runs_on_cuda() {
     let dir = tempfile::tempdir().unwrap();
     for dtype in [GgmlDType::Q8_0, GgmlDType::Q4_1] {
         let path = write_gguf(&dir.path().join(format!("tiny_{dtype:?}.gguf")), &spec, dtype).unwrap();
-        let cpu = Model::load(&path, &Device::Cpu).unwrap();
+        let cpu = cpu_model(&path);
         let gpu = Model::load(&path, &gpu()).unwrap();
         eprintln!("{dtype:?}: CPU int8 kernel: {}", cpu.decoder.layers[0].q.is_packed());
         let toks = cpu.tokenizer.encode("Quantized weights on the GPU.", false).unwrap();
@@ -604,6 +618,7 @@ fn prepared_base_under_a_document_adapter_on_cuda_matches_cpu() {
     base.save(&base_dir).unwrap();
     let with_base = |dev: &Device| {
         let mut m = Model::load(&path, dev).unwrap();
+        m.decoder.cpu_kv_dtype = DType::F32;
         PreparedBase::load(&base_dir, &m).unwrap().install(&mut m).unwrap();
         m
     };

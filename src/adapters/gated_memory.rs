@@ -9,8 +9,9 @@
 
 use super::init::Rng;
 use crate::kernels::gated_memory::{self as kernel, GmDims};
-use crate::model::{Adapter, ModelConfig};
+use crate::model::{Adapter, DecodeMix, ModelConfig};
 use candle_core::{DType, Device, Result, Tensor, Var};
+use half::f16;
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
@@ -28,6 +29,9 @@ pub struct GatedMemoryLayer {
     /// concatenation copies every parameter, per call and per sequence in a batch step.
     /// Trainable layers (`Var`s, updated in place) pack afresh each call.
     frozen_packed: OnceLock<Tensor>,
+    /// `packed()` of a frozen CPU layer in f16, made at its first decode step: what the batch
+    /// decode mix reads (`kernels::gated_memory::mix_row`), half the bytes of the f32 copy.
+    frozen_half: OnceLock<Vec<f16>>,
 }
 
 impl GatedMemoryLayer {
@@ -59,6 +63,7 @@ impl GatedMemoryLayer {
             gate_b1: self.gate_b1.as_ref().map(f).transpose()?,
             gate_w2: f(&self.gate_w2)?,
             frozen_packed: OnceLock::new(),
+            frozen_half: OnceLock::new(),
         })
     }
 
@@ -79,17 +84,38 @@ impl GatedMemoryLayer {
     /// with gradients to `q`, `attn` and every parameter.
     pub fn mix(&self, q: &Tensor, attn: &Tensor) -> Result<Tensor> {
         let dims = self.kernel_dims()?;
-        if self.named().iter().any(|(_, t)| t.is_variable()) {
-            return kernel::mix(q, attn, &self.packed()?, dims);
+        match self.frozen_packed_params()? {
+            Some(packed) => kernel::mix(q, attn, packed, dims),
+            None => kernel::mix(q, attn, &self.packed()?, dims),
         }
-        let packed = match self.frozen_packed.get() {
+    }
+
+    /// `frozen_half` of a frozen layer on the CPU (made at the first call); `None` otherwise.
+    fn frozen_half_params(&self) -> Option<&[f16]> {
+        if let Some(h) = self.frozen_half.get() {
+            return Some(h);
+        }
+        let packed = self.frozen_packed_params().ok()??;
+        if !packed.device().is_cpu() {
+            return None;
+        }
+        let values = packed.to_dtype(DType::F32).ok()?.to_vec1::<f32>().ok()?;
+        Some(self.frozen_half.get_or_init(|| values.iter().map(|&v| f16::from_f32(v)).collect()))
+    }
+
+    /// `packed()` of a frozen layer, made at the first call and kept; `None` for a trainable
+    /// one (its `Var`s change in place, so it packs afresh each call).
+    fn frozen_packed_params(&self) -> Result<Option<&Tensor>> {
+        if self.named().iter().any(|(_, t)| t.is_variable()) {
+            return Ok(None);
+        }
+        Ok(Some(match self.frozen_packed.get() {
             Some(p) => p,
             None => {
                 let p = self.packed()?;
                 self.frozen_packed.get_or_init(|| p)
             }
-        };
-        kernel::mix(q, attn, packed, dims)
+        }))
     }
 
     /// `q`: `[b, heads, t, d]` → (memory `[b, heads, t, d]`, gate `[b, heads, t, 1]`).
@@ -146,6 +172,7 @@ impl GatedMemory {
                 gate_b1: if bias { Some(param((h, 1, s), d)?) } else { None },
                 gate_w2: param((h, s, 1), s)?,
                 frozen_packed: OnceLock::new(),
+                frozen_half: OnceLock::new(),
             };
             out.insert(l, layer);
         }
@@ -256,6 +283,7 @@ impl GatedMemory {
             gate_b1,
             gate_w2: take("gate_w2", &shapes["gate_w2"])?,
             frozen_packed: OnceLock::new(),
+            frozen_half: OnceLock::new(),
         };
         if let Some(name) = tensors.keys().next() {
             candle_core::bail!("Gated Memory layers.{layer}.{name}: unknown tensor");
@@ -277,6 +305,14 @@ impl Adapter for GatedMemory {
 
     fn first_layer(&self) -> usize {
         self.layers.keys().next().copied().unwrap_or(usize::MAX)
+    }
+
+    fn decode_mix(&self, layer: usize) -> DecodeMix<'_> {
+        let Some(l) = self.layers.get(&layer) else { return DecodeMix::Identity };
+        match (l.frozen_half_params(), l.kernel_dims()) {
+            (Some(packed), Ok(dims)) => DecodeMix::GatedMemory { packed, dims },
+            _ => DecodeMix::Opaque,
+        }
     }
 }
 

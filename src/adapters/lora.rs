@@ -11,7 +11,7 @@
 //! linear layers, trained with AdamW at lr 5e-5: that is `LoraConfig::default()` and
 //! [`RECOMMENDED_LR`].
 
-use crate::model::{Adapter, ModelConfig, Projection};
+use crate::model::{Adapter, DecodeMix, ModelConfig, Projection};
 use super::init::Rng;
 use candle_core::{Device, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
@@ -295,6 +295,10 @@ impl Adapter for Lora {
 
     fn first_layer(&self) -> usize {
         self.layers.keys().next().copied().unwrap_or(usize::MAX)
+    }
+
+    fn decode_mix(&self, _layer: usize) -> DecodeMix<'_> {
+        DecodeMix::Identity
     }
 }
 

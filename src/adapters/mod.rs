@@ -18,7 +18,7 @@ pub use gated_memory::{GatedMemory, GatedMemoryLayer};
 pub use lora::{Lora, LoraConfig, LoraPair};
 pub use manifest::{load, save, BaseModelRef, DocumentRef, Manifest, FORMAT_VERSION};
 
-use crate::model::{Adapter, ModelConfig, Projection};
+use crate::model::{Adapter, DecodeMix, ModelConfig, Projection};
 use anyhow::{bail, Context};
 use candle_core::{Tensor, Var};
 use serde::{Deserialize, Serialize};
@@ -240,6 +240,13 @@ impl Adapter for AnyAdapter {
         match self {
             AnyAdapter::GatedMemory(a) => a.first_layer(),
             AnyAdapter::Lora(a) => a.first_layer(),
+        }
+    }
+
+    fn decode_mix(&self, layer: usize) -> DecodeMix<'_> {
+        match self {
+            AnyAdapter::GatedMemory(a) => a.decode_mix(layer),
+            AnyAdapter::Lora(a) => a.decode_mix(layer),
         }
     }
 }

@@ -7,7 +7,7 @@ use crate::lift::filter::ChunkScore;
 use crate::lift::{AbsorbEvent, AbsorbOptions, AbsorbStage};
 use super::EngineError;
 use crate::model::generate::{FinishReason, Generation, SamplingParams, Sequence};
-use crate::model::{Adapter, KvCache, Model, Projection};
+use crate::model::{Adapter, DecodeMix, KvCache, Model, Projection};
 use crate::store::{AdapterInfo, Loaded, Store};
 use candle_core::Tensor;
 use serde::Serialize;
@@ -216,6 +216,10 @@ impl Adapter for StoredAdapter {
 
     fn first_layer(&self) -> usize {
         self.0.bundle.adapter.first_layer()
+    }
+
+    fn decode_mix(&self, layer: usize) -> DecodeMix<'_> {
+        self.0.bundle.adapter.decode_mix(layer)
     }
 }
 

@@ -4,13 +4,15 @@
 //! than the matmuls; here it is one parallel loop over (sequence, head). A sequence alone takes
 //! the same loop, so its arithmetic does not depend on who else is in the batch.
 
-use super::math::exp_f32;
+use super::math::{exp_f32, StoredFloat};
+#[cfg(test)]
+use half::f16;
 
-/// One sequence's keys and values for one layer: `[kv_heads, capacity, d]` buffers of which the
-/// first `len` positions are filled, and an additive bias per key (FltLM's soft mask).
-pub struct DecodeCache<'a> {
-    pub k: &'a [f32],
-    pub v: &'a [f32],
+/// One sequence's keys and values for one layer: `[kv_heads, capacity, d]` buffers of which
+/// the first `len` positions are filled, and an additive bias per key (FltLM's soft mask).
+pub struct DecodeCache<'a, T> {
+    pub k: &'a [T],
+    pub v: &'a [T],
     pub capacity: usize,
     pub len: usize,
     pub bias: Option<&'a [f32]>,
@@ -23,7 +25,7 @@ pub struct DecodeCache<'a> {
 /// One unit of work is a (sequence, KV head): its query heads share each key and value row read
 /// from the cache. Units run on candle's CPU thread pool, the one the quantized matmuls around
 /// this call use (a second pool would compete with its spinning workers for the cores).
-pub fn decode_attention(q: &[f32], caches: &[DecodeCache], heads: usize, kv_heads: usize, d: usize, scale: f32) -> Vec<f32> {
+pub fn decode_attention<T: StoredFloat>(q: &[f32], caches: &[DecodeCache<T>], heads: usize, kv_heads: usize, d: usize, scale: f32) -> Vec<f32> {
     let kv_heads = kv_heads.max(1);
     let groups = (heads / kv_heads).max(1);
     let mut out = vec![0f32; caches.len() * heads * d];
@@ -39,10 +41,10 @@ pub fn decode_attention(q: &[f32], caches: &[DecodeCache], heads: usize, kv_head
             let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(first * d), groups * d) };
             let q = &q[first * d..(first + groups) * d];
             match (d, groups) {
-                (64, 1) => attend_unit_64::<1>(q, &caches[i], kvh, scale, o, &mut scores),
-                (64, 2) => attend_unit_64::<2>(q, &caches[i], kvh, scale, o, &mut scores),
-                (64, 3) => attend_unit_64::<3>(q, &caches[i], kvh, scale, o, &mut scores),
-                (64, 4) => attend_unit_64::<4>(q, &caches[i], kvh, scale, o, &mut scores),
+                (64, 1) => attend_unit_64::<T, 1>(q, &caches[i], kvh, scale, o, &mut scores),
+                (64, 2) => attend_unit_64::<T, 2>(q, &caches[i], kvh, scale, o, &mut scores),
+                (64, 3) => attend_unit_64::<T, 3>(q, &caches[i], kvh, scale, o, &mut scores),
+                (64, 4) => attend_unit_64::<T, 4>(q, &caches[i], kvh, scale, o, &mut scores),
                 _ => attend_unit(q, &caches[i], kvh, d, scale, o, &mut scores),
             }
         }
@@ -58,22 +60,25 @@ pub fn decode_attention(q: &[f32], caches: &[DecodeCache], heads: usize, kv_head
 }
 
 /// The query heads `q` (`[g, d]`) of one KV head `kvh` over one cache, into `o` (`[g, d]`).
-fn attend_unit(q: &[f32], c: &DecodeCache, kvh: usize, d: usize, scale: f32, o: &mut [f32], scores: &mut Vec<f32>) {
+fn attend_unit<T: StoredFloat>(q: &[f32], c: &DecodeCache<T>, kvh: usize, d: usize, scale: f32, o: &mut [f32], scores: &mut Vec<f32>) {
     let g = q.len() / d;
     let base = kvh * c.capacity * d;
     let (k, v) = (&c.k[base..base + c.len * d], &c.v[base..base + c.len * d]);
+    let mut row = vec![0f32; d];
     scores.clear();
     scores.resize(g * c.len, 0.0);
     for (j, kr) in k.chunks_exact(d).enumerate() {
+        T::to_f32s(kr, &mut row);
         for h in 0..g {
-            scores[h * c.len + j] = dot(&q[h * d..(h + 1) * d], kr) * scale;
+            scores[h * c.len + j] = dot(&q[h * d..(h + 1) * d], &row) * scale;
         }
     }
     for (s, oh) in scores.chunks_exact_mut(c.len).zip(o.chunks_exact_mut(d)) {
         let inv = exp_scores(s, c.bias);
         for (w, vr) in s.iter().zip(v.chunks_exact(d)) {
+            T::to_f32s(vr, &mut row);
             let w = w * inv;
-            for (x, vx) in oh.iter_mut().zip(vr) {
+            for (x, vx) in oh.iter_mut().zip(&row) {
                 *x = w.mul_add(*vx, *x);
             }
         }
@@ -106,7 +111,7 @@ fn exp_scores(s: &mut [f32], bias: Option<&[f32]>) -> f32 {
 /// are made 16 keys at a time, their 16 horizontal sums folded together in four rounds of
 /// two-source permutes ([`avx512::block_scores`]). The general loop's sum per key and head, and
 /// its per-key read-modify-write of the output, bounded it at ~7 GMAC/s per thread.
-fn attend_unit_64<const G: usize>(q: &[f32], c: &DecodeCache, kvh: usize, scale: f32, o: &mut [f32], scores: &mut Vec<f32>) {
+fn attend_unit_64<T: StoredFloat, const G: usize>(q: &[f32], c: &DecodeCache<T>, kvh: usize, scale: f32, o: &mut [f32], scores: &mut Vec<f32>) {
     const D: usize = 64;
     let len = c.len;
     let base = kvh * c.capacity * D;
@@ -114,33 +119,40 @@ fn attend_unit_64<const G: usize>(q: &[f32], c: &DecodeCache, kvh: usize, scale:
     let qh: [&[f32; D]; G] = std::array::from_fn(|h| q[h * D..(h + 1) * D].try_into().expect("a 64-wide query head"));
     scores.clear();
     scores.resize(G * len, 0.0);
-    let mut done = 0;
     #[cfg(target_arch = "x86_64")]
-    if avx512::available() {
-        let mut padded: Option<[f32; LANES * D]> = None;
-        let mut out = [0f32; LANES];
-        for block in (0..len).step_by(LANES) {
-            let n = LANES.min(len - block);
-            // The last, partial block: its rows copied into a zero-padded one.
-            let rows = if n == LANES {
-                &k[block * D..(block + LANES) * D]
-            } else {
-                let padded = padded.get_or_insert([0f32; LANES * D]);
-                padded[..n * D].copy_from_slice(&k[block * D..]);
-                padded[n * D..].fill(0.0);
-                &padded[..]
-            };
-            for (h, q) in qh.iter().enumerate() {
-                // SAFETY: AVX-512F is present (checked above).
-                unsafe { avx512::block_scores(q, rows, &mut out) };
-                scores[h * len + block..h * len + block + n].copy_from_slice(&out[..n]);
+    let simd = avx512::available();
+    #[cfg(not(target_arch = "x86_64"))]
+    let simd = false;
+    if simd {
+        #[cfg(target_arch = "x86_64")]
+        {
+            let mut padded: Option<[T; LANES * D]> = None;
+            let mut out = [0f32; LANES];
+            for block in (0..len).step_by(LANES) {
+                let n = LANES.min(len - block);
+                // The last, partial block: its rows copied into a zero-padded one.
+                let rows = if n == LANES {
+                    &k[block * D..(block + LANES) * D]
+                } else {
+                    let padded = padded.get_or_insert([T::default(); LANES * D]);
+                    padded[..n * D].copy_from_slice(&k[block * D..]);
+                    padded[n * D..].fill(T::default());
+                    &padded[..]
+                };
+                for (h, q) in qh.iter().enumerate() {
+                    // SAFETY: AVX-512F is present (checked above).
+                    unsafe { avx512::block_scores(q, rows, &mut out) };
+                    scores[h * len + block..h * len + block + n].copy_from_slice(&out[..n]);
+                }
             }
         }
-        done = len;
-    }
-    for (j, kr) in k.chunks_exact(D).enumerate().skip(done) {
-        for (h, q) in qh.iter().enumerate() {
-            scores[h * len + j] = dot(&q[..], kr);
+    } else {
+        let mut row = [0f32; D];
+        for (j, kr) in k.chunks_exact(D).enumerate() {
+            T::to_f32s(kr, &mut row);
+            for (h, q) in qh.iter().enumerate() {
+                scores[h * len + j] = dot(&q[..], &row);
+            }
         }
     }
     let mut inv = [0f32; G];
@@ -151,11 +163,21 @@ fn attend_unit_64<const G: usize>(q: &[f32], c: &DecodeCache, kvh: usize, scale:
         inv[h] = exp_scores(s, c.bias);
     }
     let mut acc = [[0f32; D]; G];
-    for (j, vr) in v.chunks_exact(D).enumerate() {
-        for h in 0..G {
-            let w = scores[h * len + j];
-            for (a, x) in acc[h].iter_mut().zip(vr) {
-                *a = w.mul_add(*x, *a);
+    if simd {
+        // SAFETY: AVX-512F is present (checked above).
+        #[cfg(target_arch = "x86_64")]
+        unsafe {
+            avx512::weighted_values::<T, G>(scores, v, &mut acc)
+        };
+    } else {
+        let mut row = [0f32; D];
+        for (j, vr) in v.chunks_exact(D).enumerate() {
+            T::to_f32s(vr, &mut row);
+            for h in 0..G {
+                let w = scores[h * len + j];
+                for (a, x) in acc[h].iter_mut().zip(&row) {
+                    *a = w.mul_add(*x, *a);
+                }
             }
         }
     }
@@ -168,6 +190,7 @@ fn attend_unit_64<const G: usize>(q: &[f32], c: &DecodeCache, kvh: usize, scale:
 
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
+    use super::StoredFloat;
     use std::arch::x86_64::*;
 
     pub fn available() -> bool {
@@ -203,7 +226,7 @@ mod avx512 {
     /// # Safety
     /// The CPU must have AVX-512F.
     #[target_feature(enable = "avx512f")]
-    pub unsafe fn block_scores(q: &[f32; 64], k: &[f32], out: &mut [f32; 16]) {
+    pub unsafe fn block_scores<T: StoredFloat>(q: &[f32; 64], k: &[T], out: &mut [f32; 16]) {
         const R8: [[i32; 16]; 2] = [fold_indices(8, false), fold_indices(8, true)];
         const R4: [[i32; 16]; 2] = [fold_indices(4, false), fold_indices(4, true)];
         const R2: [[i32; 16]; 2] = [fold_indices(2, false), fold_indices(2, true)];
@@ -214,9 +237,9 @@ mod avx512 {
             let qv = [0, 16, 32, 48].map(|o| _mm512_loadu_ps(q.as_ptr().add(o)));
             let p: [__m512; 16] = std::array::from_fn(|r| {
                 let row = k.as_ptr().add(r * 64);
-                let mut acc = _mm512_mul_ps(qv[0], _mm512_loadu_ps(row));
+                let mut acc = _mm512_mul_ps(qv[0], T::load16(row));
                 for c in 1..4 {
-                    acc = _mm512_fmadd_ps(qv[c], _mm512_loadu_ps(row.add(c * 16)), acc);
+                    acc = _mm512_fmadd_ps(qv[c], T::load16(row.add(c * 16)), acc);
                 }
                 acc
             });
@@ -224,6 +247,37 @@ mod avx512 {
             let t4: [__m512; 4] = std::array::from_fn(|r| fold(t8[r], t8[r + 4], &R4[0], &R4[1]));
             let t2: [__m512; 2] = std::array::from_fn(|r| fold(t4[r], t4[r + 2], &R2[0], &R2[1]));
             _mm512_storeu_ps(out.as_mut_ptr(), fold(t2[0], t2[1], &R1[0], &R1[1]));
+        }
+    }
+
+    /// `acc[h] = Σ_j w[h·len + j] · v[j]` over the `len` value rows of 64 in `v` (`[len, 64]`):
+    /// the `G` output rows in registers, each value row converted once for all of them; the
+    /// same fused multiply-add per element, in the same order, as the scalar loop.
+    ///
+    /// # Safety
+    /// The CPU must have AVX-512F.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn weighted_values<T: StoredFloat, const G: usize>(w: &[f32], v: &[T], acc: &mut [[f32; 64]; G]) {
+        let len = v.len() / 64;
+        assert!(w.len() >= G * len);
+        // SAFETY: v holds `len` rows of 64, w `G·len` weights (asserted), acc G rows of 64.
+        unsafe {
+            let mut a = [[_mm512_setzero_ps(); 4]; G];
+            for j in 0..len {
+                let row = v.as_ptr().add(j * 64);
+                let x = [0, 16, 32, 48].map(|o| T::load16(row.add(o)));
+                for h in 0..G {
+                    let wj = _mm512_set1_ps(*w.get_unchecked(h * len + j));
+                    for c in 0..4 {
+                        a[h][c] = _mm512_fmadd_ps(wj, x[c], a[h][c]);
+                    }
+                }
+            }
+            for h in 0..G {
+                for c in 0..4 {
+                    _mm512_storeu_ps(acc[h].as_mut_ptr().add(c * 16), a[h][c]);
+                }
+            }
         }
     }
 }
@@ -314,21 +368,31 @@ mod tests {
     fn check_against_candle(heads: usize, kv_heads: usize, d: usize, lens: &[usize], cap: usize) {
         let dev = Device::Cpu;
         let q = Tensor::randn(0f32, 1.0, (lens.len(), heads, d), &dev).unwrap();
-        let ks: Vec<Tensor> = lens.iter().map(|_| Tensor::randn(0f32, 1.0, (kv_heads, cap, d), &dev).unwrap()).collect();
-        let vs: Vec<Tensor> = lens.iter().map(|_| Tensor::randn(0f32, 1.0, (kv_heads, cap, d), &dev).unwrap()).collect();
+        // Values an f16 cache holds exactly; the reference reads the same values.
+        let cached = || -> Tensor {
+            let x = Tensor::randn(0f32, 1.0, (kv_heads, cap, d), &dev).unwrap();
+            x.to_dtype(candle_core::DType::F16).unwrap().to_dtype(candle_core::DType::F32).unwrap()
+        };
+        let ks: Vec<Tensor> = lens.iter().map(|_| cached()).collect();
+        let vs: Vec<Tensor> = lens.iter().map(|_| cached()).collect();
         let mut bias = vec![0f32; lens[2]];
         bias[3] = f32::NEG_INFINITY;
         bias[4] = -1.5;
-        let (kv, vv): (Vec<Vec<f32>>, Vec<Vec<f32>>) = ks
-            .iter()
-            .zip(&vs)
-            .map(|(k, v)| (k.flatten_all().unwrap().to_vec1().unwrap(), v.flatten_all().unwrap().to_vec1().unwrap()))
-            .unzip();
-        let caches: Vec<DecodeCache> = (0..lens.len())
+        let halves = |x: &Tensor| -> Vec<f16> { x.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|&v| f16::from_f32(v)).collect() };
+        let (kv, vv): (Vec<Vec<f16>>, Vec<Vec<f16>>) = ks.iter().zip(&vs).map(|(k, v)| (halves(k), halves(v))).unzip();
+        let caches: Vec<DecodeCache<f16>> = (0..lens.len())
             .map(|i| DecodeCache { k: &kv[i], v: &vv[i], capacity: cap, len: lens[i], bias: (i == 2).then_some(&bias[..]) })
             .collect();
         let scale = 1.0 / (d as f32).sqrt();
-        let got = decode_attention(&q.flatten_all().unwrap().to_vec1().unwrap(), &caches, heads, kv_heads, d, scale);
+        let qv: Vec<f32> = q.flatten_all().unwrap().to_vec1().unwrap();
+        let got = decode_attention(&qv, &caches, heads, kv_heads, d, scale);
+        // The same values in an f32 cache: the same arithmetic, bit for bit.
+        let floats = |x: &Tensor| -> Vec<f32> { x.flatten_all().unwrap().to_vec1::<f32>().unwrap() };
+        let (kf, vf): (Vec<Vec<f32>>, Vec<Vec<f32>>) = ks.iter().zip(&vs).map(|(k, v)| (floats(k), floats(v))).unzip();
+        let caches32: Vec<DecodeCache<f32>> = (0..lens.len())
+            .map(|i| DecodeCache { k: &kf[i], v: &vf[i], capacity: cap, len: lens[i], bias: (i == 2).then_some(&bias[..]) })
+            .collect();
+        assert_eq!(decode_attention(&qv, &caches32, heads, kv_heads, d, scale), got, "an f32 cache of the same values");
         for (i, &len) in lens.iter().enumerate() {
             let k = ks[i].narrow(1, 0, len).unwrap();
             let v = vs[i].narrow(1, 0, len).unwrap();

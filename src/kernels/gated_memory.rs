@@ -12,7 +12,7 @@
 
 #[cfg(feature = "cuda")]
 use super::cuda::CudaInput;
-use super::math::sigmoid_fast;
+use super::math::{sigmoid_fast, StoredFloat};
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Storage, Tensor};
 
 /// Shapes of one layer: heads, head_dim, gate hidden size and whether biases exist. The adapter
@@ -60,21 +60,21 @@ fn silu_grad(x: f32) -> f32 {
     s * (1.0 + x * (1.0 - s))
 }
 
-/// One head's weights as slices of the packed vector.
-struct HeadWeights<'a> {
-    w1: &'a [f32],
-    b1: Option<&'a [f32]>,
-    w2: &'a [f32],
-    b2: Option<&'a [f32]>,
-    g1: &'a [f32],
-    c1: Option<&'a [f32]>,
-    g2: &'a [f32],
+/// One head's weights as slices of the packed vector (f32, or f16 for decoding).
+struct HeadWeights<'a, T = f32> {
+    w1: &'a [T],
+    b1: Option<&'a [T]>,
+    w2: &'a [T],
+    b2: Option<&'a [T]>,
+    g1: &'a [T],
+    c1: Option<&'a [T]>,
+    g2: &'a [T],
 }
 
-fn head<'a>(p: &'a [f32], dims: GmDims, h: usize) -> HeadWeights<'a> {
+fn head<T>(p: &[T], dims: GmDims, h: usize) -> HeadWeights<'_, T> {
     let (off, _) = dims.offsets();
     let per = dims.per_head_sizes();
-    let at = |i: usize| -> Option<&'a [f32]> {
+    let at = |i: usize| -> Option<&[T]> {
         (off[i] >= 0).then(|| &p[off[i] as usize + h * per[i]..off[i] as usize + (h + 1) * per[i]])
     };
     HeadWeights {
@@ -347,15 +347,8 @@ pub fn fast_forward(q: &[f32], attn: &[f32], p: &[f32], dims: GmDims, t: usize) 
         return out;
     }
     let block = |(i, o): (usize, &mut [f32])| {
-        let w = head(p, dims, i % dims.heads);
-        let (x, a) = (&q[i * bs..(i + 1) * bs], &attn[i * bs..(i + 1) * bs]);
-        let f = block_forward(x, &w, dims, t);
-        for (r, ((o, a), m)) in o.chunks_mut(dims.d).zip(a.chunks(dims.d)).zip(f.m.chunks(dims.d)).enumerate() {
-            let g = f.g[r];
-            for j in 0..dims.d {
-                o[j] = a[j] + g * (m[j] - a[j]);
-            }
-        }
+        o.copy_from_slice(&attn[i * bs..(i + 1) * bs]);
+        mix_block(&q[i * bs..(i + 1) * bs], o, p, dims, i % dims.heads, t);
     };
     // A decoding row (t = 1) is ~20 µs of work for all heads: handing it to the thread pool
     // (and waiting on its latch) costs more than that, once per sequence and layer in a batch.
@@ -366,6 +359,156 @@ pub fn fast_forward(q: &[f32], attn: &[f32], p: &[f32], dims: GmDims, t: usize) 
     }
     out
 }
+
+/// One (batch, head) block of `t` rows in place: `attn ← attn + g·(m − attn)` for the head's
+/// pre-RoPE queries `q` (`[t, d]`), with `packed` the layer's parameters. `fast_forward` runs
+/// it per block; a batch decode step runs it for every sequence's heads in one parallel pass
+/// (`t` = 1), the same arithmetic as that sequence gets alone.
+pub fn mix_block(q: &[f32], attn: &mut [f32], packed: &[f32], dims: GmDims, head_index: usize, t: usize) {
+    let w = head(packed, dims, head_index);
+    let f = block_forward(q, &w, dims, t);
+    for (r, (a, m)) in attn.chunks_mut(dims.d).zip(f.m.chunks(dims.d)).enumerate() {
+        let g = f.g[r];
+        for j in 0..dims.d {
+            a[j] = a[j] + g * (m[j] - a[j]);
+        }
+    }
+}
+
+/// `dst = x·W` for one row `x` (`k` values) and a row-major `[k, n]` `W` stored as `T`: rows
+/// of `W` added in turn, each element's `x·w + o` fused (the arithmetic of `mm`'s one-row
+/// path). With AVX-512 and `n` a multiple of 16 up to 128, the outputs stay in registers and
+/// each row is converted as it is loaded; the same operations per element, in the same order.
+fn row_times<T: StoredFloat>(dst: &mut [f32], x: &[f32], w: &[T]) {
+    let n = dst.len();
+    assert!(w.len() >= x.len() * n, "a weight matrix smaller than [k, n]");
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx512f") {
+        // SAFETY: AVX-512F is present; `w` holds `x.len()` rows of `n` (asserted).
+        let done = unsafe {
+            match n {
+                64 => avx512_row_times::<T, 4>(dst, x, w),
+                128 => avx512_row_times::<T, 8>(dst, x, w),
+                16 => avx512_row_times::<T, 1>(dst, x, w),
+                32 => avx512_row_times::<T, 2>(dst, x, w),
+                _ => false,
+            }
+        };
+        if done {
+            return;
+        }
+    }
+    dst.fill(0.0);
+    let mut buf = vec![0f32; n];
+    for (kk, &xv) in x.iter().enumerate() {
+        T::to_f32s(&w[kk * n..(kk + 1) * n], &mut buf);
+        for (o, wv) in dst.iter_mut().zip(&buf) {
+            *o = xv.mul_add(*wv, *o);
+        }
+    }
+}
+
+/// [`row_times`] for `n = 16·B`.
+///
+/// # Safety
+/// The CPU has AVX-512F; `w` holds `x.len()` rows of `dst.len()` values.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn avx512_row_times<T: StoredFloat, const B: usize>(dst: &mut [f32], x: &[f32], w: &[T]) -> bool {
+    use std::arch::x86_64::*;
+    let n = 16 * B;
+    if dst.len() != n {
+        return false;
+    }
+    // SAFETY: every row read is inside `w` (the caller's contract), every store inside `dst`.
+    unsafe {
+        let mut acc = [_mm512_setzero_ps(); B];
+        for (kk, &xv) in x.iter().enumerate() {
+            let xb = _mm512_set1_ps(xv);
+            let row = w.as_ptr().add(kk * n);
+            for (c, a) in acc.iter_mut().enumerate() {
+                *a = _mm512_fmadd_ps(xb, T::load16(row.add(16 * c)), *a);
+            }
+        }
+        for (c, a) in acc.iter().enumerate() {
+            _mm512_storeu_ps(dst.as_mut_ptr().add(16 * c), *a);
+        }
+    }
+    true
+}
+
+fn add_bias_stored<T: StoredFloat>(y: &mut [f32], bias: Option<&[T]>, buf: &mut [f32]) {
+    if let Some(b) = bias {
+        let bf = &mut buf[..b.len()];
+        T::to_f32s(b, bf);
+        add_bias(y, Some(bf));
+    }
+}
+
+/// One head of one decoding row in place, `attn ← attn + g·(m − attn)` for the head's pre-RoPE
+/// query `q`, from the layer's packed parameters stored as `T`: with f32, bit for bit
+/// `mix_block` at `t` = 1; the batch decode step passes f16 copies (half the bytes; at 16
+/// sequences on 16 documents a step reads every sequence's adapter). `scratch` is reused
+/// between calls.
+pub fn mix_row<T: StoredFloat>(q: &[f32], attn: &mut [f32], packed: &[T], dims: GmDims, head_index: usize, scratch: &mut Vec<f32>) {
+    let w = head(packed, dims, head_index);
+    let (d, d2, s) = (dims.d, 2 * dims.d, dims.s);
+    scratch.resize(2 * d2 + d + 2 * s + d2, 0.0);
+    let (a1, rest) = scratch.split_at_mut(d2);
+    let (z1, rest) = rest.split_at_mut(d2);
+    let (m, rest) = rest.split_at_mut(d);
+    let (ag, rest) = rest.split_at_mut(s);
+    let (g2, buf) = rest.split_at_mut(s);
+    row_times(a1, q, w.w1);
+    add_bias_stored(a1, w.b1, buf);
+    for (z, &v) in z1.iter_mut().zip(a1.iter()) {
+        *z = v * sigmoid_fast(v);
+    }
+    row_times(m, z1, w.w2);
+    add_bias_stored(m, w.b2, buf);
+    row_times(ag, q, w.g1);
+    add_bias_stored(ag, w.c1, buf);
+    T::to_f32s(w.g2, g2);
+    let z: f32 = (0..s).map(|c| ag[c] * sigmoid_fast(ag[c]) * g2[c]).sum();
+    let g = sigmoid_fast(3.0 * (z - 1.0));
+    for (a, mj) in attn.iter_mut().zip(m.iter()) {
+        *a = *a + g * (mj - *a);
+    }
+}
+
+/// The Gated Memory mixes of a batch decode step, in place, in one pass of candle's CPU thread
+/// pool over (sequence, head): `attn` and `q` (pre-RoPE) are `[n, heads, d]`, one row per
+/// decoding sequence; `rows` lists the sequences to mix with their layer's packed parameters
+/// and shapes. One call per sequence instead ran each mix on the calling thread in turn while
+/// the pool's other workers waited.
+pub fn mix_decode_rows<T: StoredFloat>(q: &[f32], attn: &mut [f32], rows: &[(usize, &[T], GmDims)]) {
+    let Some(&(_, _, first)) = rows.first() else { return };
+    let (heads, d) = (first.heads, first.d);
+    let ptr = SharedRows(attn.as_mut_ptr());
+    let len = attn.len();
+    let run = |range: std::ops::Range<usize>| {
+        let ptr = &ptr;
+        let mut scratch = Vec::new();
+        for unit in range {
+            let (&(row, packed, dims), h) = (&rows[unit / heads], unit % heads);
+            let at = (row * heads + h) * d;
+            assert!(at + d <= len && dims.heads == heads && dims.d == d, "a mix row outside the batch");
+            // SAFETY: unit (row, h) alone touches these d values (rows are distinct sequences).
+            let a = unsafe { std::slice::from_raw_parts_mut(ptr.0.add(at), d) };
+            mix_row(&q[at..at + d], a, packed, dims, h, &mut scratch);
+        }
+    };
+    if rows.len() < 2 {
+        run(0..rows.len() * heads);
+    } else {
+        candle_core::utils::barrier_pool().execute_chunked(rows.len() * heads, run);
+    }
+}
+
+struct SharedRows(*mut f32);
+// SAFETY: the units writing through it touch disjoint rows (see `mix_decode_rows`).
+unsafe impl Sync for SharedRows {}
+unsafe impl Send for SharedRows {}
 
 /// Query rows (all heads) from which `fast_forward` runs its blocks in parallel.
 const PARALLEL_ROWS: usize = 32;
@@ -638,6 +781,44 @@ mod tests {
             }
         }
         p
+    }
+
+    // The decode mix: one row's heads from f32 parameters bit for bit the fast path's block at
+    // t = 1; from f16 copies close to it; a batch of rows in one pool pass bit for bit each row
+    // alone. Head size 64 (the default model's, two chunks of `row_times`), with and without
+    // biases.
+    #[test]
+    fn decode_rows_match_the_block_path() {
+        for bias in [false, true] {
+            let dims = GmDims { heads: 3, d: 64, s: 8, bias };
+            let p = packed_layer(dims, 5);
+            let half: Vec<half::f16> = p.iter().map(|&v| half::f16::from_f32(v)).collect();
+            let n = 4;
+            let data = |seed| rand((n, 3, 1, 64), seed).flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            let (q, a) = (data(31), data(32));
+            let mut want = a.clone();
+            for (i, (qb, ab)) in q.chunks(64).zip(want.chunks_mut(64)).enumerate() {
+                mix_block(qb, ab, &p, dims, i % 3, 1);
+            }
+            let mut single = a.clone();
+            let mut scratch = Vec::new();
+            for (i, (qb, ab)) in q.chunks(64).zip(single.chunks_mut(64)).enumerate() {
+                mix_row(qb, ab, &p, dims, i % 3, &mut scratch);
+            }
+            assert_eq!(single, want, "bias {bias}: f32 row path vs block path");
+            let mut halves = a.clone();
+            let rows: Vec<(usize, &[half::f16], GmDims)> = (0..n).map(|r| (r, &half[..], dims)).collect();
+            mix_decode_rows(&q, &mut halves, &rows);
+            let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
+            let diff = halves.iter().zip(&want).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+            // Weights rounded to 2^-11 relative; the output moves far less (1.8e-5 measured).
+            assert!(diff / scale < 1e-3 && diff > 0.0, "bias {bias}: f16 weights moved the mix by {diff}");
+            for r in 0..n {
+                let mut alone = a.clone();
+                mix_decode_rows(&q, &mut alone, &[(r, &half[..], dims)]);
+                assert_eq!(alone[r * 192..(r + 1) * 192], halves[r * 192..(r + 1) * 192], "bias {bias}: row {r}");
+            }
+        }
     }
 
     // The fast CPU path (gemm per head) equals the per-row reference, forward and backward, with

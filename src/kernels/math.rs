@@ -43,6 +43,60 @@ pub(crate) fn sigmoid_fast(x: f32) -> f32 {
     1.0 / (1.0 + exp_f32(-x))
 }
 
+use half::f16;
+use half::slice::HalfFloatSliceExt;
+
+/// A float format values are kept in for the CPU kernels, computed with as f32: f16 (half the
+/// bytes to read: the KV cache, see `model::KvCache`; Gated Memory weights when decoding) or
+/// f32 itself.
+pub trait StoredFloat: Copy + Default + Send + Sync + 'static {
+    /// `dst[i] = src[i]` as f32.
+    fn to_f32s(src: &[Self], dst: &mut [f32]);
+    /// `dst[i] = src[i]` rounded to this type.
+    fn from_f32s(src: &[f32], dst: &mut [Self]);
+    /// 16 elements at `p` as f32 lanes.
+    ///
+    /// # Safety
+    /// `p` points at 16 elements; the CPU has AVX-512F.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+}
+
+impl StoredFloat for f32 {
+    fn to_f32s(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+
+    fn from_f32s(src: &[f32], dst: &mut [f32]) {
+        dst.copy_from_slice(src);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
+        // SAFETY: the caller's pointer covers 16 floats and the CPU has AVX-512F.
+        unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
+}
+
+impl StoredFloat for f16 {
+    fn to_f32s(src: &[f16], dst: &mut [f32]) {
+        src.convert_to_f32_slice(dst);
+    }
+
+    fn from_f32s(src: &[f32], dst: &mut [f16]) {
+        dst.convert_from_f32_slice(src);
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load16(p: *const f16) -> std::arch::x86_64::__m512 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's pointer covers 16 halves and the CPU has AVX-512F.
+        unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -565,6 +565,9 @@ impl Adapter for FromLayer<'_> {
     fn first_layer(&self) -> usize {
         self.inner.first_layer().min(self.first)
     }
+    fn decode_mix(&self, layer: usize) -> crate::model::DecodeMix<'_> {
+        self.inner.decode_mix(layer)
+    }
 }
 
 /// Evidence recall of the filter at the paper's relevance criterion: a chunk counts as relevant

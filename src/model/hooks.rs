@@ -63,6 +63,23 @@ pub trait Adapter: Send + Sync {
     fn first_layer(&self) -> usize {
         0
     }
+
+    /// What `mix_attention` does at `layer`, for the CPU batch decode step, which runs the
+    /// mixes of all its sequences in one parallel pass instead of one call per sequence.
+    fn decode_mix(&self, _layer: usize) -> DecodeMix<'_> {
+        DecodeMix::Opaque
+    }
+}
+
+/// An adapter's attention mix at one layer as the batch decode step can run it.
+pub enum DecodeMix<'a> {
+    /// `mix_attention` returns the attention unchanged.
+    Identity,
+    /// A frozen Gated Memory layer: its packed parameters in f16 (see
+    /// `kernels::gated_memory::mix_row`) and shapes.
+    GatedMemory { packed: &'a [half::f16], dims: crate::kernels::gated_memory::GmDims },
+    /// Only `mix_attention` can say.
+    Opaque,
 }
 
 /// Per-forward-pass hooks: additive attention bias and a look at hidden states between layers.

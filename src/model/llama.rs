@@ -6,12 +6,14 @@
 //! Both call the same adapter and forward hooks at the same places.
 
 use super::config::ModelConfig;
-use super::hooks::{Adapter, ForwardHooks, Projection};
+use super::hooks::{Adapter, DecodeMix, ForwardHooks, Projection};
 use super::ops;
 use super::packing::Packing;
 use super::weights::{base_dtype, Linear};
 use crate::kernels::decode_attention::DecodeCache;
+use crate::kernels::math::StoredFloat;
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
+use half::f16;
 use std::sync::Arc;
 
 pub struct DecoderLayer {
@@ -86,6 +88,10 @@ pub struct Decoder {
     /// 6 where candle's quantized kernels run instead (a row costs them the same alone or
     /// batched, so from a few rows the float gemm is faster).
     pub float_batch_min_rows: usize,
+    /// What the CPU's KV cache stores keys and values as: F16 (default; half the bytes a decode
+    /// step reads) or F32 (what the f32 reference computes with). See `KvCache`. Other devices
+    /// keep the model's dtype.
+    pub cpu_kv_dtype: DType,
     /// A frozen adapter under every other (a prepared base's LoRA): its deltas are added on the
     /// inference, frozen and trainable paths alike, so a document adapter trains and answers
     /// over it. Its tensors are plain (no `Var`): no gradient reaches it.
@@ -126,11 +132,158 @@ struct BatchPlan<'a> {
     float: &'a [bool],
 }
 
-/// Per-sequence-batch key/value cache for the inference path; grows by doubling.
+/// Per-sequence key/value cache for the inference path; grows by doubling.
+///
+/// On the CPU keys and values sit in plain buffers of the decoder's `kv_dtype`: f16 by default
+/// (llama.cpp's default cache type) — a decode step of many sequences reads every cached key
+/// and value once, and at 16 sequences of ~60 tokens those f32 reads (46 MB a step, more than
+/// the L3) were a sixth of the step — or f32. Elsewhere they are tensors in the model's dtype.
+/// Every reader sees the same stored values, the token just appended included, so a
+/// sequence's arithmetic does not depend on which path reads its cache.
 pub struct KvCache {
-    layers: Vec<Option<(Tensor, Tensor)>>,
+    layers: Vec<Option<LayerKv>>,
     len: usize,
     capacity: usize,
+}
+
+/// One layer's keys and values.
+#[derive(Clone)]
+enum LayerKv {
+    F16(HostKv<f16>),
+    F32(HostKv<f32>),
+    /// `[b, kv_heads, capacity, d]` tensors.
+    Device { k: Tensor, v: Tensor },
+}
+
+/// CPU buffers `[rows, capacity, d]`, `rows` = batch × KV heads.
+#[derive(Clone)]
+struct HostKv<T> {
+    k: Vec<T>,
+    v: Vec<T>,
+    batch: usize,
+    heads: usize,
+    d: usize,
+}
+
+impl<T: StoredFloat> HostKv<T> {
+    fn new(batch: usize, heads: usize, d: usize, capacity: usize) -> Self {
+        let zeros = vec![T::default(); batch * heads * capacity * d];
+        Self { k: zeros.clone(), v: zeros, batch, heads, d }
+    }
+
+    /// The same first `len` positions in buffers of `capacity` positions (from `old_cap`).
+    fn regrown(&self, len: usize, old_cap: usize, capacity: usize) -> Self {
+        let mut new = Self::new(self.batch, self.heads, self.d, capacity);
+        let d = self.d;
+        for (dst, src) in [(&mut new.k, &self.k), (&mut new.v, &self.v)] {
+            for r in 0..self.batch * self.heads {
+                dst[r * capacity * d..][..len * d].copy_from_slice(&src[r * old_cap * d..][..len * d]);
+            }
+        }
+        new
+    }
+
+    /// Writes positions `len..len + t` from `k`, `v` (`[rows, t, d]` f32, row-major).
+    fn write(&mut self, len: usize, capacity: usize, t: usize, k: &[f32], v: &[f32]) {
+        let d = self.d;
+        for (buf, x) in [(&mut self.k, k), (&mut self.v, v)] {
+            for (r, src) in x.chunks_exact(t * d).enumerate() {
+                T::from_f32s(src, &mut buf[(r * capacity + len) * d..][..t * d]);
+            }
+        }
+    }
+
+    /// The first `len` positions as `[b, kv_heads, len, d]` f32 tensors.
+    fn views(&self, len: usize, capacity: usize, device: &Device) -> Result<(Tensor, Tensor)> {
+        let (b, h, d) = (self.batch, self.heads, self.d);
+        let view = |buf: &[T]| -> Result<Tensor> {
+            let mut out = vec![0f32; b * h * len * d];
+            for (r, dst) in out.chunks_exact_mut(len * d).enumerate() {
+                T::to_f32s(&buf[r * capacity * d..][..len * d], dst);
+            }
+            Tensor::from_vec(out, (b, h, len, d), device)
+        };
+        Ok((view(&self.k)?, view(&self.v)?))
+    }
+}
+
+impl LayerKv {
+    fn from_host<T: HostElem>(h: HostKv<T>) -> Self {
+        T::wrap(h)
+    }
+
+    /// Zeroed buffers of `capacity` positions for keys shaped like `k` (`[b, kv_heads, t, d]`).
+    fn empty(k: &Tensor, kv_dtype: DType, capacity: usize) -> Result<Self> {
+        let (b, h, _, d) = k.dims4()?;
+        Ok(match (k.device().is_cpu(), kv_dtype) {
+            (true, DType::F16) => LayerKv::F16(HostKv::new(b, h, d, capacity)),
+            (true, _) => LayerKv::F32(HostKv::new(b, h, d, capacity)),
+            (false, _) => {
+                let zeros = Tensor::zeros((b, h, capacity, d), k.dtype(), k.device())?;
+                LayerKv::Device { k: zeros.clone(), v: zeros.copy()? }
+            }
+        })
+    }
+
+    fn bytes(&self) -> usize {
+        match self {
+            LayerKv::F16(h) => (h.k.len() + h.v.len()) * 2,
+            LayerKv::F32(h) => (h.k.len() + h.v.len()) * 4,
+            LayerKv::Device { k, v } => (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes(),
+        }
+    }
+
+    fn regrown(&self, len: usize, old_cap: usize, capacity: usize) -> Result<Self> {
+        Ok(match self {
+            LayerKv::F16(h) => LayerKv::F16(h.regrown(len, old_cap, capacity)),
+            LayerKv::F32(h) => LayerKv::F32(h.regrown(len, old_cap, capacity)),
+            LayerKv::Device { k, v } => {
+                let (b, h, _, d) = k.dims4()?;
+                let nk = Tensor::zeros((b, h, capacity, d), k.dtype(), k.device())?;
+                let nv = Tensor::zeros((b, h, capacity, d), v.dtype(), v.device())?;
+                if len > 0 {
+                    nk.slice_set(&k.narrow(2, 0, len)?, 2, 0)?;
+                    nv.slice_set(&v.narrow(2, 0, len)?, 2, 0)?;
+                }
+                LayerKv::Device { k: nk, v: nv }
+            }
+        })
+    }
+}
+
+/// The CPU cache element types, and how to find a layer's buffers of each.
+trait HostElem: StoredFloat {
+    fn wrap(h: HostKv<Self>) -> LayerKv;
+    fn host(layer: &LayerKv) -> Option<&HostKv<Self>>;
+    fn host_mut(layer: &mut LayerKv) -> Option<&mut HostKv<Self>>;
+}
+
+impl HostElem for f16 {
+    fn wrap(h: HostKv<f16>) -> LayerKv {
+        LayerKv::F16(h)
+    }
+
+    fn host(layer: &LayerKv) -> Option<&HostKv<f16>> {
+        if let LayerKv::F16(h) = layer { Some(h) } else { None }
+    }
+
+    fn host_mut(layer: &mut LayerKv) -> Option<&mut HostKv<f16>> {
+        if let LayerKv::F16(h) = layer { Some(h) } else { None }
+    }
+}
+
+impl HostElem for f32 {
+    fn wrap(h: HostKv<f32>) -> LayerKv {
+        LayerKv::F32(h)
+    }
+
+    fn host(layer: &LayerKv) -> Option<&HostKv<f32>> {
+        if let LayerKv::F32(h) = layer { Some(h) } else { None }
+    }
+
+    fn host_mut(layer: &mut LayerKv) -> Option<&mut HostKv<f32>> {
+        if let LayerKv::F32(h) = layer { Some(h) } else { None }
+    }
 }
 
 impl KvCache {
@@ -156,11 +309,7 @@ impl KvCache {
 
     /// Bytes held by the cache buffers.
     pub fn bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .flatten()
-            .map(|(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
-            .sum()
+        self.layers.iter().flatten().map(LayerKv::bytes).sum()
     }
 
     /// A deep copy (so a shared prompt prefix can be extended by several requests).
@@ -169,8 +318,8 @@ impl KvCache {
             .layers
             .iter()
             .map(|l| match l {
-                Some((k, v)) => Ok(Some((k.copy()?, v.copy()?))),
-                None => Ok(None),
+                Some(LayerKv::Device { k, v }) => Ok(Some(LayerKv::Device { k: k.copy()?, v: v.copy()? })),
+                other => Ok(other.clone()),
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { layers, len: self.len, capacity: self.capacity })
@@ -181,46 +330,74 @@ impl KvCache {
         self.len = self.len.min(len);
     }
 
-    /// Appends `k`, `v` (`[b, kv_heads, t, d]`) for `layer` and returns views of the whole cache.
-    /// `self.len` is advanced by `commit` once every layer has appended.
-    fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor) -> Result<(Tensor, Tensor)> {
-        let t = k.dim(2)?;
+    /// Room for `t` more tokens in every layer (grown at layer 0, before any layer appends).
+    fn reserve(&mut self, layer: usize, t: usize) -> Result<()> {
         let needed = self.len + t;
         if layer == 0 && needed > self.capacity {
             let new_cap = needed.max(self.capacity * 2).max(64);
-            for entry in self.layers.iter_mut() {
-                if let Some((ok, ov)) = entry.take() {
-                    let (b, h, _, d) = ok.dims4()?;
-                    let nk = Tensor::zeros((b, h, new_cap, d), ok.dtype(), ok.device())?;
-                    let nv = Tensor::zeros((b, h, new_cap, d), ov.dtype(), ov.device())?;
-                    if self.len > 0 {
-                        nk.slice_set(&ok.narrow(2, 0, self.len)?, 2, 0)?;
-                        nv.slice_set(&ov.narrow(2, 0, self.len)?, 2, 0)?;
-                    }
-                    *entry = Some((nk, nv));
-                }
+            for entry in self.layers.iter_mut().flatten() {
+                *entry = entry.regrown(self.len, self.capacity, new_cap)?;
             }
             self.capacity = new_cap;
         }
-        let entry = &mut self.layers[layer];
-        if entry.is_none() {
-            let (b, h, _, d) = k.dims4()?;
-            let nk = Tensor::zeros((b, h, self.capacity, d), k.dtype(), k.device())?;
-            let nv = Tensor::zeros((b, h, self.capacity, d), v.dtype(), v.device())?;
-            *entry = Some((nk, nv));
-        }
-        let (ck, cv) = entry.as_ref().expect("cache entry initialised above");
-        ck.slice_set(&k.contiguous()?, 2, self.len)?;
-        cv.slice_set(&v.contiguous()?, 2, self.len)?;
-        Ok((ck.narrow(2, 0, needed)?, cv.narrow(2, 0, needed)?))
+        Ok(())
     }
 
-    /// Layer `layer`'s key and value buffers (`[b, kv_heads, capacity, d]`, the first `len`
+    /// Appends `k`, `v` (`[b, kv_heads, t, d]`) for `layer` and returns views of the whole cache
+    /// (`[b, kv_heads, len + t, d]`, in `k`'s dtype). A new layer's buffers are made in
+    /// `kv_dtype` on the CPU. `self.len` is advanced by `commit` once every layer has appended.
+    fn append(&mut self, layer: usize, k: &Tensor, v: &Tensor, kv_dtype: DType) -> Result<(Tensor, Tensor)> {
+        let (b, h, t, d) = k.dims4()?;
+        self.reserve(layer, t)?;
+        let (len, cap) = (self.len, self.capacity);
+        let entry = match &mut self.layers[layer] {
+            Some(entry) => entry,
+            empty => empty.insert(LayerKv::empty(k, kv_dtype, cap)?),
+        };
+        let rows = |x: &Tensor| x.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+        let (kv, vv) = match entry {
+            LayerKv::Device { k: ck, v: cv } => {
+                ck.slice_set(&k.contiguous()?, 2, len)?;
+                cv.slice_set(&v.contiguous()?, 2, len)?;
+                return Ok((ck.narrow(2, 0, len + t)?, cv.narrow(2, 0, len + t)?));
+            }
+            LayerKv::F16(hk) if (hk.batch, hk.heads, hk.d) == (b, h, d) => {
+                hk.write(len, cap, t, &rows(k)?, &rows(v)?);
+                hk.views(len + t, cap, k.device())?
+            }
+            LayerKv::F32(hk) if (hk.batch, hk.heads, hk.d) == (b, h, d) => {
+                hk.write(len, cap, t, &rows(k)?, &rows(v)?);
+                hk.views(len + t, cap, k.device())?
+            }
+            _ => candle_core::bail!("appending keys of shape {:?} to layer {layer}'s cache of another shape", k.dims()),
+        };
+        Ok((kv.to_dtype(k.dtype())?, vv.to_dtype(v.dtype())?))
+    }
+
+    /// Appends one position of a one-sequence CPU cache (the decode kernel's path): `k`, `v`
+    /// `[kv_heads, d]` in f32, stored as `append` stores them.
+    fn append_row<T: HostElem>(&mut self, layer: usize, k: &[f32], v: &[f32], heads: usize, d: usize) -> Result<()> {
+        self.reserve(layer, 1)?;
+        let (len, cap) = (self.len, self.capacity);
+        let entry = match &mut self.layers[layer] {
+            Some(entry) => entry,
+            empty => empty.insert(LayerKv::from_host(HostKv::<T>::new(1, heads, d, cap))),
+        };
+        match T::host_mut(entry) {
+            Some(hk) if (hk.batch, hk.heads, hk.d) == (1, heads, d) => {
+                hk.write(len, cap, 1, k, v);
+                Ok(())
+            }
+            _ => candle_core::bail!("layer {layer}'s cache is not one sequence's CPU buffers of {heads} heads of {d}"),
+        }
+    }
+
+    /// Layer `layer`'s CPU key and value buffers (`[kv_heads, capacity, d]`, the first `len`
     /// positions filled, plus what was appended in the current step) and their capacity.
-    fn buffers(&self, layer: usize) -> Result<(&Tensor, &Tensor, usize)> {
-        match &self.layers[layer] {
-            Some((k, v)) => Ok((k, v, self.capacity)),
-            None => candle_core::bail!("layer {layer} has nothing in its cache"),
+    fn host_buffers<T: HostElem>(&self, layer: usize) -> Result<(&[T], &[T], usize)> {
+        match self.layers[layer].as_ref().and_then(T::host) {
+            Some(hk) => Ok((&hk.k, &hk.v, self.capacity)),
+            None => candle_core::bail!("layer {layer} has no CPU cache of the decoder's KV type"),
         }
     }
 
@@ -262,6 +439,7 @@ impl Decoder {
             float_batch_min_rows: if packed { usize::MAX } else { 6 },
             base_adapter: None,
             base_merged: false,
+            cpu_kv_dtype: DType::F16,
         })
     }
 
@@ -272,6 +450,15 @@ impl Decoder {
     /// Dtype of the float weights and activations (f32 on the CPU, bf16 on CUDA).
     pub fn dtype(&self) -> DType {
         self.dtype
+    }
+
+    /// Dtype the inference KV cache keeps keys and values in (`cpu_kv_dtype` on the CPU).
+    pub fn kv_dtype(&self) -> DType {
+        if self.device.is_cpu() {
+            self.cpu_kv_dtype
+        } else {
+            self.dtype
+        }
     }
 
     /// Input embeddings `[b, t, hidden]` for token ids `[b, t]` (in `dtype()`; callers may
@@ -429,7 +616,7 @@ impl Decoder {
         let q_rot = rope(&q, cos, sin)?;
         let k_rot = rope(&k, cos, sin)?;
         let (k_all, v_all) = match cache {
-            Some(cache) => cache.append(li, &k_rot, &v)?,
+            Some(cache) => cache.append(li, &k_rot, &v, self.cpu_kv_dtype)?,
             None => (k_rot, v),
         };
         let tk = k_all.dim(2)?;
@@ -600,52 +787,37 @@ impl Decoder {
         let rope = if self.rope_interleaved { candle_nn::rotary_emb::rope_i } else { candle_nn::rotary_emb::rope };
         let q_rot = rope(&q, &cos, &sin)?;
         let k_rot = rope(&k, &cos, &sin)?;
-        let mut biases = Vec::with_capacity(n);
-        for (j, &i) in which.iter().enumerate() {
-            let s = &mut seqs[i];
-            let start = s.cache.len();
-            s.cache.append(li, &k_rot.narrow(0, j, 1)?, &v.narrow(0, j, 1)?)?;
-            let bias = s.hooks.attention_bias(li, start, 1, start + 1)?;
-            biases.push(match bias {
-                Some(b) if b.elem_count() == start + 1 => Some(b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
-                Some(b) => candle_core::bail!("a decode attention bias of shape {:?} for {} keys", b.dims(), start + 1),
-                None => None,
-            });
-        }
-        let attn = {
-            let mut held = Vec::with_capacity(n);
-            for &i in which {
-                let (kc, vc, capacity) = seqs[i].cache.buffers(li)?;
-                held.push((kc.storage_and_layout(), vc.storage_and_layout(), capacity, seqs[i].cache.len() + 1));
-            }
-            fn slice<'a>(st: &'a candle_core::Storage, layout: &candle_core::Layout) -> Result<&'a [f32]> {
-                match st {
-                    candle_core::Storage::Cpu(c) => Ok(&c.as_slice::<f32>()?[layout.start_offset()..]),
-                    _ => candle_core::bail!("decode attention runs on the CPU"),
+        let (kr, vr) = (k_rot.flatten_all()?.to_vec1::<f32>()?, v.flatten_all()?.to_vec1::<f32>()?);
+        let qv = q_rot.flatten_all()?.to_vec1::<f32>()?;
+        let mut out = match self.cpu_kv_dtype {
+            DType::F16 => decode_step::<f16>(li, cfg, seqs, which, &qv, &kr, &vr)?,
+            _ => decode_step::<f32>(li, cfg, seqs, which, &qv, &kr, &vr)?,
+        };
+        // Each adapter's mix: frozen Gated Memory layers all in one parallel pass, anything
+        // else through its own `mix_attention`.
+        let mixes: Vec<DecodeMix> =
+            which.iter().map(|&i| seqs[i].adapter.map_or(DecodeMix::Identity, |a| a.decode_mix(li))).collect();
+        if mixes.iter().any(|m| !matches!(m, DecodeMix::Identity)) {
+            let q_pre = q.flatten_all()?.to_vec1::<f32>()?;
+            let rows: Vec<_> = mixes
+                .iter()
+                .enumerate()
+                .filter_map(|(j, mix)| match mix {
+                    DecodeMix::GatedMemory { packed, dims } => Some((j, *packed, *dims)),
+                    _ => None,
+                })
+                .collect();
+            crate::kernels::gated_memory::mix_decode_rows(&q_pre, &mut out, &rows);
+            let row = nh * hd;
+            for (j, (&i, mix)) in which.iter().zip(&mixes).enumerate() {
+                if let (DecodeMix::Opaque, Some(ad)) = (mix, seqs[i].adapter) {
+                    let a = Tensor::from_slice(&out[j * row..(j + 1) * row], (1, nh, 1, hd), &self.device)?;
+                    let mixed = ad.mix_attention(li, &q.narrow(0, j, 1)?, a)?;
+                    out[j * row..(j + 1) * row].copy_from_slice(&mixed.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
                 }
             }
-            let mut caches = Vec::with_capacity(n);
-            for (j, (kg, vg, capacity, len)) in held.iter().enumerate() {
-                let (k, v) = (slice(&kg.0, kg.1)?, slice(&vg.0, vg.1)?);
-                caches.push(DecodeCache { k, v, capacity: *capacity, len: *len, bias: biases[j].as_deref() });
-            }
-            let qv = q_rot.flatten_all()?.to_vec1::<f32>()?;
-            let out = crate::kernels::decode_attention::decode_attention(&qv, &caches, nh, nkv, hd, 1.0 / (hd as f32).sqrt());
-            Tensor::from_vec(out, (n, nh, 1, hd), &self.device)?
-        };
-        if which.iter().all(|&i| seqs[i].adapter.is_none()) {
-            return attn.reshape((1, n, nh * hd));
         }
-        let mut rows = Vec::with_capacity(n);
-        for (j, &i) in which.iter().enumerate() {
-            let a = attn.narrow(0, j, 1)?;
-            rows.push(match seqs[i].adapter {
-                Some(ad) => ad.mix_attention(li, &q.narrow(0, j, 1)?, a)?,
-                None => a,
-            });
-        }
-        let attn = if rows.len() == 1 { rows.remove(0) } else { Tensor::cat(&rows, 0)? };
-        attn.reshape((1, n, nh * hd))
+        Tensor::from_vec(out, (1, n, nh * hd), &self.device)
     }
 
     /// Projection `p` of every row of a batch (`x` `[1, rows, in]`, laid out by `plan`): one
@@ -922,6 +1094,41 @@ impl Decoder {
         }
         Ok(())
     }
+}
+
+/// The CPU decode step of `which` (one row each): each sequence's new key and value rows
+/// (`kr`, `vr` `[n, kv_heads, d]`, after RoPE) stored in its cache buffers of element type `T`,
+/// its hooks' bias asked for, then one `decode_attention` over all caches for the queries `qv`
+/// (`[n, heads, d]`). Returns `[n, heads, d]`.
+fn decode_step<T: HostElem>(
+    li: usize,
+    cfg: &ModelConfig,
+    seqs: &mut [SeqInput],
+    which: &[usize],
+    qv: &[f32],
+    kr: &[f32],
+    vr: &[f32],
+) -> Result<Vec<f32>> {
+    let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+    let row = nkv * hd;
+    let mut biases = Vec::with_capacity(which.len());
+    for (j, &i) in which.iter().enumerate() {
+        let s = &mut seqs[i];
+        let start = s.cache.len();
+        s.cache.append_row::<T>(li, &kr[j * row..(j + 1) * row], &vr[j * row..(j + 1) * row], nkv, hd)?;
+        let bias = s.hooks.attention_bias(li, start, 1, start + 1)?;
+        biases.push(match bias {
+            Some(b) if b.elem_count() == start + 1 => Some(b.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?),
+            Some(b) => candle_core::bail!("a decode attention bias of shape {:?} for {} keys", b.dims(), start + 1),
+            None => None,
+        });
+    }
+    let mut caches = Vec::with_capacity(which.len());
+    for (j, &i) in which.iter().enumerate() {
+        let (k, v, capacity) = seqs[i].cache.host_buffers::<T>(li)?;
+        caches.push(DecodeCache { k, v, capacity, len: seqs[i].cache.len() + 1, bias: biases[j].as_deref() });
+    }
+    Ok(crate::kernels::decode_attention::decode_attention(qv, &caches, nh, nkv, hd, 1.0 / (hd as f32).sqrt()))
 }
 
 /// The positions an inference attention covers: their RoPE rows `[t, d/2]` and the additive mask

@@ -15,7 +15,7 @@ pub mod weights;
 
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, ModelConfig};
-pub use hooks::{Adapter, ForwardHooks, NoHooks, Projection};
+pub use hooks::{Adapter, DecodeMix, ForwardHooks, NoHooks, Projection};
 pub use llama::{Decoder, KvCache, Logits, SeqInput};
 pub use packing::Packing;
 pub use tokenizer::TextTokenizer;
@@ -100,7 +100,7 @@ impl Model {
     /// Bytes one token takes in an inference KV cache (keys and values of every layer).
     pub fn kv_bytes_per_token(&self) -> usize {
         let c = self.config();
-        c.num_layers * 2 * c.num_kv_heads * c.head_dim * self.decoder.dtype().size_in_bytes()
+        c.num_layers * 2 * c.num_kv_heads * c.head_dim * self.decoder.kv_dtype().size_in_bytes()
     }
 
     /// The prepared base's filter (a detached copy), which answers every in-context question.
