@@ -11,7 +11,6 @@ use super::init::Rng;
 use crate::kernels::gated_memory::{self as kernel, GmDims};
 use crate::model::{Adapter, DecodeMix, ModelConfig};
 use candle_core::{DType, Device, Result, Tensor, Var};
-use half::f16;
 use std::collections::BTreeMap;
 use std::sync::OnceLock;
 
@@ -29,9 +28,9 @@ pub struct GatedMemoryLayer {
     /// concatenation copies every parameter, per call and per sequence in a batch step.
     /// Trainable layers (`Var`s, updated in place) pack afresh each call.
     frozen_packed: OnceLock<Tensor>,
-    /// `packed()` of a frozen CPU layer in f16, made at its first decode step: what the batch
-    /// decode mix reads (`kernels::gated_memory::mix_row`), half the bytes of the f32 copy.
-    frozen_half: OnceLock<Vec<f16>>,
+    /// A frozen CPU layer's weights as the batch decode mix reads them (int8, a quarter of the
+    /// f32 bytes; `kernels::gated_memory::DecodeWeights`), made at its first decode step.
+    frozen_decode: OnceLock<kernel::DecodeWeights>,
 }
 
 impl GatedMemoryLayer {
@@ -63,7 +62,7 @@ impl GatedMemoryLayer {
             gate_b1: self.gate_b1.as_ref().map(f).transpose()?,
             gate_w2: f(&self.gate_w2)?,
             frozen_packed: OnceLock::new(),
-            frozen_half: OnceLock::new(),
+            frozen_decode: OnceLock::new(),
         })
     }
 
@@ -90,17 +89,17 @@ impl GatedMemoryLayer {
         }
     }
 
-    /// `frozen_half` of a frozen layer on the CPU (made at the first call); `None` otherwise.
-    fn frozen_half_params(&self) -> Option<&[f16]> {
-        if let Some(h) = self.frozen_half.get() {
-            return Some(h);
+    /// `frozen_decode` of a frozen layer on the CPU (made at the first call); `None` otherwise.
+    fn frozen_decode_weights(&self) -> Option<&kernel::DecodeWeights> {
+        if let Some(w) = self.frozen_decode.get() {
+            return Some(w);
         }
         let packed = self.frozen_packed_params().ok()??;
         if !packed.device().is_cpu() {
             return None;
         }
-        let values = packed.to_dtype(DType::F32).ok()?.to_vec1::<f32>().ok()?;
-        Some(self.frozen_half.get_or_init(|| values.iter().map(|&v| f16::from_f32(v)).collect()))
+        let (values, dims) = (packed.to_dtype(DType::F32).ok()?.to_vec1::<f32>().ok()?, self.kernel_dims().ok()?);
+        Some(self.frozen_decode.get_or_init(|| kernel::DecodeWeights::new(&values, dims)))
     }
 
     /// `packed()` of a frozen layer, made at the first call and kept; `None` for a trainable
@@ -172,7 +171,7 @@ impl GatedMemory {
                 gate_b1: if bias { Some(param((h, 1, s), d)?) } else { None },
                 gate_w2: param((h, s, 1), s)?,
                 frozen_packed: OnceLock::new(),
-                frozen_half: OnceLock::new(),
+                frozen_decode: OnceLock::new(),
             };
             out.insert(l, layer);
         }
@@ -283,7 +282,7 @@ impl GatedMemory {
             gate_b1,
             gate_w2: take("gate_w2", &shapes["gate_w2"])?,
             frozen_packed: OnceLock::new(),
-            frozen_half: OnceLock::new(),
+            frozen_decode: OnceLock::new(),
         };
         if let Some(name) = tensors.keys().next() {
             candle_core::bail!("Gated Memory layers.{layer}.{name}: unknown tensor");
@@ -309,9 +308,9 @@ impl Adapter for GatedMemory {
 
     fn decode_mix(&self, layer: usize) -> DecodeMix<'_> {
         let Some(l) = self.layers.get(&layer) else { return DecodeMix::Identity };
-        match (l.frozen_half_params(), l.kernel_dims()) {
-            (Some(packed), Ok(dims)) => DecodeMix::GatedMemory { packed, dims },
-            _ => DecodeMix::Opaque,
+        match l.frozen_decode_weights() {
+            Some(weights) => DecodeMix::GatedMemory(weights),
+            None => DecodeMix::Opaque,
         }
     }
 }

@@ -75,9 +75,8 @@ pub trait Adapter: Send + Sync {
 pub enum DecodeMix<'a> {
     /// `mix_attention` returns the attention unchanged.
     Identity,
-    /// A frozen Gated Memory layer: its packed parameters in f16 (see
-    /// `kernels::gated_memory::mix_row`) and shapes.
-    GatedMemory { packed: &'a [half::f16], dims: crate::kernels::gated_memory::GmDims },
+    /// A frozen Gated Memory layer: its weights as the decode mix reads them.
+    GatedMemory(&'a crate::kernels::gated_memory::DecodeWeights),
     /// Only `mix_attention` can say.
     Opaque,
 }

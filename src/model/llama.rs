@@ -803,7 +803,7 @@ impl Decoder {
                 .iter()
                 .enumerate()
                 .filter_map(|(j, mix)| match mix {
-                    DecodeMix::GatedMemory { packed, dims } => Some((j, *packed, *dims)),
+                    DecodeMix::GatedMemory(weights) => Some((j, *weights)),
                     _ => None,
                 })
                 .collect();
