@@ -46,9 +46,8 @@ pub(crate) fn sigmoid_fast(x: f32) -> f32 {
 use half::f16;
 use half::slice::HalfFloatSliceExt;
 
-/// A float format values are kept in for the CPU kernels, computed with as f32: f16 (half the
-/// bytes to read: the KV cache, see `model::KvCache`; Gated Memory weights when decoding) or
-/// f32 itself.
+/// A float format the CPU KV cache keeps keys and values in (see `model::KvCache`), computed
+/// with as f32: f16 (half the bytes a decode step reads) or f32 itself.
 pub trait StoredFloat: Copy + Default + Send + Sync + 'static {
     /// `dst[i] = src[i]` as f32.
     fn to_f32s(src: &[Self], dst: &mut [f32]);
