@@ -504,10 +504,6 @@ impl DecodeWeights {
         Self { dims, heads }
     }
 
-    pub fn dims(&self) -> GmDims {
-        self.dims
-    }
-
     /// Bytes held (what a decode step reads for this layer).
     pub fn bytes(&self) -> usize {
         let small = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| 4 * v.len());
