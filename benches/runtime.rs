@@ -10,6 +10,7 @@
 use candle_core::{DType, Device, Tensor};
 use candle_nn::optim::{AdamW, Optimizer, ParamsAdamW};
 use lift_serve::adapters::GatedMemory;
+use lift_serve::kernels::bf16_matmul;
 use lift_serve::model::generate::prefill;
 use lift_serve::model::{ops, Adapter, KvCache, Logits, Model, NoHooks};
 use std::time::Instant;
@@ -189,6 +190,40 @@ fn main() -> anyhow::Result<()> {
                 b * 1e3,
                 a / b
             );
+            if bf16_matmul::available() {
+                // The bf16 kernel against the f32 gemm, forward (x·Wᵀ) and backward (g·W) shapes.
+                let wv = w.flatten_all()?.to_vec1::<f32>()?;
+                let (out, inp) = (lin.out_dim(), lin.in_dim());
+                let fwd = bf16_matmul::PackedBf16::pack(&wv, out, inp);
+                let bwd = bf16_matmul::PackedBf16::pack_transposed(&wv, out, inp);
+                let xv = x.flatten_all()?.to_vec1::<f32>()?;
+                let g = Tensor::randn(0f32, 1.0, (512, out), &dev)?;
+                let gv = g.flatten_all()?.to_vec1::<f32>()?;
+                let (mut f32b, mut bf, mut f32d, mut bfd) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+                for _ in 0..runs.max(5) {
+                    bf.extend(time_runs(1, 1, || {
+                        fwd.matmul(&xv, 512);
+                    }));
+                    bfd.extend(time_runs(1, 1, || {
+                        bwd.matmul(&gv, 512);
+                    }));
+                    f32d.extend(time_runs(1, 1, || {
+                        g.matmul(w).unwrap();
+                    }));
+                }
+                f32b.push(b);
+                let (c, d, e) = (median(bf), median(f32d), median(bfd));
+                let gflop = 2.0 * 512.0 * out as f64 * inp as f64 / 1e9;
+                println!(
+                    "        {name:>7} bf16: forward {:.2} ms ({:.2}x f32, {:.0} GFLOP/s), backward g·W f32 {:.2} ms, bf16 {:.2} ms ({:.2}x)",
+                    c * 1e3,
+                    b / c,
+                    gflop / c,
+                    d * 1e3,
+                    e * 1e3,
+                    d / e
+                );
+            }
         }
     }
 

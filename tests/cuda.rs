@@ -128,11 +128,13 @@ fn causal_attention_on_cuda_matches_cpu() {
     assert!(rel_diff(&gpu_bf, &cpu) < 3e-2);
 }
 
-/// The CPU side of a comparison: f32 arithmetic throughout, the KV cache included (the default
-/// f16 cache is measured on the CPU alone, in `tests/runtime_real.rs`).
+/// The CPU side of a comparison: f32 arithmetic throughout, the KV cache and the training
+/// matmuls included (the default f16 cache and bf16 training matmuls are measured on the CPU
+/// alone, in `tests/runtime_real.rs`, and against the GPU in one case each here).
 fn cpu_model(path: &std::path::Path) -> Model {
     let mut m = Model::load(path, &Device::Cpu).unwrap();
     m.decoder.cpu_kv_dtype = DType::F32;
+    m.decoder.cpu_train_dtype = DType::F32;
     m
 }
 
@@ -288,6 +290,10 @@ fn gated_memory_training_step_on_cuda_matches_cpu() {
     let (c, g) = (step(&cpu), step(&gpu));
     assert!(g_all_nonzero(&c.1), "every Gated Memory parameter gets a gradient on the CPU");
     assert_steps_close("gated memory", &c, &g);
+    // The CPU's default bf16 training matmuls (where the CPU has AVX-512 BF16): as close.
+    let mut cpu_bf16 = Model::load(&cpu.info.path, &Device::Cpu).unwrap();
+    cpu_bf16.decoder.cpu_train_dtype = DType::BF16;
+    assert_steps_close("gated memory, bf16 matmuls on the CPU", &step(&cpu_bf16), &g);
 }
 
 fn g_all_nonzero(g: &[Tensor]) -> bool {

@@ -7,11 +7,13 @@
 //!   (forward + backward), the middle of the trainable attention on CUDA.
 //! - `decode_attention`: one query row per sequence over its own KV cache, a whole batch step of
 //!   decoding sequences in one parallel loop (CPU only; CUDA keeps candle's ops).
+//! - `bf16_matmul`: the frozen linear layers of the trainable path in bf16 (AVX-512 BF16), f32 sums.
 //! - `math`: the vectorisable exp and sigmoid of the CPU paths (here and in `model::ops`).
 //!
 //! The lowest layer of the crate's numerics: kernels import nothing from `model` or `adapters`
 //! (an adapter hands its parameters in packed; `model::ops` and the adapters call in).
 
+pub mod bf16_matmul;
 pub mod decode_attention;
 pub mod gated_memory;
 pub mod masked_softmax;

@@ -92,6 +92,11 @@ pub struct Decoder {
     /// step reads) or F32 (what the f32 reference computes with). See `KvCache`. Other devices
     /// keep the model's dtype.
     pub cpu_kv_dtype: DType,
+    /// What the trainable path's frozen matmuls compute in on the CPU: BF16 (default where the
+    /// CPU has AVX-512 BF16: bf16 inputs, f32 sums, ~2× the f32 gemm; `kernels::bf16_matmul`)
+    /// or F32 (what the f32 reference computes with; `LIFT_CPU_TRAIN_DTYPE=f32` sets it at load).
+    /// Activations, adapters, gradients of the adapter's parameters and the optimizer stay f32.
+    pub cpu_train_dtype: DType,
     /// A frozen adapter under every other (a prepared base's LoRA): its deltas are added on the
     /// inference, frozen and trainable paths alike, so a document adapter trains and answers
     /// over it. Its tensors are plain (no `Var`): no gradient reaches it.
@@ -440,6 +445,7 @@ impl Decoder {
             base_adapter: None,
             base_merged: false,
             cpu_kv_dtype: DType::F16,
+            cpu_train_dtype: default_cpu_train_dtype(),
         })
     }
 
@@ -459,6 +465,11 @@ impl Decoder {
         } else {
             self.dtype
         }
+    }
+
+    /// Whether the trainable path's frozen matmuls run in bf16 (`cpu_train_dtype`, CPU only).
+    pub fn train_in_bf16(&self) -> bool {
+        self.device.is_cpu() && self.cpu_train_dtype == DType::BF16
     }
 
     /// Input embeddings `[b, t, hidden]` for token ids `[b, t]` (in `dtype()`; callers may
@@ -1010,11 +1021,12 @@ impl Decoder {
         let row_mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         let mut x = h.to_dtype(self.dtype)?;
         let adapters = [self.unmerged_base(true), adapter];
+        let bf16 = self.train_in_bf16();
         for (li, layer) in self.layers.iter().enumerate().skip(from) {
             let h = ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let q = train_linear(adapters, li, layer, Projection::Q, &h)?;
-            let k = train_linear(adapters, li, layer, Projection::K, &h)?;
-            let v = train_linear(adapters, li, layer, Projection::V, &h)?;
+            let q = train_linear(adapters, li, layer, Projection::Q, &h, bf16)?;
+            let k = train_linear(adapters, li, layer, Projection::K, &h, bf16)?;
+            let v = train_linear(adapters, li, layer, Projection::V, &h, bf16)?;
             let q = q.reshape((b, t, cfg.num_heads, cfg.head_dim))?.transpose(1, 2)?.contiguous()?;
             let k = k.reshape((b, t, cfg.num_kv_heads, cfg.head_dim))?.transpose(1, 2)?.contiguous()?;
             let v = v.reshape((b, t, cfg.num_kv_heads, cfg.head_dim))?.transpose(1, 2)?.contiguous()?;
@@ -1038,12 +1050,12 @@ impl Decoder {
                 None => attn,
             };
             let attn = attn.transpose(1, 2)?.reshape((b, t, cfg.num_heads * cfg.head_dim))?;
-            let o = train_linear(adapters, li, layer, Projection::O, &attn)?;
+            let o = train_linear(adapters, li, layer, Projection::O, &attn, bf16)?;
             x = (x + o)?;
             let h = ops::rms_norm(&x, &layer.ffn_norm, eps)?;
-            let gate = train_linear(adapters, li, layer, Projection::Gate, &h)?;
-            let up = train_linear(adapters, li, layer, Projection::Up, &h)?;
-            let mlp = train_linear(adapters, li, layer, Projection::Down, &ops::silu_mul(&gate, &up)?)?;
+            let gate = train_linear(adapters, li, layer, Projection::Gate, &h, bf16)?;
+            let up = train_linear(adapters, li, layer, Projection::Up, &h, bf16)?;
+            let mlp = train_linear(adapters, li, layer, Projection::Down, &ops::silu_mul(&gate, &up)?, bf16)?;
             x = (x + mlp)?;
             hooks.after_layer(li, &x)?;
         }
@@ -1081,7 +1093,7 @@ impl Decoder {
 
     /// Vocabulary logits (f32) for hidden states `[.., hidden]` on the trainable path.
     pub fn logits_train(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.lm_head.forward_train(&hidden.to_dtype(self.dtype)?)?.to_dtype(DType::F32)
+        self.lm_head.forward_train(&hidden.to_dtype(self.dtype)?, self.train_in_bf16())?.to_dtype(DType::F32)
     }
 
     /// Dequantizes every weight now instead of at the first training step.
@@ -1208,14 +1220,25 @@ fn add_run_deltas<'a>(
     Tensor::cat(&pieces, 1)
 }
 
+/// BF16 where the CPU runs the bf16 kernel, unless `LIFT_CPU_TRAIN_DTYPE=f32`.
+fn default_cpu_train_dtype() -> DType {
+    let f32_asked = std::env::var("LIFT_CPU_TRAIN_DTYPE").is_ok_and(|v| v.eq_ignore_ascii_case("f32"));
+    if crate::kernels::bf16_matmul::available() && !f32_asked {
+        DType::BF16
+    } else {
+        DType::F32
+    }
+}
+
 fn train_linear(
     adapters: [Option<&dyn Adapter>; 2],
     li: usize,
     layer: &DecoderLayer,
     p: Projection,
     x: &Tensor,
+    bf16: bool,
 ) -> Result<Tensor> {
-    add_deltas(layer.linear(p).forward_train(x)?, adapters, li, p, x)
+    add_deltas(layer.linear(p).forward_train(x, bf16)?, adapters, li, p, x)
 }
 
 /// Causal (and sliding-window) attention of a prompt chunk through flash-attn: `q`

@@ -3,6 +3,7 @@
 //! Float weights are f32 on the CPU and bf16 on CUDA (`base_dtype`); adapters stay f32.
 
 use super::ops;
+use crate::kernels::bf16_matmul;
 use crate::kernels::quant_matmul::{self, BlockFormat, PackedWeights};
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{DType, Device, Module, Result, Tensor};
@@ -32,6 +33,9 @@ pub struct Linear {
     /// faster on it than on a transposed view (the backward uses `float`). Costs one more float
     /// copy of the weights (~0.5 GB on the 135M model), made on first use.
     float_t: OnceLock<Tensor>,
+    /// The float weight packed in bf16 for the trainable path's mixed-precision matmul
+    /// (`ops::frozen_linear_bf16`), on CPUs that run it; made on first use.
+    bf16: OnceLock<Arc<ops::Bf16Weight>>,
     bias: Option<Tensor>,
     out_dim: usize,
     in_dim: usize,
@@ -57,7 +61,7 @@ impl Linear {
             Some(q) => pack_for_cpu(q)?,
             None => None,
         };
-        Ok(Self { infer, quantized, packed, float, float_t: OnceLock::new(), bias, out_dim, in_dim })
+        Ok(Self { infer, quantized, packed, float, float_t: OnceLock::new(), bf16: OnceLock::new(), bias, out_dim, in_dim })
     }
 
     /// Float weight `[out, in]` (any float dtype; kept in `base_dtype`).
@@ -74,6 +78,7 @@ impl Linear {
             packed: None,
             float,
             float_t: OnceLock::new(),
+            bf16: OnceLock::new(),
             bias,
             out_dim,
             in_dim,
@@ -159,6 +164,7 @@ impl Linear {
         self.float = OnceLock::new();
         let _ = self.float.set(merged.clone());
         self.float_t = OnceLock::new();
+        self.bf16 = OnceLock::new();
         if self.quantized.is_none() {
             self.infer = QMatMul::Tensor(merged);
         }
@@ -183,9 +189,21 @@ impl Linear {
         Ok(Some(self.float_t.get_or_init(|| wt)))
     }
 
-    /// Trainable path: float weights, gradient flows to `x` only.
-    pub fn forward_train(&self, x: &Tensor) -> Result<Tensor> {
-        self.forward_float(x)
+    /// Trainable path: float weights, gradient flows to `x` only; with `bf16` (on the CPU, where
+    /// the kernel runs) the matmuls round their inputs to bf16 and sum in f32.
+    pub fn forward_train(&self, x: &Tensor, bf16: bool) -> Result<Tensor> {
+        if !(bf16 && x.device().is_cpu() && x.dtype() == DType::F32 && bf16_matmul::available()) {
+            return self.forward_float(x);
+        }
+        let w = self.float_weight()?;
+        let packed = match self.bf16.get() {
+            Some(p) => p,
+            None => {
+                let p = Arc::new(ops::Bf16Weight::new(w)?);
+                self.bf16.get_or_init(|| p)
+            }
+        };
+        self.add_bias(ops::frozen_linear_bf16(x, w, packed)?)
     }
 
     fn add_bias(&self, y: Tensor) -> Result<Tensor> {
