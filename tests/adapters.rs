@@ -22,12 +22,14 @@ fn tiny_named(root: &Path, name: &str, spec: &TinySpec) -> Model {
     Model::load(&path, &Device::Cpu).unwrap()
 }
 
-/// A tiny model with an f32 KV cache, so the inference path agrees with the trainable one to
-/// float precision (the default f16 cache rounds keys and values).
+/// A tiny model with an f32 KV cache and f32 float matmuls, so the inference path agrees with
+/// the trainable one to float precision (the default f16 cache rounds keys and values, the
+/// default bf16 matmuls their inputs).
 fn tiny() -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().unwrap();
     let mut model = tiny_named(dir.path(), "tiny", &TinySpec::default());
     model.decoder.cpu_kv_dtype = candle_core::DType::F32;
+    model.decoder.cpu_float_dtype = candle_core::DType::F32;
     (dir, model)
 }
 

@@ -134,7 +134,7 @@ fn causal_attention_on_cuda_matches_cpu() {
 fn cpu_model(path: &std::path::Path) -> Model {
     let mut m = Model::load(path, &Device::Cpu).unwrap();
     m.decoder.cpu_kv_dtype = DType::F32;
-    m.decoder.cpu_train_dtype = DType::F32;
+    m.decoder.cpu_float_dtype = DType::F32;
     m
 }
 
@@ -292,7 +292,7 @@ fn gated_memory_training_step_on_cuda_matches_cpu() {
     assert_steps_close("gated memory", &c, &g);
     // The CPU's default bf16 training matmuls (where the CPU has AVX-512 BF16): as close.
     let mut cpu_bf16 = Model::load(&cpu.info.path, &Device::Cpu).unwrap();
-    cpu_bf16.decoder.cpu_train_dtype = DType::BF16;
+    cpu_bf16.decoder.cpu_float_dtype = DType::BF16;
     assert_steps_close("gated memory, bf16 matmuls on the CPU", &step(&cpu_bf16), &g);
 }
 

@@ -98,7 +98,7 @@ fn int8_kernel_is_as_accurate_as_candles_quantized_matmul() {
         let n = ours.in_dim();
         let x: Vec<f32> = (0..8 * n).map(|i| ((i as f32 * 0.37).sin() * 2.0 + (i as f32 * 0.011).cos()) * 0.5).collect();
         let x = Tensor::from_vec(x, (8, n), &Device::Cpu).unwrap();
-        let exact = ours.forward_float(&x).unwrap();
+        let exact = ours.forward_float(&x, false).unwrap();
         let (e_ours, e_candle) = (rms(&ours.forward(&x).unwrap(), &exact), rms(&theirs.forward(&x).unwrap(), &exact));
         assert!(e_ours <= 1.1 * e_candle, "{name} [{}, {n}]: RMS error {e_ours:.3e} vs candle's {e_candle:.3e}", ours.out_dim());
         ours_sq += (e_ours as f64).powi(2);
@@ -216,13 +216,15 @@ fn batched_answers_over_the_prepared_base_match_each_alone() {
 
 /// The f16 KV cache against an f32 one on real text: the next-token loss over both fixture
 /// documents (2,000-odd tokens), fed in 128-token chunks so that every chunk attends to keys
-/// and values read back from the cache, costs at most 0.5% more with f16.
+/// and values read back from the cache, costs at most 0.5% more with f16; so do bf16 matmuls
+/// in the prompt chunks against f32 ones.
 #[test]
 fn an_f16_kv_cache_costs_little_next_token_loss() {
     let path = lift_serve::fetch::resolve_model(None).unwrap();
     let mut m = Model::load(&path, &Device::Cpu).unwrap();
-    let mut loss = |dtype: candle_core::DType| -> f64 {
+    let mut loss = |dtype: candle_core::DType, float: candle_core::DType| -> f64 {
         m.decoder.cpu_kv_dtype = dtype;
+        m.decoder.cpu_float_dtype = float;
         let (mut nll, mut count) = (0f64, 0usize);
         for name in ["harbor_history.txt", "kestrel_observatory.txt"] {
             let text = std::fs::read_to_string(format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap();
@@ -240,9 +242,17 @@ fn an_f16_kv_cache_costs_little_next_token_loss() {
         }
         nll / count as f64
     };
-    let (f32_loss, f16_loss) = (loss(candle_core::DType::F32), loss(candle_core::DType::F16));
+    use candle_core::DType::{BF16, F16, F32};
+    let (f32_loss, f16_loss) = (loss(F32, F32), loss(F16, F32));
     eprintln!("next-token loss: f32 cache {f32_loss:.4} nats, f16 cache {f16_loss:.4} ({:+.3}%)", 100.0 * (f16_loss / f32_loss - 1.0));
     assert!(f16_loss <= f32_loss * 1.005, "f16 cache {f16_loss} vs f32 {f32_loss} nats");
+    // The 128-token chunks take the float path: its bf16 matmuls (the default where the CPU
+    // runs them) against f32, both over the f16 cache, under the same bound.
+    if lift_serve::kernels::bf16_matmul::available() {
+        let bf16_loss = loss(F16, BF16);
+        eprintln!("bf16 prefill matmuls: {bf16_loss:.4} nats ({:+.3}% vs f32 matmuls)", 100.0 * (bf16_loss / f16_loss - 1.0));
+        assert!(bf16_loss <= f16_loss * 1.005, "bf16 matmuls {bf16_loss} vs f32 {f16_loss} nats");
+    }
 }
 
 /// The trainable path's bf16 matmuls (the CPU default where AVX-512 BF16 runs) against f32 on
@@ -268,7 +278,7 @@ fn bf16_training_matmuls_follow_f32_training() {
     let target = Tensor::new(&window[1..], &Device::Cpu).unwrap();
     let weights = Tensor::ones(128, DType::F32, &Device::Cpu).unwrap();
     let mut run = |dtype: DType| -> (Vec<f32>, Vec<Tensor>) {
-        m.decoder.cpu_train_dtype = dtype;
+        m.decoder.cpu_float_dtype = dtype;
         let cfg = m.config().clone();
         let all: Vec<usize> = (0..cfg.num_layers).collect();
         let gm = GatedMemory::new(&cfg, &all, false, 5, &Device::Cpu).unwrap();

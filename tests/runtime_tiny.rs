@@ -13,14 +13,16 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> f32 {
     (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
 }
 
-/// A tiny model with an f32 KV cache: these tests check that paths agree to float precision;
-/// the default f16 cache rounds keys and values (its cost on real text: `tests/runtime_real.rs`,
-/// and `kv_cache_decoding_equals_full_recomputation` below runs it too).
+/// A tiny model with an f32 KV cache and f32 float matmuls: these tests check that paths agree
+/// to float precision; the default f16 cache rounds keys and values, the default bf16 matmuls
+/// their inputs (their cost on real text: `tests/runtime_real.rs`; and
+/// `kv_cache_decoding_equals_full_recomputation` below runs the f16 cache too).
 fn tiny(spec: &TinySpec) -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().unwrap();
     let path = write_hf(&dir.path().join("tiny"), spec).unwrap();
     let mut model = Model::load(&path, &Device::Cpu).unwrap();
     model.decoder.cpu_kv_dtype = DType::F32;
+    model.decoder.cpu_float_dtype = DType::F32;
     (dir, model)
 }
 
@@ -36,6 +38,7 @@ fn hf_and_gguf_loaders_agree() {
         let gguf_path = write_gguf(&dir.path().join("tiny.gguf"), &spec, GgmlDType::F32).unwrap();
         let mut gguf = Model::load(&gguf_path, &Device::Cpu).unwrap();
         gguf.decoder.cpu_kv_dtype = DType::F32;
+        gguf.decoder.cpu_float_dtype = DType::F32;
         assert_eq!(hf.config().architecture, gguf.config().architecture);
         let toks = ids(&hf, "The quick brown fox jumps over the lazy dog.");
         assert_eq!(toks, ids(&gguf, "The quick brown fox jumps over the lazy dog."));

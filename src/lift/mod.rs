@@ -245,6 +245,10 @@ pub fn absorb(
     let bundle = AdapterBundle::new(adapter.detached());
     let mut figures = training_figures(&report, pairs.len(), qa_seconds, plan.segments.len(), t0);
     figures["probe_pairs"] = held.len().into();
+    // What the frozen base's matmuls computed in while training (bf16 on CUDA and on CPUs with
+    // AVX-512 BF16, f32 elsewhere): part of how the adapter was made.
+    let matmul = if model.decoder.float_in_bf16() || !model.device().is_cpu() { "bf16" } else { "f32" };
+    figures["train_matmul"] = matmul.into();
     let document_ref = DocumentRef::new(text, doc.len(), title.map(str::to_string));
     let manifest = Manifest::new(&bundle, BaseModelRef::of(model), document_ref, serde_json::to_value(opts)?, figures);
     Ok(Absorbed { bundle, manifest, qa: pairs, report })

@@ -1017,7 +1017,7 @@ mod tests {
         let path = crate::testing::write_hf(&dir.path().join("tiny"), &spec).unwrap();
         let mut model = Model::load(&path, &Device::Cpu).unwrap();
         // The cached layers run the f32 inference kernels: compare with the f32 trainable path.
-        model.decoder.cpu_train_dtype = candle_core::DType::F32;
+        model.decoder.cpu_float_dtype = candle_core::DType::F32;
         let opts = FilterOptions { enabled: true, layer: Some(1), chunk_tokens: 24, ..Default::default() };
         let shape = crate::base::BaseShape { rank: 2, filter: opts };
         let mut base = crate::base::PreparedBase::new(&model, &shape, 3).unwrap();

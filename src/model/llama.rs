@@ -92,11 +92,13 @@ pub struct Decoder {
     /// step reads) or F32 (what the f32 reference computes with). See `KvCache`. Other devices
     /// keep the model's dtype.
     pub cpu_kv_dtype: DType,
-    /// What the trainable path's frozen matmuls compute in on the CPU: BF16 (default where the
-    /// CPU has AVX-512 BF16: bf16 inputs, f32 sums, ~2× the f32 gemm; `kernels::bf16_matmul`)
-    /// or F32 (what the f32 reference computes with; `LIFT_CPU_TRAIN_DTYPE=f32` sets it at load).
-    /// Activations, adapters, gradients of the adapter's parameters and the optimizer stay f32.
-    pub cpu_train_dtype: DType,
+    /// What the frozen float matmuls compute in on the CPU — the trainable path's, and prefill
+    /// chunks' (at least `float_prefill_min_rows` tokens; decode rows run the int8 kernel):
+    /// BF16 (default where the CPU has AVX-512 BF16: bf16 inputs, f32 sums, ~2× the f32 gemm;
+    /// `kernels::bf16_matmul`) or F32 (what the f32 reference computes with;
+    /// `LIFT_CPU_FLOAT_DTYPE=f32` sets it at load). Activations, adapters, the adapter's
+    /// gradients and the optimizer stay f32.
+    pub cpu_float_dtype: DType,
     /// A frozen adapter under every other (a prepared base's LoRA): its deltas are added on the
     /// inference, frozen and trainable paths alike, so a document adapter trains and answers
     /// over it. Its tensors are plain (no `Var`): no gradient reaches it.
@@ -445,7 +447,7 @@ impl Decoder {
             base_adapter: None,
             base_merged: false,
             cpu_kv_dtype: DType::F16,
-            cpu_train_dtype: default_cpu_train_dtype(),
+            cpu_float_dtype: default_cpu_float_dtype(),
         })
     }
 
@@ -467,9 +469,9 @@ impl Decoder {
         }
     }
 
-    /// Whether the trainable path's frozen matmuls run in bf16 (`cpu_train_dtype`, CPU only).
-    pub fn train_in_bf16(&self) -> bool {
-        self.device.is_cpu() && self.cpu_train_dtype == DType::BF16
+    /// Whether the frozen float matmuls run in bf16 (`cpu_float_dtype`, CPU only).
+    pub fn float_in_bf16(&self) -> bool {
+        self.device.is_cpu() && self.cpu_float_dtype == DType::BF16
     }
 
     /// Input embeddings `[b, t, hidden]` for token ids `[b, t]` (in `dtype()`; callers may
@@ -556,7 +558,7 @@ impl Decoder {
         let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         let mut x = x.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
-            let ctx = LayerCtx { li, adapter, base: self.unmerged_base(float), float, start };
+            let ctx = LayerCtx { li, adapter, base: self.unmerged_base(float), float, bf16: self.float_in_bf16(), start };
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, self.config.rms_norm_eps as f32)?;
             let positions = Positions { cos: &cos, sin: &sin, mask: mask.as_ref() };
             let attn = self.attention_infer(&ctx, layer, &h, positions, Some(&mut *cache), hooks)?;
@@ -575,7 +577,7 @@ impl Decoder {
         };
         let x = candle_nn::ops::rms_norm(&x, &self.norm, self.config.rms_norm_eps as f32)?;
         let logits = if float && which == Logits::All {
-            self.lm_head.forward_float(&x)?
+            self.lm_head.forward_float(&x, self.float_in_bf16())?
         } else {
             self.lm_head.forward(&x)?
         };
@@ -762,7 +764,7 @@ impl Decoder {
         }
         let x = x.squeeze(0)?.index_select(&Tensor::new(last.as_slice(), &self.device)?, 0)?;
         let x = self.inference_norm(&x, &self.norm, eps)?;
-        let logits = if n >= self.float_batch_min_rows { self.lm_head.forward_float(&x)? } else { self.lm_head.forward(&x)? };
+        let logits = if n >= self.float_batch_min_rows { self.lm_head.forward_float(&x, self.float_in_bf16())? } else { self.lm_head.forward(&x)? };
         logits.to_dtype(DType::F32)
     }
 
@@ -865,7 +867,7 @@ impl Decoder {
             let float = rows >= self.float_batch_min_rows;
             let lins: Vec<&Linear> = ps.iter().map(|&p| layer.linear(p)).collect();
             let ys = if float {
-                lins.iter().map(|l| l.forward_float(&xq)).collect::<Result<Vec<_>>>()?
+                lins.iter().map(|l| l.forward_float(&xq, self.float_in_bf16())).collect::<Result<Vec<_>>>()?
             } else {
                 super::weights::forward_group(&lins, &xq)?
             };
@@ -898,7 +900,7 @@ impl Decoder {
         for j in quantized..plan.order.len() {
             let r = &plan.spans[j];
             let s = &seqs[plan.order[j]];
-            let ctx = LayerCtx { li, adapter: s.adapter, base: self.unmerged_base(true), float: true, start: 0 };
+            let ctx = LayerCtx { li, adapter: s.adapter, base: self.unmerged_base(true), float: true, bf16: self.float_in_bf16(), start: 0 };
             let xj = x.narrow(1, r.start, r.len())?;
             for (&p, out) in ps.iter().zip(pieces.iter_mut()) {
                 out.push(ctx.linear(layer, p, &xj)?);
@@ -988,7 +990,7 @@ impl Decoder {
         let eps = cfg.rms_norm_eps as f32;
         let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         for (li, layer) in self.layers.iter().enumerate().take(upto) {
-            let ctx = LayerCtx { li, adapter: None, base: self.unmerged_base(true), float: true, start: 0 };
+            let ctx = LayerCtx { li, adapter: None, base: self.unmerged_base(true), float: true, bf16: self.float_in_bf16(), start: 0 };
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let positions = Positions { cos: &cos, sin: &sin, mask: mask.as_ref() };
             let attn = self.attention_infer(&ctx, layer, &h, positions, None, hooks)?;
@@ -1021,7 +1023,7 @@ impl Decoder {
         let row_mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         let mut x = h.to_dtype(self.dtype)?;
         let adapters = [self.unmerged_base(true), adapter];
-        let bf16 = self.train_in_bf16();
+        let bf16 = self.float_in_bf16();
         for (li, layer) in self.layers.iter().enumerate().skip(from) {
             let h = ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let q = train_linear(adapters, li, layer, Projection::Q, &h, bf16)?;
@@ -1093,7 +1095,7 @@ impl Decoder {
 
     /// Vocabulary logits (f32) for hidden states `[.., hidden]` on the trainable path.
     pub fn logits_train(&self, hidden: &Tensor) -> Result<Tensor> {
-        self.lm_head.forward_train(&hidden.to_dtype(self.dtype)?, self.train_in_bf16())?.to_dtype(DType::F32)
+        self.lm_head.forward_train(&hidden.to_dtype(self.dtype)?, self.float_in_bf16())?.to_dtype(DType::F32)
     }
 
     /// Dequantizes every weight now instead of at the first training step.
@@ -1158,13 +1160,15 @@ struct LayerCtx<'a> {
     adapter: Option<&'a dyn Adapter>,
     base: Option<&'a dyn Adapter>,
     float: bool,
+    /// Float matmuls in bf16 (`Decoder::cpu_float_dtype`).
+    bf16: bool,
     start: usize,
 }
 
 impl LayerCtx<'_> {
     fn linear(&self, layer: &DecoderLayer, p: Projection, x: &Tensor) -> Result<Tensor> {
         let lin = layer.linear(p);
-        let y = if self.float { lin.forward_float(x)? } else { lin.forward(x)? };
+        let y = if self.float { lin.forward_float(x, self.bf16)? } else { lin.forward(x)? };
         add_deltas(y, [self.base, self.adapter], self.li, p, x)
     }
 }
@@ -1220,9 +1224,9 @@ fn add_run_deltas<'a>(
     Tensor::cat(&pieces, 1)
 }
 
-/// BF16 where the CPU runs the bf16 kernel, unless `LIFT_CPU_TRAIN_DTYPE=f32`.
-fn default_cpu_train_dtype() -> DType {
-    let f32_asked = std::env::var("LIFT_CPU_TRAIN_DTYPE").is_ok_and(|v| v.eq_ignore_ascii_case("f32"));
+/// BF16 where the CPU runs the bf16 kernel, unless `LIFT_CPU_FLOAT_DTYPE=f32`.
+fn default_cpu_float_dtype() -> DType {
+    let f32_asked = std::env::var("LIFT_CPU_FLOAT_DTYPE").is_ok_and(|v| v.eq_ignore_ascii_case("f32"));
     if crate::kernels::bf16_matmul::available() && !f32_asked {
         DType::BF16
     } else {

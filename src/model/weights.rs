@@ -33,8 +33,8 @@ pub struct Linear {
     /// faster on it than on a transposed view (the backward uses `float`). Costs one more float
     /// copy of the weights (~0.5 GB on the 135M model), made on first use.
     float_t: OnceLock<Tensor>,
-    /// The float weight packed in bf16 for the trainable path's mixed-precision matmul
-    /// (`ops::frozen_linear_bf16`), on CPUs that run it; made on first use.
+    /// The float weight packed in bf16 for the mixed-precision matmul of the trainable path and
+    /// prefill (`ops::frozen_linear_bf16`), on CPUs that run it; made on first use.
     bf16: OnceLock<Arc<ops::Bf16Weight>>,
     bias: Option<Tensor>,
     out_dim: usize,
@@ -126,12 +126,12 @@ impl Linear {
         // 13: 98–102% off the CPU for every shape tried, Q8_0 and Q4_1, 1–40 rows), while
         // dequantization is exact: on CUDA a quantized layer runs through its bf16 float copy.
         if x.device().is_cuda() && self.quantized.is_some() {
-            let float = self.forward_float(&x.to_dtype(base_dtype(x.device()))?)?;
+            let float = self.forward_float(&x.to_dtype(base_dtype(x.device()))?, false)?;
             return float.to_dtype(x.dtype());
         }
         if x.dtype() != DType::F32 {
             if self.quantized.is_none() {
-                return self.forward_float(x);
+                return self.forward_float(x, false);
             }
             let y = self.infer.forward(&x.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?;
             return self.add_bias(y);
@@ -144,9 +144,21 @@ impl Linear {
     }
 
     /// Inference path through the float weights: faster than block-quantized dot products for
-    /// long prompts (prefill), where the matmul is compute-bound.
-    pub fn forward_float(&self, x: &Tensor) -> Result<Tensor> {
+    /// long prompts (prefill), where the matmul is compute-bound. With `bf16` (on the CPU, where
+    /// the kernel runs) the matmul rounds its inputs to bf16 and sums in f32
+    /// (`ops::frozen_linear_bf16`, ~2× the f32 gemm); the gradient flows to `x` only.
+    pub fn forward_float(&self, x: &Tensor, bf16: bool) -> Result<Tensor> {
         let w = self.float_weight()?;
+        if bf16 && x.device().is_cpu() && x.dtype() == DType::F32 && bf16_matmul::available() {
+            let packed = match self.bf16.get() {
+                Some(p) => p,
+                None => {
+                    let p = Arc::new(ops::Bf16Weight::new(w)?);
+                    self.bf16.get_or_init(|| p)
+                }
+            };
+            return self.add_bias(ops::frozen_linear_bf16(x, w, packed)?);
+        }
         let y = match self.float_transposed()? {
             Some(wt) => ops::frozen_linear_pretransposed(x, w, wt)?,
             None => ops::frozen_linear(x, w)?,
@@ -189,21 +201,9 @@ impl Linear {
         Ok(Some(self.float_t.get_or_init(|| wt)))
     }
 
-    /// Trainable path: float weights, gradient flows to `x` only; with `bf16` (on the CPU, where
-    /// the kernel runs) the matmuls round their inputs to bf16 and sum in f32.
+    /// Trainable path: the float weights (`forward_float`), gradient flows to `x` only.
     pub fn forward_train(&self, x: &Tensor, bf16: bool) -> Result<Tensor> {
-        if !(bf16 && x.device().is_cpu() && x.dtype() == DType::F32 && bf16_matmul::available()) {
-            return self.forward_float(x);
-        }
-        let w = self.float_weight()?;
-        let packed = match self.bf16.get() {
-            Some(p) => p,
-            None => {
-                let p = Arc::new(ops::Bf16Weight::new(w)?);
-                self.bf16.get_or_init(|| p)
-            }
-        };
-        self.add_bias(ops::frozen_linear_bf16(x, w, packed)?)
+        self.forward_float(x, bf16)
     }
 
     fn add_bias(&self, y: Tensor) -> Result<Tensor> {
