@@ -20,6 +20,8 @@ use rayon::prelude::*;
 const STRIP: usize = 32;
 /// Activation rows per tile (2·MR accumulators stay in registers).
 const MR: usize = 8;
+/// Activation rows per unit of parallel work.
+const ROW_BLOCK: usize = 64;
 /// Below this many multiply-adds a call stays on the calling thread.
 const SERIAL_WORK: usize = 1 << 20;
 
@@ -36,13 +38,17 @@ pub fn available() -> bool {
 }
 
 /// `x` rounded to bf16 (to nearest, ties to even; NaN stays NaN) — what `vcvtneps2bf16` gives for
-/// normal numbers. Written on the bits so the loop vectorises.
+/// normal numbers. Branch-free on the bits so the loops over rows vectorise.
+#[inline]
 pub fn round_bf16(x: f32) -> u16 {
     let b = x.to_bits();
-    if x.is_nan() {
-        return ((b >> 16) | 0x40) as u16;
+    let rounded = (b.wrapping_add(0x7FFF + ((b >> 16) & 1)) >> 16) as u16;
+    let quiet_nan = ((b >> 16) | 0x40) as u16;
+    if (b & 0x7FFF_FFFF) > 0x7F80_0000 {
+        quiet_nan
+    } else {
+        rounded
     }
-    ((b + 0x7FFF + ((b >> 16) & 1)) >> 16) as u16
 }
 
 /// Rows of `cols` f32 values as bf16 pairs: `[n, ceil(cols/2)]` u32, the even input in the low
@@ -50,7 +56,10 @@ pub fn round_bf16(x: f32) -> u16 {
 fn pairs_of(x: &[f32], n: usize, cols: usize) -> Vec<u32> {
     let pairs = cols.div_ceil(2);
     let mut out = vec![0u32; n * pairs];
-    for (row, dst) in x.chunks_exact(cols).zip(out.chunks_exact_mut(pairs)) {
+    if pairs == 0 {
+        return out;
+    }
+    let convert = |(row, dst): (&[f32], &mut [u32])| {
         let mut it = row.chunks_exact(2);
         for (d, p) in dst.iter_mut().zip(&mut it) {
             *d = round_bf16(p[0]) as u32 | (round_bf16(p[1]) as u32) << 16;
@@ -58,7 +67,8 @@ fn pairs_of(x: &[f32], n: usize, cols: usize) -> Vec<u32> {
         if let [last] = it.remainder() {
             dst[pairs - 1] = round_bf16(*last) as u32;
         }
-    }
+    };
+    x.chunks_exact(cols).zip(out.chunks_exact_mut(pairs)).for_each(convert);
     out
 }
 
@@ -120,22 +130,28 @@ impl PackedBf16 {
         }
         let dst = SharedOut(out.as_mut_ptr());
         let dst = &dst;
-        // SAFETY: strip `s` writes only columns `32s..32s+32` of each output row.
-        let run = |s: usize| unsafe { self.strip(s, &xp, n, dst.ptr()) };
-        let strips = self.rows.div_ceil(STRIP);
+        // Units of (strip, block of ROW_BLOCK rows), strip-major: a few strips (a k or v
+        // projection has 6) still make enough units for every thread.
+        let blocks = n.div_ceil(ROW_BLOCK);
+        // SAFETY: a unit writes only columns `32s..32s+32` of its own rows.
+        let run = |u: usize| unsafe {
+            let (s, b) = (u / blocks, u % blocks);
+            self.strip(s, &xp, b * ROW_BLOCK..((b + 1) * ROW_BLOCK).min(n), dst.ptr())
+        };
+        let units = self.rows.div_ceil(STRIP) * blocks;
         if n * self.rows * self.cols < SERIAL_WORK {
-            (0..strips).for_each(run);
+            (0..units).for_each(run);
         } else {
-            (0..strips).into_par_iter().for_each(run);
+            (0..units).into_par_iter().for_each(run);
         }
         out
     }
 
-    /// Strip `s` for every activation row, `MR` rows at a time.
-    unsafe fn strip(&self, s: usize, xp: &[u32], n: usize, out: *mut f32) {
+    /// Strip `s` for activation rows `rows`, `MR` rows at a time.
+    unsafe fn strip(&self, s: usize, xp: &[u32], rows: std::ops::Range<usize>, out: *mut f32) {
         let w = self.data.as_ptr().add(s * self.pairs * STRIP);
         let valid = (self.rows - s * STRIP).min(STRIP);
-        let mut row = 0;
+        let (mut row, n) = (rows.start, rows.end);
         while row < n {
             let t = (n - row).min(MR);
             let x = xp.as_ptr().add(row * self.pairs);
