@@ -85,30 +85,38 @@ impl PackedBf16 {
     /// Packs `w` (`[rows, cols]` row-major f32), rounding each weight to bf16.
     pub fn pack(w: &[f32], rows: usize, cols: usize) -> Self {
         assert_eq!(w.len(), rows * cols, "weight is not [rows, cols]");
-        let pairs = cols.div_ceil(2);
-        let strips = rows.div_ceil(STRIP);
-        let rowwise = pairs_of(w, rows, cols);
-        let mut data = vec![0u32; strips * pairs * STRIP];
-        for (r, src) in rowwise.chunks_exact(pairs.max(1)).enumerate().take(rows) {
-            let (s, lane) = (r / STRIP, r % STRIP);
-            let base = s * pairs * STRIP;
-            for (p, &v) in src.iter().enumerate() {
-                data[base + p * STRIP + lane] = v;
-            }
-        }
-        Self { rows, cols, pairs, data }
+        // Output row r, input c is w[r·cols + c].
+        Self::pack_with(rows, cols, |r, c| w[r * cols + c])
     }
 
-    /// Packs `wᵀ` for `w` `[rows, cols]`: a `[cols, rows]` weight (the backward's `g·W`).
+    /// Packs `wᵀ` for `w` `[rows, cols]`: a `[cols, rows]` weight (the backward's `g·W`), read
+    /// straight from `w` (a strip's 32 outputs are 32 neighbouring columns of one row of `w`).
     pub fn pack_transposed(w: &[f32], rows: usize, cols: usize) -> Self {
         assert_eq!(w.len(), rows * cols, "weight is not [rows, cols]");
-        let mut t = vec![0f32; rows * cols];
-        for (r, row) in w.chunks_exact(cols).enumerate() {
-            for (c, &v) in row.iter().enumerate() {
-                t[c * rows + r] = v;
-            }
+        Self::pack_with(cols, rows, |r, c| w[c * cols + r])
+    }
+
+    /// Packs the `[rows, cols]` weight whose element (output `r`, input `c`) is `at(r, c)`;
+    /// strips in parallel.
+    fn pack_with(rows: usize, cols: usize, at: impl Fn(usize, usize) -> f32 + Sync) -> Self {
+        let pairs = cols.div_ceil(2);
+        let strips = rows.div_ceil(STRIP);
+        let mut data = vec![0u32; strips * pairs * STRIP];
+        if pairs > 0 {
+            data.par_chunks_mut(pairs * STRIP).enumerate().for_each(|(s, strip)| {
+                for (p, lanes) in strip.chunks_exact_mut(STRIP).enumerate() {
+                    for (lane, d) in lanes.iter_mut().enumerate() {
+                        let r = s * STRIP + lane;
+                        if r >= rows {
+                            break;
+                        }
+                        let hi = if 2 * p + 1 < cols { round_bf16(at(r, 2 * p + 1)) as u32 } else { 0 };
+                        *d = round_bf16(at(r, 2 * p)) as u32 | hi << 16;
+                    }
+                }
+            });
         }
-        Self::pack(&t, cols, rows)
+        Self { rows, cols, pairs, data }
     }
 
     pub fn rows(&self) -> usize {
@@ -305,11 +313,18 @@ mod tests {
     #[test]
     fn transposed_pack_is_the_transpose() {
         let mut seed = 3;
-        let (rows, cols) = (40, 18);
+        let (rows, cols) = (41, 18);
         let w = random(rows * cols, &mut seed);
         let g = random(5 * rows, &mut seed);
         let t = PackedBf16::pack_transposed(&w, rows, cols);
         assert_eq!((t.rows(), t.cols()), (cols, rows));
+        let mut wt = vec![0f32; rows * cols];
+        for r in 0..rows {
+            for c in 0..cols {
+                wt[c * rows + r] = w[r * cols + c];
+            }
+        }
+        assert_eq!(t.data, PackedBf16::pack(&wt, cols, rows).data, "the packing of the explicit transpose");
         let got = t.matmul_reference(&g, 5);
         for i in 0..5 {
             for c in 0..cols {
