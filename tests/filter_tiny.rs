@@ -17,10 +17,14 @@ const DOC: &str = "Marigold ferries leave the north pier at dawn. The lighthouse
 logs every departure in a green ledger. Passengers pay eleven coins for the crossing to Tern Island. \
 The ferry captain, Ilse Moreau, has sailed the route for twenty years. In winter the ferries stop.";
 
+/// With f32 float matmuls: these tests compare paths (incremental inference against one
+/// trainable pass) to float precision; the default bf16 matmuls round their inputs.
 fn tiny() -> (tempfile::TempDir, Model) {
     let dir = tempfile::tempdir().unwrap();
     let path = write_hf(&dir.path().join("tiny"), &TinySpec::default()).unwrap();
-    (dir, Model::load(&path, &Device::Cpu).unwrap())
+    let mut model = Model::load(&path, &Device::Cpu).unwrap();
+    model.decoder.cpu_float_dtype = candle_core::DType::F32;
+    (dir, model)
 }
 
 /// A filter on layer 0 with a random score head and the given soft-mask `w`, `b`.
