@@ -13,7 +13,6 @@
 //! of rows in the call (a tile of `MR` rows or a tail tile of fewer runs the same per-row chain),
 //! so a row's result does not depend on who shares its call.
 
-use half::bf16;
 use rayon::prelude::*;
 
 /// Output rows per strip: two registers of 16 f32 lanes.
@@ -204,15 +203,6 @@ impl PackedBf16 {
         out
     }
 
-    /// Bytes the packed weight takes.
-    pub fn bytes(&self) -> usize {
-        self.data.len() * 4
-    }
-}
-
-/// `x` as the kernel rounds it (each value to bf16 and back), for callers that compare.
-pub fn rounded(x: &[f32]) -> Vec<f32> {
-    x.iter().map(|&v| bf16::from_bits(round_bf16(v)).to_f32()).collect()
 }
 
 struct SharedOut(*mut f32);
@@ -262,6 +252,12 @@ mod avx512 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use half::bf16;
+
+    /// `x` as the kernel rounds it (each value to bf16 and back).
+    fn rounded(x: &[f32]) -> Vec<f32> {
+        x.iter().map(|&v| bf16::from_bits(round_bf16(v)).to_f32()).collect()
+    }
 
     fn random(n: usize, seed: &mut u64) -> Vec<f32> {
         (0..n)

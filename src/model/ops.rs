@@ -354,54 +354,46 @@ impl Bf16Weight {
         let data = w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
         Ok(Self { fwd: PackedBf16::pack(&data, out, inp), bwd: PackedBf16::pack_transposed(&data, out, inp) })
     }
-
-    pub fn bytes(&self) -> usize {
-        self.fwd.bytes() + self.bwd.bytes()
-    }
 }
 
-/// `x` `[..., k]` through `p` (a `[n, k]` packing): `[..., n]`.
-fn bf16_matmul_cpu(p: &PackedBf16, s: &CpuStorage, l: &Layout, op: &'static str) -> Result<(CpuStorage, Shape)> {
-    let x = f32_data(s, l, op)?;
-    let k = p.cols();
-    let mut dims = l.dims().to_vec();
-    if dims.last() != Some(&k) {
-        bail!("{op}: input {dims:?} does not end in {k}");
-    }
-    let rows = x.len() / k.max(1);
-    if let Some(last) = dims.last_mut() {
-        *last = p.rows();
-    }
-    Ok((CpuStorage::F32(p.matmul(x, rows)), Shape::from(dims)))
+/// `y = x·wᵀ` with bf16 inputs and f32 sums (`kernels::bf16_matmul`), `x` `[..., in]`; its
+/// backward is the same op in the other direction, `dx = g·w` through the packing of `wᵀ`
+/// (which has no backward of its own).
+struct FrozenLinearBf16 {
+    w: Arc<Bf16Weight>,
+    backward: bool,
 }
-
-/// `y = x·wᵀ` with bf16 inputs and f32 sums (`kernels::bf16_matmul`); backward `dx = g·w` the same.
-struct FrozenLinearBf16(Arc<Bf16Weight>);
 
 impl CustomOp1 for FrozenLinearBf16 {
     fn name(&self) -> &'static str {
-        "frozen-linear-bf16"
+        if self.backward {
+            "frozen-linear-bf16-dx"
+        } else {
+            "frozen-linear-bf16"
+        }
     }
 
     fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        bf16_matmul_cpu(&self.0.fwd, s, l, self.name())
+        let p = if self.backward { &self.w.bwd } else { &self.w.fwd };
+        let x = f32_data(s, l, self.name())?;
+        let k = p.cols();
+        let mut dims = l.dims().to_vec();
+        if dims.last() != Some(&k) {
+            bail!("{}: input {dims:?} does not end in {k}", self.name());
+        }
+        let rows = x.len() / k.max(1);
+        if let Some(last) = dims.last_mut() {
+            *last = p.rows();
+        }
+        Ok((CpuStorage::F32(p.matmul(x, rows)), Shape::from(dims)))
     }
 
     fn bwd(&self, _x: &Tensor, _y: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
-        Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&FrozenLinearBf16Dx(self.0.clone()))?))
-    }
-}
-
-/// The backward's `g·w` of `FrozenLinearBf16` (no backward of its own).
-struct FrozenLinearBf16Dx(Arc<Bf16Weight>);
-
-impl CustomOp1 for FrozenLinearBf16Dx {
-    fn name(&self) -> &'static str {
-        "frozen-linear-bf16-dx"
-    }
-
-    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
-        bf16_matmul_cpu(&self.0.bwd, s, l, self.name())
+        if self.backward {
+            bail!("frozen-linear-bf16-dx has no backward");
+        }
+        let dx = FrozenLinearBf16 { w: self.w.clone(), backward: true };
+        Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&dx)?))
     }
 }
 
@@ -414,7 +406,7 @@ pub fn frozen_linear_bf16(x: &Tensor, w: &Tensor, packed: &Arc<Bf16Weight>) -> R
     if !usable || x.elem_count() == 0 {
         return frozen_linear(x, w);
     }
-    x.contiguous()?.apply_op1(FrozenLinearBf16(packed.clone()))
+    x.contiguous()?.apply_op1(FrozenLinearBf16 { w: packed.clone(), backward: false })
 }
 
 // ---------------------------------------------------------------------------------------
