@@ -724,6 +724,39 @@ async fn a_server_over_a_prepared_base_answers_through_its_filter_and_reports_ch
     assert_eq!(s, 200, "{r}");
     assert!(r.get("context").is_none(), "no context, no chunks: {r}");
     running.shutdown().await;
+
+    // The same store served over the plain model: the adapter was made over the prepared base,
+    // so asking is a 409 in the API's shape (not a 500), and the adapter's files are left as
+    // they were: served over its own base again, it answers.
+    let files = snapshot(&e.adapters);
+    let (running, base) = start(config(&e, &[])).await;
+    let q = json!({"document_id": id, "question": "Who built the harbor?", "mode": "lift"});
+    let (s, r) = post_json(&c, &format!("{base}/ask"), q, None).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{r}");
+    assert_error_shape(&r, "adapter_base_mismatch", "ask over another base");
+    assert_eq!(r["error"]["type"], "conflict_error", "{r}");
+    assert_eq!(r["error"]["param"], "document_id", "{r}");
+    let chat = json!({"model": id, "messages": [{"role": "user", "content": "Who built the harbor?"}]});
+    let (s, r) = post_json(&c, &format!("{base}/v1/chat/completions"), chat, None).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{r}");
+    assert_error_shape(&r, "adapter_base_mismatch", "chat over another base");
+    assert_eq!(r["error"]["param"], "model", "{r}");
+    // The document's token ids were made by its own base's tokenizer: no mode reads it over
+    // another base.
+    let q = json!({"document_id": id, "question": "Who built the harbor?", "mode": "icl"});
+    let (s, r) = post_json(&c, &format!("{base}/ask"), q, None).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{r}");
+    let (s, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+    assert_eq!((s, d["status"].as_str()), (StatusCode::OK, Some("ready")), "the record is kept: {d}");
+    running.shutdown().await;
+    assert_eq!(snapshot(&e.adapters), files, "the refused asks changed no stored file");
+    let mut cfg = config(&e, &[]);
+    cfg.prepared_base = Some(base_dir.to_string_lossy().into_owned());
+    let (running, base) = start(cfg).await;
+    let q = json!({"document_id": id, "question": "Who built the harbor?", "mode": "lift"});
+    let (s, r) = post_json(&c, &format!("{base}/ask"), q, None).await;
+    assert_eq!(s, 200, "over its own base again: {r}");
+    running.shutdown().await;
 }
 
 // ---------- hardening (issue 16) ----------

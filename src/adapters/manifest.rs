@@ -183,39 +183,42 @@ impl Manifest {
         serde_json::from_value(value).with_context(|| format!("{}: invalid adapter manifest", path.display()))
     }
 
-    /// Fails unless `model` is the base model this adapter was trained on.
+    /// Fails with [`WrongBaseModel`] unless `model` is the base model this adapter was trained on.
     pub fn check_base_model(&self, model: &Model) -> Result<()> {
         let want = &self.base_model;
         let have = BaseModelRef::of(model);
         if want.fingerprint != have.fingerprint && want.prepared_base != have.prepared_base {
             let name = |b: &Option<String>| b.as_deref().map_or("none".to_string(), |h| format!("'{h}'"));
-            bail!(
+            return Err(WrongBaseModel(format!(
                 "adapter was trained over prepared base {}, but the loaded model has prepared base {} \
                  (--prepared-base); an adapter only works over the base it was trained over",
                 name(&want.prepared_base),
                 name(&have.prepared_base)
-            );
+            ))
+            .into());
         }
         if want.fingerprint != have.fingerprint {
-            bail!(
+            return Err(WrongBaseModel(format!(
                 "adapter was trained on base model '{}' (fingerprint {}), but the loaded base model is '{}' \
                  (fingerprint {}); an adapter only works on the model it was trained on",
                 want.id,
                 want.fingerprint,
                 have.id,
                 have.fingerprint
-            );
+            ))
+            .into());
         }
         let shape = |b: &BaseModelRef| (b.architecture, b.hidden_size, b.num_layers, b.num_heads, b.head_dim);
         if shape(want) != shape(&have) {
-            bail!(
+            return Err(WrongBaseModel(format!(
                 "adapter's base model '{}' has shape {:?}, the loaded model '{}' {:?} (architecture, hidden, layers, \
                  heads, head_dim)",
                 want.id,
                 shape(want),
                 have.id,
                 shape(&have)
-            );
+            ))
+            .into());
         }
         Ok(())
     }
@@ -300,6 +303,13 @@ pub fn save(dir: &Path, bundle: &AdapterBundle, manifest: &Manifest, attachments
     }
     result
 }
+
+/// An adapter made over another base model or prepared base than the one loaded. Its own type
+/// so that the server can tell it from a failure: the document is fine, but it must be absorbed
+/// again (or served over the base it was absorbed over) — a 409, not a 500.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct WrongBaseModel(pub String);
 
 /// Loads the adapter in `dir` for `model`: detached (inference) tensors on the model's device,
 /// after checking the base model, the format version, the file's integrity and every shape.

@@ -74,6 +74,9 @@ pub enum EngineError {
     UnknownDocument(String),
     #[error(transparent)]
     ContextLength(#[from] crate::model::generate::ContextLengthExceeded),
+    /// The document's adapter was made over another base (`manifest::WrongBaseModel`).
+    #[error("{0}")]
+    WrongBase(String),
     /// Anything else: a server-side failure (details for the log).
     #[error("{0}")]
     Failed(String),
@@ -81,6 +84,9 @@ pub enum EngineError {
 
 impl From<anyhow::Error> for EngineError {
     fn from(e: anyhow::Error) -> Self {
+        if let Some(w) = e.downcast_ref::<crate::adapters::manifest::WrongBaseModel>() {
+            return EngineError::WrongBase(w.0.clone());
+        }
         match e.downcast::<crate::model::generate::ContextLengthExceeded>() {
             Ok(c) => EngineError::ContextLength(c),
             Err(e) => EngineError::Failed(format!("{e:#}")),

@@ -105,6 +105,9 @@ impl ApiError {
             ServiceError::ContextLength { .. } | ServiceError::PromptTooLong { .. } => {
                 ApiError::bad_request("context_length_exceeded", e.to_string()).param(params.prompt)
             }
+            ServiceError::WrongBase(_) => {
+                ApiError::new(StatusCode::CONFLICT, "adapter_base_mismatch", e.to_string()).param(params.document)
+            }
             ServiceError::QueueFull => ApiError::queue_full(),
             ServiceError::MemoryFull(msg) => ApiError::new(StatusCode::TOO_MANY_REQUESTS, "memory_full", msg),
             ServiceError::ShuttingDown => ApiError::shutting_down(),

@@ -40,6 +40,13 @@ pub enum ServiceError {
     /// A training-only replica (`--role trainer`) was asked a question (503: ask another replica).
     #[error("this replica only trains (--role trainer); ask a replica that serves")]
     NotServing,
+    /// The document's adapter was absorbed over another base model or prepared base than the
+    /// one this server runs (409): absorb it again, or serve it over its own base.
+    #[error(
+        "this document was absorbed over another base than the one this server runs ({0}); absorb it again, or serve \
+         it with the base it was absorbed over"
+    )]
+    WrongBase(String),
     /// A server-side failure; the detail is for the log only.
     #[error("internal error: {0}")]
     Internal(String),
@@ -64,6 +71,7 @@ impl From<EngineError> for ServiceError {
             EngineError::ContextLength(c) => ServiceError::PromptTooLong { prompt_tokens: c.prompt, window: c.window },
             EngineError::MemoryFull { .. } => ServiceError::MemoryFull(e.to_string()),
             EngineError::WrongLane => ServiceError::internal(e),
+            EngineError::WrongBase(detail) => ServiceError::WrongBase(detail),
             EngineError::Failed(detail) => ServiceError::Internal(detail),
         }
     }
