@@ -4,6 +4,7 @@
 //! `BENCH_RUNS` (default 20) calls after a warm-up; GMAC/s counts the multiply-adds done.
 //!
 //!   RAYON_NUM_THREADS=2 cargo bench --bench quant_matmul
+//! (`LIFT_CPU_QMATMUL=avx2` runs the AVX2 version on an AVX-512 CPU.)
 
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
@@ -24,10 +25,11 @@ fn median_s(runs: usize, mut f: impl FnMut()) -> f64 {
 }
 
 fn main() -> anyhow::Result<()> {
-    anyhow::ensure!(quant_matmul::available(), "this CPU lacks AVX-512 VNNI: the kernel does not run here");
+    let isa = quant_matmul::isa()
+        .ok_or_else(|| anyhow::anyhow!("this CPU has neither AVX-512 VNNI nor AVX2: the kernel does not run here"))?;
     let runs: usize = std::env::var("BENCH_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
     let dev = Device::Cpu;
-    println!("threads: {}  runs: {runs}", rayon::current_num_threads());
+    println!("threads: {}  runs: {runs}  kernel: {isa:?}", rayon::current_num_threads());
     println!("| weight | rows | ours ms | candle quantized ms | f32 gemm ms | ours GMAC/s | vs candle | vs f32 |");
     println!("|---|---|---|---|---|---|---|---|");
     let shapes = [

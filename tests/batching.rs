@@ -22,7 +22,7 @@ fn tiny_q8() -> (tempfile::TempDir, Model) {
     let path = write_gguf(&dir.path().join("tiny_q8.gguf"), &TinySpec::default(), GgmlDType::Q8_0).unwrap();
     let mut model = Model::load(&path, &Device::Cpu).unwrap();
     model.decoder.float_batch_min_rows = usize::MAX;
-    // On CPUs with AVX-512 VNNI the quantized path is our int8 kernel: that is what is checked.
+    // On CPUs with AVX-512 VNNI or AVX2 the quantized path is our int8 kernel: that is what is checked.
     assert_eq!(model.decoder.layers[0].q.is_packed(), lift_serve::kernels::quant_matmul::available());
     (dir, model)
 }

@@ -202,7 +202,7 @@ fn dequantize_on_cuda_matches_cpu() {
 }
 
 /// A quantized GGUF on CUDA (quantized layers through their bf16 copies) against the CPU, whose
-/// quantized path is our int8 kernel (`kernels::quant_matmul`) where the CPU has AVX-512 VNNI:
+/// quantized path is our int8 kernel (`kernels::quant_matmul`) where the CPU has AVX-512 VNNI or AVX2:
 /// Q8_0 (the default model's LM head) and Q4_1 (its layers).
 #[test]
 fn quantized_gguf_runs_on_cuda() {

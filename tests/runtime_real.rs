@@ -58,7 +58,7 @@ fn logits_match_candle_transformers_quantized_llama() {
     assert!(fdiff / scale <= 0.1, "float path relative difference {}", fdiff / scale);
     assert_eq!(am(&float), am(&want));
 
-    // Our int8 kernel (the default quantized path on CPUs with AVX-512 VNNI): as close to the
+    // Our int8 kernel (the default quantized path on CPUs with AVX-512 VNNI or AVX2): as close to the
     // exact-weight logits as the reference bound above allows, and the same next token. (How
     // close compared with candle's kernels, matmul by matmul: the next test.)
     if m.decoder.layers[0].q.is_packed() {
@@ -78,7 +78,7 @@ fn logits_match_candle_transformers_quantized_llama() {
 fn int8_kernel_is_as_accurate_as_candles_quantized_matmul() {
     let m = model();
     if !m.decoder.layers[0].q.is_packed() {
-        eprintln!("this CPU does not run the int8 kernel (AVX-512 VNNI): nothing to compare");
+        eprintln!("this CPU does not run the int8 kernel (AVX-512 VNNI or AVX2): nothing to compare");
         return;
     }
     let path = lift_serve::fetch::resolve_model(None).unwrap();

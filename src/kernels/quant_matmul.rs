@@ -1,4 +1,4 @@
-//! Block-quantized matmul on the CPU with int8 dot products (AVX-512 VNNI): `y = x·Wᵀ` for the
+//! Block-quantized matmul on the CPU with int8 dot products (AVX-512 VNNI, or AVX2): `y = x·Wᵀ` for the
 //! GGUF weights of the default model (Q4_1 layers, a Q8_0 embedding as the tied LM head), and
 //! Q4_0. candle's CPU kernel for Q4_1 is its scalar reference loop, so a decode step spent most
 //! of its time there; llama.cpp's decode is int8 dot products over the same blocks.
@@ -77,19 +77,50 @@ impl BlockFormat {
     }
 }
 
-/// Whether this CPU runs the kernel (AVX-512 F/BW and VNNI). Where it does not, callers keep
-/// candle's quantized matmul.
-pub fn available() -> bool {
+/// The instruction sets the kernel has a version for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Isa {
+    /// AVX-512 F/BW and VNNI: `vpdpbusd`, a panel's 16 rows in one register.
+    Avx512Vnni,
+    /// AVX2 and FMA: `vpmaddubsw` + `vpmaddwd`, a panel in two halves of 8 rows.
+    Avx2,
+}
+
+/// Which version runs on this CPU (detected once): AVX-512 VNNI where the CPU has it, else AVX2
+/// with FMA, else none (callers keep candle's quantized matmul). `LIFT_CPU_QMATMUL=avx2` picks
+/// the AVX2 version on an AVX-512 CPU, to compare the two.
+pub fn isa() -> Option<Isa> {
+    static ISA: std::sync::OnceLock<Option<Isa>> = std::sync::OnceLock::new();
+    *ISA.get_or_init(|| {
+        let want_avx2 = std::env::var("LIFT_CPU_QMATMUL").is_ok_and(|v| v == "avx2");
+        match (cpu_has(Isa::Avx512Vnni), cpu_has(Isa::Avx2)) {
+            (true, avx2) if !(want_avx2 && avx2) => Some(Isa::Avx512Vnni),
+            (_, true) => Some(Isa::Avx2),
+            _ => None,
+        }
+    })
+}
+
+/// Whether this CPU has the instructions of `isa`.
+pub fn cpu_has(isa: Isa) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512bw")
-            && std::arch::is_x86_feature_detected!("avx512vnni")
+        use std::arch::is_x86_feature_detected as has;
+        match isa {
+            Isa::Avx512Vnni => has!("avx512f") && has!("avx512bw") && has!("avx512vnni"),
+            Isa::Avx2 => has!("avx2") && has!("fma"),
+        }
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
+        let _ = isa;
         false
     }
+}
+
+/// Whether this CPU runs the kernel (see [`isa`]).
+pub fn available() -> bool {
+    isa().is_some()
 }
 
 /// A `[rows, cols]` weight matrix repacked for the kernel.
@@ -173,6 +204,17 @@ impl PackedWeights {
     /// quantized once and every matrix's panels in one pass of the thread pool. Each output is
     /// bit for bit what `matmul` gives.
     pub fn matmul_group(ws: &[&PackedWeights], x: &[f32], n: usize) -> Vec<Vec<f32>> {
+        let isa = isa().expect("weights are packed only where a kernel runs");
+        Self::matmul_group_on(isa, ws, x, n)
+    }
+
+    /// `matmul` with a given version of the kernel (tests run every version the CPU has).
+    pub fn matmul_on(&self, isa: Isa, x: &[f32], n: usize) -> Vec<f32> {
+        Self::matmul_group_on(isa, &[self], x, n).pop().unwrap_or_default()
+    }
+
+    fn matmul_group_on(isa: Isa, ws: &[&PackedWeights], x: &[f32], n: usize) -> Vec<Vec<f32>> {
+        assert!(cpu_has(isa), "this CPU cannot run the {isa:?} kernel");
         let Some(cols) = ws.first().map(|w| w.cols) else { return Vec::new() };
         assert!(ws.iter().all(|w| w.cols == cols), "matrices of a group take the same input");
         assert_eq!(x.len(), n * cols, "activations are not [n, cols]");
@@ -194,7 +236,7 @@ impl PackedWeights {
                     m += 1;
                 }
                 // SAFETY: panel `p` writes only columns `16p..16p+16` of each row of output `m`.
-                unsafe { ws[m].panel(g - first[m], &xq, ptrs[m].0) };
+                unsafe { ws[m].panel(isa, g - first[m], &xq, ptrs[m].0) };
             }
         };
         // One decode row of a small matrix is a few microseconds: not worth a pool wake-up.
@@ -209,7 +251,7 @@ impl PackedWeights {
     }
 
     /// Panel `p` for every activation row, `TILE` rows at a time.
-    unsafe fn panel(&self, p: usize, xq: &QuantizedRows, out: *mut f32) {
+    unsafe fn panel(&self, isa: Isa, p: usize, xq: &QuantizedRows, out: *mut f32) {
         let nb = self.cols / BLOCK;
         let valid = (self.rows - p * PANEL).min(PANEL);
         let args = PanelArgs {
@@ -225,11 +267,15 @@ impl PackedWeights {
             let t = (xq.n - row).min(TILE);
             let o = out.add(row * self.rows + p * PANEL);
             #[cfg(target_arch = "x86_64")]
-            match (self.bits, t) {
-                (4, TILE) => avx512::panel::<4, TILE>(&args, xq, row, o),
-                (4, _) => avx512::panel::<4, 1>(&args, xq, row, o),
-                (_, TILE) => avx512::panel::<8, TILE>(&args, xq, row, o),
-                _ => avx512::panel::<8, 1>(&args, xq, row, o),
+            match (isa, self.bits, t) {
+                (Isa::Avx512Vnni, 4, TILE) => avx512::panel::<4, TILE>(&args, xq, row, o),
+                (Isa::Avx512Vnni, 4, _) => avx512::panel::<4, 1>(&args, xq, row, o),
+                (Isa::Avx512Vnni, _, TILE) => avx512::panel::<8, TILE>(&args, xq, row, o),
+                (Isa::Avx512Vnni, _, _) => avx512::panel::<8, 1>(&args, xq, row, o),
+                (Isa::Avx2, 4, TILE) => avx2::panel::<4, TILE>(&args, xq, row, o),
+                (Isa::Avx2, 4, _) => avx2::panel::<4, 1>(&args, xq, row, o),
+                (Isa::Avx2, _, TILE) => avx2::panel::<8, TILE>(&args, xq, row, o),
+                (Isa::Avx2, _, _) => avx2::panel::<8, 1>(&args, xq, row, o),
             }
             row += if t == TILE { TILE } else { 1 };
         }
@@ -392,6 +438,94 @@ mod avx512 {
     }
 }
 
+/// The same kernel for CPUs with AVX2 and FMA but no AVX-512 (most laptops, and machines like
+/// this project's CI): `vpmaddubsw` (u8·i8 pairs into i16) then `vpmaddwd` with ones (into
+/// i32) stand in for `vpdpbusd`, and a panel's 16 rows are two halves of 8 lanes. Exact like
+/// the AVX-512 kernel: a 4-bit weight times an int8 activation is at most 15·127, so the eight
+/// groups of a block sum in i16 without overflow (8·2·1,905 < 32,767) before one widening; an
+/// 8-bit weight is split into its two nibbles (`u = 16·hi + lo`), each summed that way. The
+/// float steps are the reference's, in its order, so the output is bit for bit the same.
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::{PanelArgs, QuantizedRows, BLOCK, PANEL};
+    use std::arch::x86_64::*;
+
+    /// `T` activation rows from `row` against one panel; `BITS` 4 or 8.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn panel<const BITS: usize, const T: usize>(
+        a: &PanelArgs,
+        xq: &QuantizedRows,
+        row: usize,
+        out: *mut f32,
+    ) {
+        let low = _mm256_set1_epi8(0x0F);
+        let ones = _mm256_set1_epi16(1);
+        let nb = a.nb;
+        for half in 0..2 {
+            if a.valid <= half * 8 {
+                break;
+            }
+            let mut acc = [_mm256_setzero_ps(); T];
+            for b in 0..nb {
+                // Group g's 4 bytes for the half's 8 rows: low nibbles (or, for 8 bits, the
+                // low nibbles of the bytes) in `lo[g]`, high ones in `hi[g]`.
+                let mut lo = [_mm256_setzero_si256(); 8];
+                let mut hi = [_mm256_setzero_si256(); 8];
+                if BITS == 4 {
+                    let base = a.qs.add(b * 256 + half * 32);
+                    for c in 0..4 {
+                        let v = _mm256_loadu_si256(base.add(c * 64) as *const __m256i);
+                        lo[c] = _mm256_and_si256(v, low);
+                        lo[c + 4] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    }
+                } else {
+                    let base = a.qs.add(b * 512 + half * 32);
+                    for g in 0..8 {
+                        let v = _mm256_loadu_si256(base.add(g * 64) as *const __m256i);
+                        lo[g] = _mm256_and_si256(v, low);
+                        hi[g] = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                    }
+                }
+                let dw = _mm256_loadu_ps(a.d.add(b * PANEL + half * 8));
+                let mw = _mm256_loadu_ps(a.m.add(b * PANEL + half * 8));
+                for (t, acc_t) in acc.iter_mut().enumerate() {
+                    let i = row + t;
+                    let xb = xq.q.as_ptr().add(i * xq.cols + b * BLOCK) as *const i32;
+                    let mut s_lo = _mm256_setzero_si256();
+                    let mut s_hi = _mm256_setzero_si256();
+                    for g in 0..8 {
+                        let x4 = _mm256_set1_epi32(xb.add(g).read_unaligned());
+                        s_lo = _mm256_add_epi16(s_lo, _mm256_maddubs_epi16(lo[g], x4));
+                        if BITS == 8 {
+                            s_hi = _mm256_add_epi16(s_hi, _mm256_maddubs_epi16(hi[g], x4));
+                        }
+                    }
+                    let mut dot = _mm256_madd_epi16(s_lo, ones);
+                    if BITS == 8 {
+                        dot = _mm256_add_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(s_hi, ones), 4));
+                    }
+                    let s = _mm256_cvtepi32_ps(dot);
+                    let nbi = i * nb + b;
+                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(*xq.dx.get_unchecked(nbi)));
+                    *acc_t = _mm256_fmadd_ps(s, scale, *acc_t);
+                    *acc_t = _mm256_fmadd_ps(mw, _mm256_set1_ps(*xq.sx.get_unchecked(nbi)), *acc_t);
+                }
+            }
+            let valid = a.valid.saturating_sub(half * 8).min(8);
+            for (t, acc_t) in acc.iter().enumerate() {
+                let dst = out.add(t * a.out_stride + half * 8);
+                if valid == 8 {
+                    _mm256_storeu_ps(dst, *acc_t);
+                } else {
+                    let mut lanes = [0f32; 8];
+                    _mm256_storeu_ps(lanes.as_mut_ptr(), *acc_t);
+                    std::ptr::copy_nonoverlapping(lanes.as_ptr(), dst, valid);
+                }
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -453,8 +587,9 @@ mod tests {
     fn kernel_matches_reference_and_dequantized_product() {
         let mut seed = 7;
         for format in [BlockFormat::Q4_1, BlockFormat::Q4_0, BlockFormat::Q8_0] {
-            // 40 rows: two full panels and a partial one; 5 activation rows: a tile and one more.
-            let (rows, cols, n) = (40, 96, 5);
+            // 45 rows: two full panels and a partial one (both halves of 8 rows in use, the
+            // second partly); 5 activation rows: a tile and one more.
+            let (rows, cols, n) = (45, 96, 5);
             let raw = random_blocks(format, rows, cols, &mut seed);
             let packed = PackedWeights::pack(format, &raw, rows, cols).unwrap();
             let x: Vec<f32> = (0..n * cols).map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0).collect();
@@ -469,9 +604,9 @@ mod tests {
                     assert!((got - exact).abs() <= 0.01 * norm + 1e-5, "{format:?} [{i},{r}]: {got} vs {exact}");
                 }
             }
-            if available() {
-                let fast = packed.matmul(&x, n);
-                assert_eq!(fast, reference, "{format:?}: the kernel differs from its scalar reference");
+            for isa in [Isa::Avx512Vnni, Isa::Avx2].into_iter().filter(|&i| cpu_has(i)) {
+                let fast = packed.matmul_on(isa, &x, n);
+                assert_eq!(fast, reference, "{format:?}: the {isa:?} kernel differs from its scalar reference");
             }
         }
     }
@@ -505,10 +640,12 @@ mod tests {
         let raw = random_blocks(BlockFormat::Q4_1, rows, cols, &mut seed);
         let packed = PackedWeights::pack(BlockFormat::Q4_1, &raw, rows, cols).unwrap();
         let x: Vec<f32> = (0..9 * cols).map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0).collect();
-        let batch = packed.matmul(&x, 9);
-        for i in 0..9 {
-            let alone = packed.matmul(&x[i * cols..(i + 1) * cols], 1);
-            assert_eq!(alone, batch[i * rows..(i + 1) * rows], "row {i}");
+        for isa in [Isa::Avx512Vnni, Isa::Avx2].into_iter().filter(|&i| cpu_has(i)) {
+            let batch = packed.matmul_on(isa, &x, 9);
+            for i in 0..9 {
+                let alone = packed.matmul_on(isa, &x[i * cols..(i + 1) * cols], 1);
+                assert_eq!(alone, batch[i * rows..(i + 1) * rows], "{isa:?}, row {i}");
+            }
         }
     }
 }
