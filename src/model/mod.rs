@@ -79,7 +79,22 @@ impl Model {
         };
         let id = stem.or(name).unwrap_or_else(|| "model".into());
         let fingerprint = fingerprint(&files)?;
-        tracing::info!(model = %id, format, layers = decoder.config.num_layers, hidden = decoder.config.hidden_size, "model loaded");
+        // Which CPU kernels run says most about speed on a given machine (an AVX2-only CPU
+        // trains in f32, an AVX-512 one in bf16; quantized layers on our int8 kernel or candle's).
+        let quantized_kernel = match (decoder.layers.first().map(|l| &l.q), crate::kernels::quant_matmul::isa()) {
+            (Some(q), Some(isa)) if q.is_packed() => format!("int8 {isa:?}"),
+            (Some(q), _) if q.is_quantized() => "candle".to_string(),
+            _ => "none (float weights)".to_string(),
+        };
+        tracing::info!(
+            model = %id,
+            format,
+            layers = decoder.config.num_layers,
+            hidden = decoder.config.hidden_size,
+            quantized_kernel,
+            float_matmuls = ?decoder.cpu_float_dtype,
+            "model loaded"
+        );
         Ok(Self {
             decoder,
             tokenizer,
