@@ -189,36 +189,33 @@ impl Manifest {
         let have = BaseModelRef::of(model);
         if want.fingerprint != have.fingerprint && want.prepared_base != have.prepared_base {
             let name = |b: &Option<String>| b.as_deref().map_or("none".to_string(), |h| format!("'{h}'"));
-            return Err(WrongBaseModel(format!(
+            bail!(WrongBaseModel(format!(
                 "adapter was trained over prepared base {}, but the loaded model has prepared base {} \
                  (--prepared-base); an adapter only works over the base it was trained over",
                 name(&want.prepared_base),
                 name(&have.prepared_base)
-            ))
-            .into());
+            )));
         }
         if want.fingerprint != have.fingerprint {
-            return Err(WrongBaseModel(format!(
+            bail!(WrongBaseModel(format!(
                 "adapter was trained on base model '{}' (fingerprint {}), but the loaded base model is '{}' \
                  (fingerprint {}); an adapter only works on the model it was trained on",
                 want.id,
                 want.fingerprint,
                 have.id,
                 have.fingerprint
-            ))
-            .into());
+            )));
         }
         let shape = |b: &BaseModelRef| (b.architecture, b.hidden_size, b.num_layers, b.num_heads, b.head_dim);
         if shape(want) != shape(&have) {
-            return Err(WrongBaseModel(format!(
+            bail!(WrongBaseModel(format!(
                 "adapter's base model '{}' has shape {:?}, the loaded model '{}' {:?} (architecture, hidden, layers, \
                  heads, head_dim)",
                 want.id,
                 shape(want),
                 have.id,
                 shape(&have)
-            ))
-            .into());
+            )));
         }
         Ok(())
     }
