@@ -1,16 +1,24 @@
-//! The batch engine without HTTP: 16 generations (no adapter, greedy, fixed lengths) through
-//! `engine::batcher::Batch` at max batch 1 and 16, for a short prompt (decode-bound) and a
+//! The batch engine without HTTP: 16 generations (no adapter, greedy, at most N tokens each)
+//! through `engine::batcher::Batch` at max batch 1 and 16, for a short prompt (decode-bound) and a
 //! 290-token prompt (prefill-bound, like the server benchmark's document questions): wall time,
-//! steps, the mean pure-decode step, and decode throughput. Measures what batching buys on this
+//! steps, decode rows (tokens decoded: greedy answers may end early, the same ones at either
+//! batch size) and their rate, and the median of the steps that decode a full batch and prefill
+//! nothing (the first ones, before any answer ends). Measures what batching buys on this
 //! machine apart from the server around it.
 //!
 //!   RAYON_NUM_THREADS=2 LIFT_MODELS_DIR=models cargo bench --bench batch_steps
 //!
-//! BENCH_SHORT_ONLY=1 runs the 30-token prompts only. BENCH_GATED_MEMORY=1 gives each generation
-//! its own Gated Memory adapter on every layer (random, the default absorb's shape), as 16 users
-//! on 16 documents are: the adapters' cost per token in a mixed batch. BENCH_FLOAT_ROWS=N moves the decoder's `float_batch_min_rows` (the float-weights decode path).
+//! BENCH_SHORT_ONLY=1 runs the 30-token prompts only; BENCH_ANSWER=N gives them at most N
+//! tokens (64); BENCH_MAX_BATCH=1 or 16 runs one of the two batch sizes (to profile one).
+//! BENCH_GATED_MEMORY=1 gives each generation its own Gated Memory adapter on every layer
+//! (random, the default absorb's shape), as 16 users on 16 documents are: the adapters' cost per
+//! token in a mixed batch. BENCH_FLOAT_ROWS=N moves the decoder's `float_batch_min_rows` (the
+//! float-weights decode path).
 
+#[path = "common/stats.rs"]
+mod stats;
 use candle_core::Device;
+use stats::percentile;
 use lift_serve::adapters::GatedMemory;
 use lift_serve::engine::batcher::{Batch, Entry};
 use lift_serve::model::Adapter;
@@ -42,18 +50,23 @@ fn main() -> anyhow::Result<()> {
         .collect::<anyhow::Result<_>>()?;
     println!("adapters: {}", if adapters[0].is_some() { "a Gated Memory per generation, all layers" } else { "none" });
     println!("threads: {}  generations: {n}  float decode from {} rows", rayon::current_num_threads(), m.decoder.float_batch_min_rows);
-    println!("| prompt | answer | max batch | wall s | steps | pure-decode step ms | ms per decoded token | vs max batch 1 |");
-    println!("|---|---|---|---|---|---|---|---|");
+    println!("| prompt | answer | max batch | wall s | steps | decode rows | decode rows/s | full-batch decode steps | their median ms | ms per decoded token | vs max batch 1 |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let only_short = std::env::var("BENCH_SHORT_ONLY").is_ok();
-    for (prompt, answer) in [(30usize, 64usize), (290, 32)] {
+    let short_answer = std::env::var("BENCH_ANSWER").ok().and_then(|s| s.parse().ok()).unwrap_or(64usize);
+    let only_batch: Option<usize> = std::env::var("BENCH_MAX_BATCH").ok().and_then(|s| s.parse().ok());
+    for (prompt, answer) in [(30usize, short_answer), (290, 32)] {
         if only_short && prompt > 30 {
             continue;
         }
         let mut first = None;
         for max_batch in [1usize, n] {
+            if only_batch.is_some_and(|b| b != max_batch) {
+                continue;
+            }
             let mut batch: Batch<NoHooks, usize> = Batch::new(max_batch, PREFILL_CHUNK);
             let mut waiting: Vec<usize> = (0..n).collect();
-            let (t0, mut steps, mut pure, mut done) = (Instant::now(), 0usize, Vec::new(), 0usize);
+            let (t0, mut steps, mut pure, mut done, mut rows) = (Instant::now(), 0usize, Vec::new(), 0usize, 0usize);
             while done < n {
                 while batch.has_room() && !waiting.is_empty() {
                     let i = waiting.remove(0);
@@ -64,6 +77,7 @@ fn main() -> anyhow::Result<()> {
                     batch.join(Entry { seq, adapter: adapters[i].clone(), adapter_key, data: i });
                 }
                 let (decoding, prompt_left) = batch.load();
+                rows += decoding;
                 let t = Instant::now();
                 done += batch.step(&m, &mut |_: &mut usize, _: &str| true)?.len();
                 if prompt_left == 0 && decoding == max_batch {
@@ -72,10 +86,13 @@ fn main() -> anyhow::Result<()> {
                 steps += 1;
             }
             let wall = t0.elapsed().as_secs_f64();
-            let step = pure.iter().sum::<f64>() / pure.len().max(1) as f64;
+            // The median: on a shared machine a few slow steps move a mean.
+            let step = if pure.is_empty() { 0.0 } else { percentile(&pure, 0.5) };
             let one = *first.get_or_insert(wall);
             println!(
-                "| {prompt} | {answer} | {max_batch} | {wall:.2} | {steps} | {step:.1} | {:.2} | {:.2}× |",
+                "| {prompt} | {answer} | {max_batch} | {wall:.2} | {steps} | {rows} | {:.1} | {} | {step:.1} | {:.2} | {:.2}× |",
+                rows as f64 / wall,
+                pure.len(),
                 step / max_batch as f64,
                 one / wall
             );

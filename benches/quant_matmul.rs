@@ -6,23 +6,13 @@
 //!   RAYON_NUM_THREADS=2 cargo bench --bench quant_matmul
 //! (`LIFT_CPU_QMATMUL=avx2` runs the AVX2 version on an AVX-512 CPU.)
 
+#[path = "common/stats.rs"]
+mod stats;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
 use lift_serve::kernels::quant_matmul::{self, BlockFormat, PackedWeights};
-use std::time::Instant;
 
-fn median_s(runs: usize, mut f: impl FnMut()) -> f64 {
-    f();
-    let mut t: Vec<f64> = (0..runs)
-        .map(|_| {
-            let s = Instant::now();
-            f();
-            s.elapsed().as_secs_f64()
-        })
-        .collect();
-    t.sort_by(|a, b| a.total_cmp(b));
-    t[t.len() / 2]
-}
+use stats::median_s;
 
 fn main() -> anyhow::Result<()> {
     let isa = quant_matmul::isa()

@@ -26,6 +26,19 @@ pub struct DecodeCache<'a, T> {
 /// from the cache. Units run on candle's CPU thread pool, the one the quantized matmuls around
 /// this call use (a second pool would compete with its spinning workers for the cores).
 pub fn decode_attention<T: StoredFloat>(q: &[f32], caches: &[DecodeCache<T>], heads: usize, kv_heads: usize, d: usize, scale: f32) -> Vec<f32> {
+    decode_attention_on(simd(), q, caches, heads, kv_heads, d, scale)
+}
+
+/// [`decode_attention`] on the given instructions (which the CPU must have): tests compare them.
+pub fn decode_attention_on<T: StoredFloat>(
+    simd: Simd,
+    q: &[f32],
+    caches: &[DecodeCache<T>],
+    heads: usize,
+    kv_heads: usize,
+    d: usize,
+    scale: f32,
+) -> Vec<f32> {
     let kv_heads = kv_heads.max(1);
     let groups = (heads / kv_heads).max(1);
     let mut out = vec![0f32; caches.len() * heads * d];
@@ -41,10 +54,10 @@ pub fn decode_attention<T: StoredFloat>(q: &[f32], caches: &[DecodeCache<T>], he
             let o = unsafe { std::slice::from_raw_parts_mut(out.0.add(first * d), groups * d) };
             let q = &q[first * d..(first + groups) * d];
             match (d, groups) {
-                (64, 1) => attend_unit_64::<T, 1>(q, &caches[i], kvh, scale, o, &mut scores),
-                (64, 2) => attend_unit_64::<T, 2>(q, &caches[i], kvh, scale, o, &mut scores),
-                (64, 3) => attend_unit_64::<T, 3>(q, &caches[i], kvh, scale, o, &mut scores),
-                (64, 4) => attend_unit_64::<T, 4>(q, &caches[i], kvh, scale, o, &mut scores),
+                (64, 1) => attend_unit_64::<T, 1>(simd, q, &caches[i], kvh, scale, o, &mut scores),
+                (64, 2) => attend_unit_64::<T, 2>(simd, q, &caches[i], kvh, scale, o, &mut scores),
+                (64, 3) => attend_unit_64::<T, 3>(simd, q, &caches[i], kvh, scale, o, &mut scores),
+                (64, 4) => attend_unit_64::<T, 4>(simd, q, &caches[i], kvh, scale, o, &mut scores),
                 _ => attend_unit(q, &caches[i], kvh, d, scale, o, &mut scores),
             }
         }
@@ -105,13 +118,43 @@ fn exp_scores(s: &mut [f32], bias: Option<&[f32]>) -> f32 {
     }
 }
 
+/// The vector instructions [`attend_unit_64`] runs on, picked once per process.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Simd {
+    /// 16-key score blocks and 16-lane value rows.
+    Avx512,
+    /// 8-key score blocks and 8-lane value rows (AVX2, FMA and F16C).
+    Avx2,
+    /// Plain loops (what the compiler vectorises of them).
+    Scalar,
+}
+
+/// The best [`Simd`] this CPU runs.
+pub fn simd() -> Simd {
+    static SIMD: std::sync::OnceLock<Simd> = std::sync::OnceLock::new();
+    *SIMD.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx512::available() {
+                return Simd::Avx512;
+            }
+            if avx2::available() {
+                return Simd::Avx2;
+            }
+        }
+        Simd::Scalar
+    })
+}
+
 /// [`attend_unit`] for head size 64 and `G` query heads per KV head known at compile time
 /// (1–4 covers the SmolLM2 family): the query heads and the output rows stay in registers for
-/// the whole cache instead of being re-read and re-written per key, and with AVX-512 the scores
-/// are made 16 keys at a time, their 16 horizontal sums folded together in four rounds of
-/// two-source permutes ([`avx512::block_scores`]). The general loop's sum per key and head, and
-/// its per-key read-modify-write of the output, bounded it at ~7 GMAC/s per thread.
-fn attend_unit_64<T: StoredFloat, const G: usize>(q: &[f32], c: &DecodeCache<T>, kvh: usize, scale: f32, o: &mut [f32], scores: &mut Vec<f32>) {
+/// the whole cache instead of being re-read and re-written per key, and the scores are made a
+/// block of keys at a time (16 with AVX-512, 8 with AVX2), their horizontal sums folded together
+/// in rounds of permutes ([`avx512::block_scores`], [`avx2::block_scores`]) in the order of
+/// [`dot`]'s lanes: every path gives the scalar loop's scores and outputs bit for bit. The general
+/// loop's sum per key and head, and its per-key read-modify-write of the output, bounded it at
+/// ~7 GMAC/s per thread.
+fn attend_unit_64<T: StoredFloat, const G: usize>(simd: Simd, q: &[f32], c: &DecodeCache<T>, kvh: usize, scale: f32, o: &mut [f32], scores: &mut Vec<f32>) {
     const D: usize = 64;
     let len = c.len;
     let base = kvh * c.capacity * D;
@@ -119,39 +162,24 @@ fn attend_unit_64<T: StoredFloat, const G: usize>(q: &[f32], c: &DecodeCache<T>,
     let qh: [&[f32; D]; G] = std::array::from_fn(|h| q[h * D..(h + 1) * D].try_into().expect("a 64-wide query head"));
     scores.clear();
     scores.resize(G * len, 0.0);
-    #[cfg(target_arch = "x86_64")]
-    let simd = avx512::available();
-    #[cfg(not(target_arch = "x86_64"))]
-    let simd = false;
-    if simd {
+    match simd {
         #[cfg(target_arch = "x86_64")]
-        {
-            let mut padded: Option<[T; LANES * D]> = None;
-            let mut out = [0f32; LANES];
-            for block in (0..len).step_by(LANES) {
-                let n = LANES.min(len - block);
-                // The last, partial block: its rows copied into a zero-padded one.
-                let rows = if n == LANES {
-                    &k[block * D..(block + LANES) * D]
-                } else {
-                    let padded = padded.get_or_insert([T::default(); LANES * D]);
-                    padded[..n * D].copy_from_slice(&k[block * D..]);
-                    padded[n * D..].fill(T::default());
-                    &padded[..]
-                };
+        Simd::Avx512 => block_scores::<T, G, 16>(&qh, k, len, scores, |q, rows, out| {
+            // SAFETY: `simd()` found AVX-512F.
+            unsafe { avx512::block_scores(q, rows, out) }
+        }),
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => block_scores::<T, G, 8>(&qh, k, len, scores, |q, rows, out| {
+            // SAFETY: `simd()` found AVX2, FMA and F16C.
+            unsafe { avx2::block_scores(q, rows, out) }
+        }),
+        _ => {
+            let mut row = [0f32; D];
+            for (j, kr) in k.chunks_exact(D).enumerate() {
+                T::to_f32s(kr, &mut row);
                 for (h, q) in qh.iter().enumerate() {
-                    // SAFETY: AVX-512F is present (checked above).
-                    unsafe { avx512::block_scores(q, rows, &mut out) };
-                    scores[h * len + block..h * len + block + n].copy_from_slice(&out[..n]);
+                    scores[h * len + j] = dot(&q[..], &row);
                 }
-            }
-        }
-    } else {
-        let mut row = [0f32; D];
-        for (j, kr) in k.chunks_exact(D).enumerate() {
-            T::to_f32s(kr, &mut row);
-            for (h, q) in qh.iter().enumerate() {
-                scores[h * len + j] = dot(&q[..], &row);
             }
         }
     }
@@ -163,20 +191,22 @@ fn attend_unit_64<T: StoredFloat, const G: usize>(q: &[f32], c: &DecodeCache<T>,
         inv[h] = exp_scores(s, c.bias);
     }
     let mut acc = [[0f32; D]; G];
-    if simd {
-        // SAFETY: AVX-512F is present (checked above).
+    match simd {
+        // SAFETY: `simd()` found AVX-512F.
         #[cfg(target_arch = "x86_64")]
-        unsafe {
-            avx512::weighted_values::<T, G>(scores, v, &mut acc)
-        };
-    } else {
-        let mut row = [0f32; D];
-        for (j, vr) in v.chunks_exact(D).enumerate() {
-            T::to_f32s(vr, &mut row);
-            for h in 0..G {
-                let w = scores[h * len + j];
-                for (a, x) in acc[h].iter_mut().zip(&row) {
-                    *a = w.mul_add(*x, *a);
+        Simd::Avx512 => unsafe { avx512::weighted_values::<T, G>(scores, v, &mut acc) },
+        // SAFETY: `simd()` found AVX2, FMA and F16C.
+        #[cfg(target_arch = "x86_64")]
+        Simd::Avx2 => unsafe { avx2::weighted_values::<T, G>(scores, v, &mut acc) },
+        _ => {
+            let mut row = [0f32; D];
+            for (j, vr) in v.chunks_exact(D).enumerate() {
+                T::to_f32s(vr, &mut row);
+                for h in 0..G {
+                    let w = scores[h * len + j];
+                    for (a, x) in acc[h].iter_mut().zip(&row) {
+                        *a = w.mul_add(*x, *a);
+                    }
                 }
             }
         }
@@ -184,6 +214,37 @@ fn attend_unit_64<T: StoredFloat, const G: usize>(q: &[f32], c: &DecodeCache<T>,
     for (h, oh) in o.chunks_exact_mut(D).enumerate() {
         for (x, a) in oh.iter_mut().zip(&acc[h]) {
             *x = a * inv[h];
+        }
+    }
+}
+
+/// The scores of `G` query heads over `len` key rows of 64 (`k`), `B` keys at a time through
+/// `block` (`q`, `B` rows, `B` scores); the last, partial block's rows are copied into a
+/// zero-padded one.
+#[cfg(target_arch = "x86_64")]
+fn block_scores<T: StoredFloat, const G: usize, const B: usize>(
+    qh: &[&[f32; 64]; G],
+    k: &[T],
+    len: usize,
+    scores: &mut [f32],
+    block: impl Fn(&[f32; 64], &[T], &mut [f32; B]),
+) {
+    const D: usize = 64;
+    let mut padded: Option<[T; 16 * D]> = None;
+    let mut out = [0f32; B];
+    for start in (0..len).step_by(B) {
+        let n = B.min(len - start);
+        let rows = if n == B {
+            &k[start * D..(start + B) * D]
+        } else {
+            let padded = padded.get_or_insert([T::default(); 16 * D]);
+            padded[..n * D].copy_from_slice(&k[start * D..]);
+            padded[n * D..B * D].fill(T::default());
+            &padded[..B * D]
+        };
+        for (h, q) in qh.iter().enumerate() {
+            block(q, rows, &mut out);
+            scores[h * len + start..h * len + start + n].copy_from_slice(&out[..n]);
         }
     }
 }
@@ -282,6 +343,107 @@ mod avx512 {
     }
 }
 
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use super::StoredFloat;
+    use std::arch::x86_64::*;
+
+    pub fn available() -> bool {
+        is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma") && is_x86_feature_detected!("f16c")
+    }
+
+    /// `out[r] = q · k[r]` for 8 key rows of 64 (`k`: `[8, 64]`), summed as [`super::dot`] does:
+    /// its 16 lanes are a low and a high vector of 8, added (round 8), then the 8 keys' vectors
+    /// folded together in rounds 4, 2, 1 — 128-bit halves, then pairs of lanes, then neighbours.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn block_scores<T: StoredFloat>(q: &[f32; 64], k: &[T], out: &mut [f32; 8]) {
+        assert!(k.len() >= 8 * 64);
+        // SAFETY: q holds 64 floats, k at least 8 rows of 64 (asserted), out 8.
+        unsafe {
+            let qv: [__m256; 8] = std::array::from_fn(|i| _mm256_loadu_ps(q.as_ptr().add(8 * i)));
+            let s: [__m256; 8] = std::array::from_fn(|r| {
+                let row = k.as_ptr().add(r * 64);
+                // dot's lane l (< 8) sums q[16c + l]·k[16c + l], lane 8 + l q[16c + 8 + l]·…
+                let mut lo = _mm256_mul_ps(qv[0], T::load8(row));
+                let mut hi = _mm256_mul_ps(qv[1], T::load8(row.add(8)));
+                for c in 1..4 {
+                    lo = _mm256_fmadd_ps(qv[2 * c], T::load8(row.add(16 * c)), lo);
+                    hi = _mm256_fmadd_ps(qv[2 * c + 1], T::load8(row.add(16 * c + 8)), hi);
+                }
+                _mm256_add_ps(lo, hi)
+            });
+            // Round 4: [a₀₋₃ + a₄₋₇ | b₀₋₃ + b₄₋₇] for keys (a, b) = (0, 1), (2, 3), …
+            let x: [__m256; 4] = std::array::from_fn(|i| {
+                let (a, b) = (s[2 * i], s[2 * i + 1]);
+                _mm256_add_ps(_mm256_permute2f128_ps::<0x20>(a, b), _mm256_permute2f128_ps::<0x31>(a, b))
+            });
+            // Round 2: lanes m and m + 2 of each half: keys [0, 2 | 1, 3] and [4, 6 | 5, 7].
+            let y: [__m256; 2] = std::array::from_fn(|i| {
+                let (a, b) = (x[2 * i], x[2 * i + 1]);
+                _mm256_add_ps(_mm256_shuffle_ps::<0x44>(a, b), _mm256_shuffle_ps::<0xEE>(a, b))
+            });
+            // Round 1: neighbours; lanes hold keys [0, 2, 4, 6 | 1, 3, 5, 7].
+            let z = _mm256_add_ps(_mm256_shuffle_ps::<0x88>(y[0], y[1]), _mm256_shuffle_ps::<0xDD>(y[0], y[1]));
+            let order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+            _mm256_storeu_ps(out.as_mut_ptr(), _mm256_permutevar8x32_ps(z, order));
+        }
+    }
+
+    /// `acc[h] = Σ_j w[h·len + j] · v[j]` over the `len` value rows of 64 in `v` (`[len, 64]`),
+    /// the same fused multiply-add per element, in the same order, as the scalar loop. The `G`
+    /// output rows do not fit in 16 registers whole: they are made 32 columns at a time (16 for
+    /// G = 4), each pass reading its part of every value row.
+    ///
+    /// # Safety
+    /// The CPU must have AVX2, FMA and F16C.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub unsafe fn weighted_values<T: StoredFloat, const G: usize>(w: &[f32], v: &[T], acc: &mut [[f32; 64]; G]) {
+        let len = v.len() / 64;
+        assert!(w.len() >= G * len);
+        // SAFETY: the caller's contract (the CPU's features); the shapes are asserted.
+        unsafe {
+            if G <= 3 {
+                for col in [0, 32] {
+                    columns::<T, G, 4>(w, v, len, col, acc);
+                }
+            } else {
+                for col in [0, 16, 32, 48] {
+                    columns::<T, G, 2>(w, v, len, col, acc);
+                }
+            }
+        }
+    }
+
+    /// Columns `col..col + 8·C` of [`weighted_values`].
+    #[inline]
+    #[target_feature(enable = "avx2,fma,f16c")]
+    unsafe fn columns<T: StoredFloat, const G: usize, const C: usize>(w: &[f32], v: &[T], len: usize, col: usize, acc: &mut [[f32; 64]; G]) {
+        // SAFETY: v holds `len` rows of 64 and w `G·len` weights (checked by the caller);
+        // col + 8·C ≤ 64.
+        unsafe {
+            let mut a = [[_mm256_setzero_ps(); C]; G];
+            for j in 0..len {
+                let row = v.as_ptr().add(j * 64 + col);
+                let wj: [__m256; G] = std::array::from_fn(|h| _mm256_set1_ps(*w.get_unchecked(h * len + j)));
+                for c in 0..C {
+                    let x = T::load8(row.add(8 * c));
+                    for h in 0..G {
+                        a[h][c] = _mm256_fmadd_ps(wj[h], x, a[h][c]);
+                    }
+                }
+            }
+            for h in 0..G {
+                for c in 0..C {
+                    _mm256_storeu_ps(acc[h].as_mut_ptr().add(col + 8 * c), a[h][c]);
+                }
+            }
+        }
+    }
+}
+
 struct SharedOut(*mut f32);
 // SAFETY: the units writing through it touch disjoint rows (see `decode_attention`).
 unsafe impl Sync for SharedOut {}
@@ -363,6 +525,47 @@ mod tests {
         for (heads, kv_heads) in [(9, 3), (4, 4), (4, 2), (8, 2), (10, 2)] {
             check_against_candle(heads, kv_heads, 64, &[5, 1, 37, 16, 48], 50);
         }
+    }
+
+    /// Every vector path the CPU has gives the scalar loop's outputs bit for bit: head size 64,
+    /// 1–4 query heads per KV head, caches of whole and partial blocks (of 8 and 16 keys), f16 and
+    /// f32, with a bias.
+    #[test]
+    fn vector_paths_equal_the_scalar_loop() {
+        let mut paths = Vec::new();
+        #[cfg(target_arch = "x86_64")]
+        {
+            if avx512::available() {
+                paths.push(Simd::Avx512);
+            }
+            if avx2::available() {
+                paths.push(Simd::Avx2);
+            }
+        }
+        let lens = [1usize, 7, 8, 16, 23, 40];
+        let cap = 48;
+        let dev = Device::Cpu;
+        for (heads, kv_heads) in [(3, 3), (4, 2), (9, 3), (8, 2)] {
+            let q: Vec<f32> = Tensor::randn(0f32, 1.0, (lens.len(), heads, 64), &dev).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let cached = || -> Vec<f32> { Tensor::randn(0f32, 1.0, (kv_heads, cap, 64), &dev).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
+            let (ks, vs): (Vec<Vec<f32>>, Vec<Vec<f32>>) = lens.iter().map(|_| (cached(), cached())).unzip();
+            let bias: Vec<f32> = (0..cap).map(|j| if j == 2 { f32::NEG_INFINITY } else { -0.1 * (j % 5) as f32 }).collect();
+            let caches: Vec<DecodeCache<f32>> = (0..lens.len())
+                .map(|i| DecodeCache { k: &ks[i], v: &vs[i], capacity: cap, len: lens[i], bias: (i % 2 == 1).then_some(&bias[..]) })
+                .collect();
+            let halves = |x: &[f32]| -> Vec<f16> { x.iter().map(|&v| f16::from_f32(v)).collect() };
+            let (kh, vh): (Vec<Vec<f16>>, Vec<Vec<f16>>) = ks.iter().zip(&vs).map(|(k, v)| (halves(k), halves(v))).unzip();
+            let caches16: Vec<DecodeCache<f16>> = (0..lens.len())
+                .map(|i| DecodeCache { k: &kh[i], v: &vh[i], capacity: cap, len: lens[i], bias: (i % 2 == 1).then_some(&bias[..]) })
+                .collect();
+            let want = decode_attention_on(Simd::Scalar, &q, &caches, heads, kv_heads, 64, 0.125);
+            let want16 = decode_attention_on(Simd::Scalar, &q, &caches16, heads, kv_heads, 64, 0.125);
+            for &simd in &paths {
+                assert_eq!(decode_attention_on(simd, &q, &caches, heads, kv_heads, 64, 0.125), want, "{simd:?}, {heads}/{kv_heads} heads, f32");
+                assert_eq!(decode_attention_on(simd, &q, &caches16, heads, kv_heads, 64, 0.125), want16, "{simd:?}, {heads}/{kv_heads} heads, f16");
+            }
+        }
+        eprintln!("vector paths checked: {paths:?}");
     }
 
     fn check_against_candle(heads: usize, kv_heads: usize, d: usize, lens: &[usize], cap: usize) {

@@ -424,7 +424,7 @@ impl RowsQ8 {
     }
 
     /// `dst = x·W`: rows added in turn, each element's `(x_k·s_k)·q + o` fused, in the same order
-    /// with AVX-512 (outputs in registers, a row's bytes widened as they load) as without.
+    /// with AVX-512 or AVX2 (outputs in registers, a row's bytes widened as they load) as without.
     fn times(&self, dst: &mut [f32], x: &[f32]) {
         let n = self.n;
         assert!(dst.len() == n && self.q.len() >= x.len() * n && self.scale.len() >= x.len(), "a [k, n] product of other shapes");
@@ -443,6 +443,31 @@ impl RowsQ8 {
             if done {
                 return;
             }
+        }
+        #[cfg(target_arch = "x86_64")]
+        if n % 8 == 0 && avx2_fma() {
+            // SAFETY: AVX2 and FMA are present; the shapes are asserted above.
+            unsafe {
+                match n {
+                    16 => self.avx2_times::<2>(dst, x, 0),
+                    32 => self.avx2_times::<4>(dst, x, 0),
+                    _ => {
+                        for col in (0..n).step_by(64) {
+                            match n - col {
+                                8 => self.avx2_times::<1>(dst, x, col),
+                                16 => self.avx2_times::<2>(dst, x, col),
+                                24 => self.avx2_times::<3>(dst, x, col),
+                                32 => self.avx2_times::<4>(dst, x, col),
+                                40 => self.avx2_times::<5>(dst, x, col),
+                                48 => self.avx2_times::<6>(dst, x, col),
+                                56 => self.avx2_times::<7>(dst, x, col),
+                                _ => self.avx2_times::<8>(dst, x, col),
+                            }
+                        }
+                    }
+                }
+            }
+            return;
         }
         dst.fill(0.0);
         for (k, &xv) in x.iter().enumerate() {
@@ -481,6 +506,44 @@ impl RowsQ8 {
         }
         true
     }
+}
+
+impl RowsQ8 {
+    /// Columns `col..col + 8·C` of `dst = x·W` (C ≤ 8: the outputs in registers), as `times`
+    /// adds them: each row's `(x_k·s_k)·q + o` fused, rows in turn.
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `col + 8·C ≤ n = dst.len()` and the matrix has `x.len()` rows.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn avx2_times<const C: usize>(&self, dst: &mut [f32], x: &[f32], col: usize) {
+        use std::arch::x86_64::*;
+        let n = self.n;
+        assert!(col + 8 * C <= n && dst.len() == n);
+        // SAFETY: every load is inside `q` (x.len() rows of n, the caller's contract), every
+        // store inside `dst` (asserted).
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); C];
+            for (k, &xv) in x.iter().enumerate() {
+                let xs = _mm256_set1_ps(xv * *self.scale.get_unchecked(k));
+                let row = self.q.as_ptr().add(k * n + col);
+                for (c, a) in acc.iter_mut().enumerate() {
+                    let bytes = _mm_loadl_epi64(row.add(8 * c).cast());
+                    *a = _mm256_fmadd_ps(xs, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes)), *a);
+                }
+            }
+            for (c, a) in acc.iter().enumerate() {
+                _mm256_storeu_ps(dst.as_mut_ptr().add(col + 8 * c), *a);
+            }
+        }
+    }
+}
+
+/// Whether the CPU has AVX2 and FMA (checked once).
+#[cfg(target_arch = "x86_64")]
+fn avx2_fma() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx2") && is_x86_feature_detected!("fma"))
 }
 
 impl DecodeWeights {
@@ -879,19 +942,22 @@ mod tests {
                 mix_decode_rows(&q, &mut alone, &[(r, &weights)]);
                 assert_eq!(alone[r * 192..(r + 1) * 192], got[r * 192..(r + 1) * 192], "bias {bias}: row {r}");
             }
-            // The vector product against the plain loop.
-            let m = &weights.heads[1].w1;
-            let x = &q[..64];
-            let mut fast = vec![0f32; 128];
-            m.times(&mut fast, x);
-            let mut plain = vec![0f32; 128];
-            for (k, &xv) in x.iter().enumerate() {
-                let xs = xv * m.scale[k];
-                for (o, &qv) in plain.iter_mut().zip(&m.q[k * 128..(k + 1) * 128]) {
-                    *o = xs.mul_add(qv as f32, *o);
+            // The vector products (whichever path the CPU runs) against the plain loop, bit for
+            // bit: w1 (128 outputs: two passes of AVX2's registers), w2 (64), g1 (8).
+            let z: Vec<f32> = q.iter().chain(&a).take(128).copied().collect();
+            let head = &weights.heads[1];
+            for (m, x) in [(&head.w1, &q[..64]), (&head.w2, &z[..]), (&head.g1, &q[..64])] {
+                let mut fast = vec![0f32; m.n];
+                m.times(&mut fast, x);
+                let mut plain = vec![0f32; m.n];
+                for (k, &xv) in x.iter().enumerate() {
+                    let xs = xv * m.scale[k];
+                    for (o, &qv) in plain.iter_mut().zip(&m.q[k * m.n..(k + 1) * m.n]) {
+                        *o = xs.mul_add(qv as f32, *o);
+                    }
                 }
+                assert_eq!(fast, plain, "a product of {} outputs", m.n);
             }
-            assert_eq!(fast, plain);
         }
     }
 

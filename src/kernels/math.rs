@@ -59,6 +59,12 @@ pub trait StoredFloat: Copy + Default + Send + Sync + 'static {
     /// `p` points at 16 elements; the CPU has AVX-512F.
     #[cfg(target_arch = "x86_64")]
     unsafe fn load16(p: *const Self) -> std::arch::x86_64::__m512;
+    /// 8 elements at `p` as f32 lanes.
+    ///
+    /// # Safety
+    /// `p` points at 8 elements; the CPU has AVX and F16C.
+    #[cfg(target_arch = "x86_64")]
+    unsafe fn load8(p: *const Self) -> std::arch::x86_64::__m256;
 }
 
 impl StoredFloat for f32 {
@@ -75,6 +81,13 @@ impl StoredFloat for f32 {
     unsafe fn load16(p: *const f32) -> std::arch::x86_64::__m512 {
         // SAFETY: the caller's pointer covers 16 floats and the CPU has AVX-512F.
         unsafe { std::arch::x86_64::_mm512_loadu_ps(p) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f32) -> std::arch::x86_64::__m256 {
+        // SAFETY: the caller's pointer covers 8 floats and the CPU has AVX.
+        unsafe { std::arch::x86_64::_mm256_loadu_ps(p) }
     }
 }
 
@@ -93,6 +106,14 @@ impl StoredFloat for f16 {
         use std::arch::x86_64::*;
         // SAFETY: the caller's pointer covers 16 halves and the CPU has AVX-512F.
         unsafe { _mm512_cvtph_ps(_mm256_loadu_si256(p.cast())) }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[inline(always)]
+    unsafe fn load8(p: *const f16) -> std::arch::x86_64::__m256 {
+        use std::arch::x86_64::*;
+        // SAFETY: the caller's pointer covers 8 halves and the CPU has F16C.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p.cast())) }
     }
 }
 
