@@ -99,6 +99,13 @@ pub struct Decoder {
     /// `LIFT_CPU_FLOAT_DTYPE=f32` sets it at load). Activations, adapters, the adapter's
     /// gradients and the optimizer stay f32.
     pub cpu_float_dtype: DType,
+    /// candle's ops for RMSNorm, SwiGLU and prompt attention instead of the fused CPU ones
+    /// (`ops::rms_norm`, `ops::silu_mul`, `ops::causal_attention`): with candle's quantized
+    /// kernels, the arithmetic of candle-transformers' quantized models, bit for bit enough that
+    /// 8-bit activation rounding does not amplify the difference (see
+    /// [`Decoder::use_candle_quantized_kernels`]). The fused ops round differently (~1e-6) and
+    /// are the default.
+    pub reference_ops: bool,
     /// A frozen adapter under every other (a prepared base's LoRA): its deltas are added on the
     /// inference, frozen and trainable paths alike, so a document adapter trains and answers
     /// over it. Its tensors are plain (no `Var`): no gradient reaches it.
@@ -446,6 +453,7 @@ impl Decoder {
             float_batch_min_rows: if packed { usize::MAX } else { 6 },
             base_adapter: None,
             base_merged: false,
+            reference_ops: false,
             cpu_kv_dtype: DType::F16,
             cpu_float_dtype: default_cpu_float_dtype(),
         })
@@ -509,9 +517,11 @@ impl Decoder {
     }
 
     /// Runs inference through candle's quantized matmuls instead of our int8 kernel
-    /// (`kernels::quant_matmul`): the arithmetic of candle-transformers' quantized models, which
-    /// tests compare the decoder with.
+    /// (`kernels::quant_matmul`), and through candle's ops where fused ones would round
+    /// differently (`reference_ops`): the arithmetic of candle-transformers' quantized models,
+    /// which tests compare the decoder with.
     pub fn use_candle_quantized_kernels(&mut self) {
+        self.reference_ops = true;
         for layer in self.layers.iter_mut() {
             for p in Projection::ALL {
                 layer.linear_mut(p).drop_packed();
@@ -559,14 +569,14 @@ impl Decoder {
         let mut x = x.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let ctx = LayerCtx { li, adapter, base: self.unmerged_base(float), float, bf16: self.float_in_bf16(), start };
-            let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, self.config.rms_norm_eps as f32)?;
+            let h = self.prompt_norm(&x, &layer.attn_norm, self.config.rms_norm_eps as f32)?;
             let positions = Positions { cos: &cos, sin: &sin, mask: mask.as_ref() };
             let attn = self.attention_infer(&ctx, layer, &h, positions, Some(&mut *cache), hooks)?;
             x = (x + attn)?;
-            let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, self.config.rms_norm_eps as f32)?;
+            let h = self.prompt_norm(&x, &layer.ffn_norm, self.config.rms_norm_eps as f32)?;
             let gate = ctx.linear(layer, Projection::Gate, &h)?;
             let up = ctx.linear(layer, Projection::Up, &h)?;
-            let mlp = ctx.linear(layer, Projection::Down, &(candle_nn::ops::silu(&gate)? * up)?)?;
+            let mlp = ctx.linear(layer, Projection::Down, &self.swiglu(&gate, &up)?)?;
             x = (x + mlp)?;
             hooks.after_layer(li, &x)?;
         }
@@ -575,7 +585,7 @@ impl Decoder {
             Logits::Last => x.i((.., t - 1..t, ..))?,
             Logits::All => x,
         };
-        let x = candle_nn::ops::rms_norm(&x, &self.norm, self.config.rms_norm_eps as f32)?;
+        let x = self.prompt_norm(&x, &self.norm, self.config.rms_norm_eps as f32)?;
         let logits = if float && which == Logits::All {
             self.lm_head.forward_float(&x, self.float_in_bf16())?
         } else {
@@ -649,6 +659,18 @@ impl Decoder {
 
         let g = cfg.kv_groups();
         let scale = 1.0 / (hd as f64).sqrt();
+        // Prompt rows on the CPU: the fused block-causal attention of the training path
+        // (`ops::causal_attention`: gemms over the keys each block of queries sees, then one pass
+        // of scale + bias + softmax on a vectorised exp, then P·V over the same keys). candle's
+        // ops (full score matrix, a mask add, a bias add, a softmax on libm's exp) spent ~25% of
+        // a 512-token prefill outside the matmuls. Its causality is "query i sees positions up to
+        // start + i", which is the whole mask unless a sliding window cuts it.
+        let fused = t > 1 && !self.reference_ops && q_rot.device().is_cpu() && q_rot.dtype() == DType::F32;
+        if fused && !window_cuts(cfg.sliding_window, start + t) {
+            let k_rep = repeat_kv(&k_all, g)?.contiguous()?;
+            let v_rep = repeat_kv(&v_all, g)?.contiguous()?;
+            return mix(ops::causal_attention(&q_rot, &k_rep, &v_rep, scale, bias.as_ref())?);
+        }
         // Decode (one query row): the `g` query heads sharing a KV head are stacked so the cache
         // is read as is, never copied. Prompts: KV heads repeated, the same matmul shapes as
         // llama.cpp/candle (see `rope_interleaved` for why the arithmetic should match).
@@ -766,6 +788,25 @@ impl Decoder {
         let x = self.inference_norm(&x, &self.norm, eps)?;
         let logits = if n >= self.float_batch_min_rows { self.lm_head.forward_float(&x, self.float_in_bf16())? } else { self.lm_head.forward(&x)? };
         logits.to_dtype(DType::F32)
+    }
+
+    /// RMSNorm of `forward`'s rows: `inference_norm`, or candle's with `reference_ops`.
+    fn prompt_norm(&self, x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
+        if self.reference_ops {
+            candle_nn::ops::rms_norm(x, weight, eps)
+        } else {
+            self.inference_norm(x, weight, eps)
+        }
+    }
+
+    /// `silu(gate) ⊙ up`: fused (one pass, a vectorised exp), or candle's two ops with
+    /// `reference_ops`.
+    fn swiglu(&self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        if self.reference_ops {
+            candle_nn::ops::silu(gate)? * up
+        } else {
+            ops::silu_mul(gate, up)
+        }
     }
 
     /// RMSNorm of a batch step's rows: on the CPU the fused row loop of `ops::rms_norm`
@@ -1265,6 +1306,12 @@ pub fn repeat_kv(x: &Tensor, groups: usize) -> Result<Tensor> {
     x.unsqueeze(2)?
         .expand((b, h, groups, t, d))?
         .reshape((b, h * groups, t, d))
+}
+
+/// Whether a sliding window of `window` positions hides some key from a query among the first
+/// `len` positions (then the causal mask alone is not the whole mask).
+fn window_cuts(window: Option<usize>, len: usize) -> bool {
+    window.is_some_and(|w| len > w)
 }
 
 /// Additive causal mask `[t, start + t]` for queries at `start..start+t` (None when no key is hidden).
