@@ -565,12 +565,13 @@ impl Decoder {
         let (cos, sin) = self.rope_slice(start, t)?;
         let float = b * t >= float_min_rows;
         let mask = causal_mask(t, start, self.config.sliding_window, &self.device)?;
+        let causal_only = !window_cuts(self.config.sliding_window, start + t);
         let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         let mut x = x.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate() {
             let ctx = LayerCtx { li, adapter, base: self.unmerged_base(float), float, bf16: self.float_in_bf16(), start };
             let h = self.prompt_norm(&x, &layer.attn_norm, self.config.rms_norm_eps as f32)?;
-            let positions = Positions { cos: &cos, sin: &sin, mask: mask.as_ref() };
+            let positions = Positions { cos: &cos, sin: &sin, mask: mask.as_ref(), causal_only };
             let attn = self.attention_infer(&ctx, layer, &h, positions, Some(&mut *cache), hooks)?;
             x = (x + attn)?;
             let h = self.prompt_norm(&x, &layer.ffn_norm, self.config.rms_norm_eps as f32)?;
@@ -628,7 +629,7 @@ impl Decoder {
         cache: Option<&mut KvCache>,
         hooks: &mut dyn ForwardHooks,
     ) -> Result<Tensor> {
-        let Positions { cos, sin, mask } = positions;
+        let Positions { cos, sin, mask, causal_only } = positions;
         let cfg = &self.config;
         let (b, t, _) = q.dims3()?;
         let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
@@ -663,10 +664,15 @@ impl Decoder {
         // (`ops::causal_attention`: gemms over the keys each block of queries sees, then one pass
         // of scale + bias + softmax on a vectorised exp, then P·V over the same keys). candle's
         // ops (full score matrix, a mask add, a bias add, a softmax on libm's exp) spent ~25% of
-        // a 512-token prefill outside the matmuls. Its causality is "query i sees positions up to
-        // start + i", which is the whole mask unless a sliding window cuts it.
-        let fused = t > 1 && !self.reference_ops && q_rot.device().is_cpu() && q_rot.dtype() == DType::F32;
-        if fused && !window_cuts(cfg.sliding_window, start + t) {
+        // a 512-token prefill outside the matmuls. It is causal by construction ("query i sees
+        // positions up to start + i"); a mask that hides more (a sliding window, packed rows)
+        // joins the bias.
+        if t > 1 && !self.reference_ops && q_rot.device().is_cpu() && q_rot.dtype() == DType::F32 {
+            let bias = match (mask.filter(|_| !causal_only), bias) {
+                (Some(m), Some(b)) => Some(b.broadcast_add(m)?),
+                (Some(m), None) => Some(m.clone()),
+                (None, b) => b,
+            };
             let k_rep = repeat_kv(&k_all, g)?.contiguous()?;
             let v_rep = repeat_kv(&v_all, g)?.contiguous()?;
             return mix(ops::causal_attention(&q_rot, &k_rep, &v_rep, scale, bias.as_ref())?);
@@ -758,7 +764,8 @@ impl Decoder {
                 let r = &spans[j];
                 let rows = |a: &Tensor| a.narrow(1, r.start, r.len());
                 let (start, cos, sin, mask) = &tables[j - decoding];
-                let positions = Positions { cos, sin, mask: mask.as_ref() };
+                let causal_only = !window_cuts(self.config.sliding_window, start + r.len());
+                let positions = Positions { cos, sin, mask: mask.as_ref(), causal_only };
                 let s = &mut seqs[i];
                 let qkv = [&rows(&q)?, &rows(&k)?, &rows(&v)?];
                 parts.push(self.attend(li, s.adapter, *start, qkv, positions, Some(&mut *s.cache), &mut *s.hooks)?);
@@ -1033,7 +1040,8 @@ impl Decoder {
         for (li, layer) in self.layers.iter().enumerate().take(upto) {
             let ctx = LayerCtx { li, adapter: None, base: self.unmerged_base(true), float: true, bf16: self.float_in_bf16(), start: 0 };
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let positions = Positions { cos: &cos, sin: &sin, mask: mask.as_ref() };
+            let causal_only = packing.is_none() && !window_cuts(cfg.sliding_window, t);
+            let positions = Positions { cos: &cos, sin: &sin, mask: mask.as_ref(), causal_only };
             let attn = self.attention_infer(&ctx, layer, &h, positions, None, hooks)?;
             x = (x + attn)?;
             let h = candle_nn::ops::rms_norm(&x, &layer.ffn_norm, eps)?;
@@ -1193,6 +1201,9 @@ struct Positions<'a> {
     cos: &'a Tensor,
     sin: &'a Tensor,
     mask: Option<&'a Tensor>,
+    /// `mask` hides nothing but the future (no sliding window cuts it, no packing): the fused
+    /// prompt attention, causal by construction, then does without it.
+    causal_only: bool,
 }
 
 /// What one layer's inference step needs to know.
