@@ -446,24 +446,19 @@ impl RowsQ8 {
         }
         #[cfg(target_arch = "x86_64")]
         if n % 8 == 0 && avx2_fma() {
-            // SAFETY: AVX2 and FMA are present; the shapes are asserted above.
-            unsafe {
-                match n {
-                    16 => self.avx2_times::<2>(dst, x, 0),
-                    32 => self.avx2_times::<4>(dst, x, 0),
-                    _ => {
-                        for col in (0..n).step_by(64) {
-                            match n - col {
-                                8 => self.avx2_times::<1>(dst, x, col),
-                                16 => self.avx2_times::<2>(dst, x, col),
-                                24 => self.avx2_times::<3>(dst, x, col),
-                                32 => self.avx2_times::<4>(dst, x, col),
-                                40 => self.avx2_times::<5>(dst, x, col),
-                                48 => self.avx2_times::<6>(dst, x, col),
-                                56 => self.avx2_times::<7>(dst, x, col),
-                                _ => self.avx2_times::<8>(dst, x, col),
-                            }
-                        }
+            // Passes of at most 64 outputs (8 registers).
+            for col in (0..n).step_by(64) {
+                // SAFETY: AVX2 and FMA are present; col + (n − col).min(64) ≤ n.
+                unsafe {
+                    match n - col {
+                        8 => self.avx2_times::<1>(dst, x, col),
+                        16 => self.avx2_times::<2>(dst, x, col),
+                        24 => self.avx2_times::<3>(dst, x, col),
+                        32 => self.avx2_times::<4>(dst, x, col),
+                        40 => self.avx2_times::<5>(dst, x, col),
+                        48 => self.avx2_times::<6>(dst, x, col),
+                        56 => self.avx2_times::<7>(dst, x, col),
+                        _ => self.avx2_times::<8>(dst, x, col),
                     }
                 }
             }
@@ -506,9 +501,7 @@ impl RowsQ8 {
         }
         true
     }
-}
 
-impl RowsQ8 {
     /// Columns `col..col + 8·C` of `dst = x·W` (C ≤ 8: the outputs in registers), as `times`
     /// adds them: each row's `(x_k·s_k)·q + o` fused, rows in turn.
     ///

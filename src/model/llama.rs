@@ -678,8 +678,9 @@ impl Decoder {
             return mix(ops::causal_attention(&q_rot, &k_rep, &v_rep, scale, bias.as_ref())?);
         }
         // Decode (one query row): the `g` query heads sharing a KV head are stacked so the cache
-        // is read as is, never copied. Prompts: KV heads repeated, the same matmul shapes as
-        // llama.cpp/candle (see `rope_interleaved` for why the arithmetic should match).
+        // is read as is, never copied. Prompts here (CUDA, `reference_ops`): KV heads repeated,
+        // the same matmul shapes as llama.cpp/candle (see `rope_interleaved` for why the
+        // arithmetic should match).
         let (scores, v_used) = if t == 1 && g > 1 {
             let qg = q_rot.reshape((b, nkv, g, hd))?;
             let s = (qg.matmul(&k_all.t()?)? * scale)?.reshape((b, nh, 1, tk))?;
@@ -1037,10 +1038,10 @@ impl Decoder {
         let (cos, sin, mask) = self.train_layout(t, packing, false)?;
         let eps = cfg.rms_norm_eps as f32;
         let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
+        let causal_only = packing.is_none() && !window_cuts(cfg.sliding_window, t);
         for (li, layer) in self.layers.iter().enumerate().take(upto) {
             let ctx = LayerCtx { li, adapter: None, base: self.unmerged_base(true), float: true, bf16: self.float_in_bf16(), start: 0 };
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
-            let causal_only = packing.is_none() && !window_cuts(cfg.sliding_window, t);
             let positions = Positions { cos: &cos, sin: &sin, mask: mask.as_ref(), causal_only };
             let attn = self.attention_infer(&ctx, layer, &h, positions, None, hooks)?;
             x = (x + attn)?;
