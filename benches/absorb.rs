@@ -10,12 +10,16 @@
 //! and cut at the sentence that reaches the length. Options: `BENCH_OPTIONS` (AbsorbOptions JSON),
 //! else the defaults with extractive QA only (`BENCH_MODEL_QA=1` keeps model QA). The prepared
 //! base is `base/` when present, as for `absorb`; `BENCH_PREPARED_BASE=DIR|none` picks another.
+//! `BENCH_DEVICE=cuda` and `BENCH_MODEL=random-smollm2` (see common/target.rs) absorb on a GPU
+//! (there the peak RSS column is the host's, not the GPU's memory).
 
-use candle_core::Device;
 use lift_serve::document::Document;
 use lift_serve::lift::{absorb, AbsorbEvent, AbsorbOptions};
 use lift_serve::model::Model;
 use std::time::Instant;
+
+#[path = "common/target.rs"]
+mod target;
 
 const SOURCES: &[&str] =
     &[include_str!("../tests/fixtures/kestrel_observatory.txt"), include_str!("../tests/fixtures/harbor_history.txt")];
@@ -79,8 +83,9 @@ fn main() -> anyhow::Result<()> {
     if std::env::var("BENCH_MODEL_QA").is_err() {
         opts.qa.use_model = false;
     }
-    let path = lift_serve::fetch::resolve_model(None)?;
-    let mut model = Model::load(&path, &Device::Cpu)?;
+    let dev = target::device()?;
+    let target::Target { mut model, label, .. } = target::load(&dev)?;
+    println!("model: {label}  device: {dev:?}");
     // As `absorb` does: the prepared base in base/ if present; BENCH_PREPARED_BASE=DIR|none.
     lift_serve::base::install_from_arg(&mut model, std::env::var("BENCH_PREPARED_BASE").ok().as_deref())?;
     println!("prepared base: {}", model.info.prepared_base.as_deref().unwrap_or("none"));

@@ -13,24 +13,27 @@
 //! BENCH_GATED_MEMORY=1 gives each generation its own Gated Memory adapter on every layer
 //! (random, the default absorb's shape), as 16 users on 16 documents are: the adapters' cost per
 //! token in a mixed batch. BENCH_FLOAT_ROWS=N moves the decoder's `float_batch_min_rows` (the
-//! float-weights decode path).
+//! float-weights decode path). `BENCH_DEVICE=cuda` and `BENCH_MODEL=random-smollm2` (see
+//! common/target.rs) run it on a GPU.
 
 #[path = "common/stats.rs"]
 mod stats;
-use candle_core::Device;
+#[path = "common/target.rs"]
+mod target;
 use stats::percentile;
 use lift_serve::adapters::GatedMemory;
 use lift_serve::engine::batcher::{Batch, Entry};
 use lift_serve::model::Adapter;
 use std::sync::Arc;
 use lift_serve::model::generate::{SamplingParams, Sequence, PREFILL_CHUNK};
-use lift_serve::model::{KvCache, Model, NoHooks};
+use lift_serve::model::{KvCache, NoHooks};
 use std::time::Instant;
 
 fn main() -> anyhow::Result<()> {
     lift_serve::runtime::tune_cpu();
-    let path = lift_serve::fetch::resolve_model(None)?;
-    let mut m = Model::load(&path, &Device::Cpu)?;
+    let dev = target::device()?;
+    let target::Target { model: mut m, label, .. } = target::load(&dev)?;
+    println!("model: {label}  device: {dev:?}");
     if let Some(rows) = std::env::var("BENCH_FLOAT_ROWS").ok().and_then(|s| s.parse().ok()) {
         m.decoder.float_batch_min_rows = rows;
     }
@@ -44,7 +47,7 @@ fn main() -> anyhow::Result<()> {
             }
             let cfg = m.config();
             let layers: Vec<usize> = (0..cfg.num_layers).collect();
-            let gm = GatedMemory::new(cfg, &layers, cfg.attention_bias, 100 + i as u64, &Device::Cpu)?;
+            let gm = GatedMemory::new(cfg, &layers, cfg.attention_bias, 100 + i as u64, &dev)?;
             Ok(Some(Arc::new(gm.detached())))
         })
         .collect::<anyhow::Result<_>>()?;

@@ -5,9 +5,11 @@
 //!   RAYON_NUM_THREADS=2 cargo bench --bench runtime            (BENCH_RUNS=5 by default)
 //! Compare with PyTorch eager in the same run: benches/train_vs_torch.sh (alternating rounds)
 //! or benches/torch_reference.sh. BENCH_ONLY=train,prefill,… picks parts; BENCH_TRAIN_SEQS=512
-//! picks the training-step lengths.
+//! picks the training-step lengths. BENCH_DEVICE=cuda and BENCH_MODEL=random-smollm2 (see
+//! common/target.rs) run it on a GPU; there the CPU-only parts (the int8 prompt path, the linear
+//! and bf16-kernel comparisons) are skipped and every timed call ends with a device sync.
 
-use candle_core::{DType, Device, Tensor};
+use candle_core::{DType, Tensor};
 use candle_nn::optim::{AdamW, Optimizer, ParamsAdamW};
 use lift_serve::adapters::GatedMemory;
 use lift_serve::kernels::bf16_matmul;
@@ -17,6 +19,8 @@ use std::time::Instant;
 
 #[path = "common/decode.rs"]
 mod decode;
+#[path = "common/target.rs"]
+mod target;
 
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(|a, b| a.total_cmp(b));
@@ -56,8 +60,9 @@ fn main() -> anyhow::Result<()> {
     let runs: usize = std::env::var("BENCH_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(5);
     let only = std::env::var("BENCH_ONLY").unwrap_or_default();
     let want = |name: &str| only.is_empty() || only.split(',').any(|o| o == name);
-    let dev = Device::Cpu;
-    println!("threads: {}  runs: {runs}", rayon::current_num_threads());
+    let dev = target::device()?;
+    let on_cpu = dev.is_cpu();
+    println!("threads: {}  runs: {runs}  device: {dev:?}", rayon::current_num_threads());
 
     // Yardstick: a large f32 matmul through the same gemm candle uses everywhere.
     let n = 2048;
@@ -65,12 +70,22 @@ fn main() -> anyhow::Result<()> {
     let b = Tensor::randn(0f32, 1.0, (n, n), &dev)?;
     let mm = median(time_runs(runs, 1, || {
         a.matmul(&b).unwrap();
+        target::sync(&dev);
     }));
     let mm_gflops = 2.0 * (n as f64).powi(3) / mm / 1e9;
     println!("matmul f32 {n}x{n}x{n}: {:.3} s  {mm_gflops:.1} GFLOP/s", mm);
+    if !on_cpu {
+        // The model's own dtype on a GPU (bf16 base, tensor cores).
+        let (a, b) = (a.to_dtype(DType::BF16)?, b.to_dtype(DType::BF16)?);
+        let s = median(time_runs(runs, 1, || {
+            a.matmul(&b).unwrap();
+            target::sync(&dev);
+        }));
+        println!("matmul bf16 {n}x{n}x{n}: {s:.4} s  {:.1} GFLOP/s", 2.0 * (n as f64).powi(3) / s / 1e9);
+    }
 
-    let path = lift_serve::fetch::resolve_model(None)?;
-    let mut model = Model::load(&path, &dev)?;
+    let target::Target { mut model, label, .. } = target::load(&dev)?;
+    println!("model: {label}");
     model.decoder.prepare_float_weights()?;
     let cfg = model.config().clone();
     let layers = cfg.num_layers;
@@ -79,13 +94,14 @@ fn main() -> anyhow::Result<()> {
         for &t in &[512usize, 2048] {
             let toks = tokens(t, cfg.vocab_size);
             for (label, threshold) in [("float", 16usize), ("quantized", usize::MAX)] {
-                if label == "quantized" && t > 512 {
+                if label == "quantized" && (t > 512 || !on_cpu) {
                     continue;
                 }
                 model.decoder.float_prefill_min_rows = threshold;
                 // The serving path: `prefill` in chunks of PREFILL_CHUNK tokens.
                 let s = median(time_runs(runs.min(3).max(1), 1, || {
                     prefill(&model, &toks, &mut KvCache::new(layers), None, &mut NoHooks).unwrap();
+                    target::sync(&dev);
                 }));
                 let gflops = prefill_flops(&model, t) / s / 1e9;
                 println!(
@@ -99,6 +115,7 @@ fn main() -> anyhow::Result<()> {
         let ids = Tensor::new(tokens(2048, cfg.vocab_size).as_slice(), &dev)?.unsqueeze(0)?;
         let s = median(time_runs(runs.min(3).max(1), 1, || {
             model.decoder.forward(&ids, &mut KvCache::new(layers), None, &mut NoHooks, Logits::Last).unwrap();
+            target::sync(&dev);
         }));
         println!(
             "prefill  2048 tokens (one pass ): {s:.3} s  {:>7.1} tok/s  {:.1} GFLOP/s",
@@ -148,6 +165,7 @@ fn main() -> anyhow::Result<()> {
             for l in 0..layers {
                 adapter.mix_attention(l, &q, attn.clone()).unwrap();
             }
+            target::sync(&dev);
         }));
         let [base, gm] = [0, 1].map(|i| median(state[i].2.clone()));
         println!(
@@ -161,7 +179,7 @@ fn main() -> anyhow::Result<()> {
         );
     }
 
-    if want("linear") {
+    if want("linear") && on_cpu {
         // The frozen linears of the trainable path at 512 tokens: forward through a transposed
         // view of the [out, in] weight vs through a pre-transposed [in, out] copy (what the CPU
         // path uses), alternating run by run.
@@ -255,6 +273,7 @@ fn main() -> anyhow::Result<()> {
                 let grads = loss.backward().unwrap();
                 let t2 = Instant::now();
                 opt.step(&grads).unwrap();
+                target::sync(&dev);
                 fwd.push((t1 - t0).as_secs_f64());
                 bwd.push((t2 - t1).as_secs_f64());
             });

@@ -108,23 +108,28 @@ if [ "${FLASH_ATTN:-0}" = 1 ]; then
     echo "cuda,flash-attn check: $(($(date +%s) - start)) s"
 fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
-    # tests/cuda.rs for a GPU machine: built for any AVX2 CPU (the default build uses this
-    # machine's own instruction set, which another machine's CPU may lack: SIGILL), stripped and
-    # compressed to target/gpu-carry/cuda-tests.xz (about 9 MB) to carry there and run with
-    # `xz -dc target/gpu-carry/cuda-tests.xz > t && chmod +x t && ./t --test-threads=1`.
-    step "portable tests/cuda.rs binary (into $CARGO_TARGET_DIR-portable)"
+    # tests/cuda.rs and the GPU-capable benches (runtime, absorb, batch_steps) for a GPU machine:
+    # built for any AVX2 CPU (the default build uses this machine's own instruction set, which
+    # another machine's CPU may lack: SIGILL), stripped and compressed to target/gpu-carry/*.xz
+    # (about 9 MB each) to carry there; scripts/gpu_checks.sh runs them on the GPU machine.
+    step "portable tests/cuda.rs and GPU bench binaries (into $CARGO_TARGET_DIR-portable)"
     start=$(date +%s)
-    out="$(CARGO_TARGET_DIR="$CARGO_TARGET_DIR-portable" RUSTFLAGS="-C target-cpu=x86-64-v3" \
-        cargo build --release --features cuda --test cuda --message-format=json |
+    CARGO_TARGET_DIR="$CARGO_TARGET_DIR-portable" RUSTFLAGS="-C target-cpu=x86-64-v3" \
+        cargo build --release --features cuda --test cuda \
+        --bench runtime --bench absorb --bench batch_steps --message-format=json |
         python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m["target"]["name"] == "cuda" and m.get("executable"):
-        print(m["executable"])')"
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda", "runtime", "absorb", "batch_steps"):
+        print(m["target"]["name"], m["executable"])' > "$CARGO_TARGET_DIR-portable/gpu-binaries.txt"
     mkdir -p target/gpu-carry
-    strip -o target/gpu-carry/cuda-tests "$out"
-    xz -f -T2 target/gpu-carry/cuda-tests
-    echo "portable cuda tests: $(($(date +%s) - start)) s, $(du -h target/gpu-carry/cuda-tests.xz | cut -f1)"
+    while read -r name exe; do
+        [ "$name" = cuda ] && name=cuda-tests
+        strip -o "target/gpu-carry/$name" "$exe"
+        xz -f -T2 "target/gpu-carry/$name"
+    done < "$CARGO_TARGET_DIR-portable/gpu-binaries.txt"
+    echo "portable GPU binaries: $(($(date +%s) - start)) s"
+    du -h target/gpu-carry/*.xz
 fi
 trap - ERR
 echo "cuda compile check: ok"

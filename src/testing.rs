@@ -19,11 +19,42 @@ pub struct TinySpec {
     pub max_positions: usize,
     pub qkv_bias: bool,
     pub seed: u64,
+    /// Vocabulary size: 0 for the tiny byte vocabulary alone; more pads it with filler tokens
+    /// that the tokenizer never produces (a model of a real vocabulary's shape, for benchmarks).
+    pub vocab: usize,
 }
 
 impl Default for TinySpec {
     fn default() -> Self {
-        Self { hidden: 64, intermediate: 128, layers: 2, heads: 4, kv_heads: 2, max_positions: 2048, qkv_bias: false, seed: 42 }
+        Self { hidden: 64, intermediate: 128, layers: 2, heads: 4, kv_heads: 2, max_positions: 2048, qkv_bias: false, seed: 42, vocab: 0 }
+    }
+}
+
+impl TinySpec {
+    /// A randomly initialised model of SmolLM2-135M's exact shapes (the default model's), its
+    /// vocabulary size included: timings of every matmul, attention and the LM head match the
+    /// real model's where its weights cannot travel (a GPU machine without the model file).
+    pub fn smollm2_135m_shaped() -> Self {
+        let c = smollm2_135m_config();
+        Self {
+            hidden: c.hidden_size,
+            intermediate: c.intermediate_size,
+            layers: c.num_layers,
+            heads: c.num_heads,
+            kv_heads: c.num_kv_heads,
+            max_positions: c.max_position_embeddings,
+            qkv_bias: false,
+            seed: 42,
+            vocab: c.vocab_size,
+        }
+    }
+
+    /// The vocabulary: the tiny byte vocabulary, padded to `vocab` entries if that is larger.
+    pub fn vocabulary(&self) -> Vec<String> {
+        let mut v = tiny_vocab();
+        let n = v.len();
+        v.extend((n..self.vocab).map(|i| format!("<|filler_{i}|>")));
+        v
     }
 }
 
@@ -81,7 +112,7 @@ pub fn tiny_vocab() -> Vec<String> {
 
 fn tensors(spec: &TinySpec) -> Vec<(String, Vec<usize>, Vec<f32>)> {
     let mut rng = Rng::new(spec.seed);
-    let vocab = tiny_vocab().len();
+    let vocab = spec.vocabulary().len();
     let hd = spec.hidden / spec.heads;
     let (h, i) = (spec.hidden, spec.intermediate);
     let mut out = vec![("model.embed_tokens.weight".to_string(), vec![vocab, h], rng.vec(vocab * h, 0.5))];
@@ -117,7 +148,7 @@ pub fn write_hf(dir: &Path, spec: &TinySpec) -> Result<PathBuf> {
         map.insert(name, Tensor::from_vec(data, shape, &dev)?);
     }
     candle_core::safetensors::save(&map, dir.join("model.safetensors"))?;
-    let vocab = tiny_vocab().len();
+    let vocab = spec.vocabulary().len();
     let arch = if spec.qkv_bias { "Qwen2ForCausalLM" } else { "LlamaForCausalLM" };
     let config = serde_json::json!({
         "architectures": [arch],
@@ -134,7 +165,7 @@ pub fn write_hf(dir: &Path, spec: &TinySpec) -> Result<PathBuf> {
         "attention_bias": spec.qkv_bias,
     });
     std::fs::write(dir.join("config.json"), serde_json::to_string_pretty(&config)?)?;
-    std::fs::write(dir.join("tokenizer.json"), tokenizer_json())?;
+    std::fs::write(dir.join("tokenizer.json"), tokenizer_json_of(&spec.vocabulary()))?;
     let tcfg = serde_json::json!({
         "bos_token": null,
         "eos_token": "<|im_end|>",
@@ -148,8 +179,14 @@ pub fn write_hf(dir: &Path, spec: &TinySpec) -> Result<PathBuf> {
 
 /// The tiny model's `tokenizer.json`: byte-level BPE, one token per byte, ChatML specials.
 pub fn tokenizer_json() -> String {
-    let vocab: serde_json::Map<String, serde_json::Value> = tiny_vocab()
-        .into_iter()
+    tokenizer_json_of(&tiny_vocab())
+}
+
+/// A byte-level BPE tokenizer over `vocab` (the tiny vocabulary first), no merges.
+fn tokenizer_json_of(vocab: &[String]) -> String {
+    let vocab: serde_json::Map<String, serde_json::Value> = vocab
+        .iter()
+        .cloned()
         .enumerate()
         .map(|(i, t)| (t, serde_json::Value::from(i)))
         .collect();
@@ -200,7 +237,7 @@ pub fn write_gguf(path: &Path, spec: &TinySpec, dtype: GgmlDType) -> Result<Path
         qtensors.push((gname, q));
     }
     use gguf_file::Value as V;
-    let vocab = tiny_vocab();
+    let vocab = spec.vocabulary();
     let arch = if spec.qkv_bias { "qwen2" } else { "llama" };
     let md: Vec<(String, V)> = vec![
         ("general.architecture".into(), V::String(arch.into())),

@@ -1,0 +1,47 @@
+//! Where a bench runs (shared through `#[path]`): the device and the model.
+//!
+//! `BENCH_DEVICE=cpu|cuda|cuda:N` (default cpu; cuda needs the `cuda` feature).
+//! `BENCH_MODEL=random-smollm2` builds a randomly initialised model of SmolLM2-135M's exact
+//! shapes, vocabulary included, in a temporary folder: the default model's matmuls, attention and
+//! LM head for timing on a machine the weights file cannot reach (the GPU machine), with a
+//! byte-level tokenizer (one token per byte of text). Otherwise the default model (or
+//! `LIFT_MODELS_DIR`), as everywhere.
+
+use candle_core::Device;
+use lift_serve::model::Model;
+
+pub struct Target {
+    pub model: Model,
+    /// What the model is, for the bench's first lines.
+    pub label: String,
+    _dir: Option<tempfile::TempDir>,
+}
+
+pub fn device() -> anyhow::Result<Device> {
+    lift_serve::runtime::device(&std::env::var("BENCH_DEVICE").unwrap_or_else(|_| "cpu".into()))
+}
+
+pub fn load(dev: &Device) -> anyhow::Result<Target> {
+    match std::env::var("BENCH_MODEL").ok().as_deref() {
+        Some("random-smollm2") => {
+            let dir = tempfile::tempdir()?;
+            let spec = lift_serve::testing::TinySpec::smollm2_135m_shaped();
+            let path = lift_serve::testing::write_hf(&dir.path().join("random-smollm2"), &spec)?;
+            let model = Model::load(&path, dev)?;
+            Ok(Target { model, label: "random weights of SmolLM2-135M's shapes".into(), _dir: Some(dir) })
+        }
+        Some(other) => anyhow::bail!("BENCH_MODEL={other}: only random-smollm2 (or unset: the default model)"),
+        None => {
+            let path = lift_serve::fetch::resolve_model(None)?;
+            let model = Model::load(&path, dev)?;
+            Ok(Target { model, label: path.display().to_string(), _dir: None })
+        }
+    }
+}
+
+/// Waits for the device's queued work, so that a timer read after it covers the work (CUDA
+/// launches return before their kernels finish).
+#[allow(dead_code)] // not every bench that includes this file times device work itself
+pub fn sync(dev: &Device) {
+    dev.synchronize().expect("device synchronize");
+}
