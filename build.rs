@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 2] = ["gated_memory", "masked_softmax"];
+const KERNELS: [&str; 3] = ["gated_memory", "masked_softmax", "decode_attention"];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

@@ -113,9 +113,9 @@ __device__ float gm_memory(const float* p, GmParams P, int h, const float* h1row
     return m;
 }
 
-extern "C" __global__ void gated_memory_fwd(const float* __restrict__ q, const float* __restrict__ attn,
-                                            const float* __restrict__ p, float* __restrict__ out,
-                                            GmParams P, int TR) {
+// The mix for the block's tile with the layer parameters `p`.
+__device__ void gm_fwd_tile(const float* __restrict__ q, const float* __restrict__ attn, const float* __restrict__ p,
+                            float* __restrict__ out, GmParams P, int TR) {
     extern __shared__ float smem[];
     const GmTile t = gm_tile(q, p, P, TR, smem);
     if (t.rows <= 0) return;
@@ -126,6 +126,28 @@ extern "C" __global__ void gated_memory_fwd(const float* __restrict__ q, const f
         float a = attn[t.base + i];
         out[t.base + i] = a + t.g[r] * (m - a);
     }
+}
+
+extern "C" __global__ void gated_memory_fwd(const float* __restrict__ q, const float* __restrict__ attn,
+                                            const float* __restrict__ p, float* __restrict__ out,
+                                            GmParams P, int TR) {
+    gm_fwd_tile(q, attn, p, out, P, TR);
+}
+
+// The decode step of a continuous batch: row b of q/attn ([B, H, 1, d]) is one sequence's token,
+// mixed with its own adapter's layer parameters at address ps[b] (0: no Gated Memory at this
+// layer, the attention passes through). One launch for every sequence's adapter.
+extern "C" __global__ void gated_memory_fwd_rows(const float* __restrict__ q, const float* __restrict__ attn,
+                                                 const long long* __restrict__ ps, float* __restrict__ out,
+                                                 GmParams P, int TR) {
+    const float* p = reinterpret_cast<const float*>(ps[blockIdx.y / P.H]);
+    if (p) {
+        gm_fwd_tile(q, attn, p, out, P, TR);
+        return;
+    }
+    const int t0 = blockIdx.x * TR, rows = min(TR, P.T - t0);
+    const long long base = ((long long)blockIdx.y * P.T + t0) * P.d;
+    for (int i = threadIdx.x; i < rows * P.d; i += blockDim.x) out[base + i] = attn[base + i];
 }
 
 // grads = [dq | dattn | dp] (N = B·H·T·d each for dq and dattn, zero-initialised): dq and dattn

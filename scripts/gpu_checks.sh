@@ -9,6 +9,8 @@
 #
 #   scripts/gpu_checks.sh            # everything
 #   GPU_STEPS=tests,runtime scripts/gpu_checks.sh
+# A binary named NAME-old.xz beside NAME.xz (another build, carried for a comparison) runs
+# alternately with it, two rounds each, in the `batch` step.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOGS="${OUT:-gpu-logs}"
@@ -50,5 +52,12 @@ want tests && run cuda-tests 180 "$BIN/cuda-tests" --test-threads=1
 want runtime && run runtime 90 env BENCH_RUNS=5 BENCH_ONLY=prefill,decode,decode_adapter,train \
     BENCH_TRAIN_SEQS=512,2048 "$BIN/runtime"
 want absorb && run absorb 120 env BENCH_LENGTHS=1024,4096 "$BIN/absorb"
-want batch && run batch_steps 75 env BENCH_GATED_MEMORY=1 "$BIN/batch_steps"
+if want batch; then
+    rounds=1
+    [ -x "$BIN/batch_steps-old" ] && rounds=2
+    for r in $(seq "$rounds"); do
+        [ -x "$BIN/batch_steps-old" ] && run "batch_steps-old-$r" 75 env BENCH_GATED_MEMORY=1 "$BIN/batch_steps-old"
+        run "batch_steps-$r" 75 env BENCH_GATED_MEMORY=1 "$BIN/batch_steps"
+    done
+fi
 exit 0

@@ -308,9 +308,14 @@ impl Adapter for GatedMemory {
 
     fn decode_mix(&self, layer: usize) -> DecodeMix<'_> {
         let Some(l) = self.layers.get(&layer) else { return DecodeMix::Identity };
-        match l.frozen_decode_weights() {
-            Some(weights) => DecodeMix::GatedMemory(weights),
-            None => DecodeMix::Opaque,
+        if let Some(weights) = l.frozen_decode_weights() {
+            return DecodeMix::GatedMemory(weights);
+        }
+        match (l.frozen_packed_params(), l.kernel_dims()) {
+            (Ok(Some(packed)), Ok(dims)) if !packed.device().is_cpu() && packed.dtype() == DType::F32 => {
+                DecodeMix::GatedMemoryPacked(packed, dims)
+            }
+            _ => DecodeMix::Opaque,
         }
     }
 }

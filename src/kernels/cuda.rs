@@ -227,3 +227,182 @@ fn launch_ms_bwd<T: CudaDType + DeviceRepr + candle_core::WithDType>(
     unsafe { builder.launch(row_launch(rows)) }.w()?;
     Ok(CudaStorage::wrap_cuda_slice(out, dev))
 }
+
+const DECODE_ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decode_attention.ptx"));
+
+/// A view of a (read-locked) tensor storage, for the launches below that take tensors rather
+/// than what a custom op is handed.
+fn locked_view<'a, T: CudaDType>(storage: &'a candle_core::Storage, layout: &Layout, what: &str) -> Result<CudaView<'a, T>> {
+    match storage {
+        candle_core::Storage::Cuda(cs) => view::<T>(cs, layout, what),
+        _ => bail!("{what}: not on CUDA"),
+    }
+}
+
+/// The device address of the first element of `t` (contiguous, f32 or bf16, on CUDA), for the
+/// address tables of kernels that read many tensors of many sequences in one launch.
+fn address(t: &candle_core::Tensor, stream: &candle_core::cuda_backend::cudarc::driver::CudaStream) -> Result<i64> {
+    use candle_core::cuda_backend::cudarc::driver::DevicePtr;
+    if !t.is_contiguous() {
+        bail!("a {:?} {:?} input is not contiguous", t.dtype(), t.dims());
+    }
+    let (storage, layout) = t.storage_and_layout();
+    let candle_core::Storage::Cuda(cs) = &*storage else { bail!("an input is not on CUDA") };
+    let ptr = match t.dtype() {
+        DType::BF16 => cs.as_cuda_slice::<half::bf16>()?.device_ptr(stream).0,
+        DType::F32 => cs.as_cuda_slice::<f32>()?.device_ptr(stream).0,
+        other => bail!("an input of dtype {other:?} where f32 or bf16 was expected"),
+    };
+    Ok((ptr + (layout.start_offset() * t.dtype().size_in_bytes()) as u64) as i64)
+}
+
+fn expect_dtype(t: &candle_core::Tensor, dtype: DType, what: &str) -> Result<()> {
+    if t.dtype() != dtype {
+        bail!("{what}: {:?} where {dtype:?} was expected", t.dtype());
+    }
+    Ok(())
+}
+
+fn wrap(out: CudaSlice<impl CudaDType>, dev: candle_core::CudaDevice, shape: impl Into<candle_core::Shape>) -> candle_core::Tensor {
+    let storage = candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev));
+    candle_core::Tensor::from_storage(storage, shape, candle_core::op::BackpropOp::none(), false)
+}
+
+/// One sequence's KV cache as the CUDA decode kernel reads it: layer buffers `[1, kv_heads,
+/// capacity, d]` (bf16, contiguous), `len` keys after this step's append, an optional additive
+/// key bias of `len` values (f32).
+pub struct DeviceDecodeCache<'a> {
+    pub k: &'a candle_core::Tensor,
+    pub v: &'a candle_core::Tensor,
+    pub capacity: usize,
+    pub len: usize,
+    pub bias: Option<&'a candle_core::Tensor>,
+}
+
+/// Whether the kernel serves this shape: a lane holds at most 4 of the d dimensions, a block at
+/// most 8 query heads per KV head (kernels/decode_attention.cu).
+pub fn decode_attention_fits(heads: usize, kv_heads: usize, d: usize) -> bool {
+    d <= 128 && kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= 8
+}
+
+/// One decode step of `caches.len()` sequences (kernels/decode_attention.cu): appends row j of
+/// `k`, `v` (`[n, kv_heads, d]` bf16, after RoPE) to sequence j's cache and returns the attention
+/// of row j of `q` (`[n, heads, d]`, after RoPE) over its keys, `[n, heads, d]` bf16. One launch.
+pub fn decode_attention(
+    q: &candle_core::Tensor,
+    k: &candle_core::Tensor,
+    v: &candle_core::Tensor,
+    caches: &[DeviceDecodeCache],
+) -> Result<candle_core::Tensor> {
+    let (n, heads, d) = q.dims3()?;
+    let kv_heads = k.dim(1)?;
+    if !decode_attention_fits(heads, kv_heads, d) || caches.len() != n || k.dims3()? != (n, kv_heads, d) || v.dims() != k.dims() {
+        bail!("decode-attention: q {:?}, k {:?}, v {:?} for {} caches", q.dims(), k.dims(), v.dims(), caches.len());
+    }
+    for t in [q, k, v] {
+        expect_dtype(t, DType::BF16, "decode-attention q/k/v")?;
+    }
+    let dev = q.device().as_cuda_device()?.clone();
+    let stream = dev.cuda_stream();
+    let (mut kp, mut vp, mut bp, mut lens, mut caps) = (vec![], vec![], vec![], vec![], vec![]);
+    for c in caches {
+        if c.k.dims4()? != (1, kv_heads, c.capacity, d) || c.v.dims() != c.k.dims() || c.len == 0 || c.len > c.capacity {
+            bail!("decode-attention: a cache {:?} of capacity {} holding {} keys", c.k.dims(), c.capacity, c.len);
+        }
+        expect_dtype(c.k, DType::BF16, "decode-attention cache")?;
+        expect_dtype(c.v, DType::BF16, "decode-attention cache")?;
+        kp.push(address(c.k, &stream)?);
+        vp.push(address(c.v, &stream)?);
+        bp.push(match c.bias {
+            Some(b) if b.elem_count() == c.len && b.dtype() == DType::F32 => address(b, &stream)?,
+            Some(b) => bail!("decode-attention: a {:?} bias of {:?} for {} keys", b.dtype(), b.dims(), c.len),
+            None => 0,
+        });
+        lens.push(c.len as u32);
+        caps.push(c.capacity as u32);
+    }
+    let qd = q.device();
+    let tables = [candle_core::Tensor::new(kp.as_slice(), qd)?, candle_core::Tensor::new(vp.as_slice(), qd)?, candle_core::Tensor::new(bp.as_slice(), qd)?];
+    let counts = [candle_core::Tensor::new(lens.as_slice(), qd)?, candle_core::Tensor::new(caps.as_slice(), qd)?];
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let out: CudaSlice<half::bf16> = unsafe { dev.alloc::<half::bf16>(n * heads * d)? };
+    {
+        let qg: Vec<_> = [&q, &k, &v].iter().map(|t| t.storage_and_layout()).collect();
+        let qkv = qg.iter().map(|(s, l)| locked_view::<half::bf16>(s, l, "decode-attention q/k/v")).collect::<Result<Vec<_>>>()?;
+        let tg: Vec<_> = tables.iter().map(|t| t.storage_and_layout()).collect();
+        let tv = tg.iter().map(|(s, l)| locked_view::<i64>(s, l, "decode-attention addresses")).collect::<Result<Vec<_>>>()?;
+        let cg: Vec<_> = counts.iter().map(|t| t.storage_and_layout()).collect();
+        let cv = cg.iter().map(|(s, l)| locked_view::<u32>(s, l, "decode-attention lengths")).collect::<Result<Vec<_>>>()?;
+        let (h, kvh, dd, scale) = (heads as i32, kv_heads as i32, d as i32, 1.0f32 / (d as f32).sqrt());
+        let func = dev.get_or_load_custom_func("decode_attention_bf16", "lift_decode_attention", DECODE_ATTENTION_PTX)?;
+        let mut builder = func.builder();
+        for x in &qkv {
+            builder.arg(x);
+        }
+        for x in &tv {
+            builder.arg(x);
+        }
+        for x in &cv {
+            builder.arg(x);
+        }
+        builder.arg(&out);
+        builder.arg(&h);
+        builder.arg(&kvh);
+        builder.arg(&dd);
+        builder.arg(&scale);
+        // 8 warps (DA_WARPS in the kernel): a block per (sequence, KV head).
+        let cfg = LaunchConfig { grid_dim: ((n * kv_heads) as u32, 1, 1), block_dim: (32 * 8, 1, 1), shared_mem_bytes: 0 };
+        unsafe { builder.launch(cfg) }.w()?;
+    }
+    Ok(wrap(out, dev, (n, heads, d)))
+}
+
+/// The Gated Memory mix of a decode step's rows (`q` pre-RoPE, `attn`: `[b, heads, t, d]` f32),
+/// row b with the packed layer parameters `params[b]` (`None`: it passes through), in one launch
+/// (`gated_memory_fwd_rows` in kernels/gated_memory.cu). Every row's layer has shapes `dims`.
+pub fn gated_memory_fwd_rows(
+    q: &candle_core::Tensor,
+    attn: &candle_core::Tensor,
+    params: &[Option<&candle_core::Tensor>],
+    dims: GmDims,
+) -> Result<candle_core::Tensor> {
+    let (b, h, t, d) = q.dims4()?;
+    if (h, d) != (dims.heads, dims.d) || attn.dims() != q.dims() || params.len() != b {
+        bail!("gated-memory-rows: q {:?} / attn {:?} / {} layers for {dims:?}", q.dims(), attn.dims(), params.len());
+    }
+    expect_dtype(q, DType::F32, "gated-memory-rows q")?;
+    expect_dtype(attn, DType::F32, "gated-memory-rows attn")?;
+    let dev = q.device().as_cuda_device()?.clone();
+    let stream = dev.cuda_stream();
+    let table = params
+        .iter()
+        .map(|p| match p {
+            Some(p) => {
+                expect_dtype(p, DType::F32, "gated-memory-rows parameters")?;
+                address(p, &stream)
+            }
+            None => Ok(0),
+        })
+        .collect::<Result<Vec<i64>>>()?;
+    let table = candle_core::Tensor::new(table.as_slice(), q.device())?;
+    let (q, attn) = (q.contiguous()?, attn.contiguous()?);
+    let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(q.elem_count())? };
+    {
+        let locked: Vec<_> = [&q, &attn].iter().map(|t| t.storage_and_layout()).collect();
+        let qa = locked.iter().map(|(s, l)| locked_view::<f32>(s, l, "gated-memory-rows q/attn")).collect::<Result<Vec<_>>>()?;
+        let (ts, tl) = table.storage_and_layout();
+        let tv = locked_view::<i64>(&ts, tl, "gated-memory-rows addresses")?;
+        let (cfg, tr) = gm_launch(dims, b, t, 3 * dims.d + dims.s + 1);
+        let params = gm_params(dims, t);
+        let func = dev.get_or_load_custom_func("gated_memory_fwd_rows", "lift_gated_memory", GATED_MEMORY_PTX)?;
+        let mut builder = func.builder();
+        builder.arg(&qa[0]);
+        builder.arg(&qa[1]);
+        builder.arg(&tv);
+        builder.arg(&out);
+        builder.arg(&params);
+        builder.arg(&tr);
+        unsafe { builder.launch(cfg) }.w()?;
+    }
+    Ok(wrap(out, dev, (b, h, t, d)))
+}

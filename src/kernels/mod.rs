@@ -6,7 +6,8 @@
 //! - `masked_softmax`: causal softmax of scaled attention scores plus the soft-mask bias
 //!   (forward + backward), the middle of the trainable attention on CUDA.
 //! - `decode_attention`: one query row per sequence over its own KV cache, a whole batch step of
-//!   decoding sequences in one parallel loop (CPU only; CUDA keeps candle's ops).
+//!   decoding sequences in one parallel loop; on CUDA one launch (`cuda::decode_attention`,
+//!   kernels/decode_attention.cu, tested against the CPU through the batched forward).
 //! - `bf16_matmul`: the frozen linear layers of the trainable path in bf16 (AVX-512 BF16), f32 sums.
 //! - `math`: the vectorisable exp and sigmoid of the CPU paths (here and in `model::ops`).
 //!
@@ -21,4 +22,4 @@ pub mod quant_matmul;
 pub(crate) mod math;
 
 #[cfg(feature = "cuda")]
-mod cuda;
+pub(crate) mod cuda;

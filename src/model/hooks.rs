@@ -77,6 +77,9 @@ pub enum DecodeMix<'a> {
     Identity,
     /// A frozen Gated Memory layer: its weights as the decode mix reads them.
     GatedMemory(&'a crate::kernels::gated_memory::DecodeWeights),
+    /// A frozen Gated Memory layer on a GPU: its packed parameters (the fused kernel's layout,
+    /// f32) and shapes, so that the CUDA decode step mixes every sequence's rows in one launch.
+    GatedMemoryPacked(&'a candle_core::Tensor, crate::kernels::gated_memory::GmDims),
     /// Only `mix_attention` can say.
     Opaque,
 }

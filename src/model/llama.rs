@@ -415,6 +415,23 @@ impl KvCache {
         }
     }
 
+    /// Room for one more position in `layer`'s device buffers (made on first use as `append`
+    /// makes them, `like` giving shape and dtype): the buffers and their capacity, for the CUDA
+    /// decode kernel, which writes the position itself.
+    #[cfg(feature = "cuda")]
+    fn device_slot(&mut self, layer: usize, like: &Tensor) -> Result<(Tensor, Tensor, usize)> {
+        self.reserve(layer, 1)?;
+        let cap = self.capacity;
+        let entry = match &mut self.layers[layer] {
+            Some(entry) => entry,
+            empty => empty.insert(LayerKv::empty(like, like.dtype(), cap)?),
+        };
+        match entry {
+            LayerKv::Device { k, v } => Ok((k.clone(), v.clone(), cap)),
+            _ => candle_core::bail!("layer {layer}'s cache is not on the device"),
+        }
+    }
+
     fn commit(&mut self, t: usize) {
         self.len += t;
     }
@@ -728,7 +745,7 @@ impl Decoder {
         // Decoding rows first (one attention call for all, see `decode_attention`), then
         // short prompt chunks, both on the quantized path; prompt chunks on the float path last.
         order.sort_by_key(|&i| (float[i], seqs[i].ids.len() > 1, seqs[i].adapter_key));
-        let decoding = if self.device.is_cpu() && self.dtype == DType::F32 {
+        let decoding = if self.batched_decode_attention() {
             order.iter().take_while(|&&i| seqs[i].ids.len() == 1).count()
         } else {
             0
@@ -834,7 +851,21 @@ impl Decoder {
     /// batch's projections `q`, `k`, `v` `[1, rows, _]`) on the CPU: RoPE for all at once, each
     /// key and value appended to its sequence's cache, then one `decode_attention` call over all
     /// caches, then each adapter's mix. Returns `[1, which.len(), heads·d]`.
-    fn decode_attention(&self, li: usize, seqs: &mut [SeqInput], which: &[usize], [q, k, v]: [&Tensor; 3]) -> Result<Tensor> {
+    /// Whether `forward_batch` attends its decoding rows all at once (`decode_attention`): on the
+    /// CPU in f32, and on CUDA in bf16 where the kernel serves the model's head shape.
+    fn batched_decode_attention(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if self.device.is_cuda() {
+            let c = &self.config;
+            return self.dtype == DType::BF16
+                && c.sliding_window.is_none()
+                && crate::kernels::cuda::decode_attention_fits(c.num_heads, c.num_kv_heads, c.head_dim);
+        }
+        self.device.is_cpu() && self.dtype == DType::F32
+    }
+
+    /// The decoding rows' heads (`[n, heads, 1, d]` each) and RoPE at each row's own position.
+    fn decode_rows(&self, seqs: &[SeqInput], which: &[usize], [q, k, v]: [&Tensor; 3]) -> Result<DecodeRows> {
         let cfg = &self.config;
         let (nh, nkv, hd, n) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, which.len());
         let heads = |x: &Tensor, h: usize| -> Result<Tensor> {
@@ -847,8 +878,18 @@ impl Decoder {
         let cos = self.cos.index_select(&positions, 0)?.reshape((n, 1, half))?;
         let sin = self.sin.index_select(&positions, 0)?.reshape((n, 1, half))?;
         let rope = if self.rope_interleaved { candle_nn::rotary_emb::rope_i } else { candle_nn::rotary_emb::rope };
-        let q_rot = rope(&q, &cos, &sin)?;
-        let k_rot = rope(&k, &cos, &sin)?;
+        let (q_rot, k_rot) = (rope(&q, &cos, &sin)?, rope(&k, &cos, &sin)?);
+        Ok(DecodeRows { q, v, q_rot, k_rot })
+    }
+
+    fn decode_attention(&self, li: usize, seqs: &mut [SeqInput], which: &[usize], [q, k, v]: [&Tensor; 3]) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if self.device.is_cuda() {
+            return self.decode_attention_cuda(li, seqs, which, [q, k, v]);
+        }
+        let cfg = &self.config;
+        let (nh, hd, n) = (cfg.num_heads, cfg.head_dim, which.len());
+        let DecodeRows { q, v, q_rot, k_rot } = self.decode_rows(seqs, which, [q, k, v])?;
         let (kr, vr) = (k_rot.flatten_all()?.to_vec1::<f32>()?, v.flatten_all()?.to_vec1::<f32>()?);
         let qv = q_rot.flatten_all()?.to_vec1::<f32>()?;
         let mut out = match self.cpu_kv_dtype {
@@ -872,7 +913,7 @@ impl Decoder {
             crate::kernels::gated_memory::mix_decode_rows(&q_pre, &mut out, &rows);
             let row = nh * hd;
             for (j, (&i, mix)) in which.iter().zip(&mixes).enumerate() {
-                if let (DecodeMix::Opaque, Some(ad)) = (mix, seqs[i].adapter) {
+                if let (DecodeMix::Opaque | DecodeMix::GatedMemoryPacked(..), Some(ad)) = (mix, seqs[i].adapter) {
                     let a = Tensor::from_slice(&out[j * row..(j + 1) * row], (1, nh, 1, hd), &self.device)?;
                     let mixed = ad.mix_attention(li, &q.narrow(0, j, 1)?, a)?;
                     out[j * row..(j + 1) * row].copy_from_slice(&mixed.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
@@ -880,6 +921,70 @@ impl Decoder {
             }
         }
         Tensor::from_vec(out, (1, n, nh * hd), &self.device)
+    }
+
+    /// `decode_attention` on CUDA: RoPE for every row at its own position, then one kernel
+    /// launch appends every row's key and value to its cache and attends (kernels/
+    /// decode_attention.cu); the adapters' mix once per run of rows sharing an adapter.
+    #[cfg(feature = "cuda")]
+    fn decode_attention_cuda(&self, li: usize, seqs: &mut [SeqInput], which: &[usize], [q, k, v]: [&Tensor; 3]) -> Result<Tensor> {
+        use crate::kernels::cuda::{decode_attention, DeviceDecodeCache};
+        let cfg = &self.config;
+        let (nh, nkv, hd, n) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, which.len());
+        let DecodeRows { q, v, q_rot, k_rot } = self.decode_rows(seqs, which, [q, k, v])?;
+        let mut slots = Vec::with_capacity(n);
+        for (j, &i) in which.iter().enumerate() {
+            let s = &mut seqs[i];
+            let start = s.cache.len();
+            let (ck, cv, capacity) = s.cache.device_slot(li, &k_rot.narrow(0, j, 1)?)?;
+            let bias = match s.hooks.attention_bias(li, start, 1, start + 1)? {
+                Some(b) => Some(b.to_device(&self.device)?.to_dtype(DType::F32)?.flatten_all()?.contiguous()?),
+                None => None,
+            };
+            slots.push((ck, cv, capacity, start + 1, bias));
+        }
+        let caches: Vec<DeviceDecodeCache> = slots
+            .iter()
+            .map(|(k, v, capacity, len, bias)| DeviceDecodeCache { k, v, capacity: *capacity, len: *len, bias: bias.as_ref() })
+            .collect();
+        let mut attn = decode_attention(&q_rot.reshape((n, nh, hd))?, &k_rot.reshape((n, nkv, hd))?, &v.reshape((n, nkv, hd))?, &caches)?
+            .reshape((n, nh, 1, hd))?;
+        // Frozen Gated Memory layers of one shape: every row's mix in one launch (the others
+        // pass through it unchanged).
+        let mixes: Vec<DecodeMix> =
+            which.iter().map(|&i| seqs[i].adapter.map_or(DecodeMix::Identity, |a| a.decode_mix(li))).collect();
+        let dims = mixes.iter().find_map(|m| if let DecodeMix::GatedMemoryPacked(_, d) = m { Some(*d) } else { None });
+        let in_kernel = |m: &DecodeMix| matches!(m, DecodeMix::GatedMemoryPacked(_, d) if Some(*d) == dims);
+        if let Some(dims) = dims {
+            let params: Vec<Option<&Tensor>> =
+                mixes.iter().map(|m| if let (true, DecodeMix::GatedMemoryPacked(p, _)) = (in_kernel(m), m) { Some(*p) } else { None }).collect();
+            let (qf, af) = (q.to_dtype(DType::F32)?, attn.to_dtype(DType::F32)?);
+            attn = crate::kernels::cuda::gated_memory_fwd_rows(&qf, &af, &params, dims)?.to_dtype(self.dtype)?;
+        }
+        // Any other mix through `mix_attention`, once per run of rows sharing an adapter (rows are
+        // grouped by adapter: `forward_batch`'s order).
+        let mut pieces = Vec::new();
+        let mut j = 0;
+        while j < n {
+            let first = &seqs[which[j]];
+            let (key, adapter, own) = (first.adapter_key, first.adapter, !in_kernel(&mixes[j]) && !matches!(mixes[j], DecodeMix::Identity));
+            let mut e = j + 1;
+            while e < n
+                && seqs[which[e]].adapter_key == key
+                && seqs[which[e]].adapter.is_some() == adapter.is_some()
+                && own == (!in_kernel(&mixes[e]) && !matches!(mixes[e], DecodeMix::Identity))
+            {
+                e += 1;
+            }
+            let rows = attn.narrow(0, j, e - j)?;
+            pieces.push(match adapter {
+                Some(a) if own => a.mix_attention(li, &q.narrow(0, j, e - j)?, rows)?,
+                _ => rows,
+            });
+            j = e;
+        }
+        let attn = if pieces.len() == 1 { pieces.remove(0) } else { Tensor::cat(&pieces, 0)? };
+        attn.reshape((1, n, nh * hd))
     }
 
     /// Projection `p` of every row of a batch (`x` `[1, rows, in]`, laid out by `plan`): one
@@ -1193,6 +1298,15 @@ fn decode_step<T: HostElem>(
         caches.push(DecodeCache { k, v, capacity, len: seqs[i].cache.len() + 1, bias: biases[j].as_deref() });
     }
     Ok(crate::kernels::decode_attention::decode_attention(qv, &caches, nh, nkv, hd, 1.0 / (hd as f32).sqrt()))
+}
+
+/// A decode step's rows as `Decoder::decode_rows` lays them out: query and value heads, and the
+/// query and key heads after RoPE (`[n, heads, 1, d]`).
+struct DecodeRows {
+    q: Tensor,
+    v: Tensor,
+    q_rot: Tensor,
+    k_rot: Tensor,
 }
 
 /// The positions an inference attention covers: their RoPE rows `[t, d/2]` and the additive mask
