@@ -6,7 +6,7 @@
 use std::path::PathBuf;
 use std::process::Command;
 
-const KERNELS: [&str; 3] = ["gated_memory", "masked_softmax", "decode_attention"];
+const KERNELS: [&str; 4] = ["gated_memory", "masked_softmax", "decode_attention", "adamw"];
 
 fn main() {
     println!("cargo:rerun-if-changed=build.rs");

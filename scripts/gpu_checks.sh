@@ -9,8 +9,8 @@
 #
 #   scripts/gpu_checks.sh            # everything
 #   GPU_STEPS=tests,runtime scripts/gpu_checks.sh
-# A binary named NAME-old.xz beside NAME.xz (another build, carried for a comparison) runs
-# alternately with it, two rounds each, in the `batch` step.
+# A bench binary named NAME-old.xz beside NAME.xz (another build, carried for a comparison) runs
+# alternately with it, two rounds each (the absorb and batch steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 LOGS="${OUT:-gpu-logs}"
@@ -47,17 +47,20 @@ run() { # name, limit in seconds, command...
     echo "=== $name: exit ${PIPESTATUS[0]}, $((SECONDS - t0)) s"
 }
 
+# A bench, or a bench and its -old build alternately, two rounds each.
+ab() { # binary name, limit in seconds, env assignments...
+    local name="$1" limit="$2" rounds=1
+    shift 2
+    [ -x "$BIN/$name-old" ] && rounds=2
+    for r in $(seq "$rounds"); do
+        [ -x "$BIN/$name-old" ] && run "$name-old-$r" "$limit" env "$@" "$BIN/$name-old"
+        run "$name-$r" "$limit" env "$@" "$BIN/$name"
+    done
+}
+
 export BENCH_DEVICE=cuda BENCH_MODEL=random-smollm2 RUST_LOG=warn
 want tests && run cuda-tests 180 "$BIN/cuda-tests" --test-threads=1
-want runtime && run runtime 90 env BENCH_RUNS=5 BENCH_ONLY=prefill,decode,decode_adapter,train \
-    BENCH_TRAIN_SEQS=512,2048 "$BIN/runtime"
-want absorb && run absorb 120 env BENCH_LENGTHS=1024,4096 "$BIN/absorb"
-if want batch; then
-    rounds=1
-    [ -x "$BIN/batch_steps-old" ] && rounds=2
-    for r in $(seq "$rounds"); do
-        [ -x "$BIN/batch_steps-old" ] && run "batch_steps-old-$r" 75 env BENCH_GATED_MEMORY=1 "$BIN/batch_steps-old"
-        run "batch_steps-$r" 75 env BENCH_GATED_MEMORY=1 "$BIN/batch_steps"
-    done
-fi
+want runtime && ab runtime 90 BENCH_RUNS=5 BENCH_ONLY=prefill,decode,decode_adapter,train BENCH_TRAIN_SEQS=512,2048
+want absorb && ab absorb 120 BENCH_LENGTHS="${GPU_ABSORB_LENGTHS:-1024,4096}" BENCH_PREPARED_BASE=none
+want batch && ab batch_steps 75 BENCH_GATED_MEMORY=1
 exit 0

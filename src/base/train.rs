@@ -395,8 +395,8 @@ impl<'a> BaseRun<'a> {
         let mut grads = trainer::gradients(&loss, &vars)?;
         let filter_grads = grads.split_off(base.lora.vars().len());
         let max_norm = self.train_opts.max_grad_norm;
-        self.lora_opt.step(&trainer::clip(grads, max_norm)?, opts.lr)?;
-        self.filter_opt.step(&trainer::clip(filter_grads, max_norm)?, opts.lr * opts.filter_lr_scale)?;
+        self.lora_opt.clip_and_step(grads, max_norm, opts.lr)?;
+        self.filter_opt.clip_and_step(filter_grads, max_norm, opts.lr * opts.filter_lr_scale)?;
         let loss = loss.to_scalar::<f32>()? as f64;
         let filter_loss = flt.map(|f| f.to_scalar::<f32>()).transpose()?.unwrap_or(0.0) as f64;
         self.record(loss, filter_loss, n, epoch);

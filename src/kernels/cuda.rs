@@ -406,3 +406,95 @@ pub fn gated_memory_fwd_rows(
     }
     Ok(wrap(out, dev, (b, h, t, d)))
 }
+
+const ADAMW_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/adamw.ptx"));
+
+/// `AdamWScalars` in kernels/adamw.cu.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct AdamWScalars {
+    pub beta1: f32,
+    pub beta2: f32,
+    pub eps: f32,
+    pub lr: f32,
+    /// 1 − lr · weight decay.
+    pub decay: f32,
+    /// The bias corrections 1 − β₁ᵗ and 1 − β₂ᵗ.
+    pub bc1: f32,
+    pub bc2: f32,
+    pub max_norm: f32,
+}
+unsafe impl DeviceRepr for AdamWScalars {}
+
+/// One AdamW step of every tensor in `params` in place (kernels/adamw.cu): their gradients
+/// clipped to global norm `s.max_norm` when `clip`, the moments `m`, `v` updated in place.
+/// Every tensor f32, contiguous, on one CUDA device; two launches, no host sync.
+pub fn adamw_step(
+    params: &[&candle_core::Tensor],
+    grads: &[candle_core::Tensor],
+    m: &[candle_core::Tensor],
+    v: &[candle_core::Tensor],
+    s: AdamWScalars,
+    clip: bool,
+) -> Result<()> {
+    let n = params.len();
+    if n == 0 {
+        return Ok(());
+    }
+    if grads.len() != n || m.len() != n || v.len() != n {
+        bail!("adamw: {n} parameters, {} gradients, {}/{} moments", grads.len(), m.len(), v.len());
+    }
+    let dev = params[0].device().as_cuda_device()?.clone();
+    let stream = dev.cuda_stream();
+    let mut tables: [Vec<i64>; 5] = Default::default();
+    let mut largest = 1;
+    for j in 0..n {
+        let size = params[j].elem_count();
+        for (t, what) in [(params[j], "parameter"), (&grads[j], "gradient"), (&m[j], "first moment"), (&v[j], "second moment")] {
+            expect_dtype(t, DType::F32, "adamw")?;
+            if t.elem_count() != size {
+                bail!("adamw: a {what} of {:?} for a parameter of {:?}", t.dims(), params[j].dims());
+            }
+        }
+        tables[0].push(address(params[j], &stream)?);
+        tables[1].push(address(&grads[j], &stream)?);
+        tables[2].push(address(&m[j], &stream)?);
+        tables[3].push(address(&v[j], &stream)?);
+        tables[4].push(size as i64);
+        largest = largest.max(size);
+    }
+    let tables = tables.iter().map(|t| candle_core::Tensor::new(t.as_slice(), params[0].device())).collect::<candle_core::Result<Vec<_>>>()?;
+    let locked: Vec<_> = tables.iter().map(|t| t.storage_and_layout()).collect();
+    let views = locked.iter().map(|(st, l)| locked_view::<i64>(st, l, "adamw table")).collect::<Result<Vec<_>>>()?;
+    // Blocks per tensor: enough for the largest, at most 32 (they stride).
+    let cfg = LaunchConfig {
+        grid_dim: (largest.div_ceil(THREADS as usize).min(32) as u32, n as u32, 1),
+        block_dim: (THREADS, 1, 1),
+        shared_mem_bytes: 0,
+    };
+    let sumsq: Option<CudaSlice<f32>> = if clip {
+        let out = dev.alloc_zeros::<f32>(1)?;
+        let func = dev.get_or_load_custom_func("adamw_sum_squares", "lift_adamw", ADAMW_PTX)?;
+        let mut builder = func.builder();
+        builder.arg(&views[1]);
+        builder.arg(&views[4]);
+        builder.arg(&out);
+        unsafe { builder.launch(cfg) }.w()?;
+        Some(out)
+    } else {
+        None
+    };
+    let null = 0u64;
+    let func = dev.get_or_load_custom_func("adamw_update", "lift_adamw", ADAMW_PTX)?;
+    let mut builder = func.builder();
+    for view in &views {
+        builder.arg(view);
+    }
+    match &sumsq {
+        Some(out) => builder.arg(out),
+        None => builder.arg(&null),
+    };
+    builder.arg(&s);
+    unsafe { builder.launch(cfg) }.w()?;
+    Ok(())
+}

@@ -383,6 +383,36 @@ impl AdamW {
         Ok(())
     }
 
+    /// [`clip`] the gradients to global norm `max_norm` (≤ 0: no clipping), then [`Self::step`].
+    /// On CUDA both in two kernel launches (kernels/adamw.cu) where the variables are f32.
+    pub fn clip_and_step(&mut self, grads: Vec<Tensor>, max_norm: f64, lr: f64) -> Result<()> {
+        #[cfg(feature = "cuda")]
+        if self.vars.first().is_some_and(|v| v.device().is_cuda()) && self.vars.iter().all(|v| v.dtype() == candle_core::DType::F32) {
+            return self.cuda_step(&grads, max_norm, lr);
+        }
+        self.step(&clip(grads, max_norm)?, lr)
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_step(&mut self, grads: &[Tensor], max_norm: f64, lr: f64) -> Result<()> {
+        self.t += 1;
+        let o = &self.opts;
+        let scalars = crate::kernels::cuda::AdamWScalars {
+            beta1: o.beta1 as f32,
+            beta2: o.beta2 as f32,
+            eps: o.eps as f32,
+            lr: lr as f32,
+            decay: (1.0 - lr * o.weight_decay) as f32,
+            bc1: (1.0 - o.beta1.powi(self.t as i32)) as f32,
+            bc2: (1.0 - o.beta2.powi(self.t as i32)) as f32,
+            max_norm: max_norm as f32,
+        };
+        let grads = grads.iter().map(|g| g.detach().contiguous()).collect::<candle_core::Result<Vec<_>>>()?;
+        let params: Vec<&Tensor> = self.vars.iter().map(|v| v.as_tensor()).collect();
+        crate::kernels::cuda::adamw_step(&params, &grads, &self.m, &self.v, scalars, max_norm > 0.0)?;
+        Ok(())
+    }
+
     /// One update with `grads[i]` for `vars[i]` at learning rate `lr`.
     pub fn step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
         self.t += 1;
@@ -880,9 +910,9 @@ impl Optimizers {
     fn step(&mut self, mut grads: Vec<Tensor>, opts: &TrainOptions, step: usize, lr_scale: f64) -> Result<()> {
         let filter_grads = grads.split_off(self.n_adapter_vars.min(grads.len()));
         let lr = current_lr(opts, step) * lr_scale;
-        self.adapter.step(&clip(grads, opts.max_grad_norm)?, lr)?;
+        self.adapter.clip_and_step(grads, opts.max_grad_norm, lr)?;
         if !filter_grads.is_empty() {
-            self.filter.step(&clip(filter_grads, opts.max_grad_norm)?, lr * self.filter_lr_scale)?;
+            self.filter.clip_and_step(filter_grads, opts.max_grad_norm, lr * self.filter_lr_scale)?;
         }
         Ok(())
     }
