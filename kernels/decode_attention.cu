@@ -26,7 +26,7 @@ extern "C" __global__ void decode_attention_bf16(
     const __nv_bfloat16* __restrict__ vnew,  // [n, KV, d]
     const long long* __restrict__ kcache,    // [n] addresses of [KV, cap, d] bf16
     const long long* __restrict__ vcache,
-    const long long* __restrict__ bias,      // [n] addresses of f32 [len], or 0
+    const long long* __restrict__ bias,      // [n] addresses of f32 [len] or 0; null: none
     const int* __restrict__ lens,            // [n] keys, the new one included
     const int* __restrict__ caps,            // [n] cache capacities (positions)
     __nv_bfloat16* __restrict__ out,         // [n, H, d]
@@ -43,7 +43,7 @@ extern "C" __global__ void decode_attention_bf16(
     __nv_bfloat16* vc = reinterpret_cast<__nv_bfloat16*>(vcache[seq]) + (long long)g * cap * d;
     const __nv_bfloat16* kn = knew + ((long long)seq * KV + g) * d;
     const __nv_bfloat16* vn = vnew + ((long long)seq * KV + g) * d;
-    const float* b = reinterpret_cast<const float*>(bias[seq]);
+    const float* b = bias ? reinterpret_cast<const float*>(bias[seq]) : nullptr;
 
     // The cache append: position len - 1.
     for (int i = threadIdx.x; i < d; i += blockDim.x) {

@@ -268,15 +268,13 @@ fn wrap(out: CudaSlice<impl CudaDType>, dev: candle_core::CudaDevice, shape: imp
     candle_core::Tensor::from_storage(storage, shape, candle_core::op::BackpropOp::none(), false)
 }
 
-/// One sequence's KV cache as the CUDA decode kernel reads it: layer buffers `[1, kv_heads,
-/// capacity, d]` (bf16, contiguous), `len` keys after this step's append, an optional additive
-/// key bias of `len` values (f32).
-pub struct DeviceDecodeCache<'a> {
-    pub k: &'a candle_core::Tensor,
-    pub v: &'a candle_core::Tensor,
-    pub capacity: usize,
-    pub len: usize,
-    pub bias: Option<&'a candle_core::Tensor>,
+/// Device addresses of `tensors` (contiguous, f32 or bf16, on CUDA; `None`: 0), for the address
+/// tables of the kernels below, which read many sequences' tensors in one launch. The tensors must
+/// outlive the launches that read the table.
+pub fn addresses(tensors: &[Option<&candle_core::Tensor>]) -> Result<Vec<i64>> {
+    let Some(first) = tensors.iter().flatten().next() else { return Ok(vec![0; tensors.len()]) };
+    let stream = first.device().as_cuda_device()?.cuda_stream();
+    tensors.iter().map(|t| t.map_or(Ok(0), |t| address(t, &stream))).collect()
 }
 
 /// Whether the kernel serves this shape: a lane holds at most 4 of the d dimensions, a block at
@@ -285,63 +283,60 @@ pub fn decode_attention_fits(heads: usize, kv_heads: usize, d: usize) -> bool {
     d <= 128 && kv_heads > 0 && heads % kv_heads == 0 && heads / kv_heads <= 8
 }
 
-/// One decode step of `caches.len()` sequences (kernels/decode_attention.cu): appends row j of
+/// One decode step of n sequences at one layer (kernels/decode_attention.cu): appends row j of
 /// `k`, `v` (`[n, kv_heads, d]` bf16, after RoPE) to sequence j's cache and returns the attention
 /// of row j of `q` (`[n, heads, d]`, after RoPE) over its keys, `[n, heads, d]` bf16. One launch.
+/// `caches`: i64 `[2, n]`, the addresses of each sequence's key and value buffers at this layer
+/// (`[kv_heads, capacity, d]` bf16); `counts`: u32 `[2, n]`, its keys after the append and its
+/// capacity; `bias`: i64 `[n]`, the address of each one's f32 key bias of `len` values, or 0.
 pub fn decode_attention(
     q: &candle_core::Tensor,
     k: &candle_core::Tensor,
     v: &candle_core::Tensor,
-    caches: &[DeviceDecodeCache],
+    caches: &candle_core::Tensor,
+    counts: &candle_core::Tensor,
+    bias: Option<&candle_core::Tensor>,
 ) -> Result<candle_core::Tensor> {
     let (n, heads, d) = q.dims3()?;
     let kv_heads = k.dim(1)?;
-    if !decode_attention_fits(heads, kv_heads, d) || caches.len() != n || k.dims3()? != (n, kv_heads, d) || v.dims() != k.dims() {
-        bail!("decode-attention: q {:?}, k {:?}, v {:?} for {} caches", q.dims(), k.dims(), v.dims(), caches.len());
+    if !decode_attention_fits(heads, kv_heads, d)
+        || k.dims3()? != (n, kv_heads, d)
+        || v.dims() != k.dims()
+        || caches.dims2()? != (2, n)
+        || counts.dims2()? != (2, n)
+        || bias.is_some_and(|b| b.dims() != [n])
+    {
+        bail!("decode-attention: q {:?}, k {:?}, v {:?}, caches {:?}, counts {:?}", q.dims(), k.dims(), v.dims(), caches.dims(), counts.dims());
     }
     for t in [q, k, v] {
         expect_dtype(t, DType::BF16, "decode-attention q/k/v")?;
     }
+    expect_dtype(caches, DType::I64, "decode-attention caches")?;
+    expect_dtype(counts, DType::U32, "decode-attention counts")?;
     let dev = q.device().as_cuda_device()?.clone();
-    let stream = dev.cuda_stream();
-    let (mut kp, mut vp, mut bp, mut lens, mut caps) = (vec![], vec![], vec![], vec![], vec![]);
-    for c in caches {
-        if c.k.dims4()? != (1, kv_heads, c.capacity, d) || c.v.dims() != c.k.dims() || c.len == 0 || c.len > c.capacity {
-            bail!("decode-attention: a cache {:?} of capacity {} holding {} keys", c.k.dims(), c.capacity, c.len);
-        }
-        expect_dtype(c.k, DType::BF16, "decode-attention cache")?;
-        expect_dtype(c.v, DType::BF16, "decode-attention cache")?;
-        kp.push(address(c.k, &stream)?);
-        vp.push(address(c.v, &stream)?);
-        bp.push(match c.bias {
-            Some(b) if b.elem_count() == c.len && b.dtype() == DType::F32 => address(b, &stream)?,
-            Some(b) => bail!("decode-attention: a {:?} bias of {:?} for {} keys", b.dtype(), b.dims(), c.len),
-            None => 0,
-        });
-        lens.push(c.len as u32);
-        caps.push(c.capacity as u32);
-    }
-    let qd = q.device();
-    let tables = [candle_core::Tensor::new(kp.as_slice(), qd)?, candle_core::Tensor::new(vp.as_slice(), qd)?, candle_core::Tensor::new(bp.as_slice(), qd)?];
-    let counts = [candle_core::Tensor::new(lens.as_slice(), qd)?, candle_core::Tensor::new(caps.as_slice(), qd)?];
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (q, k, v, caches, counts) = (q.contiguous()?, k.contiguous()?, v.contiguous()?, caches.contiguous()?, counts.contiguous()?);
     let out: CudaSlice<half::bf16> = unsafe { dev.alloc::<half::bf16>(n * heads * d)? };
     {
         let qg: Vec<_> = [&q, &k, &v].iter().map(|t| t.storage_and_layout()).collect();
         let qkv = qg.iter().map(|(s, l)| locked_view::<half::bf16>(s, l, "decode-attention q/k/v")).collect::<Result<Vec<_>>>()?;
-        let tg: Vec<_> = tables.iter().map(|t| t.storage_and_layout()).collect();
+        let (tables, lens) = (caches.chunk(2, 0)?, counts.chunk(2, 0)?);
+        let tg: Vec<_> = tables.iter().chain(bias).map(|t| t.storage_and_layout()).collect();
         let tv = tg.iter().map(|(s, l)| locked_view::<i64>(s, l, "decode-attention addresses")).collect::<Result<Vec<_>>>()?;
-        let cg: Vec<_> = counts.iter().map(|t| t.storage_and_layout()).collect();
-        let cv = cg.iter().map(|(s, l)| locked_view::<u32>(s, l, "decode-attention lengths")).collect::<Result<Vec<_>>>()?;
+        let cg: Vec<_> = lens.iter().map(|t| t.storage_and_layout()).collect();
+        let cv = cg.iter().map(|(s, l)| locked_view::<u32>(s, l, "decode-attention counts")).collect::<Result<Vec<_>>>()?;
         let (h, kvh, dd, scale) = (heads as i32, kv_heads as i32, d as i32, 1.0f32 / (d as f32).sqrt());
+        let null = 0u64;
         let func = dev.get_or_load_custom_func("decode_attention_bf16", "lift_decode_attention", DECODE_ATTENTION_PTX)?;
         let mut builder = func.builder();
         for x in &qkv {
             builder.arg(x);
         }
-        for x in &tv {
-            builder.arg(x);
-        }
+        builder.arg(&tv[0]);
+        builder.arg(&tv[1]);
+        match tv.get(2) {
+            Some(b) => builder.arg(b),
+            None => builder.arg(&null),
+        };
         for x in &cv {
             builder.arg(x);
         }
@@ -358,39 +353,29 @@ pub fn decode_attention(
 }
 
 /// The Gated Memory mix of a decode step's rows (`q` pre-RoPE, `attn`: `[b, heads, t, d]` f32),
-/// row b with the packed layer parameters `params[b]` (`None`: it passes through), in one launch
-/// (`gated_memory_fwd_rows` in kernels/gated_memory.cu). Every row's layer has shapes `dims`.
+/// row b with the packed layer parameters at address `params[b]` (i64 `[b]`; 0: it passes
+/// through), in one launch (`gated_memory_fwd_rows` in kernels/gated_memory.cu). Every row's
+/// layer has shapes `dims`.
 pub fn gated_memory_fwd_rows(
     q: &candle_core::Tensor,
     attn: &candle_core::Tensor,
-    params: &[Option<&candle_core::Tensor>],
+    params: &candle_core::Tensor,
     dims: GmDims,
 ) -> Result<candle_core::Tensor> {
     let (b, h, t, d) = q.dims4()?;
-    if (h, d) != (dims.heads, dims.d) || attn.dims() != q.dims() || params.len() != b {
-        bail!("gated-memory-rows: q {:?} / attn {:?} / {} layers for {dims:?}", q.dims(), attn.dims(), params.len());
+    if (h, d) != (dims.heads, dims.d) || attn.dims() != q.dims() || params.dims() != [b] {
+        bail!("gated-memory-rows: q {:?} / attn {:?} / {:?} addresses for {dims:?}", q.dims(), attn.dims(), params.dims());
     }
     expect_dtype(q, DType::F32, "gated-memory-rows q")?;
     expect_dtype(attn, DType::F32, "gated-memory-rows attn")?;
+    expect_dtype(params, DType::I64, "gated-memory-rows addresses")?;
     let dev = q.device().as_cuda_device()?.clone();
-    let stream = dev.cuda_stream();
-    let table = params
-        .iter()
-        .map(|p| match p {
-            Some(p) => {
-                expect_dtype(p, DType::F32, "gated-memory-rows parameters")?;
-                address(p, &stream)
-            }
-            None => Ok(0),
-        })
-        .collect::<Result<Vec<i64>>>()?;
-    let table = candle_core::Tensor::new(table.as_slice(), q.device())?;
-    let (q, attn) = (q.contiguous()?, attn.contiguous()?);
+    let (q, attn, params) = (q.contiguous()?, attn.contiguous()?, params.contiguous()?);
     let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(q.elem_count())? };
     {
         let locked: Vec<_> = [&q, &attn].iter().map(|t| t.storage_and_layout()).collect();
         let qa = locked.iter().map(|(s, l)| locked_view::<f32>(s, l, "gated-memory-rows q/attn")).collect::<Result<Vec<_>>>()?;
-        let (ts, tl) = table.storage_and_layout();
+        let (ts, tl) = params.storage_and_layout();
         let tv = locked_view::<i64>(&ts, tl, "gated-memory-rows addresses")?;
         let (cfg, tr) = gm_launch(dims, b, t, 3 * dims.d + dims.s + 1);
         let params = gm_params(dims, t);

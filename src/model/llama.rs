@@ -768,6 +768,7 @@ impl Decoder {
             tables.push((start, cos, sin, mask.map(|m| m.to_dtype(self.dtype)).transpose()?));
         }
         let plan = BatchPlan { order: &order, spans: &spans, float: &float };
+        let step = self.decode_step(seqs, &order[..decoding])?;
         let eps = self.config.rms_norm_eps as f32;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = self.inference_norm(&x, &layer.attn_norm, eps)?;
@@ -776,7 +777,7 @@ impl Decoder {
             let (Some(q), Some(k), Some(v)) = (q, k, v) else { candle_core::bail!("three projections asked, fewer made") };
             let mut parts = Vec::with_capacity(n);
             if decoding > 0 {
-                parts.push(self.decode_attention(li, seqs, &order[..decoding], [&q, &k, &v])?);
+                parts.push(self.decode_attention(li, seqs, &order[..decoding], [&q, &k, &v], &step)?);
             }
             for (j, &i) in order.iter().enumerate().skip(decoding) {
                 let r = &spans[j];
@@ -864,32 +865,47 @@ impl Decoder {
         self.device.is_cpu() && self.dtype == DType::F32
     }
 
-    /// The decoding rows' heads (`[n, heads, 1, d]` each) and RoPE at each row's own position.
-    fn decode_rows(&self, seqs: &[SeqInput], which: &[usize], [q, k, v]: [&Tensor; 3]) -> Result<DecodeRows> {
-        let cfg = &self.config;
-        let (nh, nkv, hd, n) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, which.len());
-        let heads = |x: &Tensor, h: usize| -> Result<Tensor> {
-            x.narrow(1, 0, n)?.reshape((n, 1, h, hd))?.transpose(1, 2)?.contiguous()
-        };
-        let (q, k, v) = (heads(q, nh)?, heads(k, nkv)?, heads(v, nkv)?);
+    /// The RoPE rows (`[n, 1, d/2]` cos and sin) of the decoding rows, each at its own position.
+    fn decode_rope_rows(&self, seqs: &[SeqInput], which: &[usize]) -> Result<(Tensor, Tensor)> {
+        let n = which.len();
         let positions: Vec<u32> = which.iter().map(|&i| seqs[i].cache.len() as u32).collect();
         let positions = Tensor::new(positions.as_slice(), &self.device)?;
         let half = self.cos.dim(1)?;
         let cos = self.cos.index_select(&positions, 0)?.reshape((n, 1, half))?;
         let sin = self.sin.index_select(&positions, 0)?.reshape((n, 1, half))?;
+        Ok((cos, sin))
+    }
+
+    /// The `n` decoding rows' heads (`[n, heads, 1, d]` each) and RoPE by `decode_rope_rows`.
+    fn decode_rows(&self, n: usize, [q, k, v]: [&Tensor; 3], (cos, sin): (&Tensor, &Tensor)) -> Result<DecodeRows> {
+        let cfg = &self.config;
+        let (nh, nkv, hd) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim);
+        let heads = |x: &Tensor, h: usize| -> Result<Tensor> {
+            x.narrow(1, 0, n)?.reshape((n, 1, h, hd))?.transpose(1, 2)?.contiguous()
+        };
+        let (q, k, v) = (heads(q, nh)?, heads(k, nkv)?, heads(v, nkv)?);
         let rope = if self.rope_interleaved { candle_nn::rotary_emb::rope_i } else { candle_nn::rotary_emb::rope };
-        let (q_rot, k_rot) = (rope(&q, &cos, &sin)?, rope(&k, &cos, &sin)?);
+        let (q_rot, k_rot) = (rope(&q, cos, sin)?, rope(&k, cos, sin)?);
         Ok(DecodeRows { q, v, q_rot, k_rot })
     }
 
-    fn decode_attention(&self, li: usize, seqs: &mut [SeqInput], which: &[usize], [q, k, v]: [&Tensor; 3]) -> Result<Tensor> {
+    fn decode_attention(
+        &self,
+        li: usize,
+        seqs: &mut [SeqInput],
+        which: &[usize],
+        [q, k, v]: [&Tensor; 3],
+        step: &DecodeStep,
+    ) -> Result<Tensor> {
         #[cfg(feature = "cuda")]
-        if self.device.is_cuda() {
-            return self.decode_attention_cuda(li, seqs, which, [q, k, v]);
+        if let Some(cuda) = &step.cuda {
+            return self.decode_attention_cuda(li, seqs, which, [q, k, v], cuda);
         }
+        let _ = step;
         let cfg = &self.config;
         let (nh, hd, n) = (cfg.num_heads, cfg.head_dim, which.len());
-        let DecodeRows { q, v, q_rot, k_rot } = self.decode_rows(seqs, which, [q, k, v])?;
+        let (cos, sin) = self.decode_rope_rows(seqs, which)?;
+        let DecodeRows { q, v, q_rot, k_rot } = self.decode_rows(n, [q, k, v], (&cos, &sin))?;
         let (kr, vr) = (k_rot.flatten_all()?.to_vec1::<f32>()?, v.flatten_all()?.to_vec1::<f32>()?);
         let qv = q_rot.flatten_all()?.to_vec1::<f32>()?;
         let mut out = match self.cpu_kv_dtype {
@@ -923,43 +939,112 @@ impl Decoder {
         Tensor::from_vec(out, (1, n, nh * hd), &self.device)
     }
 
-    /// `decode_attention` on CUDA: RoPE for every row at its own position, then one kernel
-    /// launch appends every row's key and value to its cache and attends (kernels/
-    /// decode_attention.cu); the adapters' mix once per run of rows sharing an adapter.
+    /// What the decode rows of a batch step share across layers (on CUDA; nothing elsewhere).
+    fn decode_step(&self, seqs: &mut [SeqInput], which: &[usize]) -> Result<DecodeStep> {
+        #[cfg(feature = "cuda")]
+        if self.device.is_cuda() && !which.is_empty() {
+            return Ok(DecodeStep { cuda: Some(self.cuda_decode_step(seqs, which)?) });
+        }
+        let _ = (seqs, which);
+        Ok(DecodeStep::default())
+    }
+
+    /// The CUDA decode step's tables, made once for all layers (one host-to-device copy each
+    /// instead of several per layer): RoPE rows, every layer's cache buffers (grown first, so
+    /// that the kernel appends in place), keys and capacities, and the Gated Memory layers.
     #[cfg(feature = "cuda")]
-    fn decode_attention_cuda(&self, li: usize, seqs: &mut [SeqInput], which: &[usize], [q, k, v]: [&Tensor; 3]) -> Result<Tensor> {
-        use crate::kernels::cuda::{decode_attention, DeviceDecodeCache};
+    fn cuda_decode_step(&self, seqs: &mut [SeqInput], which: &[usize]) -> Result<CudaDecodeStep> {
+        use crate::kernels::cuda::addresses;
+        let cfg = &self.config;
+        let (nkv, hd, n, layers) = (cfg.num_kv_heads, cfg.head_dim, which.len(), cfg.num_layers);
+        let rope = self.decode_rope_rows(seqs, which)?;
+        let like = Tensor::zeros((1, nkv, 1, hd), self.dtype, &self.device)?;
+        let (mut kv, mut counts, mut buffers) = (vec![0i64; layers * 2 * n], vec![0u32; 2 * n], Vec::new());
+        for (j, &i) in which.iter().enumerate() {
+            let cache = &mut *seqs[i].cache;
+            counts[j] = (cache.len() + 1) as u32;
+            for li in 0..layers {
+                let (ck, cv, capacity) = cache.device_slot(li, &like)?;
+                if ck.dims4()? != (1, nkv, capacity, hd) || ck.dtype() != DType::BF16 || cv.dims() != ck.dims() {
+                    candle_core::bail!("layer {li}'s cache {:?} {:?} is not bf16 [1, {nkv}, capacity, {hd}]", ck.dtype(), ck.dims());
+                }
+                let a = addresses(&[Some(&ck), Some(&cv)])?;
+                (kv[(2 * li) * n + j], kv[(2 * li + 1) * n + j]) = (a[0], a[1]);
+                counts[n + j] = capacity as u32;
+                buffers.extend([ck, cv]);
+            }
+        }
+        let mut gm_params = vec![0i64; layers * n];
+        let mut gm = Vec::with_capacity(layers);
+        for li in 0..layers {
+            let mixes: Vec<DecodeMix> =
+                which.iter().map(|&i| seqs[i].adapter.map_or(DecodeMix::Identity, |a| a.decode_mix(li))).collect();
+            let dims = mixes.iter().find_map(|m| if let DecodeMix::GatedMemoryPacked(_, d) = m { Some(*d) } else { None });
+            let params: Vec<Option<&Tensor>> = mixes
+                .iter()
+                .map(|m| match m {
+                    DecodeMix::GatedMemoryPacked(p, d) if Some(*d) == dims => Some(*p),
+                    _ => None,
+                })
+                .collect();
+            // Rows whose mix only `mix_attention` can do.
+            let own = mixes.iter().zip(&params).map(|(m, p)| p.is_none() && !matches!(m, DecodeMix::Identity)).collect();
+            gm_params[li * n..(li + 1) * n].copy_from_slice(&addresses(&params)?);
+            gm.push(LayerMix { dims, own });
+        }
+        Ok(CudaDecodeStep {
+            rope,
+            caches: Tensor::new(kv.as_slice(), &self.device)?.reshape((layers, 2, n))?,
+            counts: Tensor::new(counts.as_slice(), &self.device)?.reshape((2, n))?,
+            gm_params: Tensor::new(gm_params.as_slice(), &self.device)?.reshape((layers, n))?,
+            gm,
+            _buffers: buffers,
+        })
+    }
+
+    /// `decode_attention` on CUDA: one kernel launch appends every row's key and value to its
+    /// cache and attends (kernels/decode_attention.cu), one mixes every frozen Gated Memory;
+    /// other mixes once per run of rows sharing an adapter.
+    #[cfg(feature = "cuda")]
+    fn decode_attention_cuda(
+        &self,
+        li: usize,
+        seqs: &mut [SeqInput],
+        which: &[usize],
+        [q, k, v]: [&Tensor; 3],
+        step: &CudaDecodeStep,
+    ) -> Result<Tensor> {
+        use crate::kernels::cuda::{addresses, decode_attention, gated_memory_fwd_rows};
         let cfg = &self.config;
         let (nh, nkv, hd, n) = (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, which.len());
-        let DecodeRows { q, v, q_rot, k_rot } = self.decode_rows(seqs, which, [q, k, v])?;
-        let mut slots = Vec::with_capacity(n);
-        for (j, &i) in which.iter().enumerate() {
-            let s = &mut seqs[i];
-            let start = s.cache.len();
-            let (ck, cv, capacity) = s.cache.device_slot(li, &k_rot.narrow(0, j, 1)?)?;
-            let bias = match s.hooks.attention_bias(li, start, 1, start + 1)? {
+        let DecodeRows { q, v, q_rot, k_rot } = self.decode_rows(n, [q, k, v], (&step.rope.0, &step.rope.1))?;
+        let mut biases = Vec::with_capacity(n);
+        for &i in which {
+            let start = seqs[i].cache.len();
+            biases.push(match seqs[i].hooks.attention_bias(li, start, 1, start + 1)? {
                 Some(b) => Some(b.to_device(&self.device)?.to_dtype(DType::F32)?.flatten_all()?.contiguous()?),
                 None => None,
-            };
-            slots.push((ck, cv, capacity, start + 1, bias));
+            });
         }
-        let caches: Vec<DeviceDecodeCache> = slots
-            .iter()
-            .map(|(k, v, capacity, len, bias)| DeviceDecodeCache { k, v, capacity: *capacity, len: *len, bias: bias.as_ref() })
-            .collect();
-        let mut attn = decode_attention(&q_rot.reshape((n, nh, hd))?, &k_rot.reshape((n, nkv, hd))?, &v.reshape((n, nkv, hd))?, &caches)?
-            .reshape((n, nh, 1, hd))?;
-        // Frozen Gated Memory layers of one shape: every row's mix in one launch (the others
-        // pass through it unchanged).
-        let mixes: Vec<DecodeMix> =
-            which.iter().map(|&i| seqs[i].adapter.map_or(DecodeMix::Identity, |a| a.decode_mix(li))).collect();
-        let dims = mixes.iter().find_map(|m| if let DecodeMix::GatedMemoryPacked(_, d) = m { Some(*d) } else { None });
-        let in_kernel = |m: &DecodeMix| matches!(m, DecodeMix::GatedMemoryPacked(_, d) if Some(*d) == dims);
-        if let Some(dims) = dims {
-            let params: Vec<Option<&Tensor>> =
-                mixes.iter().map(|m| if let (true, DecodeMix::GatedMemoryPacked(p, _)) = (in_kernel(m), m) { Some(*p) } else { None }).collect();
+        for (b, &i) in biases.iter().zip(which) {
+            if let Some(b) = b {
+                if b.elem_count() != seqs[i].cache.len() + 1 {
+                    candle_core::bail!("a decode attention bias of shape {:?} for {} keys", b.dims(), seqs[i].cache.len() + 1);
+                }
+            }
+        }
+        let bias_table = if biases.iter().any(Option::is_some) {
+            let refs: Vec<Option<&Tensor>> = biases.iter().map(Option::as_ref).collect();
+            Some(Tensor::new(addresses(&refs)?.as_slice(), &self.device)?)
+        } else {
+            None
+        };
+        let (q3, k3, v3) = (q_rot.reshape((n, nh, hd))?, k_rot.reshape((n, nkv, hd))?, v.reshape((n, nkv, hd))?);
+        let mut attn = decode_attention(&q3, &k3, &v3, &step.caches.get(li)?, &step.counts, bias_table.as_ref())?.reshape((n, nh, 1, hd))?;
+        let mix = &step.gm[li];
+        if let Some(dims) = mix.dims {
             let (qf, af) = (q.to_dtype(DType::F32)?, attn.to_dtype(DType::F32)?);
-            attn = crate::kernels::cuda::gated_memory_fwd_rows(&qf, &af, &params, dims)?.to_dtype(self.dtype)?;
+            attn = gated_memory_fwd_rows(&qf, &af, &step.gm_params.get(li)?, dims)?.to_dtype(self.dtype)?;
         }
         // Any other mix through `mix_attention`, once per run of rows sharing an adapter (rows are
         // grouped by adapter: `forward_batch`'s order).
@@ -967,13 +1052,9 @@ impl Decoder {
         let mut j = 0;
         while j < n {
             let first = &seqs[which[j]];
-            let (key, adapter, own) = (first.adapter_key, first.adapter, !in_kernel(&mixes[j]) && !matches!(mixes[j], DecodeMix::Identity));
+            let (key, adapter, own) = (first.adapter_key, first.adapter, mix.own[j]);
             let mut e = j + 1;
-            while e < n
-                && seqs[which[e]].adapter_key == key
-                && seqs[which[e]].adapter.is_some() == adapter.is_some()
-                && own == (!in_kernel(&mixes[e]) && !matches!(mixes[e], DecodeMix::Identity))
-            {
+            while e < n && seqs[which[e]].adapter_key == key && seqs[which[e]].adapter.is_some() == adapter.is_some() && mix.own[e] == own {
                 e += 1;
             }
             let rows = attn.narrow(0, j, e - j)?;
@@ -1298,6 +1379,38 @@ fn decode_step<T: HostElem>(
         caches.push(DecodeCache { k, v, capacity, len: seqs[i].cache.len() + 1, bias: biases[j].as_deref() });
     }
     Ok(crate::kernels::decode_attention::decode_attention(qv, &caches, nh, nkv, hd, 1.0 / (hd as f32).sqrt()))
+}
+
+/// What the decoding rows of one `forward_batch` step share across its layers.
+#[derive(Default)]
+struct DecodeStep {
+    #[cfg(feature = "cuda")]
+    cuda: Option<CudaDecodeStep>,
+}
+
+/// The CUDA decode kernels' inputs for one step, all layers (`Decoder::cuda_decode_step`).
+#[cfg(feature = "cuda")]
+struct CudaDecodeStep {
+    /// RoPE rows of the decoding rows (`[n, 1, d/2]` cos, sin).
+    rope: (Tensor, Tensor),
+    /// i64 `[layers, 2, n]`: addresses of each row's key and value buffers per layer.
+    caches: Tensor,
+    /// u32 `[2, n]`: each row's keys after this step's append, and its cache capacity.
+    counts: Tensor,
+    /// i64 `[layers, n]`: addresses of each row's frozen Gated Memory parameters (0: none).
+    gm_params: Tensor,
+    gm: Vec<LayerMix>,
+    /// The buffers the address tables point into, kept alive for the step.
+    _buffers: Vec<Tensor>,
+}
+
+/// The Gated Memory mix of one layer of a CUDA decode step.
+#[cfg(feature = "cuda")]
+struct LayerMix {
+    /// Shapes of the layers mixed in one launch (`gm_params`); `None`: no such layer.
+    dims: Option<crate::kernels::gated_memory::GmDims>,
+    /// Rows whose adapter's mix only its `mix_attention` can do.
+    own: Vec<bool>,
 }
 
 /// A decode step's rows as `Decoder::decode_rows` lays them out: query and value heads, and the
