@@ -430,21 +430,20 @@ pub fn adamw_step(
         bail!("adamw: {n} parameters, {} gradients, {}/{} moments", grads.len(), m.len(), v.len());
     }
     let dev = params[0].device().as_cuda_device()?.clone();
-    let stream = dev.cuda_stream();
     let mut tables: [Vec<i64>; 5] = Default::default();
     let mut largest = 1;
     for j in 0..n {
         let size = params[j].elem_count();
-        for (t, what) in [(params[j], "parameter"), (&grads[j], "gradient"), (&m[j], "first moment"), (&v[j], "second moment")] {
+        let row = [params[j], &grads[j], &m[j], &v[j]];
+        for (t, what) in row.iter().zip(["parameter", "gradient", "first moment", "second moment"]) {
             expect_dtype(t, DType::F32, "adamw")?;
             if t.elem_count() != size {
                 bail!("adamw: a {what} of {:?} for a parameter of {:?}", t.dims(), params[j].dims());
             }
         }
-        tables[0].push(address(params[j], &stream)?);
-        tables[1].push(address(&grads[j], &stream)?);
-        tables[2].push(address(&m[j], &stream)?);
-        tables[3].push(address(&v[j], &stream)?);
+        for (table, a) in tables.iter_mut().zip(addresses(&row.map(Some))?) {
+            table.push(a);
+        }
         tables[4].push(size as i64);
         largest = largest.max(size);
     }

@@ -848,10 +848,6 @@ impl Decoder {
         }
     }
 
-    /// Attention of the decoding sequences `which` (one row each, rows `0..which.len()` of the
-    /// batch's projections `q`, `k`, `v` `[1, rows, _]`) on the CPU: RoPE for all at once, each
-    /// key and value appended to its sequence's cache, then one `decode_attention` call over all
-    /// caches, then each adapter's mix. Returns `[1, which.len(), heads·d]`.
     /// Whether `forward_batch` attends its decoding rows all at once (`decode_attention`): on the
     /// CPU in f32, and on CUDA in bf16 where the kernel serves the model's head shape.
     fn batched_decode_attention(&self) -> bool {
@@ -889,6 +885,10 @@ impl Decoder {
         Ok(DecodeRows { q, v, q_rot, k_rot })
     }
 
+    /// Attention of the decoding sequences `which` (one row each, rows `0..which.len()` of the
+    /// batch's projections `q`, `k`, `v` `[1, rows, _]`) on the CPU (on CUDA: `decode_attention_cuda`): RoPE for all at once, each
+    /// key and value appended to its sequence's cache, then one `decode_attention` call over all
+    /// caches, then each adapter's mix. Returns `[1, which.len(), heads·d]`.
     fn decode_attention(
         &self,
         li: usize,
@@ -1022,16 +1022,10 @@ impl Decoder {
         for &i in which {
             let start = seqs[i].cache.len();
             biases.push(match seqs[i].hooks.attention_bias(li, start, 1, start + 1)? {
-                Some(b) => Some(b.to_device(&self.device)?.to_dtype(DType::F32)?.flatten_all()?.contiguous()?),
+                Some(b) if b.elem_count() == start + 1 => Some(b.to_device(&self.device)?.to_dtype(DType::F32)?.flatten_all()?.contiguous()?),
+                Some(b) => candle_core::bail!("a decode attention bias of shape {:?} for {} keys", b.dims(), start + 1),
                 None => None,
             });
-        }
-        for (b, &i) in biases.iter().zip(which) {
-            if let Some(b) = b {
-                if b.elem_count() != seqs[i].cache.len() + 1 {
-                    candle_core::bail!("a decode attention bias of shape {:?} for {} keys", b.dims(), seqs[i].cache.len() + 1);
-                }
-            }
         }
         let bias_table = if biases.iter().any(Option::is_some) {
             let refs: Vec<Option<&Tensor>> = biases.iter().map(Option::as_ref).collect();
