@@ -1,9 +1,11 @@
 //! A document as the base model reads it: its text and token ids, tokenized once (when it is
 //! posted or read from a file) and passed along — absorb trains on these ids, the store keeps them
 //! beside the adapter, and every answer lays out its context from them. Sentence boundaries,
-//! which the prepared base's filter chunks the context by, are found once per loaded document.
+//! which the prepared base's filter chunks the context by, and the passage index that answers
+//! retrieve from ([`crate::retrieve`]) are made once per loaded document.
 
 use crate::model::Model;
+use crate::retrieve::PassageIndex;
 use anyhow::{ensure, Result};
 use std::sync::OnceLock;
 
@@ -12,6 +14,8 @@ pub struct Document {
     tokens: Vec<u32>,
     /// `sentence_ends(model, tokens)`, computed on first use (answers without a filter never need it).
     ends: OnceLock<Vec<bool>>,
+    /// The passages and their index, with the passage size they were cut at; made on first use.
+    passages: OnceLock<(usize, PassageIndex)>,
 }
 
 impl Document {
@@ -24,7 +28,7 @@ impl Document {
 
     /// A document whose ids were computed before (read back from the store).
     pub fn from_tokens(text: String, tokens: Vec<u32>) -> Self {
-        Self { text, tokens, ends: OnceLock::new() }
+        Self { text, tokens, ends: OnceLock::new(), passages: OnceLock::new() }
     }
 
     pub fn tokens(&self) -> &[u32] {
@@ -46,6 +50,31 @@ impl Document {
         }
         let ends = sentence_ends(model, &self.tokens)?;
         Ok(self.ends.get_or_init(|| ends))
+    }
+
+    /// The document's sentence-aligned passages of at most `chunk_tokens` tokens (the FltLM
+    /// layout's chunks) and their BM25 index; made once (a passage size other than the first
+    /// one asked for is indexed afresh, uncached).
+    pub fn passages(&self, model: &Model, chunk_tokens: usize) -> Result<std::borrow::Cow<'_, PassageIndex>> {
+        if let Some((c, idx)) = self.passages.get() {
+            if *c == chunk_tokens {
+                return Ok(std::borrow::Cow::Borrowed(idx));
+            }
+            return Ok(std::borrow::Cow::Owned(self.index_passages(model, chunk_tokens)?));
+        }
+        let idx = self.index_passages(model, chunk_tokens)?;
+        let (c, idx) = self.passages.get_or_init(|| (chunk_tokens, idx));
+        if *c == chunk_tokens {
+            Ok(std::borrow::Cow::Borrowed(idx))
+        } else {
+            Ok(std::borrow::Cow::Owned(self.index_passages(model, chunk_tokens)?))
+        }
+    }
+
+    fn index_passages(&self, model: &Model, chunk_tokens: usize) -> Result<PassageIndex> {
+        let ranges = chunk_ranges(self.sentence_ends(model)?, 0, self.tokens.len(), chunk_tokens);
+        let texts = ranges.iter().map(|&(a, b)| model.tokenizer.decode(&self.tokens[a..b])).collect::<Result<Vec<_>>>()?;
+        Ok(PassageIndex::from_texts(ranges, &texts))
     }
 
     /// Bytes held in memory (text, ids and boundaries), for cache accounting.
@@ -87,6 +116,28 @@ pub fn sentence_ends(model: &Model, doc: &[u32]) -> Result<Vec<bool>> {
             Ok(s.contains('\n') || s.ends_with(['.', '!', '?']))
         })
         .collect()
+}
+
+/// Chunks of document tokens `from..to`: sentences (ending after a token where `boundary` is true)
+/// packed greedily up to `max` tokens; a longer sentence is cut every `max` tokens.
+pub fn chunk_ranges(boundary: &[bool], from: usize, to: usize, max: usize) -> Vec<(usize, usize)> {
+    let max = max.max(1);
+    let mut pieces = Vec::new();
+    let mut s = from;
+    for i in from..to {
+        if boundary[i] || i + 1 == to || i + 1 - s == max {
+            pieces.push((s, i + 1));
+            s = i + 1;
+        }
+    }
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for (a, b) in pieces {
+        match out.last_mut() {
+            Some(last) if b - last.0 <= max => last.1 = b,
+            _ => out.push((a, b)),
+        }
+    }
+    out
 }
 
 #[cfg(test)]

@@ -15,6 +15,7 @@ pub mod formats;
 pub mod kernels;
 pub mod lift;
 pub mod metrics;
+pub mod retrieve;
 pub mod model;
 pub mod runtime;
 pub mod server;

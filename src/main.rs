@@ -7,7 +7,7 @@ use indicatif::{ProgressBar, ProgressStyle};
 use lift_serve::adapters::AdapterKind;
 use lift_serve::document::Document;
 use lift_serve::fetch;
-use lift_serve::lift::answer::{answer, Ask, Mode};
+use lift_serve::lift::answer::{answer, Ask, ContextPolicy, Mode};
 use lift_serve::lift::{self, AbsorbEvent, AbsorbOptions};
 use lift_serve::model::generate::{generate, SamplingParams};
 use lift_serve::model::{ChatMessage, KvCache, Model, NoHooks};
@@ -122,11 +122,16 @@ struct AskArgs {
     document: Option<PathBuf>,
     #[arg(long)]
     question: String,
-    /// Default: lift with --adapter, icl with --document.
+    /// Default: lift with --adapter, icl with --document (rag reads its retrieved passages).
     #[arg(long, value_enum)]
     mode: Option<Mode>,
-    /// In-context budget for the truncated document (default: the model's window minus the
-    /// question and answer budget). Small budgets emulate a short-context model.
+    /// Which document text the prompt shows: the passages retrieved for the question
+    /// (default; icl: head_tail), the head and tail (the LIFT paper's truncation), or what fits
+    /// the model's window.
+    #[arg(long, value_enum)]
+    context: Option<ContextPolicy>,
+    /// In-context document budget (default 256; with --context full, what fits the model's
+    /// window). Small budgets emulate a short-context model.
     #[arg(long)]
     context_tokens: Option<usize>,
     #[arg(long, default_value_t = 128)]
@@ -365,7 +370,7 @@ impl AbsorbArgs {
         absorbed.manifest.document.source = Some(source);
         bar.finish_and_clear();
         let (qa_pairs, r) = (absorbed.qa.len(), absorbed.report.clone());
-        let saved = store::save_dir(&self.output, absorbed.into_new_adapter(document)?)?;
+        let saved = store::save_dir(&self.output, absorbed.into_new_adapter(std::sync::Arc::new(document))?)?;
         println!(
             "absorbed {} tokens into {} ({} parameters, {} bytes): {} QA pairs, {} steps in {:.1} s ({:.0} tok/s), final loss {:.3}",
             saved.document.len(),
@@ -394,6 +399,7 @@ fn show_absorb(bar: &ProgressBar, event: AbsorbEvent) {
             bar.set_position(p.done as u64);
             bar.set_message(format!("QA ({} valid)", p.valid));
         }
+        AbsorbEvent::Snapshot(_) => {}
         AbsorbEvent::Train(p) => {
             bar.set_length(p.steps as u64);
             bar.set_position(p.step as u64);
@@ -418,19 +424,19 @@ impl AskArgs {
             (None, Some(file)) => {
                 let mode = self.mode.unwrap_or(Mode::Icl);
                 anyhow::ensure!(
-                    mode == Mode::Icl,
-                    "--document reads the document in context only (mode icl); mode {mode:?} needs an adapter: \
+                    !mode.uses_adapter(),
+                    "--document reads the document in context only (mode icl or rag); mode {mode:?} needs an adapter: \
                      `lift-serve absorb` it, then ask with --adapter"
                 );
                 let text = lift_serve::formats::read_file(file)?.text;
-                (None, Document::encode(&model, text)?, mode)
+                (None, std::sync::Arc::new(Document::encode(&model, text)?), mode)
             }
             (None, None) => anyhow::bail!("ask needs --adapter DIR or --document FILE"),
         };
         anyhow::ensure!(!document.is_empty(), "the document is empty");
         let params =
             SamplingParams { max_tokens: self.max_tokens, temperature: self.temperature, ..Default::default() };
-        let ask = Ask { question: &self.question, mode, context_tokens: self.context_tokens };
+        let ask = Ask { question: &self.question, mode, context: self.context, context_tokens: self.context_tokens };
         let adapter = loaded.as_ref().map(|b| &b.adapter as &dyn lift_serve::model::Adapter);
         let a = answer(&model, &document, adapter, &ask, &params, &mut print_piece)?;
         println!();

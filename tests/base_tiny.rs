@@ -10,7 +10,7 @@ use lift_serve::base::data::BaseExample;
 use lift_serve::base::train::{self, PrepareOptions};
 use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::document::Document;
-use lift_serve::lift::answer::{answer, Ask, Mode};
+use lift_serve::lift::answer::{answer, Ask, ContextPolicy, Mode};
 use lift_serve::lift::filter::{FilterOptions, FromLayer};
 use lift_serve::lift::plan::{Example, ExampleKind};
 use lift_serve::lift::trainer::{example_loss, RunControl};
@@ -293,11 +293,11 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     // Answering reads the document through the base filter, with and without the adapter.
     let params = SamplingParams { max_tokens: 3, ..Default::default() };
     for (mode, adapter) in [(Mode::Icl, None), (Mode::Lift, Some(&a.bundle.adapter as &dyn Adapter))] {
-        let ask = Ask { question: "Who keeps the lighthouse?", mode, context_tokens: None };
+        let ask = Ask { question: "Who keeps the lighthouse?", mode, context: Some(ContextPolicy::Full), context_tokens: None };
         let chunks = answer(&m1, &document, adapter, &ask, &params, &mut |_| true).unwrap().chunks;
         assert!(chunks.len() >= 2, "{mode:?}: {} chunks", chunks.len());
     }
-    let ask = Ask { question: "Who keeps the lighthouse?", mode: Mode::Icl, context_tokens: None };
+    let ask = Ask { question: "Who keeps the lighthouse?", mode: Mode::Icl, context: Some(ContextPolicy::Full), context_tokens: None };
     let chunks = answer(&plain, &document, None, &ask, &params, &mut |_| true).unwrap().chunks;
     assert!(chunks.is_empty(), "no filter without a prepared base");
 }

@@ -7,7 +7,7 @@
 use candle_core::Device;
 use lift_serve::eval::{self, data, needles, report, Backend, EvalDocument, Local, RunConfig};
 use lift_serve::document::Document;
-use lift_serve::lift::answer::{build_prompt, Ask, Mode};
+use lift_serve::lift::answer::{build_prompt, Ask, ContextPolicy, Mode};
 use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::lift::filter::FilterOptions;
 use lift_serve::lift::AbsorbOptions;
@@ -33,6 +33,38 @@ fn essays() -> &'static [data::Essay] {
 
 fn spec(lengths: Vec<usize>, depths: Vec<f64>, per_depth: usize, seed: u64) -> needles::NeedleSpec {
     needles::NeedleSpec { lengths, depths, needles_per_depth: per_depth, docs_per_length: 1, seed }
+}
+
+/// Retrieval (`rag`, 256 tokens of a 4K-token document) shows the sentence that holds each
+/// planted fact, wherever it is, where the head and tail of the same budget miss most of them;
+/// with the shipped prepared base too, whose filter's chunks the passages are.
+#[test]
+fn retrieval_shows_the_planted_fact_in_a_small_context() {
+    let plain = real_model();
+    let path = lift_serve::fetch::resolve_model(None).unwrap();
+    let mut based = Model::load(&path, &Device::Cpu).unwrap();
+    lift_serve::base::install_from_arg(&mut based, Some(concat!(env!("CARGO_MANIFEST_DIR"), "/base"))).unwrap();
+    let docs = needles::build_set(plain, essays(), &spec(vec![4096], vec![0.1, 0.3, 0.5, 0.7, 0.9], 2, 11)).unwrap();
+    for (name, model) in [("plain", plain), ("prepared base", &based)] {
+        let (mut found, mut head_tail, mut total) = (0, 0, 0);
+        for doc in &docs {
+            let ids = Document::encode(model, doc.text.clone()).unwrap();
+            for q in &doc.questions {
+                let planted = q.planted.as_deref().unwrap();
+                let ask = |context| Ask { question: &q.question, mode: Mode::Rag, context, context_tokens: Some(256) };
+                let p = build_prompt(model, &ids, &ask(None), 32).unwrap();
+                assert!(p.context_tokens <= 256, "{name}: {} document tokens in context", p.context_tokens);
+                let shown = model.tokenizer.decode(&p.tokens).unwrap();
+                found += shown.contains(planted) as usize;
+                let ht = build_prompt(model, &ids, &ask(Some(ContextPolicy::HeadTail)), 32).unwrap();
+                head_tail += model.tokenizer.decode(&ht.tokens).unwrap().contains(planted) as usize;
+                total += 1;
+            }
+        }
+        eprintln!("{name}: retrieved {found}/{total}, head and tail {head_tail}/{total}");
+        assert!(found * 10 >= total * 9, "{name}: retrieval showed {found} of {total} planted facts");
+        assert!(head_tail * 2 < total, "{name}: the head and tail showed {head_tail} of {total}: the test needs facts out of it");
+    }
 }
 
 #[test]
@@ -104,16 +136,16 @@ fn window_labels_agree_with_the_prompt_build_prompt_builds() {
     let (mut ins, mut outs) = (0, 0);
     for budget in [Some(64), Some(128), Some(300), None] {
         for q in &doc.questions {
-            let prompt = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Lift, context_tokens: budget }, 32).unwrap();
+            let prompt = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Lift, context: Some(ContextPolicy::Full), context_tokens: budget }, 32).unwrap();
             let label = eval::in_window(&prompt, &q.evidence_tokens).unwrap();
             // Independent check: is the planted sentence's text in the decoded prompt?
             let shown = model.tokenizer.decode(&prompt.tokens).unwrap();
             let planted = q.planted.as_deref().unwrap();
             assert_eq!(label, shown.contains(planted), "budget {budget:?}, {planted:?}: label {label}");
             // icl builds the same context; memory none.
-            let icl = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Icl, context_tokens: budget }, 32).unwrap();
+            let icl = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Icl, context: Some(ContextPolicy::Full), context_tokens: budget }, 32).unwrap();
             assert_eq!(icl.tokens, prompt.tokens);
-            let mem = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Memory, context_tokens: budget }, 32).unwrap();
+            let mem = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Memory, context: Some(ContextPolicy::Full), context_tokens: budget }, 32).unwrap();
             assert!(!model.tokenizer.decode(&mem.tokens).unwrap().contains(planted));
             if label {
                 ins += 1;
@@ -211,8 +243,8 @@ fn local_backend_absorbs_and_answers_through_the_prepared_bases_filter() {
     for m in [&plain, &model] {
         let mut local = Local::new(m, Some(200), 4);
         let (_, handle) = local.absorb(&doc, &tokens, &o, &mut |_, _, _| {}).unwrap();
-        let (_, lift_len) = local.ask(&doc, &tokens, Some(handle), q, Mode::Lift).unwrap();
-        let (_, icl_len) = local.ask(&doc, &tokens, None, q, Mode::Icl).unwrap();
+        let (_, lift_len) = local.ask(&doc, &tokens, Some(handle), q, Mode::Lift, Some(ContextPolicy::Full)).unwrap();
+        let (_, icl_len) = local.ask(&doc, &tokens, None, q, Mode::Icl, Some(ContextPolicy::Full)).unwrap();
         lens.push((lift_len, icl_len));
     }
     // Without a base, `lift` has exactly the `icl` prompt; the base's filter layout repeats the
@@ -295,7 +327,7 @@ fn jsonl_questions_are_labelled_from_answer_occurrences() {
         .iter()
         .map(|q| {
             eval::in_window(
-                &build_prompt(&model, &ids, &Ask { question: &q.question, mode: Mode::Lift, context_tokens: Some(48) }, 8).unwrap(),
+                &build_prompt(&model, &ids, &Ask { question: &q.question, mode: Mode::Lift, context: Some(ContextPolicy::Full), context_tokens: Some(48) }, 8).unwrap(),
                 &q.evidence_tokens,
             )
         })

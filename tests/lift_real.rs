@@ -11,7 +11,7 @@
 
 use candle_core::Device;
 use lift_serve::document::Document;
-use lift_serve::lift::answer::{answer, build_prompt, Ask, Mode};
+use lift_serve::lift::answer::{answer, build_prompt, Ask, ContextPolicy, Mode};
 use lift_serve::lift::{absorb, AbsorbOptions};
 use lift_serve::model::generate::SamplingParams;
 use lift_serve::model::{Adapter, Model};
@@ -29,7 +29,7 @@ fn token_span(model: &Model, evidence: &str) -> (usize, usize) {
 
 fn ask(model: &Model, doc: &Document, adapter: &dyn Adapter, q: &Question, mode: Mode) -> (bool, String) {
     let params = SamplingParams { max_tokens: MAX_TOKENS, ..Default::default() };
-    let ask = Ask { question: q.question, mode, context_tokens: Some(CONTEXT_TOKENS) };
+    let ask = Ask { question: q.question, mode, context: Some(ContextPolicy::Full), context_tokens: Some(CONTEXT_TOKENS) };
     let out = answer(model, doc, Some(adapter), &ask, &params, &mut |_| true).unwrap().generation;
     let reply = out.text.trim().to_string();
     let lower = reply.to_lowercase();
@@ -65,15 +65,15 @@ fn out_of_window_facts_are_recalled_in_lift_mode() {
     assert!((1300..=1800).contains(&doc.len()), "a ~1,500-token document: {}", doc.len());
 
     // Where the window is: the prompt `icl` and `lift` build for a question.
-    let icl = Ask { question: OUT_OF_WINDOW[0].question, mode: Mode::Icl, context_tokens: Some(CONTEXT_TOKENS) };
+    let icl = Ask { question: OUT_OF_WINDOW[0].question, mode: Mode::Icl, context: Some(ContextPolicy::Full), context_tokens: Some(CONTEXT_TOKENS) };
     let prompt = build_prompt(&model, doc, &icl, MAX_TOKENS).unwrap();
-    let shown = |(a, b): (usize, usize)| a < prompt.head_end || b > prompt.tail_start;
+    let shown = |(a, b): (usize, usize)| prompt.shown.iter().any(|&(s, e)| a < e && s < b);
     for q in OUT_OF_WINDOW {
         assert!(!shown(token_span(&model, q.evidence)), "{:?} must be outside the context window", q.evidence);
     }
     for q in IN_WINDOW {
         let (a, b) = token_span(&model, q.evidence);
-        assert!(b <= prompt.head_end || a >= prompt.tail_start, "{:?} must be inside the context window", q.evidence);
+        assert!(prompt.shows((a, b)), "{:?} must be inside the context window", q.evidence);
     }
 
     let mut table = Vec::new();

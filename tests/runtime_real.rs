@@ -184,7 +184,7 @@ fn batched_answers_over_the_prepared_base_match_each_alone() {
     use lift_serve::adapters::GatedMemory;
     use lift_serve::document::Document;
     use lift_serve::engine::batcher::{Batch, Entry};
-    use lift_serve::lift::answer::{answer, chunk_scores, prepare, Ask, Mode};
+    use lift_serve::lift::answer::{answer, chunk_scores, prepare, Ask, ContextPolicy, Mode};
     use lift_serve::model::generate::{Sequence, PREFILL_CHUNK};
     use lift_serve::model::Adapter;
     use std::sync::Arc;
@@ -208,7 +208,7 @@ fn batched_answers_over_the_prepared_base_match_each_alone() {
     let alone: Vec<_> = cases
         .iter()
         .map(|(q, mode, a, _, ctx)| {
-            let ask = Ask { question: q, mode: *mode, context_tokens: Some(*ctx) };
+            let ask = Ask { question: q, mode: *mode, context: Some(ContextPolicy::Full), context_tokens: Some(*ctx) };
             let out = answer(&m, &doc, a.as_deref(), &ask, &params, &mut |_| true).unwrap();
             (out.generation.tokens, out.generation.text, out.chunks)
         })
@@ -223,7 +223,7 @@ fn batched_answers_over_the_prepared_base_match_each_alone() {
     while done.len() < cases.len() + 1 {
         for (i, (q, mode, a, join, ctx)) in cases.iter().enumerate() {
             if *join == step {
-                let ask = Ask { question: q, mode: *mode, context_tokens: Some(*ctx) };
+                let ask = Ask { question: q, mode: *mode, context: Some(ContextPolicy::Full), context_tokens: Some(*ctx) };
                 let (_, seq) = prepare(&m, &doc, &ask, &params).unwrap();
                 let key = a.as_ref().map_or(0, |a| Arc::as_ptr(a) as *const () as usize);
                 batch.join(Entry { seq, adapter: a.clone(), adapter_key: key, data: i });

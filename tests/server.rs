@@ -351,12 +351,14 @@ async fn bad_inputs() {
     let (s, slow) = post_json(&c, &format!("{base}/documents"), json!({"text": long_doc, "options": {"epochs": [20, 20]}}), None).await;
     assert_eq!(s, 202, "{slow}");
     let slow_id = slow["id"].as_str().unwrap().to_string();
-    let (s, v) = post_json(&c, &format!("{base}/ask"), json!({"document_id": slow_id, "question": "Who?"}), None).await;
+    // Before its adapter exists a document answers from its passages, but `memory` (the adapter
+    // alone) has nothing to answer with.
+    let (s, v) = post_json(&c, &format!("{base}/ask"), json!({"document_id": slow_id, "question": "Who?", "mode": "memory"}), None).await;
     assert_eq!(s, 409, "{v}");
     assert_error_shape(&v, "document_not_ready", "ask before ready");
     assert_eq!(v["error"]["type"], "conflict_error");
     let (s, v) = post_json(&c, &format!("{base}/v1/chat/completions"),
-        json!({"model": slow_id, "messages": [{"role": "user", "content": "Who?"}]}), None).await;
+        json!({"model": slow_id, "messages": [{"role": "user", "content": "Who?"}], "mode": "memory"}), None).await;
     assert_eq!(s, 409, "{v}");
 
     let json_ct = "application/json";
@@ -629,6 +631,88 @@ async fn killed_mid_training_requeues_on_restart() {
 
 /// Asking a ready document while another trains: the answer comes back while the training job
 /// is still running (generation is not queued behind training).
+/// A document answers from the moment it is posted: queued, it answers in `rag` (its
+/// retrieved passages, no adapter); while it trains, with the latest snapshot its training
+/// published (the answer names the step); once ready, with the final adapter. Deleted, it is
+/// gone (404).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_document_answers_from_the_first_second() {
+    let e = env();
+    let (running, base) = start(config(&e, &[])).await;
+    let c = Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
+    // Queued behind a held training thread: it cannot have started.
+    let hold = hold_thread(&running, true).await;
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC, "options": {"epochs": [1, 12]}}), None).await;
+    assert_eq!(s, 202, "{d}");
+    let id = d["id"].as_str().unwrap().to_string();
+    let ask = |mode: &str| json!({"document_id": id, "question": "Who painted the lighthouse tower?", "mode": mode, "max_tokens": 4});
+    let (s, a) = post_json(&c, &format!("{base}/ask"), ask("lift"), None).await;
+    assert_eq!(s, 200, "{a}");
+    assert_eq!(a["mode"], "rag", "no adapter yet: lift answers as rag: {a}");
+    assert!(a["adapter"].is_null(), "{a}");
+    let (_, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+    assert_eq!(d["status"], "queued", "{d}");
+    let (s, a) = post_json(&c, &format!("{base}/v1/chat/completions"),
+        json!({"model": id, "messages": [{"role": "user", "content": "Who built the harbor?"}], "max_tokens": 4}), None).await;
+    assert_eq!(s, 200, "chat with a queued document: {a}");
+    let (s, a) = post_json(&c, &format!("{base}/ask"), ask("memory"), None).await;
+    assert_eq!(s, 409, "{a}");
+    drop(hold);
+
+    // While it trains: answers with a snapshot (a step short of the plan) appear.
+    let mut snapshot = None;
+    for _ in 0..3000 {
+        let (s, a) = post_json(&c, &format!("{base}/ask"), ask("lift"), None).await;
+        assert_eq!(s, 200, "{a}");
+        let (step, planned) = (a["adapter"]["step"].as_u64(), a["adapter"]["planned_steps"].as_u64());
+        if let (Some(step), Some(planned)) = (step, planned) {
+            if step < planned {
+                assert_eq!(a["mode"], "lift", "{a}");
+                snapshot = Some((step, planned));
+                break;
+            }
+        }
+        let (_, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+        assert_ne!(d["status"], "ready", "training ended before any answer used a snapshot: {d}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (step, planned) = snapshot.expect("an answer with a training snapshot");
+    assert!(step >= 1, "{step}");
+
+    // Ready: the final adapter answers, and names the whole plan.
+    let d = wait_ready(&c, &base, &id, None).await;
+    let (s, a) = post_json(&c, &format!("{base}/ask"), ask("lift"), None).await;
+    assert_eq!(s, 200, "{a}");
+    assert_eq!(a["mode"], "lift", "{a}");
+    assert_eq!(a["adapter"]["planned_steps"].as_u64(), Some(planned), "{a} {d}");
+    assert_eq!(a["adapter"]["step"], d["training"]["steps"], "{a} {d}");
+    let (s, a) = post_json(&c, &format!("{base}/ask"), ask("rag"), None).await;
+    assert_eq!(s, 200, "{a}");
+    assert_eq!(a["mode"], "rag", "{a}");
+    assert!(a["adapter"].is_null(), "rag answers without the adapter: {a}");
+    let (s, a) = post_json(&c, &format!("{base}/ask"), ask("memory"), None).await;
+    assert_eq!(s, 200, "{a}");
+    assert!(a["adapter"]["step"].as_u64().is_some(), "{a}");
+
+    // A bad policy or budget is a 400 naming the field.
+    let mut bad = ask("lift");
+    bad["context"] = json!("everything");
+    let (s, v) = post_json(&c, &format!("{base}/ask"), bad, None).await;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!(v["error"]["param"], "context", "{v}");
+    let mut bad = ask("lift");
+    bad["context_tokens"] = json!(0);
+    let (s, v) = post_json(&c, &format!("{base}/ask"), bad, None).await;
+    assert_eq!(s, 400, "{v}");
+    assert_error_shape(&v, "invalid_context_tokens", "context_tokens 0");
+
+    let r = c.delete(format!("{base}/documents/{id}")).send().await.unwrap();
+    assert_eq!(r.status(), 204);
+    let (s, _) = post_json(&c, &format!("{base}/ask"), ask("lift"), None).await;
+    assert_eq!(s, 404);
+    running.shutdown().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ask_while_another_document_trains() {
     let e = env();

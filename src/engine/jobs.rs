@@ -2,7 +2,7 @@
 
 use crate::document::Document;
 use super::batcher::{Batch, Entry};
-use crate::lift::answer::{chunk_scores, prepare, Ask, AnswerHooks, Mode};
+use crate::lift::answer::{chunk_scores, prepare, Ask, AnswerHooks, ContextPolicy, Mode};
 use crate::lift::filter::ChunkScore;
 use crate::lift::{AbsorbEvent, AbsorbOptions, AbsorbStage};
 use super::EngineError;
@@ -18,7 +18,8 @@ use std::time::Instant;
 /// Train an adapter for a document and save it in the store under `id`.
 pub struct AbsorbJob {
     pub id: String,
-    pub document: Document,
+    /// Shared with the store's live documents: it answers while it trains.
+    pub document: Arc<Document>,
     pub title: Option<String>,
     /// Where the text came from: recorded in the adapter's manifest.
     pub source: Option<crate::formats::Source>,
@@ -76,6 +77,8 @@ impl From<AbsorbEvent<'_>> for JobProgress {
     fn from(ev: AbsorbEvent<'_>) -> Self {
         match ev {
             AbsorbEvent::Stage(stage) => JobProgress::Stage { stage },
+            // Snapshots go to the store (`absorb`), not to progress; a stray one reads as training.
+            AbsorbEvent::Snapshot(_) => JobProgress::Stage { stage: AbsorbStage::Training },
             AbsorbEvent::Qa(p) => JobProgress::Qa { stage: AbsorbStage::GeneratingQa, step: p.done, steps: p.total },
             AbsorbEvent::Train(p) => JobProgress::Training {
                 stage: AbsorbStage::Training,
@@ -110,8 +113,18 @@ pub(super) fn absorb(model: &Model, store: &Store, events: &dyn JobEvents, job: 
     }
     events.absorb(&id, &cancel, JobUpdate::Started);
     let t0 = Instant::now();
-    let on_event = &mut |ev: AbsorbEvent| events.absorb(&id, &cancel, JobUpdate::Progress(ev.into()));
+    let on_event = &mut |ev: AbsorbEvent| match ev {
+        AbsorbEvent::Snapshot(s) => store.publish_snapshot(
+            &id,
+            crate::store::Snapshot { adapter: s.adapter, step: s.step, planned_steps: s.planned_steps },
+        ),
+        ev => events.absorb(&id, &cancel, JobUpdate::Progress(ev.into())),
+    };
     let result = crate::lift::absorb(model, &document, title.as_deref(), &options, on_event, &cancelled);
+    if !matches!(result, Ok(_)) || cancelled() {
+        // No adapter: the document answers from its passages alone.
+        store.drop_snapshot(&id);
+    }
     let outcome = match result {
         _ if cancelled() => AbsorbOutcome::Cancelled { started: true },
         Err(e) => AbsorbOutcome::Failed(format!("{e:#}")),
@@ -164,7 +177,16 @@ pub struct GenerateJob {
 pub enum Prompt {
     /// A question about a stored document, answered by [`crate::lift::answer::answer`].
     /// `blob`: with replicas sharing an adapter store, the archive the document's adapter is in.
-    Document { id: String, question: String, mode: Mode, context_tokens: Option<usize>, blob: Option<crate::store::blobs::BlobRef> },
+    /// Before the document's adapter is saved, `lift` answers with its latest snapshot, or as
+    /// `rag` when there is none.
+    Document {
+        id: String,
+        question: String,
+        mode: Mode,
+        context: Option<ContextPolicy>,
+        context_tokens: Option<usize>,
+        blob: Option<crate::store::blobs::BlobRef>,
+    },
     /// The token ids of a chat prompt for the base model (encoded and checked against the window
     /// before queueing).
     Chat(Vec<u32>),
@@ -181,14 +203,21 @@ pub struct Generated {
     pub queue_ms: f64,
     pub prompt_ms: f64,
     pub generate_ms: f64,
+    /// The mode it was answered in (a document without an adapter yet answers `lift` as `rag`).
+    pub mode: Option<Mode>,
+    /// The adapter that answered: (steps trained, steps planned); None without one.
+    pub adapter: Option<(usize, usize)>,
 }
 
 /// A request in the batch: where its text and reply go, and what its report needs.
 pub(super) struct Running {
     job: GenerateJob,
     queue_ms: f64,
-    /// The document (chunk texts for the report) and its adapter, kept while the request runs.
-    loaded: Option<Arc<Loaded>>,
+    /// The document it reads (chunk texts for the report).
+    document: Option<Arc<Document>>,
+    /// The mode it runs in and its adapter's (steps, planned steps).
+    mode: Option<Mode>,
+    adapter: Option<(usize, usize)>,
 }
 
 impl Running {
@@ -202,24 +231,37 @@ impl Running {
     }
 }
 
-/// The store's adapter as the batch holds it (kept alive with its document).
-struct StoredAdapter(Arc<Loaded>);
+/// The store's adapter (or a training snapshot) as the batch holds it (kept alive with its
+/// document).
+enum HeldAdapter {
+    Stored(Arc<Loaded>),
+    Snapshot(Arc<crate::store::Snapshot>),
+}
 
-impl Adapter for StoredAdapter {
+impl HeldAdapter {
+    fn inner(&self) -> &crate::adapters::AnyAdapter {
+        match self {
+            HeldAdapter::Stored(l) => &l.bundle.adapter,
+            HeldAdapter::Snapshot(s) => &s.adapter,
+        }
+    }
+}
+
+impl Adapter for HeldAdapter {
     fn linear_delta(&self, layer: usize, proj: Projection, x: &Tensor) -> candle_core::Result<Option<Tensor>> {
-        self.0.bundle.adapter.linear_delta(layer, proj, x)
+        self.inner().linear_delta(layer, proj, x)
     }
 
     fn mix_attention(&self, layer: usize, q: &Tensor, attn: Tensor) -> candle_core::Result<Tensor> {
-        self.0.bundle.adapter.mix_attention(layer, q, attn)
+        self.inner().mix_attention(layer, q, attn)
     }
 
     fn first_layer(&self) -> usize {
-        self.0.bundle.adapter.first_layer()
+        self.inner().first_layer()
     }
 
     fn decode_mix(&self, layer: usize) -> DecodeMix<'_> {
-        self.0.bundle.adapter.decode_mix(layer)
+        self.inner().decode_mix(layer)
     }
 }
 
@@ -232,14 +274,14 @@ pub(super) fn admit<'m>(model: &'m Model, store: &Store, batch: &mut GenerationB
     }
     let queue_ms = job.queued_at.elapsed().as_secs_f64() * 1000.0;
     match start(model, store, &job) {
-        Ok((seq, loaded, adapter)) => {
+        Ok(s) => {
             // The budget held what the request could take; keep what its sequence needs.
             if let Some(hold) = job.kv_hold.as_mut() {
-                hold.shrink_to(seq.cache_tokens());
+                hold.shrink_to(s.seq.cache_tokens());
             }
-            let adapter_key = loaded.as_ref().filter(|_| adapter).map_or(0, |l| Arc::as_ptr(l) as usize);
-            let adapter = loaded.clone().filter(|_| adapter).map(|l| Arc::new(StoredAdapter(l)) as Arc<dyn Adapter>);
-            batch.join(Entry { seq, adapter, adapter_key, data: Running { job, queue_ms, loaded } });
+            let adapter_key = s.adapter.as_ref().map_or(0, |a| Arc::as_ptr(a) as *const () as usize);
+            let data = Running { job, queue_ms, document: s.document, mode: s.mode, adapter: s.steps };
+            batch.join(Entry { seq: s.seq, adapter: s.adapter, adapter_key, data });
         }
         Err(e) => {
             let _ = job.reply.send(Err(e));
@@ -247,23 +289,53 @@ pub(super) fn admit<'m>(model: &'m Model, store: &Store, batch: &mut GenerationB
     }
 }
 
-type Started<'m> = (Sequence<'m, AnswerHooks<'m>>, Option<Arc<Loaded>>, bool);
+/// A request ready to join the batch: its sequence, the document it reads, the adapter that
+/// answers (with its training steps) and the mode it runs in.
+struct Started<'m> {
+    seq: Sequence<'m, AnswerHooks<'m>>,
+    document: Option<Arc<Document>>,
+    adapter: Option<Arc<dyn Adapter>>,
+    steps: Option<(usize, usize)>,
+    mode: Option<Mode>,
+}
 
-/// The sequence of a request, the document it reads and whether its adapter answers.
+/// The sequence of a request, the document it reads and the adapter that answers: the saved
+/// adapter; before it exists, the latest training snapshot (`lift`, `memory`) or none (`lift`
+/// then answers as `rag`).
 fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Started<'m>, EngineError> {
     match &job.prompt {
-        Prompt::Document { id, question, mode, context_tokens, blob } => {
-            let loaded = store.get(id, model, blob.as_ref()).map_err(|e| {
-                // Deleted while the request waited: the document is gone, not a server fault.
-                if store.adapter_dir(id).exists() { EngineError::from(e) } else { EngineError::UnknownDocument(id.clone()) }
-            })?;
-            let ask = Ask { question, mode: *mode, context_tokens: *context_tokens };
-            let (_, seq) = prepare(model, &loaded.document, &ask, &job.params)?;
-            Ok((seq, Some(loaded), mode.uses_adapter()))
+        Prompt::Document { id, question, mode, context, context_tokens, blob } => {
+            let (document, held) = match store.live(id) {
+                Some(live) if blob.is_none() && !store.adapter_dir(id).exists() => {
+                    (live.document.clone(), live.snapshot().map(HeldAdapter::Snapshot))
+                }
+                _ => {
+                    let loaded = store.get(id, model, blob.as_ref()).map_err(|e| {
+                        // Deleted while the request waited: the document is gone, not a server fault.
+                        if store.adapter_dir(id).exists() { EngineError::from(e) } else { EngineError::UnknownDocument(id.clone()) }
+                    })?;
+                    (loaded.document.clone(), Some(HeldAdapter::Stored(loaded)))
+                }
+            };
+            let mode = match (*mode, &held) {
+                (Mode::Lift, None) => Mode::Rag,
+                (Mode::Memory, None) => return Err(EngineError::NoAdapter(id.clone())),
+                (m, _) => m,
+            };
+            let held = held.filter(|_| mode.uses_adapter());
+            let steps = held.as_ref().map(|h| match h {
+                HeldAdapter::Stored(l) => l.steps(),
+                HeldAdapter::Snapshot(s) => (s.step, s.planned_steps),
+            });
+            let ask = Ask { question, mode, context: *context, context_tokens: *context_tokens };
+            let (_, seq) = prepare(model, &document, &ask, &job.params)?;
+            let adapter = held.map(|h| Arc::new(h) as Arc<dyn Adapter>);
+            Ok(Started { seq, document: Some(document), adapter, steps, mode: Some(mode) })
         }
         Prompt::Chat(ids) => {
             let cache = KvCache::with_capacity(model.config().num_layers, ids.len() + job.params.max_tokens);
-            Ok((Sequence::new(model, ids.clone(), cache, job.params.clone(), None)?, None, false))
+            let seq = Sequence::new(model, ids.clone(), cache, job.params.clone(), None)?;
+            Ok(Started { seq, document: None, adapter: None, steps: None, mode: None })
         }
     }
 }
@@ -298,9 +370,9 @@ fn finish(model: &Model, events: &dyn JobEvents, e: Entry<'_, AnswerHooks<'_>, R
         return;
     }
     events.generated(&out);
-    let chunks = match (chunk_scores(&hooks), &data.loaded) {
-        (Ok(scores), Some(loaded)) => {
-            let doc = loaded.document.tokens();
+    let chunks = match (chunk_scores(&hooks), &data.document) {
+        (Ok(scores), Some(document)) => {
+            let doc = document.tokens();
             scores
                 .into_iter()
                 .map(|c| Ok((c, model.tokenizer.decode(&doc[c.start..c.end])?)))
@@ -319,6 +391,8 @@ fn finish(model: &Model, events: &dyn JobEvents, e: Entry<'_, AnswerHooks<'_>, R
         prompt_ms: out.prompt_ms,
         generate_ms: out.generate_ms,
         text: out.text,
+        mode: data.mode,
+        adapter: data.adapter,
     });
     let _ = data.job.reply.send(result);
 }

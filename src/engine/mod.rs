@@ -72,6 +72,9 @@ pub enum EngineError {
     /// The document was deleted while the request waited.
     #[error("no document '{0}'")]
     UnknownDocument(String),
+    /// `memory` mode about a document that has no adapter yet (409).
+    #[error("the document '{0}' has no adapter yet")]
+    NoAdapter(String),
     #[error(transparent)]
     ContextLength(#[from] crate::model::generate::ContextLengthExceeded),
     /// The document's adapter was made over another base (`manifest::WrongBaseModel`).

@@ -10,7 +10,7 @@
 
 use super::{AbsorbRecord, Backend, EvalDocument};
 use crate::adapters::AdapterKind;
-use crate::lift::answer::Mode;
+use crate::lift::answer::{ContextPolicy, Mode};
 use crate::lift::AbsorbOptions;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
@@ -141,18 +141,17 @@ impl Backend for Server {
         handle: Option<usize>,
         question: &str,
         mode: Mode,
+        context: Option<ContextPolicy>,
     ) -> Result<(String, usize)> {
-        // `icl` needs no adapter, but the API asks about a document by id: any of its adapters.
+        // `icl` and `rag` need no adapter, but the API asks about a document by id: any of its adapters.
         let id = match handle.or(self.ids.len().checked_sub(1)) {
             Some(h) => self.ids[h].clone(),
             None => bail!("{}: through the server, `icl` needs another method that absorbs the document", doc.id),
         };
-        let mode = match mode {
-            Mode::Lift => "lift",
-            Mode::Icl => "icl",
-            Mode::Memory => "memory",
-        };
-        let body = json!({"document_id": id, "question": question, "mode": mode, "max_tokens": self.max_tokens, "temperature": 0});
+        let mut body = json!({"document_id": id, "question": question, "mode": mode.name(), "max_tokens": self.max_tokens, "temperature": 0});
+        if let Some(c) = context {
+            body["context"] = json!(c.name());
+        }
         let r = self.send(self.http.post(format!("{}/ask", self.base)).json(&body))?;
         let answer = r["answer"].as_str().context("POST /ask answered no answer")?.to_string();
         Ok((answer, r["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize))

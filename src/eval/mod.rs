@@ -15,7 +15,7 @@ pub mod needles;
 pub mod report;
 
 use crate::document::Document;
-use crate::lift::answer::{answer, build_prompt, AnswerPrompt, Ask, Mode};
+use crate::lift::answer::{answer, build_prompt, AnswerPrompt, Ask, ContextPolicy, Mode};
 use crate::lift::{self, AbsorbEvent, AbsorbOptions};
 use crate::model::generate::SamplingParams;
 use crate::model::Model;
@@ -60,12 +60,12 @@ pub struct EvalDocument {
 }
 
 /// Whether the question's evidence is in the prompt: `Some(true)` when some evidence span lies
-/// wholly in the kept head `[0, head_end)` or tail `[tail_start, n)`, `None` without evidence.
+/// wholly in the document text the prompt shows, `None` without evidence.
 pub fn in_window(prompt: &AnswerPrompt, evidence_tokens: &[(usize, usize)]) -> Option<bool> {
     if evidence_tokens.is_empty() {
         return None;
     }
-    Some(evidence_tokens.iter().any(|&(a, b)| b <= prompt.head_end || a >= prompt.tail_start))
+    Some(evidence_tokens.iter().any(|&span| prompt.shows(span)))
 }
 
 /// Loads a user's evaluation set: one JSON object per line,
@@ -142,6 +142,8 @@ pub fn load_jsonl(model: &Model, path: &Path) -> Result<Vec<EvalDocument>> {
 pub struct Method {
     pub name: String,
     pub mode: Mode,
+    /// The context policy it answers with (`None`: the mode's default).
+    pub context: Option<ContextPolicy>,
     pub absorb: Option<AbsorbOptions>,
 }
 
@@ -150,8 +152,9 @@ pub struct Method {
 /// methods: they are the prepared base's, under every method; compare bases with
 /// `--prepared-base`.)
 pub const METHODS: &[(&str, &str)] = &[
+    ("rag", "base model, the passages retrieved for the question in context, no adapter"),
     ("icl", "base model, truncated document in context (head + tail): the paper's baseline"),
-    ("lift", "adapter absorbed from the document + the same truncated context"),
+    ("lift", "adapter absorbed from the document + the retrieved passages in context"),
     ("memory", "adapter only, no document text in context"),
     ("lift-paper", "lift absorbed with the paper's recipe (AbsorbOptions::paper_faithful)"),
     ("lift-fixed", "lift absorbed on the fixed schedule (the epochs run to their end)"),
@@ -159,8 +162,18 @@ pub const METHODS: &[(&str, &str)] = &[
 ];
 
 /// The method preset `name` on top of the base absorb options (for a model of `num_layers`).
+/// `name:policy` answers with that context policy (`lift:head_tail`, `icl:full`, …).
 pub fn method(name: &str, base: &AbsorbOptions, num_layers: usize) -> Result<Method> {
-    let (mode, absorb) = match name {
+    let (preset, context) = match name.split_once(':') {
+        Some((preset, p)) => {
+            let policy = ContextPolicy::parse(p)
+                .with_context(|| format!("unknown context policy '{p}' in method '{name}' (retrieved, head_tail, full)"))?;
+            (preset, Some(policy))
+        }
+        None => (name, None),
+    };
+    let (mode, absorb) = match preset {
+        "rag" => (Mode::Rag, None),
         "icl" => (Mode::Icl, None),
         "lift" => (Mode::Lift, Some(base.clone())),
         "memory" => (Mode::Memory, Some(base.clone())),
@@ -186,7 +199,8 @@ pub fn method(name: &str, base: &AbsorbOptions, num_layers: usize) -> Result<Met
             bail!("unknown method '{name}' (known: {})", known.join(", "))
         }
     };
-    Ok(Method { name: name.to_string(), mode, absorb })
+    anyhow::ensure!(mode.uses_context() || context.is_none(), "method '{name}': `memory` shows no context to choose");
+    Ok(Method { name: name.to_string(), mode, context, absorb })
 }
 
 /// What absorbing one document with one set of options cost and produced.
@@ -302,6 +316,7 @@ pub trait Backend {
         handle: Option<usize>,
         question: &str,
         mode: Mode,
+        context: Option<ContextPolicy>,
     ) -> Result<(String, usize)>;
     /// Forgets the adapters of the current document.
     fn release(&mut self) {}
@@ -370,11 +385,12 @@ impl Backend for Local<'_> {
         handle: Option<usize>,
         question: &str,
         mode: Mode,
+        context: Option<ContextPolicy>,
     ) -> Result<(String, usize)> {
         let bundle = handle.map(|h| &self.adapters[h].bundle);
         let adapter = bundle.map(|b| &b.adapter as &dyn crate::model::Adapter);
         let params = SamplingParams { max_tokens: self.max_tokens, temperature: 0.0, ..Default::default() };
-        let ask = Ask { question, mode, context_tokens: self.context_tokens };
+        let ask = Ask { question, mode, context, context_tokens: self.context_tokens };
         let a = answer(self.model, document, adapter, &ask, &params, &mut |_| true)?;
         Ok((a.generation.text, a.prompt.tokens.len()))
     }
@@ -385,8 +401,8 @@ impl Backend for Local<'_> {
 }
 
 /// The question as the answer budget of the run asks it.
-fn ask<'q>(question: &'q str, mode: Mode, cfg: &RunConfig) -> Ask<'q> {
-    Ask { question, mode, context_tokens: cfg.context_tokens }
+fn ask<'q>(question: &'q str, mode: Mode, context: Option<ContextPolicy>, cfg: &RunConfig) -> Ask<'q> {
+    Ask { question, mode, context, context_tokens: cfg.context_tokens }
 }
 
 /// Runs every method on every document. `model` tokenizes and labels (and, with [`Local`],
@@ -513,14 +529,16 @@ impl Runner<'_> {
         answers: &mut Vec<AnswerRecord>,
     ) -> Result<()> {
         let (model, cfg) = (self.model, self.cfg);
-        let label_prompt = build_prompt(model, document, &ask(&q.question, Mode::Lift, cfg), cfg.max_tokens)?;
+        // In or out of the window: of the head and tail the paper's truncation shows.
+        let label_prompt =
+            build_prompt(model, document, &ask(&q.question, Mode::Icl, Some(ContextPolicy::HeadTail), cfg), cfg.max_tokens)?;
         let label = in_window(&label_prompt, &q.evidence_tokens);
         for m in &self.methods {
             self.bars.overall.set_message(format!("{} {} {}", doc.id, q.id, m.name));
             let t = Instant::now();
             let (prediction, prompt_tokens) =
-                self.backend.ask(doc, document, handles.get(&m.name).copied(), &q.question, m.mode)?;
-            let expected = build_prompt(model, document, &ask(&q.question, m.mode, cfg), cfg.max_tokens)?;
+                self.backend.ask(doc, document, handles.get(&m.name).copied(), &q.question, m.mode, m.context)?;
+            let expected = build_prompt(model, document, &ask(&q.question, m.mode, m.context, cfg), cfg.max_tokens)?;
             if prompt_tokens != expected.tokens.len() {
                 bail!(
                     "{} {}: the {} prompt has {prompt_tokens} tokens, the labels assume {}: the answering side uses \

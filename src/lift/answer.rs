@@ -1,34 +1,102 @@
-//! Answering questions about an absorbed document (the LIFT paper, "LIFT: Improving Long Context
-//! Understanding of Large Language Models through Long Input Fine-Tuning", §4.1): the prompt holds
-//! as much of the document's head and tail as fits the context budget, then the question. Modes:
-//! `lift` (adapter + context), `icl` (no adapter, same context: the baseline), `memory` (adapter,
-//! no document text). [`answer`] is the one answer function: the server, the CLI, the
-//! evaluations and the benchmarks all answer through it.
+//! Answering questions about a document. The LIFT paper ("LIFT: Improving Long Context
+//! Understanding of Large Language Models through Long Input Fine-Tuning", §4.1) shows the head
+//! and tail of the document that fit the context budget; that truncation is kept as the
+//! `head_tail` policy, for comparison. By default the prompt shows the document's passages most
+//! relevant to the question ([`crate::retrieve`]: BM25 over the FltLM layout's sentence-aligned
+//! chunks), in document order, within a budget of [`DEFAULT_CONTEXT_TOKENS`]. Modes: `lift`
+//! (adapter + context), `rag` (retrieved context, no adapter: the answer before any adapter
+//! exists), `icl` (no adapter, head and tail: the paper's baseline), `memory` (adapter, no
+//! document text). [`answer`] is the one answer function: the server, the CLI, the evaluations
+//! and the benchmarks all answer through it.
 
 use super::filter::{self, ChunkScore, FilterHooks};
-use crate::document::Document;
 use super::prompt::{chat_with_context, elision_tokens, head_tail, kept_ranges};
+use crate::document::Document;
 use crate::model::generate::{run_alone, Generation, SamplingParams, Sequence};
 use crate::model::{Adapter, KvCache, Model};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum, utoipa::ToSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Mode {
     #[default]
     Lift,
+    Rag,
     Icl,
     Memory,
 }
 
 impl Mode {
     pub fn uses_adapter(self) -> bool {
-        self != Mode::Icl
+        matches!(self, Mode::Lift | Mode::Memory)
     }
     pub fn uses_context(self) -> bool {
         self != Mode::Memory
     }
+    /// The context policy when the request names none: retrieved passages, except `icl`, the
+    /// paper's truncated baseline.
+    pub fn default_context(self) -> ContextPolicy {
+        match self {
+            Mode::Icl => ContextPolicy::HeadTail,
+            _ => ContextPolicy::Retrieved,
+        }
+    }
+    pub fn name(self) -> &'static str {
+        match self {
+            Mode::Lift => "lift",
+            Mode::Rag => "rag",
+            Mode::Icl => "icl",
+            Mode::Memory => "memory",
+        }
+    }
+}
+
+/// Which of the document's text an answer shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum, utoipa::ToSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ContextPolicy {
+    /// The passages most relevant to the question, in document order, within the budget: BM25's
+    /// candidates re-ranked by the prepared base's FltLM filter (BM25 alone without a filter).
+    Retrieved,
+    /// BM25's ranking alone, without the filter's re-rank (for comparison).
+    Bm25,
+    /// The document's head and tail within the budget (the LIFT paper's truncation).
+    #[value(name = "head_tail")]
+    HeadTail,
+    /// As much of the document as the model's window holds (head and tail when it does not fit).
+    Full,
+}
+
+impl ContextPolicy {
+    pub fn name(self) -> &'static str {
+        match self {
+            ContextPolicy::Retrieved => "retrieved",
+            ContextPolicy::Bm25 => "bm25",
+            ContextPolicy::HeadTail => "head_tail",
+            ContextPolicy::Full => "full",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Self> {
+        [ContextPolicy::Retrieved, ContextPolicy::Bm25, ContextPolicy::HeadTail, ContextPolicy::Full]
+            .into_iter()
+            .find(|p| p.name() == s)
+    }
+}
+
+/// The in-context document budget when a request names none (`retrieved` and `head_tail`):
+/// 256 retrieved tokens answered more questions than the whole of a 1.6K-token document on the
+/// default model (docs/retrieval.md).
+pub const DEFAULT_CONTEXT_TOKENS: usize = 256;
+
+/// Passage size for retrieval when the base has no FltLM filter (the filter's own chunk size
+/// otherwise, so a passage is one of its chunks).
+pub const DEFAULT_PASSAGE_TOKENS: usize = 32;
+
+/// The passage size answers retrieve by on `model`: its base filter's chunk size.
+pub fn passage_tokens(model: &Model) -> usize {
+    model.base_filter().map_or(DEFAULT_PASSAGE_TOKENS, |f| f.chunk_tokens)
 }
 
 /// Tokens kept free for the chat template's own tokens around the document and question.
@@ -38,18 +106,25 @@ const TEMPLATE_SLACK: usize = 64;
 #[derive(Clone, Debug)]
 pub struct AnswerPrompt {
     pub tokens: Vec<u32>,
-    /// Document tokens `[0, head_end)` and `[tail_start, n)` are in the prompt; the rest only in
-    /// the adapter. `(0, n)` in `memory` mode.
-    pub head_end: usize,
-    pub tail_start: usize,
+    /// The document token ranges in the prompt, in document order (empty in `memory` mode).
+    pub shown: Vec<(usize, usize)>,
     /// Document tokens in the prompt.
     pub context_tokens: usize,
     /// The context's chunks in the prepared base's FltLM layout (empty without a base filter or
     /// context): the answer scores and masks them.
     pub chunks: Vec<filter::Chunk>,
+    /// How the context was chosen (None in `memory` mode).
+    pub policy: Option<ContextPolicy>,
 }
 
-/// The in-context budget for the document: `requested`, else the model's window minus the
+impl AnswerPrompt {
+    /// Whether document tokens `a..b` are all in the prompt.
+    pub fn shows(&self, (a, b): (usize, usize)) -> bool {
+        self.shown.iter().any(|&(s, e)| s <= a && b <= e)
+    }
+}
+
+/// The in-context document budget: `requested`, else the model's window minus the
 /// question, the answer budget and the template's overhead.
 pub fn context_budget(model: &Model, question_tokens: usize, max_tokens: usize, requested: Option<usize>) -> usize {
     let window = model.config().max_position_embeddings;
@@ -70,44 +145,151 @@ pub fn min_prompt_tokens(question_tokens: usize, filtered: bool) -> usize {
 pub struct Ask<'a> {
     pub question: &'a str,
     pub mode: Mode,
-    /// In-context document budget in tokens; `None`: what fits the model's window.
+    /// The context policy; `None`: the mode's default ([`Mode::default_context`]).
+    pub context: Option<ContextPolicy>,
+    /// In-context document budget in tokens; `None`: [`DEFAULT_CONTEXT_TOKENS`] (`full`: what
+    /// fits the model's window).
     pub context_tokens: Option<usize>,
+}
+
+impl<'a> Ask<'a> {
+    /// A question in `mode` with the mode's default context and budget.
+    pub fn new(question: &'a str, mode: Mode) -> Self {
+        Self { question, mode, context: None, context_tokens: None }
+    }
+
+    pub fn policy(&self) -> ContextPolicy {
+        self.context.unwrap_or(self.mode.default_context())
+    }
+
+    /// The budget asked for: `None` means what fits the window.
+    fn requested_budget(&self) -> Option<usize> {
+        match self.policy() {
+            ContextPolicy::Full => self.context_tokens,
+            _ => Some(self.context_tokens.unwrap_or(DEFAULT_CONTEXT_TOKENS)),
+        }
+    }
 }
 
 /// Builds the prompt for `ask` about `doc` leaving room for `max_tokens` of answer: the one
 /// prompt every answer uses, and that evaluations label questions by. With a prepared base's FltLM
 /// filter the context is laid out in its chunks, the question before and after them.
 pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize) -> Result<AnswerPrompt> {
-    let (question, context_tokens) = (ask.question, ask.context_tokens);
+    let question = ask.question;
     let ids = doc.tokens();
     if !ask.mode.uses_context() {
         let tokens = chat_with_context(model, &[], question)?;
-        return Ok(AnswerPrompt { tokens, head_end: 0, tail_start: ids.len(), context_tokens: 0, chunks: Vec::new() });
+        return Ok(AnswerPrompt { tokens, shown: Vec::new(), context_tokens: 0, chunks: Vec::new(), policy: None });
     }
+    let policy = ask.policy();
+    let requested = ask.requested_budget();
     let q_tokens = model.tokenizer.encode(question, false)?.len();
-    if let Some(filter) = model.base_filter() {
-        // The question appears twice and each chunk adds a marker: leave room for both.
-        let q_room = min_prompt_tokens(q_tokens, true) - TEMPLATE_SLACK;
-        let budget = context_budget(model, q_room, max_tokens, context_tokens);
-        let budget =
-            if context_tokens.is_some() { budget } else { budget * filter.chunk_tokens / (filter.chunk_tokens + 1) };
+    let filter = model.base_filter();
+    let q_room = min_prompt_tokens(q_tokens, filter.is_some()) - TEMPLATE_SLACK;
+    let budget = context_budget(model, q_room, max_tokens, requested);
+    // The layout adds a marker per chunk: when the budget is the window's, leave room for them.
+    let budget = match (filter, requested) {
+        (Some(f), None) => budget * f.chunk_tokens / (f.chunk_tokens + 1),
+        _ => budget,
+    };
+    if matches!(policy, ContextPolicy::Retrieved | ContextPolicy::Bm25) {
+        let index = doc.passages(model, passage_tokens(model))?;
+        let mut ranked: Vec<usize> = index.search(question).iter().map(|h| h.passage).collect();
+        if let Some(f) = filter.filter(|_| policy == ContextPolicy::Retrieved) {
+            ranked = rerank(model, f, ids, &index, question, &ranked, RERANK_FACTOR * budget)?;
+        }
+        let shown: Vec<(usize, usize)> = index.select(&ranked, budget).into_iter().map(|p| index.passages[p]).collect();
+        let context_tokens = shown.iter().map(|(a, b)| b - a).sum();
+        if filter.is_some() {
+            let (tokens, chunks) = filter::ranges_prompt(model, ids, &shown, question)?;
+            return Ok(AnswerPrompt { tokens, shown: merged(&shown), context_tokens, chunks, policy: Some(policy) });
+        }
+        // Passages that do not follow each other are joined by the elision marker.
+        let elision = elision_tokens(model)?;
+        let mut ctx = Vec::with_capacity(context_tokens + elision.len() * shown.len());
+        for (i, &(a, b)) in shown.iter().enumerate() {
+            if i > 0 && shown[i - 1].1 != a {
+                ctx.extend_from_slice(&elision);
+            }
+            ctx.extend_from_slice(&ids[a..b]);
+        }
+        let tokens = chat_with_context(model, &ctx, question)?;
+        return Ok(AnswerPrompt { tokens, shown: merged(&shown), context_tokens, chunks: Vec::new(), policy: Some(policy) });
+    }
+    if let Some(filter) = filter {
         let ends = doc.sentence_ends(model)?;
         let p = filter::build_prompt(model, ids, ends, question, budget, filter.chunk_tokens)?;
         let context_tokens = p.chunks.iter().map(|c| c.end - c.start).sum();
-        return Ok(AnswerPrompt {
-            tokens: p.tokens,
-            head_end: p.head_end,
-            tail_start: p.tail_start,
-            context_tokens,
-            chunks: p.chunks,
-        });
+        let shown = head_and_tail(p.head_end, p.tail_start, ids.len());
+        return Ok(AnswerPrompt { tokens: p.tokens, shown, context_tokens, chunks: p.chunks, policy: Some(policy) });
     }
-    let budget = context_budget(model, q_tokens, max_tokens, context_tokens);
     let elision = elision_tokens(model)?;
     let ctx = head_tail(ids, budget, budget / 2, &elision);
     let (head_end, tail_start) = kept_ranges(ids.len(), budget, budget / 2, elision.len());
     let tokens = chat_with_context(model, &ctx, question)?;
-    Ok(AnswerPrompt { tokens, head_end, tail_start, context_tokens: ctx.len(), chunks: Vec::new() })
+    let shown = head_and_tail(head_end, tail_start, ids.len());
+    Ok(AnswerPrompt { tokens, shown, context_tokens: ctx.len(), chunks: Vec::new(), policy: Some(policy) })
+}
+
+/// BM25's candidates the filter re-ranks: as many as fill this many times the budget.
+pub const RERANK_FACTOR: usize = 2;
+
+/// The second stage of retrieval: the first of `ranked` that fill `candidate_tokens` laid out as
+/// the answer lays out its context (the question, then each passage and its marker, in document
+/// order), run through the layers up to the prepared base's filter layer only; they are ranked by
+/// the filter's chunk scores (FltLM eq. 3, the relevance it was trained to score), best first,
+/// the rest of `ranked` after them.
+fn rerank(
+    model: &Model,
+    f: &filter::Filter,
+    ids: &[u32],
+    index: &crate::retrieve::PassageIndex,
+    question: &str,
+    ranked: &[usize],
+    candidate_tokens: usize,
+) -> Result<Vec<usize>> {
+    let mut candidates = Vec::new();
+    let mut used = 0;
+    for &p in ranked {
+        let (a, b) = index.passages[p];
+        if used + (b - a) > candidate_tokens {
+            break;
+        }
+        used += b - a;
+        candidates.push(p);
+    }
+    if candidates.len() < 2 {
+        return Ok(ranked.to_vec());
+    }
+    candidates.sort_unstable();
+    let ranges: Vec<(usize, usize)> = candidates.iter().map(|&p| index.passages[p]).collect();
+    let (tokens, chunks) = filter::ranges_prompt(model, ids, &ranges, question)?;
+    let mut hooks = FilterHooks::new(f, &chunks, model.config().num_layers);
+    let input = candle_core::Tensor::new(tokens.as_slice(), model.device())?.unsqueeze(0)?;
+    model.decoder.run_through_layer(&input, f.layer, &mut hooks)?;
+    let scores = hooks.report()?;
+    let mut order: Vec<usize> = (0..candidates.len()).collect();
+    order.sort_by(|&x, &y| scores[y].score.total_cmp(&scores[x].score).then(x.cmp(&y)));
+    let mut out: Vec<usize> = order.into_iter().map(|i| candidates[i]).collect();
+    out.extend(ranked.iter().filter(|p| !candidates.contains(p)));
+    Ok(out)
+}
+
+/// The shown ranges of a head-and-tail context.
+fn head_and_tail(head_end: usize, tail_start: usize, n: usize) -> Vec<(usize, usize)> {
+    merged(&[(0, head_end), (tail_start.max(head_end), n)])
+}
+
+/// Ranges in order with touching ones joined and empty ones dropped.
+fn merged(ranges: &[(usize, usize)]) -> Vec<(usize, usize)> {
+    let mut out: Vec<(usize, usize)> = Vec::new();
+    for &(a, b) in ranges.iter().filter(|(a, b)| a < b) {
+        match out.last_mut() {
+            Some(last) if last.1 == a => last.1 = b,
+            _ => out.push((a, b)),
+        }
+    }
+    out
 }
 
 /// An answer: the prompt it was given, what was generated, and each in-context chunk's FltLM

@@ -272,29 +272,7 @@ impl FilterPrompt {
     }
 }
 
-/// Chunks of document tokens `from..to`: sentences (ending after a token where `boundary` is true)
-/// packed greedily up to `max` tokens; a longer sentence is cut every `max` tokens.
-pub fn chunk_ranges(boundary: &[bool], from: usize, to: usize, max: usize) -> Vec<(usize, usize)> {
-    let max = max.max(1);
-    let mut pieces = Vec::new();
-    let mut s = from;
-    for i in from..to {
-        if boundary[i] || i + 1 == to || i + 1 - s == max {
-            pieces.push((s, i + 1));
-            s = i + 1;
-        }
-    }
-    let mut out: Vec<(usize, usize)> = Vec::new();
-    for (a, b) in pieces {
-        match out.last_mut() {
-            Some(last) if b - last.0 <= max => last.1 = b,
-            _ => out.push((a, b)),
-        }
-    }
-    out
-}
-
-pub use crate::document::sentence_ends;
+pub use crate::document::{chunk_ranges, sentence_ends};
 
 /// The marker token placed after each chunk (a line break: it reads naturally between sentences).
 pub fn marker_token(model: &Model) -> Result<u32> {
@@ -321,6 +299,12 @@ pub fn build_prompt(
     }
     let (tokens, chunks) = layout(model, doc, &ranges, elide, question)?;
     Ok(FilterPrompt { tokens, chunks, head_end, tail_start })
+}
+
+/// The filter-layout prompt for `question` over the document ranges `ranges` of `doc` (in
+/// order), one chunk per range: retrieved passages, which are the document's chunks already.
+pub fn ranges_prompt(model: &Model, doc: &[u32], ranges: &[(usize, usize)], question: &str) -> Result<(Vec<u32>, Vec<Chunk>)> {
+    layout(model, doc, ranges, None, question)
 }
 
 /// The filter-layout prompt for `question` over `passages` (token ids), one chunk per passage:

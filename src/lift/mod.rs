@@ -183,6 +183,17 @@ pub enum AbsorbEvent<'a> {
     Stage(AbsorbStage),
     Qa(&'a QaProgress),
     Train(&'a Progress),
+    /// The adapter as training left it at the end of the segment stage and of each QA epoch:
+    /// answers can use it before the run ends.
+    Snapshot(AdapterSnapshot),
+}
+
+/// A detached copy of an adapter part-way through its training.
+pub struct AdapterSnapshot {
+    pub adapter: AnyAdapter,
+    /// Optimizer steps done, of `planned_steps`.
+    pub step: usize,
+    pub planned_steps: usize,
 }
 
 pub struct Absorbed {
@@ -194,7 +205,7 @@ pub struct Absorbed {
 
 impl Absorbed {
     /// What the store saves: the adapter with its document and QA pairs.
-    pub fn into_new_adapter(self, document: Document) -> Result<NewAdapter> {
+    pub fn into_new_adapter(self, document: std::sync::Arc<Document>) -> Result<NewAdapter> {
         let qa_json = serde_json::to_vec_pretty(&self.qa)?;
         Ok(NewAdapter { bundle: self.bundle, manifest: self.manifest, document, qa_json })
     }
@@ -238,7 +249,18 @@ pub fn absorb(
         filter: model.base_filter().map(|f| FilterTraining::frozen(f, fx)),
     });
     let inputs = TrainInputs { doc, plan: &plan, adapter: &adapter, vars: adapter.vars() };
-    let control = RunControl { on_progress: &mut |p| on_event(AbsorbEvent::Train(p)), cancel };
+    // Snapshots when the segment stage ends and after each QA epoch (not after the last step:
+    // the final adapter follows at once).
+    let segment_epochs = train_opts.epochs[0];
+    let on_progress = &mut |p: &Progress| {
+        on_event(AbsorbEvent::Train(p));
+        let stage_point = p.epoch >= segment_epochs;
+        if p.epoch_end && stage_point && p.step < p.steps {
+            let snapshot = AdapterSnapshot { adapter: adapter.detached(), step: p.step, planned_steps: p.steps };
+            on_event(AbsorbEvent::Snapshot(snapshot));
+        }
+    };
+    let control = RunControl { on_progress, cancel };
     let report = trainer::train_with(model, inputs, &train_opts, base_filter.as_ref(), probes.as_ref(), control)?;
 
     on_event(AbsorbEvent::Stage(AbsorbStage::Saving));

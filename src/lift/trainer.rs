@@ -250,6 +250,8 @@ pub struct Progress {
     pub tokens_per_s: f64,
     /// The latest probe loss (absorb until learned).
     pub probe_loss: Option<f64>,
+    /// This step ended its epoch (the adapter is as the epoch left it: a snapshot point).
+    pub epoch_end: bool,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -668,7 +670,8 @@ pub fn train_with(
             report.skipped_examples += skipped;
             let mut epoch_loss = 0.0;
             let epoch_start = report.examples;
-            for batch in order.chunks(rows.accumulation) {
+            let batches = order.len().div_ceil(rows.accumulation.max(1));
+            for (bi, batch) in order.chunks(rows.accumulation).enumerate() {
                 if cancel() {
                     return Err(super::Cancelled("training").into());
                 }
@@ -750,6 +753,7 @@ pub fn train_with(
                     loss: b.loss,
                     tokens_per_s: b.tokens as f64 / secs.max(1e-9),
                     probe_loss,
+                    epoch_end: bi + 1 == batches || learned,
                 });
                 if learned {
                     tracing::info!(step = report.steps, planned = steps_total, probe_loss, cause = ?report.cooldown_cause, "training stops: the cool-down is over");

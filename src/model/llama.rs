@@ -578,26 +578,8 @@ impl Decoder {
         float_min_rows: usize,
     ) -> Result<Tensor> {
         let (b, t, _) = x.dims3()?;
-        let start = cache.len();
-        let (cos, sin) = self.rope_slice(start, t)?;
         let float = b * t >= float_min_rows;
-        let mask = causal_mask(t, start, self.config.sliding_window, &self.device)?;
-        let causal_only = !window_cuts(self.config.sliding_window, start + t);
-        let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
-        let mut x = x.to_dtype(self.dtype)?;
-        for (li, layer) in self.layers.iter().enumerate() {
-            let ctx = LayerCtx { li, adapter, base: self.unmerged_base(float), float, bf16: self.float_in_bf16(), start };
-            let h = self.prompt_norm(&x, &layer.attn_norm, self.config.rms_norm_eps as f32)?;
-            let positions = Positions { cos: &cos, sin: &sin, mask: mask.as_ref(), causal_only };
-            let attn = self.attention_infer(&ctx, layer, &h, positions, Some(&mut *cache), hooks)?;
-            x = (x + attn)?;
-            let h = self.prompt_norm(&x, &layer.ffn_norm, self.config.rms_norm_eps as f32)?;
-            let gate = ctx.linear(layer, Projection::Gate, &h)?;
-            let up = ctx.linear(layer, Projection::Up, &h)?;
-            let mlp = ctx.linear(layer, Projection::Down, &self.swiglu(&gate, &up)?)?;
-            x = (x + mlp)?;
-            hooks.after_layer(li, &x)?;
-        }
+        let x = self.run_layers(x, cache, adapter, hooks, float_min_rows, self.layers.len())?;
         cache.commit(t);
         let x = match which {
             Logits::Last => x.i((.., t - 1..t, ..))?,
@@ -614,6 +596,51 @@ impl Decoder {
             Logits::Last => logits.squeeze(1),
             Logits::All => Ok(logits),
         }
+    }
+
+    /// The residual stream after the first `layers` layers over `x` (appended after what
+    /// `cache` holds; the caller commits the cache).
+    fn run_layers(
+        &self,
+        x: &Tensor,
+        cache: &mut KvCache,
+        adapter: Option<&dyn Adapter>,
+        hooks: &mut dyn ForwardHooks,
+        float_min_rows: usize,
+        layers: usize,
+    ) -> Result<Tensor> {
+        let (b, t, _) = x.dims3()?;
+        let start = cache.len();
+        let (cos, sin) = self.rope_slice(start, t)?;
+        let float = b * t >= float_min_rows;
+        let mask = causal_mask(t, start, self.config.sliding_window, &self.device)?;
+        let causal_only = !window_cuts(self.config.sliding_window, start + t);
+        let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
+        let mut x = x.to_dtype(self.dtype)?;
+        for (li, layer) in self.layers.iter().enumerate().take(layers) {
+            let ctx = LayerCtx { li, adapter, base: self.unmerged_base(float), float, bf16: self.float_in_bf16(), start };
+            let h = self.prompt_norm(&x, &layer.attn_norm, self.config.rms_norm_eps as f32)?;
+            let positions = Positions { cos: &cos, sin: &sin, mask: mask.as_ref(), causal_only };
+            let attn = self.attention_infer(&ctx, layer, &h, positions, Some(&mut *cache), hooks)?;
+            x = (x + attn)?;
+            let h = self.prompt_norm(&x, &layer.ffn_norm, self.config.rms_norm_eps as f32)?;
+            let gate = ctx.linear(layer, Projection::Gate, &h)?;
+            let up = ctx.linear(layer, Projection::Up, &h)?;
+            let mlp = ctx.linear(layer, Projection::Down, &self.swiglu(&gate, &up)?)?;
+            x = (x + mlp)?;
+            hooks.after_layer(li, &x)?;
+        }
+        Ok(x)
+    }
+
+    /// Runs a fresh prompt `ids` `[b, t]` through layers `0..=last` only, for hooks that read a
+    /// middle layer (the FltLM filter's scores when re-ranking passages): the layers above it
+    /// are never computed.
+    pub fn run_through_layer(&self, ids: &Tensor, last: usize, hooks: &mut dyn ForwardHooks) -> Result<()> {
+        let x = self.embed(ids)?;
+        let mut cache = KvCache::new(self.layers.len());
+        self.run_layers(&x, &mut cache, None, hooks, self.float_prefill_min_rows, last + 1)?;
+        Ok(())
     }
 
     fn attention_infer(

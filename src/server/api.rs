@@ -4,7 +4,7 @@
 
 use super::error::{ApiError, ApiResult};
 use crate::adapters::AdapterKind;
-use crate::lift::answer::Mode;
+use crate::lift::answer::{ContextPolicy, Mode};
 use crate::lift::{AbsorbOptions, OptionError};
 use crate::model::generate::{FinishReason, SamplingParams};
 use crate::model::ChatMessage;
@@ -312,10 +312,18 @@ fn missing(field: &str) -> ApiError {
 pub struct AskRequest {
     pub document_id: Option<String>,
     pub question: Option<String>,
-    /// `lift` (default): adapter + head and tail of the document; `icl`: no adapter; `memory`:
-    /// adapter, no document text.
+    /// `lift` (default): adapter + the document's passages; `rag`: the passages, no adapter;
+    /// `icl`: no adapter, head and tail of the document; `memory`: adapter, no document text.
+    /// Before a document's adapter exists, `lift` answers as `rag` (or with the latest snapshot).
     #[schema(value_type = Option<String>, example = "lift")]
     pub mode: Option<Mode>,
+    /// Which document text is shown: `retrieved` (the passages most relevant to the question;
+    /// the default except in `icl`), `head_tail` (the LIFT paper's truncation; `icl`'s
+    /// default), `full` (what fits the model's window).
+    #[schema(value_type = Option<String>, example = "retrieved")]
+    pub context: Option<ContextPolicy>,
+    /// In-context document budget in tokens (default: the server's `--context-tokens`, 256).
+    pub context_tokens: Option<u64>,
     pub max_tokens: Option<u64>,
     /// 0 (default): greedy.
     pub temperature: Option<f64>,
@@ -363,6 +371,27 @@ impl GenerationLimits {
     }
 }
 
+/// Most in-context document tokens a request may ask for (the model's window bounds it too).
+pub const MAX_CONTEXT_TOKENS: u64 = 1 << 20;
+
+/// `context_tokens` within 1..=MAX_CONTEXT_TOKENS, for a mode that shows context.
+fn context_tokens(v: Option<u64>, mode: Mode, context: Option<ContextPolicy>) -> ApiResult<Option<usize>> {
+    if !mode.uses_context() && (v.is_some() || context.is_some()) {
+        let param = if context.is_some() { "context" } else { "context_tokens" };
+        return Err(ApiError::bad_request("invalid_context", "mode 'memory' shows no document text: leave out 'context' and 'context_tokens'")
+            .param(param));
+    }
+    match v {
+        None => Ok(None),
+        Some(n) if (1..=MAX_CONTEXT_TOKENS).contains(&n) => Ok(Some(n as usize)),
+        Some(n) => Err(ApiError::bad_request(
+            "invalid_context_tokens",
+            format!("'context_tokens' must be between 1 and {MAX_CONTEXT_TOKENS} (got {n})"),
+        )
+        .param("context_tokens")),
+    }
+}
+
 fn temperature(v: Option<f64>) -> ApiResult<f64> {
     match v {
         None => Ok(0.0),
@@ -383,7 +412,9 @@ impl AskRequest {
         let max_tokens = limits.max_tokens(self.max_tokens, "max_tokens")?;
         let temperature = temperature(self.temperature)?;
         let params = SamplingParams { max_tokens, temperature, ..Default::default() };
-        let question = Question { document_id, question, mode: self.mode.unwrap_or_default() };
+        let (mode, context) = (self.mode.unwrap_or_default(), self.context);
+        let context_tokens = context_tokens(self.context_tokens, mode, context)?;
+        let question = Question { document_id, question, mode, context, context_tokens };
         Ok((question, params, self.stream.unwrap_or(false)))
     }
 }
@@ -398,10 +429,21 @@ pub struct AskResponse {
     #[schema(value_type = String)]
     pub finish_reason: FinishReason,
     pub timings: Timings,
+    /// The adapter that answered: the final one (`step` = `planned_steps` unless training
+    /// stopped early) or a snapshot part-way through training; null when none did (modes
+    /// `rag` and `icl`, or a document whose adapter does not exist yet).
+    pub adapter: Option<AnsweredBy>,
     /// What the prepared base's filter did to the in-context document (modes with context, on a
     /// server with a prepared base).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context: Option<Context>,
+}
+
+/// Which adapter answered (`AskResponse.adapter`).
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AnsweredBy {
+    pub step: usize,
+    pub planned_steps: usize,
 }
 
 /// A piece of a streamed answer (`event: token`).
@@ -476,6 +518,11 @@ pub struct ChatRequest {
     /// lift-serve's extension: the answer mode for a document model (as in `/ask`).
     #[schema(value_type = Option<String>)]
     pub mode: Option<Mode>,
+    /// lift-serve's extension: the context policy for a document model (as in `/ask`).
+    #[schema(value_type = Option<String>)]
+    pub context: Option<ContextPolicy>,
+    /// lift-serve's extension: the in-context budget for a document model (as in `/ask`).
+    pub context_tokens: Option<u64>,
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -622,7 +669,9 @@ impl ChatRequest {
                 .map(|m| m.content)
                 .ok_or_else(|| bad_messages("a document model needs a user message"))?;
             limits.question(&question, "messages")?;
-            ChatTarget::Document(Question { document_id: model.clone(), question, mode: self.mode.unwrap_or_default() })
+            let (mode, context) = (self.mode.unwrap_or_default(), self.context);
+            let context_tokens = context_tokens(self.context_tokens, mode, context)?;
+            ChatTarget::Document(Question { document_id: model.clone(), question, mode, context, context_tokens })
         } else {
             return Err(
                 ApiError::not_found("model_not_found", format!("the model '{model}' does not exist")).param("model")

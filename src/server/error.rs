@@ -94,7 +94,7 @@ impl ApiError {
     pub fn service(e: ServiceError, params: Params) -> Self {
         match e {
             ServiceError::UnknownDocument(id) => ApiError::unknown_document(&id).param(params.document),
-            ServiceError::NotReady { .. } => {
+            ServiceError::NotReady { .. } | ServiceError::NoAdapter(_) => {
                 ApiError::new(StatusCode::CONFLICT, "document_not_ready", e.to_string()).param(params.document)
             }
             ServiceError::Untokenizable(_) => ApiError::unprocessable("untokenizable_document", e.to_string()).param("text"),

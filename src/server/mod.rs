@@ -82,7 +82,8 @@ pub struct ServeConfig {
     /// Bytes of loaded adapters kept in memory.
     #[arg(long, env = "LIFT_CACHE_BYTES", default_value_t = 1 << 30)]
     pub cache_bytes: u64,
-    /// In-context document budget when answering (default: what fits the model's window).
+    /// In-context document budget when answering (default: 256 tokens of retrieved passages or
+    /// head and tail; with the `full` context policy, what fits the model's window).
     #[arg(long, env = "LIFT_CONTEXT_TOKENS")]
     pub context_tokens: Option<usize>,
     /// Prepared base (directory) under every document adapter, or `none`; default: `base/` in
@@ -232,7 +233,7 @@ impl ServeConfig {
             self.max_batch,
             self.kv_cache_bytes,
             self.cache_bytes,
-            self.context_tokens.map_or("(auto)".into(), |c| c.to_string()),
+            self.context_tokens.map_or(format!("(default {})", crate::lift::answer::DEFAULT_CONTEXT_TOKENS), |c| c.to_string()),
             self.max_training_tokens,
             if self.metrics_key.is_some() { "****" } else { "(none)" },
             self.header_timeout_secs,

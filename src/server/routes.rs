@@ -1,7 +1,7 @@
 //! Documents, asking, health and metrics: each handler reads its typed request, validates it
 //! (`api`), calls the service, and writes the typed response.
 
-use super::api::{self, AskRequest, AskResponse, AskToken, AskUsage, Body as BodyKind, Context, ContextChunk, Health, List, PostDocument, Timings};
+use super::api::{self, AskRequest, AnsweredBy, AskResponse, AskToken, AskUsage, Body as BodyKind, Context, ContextChunk, Health, List, PostDocument, Timings};
 use super::error::{ApiError, ApiResult, Params};
 use super::{signalled, AppState, Inner, Tenant};
 use crate::lift::answer::Mode;
@@ -188,7 +188,8 @@ fn ask_response(r: Generated, document_id: String, mode: Mode) -> AskResponse {
     AskResponse {
         answer: r.text,
         document_id,
-        mode,
+        mode: r.mode.unwrap_or(mode),
+        adapter: r.adapter.map(|(step, planned_steps)| AnsweredBy { step, planned_steps }),
         usage: AskUsage { prompt_tokens: r.prompt_tokens, completion_tokens: r.completion_tokens },
         finish_reason: r.finish_reason,
         timings: Timings { queue_ms: r.queue_ms, prompt_ms: r.prompt_ms, generate_ms: r.generate_ms },

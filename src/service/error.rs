@@ -11,6 +11,9 @@ pub enum ServiceError {
     UnknownDocument(String),
     #[error("document {id} is {}, not ready", status.name())]
     NotReady { id: String, status: Status },
+    /// `memory` mode before the document has an adapter (409).
+    #[error("document {0} has no adapter yet: mode memory answers with the adapter alone; ask in mode lift or rag")]
+    NoAdapter(String),
     #[error("the document could not be tokenized: {0}")]
     Untokenizable(String),
     #[error("the document has {tokens} tokens; the limit is {limit}")]
@@ -68,6 +71,7 @@ impl From<EngineError> for ServiceError {
             EngineError::QueueFull => ServiceError::QueueFull,
             EngineError::Closed => ServiceError::ShuttingDown,
             EngineError::UnknownDocument(id) => ServiceError::UnknownDocument(id),
+            EngineError::NoAdapter(id) => ServiceError::NoAdapter(id),
             EngineError::ContextLength(c) => ServiceError::PromptTooLong { prompt_tokens: c.prompt, window: c.window },
             EngineError::MemoryFull { .. } => ServiceError::MemoryFull(e.to_string()),
             EngineError::WrongLane => ServiceError::internal(e),

@@ -25,7 +25,7 @@ pub use records::{DocumentView, ErrorMessage};
 
 use crate::document::Document;
 use crate::engine::{AbsorbJob, Engine, EngineError, GenerateJob, GenerateLimits, Job, Lane, Prompt};
-use crate::lift::answer::Mode;
+use crate::lift::answer::{ContextPolicy, Mode};
 use crate::formats::Source;
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
@@ -58,7 +58,8 @@ pub struct ServiceConfig {
     pub max_document_tokens: usize,
     /// Cap on the training one document may plan (tokens through the model, all epochs).
     pub max_training_tokens: u64,
-    /// In-context document budget when answering (None: what fits the window).
+    /// In-context document budget when answering (None: `DEFAULT_CONTEXT_TOKENS`; with the
+    /// `full` policy, what fits the window).
     pub context_tokens: Option<usize>,
     /// Absorb options of a document that sets none.
     pub default_options: AbsorbOptions,
@@ -99,6 +100,10 @@ pub struct Question {
     pub document_id: String,
     pub question: String,
     pub mode: Mode,
+    /// The context policy (None: the mode's default).
+    pub context: Option<ContextPolicy>,
+    /// The in-context budget in tokens (None: the server's).
+    pub context_tokens: Option<usize>,
 }
 
 /// Counts shown by `/metrics`.
@@ -233,7 +238,7 @@ impl Service {
     pub async fn submit(&self, owner: Option<String>, doc: NewDocument) -> Result<Submitted, ServiceError> {
         let NewDocument { text, title, options, source } = doc;
         let model = self.engine.model.clone();
-        let document = tokio::task::spawn_blocking(move || Document::encode(&model, text))
+        let document = tokio::task::spawn_blocking(move || encode_answerable(&model, text))
             .await
             .map_err(ServiceError::internal)?
             .map_err(|e| ServiceError::Untokenizable(format!("{e:#}")))?;
@@ -265,6 +270,7 @@ impl Service {
             Registry::Shared(s) => {
                 let submitted = s.submit(rec, &document.text, self.cfg.train_queue).await?;
                 if let Submitted::Queued(_) = submitted {
+                    self.store.put_live(&id, document);
                     tracing::info!(id, tokens, "document queued (shared queue)");
                 }
                 return Ok(submitted);
@@ -288,6 +294,8 @@ impl Service {
             return Ok(Submitted::Existing(view));
         }
         let entry = DocEntry::new(rec);
+        // Answerable from now on, from its passages.
+        self.store.put_live(&id, document.clone());
         let job = AbsorbJob {
             id: id.clone(),
             document,
@@ -346,7 +354,8 @@ impl Service {
         if store::document_id(&model.info.fingerprint, r.owner.as_deref(), &text, &r.options) != r.id {
             return Err("its text, options or the base model changed".to_string());
         }
-        let document = Document::encode(model, text).map_err(|e| format!("its text cannot be tokenized ({e:#})"))?;
+        let document = encode_answerable(model, text).map_err(|e| format!("its text cannot be tokenized ({e:#})"))?;
+        self.store.put_live(&r.id, document.clone());
         let job = AbsorbJob {
             id: r.id.clone(),
             document,
@@ -421,8 +430,10 @@ impl Service {
 
     // ---------- generation ----------
 
-    /// Queues an answer to `q` about a ready document, after checking, in tokens of the base
-    /// model, that the question and `max_tokens` of answer fit the window.
+    /// Queues an answer to `q` about a document, after checking, in tokens of the base model,
+    /// that the question and `max_tokens` of answer fit the window. A document without its
+    /// adapter yet (queued, training, failed, cancelled) answers from its passages, with the
+    /// latest snapshot of its training when one exists (`memory` mode needs an adapter: 409).
     pub async fn ask(
         &self,
         owner: Option<&str>,
@@ -433,7 +444,7 @@ impl Service {
         self.check_serves()?;
         let (view, blob) = self.lookup(owner, &q.document_id).await?;
         if view.status != Status::Ready {
-            return Err(ServiceError::NotReady { id: q.document_id, status: view.status });
+            self.ensure_live(&q.document_id, &view).await?;
         }
         let model = &self.engine.model;
         let question_tokens = model.tokenizer.encode(&q.question, false).map_err(ServiceError::internal)?.len();
@@ -441,19 +452,49 @@ impl Service {
         let filtered = model.base_filter().is_some() && q.mode.uses_context();
         let needed = crate::lift::answer::min_prompt_tokens(question_tokens, filtered);
         self.check_fits(needed, params.max_tokens)?;
+        let context_tokens = q.context_tokens.or(self.cfg.context_tokens);
+        let ask = crate::lift::answer::Ask {
+            question: &q.question,
+            mode: q.mode,
+            context: q.context,
+            context_tokens,
+        };
         // The KV tokens it may take: its in-context share of the document (with a FltLM
         // layout's markers), the template and question, the answer; never past the window.
-        let context = if q.mode.uses_context() { view.tokens.min(self.cfg.context_tokens.unwrap_or(usize::MAX)) } else { 0 };
+        let budget = match ask.policy() {
+            ContextPolicy::Full => context_tokens.unwrap_or(usize::MAX),
+            _ => context_tokens.unwrap_or(crate::lift::answer::DEFAULT_CONTEXT_TOKENS),
+        };
+        let context = if q.mode.uses_context() { view.tokens.min(budget) } else { 0 };
         let markers = model.base_filter().filter(|_| filtered).map_or(0, |f| context / f.chunk_tokens.max(1) + 1);
         let kv_tokens = (context + markers + needed + params.max_tokens).min(model.config().max_position_embeddings);
         let prompt = Prompt::Document {
             id: q.document_id,
             question: q.question,
             mode: q.mode,
-            context_tokens: self.cfg.context_tokens,
+            context: q.context,
+            context_tokens,
             blob,
         };
         self.generate(prompt, params, kv_tokens, pieces)
+    }
+
+    /// A document without a saved adapter must be in the store's live documents to be answered
+    /// about: with replicas, one that another replica posted is read from the shared queue.
+    async fn ensure_live(&self, id: &str, view: &DocumentView) -> Result<(), ServiceError> {
+        if self.store.live(id).is_some() {
+            return Ok(());
+        }
+        let not_ready = || ServiceError::NotReady { id: id.to_string(), status: view.status };
+        let Registry::Shared(s) = &self.registry else { return Err(not_ready()) };
+        let text = s.job_text(id).await?.ok_or_else(not_ready)?;
+        let model = self.engine.model.clone();
+        let document = tokio::task::spawn_blocking(move || encode_answerable(&model, text))
+            .await
+            .map_err(ServiceError::internal)?
+            .map_err(|e| ServiceError::Untokenizable(format!("{e:#}")))?;
+        self.store.put_live(id, document);
+        Ok(())
     }
 
     /// Queues a chat completion on the base model.
@@ -551,6 +592,13 @@ impl Service {
 }
 
 /// An id that is not a well-formed document id names no document (and never a path).
+/// A posted document tokenized with its passage index made (answers retrieve from it at once).
+pub fn encode_answerable(model: &Model, text: String) -> anyhow::Result<Arc<Document>> {
+    let document = Document::encode(model, text)?;
+    document.passages(model, crate::lift::answer::passage_tokens(model))?;
+    Ok(Arc::new(document))
+}
+
 fn known_shape(id: &str) -> Result<(), ServiceError> {
     if store::valid_id(id) { Ok(()) } else { Err(ServiceError::UnknownDocument(id.to_string())) }
 }

@@ -23,7 +23,6 @@
 
 use super::records::view;
 use super::{DocumentView, ServiceError, Submitted};
-use crate::document::Document;
 use crate::engine::{AbsorbJob, AbsorbOutcome, Engine, Job, JobEvents, JobProgress, JobUpdate};
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
@@ -361,6 +360,14 @@ impl Shared {
         Ok((row.view(), row.blob))
     }
 
+    /// The text of a document whose job has not ended (its row in the queue), for answering
+    /// from its passages before its adapter is published; None once the job has ended.
+    pub async fn job_text(&self, id: &str) -> Result<Option<String>, ServiceError> {
+        let c = self.client().await?;
+        let row = timed(async { c.query_opt("SELECT text FROM jobs WHERE id = $1", &[&id]).await.map_err(db_error) }).await?;
+        Ok(row.map(|r| r.get(0)))
+    }
+
     pub async fn documents(&self, owner: Option<&str>) -> Result<Vec<DocumentView>, ServiceError> {
         let c = self.client().await?;
         let sql = format!("SELECT {DOC_COLUMNS} FROM documents WHERE owner IS NOT DISTINCT FROM $1 ORDER BY seq, id");
@@ -590,10 +597,11 @@ impl Shared {
         if store::document_id(&model.info.fingerprint, rec.owner.as_deref(), &text, &rec.options) != rec.id {
             return Err("its text, options or base model do not match its id (a replica with another base model?)".into());
         }
-        let document = tokio::task::spawn_blocking(move || Document::encode(&model, text))
+        let document = tokio::task::spawn_blocking(move || super::encode_answerable(&model, text))
             .await
             .map_err(|e| e.to_string())?
             .map_err(|e| format!("its text cannot be tokenized ({e:#})"))?;
+        self.store.put_live(&rec.id, document.clone());
         Ok(AbsorbJob {
             id: rec.id,
             document,

@@ -116,7 +116,36 @@ pub struct Recovered {
 pub struct Loaded {
     pub bundle: AdapterBundle,
     pub manifest: Manifest,
-    pub document: Document,
+    pub document: Arc<Document>,
+}
+
+impl Loaded {
+    /// How far the adapter's training went: (steps run, steps planned), from its manifest.
+    pub fn steps(&self) -> (usize, usize) {
+        let t = &self.manifest.training;
+        let steps = t["steps"].as_u64().unwrap_or(0) as usize;
+        (steps, t["planned_steps"].as_u64().map_or(steps, |n| n as usize))
+    }
+}
+
+/// A document that has no saved adapter yet (queued, training, failed or cancelled): it answers
+/// from its passages, and with the latest adapter snapshot its training published.
+pub struct LiveDocument {
+    pub document: Arc<Document>,
+    snapshot: std::sync::RwLock<Option<Arc<Snapshot>>>,
+}
+
+/// An adapter part-way through training, as answers use it.
+pub struct Snapshot {
+    pub adapter: crate::adapters::AnyAdapter,
+    pub step: usize,
+    pub planned_steps: usize,
+}
+
+impl LiveDocument {
+    pub fn snapshot(&self) -> Option<Arc<Snapshot>> {
+        self.snapshot.read().ok().and_then(|s| s.clone())
+    }
 }
 
 /// An adapter to save: the absorbed adapter, its manifest, its document and the auxiliary QA
@@ -124,7 +153,7 @@ pub struct Loaded {
 pub struct NewAdapter {
     pub bundle: AdapterBundle,
     pub manifest: Manifest,
-    pub document: Document,
+    pub document: Arc<Document>,
     pub qa_json: Vec<u8>,
 }
 
@@ -161,7 +190,7 @@ pub fn load_dir(dir: &Path, model: &Model) -> Result<Loaded> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Document::encode(model, text)?,
         Err(e) => return Err(e).with_context(|| format!("{}: cannot read the token ids", dir.display())),
     };
-    Ok(Loaded { bundle, manifest, document })
+    Ok(Loaded { bundle, manifest, document: Arc::new(document) })
 }
 
 #[derive(Default)]
@@ -181,6 +210,8 @@ pub struct Store {
     cache: moka::sync::Cache<String, Arc<Loaded>>,
     pub stats: Arc<CacheStats>,
     blobs: Option<Arc<Blobs>>,
+    /// Documents without a saved adapter that this process can answer about.
+    live: std::sync::RwLock<std::collections::HashMap<String, Arc<LiveDocument>>>,
 }
 
 pub fn now() -> u64 {
@@ -233,7 +264,7 @@ impl Store {
                 }
             })
             .build();
-        Ok(Self { root: root.to_path_buf(), cache, stats, blobs: None })
+        Ok(Self { root: root.to_path_buf(), cache, stats, blobs: None, live: Default::default() })
     }
 
     /// Serves adapters from a shared blob store (this directory becomes its local cache).
@@ -367,6 +398,8 @@ impl Store {
     pub fn save(&self, id: &str, adapter: NewAdapter) -> Result<Arc<Loaded>> {
         let loaded = Arc::new(save_dir(&self.adapter_dir(id), adapter)?);
         self.remove_pending_text(id);
+        // The final adapter replaces the snapshots.
+        self.drop_live(id);
         if self.blobs.is_none() {
             self.cache.insert(id.to_string(), loaded.clone());
         }
@@ -399,8 +432,47 @@ impl Store {
         Ok(loaded)
     }
 
+    /// Makes `document` answerable before its adapter is saved (from when it is posted; kept
+    /// after a failed or cancelled job).
+    pub fn put_live(&self, id: &str, document: Arc<Document>) {
+        if let Ok(mut live) = self.live.write() {
+            live.entry(id.to_string()).or_insert_with(|| Arc::new(LiveDocument { document, snapshot: Default::default() }));
+        }
+    }
+
+    /// The document `id` when it has no saved adapter but can be answered about.
+    pub fn live(&self, id: &str) -> Option<Arc<LiveDocument>> {
+        self.live.read().ok().and_then(|l| l.get(id).cloned())
+    }
+
+    /// The latest snapshot of `id`'s training replaces the one before.
+    pub fn publish_snapshot(&self, id: &str, snapshot: Snapshot) {
+        if let Some(live) = self.live(id) {
+            tracing::info!(id, step = snapshot.step, planned_steps = snapshot.planned_steps, "adapter snapshot published");
+            if let Ok(mut s) = live.snapshot.write() {
+                *s = Some(Arc::new(snapshot));
+            }
+        }
+    }
+
+    /// The job of `id` ended without an adapter: its document still answers from its passages.
+    pub fn drop_snapshot(&self, id: &str) {
+        if let Some(live) = self.live(id) {
+            if let Ok(mut s) = live.snapshot.write() {
+                *s = None;
+            }
+        }
+    }
+
+    fn drop_live(&self, id: &str) {
+        if let Ok(mut live) = self.live.write() {
+            live.remove(id);
+        }
+    }
+
     /// Removes a document's adapter and record from memory and disk.
     pub fn delete(&self, id: &str) -> Result<()> {
+        self.drop_live(id);
         self.cache.invalidate(id);
         let prefix = format!("{id}@");
         let _ = self.cache.invalidate_entries_if(move |k, _| k.starts_with(&prefix));

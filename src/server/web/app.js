@@ -4,11 +4,12 @@
 
 const $ = (id) => document.getElementById(id);
 const KEY_STORE = 'lift-serve.key';
-const MODES = ['lift', 'icl', 'memory'];
+const MODES = ['lift', 'rag', 'icl', 'memory'];
 const MODE_INFO = {
-  lift: 'adapter + document in context',
-  icl: 'baseline: no adapter, same context',
-  memory: 'adapter only, no document text',
+  lift: 'absorbed + the passages that matter',
+  rag: 'the passages that matter, no adapter',
+  icl: 'head and tail of the document, no adapter',
+  memory: 'absorbed only, no document text',
 };
 const TERMINAL = new Set(['ready', 'failed', 'cancelled']);
 
@@ -637,10 +638,11 @@ function renderFigures(d) {
 function renderAskState() {
   const d = state.view;
   const ready = !!d && d.status === 'ready';
-  $('ask-button').disabled = !ready || state.asking;
+  $('ask-button').disabled = !d || state.asking;
   $('chat-doc').textContent = d ? (d.title || d.id) : '';
-  $('ask-hint').textContent = !d ? 'Select a ready document to ask about it.'
-    : ready ? 'Greedy decoding (temperature 0). Ctrl+Enter asks.' : 'The document is ' + d.status + ': it can be asked about once ready.';
+  $('ask-hint').textContent = !d ? 'Select a document to ask about it.'
+    : ready ? 'Greedy decoding (temperature 0). Ctrl+Enter asks.'
+    : 'The document is ' + d.status + ': answers read its passages (with the latest adapter snapshot once training has one) until the adapter is ready.';
 }
 
 function newTurn(question, modes) {
@@ -728,6 +730,12 @@ function renderAnswerMeta(ui, v, wallMs) {
   }
   if (gen) { const s = el('span', 'chip'); s.append(el('b', null, fmtNum(gen)), ' tok/s'); ui.meta.append(s); }
   if (v.finish_reason) ui.meta.append(el('span', 'chip', 'finish: ' + v.finish_reason));
+  if (v.mode && v.mode !== ui.col.dataset.mode) ui.meta.append(el('span', 'chip', 'answered as ' + v.mode));
+  const a = v.adapter;
+  const by = !a ? 'no adapter' : a.step < a.planned_steps ? 'adapter snapshot, step ' + a.step + ' of ' + a.planned_steps : 'absorbed adapter';
+  const chip = el('span', 'chip', by);
+  chip.dataset.testid = 'answered-by';
+  ui.meta.append(chip);
   ui.meta.title = 'round trip ' + Math.round(wallMs) + ' ms';
   const chunks = v.context && v.context.chunks;
   if (chunks && chunks.length) ui.col.append(renderChunks(chunks, !ui.compare));
@@ -760,11 +768,12 @@ async function ask(ev) {
   ev.preventDefault();
   const d = state.view;
   const question = $('question').value.trim();
-  if (!d || d.status !== 'ready' || state.asking) return;
+  if (!d || state.asking) return;
   if (!question) { toast('Type a question first.', 'empty_question'); return; }
   const compare = $('compare').checked;
   const mode = document.querySelector('input[name=mode]:checked').value;
-  const modes = compare ? MODES : [mode];
+  // Before the adapter exists `memory` has nothing to answer with.
+  const modes = compare ? MODES.filter((m) => d.status === 'ready' || m !== 'memory') : [mode];
   const maxTokens = Number($('max-tokens').value) || undefined;
   const uis = newTurn(question, modes);
   state.asking = true;

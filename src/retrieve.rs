@@ -1,0 +1,189 @@
+//! Query-aware context: which of a document's passages an answer shows.
+//!
+//! The passages are the document's sentence-aligned chunks of at most `chunk_tokens` tokens —
+//! the same pieces the prepared base's FltLM filter scores ("FltLM: An Integrated Long-Context
+//! Large Language Model for Effective Context Filtering and Understanding", §4.1) — so a
+//! retrieved passage is one filter chunk in the answer's prompt. First stage: BM25 over the
+//! passages' words (Robertson & Zaragoza's Okapi weighting, k1 = 1.2, b = 0.75). The chosen
+//! passages fill the in-context budget in document order. The index is a pure function of the
+//! document's token ids (stored with every adapter and moved with it between replicas), built
+//! once per loaded document ([`crate::document::Document::passages`]).
+
+use std::collections::HashMap;
+
+/// Okapi BM25's term-frequency saturation and length normalisation.
+const K1: f32 = 1.2;
+const B: f32 = 0.75;
+
+/// Words too common to say which passage a question is about.
+const STOPWORDS: &[&str] = &[
+    "a", "about", "after", "all", "s", "t", "also", "an", "and", "any", "are", "as", "at", "be", "been", "before", "but", "by",
+    "can", "could", "did", "do", "does", "for", "from", "had", "has", "have", "he", "her", "his", "how", "i", "if",
+    "in", "into", "is", "it", "its", "me", "my", "no", "not", "of", "on", "or", "our", "she", "so", "than", "that",
+    "the", "their", "them", "then", "there", "these", "they", "this", "those", "to", "was", "we", "were", "what",
+    "when", "where", "which", "who", "whom", "whose", "why", "will", "with", "would", "you", "your",
+];
+
+/// The index terms of `text`: lower-cased alphanumeric words, stop words dropped, a plural or
+/// possessive `s` removed (so "lanterns" finds "lantern"), numbers kept whole.
+pub fn terms(text: &str) -> Vec<String> {
+    text.split(|c: char| !c.is_alphanumeric())
+        .filter(|w| !w.is_empty())
+        .map(|w| w.to_lowercase())
+        .filter(|w| !STOPWORDS.contains(&w.as_str()))
+        .map(|w| stem(&w).to_string())
+        .collect()
+}
+
+fn stem(w: &str) -> &str {
+    let n = w.len();
+    if n > 3 && w.ends_with('s') && !w.ends_with("ss") && !w.ends_with("us") && !w.ends_with("is") {
+        if w.ends_with("ies") && n > 4 {
+            return &w[..n - 3];
+        }
+        return &w[..n - 1];
+    }
+    w
+}
+
+/// The passages of a document and a BM25 index over their words.
+#[derive(Clone, Debug)]
+pub struct PassageIndex {
+    /// Document token ranges, in order, covering the document.
+    pub passages: Vec<(usize, usize)>,
+    /// Per term: (passage, term frequency).
+    postings: HashMap<String, Vec<(u32, u32)>>,
+    /// Index terms per passage.
+    lengths: Vec<u32>,
+    avg_len: f32,
+}
+
+/// A passage the question matched, with its BM25 score.
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize)]
+pub struct Hit {
+    pub passage: usize,
+    pub score: f32,
+}
+
+impl PassageIndex {
+    /// The index of passages whose texts are `texts` (one per range).
+    pub fn from_texts(passages: Vec<(usize, usize)>, texts: &[String]) -> Self {
+        let mut postings: HashMap<String, Vec<(u32, u32)>> = HashMap::new();
+        let mut lengths = Vec::with_capacity(texts.len());
+        for (i, text) in texts.iter().enumerate() {
+            let words = terms(text);
+            lengths.push(words.len() as u32);
+            let mut counts: HashMap<String, u32> = HashMap::new();
+            for w in words {
+                *counts.entry(w).or_default() += 1;
+            }
+            for (w, tf) in counts {
+                postings.entry(w).or_default().push((i as u32, tf));
+            }
+        }
+        let avg_len = lengths.iter().map(|&l| l as f32).sum::<f32>() / lengths.len().max(1) as f32;
+        Self { passages, postings, lengths, avg_len: avg_len.max(1.0) }
+    }
+
+    pub fn len(&self) -> usize {
+        self.passages.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.passages.is_empty()
+    }
+
+    /// Every passage with a positive BM25 score for `question`, best first (ties: document
+    /// order).
+    pub fn search(&self, question: &str) -> Vec<Hit> {
+        let n = self.passages.len() as f32;
+        let mut scores = vec![0f32; self.passages.len()];
+        let mut query = terms(question);
+        query.sort();
+        query.dedup();
+        for term in &query {
+            let Some(list) = self.postings.get(term) else { continue };
+            let df = list.len() as f32;
+            let idf = (1.0 + (n - df + 0.5) / (df + 0.5)).ln();
+            for &(p, tf) in list {
+                let tf = tf as f32;
+                let norm = K1 * (1.0 - B + B * self.lengths[p as usize] as f32 / self.avg_len);
+                scores[p as usize] += idf * tf * (K1 + 1.0) / (tf + norm);
+            }
+        }
+        let mut hits: Vec<Hit> =
+            scores.into_iter().enumerate().filter(|(_, s)| *s > 0.0).map(|(passage, score)| Hit { passage, score }).collect();
+        hits.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.passage.cmp(&b.passage)));
+        hits
+    }
+
+    /// The passages to show for a ranking (`ranked`, best first): as many as fit `budget`
+    /// tokens, taken in rank order (a passage that does not fit is skipped for a smaller one
+    /// after it), returned in document order. When the ranking leaves room, the document's
+    /// first passages fill it (what head-and-tail truncation would have shown first).
+    pub fn select(&self, ranked: &[usize], budget: usize) -> Vec<usize> {
+        let mut chosen = vec![false; self.passages.len()];
+        let mut used = 0;
+        let fill = ranked.iter().copied().chain(0..self.passages.len());
+        for p in fill {
+            if chosen[p] {
+                continue;
+            }
+            let (a, b) = self.passages[p];
+            if used + (b - a) <= budget {
+                chosen[p] = true;
+                used += b - a;
+            }
+        }
+        (0..self.passages.len()).filter(|&p| chosen[p]).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn index(texts: &[&str]) -> PassageIndex {
+        let mut at = 0;
+        let ranges = texts
+            .iter()
+            .map(|t| {
+                let r = (at, at + t.split_whitespace().count());
+                at = r.1;
+                r
+            })
+            .collect();
+        PassageIndex::from_texts(ranges, &texts.iter().map(|t| t.to_string()).collect::<Vec<_>>())
+    }
+
+    #[test]
+    fn terms_drop_stopwords_and_plurals() {
+        assert_eq!(terms("What colour are the Lanterns of Vell's harbour?"), ["colour", "lantern", "vell", "harbour"]);
+        assert_eq!(terms("the 2012 class, glass and bus"), ["2012", "class", "glass", "bus"]);
+    }
+
+    #[test]
+    fn the_passage_with_the_rare_words_ranks_first() {
+        let idx = index(&[
+            "The town sits on a river and the river floods in spring.",
+            "The lighthouse keeper of Port Vell paints the lanterns green every autumn.",
+            "Every town has a keeper of records and a keeper of keys.",
+            "The river town trades wool and grain with the coast.",
+        ]);
+        let hits = idx.search("What colour does the Port Vell keeper paint the lanterns?");
+        assert_eq!(hits[0].passage, 1, "{hits:?}");
+        assert!(hits.iter().all(|h| h.score > 0.0));
+        assert!(idx.search("zebra quantum").is_empty());
+    }
+
+    #[test]
+    fn selection_fills_the_budget_in_document_order() {
+        let idx = index(&["a b c d", "e f g", "h i j k l", "m n", "o p q"]);
+        // Ranked 3, 1: 2 + 3 tokens, then the head fills what is left (passage 0: 4 tokens).
+        assert_eq!(idx.select(&[3, 1], 9), vec![0, 1, 3]);
+        // Passage 2 (5 tokens) does not fit after 3 and 1; passage 4 (3) does.
+        assert_eq!(idx.select(&[3, 1, 2, 4], 8), vec![1, 3, 4]);
+        assert_eq!(idx.select(&[], 100), vec![0, 1, 2, 3, 4]);
+        assert!(idx.select(&[2], 1).is_empty());
+    }
+}
