@@ -216,6 +216,19 @@ async fn a_document_posted_to_one_replica_is_trained_by_another_and_answered_by_
     let (s, d) = post(&trainer.url("/documents"), body, "key-one").await;
     assert_eq!((s, d["id"].as_str(), d["status"].as_str()), (StatusCode::OK, Some(id.as_str()), Some("ready")), "{d}");
 
+    // A document posted to the trainer answers on the server from the first second, from its
+    // passages (the server reads its text from the shared queue), before any adapter exists.
+    let long = json!({"text": DOC.repeat(2), "title": "velmora-long", "options": {"epochs": [50, 50]}});
+    let (s, d) = post(&trainer.url("/documents"), long, "key-one").await;
+    assert_eq!(s, 202, "{d}");
+    let long_id = d["id"].as_str().unwrap().to_string();
+    let (s, a) = ask(&server, &long_id, "key-one").await;
+    assert_eq!(s, 200, "{a}");
+    assert_eq!(a["mode"], "rag", "{a}");
+    assert!(a["adapter"].is_null(), "{a}");
+    let resp = client().delete(server.url(&format!("/documents/{long_id}"))).bearer_auth("key-one").send().await.unwrap();
+    assert_eq!(resp.status(), 204);
+
     // Deleted on one replica: gone on both, its archive too.
     let resp = client().delete(trainer.url(&format!("/documents/{id}"))).bearer_auth("key-one").send().await.unwrap();
     assert_eq!(resp.status(), 204);

@@ -655,6 +655,8 @@ async fn a_document_answers_from_the_first_second() {
     let (s, a) = post_json(&c, &format!("{base}/v1/chat/completions"),
         json!({"model": id, "messages": [{"role": "user", "content": "Who built the harbor?"}], "max_tokens": 4}), None).await;
     assert_eq!(s, 200, "chat with a queued document: {a}");
+    assert_eq!(a["lift"]["mode"], "rag", "{a}");
+    assert!(a["lift"]["adapter"].is_null(), "{a}");
     let (s, a) = post_json(&c, &format!("{base}/ask"), ask("memory"), None).await;
     assert_eq!(s, 409, "{a}");
     drop(hold);

@@ -723,6 +723,18 @@ pub struct ChatCompletion {
     pub model: String,
     pub choices: Vec<ChatChoice>,
     pub usage: ChatUsage,
+    /// lift-serve's extension, for a document model: the mode it was answered in and the
+    /// adapter that answered (as in `/ask`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lift: Option<ChatLift>,
+}
+
+/// How a document model's chat completion was answered.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct ChatLift {
+    #[schema(value_type = String)]
+    pub mode: Mode,
+    pub adapter: Option<AnsweredBy>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]

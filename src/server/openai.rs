@@ -1,7 +1,7 @@
 //! OpenAI-compatible `/v1/models` and `/v1/chat/completions`.
 
 use super::api::{
-    self, finish_reason, Body as BodyKind, ChatChoice, ChatChunk, ChatCompletion, ChatMessageOut, ChatRequest,
+    self, finish_reason, AnsweredBy, Body as BodyKind, ChatChoice, ChatLift, ChatChunk, ChatCompletion, ChatMessageOut, ChatRequest,
     ChatTarget, ChatUsage, ChunkChoice, Delta, List, ModelCard, ValidChat,
 };
 use super::error::{ApiError, ApiResult, Params};
@@ -112,6 +112,10 @@ impl Completion {
                 finish_reason: finish_reason(r.finish_reason),
             }],
             usage: ChatUsage::new(r.prompt_tokens, r.completion_tokens),
+            lift: r.mode.map(|mode| ChatLift {
+                mode,
+                adapter: r.adapter.map(|(step, planned_steps)| AnsweredBy { step, planned_steps }),
+            }),
         }
     }
 
