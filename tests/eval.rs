@@ -190,8 +190,8 @@ fn config(methods: &[&str], server: Option<String>) -> RunConfig {
 }
 
 fn check_results(results: &eval::Results, docs: usize, questions: usize) {
-    assert_eq!(results.answers.len(), questions * 3);
-    // lift and memory share one adapter per document; icl needs none.
+    assert_eq!(results.answers.len(), questions * 4);
+    // lift and memory share one adapter per document; icl and rag need none.
     assert_eq!(results.absorbs.len(), docs);
     for a in &results.absorbs {
         assert_eq!(a.methods, vec!["lift".to_string(), "memory".to_string()]);
@@ -216,12 +216,12 @@ fn check_results(results: &eval::Results, docs: usize, questions: usize) {
         assert_eq!(s, a.scores);
         assert!(a.in_window.is_some());
     }
-    // Prompt lengths: memory has no document, lift and icl the same context.
+    // Prompt lengths: memory has no document, lift and rag the same (retrieved) context.
     let get = |doc: &str, q: &str, m: &str| {
         results.answers.iter().find(|a| a.document == doc && a.question == q && a.method == m).unwrap().prompt_tokens
     };
     let a = &results.answers[0];
-    assert_eq!(get(&a.document, &a.question, "lift"), get(&a.document, &a.question, "icl"));
+    assert_eq!(get(&a.document, &a.question, "lift"), get(&a.document, &a.question, "rag"));
     assert!(get(&a.document, &a.question, "memory") + 40 < get(&a.document, &a.question, "icl"));
 }
 
@@ -243,8 +243,8 @@ fn local_backend_absorbs_and_answers_through_the_prepared_bases_filter() {
     for m in [&plain, &model] {
         let mut local = Local::new(m, Some(200), 4);
         let (_, handle) = local.absorb(&doc, &tokens, &o, &mut |_, _, _| {}).unwrap();
-        let (_, lift_len) = local.ask(&doc, &tokens, Some(handle), q, Mode::Lift, Some(ContextPolicy::Full)).unwrap();
-        let (_, icl_len) = local.ask(&doc, &tokens, None, q, Mode::Icl, Some(ContextPolicy::Full)).unwrap();
+        let (_, lift_len) = local.ask(&doc, &tokens, Some(handle), q, Mode::Lift, Some(ContextPolicy::HeadTail)).unwrap();
+        let (_, icl_len) = local.ask(&doc, &tokens, None, q, Mode::Icl, Some(ContextPolicy::HeadTail)).unwrap();
         lens.push((lift_len, icl_len));
     }
     // Without a base, `lift` has exactly the `icl` prompt; the base's filter layout repeats the
@@ -256,7 +256,7 @@ fn local_backend_absorbs_and_answers_through_the_prepared_bases_filter() {
 
     // The whole run over the base: questions are labelled by the prompt the answers use (the
     // run stops on any prompt that differs from the labelled one).
-    let cfg = config(&["icl", "lift", "memory"], None);
+    let cfg = config(&["icl", "lift", "memory", "rag"], None);
     let mut backend = Local::new(&model, cfg.context_tokens, cfg.max_tokens);
     let results = eval::run(&model, &mut backend, vec![doc.clone()], &cfg, false, &mut |_| Ok(())).unwrap();
     check_results(&results, 1, doc.questions.len());
@@ -270,7 +270,7 @@ fn eval_runs_every_method_and_writes_the_report_on_the_tiny_model() {
     let docs = tiny_docs(&model);
     let n_q: usize = docs.iter().map(|d| d.questions.len()).sum();
     assert_eq!(n_q, 6);
-    let cfg = config(&["icl", "lift", "memory"], None);
+    let cfg = config(&["icl", "lift", "memory", "rag"], None);
     let mut backend = Local::new(&model, cfg.context_tokens, cfg.max_tokens);
     let mut partial = Vec::new();
     let results = eval::run(&model, &mut backend, docs, &cfg, false, &mut |r| {
@@ -278,7 +278,7 @@ fn eval_runs_every_method_and_writes_the_report_on_the_tiny_model() {
         Ok(())
     })
     .unwrap();
-    assert_eq!(partial, vec![(1, 9), (2, 18)], "results after each document");
+    assert_eq!(partial, vec![(1, 12), (2, 24)], "results after each document");
     check_results(&results, 2, n_q);
     // Both labels occur with a 200-token window on 500–700-token documents.
     assert!(results.answers.iter().any(|a| a.in_window == Some(true)));
@@ -360,7 +360,7 @@ fn eval_through_a_real_server_socket_measures_the_serving_path() {
     let url = format!("http://{}", running.addr);
     let docs = tiny_docs(&model);
     let n_q: usize = docs.iter().map(|d| d.questions.len()).sum();
-    let cfg = config(&["icl", "lift", "memory"], Some(url.clone()));
+    let cfg = config(&["icl", "lift", "memory", "rag"], Some(url.clone()));
     let mut backend = eval::client::Server::new(&url, None, cfg.max_tokens).unwrap();
     let results = eval::run(&model, &mut backend, docs.clone(), &cfg, false, &mut |_| Ok(())).unwrap();
     check_results(&results, 2, n_q);
@@ -368,7 +368,7 @@ fn eval_through_a_real_server_socket_measures_the_serving_path() {
     // The same documents in-process give the same greedy answers (same options and seed).
     let mut local = Local::new(&model, cfg.context_tokens, cfg.max_tokens);
     let here =
-        eval::run(&model, &mut local, docs.clone(), &config(&["icl", "lift", "memory"], None), false, &mut |_| Ok(()))
+        eval::run(&model, &mut local, docs.clone(), &config(&["icl", "lift", "memory", "rag"], None), false, &mut |_| Ok(()))
             .unwrap();
     for (a, b) in results.answers.iter().zip(&here.answers) {
         assert_eq!((&a.document, &a.question, &a.method), (&b.document, &b.question, &b.method));
