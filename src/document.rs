@@ -63,12 +63,8 @@ impl Document {
             return Ok(std::borrow::Cow::Owned(self.index_passages(model, chunk_tokens)?));
         }
         let idx = self.index_passages(model, chunk_tokens)?;
-        let (c, idx) = self.passages.get_or_init(|| (chunk_tokens, idx));
-        if *c == chunk_tokens {
-            Ok(std::borrow::Cow::Borrowed(idx))
-        } else {
-            Ok(std::borrow::Cow::Owned(self.index_passages(model, chunk_tokens)?))
-        }
+        let _ = self.passages.set((chunk_tokens, idx));
+        self.passages(model, chunk_tokens)
     }
 
     fn index_passages(&self, model: &Model, chunk_tokens: usize) -> Result<PassageIndex> {

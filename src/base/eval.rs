@@ -190,18 +190,6 @@ pub struct Paired {
     pub p_value: f64,
 }
 
-/// McNemar's exact test: two-sided binomial p for `b` vs `c` discordant pairs (p = ½).
-pub fn mcnemar_exact(b: usize, c: usize) -> f64 {
-    let n = b + c;
-    if n == 0 {
-        return 1.0;
-    }
-    // P(X ≤ min(b, c)) for X ~ Bin(n, ½), doubled, in logs (n can be a few hundred).
-    let ln_choose = |k: usize| -> f64 { (1..=k).map(|i| ((n - k + i) as f64 / i as f64).ln()).sum() };
-    let tail: f64 = (0..=b.min(c)).map(|k| (ln_choose(k) - n as f64 * std::f64::consts::LN_2).exp()).sum();
-    (2.0 * tail).min(1.0)
-}
-
 /// The figures of each arm (`records` in the same question order for every arm).
 pub fn summarize(arms: &[(String, Vec<ReadingRecord>, f64)]) -> Vec<ArmSummary> {
     let first = arms.first();
@@ -229,7 +217,7 @@ pub fn summarize(arms: &[(String, Vec<ReadingRecord>, f64)]) -> Vec<ArmSummary> 
                     only_this,
                     only_that,
                     points: 100.0 * (only_this as f64 - only_that as f64) / recs.len().max(1) as f64,
-                    p_value: mcnemar_exact(only_this, only_that),
+                    p_value: metrics::mcnemar_exact(only_this, only_that),
                 }
             });
             ArmSummary {
@@ -276,14 +264,14 @@ mod tests {
 
     #[test]
     fn mcnemar_matches_the_binomial_tail() {
-        assert_eq!(mcnemar_exact(0, 0), 1.0);
+        assert_eq!(metrics::mcnemar_exact(0, 0), 1.0);
         // 0 of 5 discordant pairs the other way: 2 · (1/32).
-        assert!((mcnemar_exact(5, 0) - 0.0625).abs() < 1e-12);
+        assert!((metrics::mcnemar_exact(5, 0) - 0.0625).abs() < 1e-12);
         // 1 vs 9: 2 · (1 + 10) / 1024.
-        assert!((mcnemar_exact(9, 1) - 22.0 / 1024.0).abs() < 1e-12);
-        assert_eq!(mcnemar_exact(4, 4), 1.0);
+        assert!((metrics::mcnemar_exact(9, 1) - 22.0 / 1024.0).abs() < 1e-12);
+        assert_eq!(metrics::mcnemar_exact(4, 4), 1.0);
         // Large n stays finite: 60 vs 140 is far beyond chance.
-        let p = mcnemar_exact(140, 60);
+        let p = metrics::mcnemar_exact(140, 60);
         assert!(p > 0.0 && p < 1e-7, "{p}");
     }
 }

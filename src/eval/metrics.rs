@@ -86,6 +86,18 @@ pub fn score(prediction: &str, answers: &[String]) -> Scores {
     Scores { em: best(exact_match), f1: best(f1), contains: best(contains) }
 }
 
+/// McNemar's exact test: two-sided binomial p for `b` vs `c` discordant pairs (p = ½).
+pub fn mcnemar_exact(b: usize, c: usize) -> f64 {
+    let n = b + c;
+    if n == 0 {
+        return 1.0;
+    }
+    // P(X ≤ min(b, c)) for X ~ Bin(n, ½), doubled, in logs (n can be a few hundred).
+    let ln_choose = |k: usize| -> f64 { (1..=k).map(|i| ((n - k + i) as f64 / i as f64).ln()).sum() };
+    let tail: f64 = (0..=b.min(c)).map(|k| (ln_choose(k) - n as f64 * std::f64::consts::LN_2).exp()).sum();
+    (2.0 * tail).min(1.0)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

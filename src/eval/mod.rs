@@ -718,8 +718,11 @@ mod tests {
         let base = AbsorbOptions::default();
         for (name, _) in METHODS {
             let m = method(name, &base, 30).unwrap();
-            assert_eq!(m.absorb.is_none(), *name == "icl", "{name}");
+            assert_eq!(m.absorb.is_none(), ["icl", "rag"].contains(name), "{name}");
         }
+        let h = method("lift:head_tail", &base, 30).unwrap();
+        assert_eq!((h.mode, h.context, h.absorb.is_some()), (Mode::Lift, Some(ContextPolicy::HeadTail), true));
+        assert!(method("lift:everything", &base, 30).is_err() && method("memory:full", &base, 30).is_err());
         assert_eq!(method("memory", &base, 30).unwrap().mode, Mode::Memory);
         // FltLM and CDT belong to the prepared base, not to a method.
         assert!(method("lift+filter", &base, 30).is_err() && method("lift+cdt", &base, 30).is_err());

@@ -122,22 +122,9 @@ fn paired_tables(s: &mut String, results: &Results) {
         }
         let share = if base_steps > 0 { format!("{steps} ({:.0}%)", 100.0 * steps as f64 / base_steps as f64) } else { "–".into() };
         let fmt = |c: [usize; 4]| format!("{} / {} / {} / {}", c[0], c[1], c[2], c[3]);
-        let p = mcnemar_p(cells[0][1] + cells[1][1], cells[0][2] + cells[1][2]);
+        let p = super::metrics::mcnemar_exact(cells[0][1] + cells[1][1], cells[0][2] + cells[1][2]);
         let _ = writeln!(s, "| {m} | {} | {} | {share} | {secs:.0} | {} | {p:.3} |", fmt(cells[0]), fmt(cells[1]), per_doc.join(", "));
     }
-}
-
-/// McNemar's exact test: the two-sided binomial p-value of `b` questions only one method got
-/// right against `c` only the other did (under the null each discordant pair is a fair coin).
-pub fn mcnemar_p(b: usize, c: usize) -> f64 {
-    let n = b + c;
-    if n == 0 {
-        return 1.0;
-    }
-    // P(X <= min(b, c)) for X ~ Binomial(n, 1/2), in logs (n can be in the hundreds).
-    let ln_choose = |k: usize| -> f64 { (1..=k).map(|i| ((n - k + i) as f64 / i as f64).ln()).sum() };
-    let tail: f64 = (0..=b.min(c)).map(|k| (ln_choose(k) - n as f64 * std::f64::consts::LN_2).exp()).sum();
-    (2.0 * tail).min(1.0)
 }
 
 /// Method `m`'s row of the summary table.
@@ -396,7 +383,6 @@ pub fn loss_plot(results: &Results, path: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::super::{AbsorbRecord, Results, RunConfig};
-    use super::mcnemar_p;
 
     fn config(methods: Vec<String>) -> RunConfig {
         RunConfig { methods, context_tokens: None, max_tokens: 8, absorb: Default::default(), needles: None, jsonl: None, server: None }
@@ -430,17 +416,6 @@ mod tests {
 
     /// Two runs of one document with different methods merge into one report, and the second
     /// method is paired by question against the first.
-    #[test]
-    fn mcnemar_matches_the_binomial_tail() {
-        assert_eq!(mcnemar_p(0, 0), 1.0);
-        assert_eq!(mcnemar_p(3, 3), 1.0);
-        // 0 of 6 discordant pairs one way: 2 * 0.5^6.
-        assert!((mcnemar_p(6, 0) - 2.0 / 64.0).abs() < 1e-12);
-        // 1 of 10: 2 * (1 + 10) / 1024.
-        assert!((mcnemar_p(1, 9) - 22.0 / 1024.0).abs() < 1e-12);
-        assert!(mcnemar_p(40, 60) > 0.05 && mcnemar_p(30, 70) < 0.001);
-    }
-
     #[test]
     fn merged_runs_are_paired_by_question() {
         use super::super::{AnswerRecord, EvalDocument};
