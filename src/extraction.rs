@@ -57,7 +57,7 @@ pub fn run_worker(filename: Option<&str>, media_type: Option<&str>, limits: &Lim
             text: None,
             title: None,
             source: None,
-            format: None,
+            format: formats::format_of(&bytes, filename, media_type),
             error: Some(WorkerError { status: e.status(), code: e.code().to_string(), message: e.to_string() }),
             peak_rss_bytes: peak_rss_bytes(),
         },

@@ -204,6 +204,15 @@ pub fn extract(bytes: &[u8], filename: Option<&str>, media_type: Option<&str>) -
     extract_with(bytes, filename, media_type, &Limits::default())
 }
 
+/// The format an upload is read as, decided as [`extract`] decides it (None: none we read).
+pub fn format_of(bytes: &[u8], filename: Option<&str>, media_type: Option<&str>) -> Option<Format> {
+    let declared = match media_type {
+        Some(m) => Format::from_media_type(m)?,
+        None => None,
+    };
+    declared.or_else(|| filename.and_then(Format::from_extension)).or_else(|| Format::sniff(bytes))
+}
+
 /// [`extract`] under the given budgets.
 pub fn extract_with(
     bytes: &[u8],
