@@ -487,8 +487,10 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
         default_options: default_options.clone(),
         shared: cfg.shared()?,
     };
-    let service = Service::open(model.clone(), service_cfg, metrics.clone())?;
+    // Before the service opens (a replica starts its background work there): a missing worker
+    // binary fails the start at once.
     let extractor = crate::extraction::Extractor::new(cfg.extraction()?, metrics.clone());
+    let service = Service::open(model.clone(), service_cfg, metrics.clone())?;
     let limits = api::GenerationLimits {
         max_question_chars: cfg.max_question_chars,
         max_tokens_limit: cfg.max_tokens_limit,
@@ -549,8 +551,8 @@ impl Running {
     /// event, let in-flight requests finish for up to `drain_secs`, close the connections, stop
     /// the engine. Returns within `drain_secs` and half a second whatever is running: a training
     /// step or generation still running then (a step is not interruptible; the job's cancel flag
-    /// is read between steps) is abandoned, and said so in the log; the job stays recorded as
-    /// training and is re-queued by the next start, as after a crash.
+    /// is read between steps) is abandoned, and said so in the log; its job is re-queued by the
+    /// next start.
     pub async fn shutdown(mut self) {
         begin_shutdown(&self.state);
         let cfg = &self.state.cfg;
