@@ -424,6 +424,12 @@ const HTML_SELF_ENDING: &[&str] = &[
     "p", "li", "td", "th", "tr", "dt", "dd", "option", "optgroup", "thead", "tbody", "tfoot", "colgroup", "rb", "rt",
     "rp", "rtc", "html", "head", "body",
 ];
+/// HTML elements that end the `<svg>` or `<math>` they appear in.
+const HTML_BREAKOUT: &[&str] = &[
+    "b", "big", "blockquote", "body", "br", "center", "code", "dd", "div", "dl", "dt", "em", "embed", "h1", "h2", "h3",
+    "h4", "h5", "h6", "head", "hr", "i", "img", "li", "listing", "menu", "meta", "nobr", "ol", "p", "pre", "ruby", "s",
+    "small", "span", "strong", "strike", "sub", "sup", "table", "tt", "u", "ul", "var",
+];
 /// Elements whose content is raw text up to their end tag.
 const HTML_RAW_TEXT: &[&str] = &["script", "style", "textarea", "title", "xmp", "iframe", "noembed", "noframes"];
 
@@ -439,7 +445,8 @@ fn html_depth(html: &[u8], max: u64) -> Result<(), u64> {
     while let Some(lt) = html[i.min(html.len())..].iter().position(|&b| b == b'<').map(|p| p + i) {
         i = lt + 1;
         if html[i..].starts_with(b"!--") {
-            i = find(i + 3, b"-->").map_or(html.len(), |p| p + 3);
+            // From the first dash: `<!-->` and `<!--->` are whole (empty) comments to a parser.
+            i = find(i + 1, b"-->").map_or(html.len(), |p| p + 3);
             continue;
         }
         let closing = html.get(i) == Some(&b'/');
@@ -467,6 +474,15 @@ fn html_depth(html: &[u8], max: u64) -> Result<(), u64> {
             close.extend_from_slice(name.as_bytes());
             i = find(i, &close).unwrap_or(html.len());
             continue;
+        }
+        if foreign > 0 && HTML_BREAKOUT.contains(&name.as_str()) {
+            // An HTML element ends the `<svg>` / `<math>` it appears in: it and what follows are HTML.
+            while let Some(n) = open.pop() {
+                if n == "svg" || n == "math" {
+                    foreign -= 1;
+                    break;
+                }
+            }
         }
         if HTML_VOID.contains(&name.as_str()) || HTML_SELF_ENDING.contains(&name.as_str()) || (self_closing && foreign > 0) {
             continue;
@@ -860,6 +876,15 @@ mod budget_tests {
         // Stray end tags close nothing (a parser ignores them too), so they do not hide depth.
         let e = refused(&b"<span></x>".repeat(1000), "stray.html");
         assert_eq!(e.code(), "document_too_complex", "{e}");
+        // Found by the fuzzer (extract_html): `<!-->` is a whole comment, not the start of one
+        // that hides the rest of the page from the scan.
+        let e = refused(&[&b"<!-->"[..], &b"<div>".repeat(1000)].concat(), "comment.html");
+        assert_eq!(e.code(), "document_too_complex", "{e}");
+        let e = refused(&[&b"<!--->"[..], &b"<div>".repeat(1000)].concat(), "comment.html");
+        assert_eq!(e.code(), "document_too_complex", "{e}");
+        // An HTML element ends the <svg> it is in: `<x/>` opens elements again after it.
+        let e = refused(&[&b"<svg><b>"[..], &b"<q/>".repeat(1000)].concat(), "svg.html");
+        assert_eq!(e.code(), "document_too_complex", "{e}");
         let e = refused(&hostile::deep_markdown_list(100_000), "list.md");
         assert_eq!(e.code(), "document_too_complex", "{e}");
         let e = refused(&b"> ".repeat(1000), "quote.md");
@@ -904,6 +929,18 @@ mod budget_tests {
         let e = extract_with(&small, Some("small.pdf"), None, &limits).unwrap_err();
         assert_eq!(e.code(), "decompression_limit", "{e}");
         assert!(e.to_string().contains("all streams"), "{e}");
+    }
+
+    /// Inputs the fuzzer found that panic inside the PDF text extractor: contained, each is that
+    /// file's `unreadable_pdf`.
+    #[test]
+    fn fuzz_crashes_stay_the_files_errors() {
+        let crash = include_bytes!("../fuzz/regressions/extract_pdf/crash-944709c2dd82d9f0a3a0e37c1896568cae2447f3");
+        let e = extract(crash, Some("crash.pdf"), None).unwrap_err();
+        assert_eq!(e.code(), "unreadable_pdf", "{e}");
+        // A slow unit (15 s under the fuzzer's sanitizers): a page nested 15,000 deep behind `<!-->`.
+        let slow = include_bytes!("../fuzz/regressions/extract_html/slow-unit-b4b2d85f7e602bd23bc0b42129cf1b3b23d44e03");
+        assert_eq!(refused(slow, "slow.html").code(), "document_too_complex");
     }
 
     #[test]
