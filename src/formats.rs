@@ -224,15 +224,10 @@ pub fn extract_with(
         Some(f) => format!("'{f}'"),
         None => "the body".to_string(),
     };
-    let declared = match media_type {
-        Some(m) => match Format::from_media_type(m) {
-            Some(f) => f,
-            None => return Err(ExtractError::Unsupported { what: format!("{what} ({m})") }),
-        },
-        None => None,
-    };
-    let by_name = filename.and_then(Format::from_extension);
-    let format = match declared.or(by_name).or_else(|| Format::sniff(bytes)) {
+    if let Some(m) = media_type.filter(|m| Format::from_media_type(m).is_none()) {
+        return Err(ExtractError::Unsupported { what: format!("{what} ({m})") });
+    }
+    let format = match format_of(bytes, filename, media_type) {
         Some(f) => f,
         None => {
             let kind = if filename.is_some_and(|f| f.contains('.')) { " (by its name and contents)" } else { "" };
