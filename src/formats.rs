@@ -121,6 +121,15 @@ pub enum ExtractError {
     UnreadablePdf { what: String, detail: String },
     #[error("no text could be extracted from {what}{pages}: {hint}")]
     NoText { what: String, pages: String, hint: &'static str },
+    /// A size budget: the upload's bytes or the extracted text's characters.
+    #[error("{what} is too large: its {limit} reached {value}; the limit is {max}")]
+    TooLarge { what: String, limit: &'static str, value: u64, max: u64 },
+    /// A structure budget: nesting depth, objects, pages.
+    #[error("{what} is too complex to read: its {limit} reached {value}; the limit is {max}")]
+    TooComplex { what: String, limit: &'static str, value: u64, max: u64 },
+    /// A compressed stream (or all of them together) inflates past its budget.
+    #[error("{what} inflates past the decompression limit: {limit} passed {max} bytes (stopped at {value})")]
+    Decompression { what: String, limit: &'static str, value: u64, max: u64 },
 }
 
 impl ExtractError {
@@ -132,6 +141,58 @@ impl ExtractError {
             ExtractError::EncryptedPdf { .. } => "encrypted_pdf",
             ExtractError::UnreadablePdf { .. } => "unreadable_pdf",
             ExtractError::NoText { .. } => "no_text",
+            ExtractError::TooLarge { .. } => "document_too_large",
+            ExtractError::TooComplex { .. } => "document_too_complex",
+            ExtractError::Decompression { .. } => "decompression_limit",
+        }
+    }
+
+    /// The HTTP status of the refusal.
+    pub fn status(&self) -> u16 {
+        match self {
+            ExtractError::Unsupported { .. } => 415,
+            ExtractError::NotUtf8 { .. } => 400,
+            ExtractError::TooLarge { .. } | ExtractError::Decompression { .. } => 413,
+            _ => 422,
+        }
+    }
+}
+
+/// Budgets every extraction runs under, enforced where the work happens: the input is measured
+/// before parsing, nesting is measured by a cheap scan before a parser sees the bytes, every
+/// compressed PDF stream is inflated through a bounded reader before the text extractor touches
+/// it, and the output is counted as it grows. (Wall time and memory are the extraction worker's:
+/// `crate::extraction`.)
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Limits {
+    /// Bytes of the upload.
+    pub max_input_bytes: u64,
+    /// Nesting depth: HTML elements, Markdown containers (lists, quotes), PDF arrays and
+    /// dictionaries.
+    pub max_depth: u64,
+    /// Bytes one compressed PDF stream may inflate to.
+    pub max_stream_bytes: u64,
+    /// Bytes all compressed PDF streams together may inflate to.
+    pub max_inflated_bytes: u64,
+    /// PDF objects.
+    pub max_objects: u64,
+    /// PDF pages.
+    pub max_pages: u64,
+    /// Characters of extracted text.
+    pub max_output_chars: u64,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_input_bytes: 64 << 20,
+            max_depth: 256,
+            max_stream_bytes: 8 << 20,
+            max_inflated_bytes: 32 << 20,
+            max_objects: 200_000,
+            max_pages: 5_000,
+            max_output_chars: 8_000_000,
         }
     }
 }
@@ -140,38 +201,65 @@ impl ExtractError {
 /// one, else from the file name's extension, else from the bytes (a declared PDF that is not one
 /// is refused as unreadable rather than read as something else).
 pub fn extract(bytes: &[u8], filename: Option<&str>, media_type: Option<&str>) -> Result<Extracted, ExtractError> {
+    extract_with(bytes, filename, media_type, &Limits::default())
+}
+
+/// The format an upload is read as, decided as [`extract`] decides it (None: none we read).
+pub fn format_of(bytes: &[u8], filename: Option<&str>, media_type: Option<&str>) -> Option<Format> {
+    let declared = match media_type {
+        Some(m) => Format::from_media_type(m)?,
+        None => None,
+    };
+    declared.or_else(|| filename.and_then(Format::from_extension)).or_else(|| Format::sniff(bytes))
+}
+
+/// [`extract`] under the given budgets.
+pub fn extract_with(
+    bytes: &[u8],
+    filename: Option<&str>,
+    media_type: Option<&str>,
+    limits: &Limits,
+) -> Result<Extracted, ExtractError> {
     let what = match filename {
         Some(f) => format!("'{f}'"),
         None => "the body".to_string(),
     };
-    let declared = match media_type {
-        Some(m) => match Format::from_media_type(m) {
-            Some(f) => f,
-            None => return Err(ExtractError::Unsupported { what: format!("{what} ({m})") }),
-        },
-        None => None,
-    };
-    let by_name = filename.and_then(Format::from_extension);
-    let format = match declared.or(by_name).or_else(|| Format::sniff(bytes)) {
+    if let Some(m) = media_type.filter(|m| Format::from_media_type(m).is_none()) {
+        return Err(ExtractError::Unsupported { what: format!("{what} ({m})") });
+    }
+    let format = match format_of(bytes, filename, media_type) {
         Some(f) => f,
         None => {
             let kind = if filename.is_some_and(|f| f.contains('.')) { " (by its name and contents)" } else { "" };
             return Err(ExtractError::Unsupported { what: format!("{what}{kind}") });
         }
     };
+    let over = |limit, value: u64, max: u64| (value > max).then(|| ExtractError::TooLarge { what: what.clone(), limit, value, max });
+    if let Some(e) = over("size in bytes", bytes.len() as u64, limits.max_input_bytes) {
+        return Err(e);
+    }
+    let too_deep = |depth: u64| ExtractError::TooComplex { what: what.clone(), limit: "nesting depth", value: depth, max: limits.max_depth };
     let (text, title, pages, extraction) = match format {
         Format::Text => (utf8(bytes, &what)?.to_string(), None, None, AS_SENT.to_string()),
-        Format::Markdown => (markdown_to_text(utf8(bytes, &what)?), None, None, "Markdown rendered to plain text (pulldown-cmark)".into()),
+        Format::Markdown => {
+            let md = utf8(bytes, &what)?;
+            markdown_depth(md, limits.max_depth).map_err(too_deep)?;
+            (markdown_to_text(md), None, None, "Markdown rendered to plain text (pulldown-cmark)".into())
+        }
         Format::Html => {
+            html_depth(bytes, limits.max_depth).map_err(too_deep)?;
             let (text, title) = html_to_text(&String::from_utf8_lossy(bytes));
             (text, title, None, "HTML text, scripts and styles dropped (scraper)".into())
         }
         Format::Pdf => {
-            let pdf = pdf_to_text(bytes, &what)?;
+            let pdf = pdf_to_text(bytes, &what, limits)?;
             (pdf.text, pdf.title, Some(pdf.pages), "PDF text layer (pdf-extract)".into())
         }
     };
     let text = tidy(&text);
+    if let Some(e) = over("extracted text in characters", text.chars().count() as u64, limits.max_output_chars) {
+        return Err(e);
+    }
     if text.is_empty() && format != Format::Text {
         let hint = match format {
             Format::Pdf => "it has no text layer (a scanned or image-only PDF needs OCR first)",
@@ -197,7 +285,7 @@ pub fn extract(bytes: &[u8], filename: Option<&str>, media_type: Option<&str>) -
 pub fn read_file(path: &std::path::Path) -> anyhow::Result<Extracted> {
     let bytes = std::fs::read(path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
     let name = path.file_name().map(|f| f.to_string_lossy().to_string());
-    Ok(extract(&bytes, name.as_deref(), None)?)
+    Ok(extract_with(&bytes, name.as_deref(), None, &Limits::default())?)
 }
 
 fn utf8<'a>(bytes: &'a [u8], what: &str) -> Result<&'a str, ExtractError> {
@@ -228,6 +316,40 @@ fn tidy(text: &str) -> String {
 }
 
 // ---------- Markdown ----------
+
+/// Refuses Markdown nested deeper than `max` (`Err(depth reached)`), counted line by line before
+/// the parser sees it: the container marks a line opens with (`>`, `-`, `*`, `+`, `1.`, `1)`),
+/// plus one level per two columns of indentation (how nested list items are written).
+fn markdown_depth(md: &str, max: u64) -> Result<(), u64> {
+    for line in md.lines() {
+        let bytes = line.as_bytes();
+        let (mut i, mut depth, mut columns) = (0, 0u64, 0u64);
+        loop {
+            match bytes.get(i) {
+                Some(b' ') => columns += 1,
+                Some(b'\t') => columns += 4,
+                Some(b'>') => depth += 1,
+                Some(b'-' | b'*' | b'+') if matches!(bytes.get(i + 1), Some(b' ' | b'\t') | None) => depth += 1,
+                Some(b'0'..=b'9') => {
+                    let digits = bytes[i..].iter().take_while(|b| b.is_ascii_digit()).count();
+                    match (bytes.get(i + digits), bytes.get(i + digits + 1)) {
+                        (Some(b'.' | b')'), Some(b' ' | b'\t') | None) if digits <= 9 => {
+                            depth += 1;
+                            i += digits;
+                        }
+                        _ => break,
+                    }
+                }
+                _ => break,
+            }
+            i += 1;
+            if depth + columns / 2 > max {
+                return Err(depth + columns / 2);
+            }
+        }
+    }
+    Ok(())
+}
 
 /// Markdown as a reader sees it: headings, paragraphs and list items on their own lines, code
 /// kept, link targets, emphasis marks and raw HTML dropped (the words of links and images kept).
@@ -287,6 +409,90 @@ fn block_break(out: &mut String) {
 
 // ---------- HTML ----------
 
+/// Elements that never hold content.
+const HTML_VOID: &[&str] = &[
+    "area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param", "source", "track", "wbr",
+    "keygen", "basefont", "bgsound", "frame",
+];
+/// Elements a parser closes by itself when a sibling starts (`<p>a<p>b`, `<li>`, table parts).
+const HTML_SELF_ENDING: &[&str] = &[
+    "p", "li", "td", "th", "tr", "dt", "dd", "option", "optgroup", "thead", "tbody", "tfoot", "colgroup", "rb", "rt",
+    "rp", "rtc", "html", "head", "body",
+];
+/// HTML elements that end the `<svg>` or `<math>` they appear in.
+const HTML_BREAKOUT: &[&str] = &[
+    "b", "big", "blockquote", "body", "br", "center", "code", "dd", "div", "dl", "dt", "em", "embed", "h1", "h2", "h3",
+    "h4", "h5", "h6", "head", "hr", "i", "img", "li", "listing", "menu", "meta", "nobr", "ol", "p", "pre", "ruby", "s",
+    "small", "span", "strong", "strike", "sub", "sup", "table", "tt", "u", "ul", "var",
+];
+/// Elements whose content is raw text up to their end tag.
+const HTML_RAW_TEXT: &[&str] = &["script", "style", "textarea", "title", "xmp", "iframe", "noembed", "noframes"];
+
+/// Refuses HTML nested deeper than `max` (`Err(depth reached)`), measured by a linear scan of
+/// the tags before the parser sees them (an HTML parser's work grows with the depth of the open
+/// elements at every tag). An end tag closes the innermost open element of its name and those
+/// inside it; an end tag of no open element is ignored, as a parser ignores it.
+fn html_depth(html: &[u8], max: u64) -> Result<(), u64> {
+    let find = |from: usize, needle: &[u8]| html[from.min(html.len())..].windows(needle.len()).position(|w| w.eq_ignore_ascii_case(needle)).map(|p| p + from);
+    let mut open: Vec<String> = Vec::new();
+    let mut foreign = 0usize; // inside <svg> or <math>: `<x/>` opens nothing there
+    let mut i = 0;
+    while let Some(lt) = html[i.min(html.len())..].iter().position(|&b| b == b'<').map(|p| p + i) {
+        i = lt + 1;
+        if html[i..].starts_with(b"!--") {
+            // From the first dash: `<!-->` and `<!--->` are whole (empty) comments to a parser.
+            i = find(i + 1, b"-->").map_or(html.len(), |p| p + 3);
+            continue;
+        }
+        let closing = html.get(i) == Some(&b'/');
+        let start = if closing { i + 1 } else { i };
+        let len = html[start..].iter().take_while(|b| b.is_ascii_alphanumeric() || **b == b'-' || **b == b':').count();
+        if len == 0 || !html[start].is_ascii_alphabetic() {
+            continue;
+        }
+        let name = String::from_utf8_lossy(&html[start..start + len]).to_ascii_lowercase();
+        let end = html[start + len..].iter().position(|&b| b == b'>').map_or(html.len(), |p| p + start + len);
+        let self_closing = end > 0 && html.get(end - 1) == Some(&b'/');
+        i = (end + 1).min(html.len());
+        if closing {
+            if let Some(pos) = open.iter().rposition(|n| *n == name) {
+                for n in open.drain(pos..) {
+                    if n == "svg" || n == "math" {
+                        foreign = foreign.saturating_sub(1);
+                    }
+                }
+            }
+            continue;
+        }
+        if HTML_RAW_TEXT.contains(&name.as_str()) && !self_closing {
+            let mut close = b"</".to_vec();
+            close.extend_from_slice(name.as_bytes());
+            i = find(i, &close).unwrap_or(html.len());
+            continue;
+        }
+        if foreign > 0 && HTML_BREAKOUT.contains(&name.as_str()) {
+            // An HTML element ends the `<svg>` / `<math>` it appears in: it and what follows are HTML.
+            while let Some(n) = open.pop() {
+                if n == "svg" || n == "math" {
+                    foreign -= 1;
+                    break;
+                }
+            }
+        }
+        if HTML_VOID.contains(&name.as_str()) || HTML_SELF_ENDING.contains(&name.as_str()) || (self_closing && foreign > 0) {
+            continue;
+        }
+        if name == "svg" || name == "math" {
+            foreign += 1;
+        }
+        open.push(name);
+        if open.len() as u64 > max {
+            return Err(open.len() as u64);
+        }
+    }
+    Ok(())
+}
+
 /// Elements whose content is never text for a reader.
 const HTML_SKIPPED: &[&str] =
     &["script", "style", "noscript", "template", "head", "svg", "canvas", "iframe", "object", "select", "button"];
@@ -310,8 +516,29 @@ fn html_to_text(html: &str) -> (String, Option<String>) {
     (out, title)
 }
 
-fn walk_html(node: ego_tree::NodeRef<'_, scraper::Node>, out: &mut String, pre: bool) {
-    for child in node.children() {
+/// The text under `root`, in document order. An explicit stack, not recursion: the depth is
+/// the document's (bounded by [`html_depth`] before parsing, but never trusted with the stack).
+fn walk_html(root: ego_tree::NodeRef<'_, scraper::Node>, out: &mut String, pre: bool) {
+    enum Step<'a> {
+        Node(ego_tree::NodeRef<'a, scraper::Node>, bool),
+        End(&'a str, bool),
+    }
+    let mut stack: Vec<Step<'_>> = root.children().rev().map(|c| Step::Node(c, pre)).collect();
+    while let Some(step) = stack.pop() {
+        let (child, pre) = match step {
+            Step::Node(child, pre) => (child, pre),
+            Step::End(name, block) => {
+                match name {
+                    "td" | "th" => out.push_str(" | "),
+                    _ if block => {
+                        trim_line_end(out);
+                        line_break(out);
+                    }
+                    _ => {}
+                }
+                continue;
+            }
+        };
         match child.value() {
             scraper::Node::Text(t) => {
                 if pre {
@@ -356,15 +583,9 @@ fn walk_html(node: ego_tree::NodeRef<'_, scraper::Node>, out: &mut String, pre: 
                     }
                     _ => {}
                 }
-                walk_html(child, out, pre || name == "pre");
-                match name {
-                    "td" | "th" => out.push_str(" | "),
-                    _ if block => {
-                        trim_line_end(out);
-                        line_break(out);
-                    }
-                    _ => {}
-                }
+                stack.push(Step::End(name, block));
+                let inner = pre || name == "pre";
+                stack.extend(child.children().rev().map(|c| Step::Node(c, inner)));
             }
             _ => {}
         }
@@ -389,21 +610,34 @@ struct PdfText {
     pages: usize,
 }
 
-/// The PDF's text layer, page by page. A PDF that opens only with a password is refused (one with
-/// an empty user password, "owner-locked", opens and is read). The extractor panics on some
-/// malformed files: a panic is that file's error, never the server's.
-fn pdf_to_text(bytes: &[u8], what: &str) -> Result<PdfText, ExtractError> {
+/// The PDF's text layer, page by page, under `limits`: its nesting depth is measured before it
+/// is parsed, its objects and pages counted, and every compressed stream the text extractor may
+/// read is first inflated through a bounded reader (so that the extractor's own unbounded
+/// inflating only ever meets streams known to fit). A PDF that opens only with a password is
+/// refused (one with an empty user password, "owner-locked", opens and is read). The extractor
+/// panics on some malformed files: a panic is that file's error, never the server's.
+fn pdf_to_text(bytes: &[u8], what: &str, limits: &Limits) -> Result<PdfText, ExtractError> {
     let unreadable = |detail: String| ExtractError::UnreadablePdf { what: what.to_string(), detail };
+    let complex = |limit, value: u64, max: u64| ExtractError::TooComplex { what: what.to_string(), limit, value, max };
     if !bytes.trim_ascii_start().starts_with(b"%PDF-") {
         return Err(unreadable("it does not start with a PDF header".into()));
     }
+    pdf_depth(bytes, limits.max_depth).map_err(|d| complex("nesting depth", d, limits.max_depth))?;
     let caught = std::panic::catch_unwind(|| -> Result<PdfText, ExtractError> {
         // Opening decrypts with the empty user password when that is the password.
         let doc = lopdf::Document::load_mem(bytes).map_err(|e| unreadable(e.to_string()))?;
         if doc.is_encrypted() && doc.authenticate_password("").is_err() {
             return Err(ExtractError::EncryptedPdf { what: what.to_string() });
         }
+        let objects = doc.objects.len() as u64;
+        if objects > limits.max_objects {
+            return Err(complex("object count", objects, limits.max_objects));
+        }
+        pdf_inflate_budget(&doc, what, limits)?;
         let pages: Vec<u32> = doc.get_pages().keys().copied().collect();
+        if pages.len() as u64 > limits.max_pages {
+            return Err(complex("page count", pages.len() as u64, limits.max_pages));
+        }
         let mut text = String::new();
         for &n in &pages {
             let mut page = String::new();
@@ -414,10 +648,108 @@ fn pdf_to_text(bytes: &[u8], what: &str) -> Result<PdfText, ExtractError> {
                 text.push_str("\n\n");
             }
             text.push_str(&page);
+            // Bytes bound characters from above: cheap to check as the text grows.
+            if text.len() as u64 > limits.max_output_chars.saturating_mul(4) {
+                let value = text.chars().count() as u64;
+                return Err(ExtractError::TooLarge {
+                    what: what.to_string(),
+                    limit: "extracted text in characters",
+                    value,
+                    max: limits.max_output_chars,
+                });
+            }
         }
         Ok(PdfText { text, title: pdf_title(&doc), pages: pages.len() })
     });
     caught.unwrap_or_else(|_| Err(unreadable("its structure is malformed (the text extractor gave up)".into())))
+}
+
+/// Inflates every FlateDecode stream but images' (the text extractor never decodes those)
+/// through a reader that stops one byte past the budget: one stream past `max_stream_bytes`, or
+/// all of them past `max_inflated_bytes`, refuses the file. A stream that does not inflate is
+/// left to the extractor (which reads what it can).
+fn pdf_inflate_budget(doc: &lopdf::Document, what: &str, limits: &Limits) -> Result<(), ExtractError> {
+    use std::io::Read;
+    let mut total = 0u64;
+    let mut buf = Vec::new();
+    for object in doc.objects.values() {
+        let lopdf::Object::Stream(stream) = object else { continue };
+        let is_image = stream.dict.get(b"Subtype").and_then(|s| s.as_name()).is_ok_and(|n| n == b"Image");
+        let flate = stream.filters().is_ok_and(|f| f.iter().any(|f| *f == b"FlateDecode" || *f == b"Fl"));
+        if is_image || !flate {
+            continue;
+        }
+        buf.clear();
+        let budget = limits.max_stream_bytes.min(limits.max_inflated_bytes - total);
+        let mut reader = flate2::read::ZlibDecoder::new(stream.content.as_slice()).take(budget + 1);
+        // A corrupt stream still counts what it gave before the fault.
+        let _ = reader.read_to_end(&mut buf);
+        let n = buf.len() as u64;
+        if n > limits.max_stream_bytes {
+            let max = limits.max_stream_bytes;
+            return Err(ExtractError::Decompression { what: what.to_string(), limit: "one stream", value: n, max });
+        }
+        total += n;
+        if n > budget {
+            let max = limits.max_inflated_bytes;
+            return Err(ExtractError::Decompression { what: what.to_string(), limit: "all streams", value: total, max });
+        }
+    }
+    Ok(())
+}
+
+/// Refuses a PDF whose arrays and dictionaries nest deeper than `max` (`Err(depth reached)`), by
+/// a linear scan of its bytes: strings, comments and stream data are skipped.
+fn pdf_depth(pdf: &[u8], max: u64) -> Result<(), u64> {
+    let mut depth = 0u64;
+    let mut i = 0;
+    while i < pdf.len() {
+        match pdf[i] {
+            b'%' => {
+                while i < pdf.len() && pdf[i] != b'\n' && pdf[i] != b'\r' {
+                    i += 1;
+                }
+            }
+            b'(' => {
+                // A literal string: balanced parentheses, backslash escapes.
+                let mut level = 0usize;
+                while i < pdf.len() {
+                    match pdf[i] {
+                        b'\\' => i += 1,
+                        b'(' => level += 1,
+                        b')' => {
+                            level -= 1;
+                            if level == 0 {
+                                break;
+                            }
+                        }
+                        _ => {}
+                    }
+                    i += 1;
+                }
+            }
+            b'[' => depth += 1,
+            b'<' if pdf.get(i + 1) == Some(&b'<') => {
+                depth += 1;
+                i += 1;
+            }
+            b']' => depth = depth.saturating_sub(1),
+            b'>' if pdf.get(i + 1) == Some(&b'>') => {
+                depth = depth.saturating_sub(1);
+                i += 1;
+            }
+            b's' if pdf[i..].starts_with(b"stream") && (i == 0 || !pdf[i - 1].is_ascii_alphabetic()) => {
+                i = pdf[i..].windows(9).position(|w| w == b"endstream").map_or(pdf.len(), |p| i + p + 9);
+                continue;
+            }
+            _ => {}
+        }
+        if depth > max {
+            return Err(depth);
+        }
+        i += 1;
+    }
+    Ok(())
 }
 
 /// The document information dictionary's `Title`, when it is a readable string.
@@ -516,5 +848,103 @@ mod pdf_tests {
         let mut cut = write_pdf(PdfPages::Text(&["some text"]), "Cut", None).unwrap();
         cut.truncate(cut.len() / 3);
         assert_eq!(extract(&cut, Some("cut.pdf"), None).unwrap_err().code(), "unreadable_pdf");
+    }
+}
+
+#[cfg(test)]
+mod budget_tests {
+    use super::*;
+    use crate::testing::hostile;
+
+    fn refused(bytes: &[u8], name: &str) -> ExtractError {
+        let t0 = std::time::Instant::now();
+        let e = extract(bytes, Some(name), None).unwrap_err();
+        assert!(t0.elapsed().as_secs_f64() < 5.0, "{name}: refused only after {:?}", t0.elapsed());
+        e
+    }
+
+    #[test]
+    fn nesting_past_the_depth_budget_is_refused_before_parsing() {
+        let e = refused(&hostile::nested_html(50_000), "nest.html");
+        assert_eq!((e.code(), e.status()), ("document_too_complex", 422), "{e}");
+        assert!(e.to_string().contains("nesting depth reached 257; the limit is 256"), "{e}");
+        // Stray end tags close nothing (a parser ignores them too), so they do not hide depth.
+        let e = refused(&b"<span></x>".repeat(1000), "stray.html");
+        assert_eq!(e.code(), "document_too_complex", "{e}");
+        // Found by the fuzzer (extract_html): `<!-->` is a whole comment, not the start of one
+        // that hides the rest of the page from the scan.
+        let e = refused(&[&b"<!-->"[..], &b"<div>".repeat(1000)].concat(), "comment.html");
+        assert_eq!(e.code(), "document_too_complex", "{e}");
+        let e = refused(&[&b"<!--->"[..], &b"<div>".repeat(1000)].concat(), "comment.html");
+        assert_eq!(e.code(), "document_too_complex", "{e}");
+        // An HTML element ends the <svg> it is in: `<x/>` opens elements again after it.
+        let e = refused(&[&b"<svg><b>"[..], &b"<q/>".repeat(1000)].concat(), "svg.html");
+        assert_eq!(e.code(), "document_too_complex", "{e}");
+        let e = refused(&hostile::deep_markdown_list(100_000), "list.md");
+        assert_eq!(e.code(), "document_too_complex", "{e}");
+        let e = refused(&b"> ".repeat(1000), "quote.md");
+        assert_eq!(e.code(), "document_too_complex", "{e}");
+        let e = refused(&hostile::nested_array_pdf(100_000), "nest.pdf");
+        assert_eq!(e.code(), "document_too_complex", "{e}");
+    }
+
+    #[test]
+    fn ordinary_nesting_and_unclosed_tags_are_read() {
+        // Deep but within the budget; unclosed paragraphs and list items end themselves.
+        let mut html = "<div>".repeat(200);
+        html.push_str("deep words");
+        html.push_str(&"<p>para <li>item <td>cell".repeat(2000));
+        html.push_str("<svg>");
+        html.push_str(&"<path d='M0 0'/>".repeat(1000));
+        html.push_str("</svg><script>if (a < b) { x('<div>') }</script>");
+        let e = extract(html.as_bytes(), Some("ok.html"), None).unwrap();
+        assert!(e.text.starts_with("deep words"), "{}", &e.text[..40]);
+        let md = "- a\n  - b\n    - c\n> quote\n1. one\n   2. two\n";
+        assert!(extract(md.as_bytes(), Some("ok.md"), None).is_ok());
+        // A depth scan of a PDF skips strings and stream data.
+        let pdf = crate::testing::write_pdf(crate::testing::PdfPages::Text(&["[[[[ ((( ]]] text"]), "T", None).unwrap();
+        assert!(extract(&pdf, Some("ok.pdf"), None).is_ok());
+    }
+
+    #[test]
+    fn pdf_streams_inflate_through_a_bounded_reader() {
+        let zeros = hostile::flate_bomb_pdf(b"\0", 64 << 20);
+        assert!(zeros.len() < 1 << 20, "{}", zeros.len());
+        let e = refused(&zeros, "zeros.pdf");
+        assert_eq!((e.code(), e.status()), ("decompression_limit", 413), "{e}");
+        assert!(e.to_string().contains("one stream passed 8388608 bytes"), "{e}");
+        let ops = hostile::flate_bomb_pdf(b"BT /F1 12 Tf (A) Tj ET\n", 64 << 20);
+        assert_eq!(refused(&ops, "ops.pdf").code(), "decompression_limit");
+        // The same shape within the budget is read.
+        let small = hostile::flate_bomb_pdf(b"BT /F1 12 Tf 72 720 Td (fine words) Tj ET\n", 4 << 10);
+        let e = extract(&small, Some("small.pdf"), None).unwrap();
+        assert!(e.text.contains("fine words"), "{}", e.text);
+        // All streams together have their own budget.
+        let limits = Limits { max_inflated_bytes: 1 << 10, ..Limits::default() };
+        let e = extract_with(&small, Some("small.pdf"), None, &limits).unwrap_err();
+        assert_eq!(e.code(), "decompression_limit", "{e}");
+        assert!(e.to_string().contains("all streams"), "{e}");
+    }
+
+    /// Inputs the fuzzer found that panic inside the PDF text extractor: contained, each is that
+    /// file's `unreadable_pdf`.
+    #[test]
+    fn fuzz_crashes_stay_the_files_errors() {
+        let crash = include_bytes!("../fuzz/regressions/extract_pdf/crash-944709c2dd82d9f0a3a0e37c1896568cae2447f3");
+        let e = extract(crash, Some("crash.pdf"), None).unwrap_err();
+        assert_eq!(e.code(), "unreadable_pdf", "{e}");
+        // A slow unit (15 s under the fuzzer's sanitizers): a page nested 15,000 deep behind `<!-->`.
+        let slow = include_bytes!("../fuzz/regressions/extract_html/slow-unit-b4b2d85f7e602bd23bc0b42129cf1b3b23d44e03");
+        assert_eq!(refused(slow, "slow.html").code(), "document_too_complex");
+    }
+
+    #[test]
+    fn input_and_output_budgets() {
+        let limits = Limits { max_input_bytes: 10, ..Limits::default() };
+        let e = extract_with(b"eleven bytes", Some("a.txt"), None, &limits).unwrap_err();
+        assert_eq!((e.code(), e.status()), ("document_too_large", 413), "{e}");
+        let limits = Limits { max_output_chars: 5, ..Limits::default() };
+        let e = extract_with(b"# six chars", Some("a.md"), None, &limits).unwrap_err();
+        assert_eq!(e.code(), "document_too_large", "{e}");
     }
 }

@@ -10,6 +10,7 @@ pub mod base;
 pub mod document;
 pub mod engine;
 pub mod eval;
+pub mod extraction;
 pub mod fetch;
 pub mod formats;
 pub mod kernels;

@@ -37,6 +37,18 @@ enum Command {
     /// Train a prepared base (a LoRA with CDT and a FltLM filter, run once per base model) into
     /// a directory that `--prepared-base` loads.
     PrepareBase(PrepareBaseArgs),
+    /// Internal (the server runs it): extracts one upload's text, read from stdin, and writes
+    /// it (or the refusal) as JSON to stdout, under the budgets given.
+    #[command(hide = true)]
+    ExtractWorker {
+        #[arg(long)]
+        filename: Option<String>,
+        #[arg(long)]
+        media_type: Option<String>,
+        /// The budgets as JSON (`lift_serve::formats::Limits`; missing fields default).
+        #[arg(long)]
+        limits: Option<String>,
+    },
     /// Run the HTTP server (API: docs/API.md); stops gracefully on SIGTERM / Ctrl-C.
     Serve {
         #[command(flatten)]
@@ -652,6 +664,13 @@ fn main() -> Result<()> {
             })?;
             let path = fetch::fetch(model, &dir.unwrap_or_else(fetch::models_dir))?;
             println!("{}", path.display());
+        }
+        Command::ExtractWorker { filename, media_type, limits } => {
+            let limits = match limits {
+                Some(l) => serde_json::from_str(&l)?,
+                None => lift_serve::formats::Limits::default(),
+            };
+            lift_serve::extraction::run_worker(filename.as_deref(), media_type.as_deref(), &limits)?;
         }
         Command::Serve { config } => {
             let device = lift_serve::runtime::device(&cli.device)?;

@@ -75,6 +75,18 @@ struct FinishLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ReasonLabels {
+    /// The refusal's error code (`document_too_complex`, `decompression_limit`, ...).
+    reason: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FormatLabels {
+    /// `text`, `markdown`, `html`, `pdf`, or `unknown` (the worker died before saying).
+    format: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct ClaimLabels {
     /// `fresh`: never claimed before; `stolen`: its lease had expired (its replica died).
     how: String,
@@ -96,6 +108,14 @@ pub struct Metrics {
     claims: Family<ClaimLabels, Counter>,
     lease_renewals: Counter,
     leases_lost: Counter,
+    extractions_refused: Family<ReasonLabels, Counter>,
+    extraction_seconds: Family<FormatLabels, Histogram, fn() -> Histogram>,
+    extraction_peak_rss: Family<FormatLabels, Histogram, fn() -> Histogram>,
+}
+
+fn rss_histogram() -> Histogram {
+    // 16 MiB to 4 GiB.
+    Histogram::new(exponential_buckets((16u64 << 20) as f64, 2.0, 9))
 }
 
 fn latency_histogram() -> Histogram {
@@ -159,8 +179,17 @@ impl Default for Metrics {
         r.register("lift_lease_renewals", "Job leases this replica renewed", lease_renewals.clone());
         let leases_lost = Counter::default();
         r.register("lift_leases_lost", "Jobs this replica stopped because another replica took them over", leases_lost.clone());
+        let extractions_refused = Family::<ReasonLabels, Counter>::default();
+        r.register("lift_extractions_refused", "Uploads whose extraction was refused, by reason", extractions_refused.clone());
+        let extraction_seconds = Family::new_with_constructor(latency_histogram as fn() -> Histogram);
+        r.register("lift_extraction_duration_seconds", "Time to extract an upload's text, by format", extraction_seconds.clone());
+        let extraction_peak_rss = Family::new_with_constructor(rss_histogram as fn() -> Histogram);
+        r.register("lift_extraction_peak_rss_bytes", "Peak resident memory of the extraction worker, by format", extraction_peak_rss.clone());
         Self {
             registry: r,
+            extractions_refused,
+            extraction_seconds,
+            extraction_peak_rss,
             requests,
             request_seconds,
             jobs,
@@ -224,6 +253,19 @@ impl Metrics {
 
     pub fn lease_lost(&self) {
         self.leases_lost.inc();
+    }
+
+    /// One extraction: its format (`unknown` when the worker died first), time, the worker's
+    /// peak resident memory when it reported it, and the refusal's code if it was refused.
+    pub fn extraction(&self, format: &str, seconds: f64, peak_rss_bytes: Option<u64>, refused: Option<&str>) {
+        let labels = FormatLabels { format: format.to_string() };
+        self.extraction_seconds.get_or_create(&labels).observe(seconds);
+        if let Some(b) = peak_rss_bytes {
+            self.extraction_peak_rss.get_or_create(&labels).observe(b as f64);
+        }
+        if let Some(reason) = refused {
+            self.extractions_refused.get_or_create(&ReasonLabels { reason: reason.to_string() }).inc();
+        }
     }
 
     /// The OpenMetrics text with the gauges set from `s`.

@@ -444,3 +444,86 @@ pub fn write_tiny_server_setup(dir: &Path) -> Result<(PathBuf, PathBuf)> {
     std::fs::write(&options, json.to_string())?;
     Ok((model, options))
 }
+
+/// Hostile uploads (issue 44): files made to hurt an extractor. `scripts/fuzz_corpus.py` writes
+/// the same shapes as seeds of the fuzz corpus.
+pub mod hostile {
+    use std::io::Write;
+
+    /// `<div>` opened `depth` times, never closed.
+    pub fn nested_html(depth: usize) -> Vec<u8> {
+        b"<div>".repeat(depth)
+    }
+
+    /// A Markdown list nested `depth` deep on one line (`- - - … x`).
+    pub fn deep_markdown_list(depth: usize) -> Vec<u8> {
+        let mut md = b"- ".repeat(depth);
+        md.extend_from_slice(b"x\n");
+        md
+    }
+
+    /// A one-page PDF whose FlateDecode page content inflates to `inflated` bytes: `unit`
+    /// repeated (`b"\0"` for a bomb of zeros, `b"BT /F1 12 Tf (A) Tj ET\n"` for one of text
+    /// operators).
+    pub fn flate_bomb_pdf(unit: &[u8], inflated: usize) -> Vec<u8> {
+        let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+        let chunk = unit.repeat((1 << 20) / unit.len().max(1) + 1);
+        let mut left = inflated;
+        while left > 0 {
+            let n = left.min(chunk.len());
+            let _ = z.write_all(&chunk[..n]);
+            left -= n;
+        }
+        let stream = z.finish().unwrap_or_default();
+        pdf(b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(), Some(&stream))
+    }
+
+    /// A PDF whose catalog holds an array nested `depth` deep.
+    pub fn nested_array_pdf(depth: usize) -> Vec<u8> {
+        let mut catalog = b"<< /Type /Catalog /Pages 2 0 R /Nest ".to_vec();
+        catalog.extend(b"[".repeat(depth));
+        catalog.extend(b"]".repeat(depth));
+        catalog.extend_from_slice(b" >>");
+        pdf(catalog, None)
+    }
+
+    /// Objects 1 (the catalog given), 2 (pages), 3 (page), 4 (content: `stream` compressed,
+    /// or a line of text), 5 (font), with a correct cross-reference table.
+    fn pdf(catalog: Vec<u8>, stream: Option<&[u8]>) -> Vec<u8> {
+        let mut out = b"%PDF-1.5\n".to_vec();
+        let mut offsets = Vec::new();
+        let mut objects: Vec<Vec<u8>> = vec![catalog];
+        objects.push(b"<< /Type /Pages /Kids [3 0 R] /Count 1 /MediaBox [0 0 612 792] >>".to_vec());
+        objects.push(b"<< /Type /Page /Parent 2 0 R /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> >> >>".to_vec());
+        let content = match stream {
+            Some(s) => {
+                let mut o = format!("<< /Length {} /Filter /FlateDecode >>\nstream\n", s.len()).into_bytes();
+                o.extend_from_slice(s);
+                o.extend_from_slice(b"\nendstream");
+                o
+            }
+            None => {
+                let text = b"BT /F1 12 Tf 72 720 Td (plain words) Tj ET";
+                let mut o = format!("<< /Length {} >>\nstream\n", text.len()).into_bytes();
+                o.extend_from_slice(text);
+                o.extend_from_slice(b"\nendstream");
+                o
+            }
+        };
+        objects.push(content);
+        objects.push(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>".to_vec());
+        for (i, body) in objects.iter().enumerate() {
+            offsets.push(out.len());
+            out.extend(format!("{} 0 obj\n", i + 1).into_bytes());
+            out.extend_from_slice(body);
+            out.extend_from_slice(b"\nendobj\n");
+        }
+        let xref = out.len();
+        out.extend(format!("xref\n0 {}\n0000000000 65535 f \n", objects.len() + 1).into_bytes());
+        for o in offsets {
+            out.extend(format!("{o:010} 00000 n \n").into_bytes());
+        }
+        out.extend(format!("trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n", objects.len() + 1).into_bytes());
+        out
+    }
+}

@@ -38,6 +38,7 @@ fn config(e: &Env, keys: &[&str]) -> ServeConfig {
     c.max_question_chars = 1000;
     c.max_tokens_limit = 64;
     c.default_max_tokens = 8;
+    c.extract_worker = Some(env!("CARGO_BIN_EXE_lift-serve").into());
     c
 }
 
@@ -1807,4 +1808,244 @@ async fn client_disconnect_frees_its_batch_slot() {
     let text = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
     assert_eq!(metric(&text, "lift_generations_total{finish=\"cancelled\"}"), 1.0, "{text}");
     running.shutdown().await;
+}
+
+// ---------- issue 44: no upload can take the server down; the exact contract ----------
+
+/// A process's resident memory now and at its peak (VmRSS, VmHWM), in bytes.
+fn process_memory(pid: u32) -> (u64, u64) {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb = |key: &str| -> u64 {
+        status.lines().find_map(|l| l.strip_prefix(key)).unwrap().trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
+    };
+    (kb("VmRSS:"), kb("VmHWM:"))
+}
+
+/// Posts `bytes` as a raw body of `media_type`; the status, the body and the seconds it took.
+async fn post_raw(c: &Client, base: &str, media_type: &str, bytes: Vec<u8>) -> (StatusCode, Value, f64) {
+    let t0 = std::time::Instant::now();
+    let resp = c.post(format!("{base}/documents")).header("content-type", media_type).body(bytes).send().await.unwrap();
+    let s = resp.status();
+    (s, resp.json().await.unwrap_or(Value::Null), t0.elapsed().as_secs_f64())
+}
+
+/// The attack of issue 44 against a real server process: nested HTML, a bomb of text operators,
+/// a bomb of zeros, a nested-array PDF and a 100k-deep Markdown list one after another, then 8
+/// bombs at once. Every one is refused (4xx, the API's error shape, the limit named) within 10
+/// s, the server's memory stays within 1 GiB of its start, the process lives, nothing is
+/// written, and documents absorbed before and after answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_uploads_are_refused_in_bounded_time() {
+    use lift_serve::testing::hostile;
+    let e = env();
+    let c = client();
+    let logs = e.adapters.parent().unwrap().to_path_buf();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut child = Child(server_command(&e, port, &logs.join("serve.log")).args(["--extract-timeout-secs", "8"]).spawn().unwrap());
+    wait_health(&c, &base, &mut child).await;
+    let pid = child.0.id();
+
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC, "title": "before"}), None).await;
+    assert_eq!(s, 202, "{d}");
+    let before = d["id"].as_str().unwrap().to_string();
+    wait_ready(&c, &base, &before, None).await;
+    let (rss_start, _) = process_memory(pid);
+
+    let t0 = std::time::Instant::now();
+    let text_bomb = hostile::flate_bomb_pdf(b"BT /F1 12 Tf (A) Tj ET\n", 1 << 30);
+    let zero_bomb = hostile::flate_bomb_pdf(b"\0", 1 << 30);
+    eprintln!("bombs made in {:.1} s: {} and {} bytes", t0.elapsed().as_secs_f64(), text_bomb.len(), zero_bomb.len());
+    let cases: Vec<(&str, &str, Vec<u8>, &str)> = vec![
+        ("nested HTML", "text/html", hostile::nested_html(50_000), "document_too_complex"),
+        ("text-operator bomb", "application/pdf", text_bomb.clone(), "decompression_limit"),
+        ("zero bomb", "application/pdf", zero_bomb.clone(), "decompression_limit"),
+        ("nested-array PDF", "application/pdf", hostile::nested_array_pdf(100_000), "document_too_complex"),
+        ("100k-deep Markdown list", "text/markdown", hostile::deep_markdown_list(100_000), "document_too_complex"),
+    ];
+    for (what, media_type, bytes, code) in cases {
+        let size = bytes.len();
+        let (s, v, secs) = post_raw(&c, &base, media_type, bytes).await;
+        let (rss, hwm) = process_memory(pid);
+        eprintln!("{what}: {size} bytes → {s} {} in {secs:.2} s; server RSS {} MiB (start {} MiB, peak {} MiB)",
+            v["error"]["code"], rss >> 20, rss_start >> 20, hwm >> 20);
+        assert!(s.is_client_error(), "{what}: {s} {v}");
+        assert_error_shape(&v, code, what);
+        assert!(v["error"]["message"].as_str().unwrap().contains("limit"), "{what}: the message names the limit: {v}");
+        assert!(secs < 10.0, "{what}: refused only after {secs:.1} s");
+        assert!(child.0.try_wait().unwrap().is_none(), "{what}: the server died");
+    }
+
+    // 8 bombs at once: the extraction workers take them in turn, each refused in bounded time.
+    let t0 = std::time::Instant::now();
+    let posts = (0..8).map(|i| {
+        let bomb = if i % 2 == 0 { text_bomb.clone() } else { zero_bomb.clone() };
+        post_raw(&c, &base, "application/pdf", bomb)
+    });
+    for (s, v, secs) in futures_util::future::join_all(posts).await {
+        assert_eq!(s, 413, "{v}");
+        assert_error_shape(&v, "decompression_limit", "bomb");
+        assert!(secs < 10.0, "a bomb among 8 refused only after {secs:.1} s");
+    }
+    eprintln!("8 bombs at once: all refused in {:.2} s", t0.elapsed().as_secs_f64());
+    assert!(child.0.try_wait().unwrap().is_none(), "the server died");
+    let (_, hwm) = process_memory(pid);
+    assert!(hwm < rss_start + (1 << 30), "server peak RSS {} MiB vs {} MiB at the start", hwm >> 20, rss_start >> 20);
+
+    // Nothing was written for the refused uploads; the server still absorbs and answers.
+    let (_, list) = get_json(&c, &format!("{base}/documents"), None).await;
+    assert_eq!(list["data"].as_array().unwrap().len(), 1, "{list}");
+    let (s, d) = upload(&c, &base, Some(("after.html", "text/html", format!("<p>{DOC} After.</p>").into_bytes())), &[]).await;
+    assert_eq!(s, 202, "{d}");
+    let after = d["id"].as_str().unwrap().to_string();
+    assert_eq!(d["source"]["format"], "html");
+    wait_ready(&c, &base, &after, None).await;
+    for id in [&before, &after] {
+        let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
+        assert_eq!(s, 200, "{a}");
+    }
+    let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metric(&metrics, "lift_extractions_refused_total{reason=\"decompression_limit\"}") >= 10.0, "{metrics}");
+    assert!(metric(&metrics, "lift_extractions_refused_total{reason=\"document_too_complex\"}") >= 3.0, "{metrics}");
+    assert!(metrics.contains("lift_extraction_duration_seconds_count{format=\"pdf\"}"), "{metrics}");
+    assert!(metrics.contains("lift_extraction_peak_rss_bytes_count{format=\"html\"}"), "{metrics}");
+}
+
+/// Every 4xx in the JSON error shape, path rejections included; duplicate JSON keys refused;
+/// the auth scheme matched without regard to case; `/health` degraded above the memory budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exact_contract_paths_duplicates_auth_scheme_health() {
+    let e = env();
+    let mut cfg = config(&e, &["key-a"]);
+    cfg.memory_budget_bytes = Some(1);
+    let (running, base) = start(cfg).await;
+    let c = client();
+    for (method, path) in [("GET", "/documents/%ff%fe"), ("GET", "/documents/%ff%fe/events"), ("DELETE", "/documents/%ff%fe"), ("GET", "/ui/%ff")] {
+        let r = c.request(method.parse().unwrap(), format!("{base}{path}")).bearer_auth("key-a").send().await.unwrap();
+        let s = r.status();
+        assert!(r.headers()["content-type"].to_str().unwrap().starts_with("application/json"), "{method} {path}");
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(s, 400, "{method} {path}: {v}");
+        assert_error_shape(&v, "invalid_path", path);
+    }
+    let dup = |body: &'static str| {
+        c.post(format!("{base}/documents")).bearer_auth("key-a").header("content-type", "application/json").body(body).send()
+    };
+    for (body, param) in [
+        (r#"{"text":"a","text":"b"}"#, "text"),
+        (r#"{"text":"a","options":{"window":64,"window":128}}"#, "options.window"),
+    ] {
+        let r = dup(body).await.unwrap();
+        let s = r.status();
+        let v: Value = r.json().await.unwrap();
+        assert_eq!(s, 400, "{body}: {v}");
+        assert_error_shape(&v, "duplicate_field", body);
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+    let r = c.post(format!("{base}/ask")).bearer_auth("key-a").body(r#"{"document_id":"doc_x","question":"q","question":"r"}"#).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["code"], "duplicate_field");
+    let form = reqwest::multipart::Form::new()
+        .part("file", reqwest::multipart::Part::bytes(b"words".to_vec()).file_name("a.txt"))
+        .text("options", r#"{"window":64,"window":65}"#);
+    let r = c.post(format!("{base}/documents")).bearer_auth("key-a").multipart(form).send().await.unwrap();
+    assert_eq!(r.status(), 400);
+    let v: Value = r.json().await.unwrap();
+    assert_error_shape(&v, "duplicate_field", "multipart options");
+    assert_eq!(v["error"]["param"], "options.window", "{v}");
+    for scheme in ["Bearer", "bearer", "BEARER", "bEaReR"] {
+        let r = c.get(format!("{base}/documents")).header("authorization", format!("{scheme} key-a")).send().await.unwrap();
+        assert_eq!(r.status(), 200, "{scheme}");
+    }
+    let r = c.get(format!("{base}/documents")).header("authorization", "Basic key-a").send().await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.json::<Value>().await.unwrap()["error"]["code"], "missing_api_key");
+    let (s, h) = get_json(&c, &format!("{base}/health"), None).await;
+    assert_eq!((s, h["status"].as_str()), (StatusCode::OK, Some("degraded")), "{h}");
+    assert!(h["error"].as_str().unwrap().contains("budget"), "{h}");
+    running.shutdown().await;
+}
+
+/// SIGTERM with a training job running and an event stream open: the process exits within
+/// --drain-secs + 1 s, and the job is re-queued by the next start.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_with_training_exits_within_the_drain() {
+    let e = env();
+    let c = client();
+    let logs = e.adapters.parent().unwrap().to_path_buf();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let drain = 1.0;
+    let mut child = Child(server_command(&e, port, &logs.join("serve.log")).args(["--drain-secs", "1"]).spawn().unwrap());
+    wait_health(&c, &base, &mut child).await;
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": {"epochs": [100, 100]}}), None).await;
+    assert_eq!(s, 202, "{d}");
+    let id = d["id"].as_str().unwrap().to_string();
+    for _ in 0..1000 {
+        let (_, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+        if d["status"] == "training" && d["progress"]["stage"] == "training" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let mut events = c.get(format!("{base}/documents/{id}/events")).send().await.unwrap();
+    assert_eq!(events.status(), 200);
+    let _ = events.chunk().await.unwrap();
+    let t0 = std::time::Instant::now();
+    assert_eq!(unsafe { libc::kill(child.0.id() as i32, libc::SIGTERM) }, 0);
+    let status = loop {
+        if let Some(s) = child.0.try_wait().unwrap() {
+            break s;
+        }
+        assert!(t0.elapsed().as_secs_f64() < drain + 1.0, "the process did not exit within --drain-secs + 1 s");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    };
+    eprintln!("exited {:.2} s after SIGTERM (--drain-secs {drain})", t0.elapsed().as_secs_f64());
+    assert!(status.success(), "{status}");
+    let mut child = spawn_server(&e, port, &logs.join("second.log"));
+    wait_health(&c, &base, &mut child).await;
+    let (_, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+    assert!(matches!(d["status"].as_str(), Some("queued") | Some("training")), "re-queued: {d}");
+}
+
+/// With the format budgets lifted out of the way, the hostile files reach the parsers: the
+/// worker process's own limits (wall clock, address space) end it, the upload gets a 4xx naming
+/// the limit, and the server lives on and answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_limits_hold_when_a_parser_runs_away() {
+    use lift_serve::testing::hostile;
+    let e = env();
+    let c = client();
+    let logs = e.adapters.parent().unwrap().to_path_buf();
+    let limits = logs.join("limits.json");
+    std::fs::write(&limits, r#"{"max_depth": 100000000, "max_stream_bytes": 100000000000, "max_inflated_bytes": 100000000000}"#).unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut child = Child(
+        server_command(&e, port, &logs.join("serve.log"))
+            .args(["--extract-timeout-secs", "2", "--extract-memory-bytes", &(768u64 << 20).to_string()])
+            .arg("--extract-limits")
+            .arg(&limits)
+            .spawn()
+            .unwrap(),
+    );
+    wait_health(&c, &base, &mut child).await;
+    // html5ever's work grows with the depth of the open elements at every tag: the wall clock ends it.
+    let (s, v, secs) = post_raw(&c, &base, "text/html", hostile::nested_html(50_000)).await;
+    eprintln!("nested HTML past the depth budget: {s} {} in {secs:.2} s", v["error"]["message"]);
+    assert_eq!(s, 422, "{v}");
+    assert_error_shape(&v, "document_too_complex", "nested HTML");
+    assert!(v["error"]["message"].as_str().unwrap().contains("time"), "{v}");
+    assert!(secs < 5.0, "{secs}");
+    // The text extractor inflates 1 GiB of zeros itself: the address-space limit ends it.
+    let (s, v, secs) = post_raw(&c, &base, "application/pdf", hostile::flate_bomb_pdf(b"\0", 1 << 30)).await;
+    eprintln!("zero bomb past the inflate budget: {s} {} in {secs:.2} s", v["error"]["message"]);
+    assert_eq!(s, 422, "{v}");
+    assert_error_shape(&v, "document_too_complex", "zero bomb");
+    assert!(v["error"]["message"].as_str().unwrap().contains("memory passed the limit of 768 MiB"), "{v}");
+    assert!(secs < 5.0, "{secs}");
+    assert!(child.0.try_wait().unwrap().is_none(), "the server died");
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC}), None).await;
+    assert_eq!(s, 202, "{d}");
+    wait_ready(&c, &base, d["id"].as_str().unwrap(), None).await;
 }

@@ -8,7 +8,8 @@ use crate::lift::answer::{ContextPolicy, Mode};
 use crate::lift::{AbsorbOptions, OptionError};
 use crate::model::generate::{FinishReason, SamplingParams};
 use crate::model::ChatMessage;
-use crate::formats::{self, ExtractError, Extracted, Source};
+use crate::extraction::{Extractor, Failure};
+use crate::formats::{Extracted, Source};
 use crate::service::{NewDocument, Question};
 use axum::body::Bytes;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -73,12 +74,94 @@ pub fn json_body<T: DeserializeOwned>(headers: &HeaderMap, bytes: &[u8], body: B
     }
     let text = utf8(bytes)?;
     // Syntax first, so that a malformed body is never reported as a field's fault.
-    let value: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| ApiError::bad_request("invalid_json", format!("malformed JSON: {e}")))?;
+    let value = parse_unique(text).map_err(|e| match e {
+        Ok(path) => duplicate(&path),
+        Err(e) => ApiError::bad_request("invalid_json", format!("malformed JSON: {e}")),
+    })?;
     if !value.is_object() {
         return Err(ApiError::bad_request("invalid_json", "the body must be a JSON object"));
     }
     serde_path_to_error::deserialize(value).map_err(|e| field_error(e, body))
+}
+
+fn duplicate(path: &str) -> ApiError {
+    ApiError::bad_request("duplicate_field", format!("'{path}' is given twice")).param(path)
+}
+
+/// JSON text read into a value, refusing an object that names a key twice (a plain parse keeps
+/// the last one silently, so that two readers of one body could disagree on what it says):
+/// `Err(Ok(path))` for a duplicate at `path`, `Err(Err(e))` for malformed JSON.
+pub fn parse_unique(text: &str) -> Result<serde_json::Value, Result<String, serde_json::Error>> {
+    use serde::de::DeserializeSeed;
+    let dup = std::cell::RefCell::new(None);
+    let mut de = serde_json::Deserializer::from_str(text);
+    let parsed = UniqueSeed { path: String::new(), dup: &dup }.deserialize(&mut de).and_then(|v| de.end().map(|_| v));
+    match (parsed, dup.into_inner()) {
+        (Ok(v), _) => Ok(v),
+        (Err(_), Some(path)) => Err(Ok(path)),
+        (Err(e), None) => Err(Err(e)),
+    }
+}
+
+/// Reads any JSON value, tracking its path, and fails at the first key an object repeats.
+struct UniqueSeed<'a> {
+    path: String,
+    dup: &'a std::cell::RefCell<Option<String>>,
+}
+
+impl<'de> serde::de::DeserializeSeed<'de> for UniqueSeed<'_> {
+    type Value = serde_json::Value;
+    fn deserialize<D: serde::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> serde::de::Visitor<'de> for UniqueSeed<'_> {
+    type Value = serde_json::Value;
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+    fn visit_bool<E>(self, v: bool) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_i64<E>(self, v: i64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_u64<E>(self, v: u64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_f64<E>(self, v: f64) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_str<E>(self, v: &str) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_string<E>(self, v: String) -> Result<Self::Value, E> {
+        Ok(v.into())
+    }
+    fn visit_unit<E>(self) -> Result<Self::Value, E> {
+        Ok(serde_json::Value::Null)
+    }
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::new();
+        while let Some(v) = seq.next_element_seed(UniqueSeed { path: format!("{}[{}]", self.path, out.len()), dup: self.dup })? {
+            out.push(v);
+        }
+        Ok(serde_json::Value::Array(out))
+    }
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut map: A) -> Result<Self::Value, A::Error> {
+        let mut out = serde_json::Map::new();
+        while let Some(key) = map.next_key::<String>()? {
+            let path = if self.path.is_empty() { key.clone() } else { format!("{}.{key}", self.path) };
+            if out.contains_key(&key) {
+                *self.dup.borrow_mut() = Some(path.clone());
+                return Err(serde::de::Error::custom(format!("duplicate field '{path}'")));
+            }
+            let v = map.next_value_seed(UniqueSeed { path, dup: self.dup })?;
+            out.insert(key, v);
+        }
+        Ok(serde_json::Value::Object(out))
+    }
 }
 
 fn field_error(e: serde_path_to_error::Error<serde_json::Error>, body: Body) -> ApiError {
@@ -92,6 +175,23 @@ fn field_error(e: serde_path_to_error::Error<serde_json::Error>, body: Body) -> 
         body.code(&path)
     };
     ApiError::bad_request(code, format!("'{path}': {message}")).param(&path)
+}
+
+// ---------- path parameters ----------
+
+/// A path parameter (`/documents/{id}`, `/ui/{file}`): one that cannot be read (not UTF-8 once
+/// percent-decoded) is refused in the API's error shape, like every other 4xx.
+pub struct PathParam(pub String);
+
+impl<S: Send + Sync> axum::extract::FromRequestParts<S> for PathParam {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, ApiError> {
+        match axum::extract::Path::<String>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(p)) => Ok(PathParam(p)),
+            Err(e) => Err(ApiError::new(e.status(), "invalid_path", format!("the request path cannot be read: {}", e.body_text()))),
+        }
+    }
 }
 
 // ---------- POST /documents ----------
@@ -207,24 +307,27 @@ pub fn is_document_media_type(media_type: &str) -> bool {
     )
 }
 
-/// The text of an uploaded file (`param` names it in errors), extracted on a blocking thread (a
-/// PDF can take a while).
-pub async fn extract_file(bytes: Bytes, filename: Option<String>, media_type: Option<String>, param: Option<&str>) -> ApiResult<Extracted> {
-    let extracted = tokio::task::spawn_blocking(move || formats::extract(&bytes, filename.as_deref(), media_type.as_deref()))
-        .await
-        .map_err(|e| ApiError::internal(format!("the extraction task failed: {e}")))?;
-    extracted.map_err(|e| {
-        let status = match e {
-            ExtractError::Unsupported { .. } => StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            ExtractError::NotUtf8 { .. } => StatusCode::BAD_REQUEST,
-            _ => StatusCode::UNPROCESSABLE_ENTITY,
-        };
-        let err = ApiError::new(status, e.code(), e.to_string());
-        match param {
-            Some(p) => err.param(p),
-            None => err,
+/// The text of an uploaded file (`param` names it in errors), made by an extraction worker
+/// process under the server's budgets (`crate::extraction`).
+pub async fn extract_file(
+    extractor: &Extractor,
+    bytes: Bytes,
+    filename: Option<String>,
+    media_type: Option<String>,
+    param: Option<&str>,
+) -> ApiResult<Extracted> {
+    match extractor.extract(bytes, filename, media_type).await {
+        Ok(e) => Ok(e),
+        Err(Failure::Refused { status, code, message }) => {
+            let status = StatusCode::from_u16(status).unwrap_or(StatusCode::UNPROCESSABLE_ENTITY);
+            let err = ApiError::new(status, code, message);
+            Err(match param {
+                Some(p) if status != StatusCode::TOO_MANY_REQUESTS => err.param(p),
+                _ => err,
+            })
         }
-    })
+        Err(Failure::Internal(detail)) => Err(ApiError::internal(detail)),
+    }
 }
 
 /// A document from an extracted file: the title given, else the file's own (HTML `<title>`, PDF
@@ -242,8 +345,9 @@ fn options_field(text: &str) -> ApiResult<DocumentOptions> {
     struct Wrapped {
         options: DocumentOptions,
     }
-    let value: serde_json::Value = serde_json::from_str(text).map_err(|e| {
-        ApiError::bad_request("invalid_json", format!("the 'options' field is not valid JSON: {e}")).param("options")
+    let value = parse_unique(text).map_err(|e| match e {
+        Ok(path) => duplicate(&format!("options.{path}")),
+        Err(e) => ApiError::bad_request("invalid_json", format!("the 'options' field is not valid JSON: {e}")).param("options"),
     })?;
     if !value.is_object() {
         return Err(ApiError::bad_request("invalid_type", "the 'options' field must be a JSON object").param("options"));
@@ -255,6 +359,7 @@ fn options_field(text: &str) -> ApiResult<DocumentOptions> {
 /// A `multipart/form-data` upload: one `file` part (its name and type guide the extraction),
 /// optional `title` and `options` (JSON) parts; any other part is refused.
 pub async fn multipart_document(
+    extractor: &Extractor,
     headers: &HeaderMap,
     bytes: Bytes,
     defaults: &AbsorbOptions,
@@ -297,7 +402,7 @@ pub async fn multipart_document(
     let (data, filename, media_type) = file.ok_or_else(|| missing("file"))?;
     let options = options.unwrap_or_default().apply(defaults, num_layers, max_window)?;
     // Browsers label files they do not know as octet-stream: the name and the bytes decide then.
-    let extracted = extract_file(data, filename, media_type, Some("file")).await?;
+    let extracted = extract_file(extractor, data, filename, media_type, Some("file")).await?;
     file_document(extracted, title.filter(|t| !t.trim().is_empty()), options)
 }
 
@@ -814,11 +919,13 @@ pub struct ModelCard {
 
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Health {
-    /// "ok", or with 503 "shutting_down" or (replicas) "database_unavailable".
+    /// "ok"; "degraded" (still 200) while the process's resident memory is above the configured
+    /// budget (`--memory-budget-bytes`); with 503 "shutting_down" or (replicas)
+    /// "database_unavailable".
     pub status: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub model: Option<String>,
-    /// Why the replica is unavailable.
+    /// Why the replica is unavailable, or why it is degraded.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
 }

@@ -130,6 +130,26 @@ pub struct ServeConfig {
     /// third of it while training); another replica takes over a job whose lease ran out.
     #[arg(long, env = "LIFT_LEASE_SECS", default_value_t = 30.0)]
     pub lease_secs: f64,
+    /// Uploads (files) extracted at once, each in its own worker process.
+    #[arg(long, env = "LIFT_EXTRACT_WORKERS", default_value_t = 2)]
+    pub extract_workers: usize,
+    /// Seconds one extraction may take (wall clock; its CPU time is limited to one more); also
+    /// the longest wait for a free worker.
+    #[arg(long, env = "LIFT_EXTRACT_TIMEOUT_SECS", default_value_t = 20.0)]
+    pub extract_timeout_secs: f64,
+    /// Address space of an extraction worker, in bytes.
+    #[arg(long, env = "LIFT_EXTRACT_MEMORY_BYTES", default_value_t = 2 << 30)]
+    pub extract_memory_bytes: u64,
+    /// JSON file with extraction budgets (`max_input_bytes`, `max_depth`, `max_stream_bytes`,
+    /// `max_inflated_bytes`, `max_objects`, `max_pages`, `max_output_chars`; missing ones default).
+    #[arg(long, env = "LIFT_EXTRACT_LIMITS")]
+    pub extract_limits: Option<PathBuf>,
+    /// The lift-serve binary run as the extraction worker (default: this one).
+    #[arg(long, env = "LIFT_EXTRACT_WORKER")]
+    pub extract_worker: Option<PathBuf>,
+    /// Resident memory above which `/health` says `degraded` (bytes; default: no budget).
+    #[arg(long, env = "LIFT_MEMORY_BUDGET_BYTES")]
+    pub memory_budget_bytes: Option<u64>,
 }
 
 impl ServeConfig {
@@ -167,7 +187,32 @@ impl ServeConfig {
             role: Role::All,
             replica_id: None,
             lease_secs: 30.0,
+            extract_workers: 2,
+            extract_timeout_secs: 20.0,
+            extract_memory_bytes: 2 << 30,
+            extract_limits: None,
+            extract_worker: None,
+            memory_budget_bytes: None,
         }
+    }
+
+    /// How uploads are extracted: the worker binary, its budgets and limits.
+    pub fn extraction(&self) -> Result<crate::extraction::WorkerConfig> {
+        let limits = match &self.extract_limits {
+            Some(p) => serde_json::from_str(&std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?)
+                .with_context(|| format!("{}: invalid extraction limits", p.display()))?,
+            None => crate::formats::Limits::default(),
+        };
+        if !(self.extract_timeout_secs.is_finite() && self.extract_timeout_secs > 0.0) {
+            anyhow::bail!("--extract-timeout-secs must be positive (got {})", self.extract_timeout_secs);
+        }
+        Ok(crate::extraction::WorkerConfig {
+            program: crate::extraction::worker_program(self.extract_worker.as_deref())?,
+            limits,
+            timeout: Duration::from_secs_f64(self.extract_timeout_secs),
+            memory_bytes: self.extract_memory_bytes,
+            concurrency: self.extract_workers.max(1),
+        })
     }
 
     /// The replica settings, when a database is given (checked: a store URL goes with it, a
@@ -216,7 +261,8 @@ impl ServeConfig {
              max_document_tokens={} max_question_chars={} max_tokens_limit={} default_max_tokens={} \
              train_queue={} generate_queue={} max_batch={} kv_cache_bytes={} cache_bytes={} context_tokens={} max_training_tokens={} metrics_key={} \
              header_timeout_secs={} body_timeout_secs={} max_connections={} drain_secs={} database_url={} \
-             adapter_store={} role={:?} replica_id={} lease_secs={}",
+             adapter_store={} role={:?} replica_id={} lease_secs={} extract_workers={} extract_timeout_secs={} \
+             extract_memory_bytes={} extract_limits={} extract_worker={} memory_budget_bytes={}",
             self.host,
             self.port,
             self.model.as_ref().map_or("(default)".into(), |p| p.display().to_string()),
@@ -245,6 +291,12 @@ impl ServeConfig {
             self.role,
             self.replica_id.as_deref().unwrap_or("(auto)"),
             self.lease_secs,
+            self.extract_workers,
+            self.extract_timeout_secs,
+            self.extract_memory_bytes,
+            self.extract_limits.as_ref().map_or("(built-in)".into(), |p| p.display().to_string()),
+            self.extract_worker.as_ref().map_or("(this binary)".into(), |p| p.display().to_string()),
+            self.memory_budget_bytes.map_or("(none)".into(), |b| b.to_string()),
         )
     }
 }
@@ -275,6 +327,8 @@ pub struct Inner {
     pub default_options: AbsorbOptions,
     pub base_id: String,
     pub started_at: u64,
+    /// Uploads' text, made in worker processes.
+    pub extractor: crate::extraction::Extractor,
 }
 
 pub type AppState = Arc<Inner>;
@@ -292,8 +346,7 @@ async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Respo
         .headers()
         .get(axum::http::header::AUTHORIZATION)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.strip_prefix("Bearer "))
-        .map(str::trim)
+        .and_then(bearer_token)
         .map(String::from);
     if req.uri().path() == "/metrics" {
         if let Err(e) = metrics_access(&st, key.as_deref()) {
@@ -324,6 +377,13 @@ async fn auth(State(st): State<AppState>, mut req: Request, next: Next) -> Respo
             e.into_response()
         }
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` value; the scheme's name is matched without
+/// regard to case, as HTTP's auth schemes are.
+fn bearer_token(value: &str) -> Option<&str> {
+    let (scheme, token) = value.trim_start().split_once(' ')?;
+    scheme.eq_ignore_ascii_case("bearer").then(|| token.trim()).filter(|t| !t.is_empty())
 }
 
 /// `/metrics` shows server-wide counts (every tenant's documents and jobs): with API keys or a
@@ -428,6 +488,9 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
         default_options: default_options.clone(),
         shared: cfg.shared()?,
     };
+    // Before the service opens (a replica starts its background work there): a missing worker
+    // binary fails the start at once.
+    let extractor = crate::extraction::Extractor::new(cfg.extraction()?, metrics.clone());
     let service = Service::open(model.clone(), service_cfg, metrics.clone())?;
     let limits = api::GenerationLimits {
         max_question_chars: cfg.max_question_chars,
@@ -445,6 +508,7 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
         shutdown: tokio::sync::watch::Sender::new(false),
         default_options,
         started_at: crate::store::now(),
+        extractor,
     }))
 }
 
@@ -486,31 +550,40 @@ impl Running {
     /// Graceful shutdown: refuse new requests (503, the listener stays open while draining), stop
     /// training (the job is re-queued at the next start), end open event streams with a final
     /// event, let in-flight requests finish for up to `drain_secs`, close the connections, stop
-    /// the engine.
+    /// the engine. Returns within `drain_secs` and half a second whatever is running: a training
+    /// step or generation still running then (a step is not interruptible; the job's cancel flag
+    /// is read between steps) is abandoned, and said so in the log; its job is re-queued by the
+    /// next start.
     pub async fn shutdown(mut self) {
         begin_shutdown(&self.state);
         let cfg = &self.state.cfg;
-        let deadline = Instant::now() + Duration::from_secs_f64(cfg.drain_secs);
+        let deadline = Instant::now() + Duration::from_secs_f64(cfg.drain_secs.max(0.0));
+        let hard_end = deadline + Duration::from_millis(500);
         while self.state.in_flight.load(Ordering::SeqCst) > 0 && Instant::now() < deadline {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         // Then every connection closes once its response is written (event streams have ended).
         self.stop_accepting.send_replace(true);
         let _ = (&mut self.task).await;
-        let closed = Instant::now() + Duration::from_secs(1);
+        let closed = (Instant::now() + Duration::from_secs(1)).min(hard_end);
         while self.open.load(Ordering::SeqCst) > 0 && Instant::now() < closed {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         let handles = self.state.service.engine.close();
-        // A generation still running past the drain is not waited for: the process is ending.
+        // A training step or generation still running past the drain is not waited for: the
+        // process is ending.
         let join = tokio::task::spawn_blocking(move || {
             for h in handles {
                 let _ = h.join();
             }
         });
-        let left = deadline.saturating_duration_since(Instant::now()) + Duration::from_secs(1);
+        let left = hard_end.saturating_duration_since(Instant::now());
         if tokio::time::timeout(left, join).await.is_err() {
-            tracing::warn!("the engine did not stop within the drain time; exiting anyway");
+            tracing::warn!(
+                drain_secs = cfg.drain_secs,
+                "a training step or generation was still running at the end of the drain: abandoned (its job is \
+                 re-queued at the next start)"
+            );
         }
     }
 }
@@ -661,7 +734,7 @@ pub fn serve(cfg: ServeConfig, device: &candle_core::Device) -> Result<()> {
         tracing::info!("stopped");
         Ok(())
     });
-    // Tasks still running (a generation past the drain) are not waited for.
-    rt.shutdown_timeout(Duration::from_millis(500));
+    // Tasks still running (a generation or training step past the drain) are not waited for.
+    rt.shutdown_background();
     result
 }

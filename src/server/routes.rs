@@ -7,7 +7,7 @@ use super::{signalled, AppState, Inner, Tenant};
 use crate::lift::answer::Mode;
 use crate::service::{DocumentView, Generated, PendingGeneration, Submitted};
 use axum::body::{Body, Bytes};
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
@@ -64,9 +64,9 @@ pub async fn post_document(
             let source = crate::formats::Source::as_sent(&text, "text/plain");
             api::document(text, None, defaults, source)?
         }
-        Some("multipart/form-data") => api::multipart_document(&headers, bytes, &defaults, layers, window).await?,
+        Some("multipart/form-data") => api::multipart_document(&st.extractor, &headers, bytes, &defaults, layers, window).await?,
         Some(m) if api::is_document_media_type(m) => {
-            let extracted = api::extract_file(bytes, None, Some(m.to_string()), None).await?;
+            let extracted = api::extract_file(&st.extractor, bytes, None, Some(m.to_string()), None).await?;
             api::file_document(extracted, None, defaults)?
         }
         _ => api::json_body::<PostDocument>(&headers, &bytes, BodyKind::Document)?.validate(&defaults, layers, window)?,
@@ -92,7 +92,7 @@ pub async fn list_documents(
 pub async fn get_document(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,
-    Path(id): Path<String>,
+    api::PathParam(id): api::PathParam,
 ) -> ApiResult<Json<DocumentView>> {
     Ok(Json(st.service.document(tenant.0.as_deref(), &id).await?))
 }
@@ -102,7 +102,7 @@ pub async fn get_document(
 pub async fn delete_document(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,
-    Path(id): Path<String>,
+    api::PathParam(id): api::PathParam,
 ) -> ApiResult<StatusCode> {
     st.service.delete(tenant.0.as_deref(), &id).await?;
     Ok(StatusCode::NO_CONTENT)
@@ -114,7 +114,7 @@ pub async fn delete_document(
 pub async fn document_events(
     State(st): State<AppState>,
     Extension(tenant): Extension<Tenant>,
-    Path(id): Path<String>,
+    api::PathParam(id): api::PathParam,
 ) -> ApiResult<Response> {
     let mut rx = st.service.watch(tenant.0.as_deref(), &id).await?;
     let mut shutdown = st.shutdown.subscribe();
@@ -237,7 +237,17 @@ pub async fn health(State(st): State<AppState>) -> Response {
     use crate::service::Health as H;
     let unavailable = |status, error| (StatusCode::SERVICE_UNAVAILABLE, Json(Health { status, model: None, error })).into_response();
     match st.service.health().await {
-        H::Ok => Json(Health { status: "ok", model: Some(st.base_id.clone()), error: None }).into_response(),
+        H::Ok => {
+            let model = Some(st.base_id.clone());
+            let rss = crate::runtime::resident_bytes();
+            match (st.cfg.memory_budget_bytes, rss) {
+                (Some(budget), Some(rss)) if rss > budget => {
+                    let error = Some(format!("resident memory {rss} bytes is above the budget of {budget} bytes"));
+                    Json(Health { status: "degraded", model, error }).into_response()
+                }
+                _ => Json(Health { status: "ok", model, error: None }).into_response(),
+            }
+        }
         H::ShuttingDown => unavailable("shutting_down", None),
         H::DatabaseUnavailable(why) => unavailable("database_unavailable", Some(why)),
     }

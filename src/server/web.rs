@@ -2,7 +2,6 @@
 //! the binary at build time (no toolchain beyond cargo). Served without a key: the page holds no
 //! data; it asks for the tenant key itself and sends it with every API call.
 
-use axum::extract::Path;
 use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use sha2::{Digest, Sha256};
@@ -112,6 +111,6 @@ pub async fn index(headers: HeaderMap) -> Response {
 }
 
 /// `GET /ui/{file}`.
-pub async fn asset(Path(file): Path<String>, headers: HeaderMap) -> Response {
+pub async fn asset(super::api::PathParam(file): super::api::PathParam, headers: HeaderMap) -> Response {
     serve(&format!("/ui/{file}"), &headers)
 }

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Writes the seed corpus of the fuzz targets (fuzz/corpus/<target>/): ordinary files of each
+format and the hostile ones of issue 44 — nested HTML, a PDF whose FlateDecode page stream
+inflates to 1 GiB of text operators, one inflating to 1 GiB of zeros, a nested-array PDF, a
+100k-deep Markdown list — plus multipart and JSON bodies (one with a duplicate key).
+Usage: scripts/fuzz_corpus.py [out_dir] (default fuzz/corpus)."""
+import os
+import sys
+import zlib
+
+out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "fuzz", "corpus")
+
+
+def put(target, name, data):
+    d = os.path.join(out, target)
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, name), "wb") as f:
+        f.write(data if isinstance(data, bytes) else data.encode())
+
+
+def pdf(catalog, stream=None):
+    """Catalog, pages, page, content (FlateDecode `stream`, or a line of text), font; with xref."""
+    if stream is None:
+        text = b"BT /F1 12 Tf 72 720 Td (plain words) Tj ET"
+        content = b"<< /Length %d >>\nstream\n" % len(text) + text + b"\nendstream"
+    else:
+        content = b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(stream) + stream + b"\nendstream"
+    objects = [
+        catalog,
+        b"<< /Type /Pages /Kids [3 0 R] /Count 1 /MediaBox [0 0 612 792] >>",
+        b"<< /Type /Page /Parent 2 0 R /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> >> >>",
+        content,
+        b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+    ]
+    body, offsets = b"%PDF-1.5\n", []
+    for i, o in enumerate(objects):
+        offsets.append(len(body))
+        body += b"%d 0 obj\n" % (i + 1) + o + b"\nendobj\n"
+    xref = len(body)
+    body += b"xref\n0 %d\n0000000000 65535 f \n" % (len(objects) + 1)
+    body += b"".join(b"%010d 00000 n \n" % o for o in offsets)
+    body += b"trailer\n<< /Size %d /Root 1 0 R >>\nstartxref\n%d\n%%%%EOF\n" % (len(objects) + 1, xref)
+    return body
+
+
+def bomb(unit, inflated):
+    z = zlib.compressobj(6)
+    chunk = unit * ((1 << 20) // len(unit) + 1)
+    parts, left = [], inflated
+    while left > 0:
+        n = min(left, len(chunk))
+        parts.append(z.compress(chunk[:n]))
+        left -= n
+    parts.append(z.flush())
+    return b"".join(parts)
+
+
+catalog = b"<< /Type /Catalog /Pages 2 0 R >>"
+put("extract_text", "plain.txt", "The harbor of Velmora was built in 1843.\n")
+put("extract_markdown", "doc.md", "# Title\n\n- a\n  - b\n\n> quote\n\n1. one\n")
+put("extract_markdown", "deep_list.md", "- " * 100_000 + "x\n")
+put("extract_html", "page.html", "<!doctype html><title>T</title><p>words<ul><li>a</ul><script>x<y</script>")
+put("extract_html", "nested.html", "<div>" * 50_000)
+put("extract_pdf", "plain.pdf", pdf(catalog))
+put("extract_pdf", "bomb_text_ops.pdf", pdf(catalog, bomb(b"BT /F1 12 Tf (A) Tj ET\n", 1 << 30)))
+put("extract_pdf", "bomb_zeros.pdf", pdf(catalog, bomb(b"\0", 1 << 30)))
+put("extract_pdf", "nested_array.pdf", pdf(b"<< /Type /Catalog /Pages 2 0 R /Nest " + b"[" * 100_000 + b"]" * 100_000 + b" >>"))
+put("multipart", "form.txt", "--X\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\n"
+    "Content-Type: text/plain\r\n\r\nwords\r\n--X\r\nContent-Disposition: form-data; name=\"options\"\r\n\r\n"
+    "{\"window\":64}\r\n--X--\r\n")
+put("request_bodies", "document.json", '{"text":"words","title":"t","options":{"window":64,"epochs":[1,2]}}')
+put("request_bodies", "duplicate.json", '{"text":"a","text":"b"}')
+put("request_bodies", "ask.json", '{"document_id":"doc_x","question":"q","mode":"lift","max_tokens":4}')
+put("request_bodies", "chat.json", '{"model":"m","messages":[{"role":"user","content":"hi"}],"stream":true}')
+print(os.path.abspath(out))
