@@ -142,7 +142,7 @@ struct AskArgs {
     /// the model's window.
     #[arg(long, value_enum)]
     context: Option<ContextPolicy>,
-    /// In-context document budget (default 256; with --context full, what fits the model's
+    /// In-context document budget (default 128; with --context full, what fits the model's
     /// window). Small budgets emulate a short-context model.
     #[arg(long)]
     context_tokens: Option<usize>,

@@ -427,7 +427,7 @@ pub struct AskRequest {
     /// default), `full` (what fits the model's window).
     #[schema(value_type = Option<String>, example = "retrieved")]
     pub context: Option<ContextPolicy>,
-    /// In-context document budget in tokens (default: the server's `--context-tokens`, 256).
+    /// In-context document budget in tokens (default: the server's `--context-tokens`, 128).
     pub context_tokens: Option<u64>,
     pub max_tokens: Option<u64>,
     /// 0 (default): greedy.

@@ -82,7 +82,7 @@ pub struct ServeConfig {
     /// Bytes of loaded adapters kept in memory.
     #[arg(long, env = "LIFT_CACHE_BYTES", default_value_t = 1 << 30)]
     pub cache_bytes: u64,
-    /// In-context document budget when answering (default: 256 tokens of retrieved passages or
+    /// In-context document budget when answering (default: 128 tokens of retrieved passages or
     /// head and tail; with the `full` context policy, what fits the model's window).
     #[arg(long, env = "LIFT_CONTEXT_TOKENS")]
     pub context_tokens: Option<usize>,
