@@ -300,6 +300,15 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     let ask = Ask { question: "Who keeps the lighthouse?", mode: Mode::Icl, context: Some(ContextPolicy::Full), context_tokens: None };
     let chunks = answer(&plain, &document, None, &ask, &params, &mut |_| true).unwrap().chunks;
     assert!(chunks.is_empty(), "no filter without a prepared base");
+
+    // Retrieval over a document longer than the window (byte-level tokens: 2,048 positions) with
+    // a budget past it: the re-rank's candidates and the answer's passages stay within the window.
+    let long = Document::encode(&m1, DOC.repeat(20)).unwrap();
+    assert!(long.len() > 2 * 2048, "{}", long.len());
+    let ask = Ask { question: "Who keeps the lighthouse?", mode: Mode::Rag, context: None, context_tokens: Some(1 << 20) };
+    let a = answer(&m1, &long, None, &ask, &params, &mut |_| true).unwrap();
+    assert!(a.prompt.tokens.len() + params.max_tokens <= 2048, "{}", a.prompt.tokens.len());
+    assert!(a.prompt.context_tokens > 1000 && !a.chunks.is_empty(), "{} document tokens", a.prompt.context_tokens);
 }
 
 #[test]

@@ -187,35 +187,31 @@ pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize)
     let q_tokens = model.tokenizer.encode(question, false)?.len();
     let filter = model.base_filter();
     let q_room = min_prompt_tokens(q_tokens, filter.is_some()) - TEMPLATE_SLACK;
-    let budget = context_budget(model, q_room, max_tokens, requested);
-    // The layout adds a marker per chunk: when the budget is the window's, leave room for them.
-    let budget = match (filter, requested) {
-        (Some(f), None) => budget * f.chunk_tokens / (f.chunk_tokens + 1),
-        _ => budget,
-    };
+    // What the window holds; the filter's layout adds a marker per chunk: leave room for them.
+    let fits = context_budget(model, q_room, max_tokens, None);
+    let fits = filter.map_or(fits, |f| fits * f.chunk_tokens / (f.chunk_tokens + 1));
+    let budget = requested.map_or(fits, |r| r.min(fits));
     if matches!(policy, ContextPolicy::Retrieved | ContextPolicy::Bm25) {
         let index = doc.passages(model, passage_tokens(model))?;
         let mut ranked: Vec<usize> = index.search(question).iter().map(|h| h.passage).collect();
         if let Some(f) = filter.filter(|_| policy == ContextPolicy::Retrieved) {
-            ranked = rerank(model, f, ids, &index, question, &ranked, RERANK_FACTOR * budget)?;
+            // The candidates' layout must fit the window too.
+            ranked = rerank(model, f, ids, &index, question, &ranked, (RERANK_FACTOR * budget).min(fits))?;
         }
-        let shown: Vec<(usize, usize)> = index.select(&ranked, budget).into_iter().map(|p| index.passages[p]).collect();
-        let context_tokens = shown.iter().map(|(a, b)| b - a).sum();
-        if filter.is_some() {
-            let (tokens, chunks) = filter::ranges_prompt(model, ids, &shown, question)?;
-            return Ok(AnswerPrompt { tokens, shown: merged(&shown), context_tokens, chunks, policy: Some(policy) });
-        }
-        // Passages that do not follow each other are joined by the elision marker.
-        let elision = elision_tokens(model)?;
-        let mut ctx = Vec::with_capacity(context_tokens + elision.len() * shown.len());
-        for (i, &(a, b)) in shown.iter().enumerate() {
-            if i > 0 && shown[i - 1].1 != a {
-                ctx.extend_from_slice(&elision);
+        // The chosen passages' markers and elisions are not in the budget: when a prompt over
+        // what the window holds comes out, the budget shrinks by the excess and they are chosen
+        // again (once or twice at most).
+        let window = model.config().max_position_embeddings;
+        let mut budget = budget;
+        loop {
+            let shown: Vec<(usize, usize)> = index.select(&ranked, budget).into_iter().map(|p| index.passages[p]).collect();
+            let p = passages_prompt(model, ids, &shown, question, filter.is_some(), policy)?;
+            let over = (p.tokens.len() + max_tokens).saturating_sub(window);
+            if over == 0 || shown.is_empty() {
+                return Ok(p);
             }
-            ctx.extend_from_slice(&ids[a..b]);
+            budget = budget.saturating_sub(over);
         }
-        let tokens = chat_with_context(model, &ctx, question)?;
-        return Ok(AnswerPrompt { tokens, shown: merged(&shown), context_tokens, chunks: Vec::new(), policy: Some(policy) });
     }
     if let Some(filter) = filter {
         let ends = doc.sentence_ends(model)?;
@@ -274,6 +270,34 @@ fn rerank(
     let mut out: Vec<usize> = order.into_iter().map(|i| candidates[i]).collect();
     out.extend(ranked.iter().filter(|p| !candidates.contains(p)));
     Ok(out)
+}
+
+/// The prompt showing the document ranges `shown` (whole passages, in document order): one
+/// filter chunk each in the FltLM layout, else joined by the elision marker where they do not
+/// follow each other.
+fn passages_prompt(
+    model: &Model,
+    ids: &[u32],
+    shown: &[(usize, usize)],
+    question: &str,
+    filtered: bool,
+    policy: ContextPolicy,
+) -> Result<AnswerPrompt> {
+    let context_tokens = shown.iter().map(|(a, b)| b - a).sum();
+    if filtered {
+        let (tokens, chunks) = filter::ranges_prompt(model, ids, shown, question)?;
+        return Ok(AnswerPrompt { tokens, shown: merged(shown), context_tokens, chunks, policy: Some(policy) });
+    }
+    let elision = elision_tokens(model)?;
+    let mut ctx = Vec::with_capacity(context_tokens + elision.len() * shown.len());
+    for (i, &(a, b)) in shown.iter().enumerate() {
+        if i > 0 && shown[i - 1].1 != a {
+            ctx.extend_from_slice(&elision);
+        }
+        ctx.extend_from_slice(&ids[a..b]);
+    }
+    let tokens = chat_with_context(model, &ctx, question)?;
+    Ok(AnswerPrompt { tokens, shown: merged(shown), context_tokens, chunks: Vec::new(), policy: Some(policy) })
 }
 
 /// The shown ranges of a head-and-tail context.
