@@ -89,9 +89,10 @@ enum Command {
 
 #[derive(clap::Args)]
 struct GenerateArgs {
-    /// Model file (.gguf) or Hugging Face directory; default: the fetched default model.
-    #[arg(long, env = "LIFT_MODEL")]
-    model: Option<PathBuf>,
+    /// The model as the server runs it: its prepared base included (`--prepared-base none` for
+    /// the plain model), so `generate` and the chat endpoint give the same greedy text.
+    #[command(flatten)]
+    model: ModelArgs,
     #[arg(long, default_value_t = 256)]
     max_tokens: usize,
     /// 0 = greedy.
@@ -605,8 +606,7 @@ impl EvalBaseArgs {
 impl GenerateArgs {
     /// `generate`: one chat message to the base model, streamed to stdout.
     fn run(&self, device: &Device) -> Result<()> {
-        let path = fetch::resolve_model(self.model.as_deref())?;
-        let model = Model::load(&path, device)?;
+        let model = self.model.load(device)?;
         let mut messages = Vec::new();
         if !self.system.is_empty() {
             messages.push(ChatMessage::new("system", self.system.clone()));

@@ -1383,7 +1383,11 @@ async fn special_tokens_in_user_text_stay_text() {
 async fn cli_generate_and_chat_endpoint_answer_alike() {
     let model = lift_serve::fetch::resolve_model(None).unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    let (running, base) = start(ServeConfig::new(model.clone(), tmp.path().join("adapters"))).await;
+    // The server over the shipped prepared base, as `lift-serve serve` runs from the repository;
+    // `generate` finds the same base by default (`base/` in the working directory).
+    let mut cfg = ServeConfig::new(model.clone(), tmp.path().join("adapters"));
+    cfg.prepared_base = Some(concat!(env!("CARGO_MANIFEST_DIR"), "/base").into());
+    let (running, base) = start(cfg).await;
     let c = client();
     let base_id = base_model_id(&c, &base).await;
     let prompt = "What is the capital of France?";
@@ -1396,6 +1400,7 @@ async fn cli_generate_and_chat_endpoint_answer_alike() {
         .args(["generate", "--max-tokens", "8", "--temperature", "0", "--model"])
         .arg(&model)
         .arg(prompt)
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
         .env("RUST_LOG", "info")
         .output()
         .unwrap();
