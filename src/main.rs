@@ -284,9 +284,8 @@ struct TrainArgs {
 
 impl TrainArgs {
     fn options(&self, num_layers: usize) -> Result<AbsorbOptions> {
-        let mut o: AbsorbOptions = match &self.options {
-            Some(p) => serde_json::from_str(&std::fs::read_to_string(p)?)
-                .map_err(|e| anyhow::anyhow!("{}: {e}", p.display()))?,
+        let mut o = match &self.options {
+            Some(p) => AbsorbOptions::from_file(p)?,
             None => AbsorbOptions::default(),
         };
         if let Some(a) = self.adapter {

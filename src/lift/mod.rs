@@ -103,6 +103,89 @@ impl AbsorbOptions {
     }
 }
 
+/// The flat option names of a request's `options` (`POST /documents`), also accepted in options
+/// files beside the nested ones.
+pub const FLAT_OPTIONS: &[&str] = &["window", "stride", "epochs", "aux_qa", "until_learned"];
+
+impl AbsorbOptions {
+    /// Options given as JSON over `self`, in either spelling: nested as this struct is saved
+    /// (`{"plan": {"window": 128}, "train": {"epochs": [1, 2]}}`) or flat as a request's
+    /// `options` (`{"window": 128, "epochs": [1, 2], "aux_qa": 8}`), or both. An unknown name is
+    /// refused with the names that exist.
+    pub fn with_json(&self, v: &serde_json::Value) -> Result<AbsorbOptions> {
+        let given = v.as_object().ok_or_else(|| anyhow::anyhow!("absorb options must be a JSON object"))?;
+        let mut nested = serde_json::to_value(self)?;
+        let mut aux_qa = None;
+        for (key, value) in given {
+            match key.as_str() {
+                "window" => nested["plan"]["window"] = value.clone(),
+                "stride" => nested["plan"]["stride"] = value.clone(),
+                "epochs" => nested["train"]["epochs"] = value.clone(),
+                "aux_qa" => aux_qa = Some(value.clone()),
+                "until_learned" if value.is_boolean() => {
+                    let on = value.as_bool() == Some(true);
+                    if !on {
+                        nested["train"]["until_learned"] = serde_json::Value::Null;
+                    } else if nested["train"]["until_learned"].is_null() {
+                        nested["train"]["until_learned"] = serde_json::json!({});
+                    }
+                }
+                k if nested.get(k).is_some() => merge_json(&mut nested[k], value),
+                k => {
+                    let mut known: Vec<&str> = nested.as_object().map(|o| o.keys().map(String::as_str).collect()).unwrap_or_default();
+                    known.extend(FLAT_OPTIONS);
+                    known.sort_unstable();
+                    known.dedup();
+                    anyhow::bail!("unknown option '{k}' (options: {})", known.join(", "));
+                }
+            }
+        }
+        if let Some(n) = aux_qa {
+            nested["qa"]["max_pairs"] = n.clone();
+            let n = n.as_u64().ok_or_else(|| anyhow::anyhow!("'aux_qa' must be a count of QA pairs (got {n})"))?;
+            let min = nested["qa"]["min_pairs"].as_u64().unwrap_or(0).min(n);
+            nested["qa"]["min_pairs"] = min.into();
+        }
+        // The nested option structs accept unknown keys (records of older options must still
+        // read): any key set here that no option reads is refused by name.
+        let mut ignored = Vec::new();
+        let o = serde_ignored::deserialize(nested, |path| ignored.push(path.to_string()))?;
+        if let Some(path) = ignored.first() {
+            // The names beside it: those of the same object in these options.
+            let defaults = serde_json::to_value(self)?;
+            let parent = path.rsplit_once('.').map(|(p, _)| p);
+            let siblings = parent.and_then(|p| p.split('.').try_fold(&defaults, |v, k| v.get(k))).and_then(|v| v.as_object());
+            let known: Vec<&str> = siblings.map(|o| o.keys().map(String::as_str).collect()).unwrap_or_default();
+            anyhow::bail!("unknown option '{path}' (options in '{}': {})", parent.unwrap_or(""), known.join(", "));
+        }
+        Ok(o)
+    }
+
+    /// Options read from a JSON file over the defaults (see [`AbsorbOptions::with_json`]).
+    pub fn from_file(path: &std::path::Path) -> Result<AbsorbOptions> {
+        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", path.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Self::default().with_json(&v).map_err(|e| anyhow::anyhow!("{}: invalid absorb options: {e}", path.display()))
+    }
+}
+
+/// `value` merged into `target`: objects key by key, anything else replaced.
+fn merge_json(target: &mut serde_json::Value, value: &serde_json::Value) {
+    match (target.as_object_mut(), value.as_object()) {
+        (Some(t), Some(v)) => {
+            for (k, x) in v {
+                match t.get_mut(k) {
+                    Some(slot) => merge_json(slot, x),
+                    None => {
+                        t.insert(k.clone(), x.clone());
+                    }
+                }
+            }
+        }
+        _ => *target = value.clone(),
+    }
+}
+
 /// Bounds on absorb options that every path checks (HTTP requests, CLI flags, options files).
 /// Below `MIN_WINDOW` tokens a step costs more in template and context tokens than it trains.
 pub const MIN_WINDOW: usize = 32;
@@ -390,6 +473,26 @@ fn training_figures(r: &TrainReport, qa_pairs: usize, qa_seconds: f64, segments:
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn options_files_take_either_spelling_and_name_the_known_options() {
+        let d = AbsorbOptions::default();
+        let flat = d.with_json(&serde_json::json!({"window": 64, "stride": 24, "epochs": [1, 2], "aux_qa": 3, "until_learned": true})).unwrap();
+        let nested = d
+            .with_json(&serde_json::json!({"plan": {"window": 64, "stride": 24}, "train": {"epochs": [1, 2], "until_learned": {}},
+                                           "qa": {"max_pairs": 3, "min_pairs": 3}}))
+            .unwrap();
+        assert_eq!(serde_json::to_value(&flat).unwrap(), serde_json::to_value(&nested).unwrap());
+        assert_eq!((flat.plan.window, flat.plan.stride, flat.train.epochs, flat.qa.max_pairs), (64, Some(24), [1, 2], 3));
+        assert!(flat.qa.min_pairs <= 3 && flat.train.until_learned.is_some());
+        // Nested keys keep the defaults they do not name.
+        let one = d.with_json(&serde_json::json!({"plan": {"window": 96}})).unwrap();
+        assert_eq!((one.plan.window, one.plan.context_tokens), (96, d.plan.context_tokens));
+        let e = d.with_json(&serde_json::json!({"windw": 64})).unwrap_err().to_string();
+        assert!(e.contains("'windw'") && e.contains("window") && e.contains("plan") && !e.contains("windw,"), "{e}");
+        let e = d.with_json(&serde_json::json!({"plan": {"windw": 64}})).unwrap_err().to_string();
+        assert!(e.contains("windw") && e.contains("window"), "{e}");
+    }
     use qa::QaSource;
 
     fn pair(q: &str, span: (usize, usize)) -> QaPair {

@@ -515,11 +515,8 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
 /// The absorb options of documents that set none (`--absorb-options`, else built in), checked
 /// against their bounds like a request's.
 fn default_options(cfg: &ServeConfig, model: &Model) -> Result<AbsorbOptions> {
-    let o: AbsorbOptions = match &cfg.absorb_options {
-        Some(p) => {
-            serde_json::from_str(&std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?)
-                .with_context(|| format!("{}: invalid absorb options", p.display()))?
-        }
+    let o = match &cfg.absorb_options {
+        Some(p) => AbsorbOptions::from_file(p)?,
         None => AbsorbOptions::default(),
     };
     let c = model.config();
