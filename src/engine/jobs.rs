@@ -245,6 +245,14 @@ impl HeldAdapter {
             HeldAdapter::Snapshot(s) => &s.adapter,
         }
     }
+
+    /// Which adapter this is, for the batch: requests on one document's adapter share it.
+    fn key(&self) -> usize {
+        match self {
+            HeldAdapter::Stored(l) => Arc::as_ptr(l) as usize,
+            HeldAdapter::Snapshot(s) => Arc::as_ptr(s) as usize,
+        }
+    }
 }
 
 impl Adapter for HeldAdapter {
@@ -279,9 +287,8 @@ pub(super) fn admit<'m>(model: &'m Model, store: &Store, batch: &mut GenerationB
             if let Some(hold) = job.kv_hold.as_mut() {
                 hold.shrink_to(s.seq.cache_tokens());
             }
-            let adapter_key = s.adapter.as_ref().map_or(0, |a| Arc::as_ptr(a) as *const () as usize);
             let data = Running { job, queue_ms, document: s.document, mode: s.mode, adapter: s.steps };
-            batch.join(Entry { seq: s.seq, adapter: s.adapter, adapter_key, data });
+            batch.join(Entry { seq: s.seq, adapter: s.adapter, adapter_key: s.adapter_key, data });
         }
         Err(e) => {
             let _ = job.reply.send(Err(e));
@@ -295,6 +302,8 @@ struct Started<'m> {
     seq: Sequence<'m, AnswerHooks<'m>>,
     document: Option<Arc<Document>>,
     adapter: Option<Arc<dyn Adapter>>,
+    /// The batch's key of `adapter` (0: none).
+    adapter_key: usize,
     steps: Option<(usize, usize)>,
     mode: Option<Mode>,
 }
@@ -329,13 +338,14 @@ fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Start
             });
             let ask = Ask { question, mode, context: *context, context_tokens: *context_tokens };
             let (_, seq) = prepare(model, &document, &ask, &job.params)?;
+            let adapter_key = held.as_ref().map_or(0, HeldAdapter::key);
             let adapter = held.map(|h| Arc::new(h) as Arc<dyn Adapter>);
-            Ok(Started { seq, document: Some(document), adapter, steps, mode: Some(mode) })
+            Ok(Started { seq, document: Some(document), adapter, adapter_key, steps, mode: Some(mode) })
         }
         Prompt::Chat(ids) => {
             let cache = KvCache::with_capacity(model.config().num_layers, ids.len() + job.params.max_tokens);
             let seq = Sequence::new(model, ids.clone(), cache, job.params.clone(), None)?;
-            Ok(Started { seq, document: None, adapter: None, steps: None, mode: None })
+            Ok(Started { seq, document: None, adapter: None, adapter_key: 0, steps: None, mode: None })
         }
     }
 }
