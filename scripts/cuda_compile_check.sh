@@ -16,6 +16,7 @@
 #   scripts/cuda_compile_check.sh              # cuda feature: build (release, all targets)
 #   FLASH_ATTN=1 scripts/cuda_compile_check.sh # also `cargo check --features cuda,flash-attn`
 #                                              # (compiles flash-attn's kernels: very long)
+# PORTABLE_ONLY=1 with GPU_TESTS=1 builds only the portable GPU binaries (skips the all-targets build).
 # Environment: VENV (default /tmp/lift-cuda-venv; kept between runs, so a second run only
 # rebuilds what changed), CUDA_COMPUTE_CAP (default 80), CARGO_TARGET_DIR (the CUDA build goes to
 # its `cuda/` subfolder so it never replaces the CPU build's binaries).
@@ -97,10 +98,12 @@ export LIBRARY_PATH="$ROOT/lib:$ROOT/lib/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}/cuda"
 nvcc --version | tail -2
 
-step "cargo build --release --features cuda --all-targets (into $CARGO_TARGET_DIR)"
-start=$(date +%s)
-cargo build --release --features cuda --all-targets
-echo "cuda build: $(($(date +%s) - start)) s"
+if [ "${PORTABLE_ONLY:-0}" != 1 ]; then
+    step "cargo build --release --features cuda --all-targets (into $CARGO_TARGET_DIR)"
+    start=$(date +%s)
+    cargo build --release --features cuda --all-targets
+    echo "cuda build: $(($(date +%s) - start)) s"
+fi
 if [ "${FLASH_ATTN:-0}" = 1 ]; then
     step "cargo check --release --features cuda,flash-attn --all-targets"
     start=$(date +%s)
@@ -108,19 +111,21 @@ if [ "${FLASH_ATTN:-0}" = 1 ]; then
     echo "cuda,flash-attn check: $(($(date +%s) - start)) s"
 fi
 if [ "${GPU_TESTS:-0}" = 1 ]; then
-    # tests/cuda.rs and the GPU-capable benches (runtime, absorb, batch_steps) for a GPU machine:
+    # tests/cuda.rs, the GPU-capable benches (runtime, absorb, batch_steps) and the lift-serve
+    # binary (a real model's absorb and eval on the GPU) for a GPU machine:
     # built for any AVX2 CPU (the default build uses this machine's own instruction set, which
     # another machine's CPU may lack: SIGILL), stripped and compressed to target/gpu-carry/*.xz
     # (about 9 MB each) to carry there; scripts/gpu_checks.sh runs them on the GPU machine.
     step "portable tests/cuda.rs and GPU bench binaries (into $CARGO_TARGET_DIR-portable)"
     start=$(date +%s)
+    mkdir -p "$CARGO_TARGET_DIR-portable"
     CARGO_TARGET_DIR="$CARGO_TARGET_DIR-portable" RUSTFLAGS="-C target-cpu=x86-64-v3" \
         cargo build --release --features cuda --test cuda \
-        --bench runtime --bench absorb --bench batch_steps --message-format=json |
+        --bench runtime --bench absorb --bench batch_steps --bin lift-serve --message-format=json |
         python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda", "runtime", "absorb", "batch_steps"):
+    if m.get("reason") == "compiler-artifact" and m.get("executable") and m["target"]["name"] in ("cuda", "runtime", "absorb", "batch_steps", "lift-serve"):
         print(m["target"]["name"], m["executable"])' > "$CARGO_TARGET_DIR-portable/gpu-binaries.txt"
     mkdir -p target/gpu-carry
     while read -r name exe; do

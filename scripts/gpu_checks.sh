@@ -5,16 +5,28 @@
 # absorb and batch_steps benches on the GPU with a randomly initialised model of the default
 # model's exact shapes (BENCH_MODEL=random-smollm2: timings need shapes, not trained weights).
 # Each step has its own time limit, so one that hangs does not hide the others. Logs go to
-# $OUT (or ./gpu-logs).
+# ./gpu-logs, or with the device tool to one archive $OUT/gpu-logs.tgz (the tool returns at most 8
+# files).
 #
-#   scripts/gpu_checks.sh            # everything
+#   scripts/gpu_checks.sh            # tests,runtime,absorb,batch
 #   GPU_STEPS=tests,runtime scripts/gpu_checks.sh
+# More steps, named only:
+#   shapes  the runtime bench's training step on random models of deployment shapes
+#           (BENCH_MODEL=random-qwen2.5-0.5b, random-llama-3.2-1b)
+#   real    the default model's real weights: the parts that scripts/gpu_model_parts.sh cut
+#           (.gpu-model/{a,b,c}, carried by consecutive calls) are joined and verified by sha256,
+#           then `lift-serve eval` runs on CUDA (retrieval and head-and-tail over the eval split;
+#           lift, lift:head_tail, rag, icl on its first 1K-token document), the same commands whose
+#           CPU results are in docs/retrieval.md
 # A bench binary named NAME-old.xz beside NAME.xz (another build, carried for a comparison) runs
 # alternately with it, two rounds each (the absorb and batch steps).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-LOGS="${OUT:-gpu-logs}"
+LOGS=gpu-logs
+[ -n "${OUT:-}" ] && LOGS=/tmp/gpu-logs
 mkdir -p "$LOGS"
+# The archive is written however the script ends (a step past its limit included).
+[ -n "${OUT:-}" ] && trap 'tar czf "$OUT/gpu-logs.tgz" -C "$LOGS" .' EXIT
 STEPS="${GPU_STEPS:-tests,runtime,absorb,batch}"
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 
@@ -34,9 +46,11 @@ BIN=/tmp/gpu-bin
 mkdir -p "$BIN"
 for f in target/gpu-carry/*.xz; do
     n="$(basename "$f" .xz)"
+    [ -x "$BIN/$n" ] && [ "$BIN/$n" -nt "$f" ] && continue
     xz -dc "$f" > "$BIN/$n" && chmod +x "$BIN/$n"
 done
-ldd "$BIN/cuda-tests" | grep -E "not found|cublas|nvrtc|curand|cudart|libcuda" || true
+ls "$BIN"
+[ -x "$BIN/cuda-tests" ] && { ldd "$BIN/cuda-tests" | grep -E "not found|cublas|nvrtc|curand|cudart|libcuda" || true; }
 
 run() { # name, limit in seconds, command...
     local name="$1" limit="$2"
@@ -63,4 +77,28 @@ want tests && run cuda-tests 180 "$BIN/cuda-tests" --test-threads=1
 want runtime && ab runtime 90 BENCH_RUNS=5 BENCH_ONLY=prefill,decode,decode_adapter,train BENCH_TRAIN_SEQS=512,2048
 want absorb && ab absorb 120 BENCH_LENGTHS="${GPU_ABSORB_LENGTHS:-1024,4096}" BENCH_PREPARED_BASE=none
 want batch && ab batch_steps 75 BENCH_GATED_MEMORY=1
+if want shapes; then
+    for m in random-qwen2.5-0.5b random-llama-3.2-1b; do
+        run "runtime-$m" 90 env BENCH_MODEL="$m" BENCH_RUNS=3 BENCH_ONLY=train BENCH_TRAIN_SEQS=512,2048 "$BIN/runtime"
+    done
+fi
+if want real; then
+    MODEL=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+    cat .gpu-model/a/part .gpu-model/b/part .gpu-model/c/part > "$MODEL"
+    if [ "$(sha256sum "$MODEL" | cut -d' ' -f1)" != "$(cat .gpu-model/a/sha256)" ]; then
+        echo "=== real: the joined model's sha256 does not match (a part is missing: $(ls -l .gpu-model/*/part 2>&1 | tr '\n' ' '))"
+    else
+        echo "=== real: model joined, sha256 ok"
+        export LIFT_MODEL="$MODEL" LIFT_DATA_DIR=data RUST_LOG=info
+        Q=(--depths 0.1,0.3,0.5,0.7,0.9 --needles-per-depth 2 --ask-context-tokens 128 --device cuda --quiet)
+        run real-rag "${GPU_REAL_RAG_LIMIT:-80}" "$BIN/lift-serve" eval --split eval --methods rag,icl \
+            --lengths 1024,2048,4096,8192 --docs-per-length 4 "${Q[@]}" --out /tmp/real-rag
+        run real-lift "${GPU_REAL_LIFT_LIMIT:-140}" "$BIN/lift-serve" eval --split eval \
+            --methods rag,lift,lift:head_tail,icl --lengths 1024 --docs-per-length 1 "${Q[@]}" --out /tmp/real-lift
+        for r in real-rag real-lift; do
+            for f in results.json results.md; do [ -f "/tmp/$r/$f" ] && cp "/tmp/$r/$f" "$LOGS/$r-$f"; done
+        done
+        tail -n 40 /tmp/real-rag/results.md /tmp/real-lift/results.md 2>/dev/null
+    fi
+fi
 exit 0

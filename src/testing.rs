@@ -49,6 +49,18 @@ impl TinySpec {
         }
     }
 
+    /// Random weights of Qwen2.5-0.5B's shapes (biased q/k/v, 14 query and 2 KV heads, its
+    /// 151,936-entry vocabulary): what a deployment-size model costs, for benchmarks.
+    pub fn qwen2_5_0_5b_shaped() -> Self {
+        Self { hidden: 896, intermediate: 4864, layers: 24, heads: 14, kv_heads: 2, max_positions: 32768, qkv_bias: true, seed: 42, vocab: 151_936 }
+    }
+
+    /// Random weights of Llama-3.2-1B's shapes (16 layers, 32 query and 8 KV heads of 64, its
+    /// 128,256-entry vocabulary), for benchmarks.
+    pub fn llama_3_2_1b_shaped() -> Self {
+        Self { hidden: 2048, intermediate: 8192, layers: 16, heads: 32, kv_heads: 8, max_positions: 32768, qkv_bias: false, seed: 42, vocab: 128_256 }
+    }
+
     /// The vocabulary: the tiny byte vocabulary, padded to `vocab` entries if that is larger.
     pub fn vocabulary(&self) -> Vec<String> {
         let mut v = tiny_vocab();

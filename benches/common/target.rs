@@ -2,6 +2,7 @@
 //!
 //! `BENCH_DEVICE=cpu|cuda|cuda:N` (default cpu; cuda needs the `cuda` feature).
 //! `BENCH_MODEL=random-smollm2` builds a randomly initialised model of SmolLM2-135M's exact
+//! (`random-qwen2.5-0.5b`, `random-llama-3.2-1b`: deployment-size shapes, the same way)
 //! shapes, vocabulary included, in a temporary folder: the default model's matmuls, attention and
 //! LM head for timing on a machine the weights file cannot reach (the GPU machine), with a
 //! byte-level tokenizer (one token per byte of text). Otherwise the default model (or
@@ -23,14 +24,21 @@ pub fn device() -> anyhow::Result<Device> {
 
 pub fn load(dev: &Device) -> anyhow::Result<Target> {
     match std::env::var("BENCH_MODEL").ok().as_deref() {
-        Some("random-smollm2") => {
+        Some(name @ ("random-smollm2" | "random-qwen2.5-0.5b" | "random-llama-3.2-1b")) => {
+            use lift_serve::testing::TinySpec;
+            let (spec, shapes) = match name {
+                "random-smollm2" => (TinySpec::smollm2_135m_shaped(), "SmolLM2-135M"),
+                "random-qwen2.5-0.5b" => (TinySpec::qwen2_5_0_5b_shaped(), "Qwen2.5-0.5B"),
+                _ => (TinySpec::llama_3_2_1b_shaped(), "Llama-3.2-1B"),
+            };
             let dir = tempfile::tempdir()?;
-            let spec = lift_serve::testing::TinySpec::smollm2_135m_shaped();
-            let path = lift_serve::testing::write_hf(&dir.path().join("random-smollm2"), &spec)?;
+            let path = lift_serve::testing::write_hf(&dir.path().join(name), &spec)?;
             let model = Model::load(&path, dev)?;
-            Ok(Target { model, label: "random weights of SmolLM2-135M's shapes".into(), _dir: Some(dir) })
+            Ok(Target { model, label: format!("random weights of {shapes}'s shapes"), _dir: Some(dir) })
         }
-        Some(other) => anyhow::bail!("BENCH_MODEL={other}: only random-smollm2 (or unset: the default model)"),
+        Some(other) => anyhow::bail!(
+            "BENCH_MODEL={other}: random-smollm2, random-qwen2.5-0.5b or random-llama-3.2-1b (or unset: the default model)"
+        ),
         None => {
             let path = lift_serve::fetch::resolve_model(None)?;
             let model = Model::load(&path, dev)?;
