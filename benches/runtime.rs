@@ -285,6 +285,36 @@ fn main() -> anyhow::Result<()> {
                 median(fwd),
                 median(bwd)
             );
+            if !on_cpu {
+                // Where a GPU step goes: each phase timed once when its launches return (host
+                // time) and once when its kernels have finished. Launch-bound phases show a
+                // host time close to the finished time.
+                let mut ph: [Vec<f64>; 5] = Default::default();
+                for _ in 0..runs {
+                    let t0 = Instant::now();
+                    let emb = model.decoder.embed(&input).unwrap();
+                    let h = model.decoder.forward_train(&emb, Some(&adapter), &mut NoHooks).unwrap();
+                    let logits = model.decoder.logits_train(&h.squeeze(0).unwrap()).unwrap();
+                    let loss = ops::cross_entropy_masked(&logits, &target, &weights).unwrap();
+                    let t1 = Instant::now();
+                    target::sync(&dev);
+                    let t2 = Instant::now();
+                    let grads = loss.backward().unwrap();
+                    let t3 = Instant::now();
+                    target::sync(&dev);
+                    let t4 = Instant::now();
+                    opt.step(&grads).unwrap();
+                    target::sync(&dev);
+                    let t5 = Instant::now();
+                    for (v, d) in ph.iter_mut().zip([t1 - t0, t2 - t0, t3 - t2, t4 - t2, t5 - t4]) {
+                        v.push(d.as_secs_f64());
+                    }
+                }
+                let [fl, fd, bl, bd, o] = ph.map(median);
+                println!(
+                    "  synced phases: forward {fd:.4} s (launches returned at {fl:.4} s), backward {bd:.4} s (launches {bl:.4} s), optimizer (candle-nn AdamW) {o:.4} s"
+                );
+            }
         }
     }
     Ok(())

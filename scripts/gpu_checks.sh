@@ -26,7 +26,10 @@ LOGS=gpu-logs
 [ -n "${OUT:-}" ] && LOGS=/tmp/gpu-logs
 mkdir -p "$LOGS"
 # The archive is written however the script ends (a step past its limit included).
-[ -n "${OUT:-}" ] && trap 'tar czf "$OUT/gpu-logs.tgz" -C "$LOGS" .' EXIT
+if [ -n "${OUT:-}" ]; then
+    trap 'tar czf "$OUT/gpu-logs.tgz" -C "$LOGS" .' EXIT
+    trap 'exit 124' TERM INT
+fi
 STEPS="${GPU_STEPS:-tests,runtime,absorb,batch}"
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 
@@ -73,15 +76,16 @@ ab() { # binary name, limit in seconds, env assignments...
 }
 
 export BENCH_DEVICE=cuda BENCH_MODEL=random-smollm2 RUST_LOG=warn
-want tests && run cuda-tests 180 "$BIN/cuda-tests" --test-threads=1
-want runtime && ab runtime 90 BENCH_RUNS=5 BENCH_ONLY=prefill,decode,decode_adapter,train BENCH_TRAIN_SEQS=512,2048
+# Benches first, the test suite last: with the device's time short, the figures come back first.
+want runtime && ab runtime 90 BENCH_RUNS=5 BENCH_ONLY="${GPU_RUNTIME_ONLY:-prefill,decode,decode_adapter,train}" BENCH_TRAIN_SEQS=512,2048
 want absorb && ab absorb 120 BENCH_LENGTHS="${GPU_ABSORB_LENGTHS:-1024,4096}" BENCH_PREPARED_BASE=none
 want batch && ab batch_steps 75 BENCH_GATED_MEMORY=1
 if want shapes; then
     for m in random-qwen2.5-0.5b random-llama-3.2-1b; do
-        run "runtime-$m" 90 env BENCH_MODEL="$m" BENCH_RUNS=3 BENCH_ONLY=train BENCH_TRAIN_SEQS=512,2048 "$BIN/runtime"
+        run "runtime-$m" 75 env BENCH_MODEL="$m" BENCH_RUNS=3 BENCH_ONLY=train BENCH_TRAIN_SEQS=512,2048 "$BIN/runtime"
     done
 fi
+want tests && run cuda-tests "${GPU_TESTS_LIMIT:-180}" "$BIN/cuda-tests" --test-threads=1
 if want real; then
     MODEL=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
     cat .gpu-model/a/part .gpu-model/b/part .gpu-model/c/part > "$MODEL"
