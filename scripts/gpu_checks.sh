@@ -14,7 +14,8 @@
 #   shapes  the runtime bench's training step on random models of deployment shapes
 #           (BENCH_MODEL=random-qwen2.5-0.5b, random-llama-3.2-1b)
 #   real    the default model's real weights: the parts that scripts/gpu_model_parts.sh cut
-#           (.gpu-model/{a,b,c}, carried by consecutive calls) are joined and verified by sha256,
+#           (.gpu-model/{a,b,c}, one carried by each of three consecutive calls, e.g. with
+#           GPU_STEPS=none for the first two) are joined and verified by sha256,
 #           then `lift-serve eval` runs on CUDA (retrieval and head-and-tail over the eval split;
 #           lift, lift:head_tail, rag, icl on its first 1K-token document), the same commands whose
 #           CPU results are in docs/retrieval.md
@@ -86,11 +87,19 @@ if want shapes; then
     done
 fi
 want tests && run cuda-tests "${GPU_TESTS_LIMIT:-180}" "$BIN/cuda-tests" --test-threads=1
+# The model's parts: each call carries one (.gpu-model/a, b or c) and this keeps it in /tmp/parts,
+# which lasts while the machine stays warm (a carried path replaces the ignored ones of earlier
+# calls in the working tree).
+PARTS=/tmp/parts
+mkdir -p "$PARTS"
+for x in a b c; do [ -f ".gpu-model/$x/part" ] && cp ".gpu-model/$x/part" "$PARTS/$x"; done
+[ -f .gpu-model/a/sha256 ] && cp .gpu-model/a/sha256 "$PARTS/sha256"
+ls -l "$PARTS"
 if want real; then
     MODEL=/tmp/SmolLM2-135M-Instruct.Q4_1.gguf
-    cat .gpu-model/a/part .gpu-model/b/part .gpu-model/c/part > "$MODEL"
-    if [ "$(sha256sum "$MODEL" | cut -d' ' -f1)" != "$(cat .gpu-model/a/sha256)" ]; then
-        echo "=== real: the joined model's sha256 does not match (a part is missing: $(ls -l .gpu-model/*/part 2>&1 | tr '\n' ' '))"
+    cat "$PARTS/a" "$PARTS/b" "$PARTS/c" > "$MODEL"
+    if [ "$(sha256sum "$MODEL" | cut -d' ' -f1)" != "$(cat "$PARTS/sha256")" ]; then
+        echo "=== real: the joined model's sha256 does not match (a part is missing: $(ls -l "$PARTS" 2>&1 | tr '\n' ' '))"
     else
         echo "=== real: model joined, sha256 ok"
         export LIFT_MODEL="$MODEL" LIFT_DATA_DIR=data RUST_LOG=info
