@@ -12,8 +12,8 @@ use std::sync::OnceLock;
 pub struct Document {
     pub text: String,
     tokens: Vec<u32>,
-    /// `sentence_ends(model, tokens)`, computed on first use (answers without a filter never need it).
-    ends: OnceLock<Vec<bool>>,
+    /// `breaks(model, tokens)`, computed on first use (answers without a filter never need it).
+    breaks: OnceLock<Vec<Break>>,
     /// The passages and their index, with the passage size they were cut at; made on first use.
     passages: OnceLock<(usize, PassageIndex)>,
 }
@@ -28,7 +28,7 @@ impl Document {
 
     /// A document whose ids were computed before (read back from the store).
     pub fn from_tokens(text: String, tokens: Vec<u32>) -> Self {
-        Self { text, tokens, ends: OnceLock::new(), passages: OnceLock::new() }
+        Self { text, tokens, breaks: OnceLock::new(), passages: OnceLock::new() }
     }
 
     pub fn tokens(&self) -> &[u32] {
@@ -43,13 +43,13 @@ impl Document {
         self.tokens.is_empty()
     }
 
-    /// Whether each token ends a sentence or a line (see [`sentence_ends`]); computed once.
-    pub fn sentence_ends(&self, model: &Model) -> Result<&[bool]> {
-        if let Some(e) = self.ends.get() {
-            return Ok(e);
+    /// What break follows each token (see [`breaks`]); computed once.
+    pub fn breaks(&self, model: &Model) -> Result<&[Break]> {
+        if let Some(b) = self.breaks.get() {
+            return Ok(b);
         }
-        let ends = sentence_ends(model, &self.tokens)?;
-        Ok(self.ends.get_or_init(|| ends))
+        let breaks = breaks(model, &self.tokens)?;
+        Ok(self.breaks.get_or_init(|| breaks))
     }
 
     /// The document's sentence-aligned passages of at most `chunk_tokens` tokens (the FltLM
@@ -68,7 +68,7 @@ impl Document {
     }
 
     fn index_passages(&self, model: &Model, chunk_tokens: usize) -> Result<PassageIndex> {
-        let ranges = chunk_ranges(self.sentence_ends(model)?, 0, self.tokens.len(), chunk_tokens);
+        let ranges = chunk_ranges(self.breaks(model)?, 0, self.tokens.len(), chunk_tokens);
         let texts = ranges.iter().map(|&(a, b)| model.tokenizer.decode(&self.tokens[a..b])).collect::<Result<Vec<_>>>()?;
         Ok(PassageIndex::from_texts(ranges, &texts))
     }
@@ -103,28 +103,59 @@ pub fn token_span(model: &Model, text: &str, span: (usize, usize)) -> Result<(us
     Ok((a, count(span.1)?.max(a + 1)))
 }
 
-/// Whether each document token ends a sentence or a line.
-pub fn sentence_ends(model: &Model, doc: &[u32]) -> Result<Vec<bool>> {
-    doc.iter()
-        .map(|&t| {
-            let s = model.tokenizer.decode(&[t])?;
-            let s = s.trim_end_matches([' ', '"', '\'', ')']);
-            Ok(s.contains('\n') || s.ends_with(['.', '!', '?']))
-        })
-        .collect()
+/// What follows a document token: nothing (the next token continues its word: "21" then "2" of
+/// "212"), a word break, or the end of a sentence or line. Chunks end at sentence ends, and a
+/// sentence too long for one chunk is cut at a word break, never inside a word or a number.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Break {
+    Inside,
+    Word,
+    Sentence,
 }
 
-/// Chunks of document tokens `from..to`: sentences (ending after a token where `boundary` is true)
-/// packed greedily up to `max` tokens; a longer sentence is cut every `max` tokens.
-pub fn chunk_ranges(boundary: &[bool], from: usize, to: usize, max: usize) -> Vec<(usize, usize)> {
+/// The break after each document token.
+pub fn breaks(model: &Model, doc: &[u32]) -> Result<Vec<Break>> {
+    let texts = doc.iter().map(|&t| model.tokenizer.decode(&[t])).collect::<Result<Vec<_>>>()?;
+    Ok((0..texts.len())
+        .map(|i| {
+            let s = texts[i].trim_end_matches([' ', '"', '\'', ')']);
+            if s.contains('\n') || s.ends_with(['.', '!', '?']) {
+                Break::Sentence
+            } else if texts[i].ends_with(char::is_whitespace)
+                || texts.get(i + 1).is_none_or(|n| n.starts_with(char::is_whitespace))
+            {
+                Break::Word
+            } else {
+                Break::Inside
+            }
+        })
+        .collect())
+}
+
+/// Chunks of document tokens `from..to`: sentences (ending after a token whose break is
+/// [`Break::Sentence`]) packed greedily up to `max` tokens; a longer sentence is cut at its last
+/// word break within `max` tokens (every `max` tokens where a word is longer than that).
+pub fn chunk_ranges(breaks: &[Break], from: usize, to: usize, max: usize) -> Vec<(usize, usize)> {
     let max = max.max(1);
     let mut pieces = Vec::new();
-    let mut s = from;
-    for i in from..to {
-        if boundary[i] || i + 1 == to || i + 1 - s == max {
+    let (mut s, mut i) = (from, from);
+    let mut last_word = None;
+    while i < to {
+        if breaks[i] == Break::Sentence || i + 1 == to {
             pieces.push((s, i + 1));
-            s = i + 1;
+            (s, last_word) = (i + 1, None);
+        } else {
+            if breaks[i] == Break::Word {
+                last_word = Some(i);
+            }
+            if i + 1 - s == max {
+                let cut = last_word.unwrap_or(i) + 1;
+                pieces.push((s, cut));
+                (s, last_word, i) = (cut, None, cut);
+                continue;
+            }
         }
+        i += 1;
     }
     let mut out: Vec<(usize, usize)> = Vec::new();
     for (a, b) in pieces {

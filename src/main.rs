@@ -49,6 +49,24 @@ enum Command {
         #[arg(long)]
         limits: Option<String>,
     },
+    /// Add an adapter directory made by `absorb --out` to a server's store, as a ready document
+    /// (prints its id; a running server sees it after a restart).
+    Import {
+        /// The adapter directory (adapter.safetensors, manifest.json, document.txt, ...).
+        dir: PathBuf,
+        /// The server's store.
+        #[arg(long, env = "LIFT_ADAPTERS_DIR", default_value = "adapters")]
+        adapters_dir: PathBuf,
+        /// The API key of the tenant that will own it (a server with keys shows a document to
+        /// its owner only); none for a server without keys.
+        #[arg(long)]
+        api_key: Option<String>,
+        /// Title shown in the document list (default: the directory's name).
+        #[arg(long)]
+        title: Option<String>,
+        #[command(flatten)]
+        model: ModelArgs,
+    },
     /// Run the HTTP server (API: docs/API.md); stops gracefully on SIGTERM / Ctrl-C.
     Serve {
         #[command(flatten)]
@@ -670,6 +688,14 @@ fn main() -> Result<()> {
                 None => lift_serve::formats::Limits::default(),
             };
             lift_serve::extraction::run_worker(filename.as_deref(), media_type.as_deref(), &limits)?;
+        }
+        Command::Import { dir, adapters_dir, api_key, title, model } => {
+            let model = model.load(&lift_serve::runtime::device(&cli.device)?)?;
+            let store = lift_serve::store::Store::open(&adapters_dir, 0)?;
+            let owner = api_key.as_deref().map(lift_serve::server::tenant_of);
+            let rec = store.import(&dir, &model, owner, title)?;
+            eprintln!("{} is document {} in {} ({} tokens)", dir.display(), rec.id, adapters_dir.display(), rec.tokens);
+            println!("{}", rec.id);
         }
         Command::Serve { config } => {
             let device = lift_serve::runtime::device(&cli.device)?;

@@ -213,8 +213,7 @@ fn document_gated_memory_trains_over_the_frozen_base_and_only_it_gets_gradients(
     let dir = tempfile::tempdir().unwrap();
     saved_base(&plain, dir.path(), 3);
     let mut model = load(&path);
-    PreparedBase::load(dir.path(), &model).unwrap().install(&mut model).unwrap();
-    let base = model.prepared_base.clone().unwrap();
+    let base = PreparedBase::load(dir.path(), &model).unwrap().install(&mut model).unwrap();
 
     let tokens = model.encode_document(DOC).unwrap();
     let example = Example { kind: ExampleKind::Segment(0), target: vec![true; tokens.len()], tokens, packing: None };
@@ -253,10 +252,10 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     assert_ne!(h1, h2);
     let over = |dir: &Path| {
         let mut m = load(&path);
-        PreparedBase::load(dir, &m).unwrap().install(&mut m).unwrap();
-        m
+        let installed = PreparedBase::load(dir, &m).unwrap().install(&mut m).unwrap();
+        (m, installed)
     };
-    let m1 = over(d1.path());
+    let (m1, base1) = over(d1.path());
     let mut o = AbsorbOptions::default();
     o.plan.window = 32;
     o.plan.context_tokens = 1000;
@@ -276,13 +275,13 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     let adapter_dir = adir.path().join("doc");
     manifest::save(&adapter_dir, &a.bundle, &a.manifest, &[]).unwrap();
     manifest::load(&adapter_dir, &m1).unwrap();
-    let err = manifest::load(&adapter_dir, &over(d2.path())).err().expect("another base refused");
+    let err = manifest::load(&adapter_dir, &over(d2.path()).0).err().expect("another base refused");
     assert!(format!("{err:#}").contains(&format!("trained over prepared base '{h1}'")), "{err:#}");
     let err = manifest::load(&adapter_dir, &plain).err().expect("no base refused");
     assert!(format!("{err:#}").contains("loaded model has prepared base none"), "{err:#}");
     // Absorbing left the frozen base exactly as loaded.
     let fresh = PreparedBase::load(d1.path(), &plain).unwrap().named_tensors().unwrap();
-    for (k, t) in m1.prepared_base.as_ref().unwrap().named_tensors().unwrap() {
+    for (k, t) in base1.named_tensors().unwrap() {
         assert_eq!(
             t.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
             fresh[&k].flatten_all().unwrap().to_vec1::<f32>().unwrap(),

@@ -398,7 +398,7 @@ departure in a green ledger. Passengers pay eleven coins for the crossing. In wi
 fn filter_scores_and_soft_mask_on_cuda_match_cpu() {
     let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
     let doc = tokens(&cpu, FILTER_DOC);
-    let ends = filter::sentence_ends(&cpu, &doc).unwrap();
+    let ends = filter::breaks(&cpu, &doc).unwrap();
     let p = filter::build_prompt(&cpu, &doc, &ends, "Who logs the departures?", 200, 12).unwrap();
     assert!(p.chunks.len() >= 3);
     let run = |m: &Model| {
@@ -424,7 +424,7 @@ fn filter_scores_and_soft_mask_on_cuda_match_cpu() {
 fn filter_training_gradients_on_cuda_match_cpu() {
     let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
     let doc = tokens(&cpu, FILTER_DOC);
-    let ends = filter::sentence_ends(&cpu, &doc).unwrap();
+    let ends = filter::breaks(&cpu, &doc).unwrap();
     let p = filter::build_prompt(&cpu, &doc, &ends, "Who logs the departures?", 200, 12).unwrap();
     let positive: Vec<bool> = (0..p.chunks.len()).map(|i| i == 1).collect();
     let step = |m: &Model| {
@@ -633,7 +633,7 @@ fn prepared_base_under_a_document_adapter_on_cuda_matches_cpu() {
     assert_ne!(cpu.info.fingerprint, plain.info.fingerprint);
 
     let doc = tokens(&cpu, FILTER_DOC);
-    let ends = filter::sentence_ends(&cpu, &doc).unwrap();
+    let ends = filter::breaks(&cpu, &doc).unwrap();
     let p = filter::build_prompt(&cpu, &doc, &ends, "Who logs the departures?", 200, 12).unwrap();
     let cfg = cpu.config().clone();
     let answer = |m: &Model| {

@@ -40,7 +40,7 @@ fn filter(model: &Model, w: f32, b: f32) -> Filter {
 
 fn prompt(model: &Model, budget: usize) -> filter::FilterPrompt {
     let doc = model.tokenizer.encode(DOC, false).unwrap();
-    let ends = filter::sentence_ends(model, &doc).unwrap();
+    let ends = filter::breaks(model, &doc).unwrap();
     filter::build_prompt(model, &doc, &ends, "Who keeps the lighthouse?", budget, 24).unwrap()
 }
 
@@ -254,7 +254,7 @@ fn absorb_over_a_prepared_base_trains_qa_in_its_filter_layout_and_leaves_the_fil
     };
     assert_eq!(&DOC[pair.evidence_span.0..pair.evidence_span.1], pair.evidence);
     let span = filter::evidence_tokens(&model, DOC, &pair).unwrap();
-    let ends = filter::sentence_ends(&model, doc).unwrap();
+    let ends = filter::breaks(&model, doc).unwrap();
     let small = filter::build_prompt(&model, doc, &ends, &pair.question, 40, 24).unwrap();
     assert!(span.0 >= small.head_end && span.1 <= small.tail_start, "evidence out of a 40-token window");
     assert!(small.labels(span).iter().all(|&l| !l));

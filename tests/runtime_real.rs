@@ -351,3 +351,42 @@ fn bf16_training_matmuls_follow_f32_training() {
     assert!(l32[6] < l32[0] * 0.9, "f32 training learns ({} → {})", l32[0], l32[6]);
     assert!(l16[6] <= l32[6] * 1.02, "after 6 steps: bf16 {} vs f32 {}", l16[6], l32[6]);
 }
+
+/// The FltLM chunks (and the passages answers retrieve) of a sentence longer than a chunk are
+/// cut between words, never inside a word or a number: the real tokenizer splits "212" into
+/// digit tokens, and "21|2 kilograms" was a chunk boundary before word breaks were kept.
+#[test]
+fn chunks_of_a_long_sentence_end_between_words() {
+    use lift_serve::document::{chunk_ranges, Document};
+    let m = model();
+    let text = "The crate that the porters of the eastern warehouse carried up the hill on the morning of \
+                the fourteenth weighed 212 kilograms, held 3,417 copper fittings and 96 lanterns, and cost \
+                the guild 18,250 silver marks, which the treasurer Marguerite Oyelaran-Castellanos paid \
+                in three instalments of 6,083 marks each over the following eleven months; ";
+    let doc = Document::encode(m, text.repeat(3)).unwrap();
+    let breaks = doc.breaks(m).unwrap();
+    let words: std::collections::HashSet<&str> = text.split(|c: char| c.is_whitespace()).collect();
+    let mut cuts = 0;
+    for max in [7, 12, 24] {
+        for (a, b) in chunk_ranges(breaks, 0, doc.len(), max) {
+            assert!(b - a <= max);
+            if b == doc.len() {
+                continue;
+            }
+            // The last word of the chunk is a whole word of the text.
+            let piece = m.tokenizer.decode(&doc.tokens()[a..b]).unwrap();
+            let last = piece.split_whitespace().last().unwrap_or("");
+            assert!(words.contains(last), "max {max}: chunk ends inside a word: {piece:?}");
+            cuts += 1;
+        }
+    }
+    assert!(cuts > 20, "the sentences were cut {cuts} times");
+    // Without the word breaks (a cut every `max` tokens) the same text is cut inside words.
+    use lift_serve::document::Break;
+    let sentence_only: Vec<Break> = breaks.iter().map(|&b| if b == Break::Word { Break::Inside } else { b }).collect();
+    let inside = chunk_ranges(&sentence_only, 0, doc.len(), 12).into_iter().filter(|&(a, b)| {
+        let piece = m.tokenizer.decode(&doc.tokens()[a..b]).unwrap();
+        b < doc.len() && !words.contains(piece.split_whitespace().last().unwrap_or(""))
+    });
+    assert!(inside.count() > 0, "the check above would not have seen a cut inside a word");
+}

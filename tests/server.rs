@@ -2054,3 +2054,75 @@ async fn the_worker_limits_hold_when_a_parser_runs_away() {
     assert_eq!(s, 202, "{d}");
     wait_ready(&c, &base, d["id"].as_str().unwrap(), None).await;
 }
+
+/// A port another program holds: the start fails with an error that names the port and the flag.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_port_in_use_is_named() {
+    let e = env();
+    let held = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = held.local_addr().unwrap().port();
+    let mut cfg = config(&e, &[]);
+    cfg.host = "127.0.0.1".into();
+    cfg.port = port;
+    let state = server::build_state(cfg, &candle_core::Device::Cpu).unwrap();
+    let err = format!("{:#}", server::start(state).await.err().expect("a held port must fail the start"));
+    assert!(err.contains(&format!("127.0.0.1:{port}")) && err.contains("--port"), "{err}");
+}
+
+/// An adapter directory copied into the store by hand (as `lift-serve absorb --out` writes one)
+/// is not served until `lift-serve import` adds it; then it answers with its adapter, under the
+/// owner the key names, and importing again changes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_adapter_directory_is_served_after_import() {
+    let e = env();
+    let c = client();
+    // An adapter made elsewhere: absorbed by one server, its directory copied out.
+    let (running, base) = start(config(&e, &[])).await;
+    let (s, v) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC}), None).await;
+    assert_eq!(s, 202, "{v}");
+    let made = v["id"].as_str().unwrap().to_string();
+    wait_ready(&c, &base, &made, None).await;
+    running.shutdown().await;
+    let store = e._tmp.path().join("other-store");
+    let notes = store.join("harbor-notes");
+    std::fs::create_dir_all(&notes).unwrap();
+    for f in std::fs::read_dir(e.adapters.join(&made)).unwrap() {
+        let f = f.unwrap();
+        std::fs::copy(f.path(), notes.join(f.file_name())).unwrap();
+    }
+    let mut cfg = config(&e, &["key-a", "key-b"]);
+    cfg.adapters_dir = store.clone();
+    let (running, base) = start(cfg.clone()).await;
+    let (s, v) = get_json(&c, &format!("{base}/documents"), Some("key-a")).await;
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["data"].as_array().map(|d| d.len()), Some(0), "an unrecorded directory is not served: {v}");
+    running.shutdown().await;
+
+    let import = |dir: &Path| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
+            .args(["import"])
+            .arg(dir)
+            .args(["--adapters-dir"])
+            .arg(&store)
+            .args(["--api-key", "key-a", "--prepared-base", "none", "--model"])
+            .arg(&e.model)
+            .output()
+            .unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).trim().to_string(), String::from_utf8_lossy(&out.stderr).to_string())
+    };
+    let (ok, id, err) = import(&notes);
+    assert!(ok && id.starts_with("doc_"), "{id} {err}");
+    assert_eq!(import(&notes).1, id, "importing again returns the same document");
+    let (ok, _, err) = import(&e.adapters);
+    assert!(!ok && err.contains("not an adapter directory"), "{err}");
+
+    let (running, base) = start(cfg).await;
+    let d = wait_ready(&c, &base, &id, Some("key-a")).await;
+    assert_eq!(d["title"], "harbor-notes", "{d}");
+    let (s, v) = get_json(&c, &format!("{base}/documents/{id}"), Some("key-b")).await;
+    assert_eq!(s, 404, "another tenant does not see it: {v}");
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "mode": "lift"}), Some("key-a")).await;
+    assert_eq!(s, 200, "{a}");
+    assert_eq!(a["mode"], "lift", "{a}");
+    running.shutdown().await;
+}

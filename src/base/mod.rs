@@ -101,7 +101,7 @@ impl PreparedBase {
     /// plain model until trained.
     pub fn new(model: &Model, shape: &BaseShape, seed: u64) -> Result<Self> {
         anyhow::ensure!(
-            model.prepared_base.is_none(),
+            model.info.prepared_base.is_none(),
             "train a prepared base on the plain model (--prepared-base none)"
         );
         let cfg = model.config();
@@ -189,7 +189,7 @@ impl PreparedBase {
                 manifest.format_version
             );
         }
-        if model.prepared_base.is_some() {
+        if model.info.prepared_base.is_some() {
             bail!("the model already has a prepared base installed");
         }
         if manifest.base_model.fingerprint != model.info.fingerprint {
@@ -216,17 +216,18 @@ impl PreparedBase {
 
     /// Puts this prepared base under every forward pass of `model` (its LoRA as the decoder's base
     /// adapter, its filter for answering) and folds its hash into the model's fingerprint.
-    pub fn install(self, model: &mut Model) -> Result<()> {
+    /// Returns the frozen copy now in the model (its tensors are the ones the decoder uses).
+    pub fn install(self, model: &mut Model) -> Result<PreparedBase> {
         anyhow::ensure!(!self.manifest.sha256.is_empty(), "install a saved or loaded prepared base");
-        anyhow::ensure!(model.prepared_base.is_none(), "the model already has a prepared base installed");
+        anyhow::ensure!(model.info.prepared_base.is_none(), "the model already has a prepared base installed");
         let base = self.detached();
         let lora = base.lora.clone();
         model.decoder.merge_base_adapter(Arc::new(base.lora.clone()), &|li, p| lora.weight_delta(li, p))?;
         model.info.fingerprint = combined_fingerprint(&model.info.fingerprint, &base.manifest.sha256);
         model.info.prepared_base = Some(base.manifest.sha256.clone());
         tracing::info!(hash = %base.manifest.sha256, rank = base.lora.config().rank, filter_layer = base.filter.layer, "prepared base installed");
-        model.prepared_base = Some(Arc::new(base));
-        Ok(())
+        model.base_filter = Some(base.filter.clone());
+        Ok(base)
     }
 }
 

@@ -214,8 +214,8 @@ pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize)
         }
     }
     if let Some(filter) = filter {
-        let ends = doc.sentence_ends(model)?;
-        let p = filter::build_prompt(model, ids, ends, question, budget, filter.chunk_tokens)?;
+        let breaks = doc.breaks(model)?;
+        let p = filter::build_prompt(model, ids, breaks, question, budget, filter.chunk_tokens)?;
         let context_tokens = p.chunks.iter().map(|c| c.end - c.start).sum();
         let shown = head_and_tail(p.head_end, p.tail_start, ids.len());
         return Ok(AnswerPrompt { tokens: p.tokens, shown, context_tokens, chunks: p.chunks, policy: Some(policy) });

@@ -3,6 +3,7 @@
 
 pub mod chat;
 pub mod config;
+pub mod filter;
 pub mod generate;
 pub mod gguf;
 pub mod hf;
@@ -46,9 +47,10 @@ pub struct Model {
     pub tokenizer: TextTokenizer,
     pub chat_template: ChatTemplate,
     pub info: ModelInfo,
-    /// The prepared base under every document adapter (its LoRA is also `decoder.base_adapter`;
-    /// its filter answers every in-context question): see [`crate::base`].
-    pub prepared_base: Option<std::sync::Arc<crate::base::PreparedBase>>,
+    /// The prepared base's filter (a detached copy), which answers every in-context question;
+    /// the base's LoRA is `decoder.base_adapter` and its hash `info.prepared_base` (installed by
+    /// `base::PreparedBase::install`).
+    pub base_filter: Option<filter::Filter>,
 }
 
 impl Model {
@@ -100,7 +102,7 @@ impl Model {
             tokenizer,
             chat_template,
             info: ModelInfo { id, path: path.to_path_buf(), format: format.into(), fingerprint, prepared_base: None },
-            prepared_base: None,
+            base_filter: None,
         })
     }
 
@@ -119,8 +121,8 @@ impl Model {
     }
 
     /// The prepared base's filter (a detached copy), which answers every in-context question.
-    pub fn base_filter(&self) -> Option<&crate::lift::filter::Filter> {
-        self.prepared_base.as_ref().map(|b| &b.filter)
+    pub fn base_filter(&self) -> Option<&filter::Filter> {
+        self.base_filter.as_ref()
     }
 
     /// Token ids of a document: its text read as plain text (special tokens written in it never

@@ -337,7 +337,8 @@ pub type AppState = Arc<Inner>;
 #[derive(Clone, Debug)]
 pub struct Tenant(pub Option<String>);
 
-fn tenant_of(key: &str) -> String {
+/// The tenant an API key stands for (a hash: keys are never stored).
+pub fn tenant_of(key: &str) -> String {
     hex::encode(&Sha256::digest(key.as_bytes())[..8])
 }
 
@@ -598,7 +599,15 @@ pub fn begin_shutdown(st: &Inner) {
 
 /// Binds and serves in the background (on the current tokio runtime).
 pub async fn start(state: AppState) -> Result<Running> {
-    let listener = tokio::net::TcpListener::bind((state.cfg.host.as_str(), state.cfg.port)).await?;
+    let (host, port) = (state.cfg.host.as_str(), state.cfg.port);
+    let listener = tokio::net::TcpListener::bind((host, port)).await.map_err(|e| {
+        let hint = match e.kind() {
+            std::io::ErrorKind::AddrInUse => format!(": another program listens on port {port} (pick another with --port)"),
+            std::io::ErrorKind::PermissionDenied => format!(": port {port} needs privileges (use a port above 1023)"),
+            _ => String::new(),
+        };
+        anyhow::anyhow!("cannot listen on {host}:{port}: {e}{hint}")
+    })?;
     let addr = listener.local_addr()?;
     let open = Arc::new(AtomicUsize::new(0));
     let (stop_accepting, stop) = tokio::sync::watch::channel(false);

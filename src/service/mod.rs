@@ -161,6 +161,15 @@ impl Service {
             docs.insert(r.rec.id.clone(), DocEntry::new(r.rec));
         }
         tracing::info!(documents = docs.len(), requeued = requeue.len(), dir = %cfg.adapters_dir.display(), "store opened");
+        for dir in store.unrecorded_adapters() {
+            tracing::warn!(
+                dir = %dir.display(),
+                "an adapter directory without a record is not served: add it with `lift-serve import {} --adapters {}` \
+                 (--api-key KEY for a tenant's), then restart",
+                dir.display(),
+                cfg.adapters_dir.display()
+            );
+        }
         let records = Arc::new(Records {
             docs: RwLock::new(docs),
             store: store.clone(),

@@ -393,6 +393,58 @@ impl Store {
         Ok(out)
     }
 
+    /// Adapter directories in the store that no record names (made by `lift-serve absorb --out`
+    /// and copied here, say): the server does not serve them; `lift-serve import` adds one.
+    pub fn unrecorded_adapters(&self) -> Vec<PathBuf> {
+        let Ok(entries) = std::fs::read_dir(&self.root) else { return Vec::new() };
+        let mut out: Vec<PathBuf> = entries
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.join(manifest::MANIFEST_FILE).is_file())
+            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| !self.record_path(n).exists() && !self.blob_note_path(n).exists()))
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Adds the adapter directory `src` (written by `lift-serve absorb --out`) to the store as a
+    /// ready document of `owner`: checked against `model` as a load is, copied in under the id
+    /// the server would give its text and options, with a record. Importing it again returns
+    /// the record already there. `src` itself is left as it is.
+    pub fn import(&self, src: &Path, model: &Model, owner: Option<String>, title: Option<String>) -> Result<JobRecord> {
+        let loaded = load_dir(src, model).with_context(|| format!("{}: not an adapter directory for this model", src.display()))?;
+        let options = loaded.manifest.options.clone();
+        let id = document_id(&model.info.fingerprint, owner.as_deref(), &loaded.document.text, &options);
+        if let Ok(bytes) = std::fs::read(self.record_path(&id)) {
+            return Ok(serde_json::from_slice(&bytes)?);
+        }
+        let qa_json = match std::fs::read(src.join(manifest::QA_FILE)) {
+            Ok(b) => b,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => b"[]".to_vec(),
+            Err(e) => return Err(e).with_context(|| format!("{}: cannot read {}", src.display(), manifest::QA_FILE)),
+        };
+        let m = loaded.manifest.clone();
+        let title = title.or_else(|| src.file_name().map(|n| n.to_string_lossy().into_owned()));
+        let tokens = loaded.document.len();
+        save_dir(&self.adapter_dir(&id), NewAdapter { bundle: loaded.bundle, manifest: loaded.manifest, document: loaded.document, qa_json })?;
+        let rec = JobRecord {
+            id,
+            owner,
+            title,
+            status: Status::Ready,
+            tokens,
+            created_at: now(),
+            seq: next_seq(),
+            ready_at: Some(now()),
+            error: None,
+            adapter: Some(AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes }),
+            options,
+            source: None,
+            training: Some(m.training),
+        };
+        self.write_record(&rec)?;
+        Ok(rec)
+    }
+
     /// Saves an absorbed adapter with its document and QA pairs (atomic) and caches it (with
     /// shared blobs it is cached once published, under its archive's hash).
     pub fn save(&self, id: &str, adapter: NewAdapter) -> Result<Arc<Loaded>> {
