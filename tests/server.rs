@@ -793,7 +793,12 @@ async fn a_server_over_a_prepared_base_answers_through_its_filter_and_reports_ch
     assert_eq!(manifest["base_model"]["prepared_base"], json!(hash), "{manifest}");
 
     for mode in ["lift", "icl"] {
+        // The passages only on request: by default an answer does not carry them.
         let q = json!({"document_id": id, "question": "Who built the harbor?", "mode": mode});
+        let (s, r) = post_json(&c, &format!("{base}/ask"), q, None).await;
+        assert_eq!(s, 200, "{r}");
+        assert!(r.get("context").is_none(), "{mode}: no context unless asked for: {r}");
+        let q = json!({"document_id": id, "question": "Who built the harbor?", "mode": mode, "include_context": true});
         let (s, r) = post_json(&c, &format!("{base}/ask"), q, None).await;
         assert_eq!(s, 200, "{r}");
         let chunks = r["context"]["chunks"].as_array().unwrap_or_else(|| panic!("{mode}: chunks in {r}"));
@@ -808,10 +813,19 @@ async fn a_server_over_a_prepared_base_answers_through_its_filter_and_reports_ch
             assert!(ch["text"].as_str().is_some_and(|t| !t.is_empty()));
         }
     }
-    let q = json!({"document_id": id, "question": "Who built it?", "mode": "memory"});
+    let q = json!({"document_id": id, "question": "Who built it?", "mode": "memory", "include_context": true});
     let (s, r) = post_json(&c, &format!("{base}/ask"), q, None).await;
     assert_eq!(s, 200, "{r}");
     assert!(r.get("context").is_none(), "no context, no chunks: {r}");
+    // Chat completions: the same passages under the `lift` extension, on request only.
+    let chat = |with: bool| json!({"model": id, "messages": [{"role": "user", "content": "Who built the harbor?"}],
+                                   "max_tokens": 4, "include_context": with});
+    let (s, r) = post_json(&c, &format!("{base}/v1/chat/completions"), chat(true), None).await;
+    assert_eq!(s, 200, "{r}");
+    assert!(r["lift"]["context"]["chunks"].as_array().is_some_and(|c| !c.is_empty()), "{r}");
+    let (s, r) = post_json(&c, &format!("{base}/v1/chat/completions"), chat(false), None).await;
+    assert_eq!(s, 200, "{r}");
+    assert!(r["lift"].get("context").is_none(), "{r}");
     running.shutdown().await;
 
     // The same store served over the plain model: the adapter was made over the prepared base,
@@ -2124,5 +2138,80 @@ async fn an_adapter_directory_is_served_after_import() {
     let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "mode": "lift"}), Some("key-a")).await;
     assert_eq!(s, 200, "{a}");
     assert_eq!(a["mode"], "lift", "{a}");
+
+/// `dry_run`: the cost of an absorb (planned steps, training tokens, time at the measured rate)
+/// and the options' warnings before anything is stored; the 202 carries the same estimate; the
+/// planned steps are the trainer's; a finished absorb turns the prior rate into a measured one.
+/// Bad `dry_run` / `include_context` values are 400s naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dry_run_says_the_cost_before_paying() {
+    let e = env();
+    let (running, base) = start(config(&e, &[])).await;
+    let c = client();
+    let files = snapshot(&e.adapters);
+    let body = |dry: Value| json!({"text": DOC, "title": "Velmora", "dry_run": dry});
+    let (s, est) = post_json(&c, &format!("{base}/documents"), body(json!(true)), None).await;
+    assert_eq!(s, 200, "{est}");
+    assert_eq!(est["object"], "absorb_estimate", "{est}");
+    let planned = est["estimate"]["planned_steps"].as_u64().unwrap();
+    let tokens = est["estimate"]["training_tokens"].as_u64().unwrap();
+    assert!(planned > 0 && tokens > 0 && est["tokens"].as_u64().unwrap() > 0, "{est}");
+    assert_eq!((est["estimate"]["rate"].as_str(), est["estimate"]["measured_absorbs"].as_u64()), (Some("prior"), Some(0)), "{est}");
+    let secs = est["estimate"]["seconds"].as_f64().unwrap();
+    let per_token = est["estimate"]["seconds_per_token"].as_f64().unwrap();
+    let overhead = est["estimate"]["overhead_seconds"].as_f64().unwrap();
+    assert!((secs - overhead - tokens as f64 * per_token).abs() < 1e-6 * secs.max(1.0), "{est}");
+    // The tiny server's options (epochs [1, 1], 4 QA pairs) are known to under-train.
+    let codes: Vec<&str> = est["warnings"].as_array().unwrap().iter().map(|w| w["code"].as_str().unwrap()).collect();
+    assert!(codes.contains(&"few_epochs"), "{est}");
+    assert!(est["warnings"][0]["param"] == "options.epochs" && est["warnings"][0]["message"].as_str().unwrap().contains("[2, 3]"), "{est}");
+    // More epochs: more steps, and no warning about them.
+    let (s, more) = post_json(&c, &format!("{base}/documents"),
+        json!({"text": DOC, "dry_run": true, "options": {"epochs": [2, 3]}}), None).await;
+    assert_eq!(s, 200, "{more}");
+    assert!(more["estimate"]["planned_steps"].as_u64().unwrap() > planned, "{more} vs {est}");
+    assert!(!more["warnings"].as_array().unwrap().iter().any(|w| w["code"] == "few_epochs"), "{more}");
+    // As a form field too; refusals are the real post's (too much training is 400 before any work).
+    let (s, form) = upload(&c, &base, Some(("velmora.txt", "text/plain", DOC.as_bytes().to_vec())), &[("dry_run", "true")]).await;
+    assert_eq!(s, 200, "{form}");
+    assert_eq!(form["estimate"]["planned_steps"].as_u64(), Some(planned), "{form}");
+    let (s, v) = upload(&c, &base, Some(("velmora.txt", "text/plain", DOC.as_bytes().to_vec())), &[("dry_run", "maybe")]).await;
+    assert_eq!(s, 400, "{v}");
+    assert_error_shape(&v, "invalid_type", "dry_run maybe");
+    assert_eq!(v["error"]["param"], "dry_run");
+    let (s, v) = post_json(&c, &format!("{base}/documents"), body(json!("yes")), None).await;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!((v["error"]["code"].as_str(), v["error"]["param"].as_str()), (Some("invalid_type"), Some("dry_run")), "{v}");
+    let (s, v) = post_json(&c, &format!("{base}/documents"),
+        json!({"text": DOC, "dry_run": true, "options": {"epochs": [100, 100], "window": 32, "stride": 1, "aux_qa": 1000}}), None).await;
+    assert_eq!(s, 400, "{v}");
+    assert_error_shape(&v, "training_too_large", "dry run over the cap");
+    // Nothing was stored by any of them.
+    let (_, list) = get_json(&c, &format!("{base}/documents"), None).await;
+    assert_eq!(list["data"], json!([]), "{list}");
+    assert_eq!(snapshot(&e.adapters), files, "a dry run writes nothing");
+
+    // The real post carries the same estimate; the trainer plans the steps it said.
+    let (s, d) = post_json(&c, &format!("{base}/documents"), body(json!(false)), None).await;
+    assert_eq!(s, 202, "{d}");
+    assert_eq!(d["estimate"], est["estimate"], "{d}");
+    assert_eq!(d["warnings"], est["warnings"]);
+    let id = d["id"].as_str().unwrap().to_string();
+    let ready = wait_ready(&c, &base, &id, None).await;
+    assert_eq!(ready["training"]["planned_steps"].as_u64(), Some(planned), "{ready}");
+    assert!(ready.get("estimate").is_none(), "the estimate belongs to the post's answer: {ready}");
+    // One absorb finished: the rate is this server's now.
+    let (s, after) = post_json(&c, &format!("{base}/documents"), body(json!(true)), None).await;
+    assert_eq!(s, 200, "{after}");
+    assert_eq!((after["estimate"]["rate"].as_str(), after["estimate"]["measured_absorbs"].as_u64()), (Some("measured"), Some(1)), "{after}");
+    let took = ready["training"]["total_seconds"].as_f64().unwrap();
+    let said = after["estimate"]["seconds"].as_f64().unwrap();
+    assert!((said - took).abs() < 0.5 * took + 0.5, "the measured rate predicts the same absorb: said {said} s, took {took} s");
+
+    // `include_context` must be a boolean.
+    let (s, v) = post_json(&c, &format!("{base}/ask"),
+        json!({"document_id": id, "question": "Who built the harbor?", "include_context": "yes"}), None).await;
+    assert_eq!(s, 400, "{v}");
+    assert_eq!((v["error"]["code"].as_str(), v["error"]["param"].as_str()), (Some("invalid_type"), Some("include_context")), "{v}");
     running.shutdown().await;
 }

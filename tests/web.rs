@@ -19,6 +19,10 @@ const TINY_DOC: &str = "The harbor of Velmora was built in 1843 by the engineer 
 It has three piers: the north pier for fishing boats, the east pier for ferries and the south pier for cargo. \
 The lighthouse keeper, Tomas Brell, painted the tower blue in 1901.";
 
+/// The page's cost line as [planned steps, [warning codes]].
+const COST_JS: &str =
+    "return [document.getElementById('cost').dataset.steps, [...document.querySelectorAll('#cost-warnings li')].map(l => l.dataset.code)]";
+
 fn shots() -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("target/web-screenshots")
 }
@@ -60,6 +64,13 @@ async fn assert_no_error_toasts(b: &Browser, ctx: &str) {
     assert!(t.is_empty(), "{ctx}: the page shows errors: {t:?}");
 }
 
+/// Clicks `css` after scrolling it to the middle of the view (the chat's composer is sticky at
+/// the bottom and would take a click meant for what it covers).
+async fn click_centered(b: &Browser, css: &str) {
+    b.js_args("document.querySelector(arguments[0]).scrollIntoView({block: 'center'})", vec![json!(css)]).await;
+    click(b, css).await;
+}
+
 async fn click(b: &Browser, css: &str) {
     b.find(Locator::Css(css)).await.unwrap_or_else(|e| panic!("{css}: {e}")).click().await.unwrap_or_else(|e| panic!("click {css}: {e}"));
 }
@@ -82,8 +93,8 @@ async fn wait_list_loaded(b: &Browser) {
         |v| v == &json!(true)).await;
 }
 
-/// Asks through the page (question box, ask button) and waits until every answer column is done;
-/// returns {mode: answer text}.
+/// Asks through the page (question box, ask button) and waits until every answer of the new turn
+/// is done; returns {mode: answer text}.
 async fn ask_on_page(b: &Browser, question: &str, modes: &[&str], timeout: Duration) -> serde_json::Map<String, Value> {
     type_into(b, "#question", question).await;
     b.wait_js("the ask button enabled", Duration::from_secs(10), "return !document.getElementById('ask-button').disabled", |v| v == &json!(true)).await;
@@ -105,22 +116,57 @@ async fn ask_on_page(b: &Browser, question: &str, modes: &[&str], timeout: Durat
     out
 }
 
-/// Issue 18's flow on the real default model: upload a file through the page, watch it absorb
-/// (status, progress, loss curve), ask in lift mode (the streamed answer is the server's answer),
-/// then compare lift / icl / memory side by side.
+/// Who answered the newest turn's `mode` answer, as the page shows it: [text, mode, adapter].
+async fn answered_by(b: &Browser, mode: &str) -> (String, String, String) {
+    let v = b
+        .js(&format!("const e = document.querySelector('#answer-{mode} [data-testid=answered-by]'); \
+                      return e ? [e.textContent, e.dataset.mode, e.dataset.adapter] : ['', '', '']"))
+        .await;
+    let s = |i: usize| v[i].as_str().unwrap().to_string();
+    (s(0), s(1), s(2))
+}
+
+/// Holds the engine's training thread until the returned sender is dropped (a document posted
+/// meanwhile stays queued: asked before any adapter exists, deterministically).
+async fn hold_training(running: &Running) -> std::sync::mpsc::Sender<()> {
+    let (tx, rx) = std::sync::mpsc::channel::<()>();
+    let engine = &running.state.service.engine;
+    engine.submit(lift_serve::engine::Job::Hold { lane: lift_serve::engine::Lane::Train, until: rx }).unwrap();
+    for _ in 0..500 {
+        if engine.train_queue() == (0, 1) {
+            return tx;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    panic!("the training thread never picked the holding task up");
+}
+
+async fn ask_direct(base: &str, body: Value) -> Value {
+    let r = http().post(format!("{base}/ask")).json(&body).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    r.json().await.unwrap()
+}
+
+/// The page as a document chat on the real default model: the cost said before absorbing (a dry
+/// run as the file is chosen, with the server's warnings), answers from the first second (before
+/// any adapter: passages only), a follow-up in the same thread while the document absorbs, the
+/// absorbed adapter's answer once ready (the same text the API gives), the passages it read on
+/// demand, the four ways side by side, and the document deleted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn real_model_upload_absorb_ask_compare() {
+async fn real_model_document_chat() {
     let model = lift_serve::fetch::resolve_model(None).expect("default model (run `lift-serve fetch-model`)");
     let tmp = tempfile::tempdir().unwrap();
     let mut cfg = ServeConfig::new(model, tmp.path().join("adapters"));
-    cfg.absorb_options = Some(write_options(tmp.path(), 64, 64));
-    // The repository's prepared base belongs to the default model; with it answers in lift mode
-    // report their context chunks with FltLM scores, which the page highlights.
+    // Tiny options (epochs [1, 1], 4 QA pairs): seconds of training, and the page must warn.
+    cfg.absorb_options = Some(write_options(tmp.path(), 128, 64));
+    // The repository's prepared base belongs to the default model; with it the passages read come
+    // with the FltLM filter's scores, which the page highlights.
     let prepared = Path::new(env!("CARGO_MANIFEST_DIR")).join("base");
     if prepared.join("manifest.json").exists() {
         cfg.prepared_base = Some(prepared.display().to_string());
     }
     let (running, base) = start(cfg).await;
+    let t_start = std::time::Instant::now();
 
     // The document: the first ~700 bytes of the fixture, as a .txt file.
     let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harbor_history.txt")).unwrap();
@@ -128,114 +174,122 @@ async fn real_model_upload_absorb_ask_compare() {
     while !text.is_char_boundary(cut) {
         cut -= 1;
     }
-    let doc_text = &text[..cut];
     let doc_path = tmp.path().join("harbor_history.txt");
-    std::fs::write(&doc_path, doc_text).unwrap();
+    std::fs::write(&doc_path, &text[..cut]).unwrap();
 
     let driver = Driver::start();
     let b = driver.browser(1280, 900).await;
     b.goto(&base).await.unwrap();
     assert_eq!(b.title().await.unwrap(), "lift-serve");
     wait_list_loaded(&b).await;
-    shot(&b, "01-empty").await;
 
-    // The file goes through the file input (multipart/form-data: file, title).
-    let input = b.find(Locator::Css("#file-input")).await.unwrap();
-    input.send_keys(&doc_path.display().to_string()).await.unwrap();
-    let shown = b.js("return document.getElementById('drop-text').textContent").await;
-    assert!(shown.as_str().unwrap().contains("harbor_history.txt"), "the drop zone names the file: {shown}");
+    // Choosing the file asks the server what absorbing it costs (a dry run: nothing stored).
+    b.find(Locator::Css("#file-input")).await.unwrap().send_keys(&doc_path.display().to_string()).await.unwrap();
     type_into(&b, "#doc-title", "Harbor history").await;
-    shot(&b, "02-chosen").await;
-    click(&b, "#submit-doc").await;
-
-    // Absorption, watched through the page only.
-    let mut training_shot = false;
-    let t0 = std::time::Instant::now();
-    loop {
-        let v = b
-            .js("const c = document.getElementById('loss-canvas'); return [document.getElementById('doc-status').dataset.status, Number(c.dataset.points), Number(document.getElementById('progress').dataset.value)]")
-            .await;
-        let (status, points) = (v[0].as_str().unwrap().to_string(), v[1].as_u64().unwrap());
-        if status == "ready" {
-            break;
-        }
-        assert!(status != "failed" && status != "cancelled", "absorption ended {status}; toasts: {:?}", toasts(&b).await);
-        if !training_shot && points >= 2 {
-            shot(&b, "03-training").await;
-            training_shot = true;
-        }
-        assert!(t0.elapsed() < Duration::from_secs(300), "not ready after 5 min (page says {v})");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    eprintln!("ready after {:.1} s", t0.elapsed().as_secs_f64());
-    let points = b.js("return Number(document.getElementById('loss-canvas').dataset.points)").await.as_u64().unwrap();
-    assert!(points >= 1, "the page plotted no loss point");
-    let figures = b
-        .js("return [...document.querySelectorAll('#figures .fig')].map(f => f.dataset.testid + '=' + f.querySelector('dd').textContent)")
+    let steps = b
+        .wait_js("the cost", Duration::from_secs(30), "return document.getElementById('cost').dataset.steps || ''", |v| v != "")
         .await;
-    let figures: Vec<String> = serde_json::from_value(figures).unwrap();
-    assert!(figures.iter().any(|f| f.starts_with("adapter-kind=")), "the adapter's figures show: {figures:?}");
-    for f in ["adapter-bytes=", "source-format=text", "source-filename=harbor_history.txt", "training-steps=", "training-final_loss="] {
-        assert!(figures.iter().any(|x| x.starts_with(f)), "{f}: {figures:?}");
-    }
-    assert_eq!(b.js("return document.getElementById('progress').dataset.value").await, json!("100"));
-    assert_no_error_toasts(&b, "after absorbing").await;
-    eprintln!("loss points plotted: {points}; figures: {figures:?}");
-    shot(&b, "04-ready").await;
-
-    // The page's document is the server's.
+    let steps: u64 = steps.as_str().unwrap().parse().unwrap();
+    let cost = b.js("return document.getElementById('cost-text').textContent").await;
+    assert!(cost.as_str().unwrap().contains(&format!("{steps} training steps")) && cost.as_str().unwrap().contains("first guess"), "{cost}");
+    let warned = b.js("return [...document.querySelectorAll('#cost-warnings li')].map(l => l.dataset.code)").await;
+    assert!(warned.as_array().unwrap().contains(&json!("few_epochs")), "the tiny options are flagged: {warned}");
     let list: Value = http().get(format!("{base}/documents")).send().await.unwrap().json().await.unwrap();
-    let doc = &list["data"][0];
-    assert_eq!(doc["status"], "ready");
-    assert_eq!(doc["title"], "Harbor history");
-    let id = doc["id"].as_str().unwrap().to_string();
-    let row = b.js("return [...document.querySelectorAll('#doc-list li')].map(li => [li.dataset.id, li.dataset.status])").await;
-    assert_eq!(row, json!([[id, "ready"]]));
+    assert_eq!(list["data"], json!([]), "a dry run stores nothing");
+    shot(&b, "01-cost").await;
 
-    // Lift mode, streamed into the page; the same question without streaming gives the same text.
-    let question = "Who founded the Saltmere Harbor Company?";
+    // Posted while the training thread is held: asked before any adapter exists.
+    let hold = hold_training(&running).await;
+    click(&b, "#submit-doc").await;
+    b.wait_js("queued", Duration::from_secs(30), "return document.getElementById('doc-status').dataset.status", |v| v == "queued").await;
+    let list: Value = http().get(format!("{base}/documents")).send().await.unwrap().json().await.unwrap();
+    let id = list["data"][0]["id"].as_str().unwrap().to_string();
+    let eta = b.js("return document.getElementById('stat-eta').textContent").await;
+    assert!(eta.as_str().unwrap().contains("estimate"), "the server's estimate counts down before training: {eta}");
     let max_tokens = 24;
     type_into(&b, "#max-tokens", &max_tokens.to_string()).await;
-    let answers = ask_on_page(&b, question, &["lift"], Duration::from_secs(180)).await;
-    let page_lift = answers["lift"].as_str().unwrap().to_string();
-    assert!(!page_lift.trim().is_empty(), "empty answer on the page");
-    let direct: Value = http()
-        .post(format!("{base}/ask"))
-        .json(&json!({"document_id": id, "question": question, "mode": "lift", "max_tokens": max_tokens, "temperature": 0}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
-    assert_eq!(page_lift, direct["answer"].as_str().unwrap(), "the page shows the server's answer ({direct})");
+    let q1 = "Who founded the Saltmere Harbor Company?";
+    let a1 = ask_on_page(&b, q1, &["lift"], Duration::from_secs(120)).await;
+    let (by, mode, adapter) = answered_by(&b, "lift").await;
+    assert_eq!((mode.as_str(), adapter.as_str()), ("rag", "none"), "no adapter yet: passages only ({by})");
+    assert_eq!(by, "Passages only · no adapter yet", "asked before the adapter exists");
+    let direct = ask_direct(&base, json!({"document_id": id, "question": q1, "max_tokens": max_tokens, "temperature": 0})).await;
+    assert_eq!(a1["lift"], direct["answer"], "the page shows the server's answer ({direct})");
+    assert!(direct.get("context").is_none(), "no passages unless asked: {direct}");
     let pieces = b.js("return Number(document.getElementById('answer-lift').dataset.pieces)").await;
     assert!(pieces.as_u64().unwrap() >= 2, "the answer arrived in pieces (token events): {pieces}");
-    let meta = b.js("return document.querySelector('#answer-lift .ameta').textContent").await;
-    assert!(meta.as_str().unwrap().contains("answer tok"), "timings and tokens show: {meta}");
-    if direct["context"]["chunks"].as_array().is_some_and(|c| !c.is_empty()) {
-        let n = b.js("return document.querySelectorAll('#answer-lift [data-testid=chunk]').length").await;
-        assert_eq!(n.as_u64().unwrap() as usize, direct["context"]["chunks"].as_array().unwrap().len(), "context passages");
-    }
-    eprintln!("lift answer: {page_lift:?}");
-    b.js("document.getElementById('answer-lift').scrollIntoView({block: 'center'})").await;
-    shot(&b, "05-answer-lift").await;
+    shot(&b, "02-before-adapter").await;
+    drop(hold);
 
-    // Compare: three columns side by side.
-    click(&b, "label.compare > span").await;
-    let answers = ask_on_page(&b, question, &["lift", "icl", "memory"], Duration::from_secs(300)).await;
-    assert_eq!(answers["lift"].as_str().unwrap(), page_lift, "greedy: the same lift answer again");
-    let xs = b
-        .js("return ['lift','icl','memory'].map(m => document.getElementById('answer-' + m).getBoundingClientRect().left)")
+    // A follow-up in the same thread while it absorbs.
+    b.wait_js("absorbing", Duration::from_secs(60), "return document.getElementById('doc-status').dataset.status", |v| v == "training" || v == "ready")
         .await;
+    ask_on_page(&b, "When was the harbor built?", &["lift"], Duration::from_secs(120)).await;
+    let (by, _, _) = answered_by(&b, "lift").await;
+    assert!(!by.is_empty(), "the follow-up says who answered it");
+    let turns = b.js("return [...document.querySelectorAll('#thread .turn [data-testid=question]')].map(q => q.textContent)").await;
+    assert_eq!(turns, json!([q1, "When was the harbor built?"]), "one thread, in order");
+    shot(&b, "03-follow-up").await;
+
+    // Absorbed: the adapter answers, the figures and the strip agree on the final loss.
+    let t0 = std::time::Instant::now();
+    b.wait_js("ready", Duration::from_secs(120), "return document.getElementById('doc-status').dataset.status", |v| v == "ready" || v == "failed")
+        .await;
+    assert_eq!(page_status(&b).await, "ready", "toasts: {:?}", toasts(&b).await);
+    eprintln!("absorbed {:.1} s after the hold ended", t0.elapsed().as_secs_f64());
+    let doc: Value = http().get(format!("{base}/documents/{id}")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(doc["training"]["planned_steps"].as_u64(), Some(steps), "the cost said the steps the trainer planned: {doc}");
+    click_centered(&b, "#details > summary").await;
+    let losses = b
+        .js("return [document.getElementById('stat-loss').textContent, \
+                     document.querySelector('[data-testid=training-final_loss] dd').textContent]")
+        .await;
+    assert_eq!(losses[0], losses[1], "one final loss: {losses}");
+    assert_eq!(b.js("return document.getElementById('progress').dataset.value").await, json!("100"));
+    click_centered(&b, "#details > summary").await;
+    let q3 = "Who founded the Saltmere Harbor Company?";
+    let a3 = ask_on_page(&b, q3, &["lift"], Duration::from_secs(120)).await;
+    let (by, mode, adapter) = answered_by(&b, "lift").await;
+    assert_eq!((mode.as_str(), adapter.as_str()), ("lift", "final"), "{by}");
+    assert!(by.starts_with("Absorbed + passages · absorbed adapter"), "{by}");
+    let direct = ask_direct(&base, json!({"document_id": id, "question": q3, "max_tokens": max_tokens, "temperature": 0, "include_context": true})).await;
+    assert_eq!(a3["lift"], direct["answer"], "{direct}");
+    // The passages it read: asked for when opened.
+    click_centered(&b, "#answer-lift [data-testid=passages] > summary").await;
+    b.wait_js("the passages", Duration::from_secs(60), "return document.querySelector('#answer-lift [data-testid=passages]').dataset.loaded", |v| v == "done")
+        .await;
+    let shown = b.js("return document.querySelectorAll('#answer-lift [data-testid=chunk]').length").await.as_u64().unwrap() as usize;
+    let chunks = direct["context"]["chunks"].as_array().map_or(0, |c| c.len());
+    assert_eq!(shown, chunks, "the passages the API reports ({direct})");
+    b.js("document.querySelector('#answer-lift').scrollIntoView({block: 'center'})").await;
+    shot(&b, "04-absorbed-answer").await;
+
+    // Compare: no single mode highlighted, four answers side by side under their plain names.
+    click(&b, "#compare").await;
+    let pressed = b.js("return document.querySelectorAll('.modes .mode[aria-pressed=true]').length").await;
+    assert_eq!(pressed, json!(0), "comparing highlights no single mode");
+    let all = ["lift", "rag", "memory", "icl"];
+    ask_on_page(&b, "What did the company build first?", &all, Duration::from_secs(240)).await;
+    let xs = b.js("return ['lift','rag','memory','icl'].map(m => document.getElementById('answer-' + m).getBoundingClientRect().left)").await;
     let xs: Vec<f64> = serde_json::from_value(xs).unwrap();
-    assert!(xs[0] < xs[1] && xs[1] < xs[2], "three columns side by side: {xs:?}");
-    for m in ["icl", "memory"] {
-        eprintln!("{m} answer: {:?}", answers[m]);
-    }
+    assert!(xs.windows(2).all(|w| w[0] < w[1]), "four columns side by side: {xs:?}");
+    let names = b.js("return [...document.querySelectorAll('#thread .turn:last-child .who')].map(w => w.textContent)").await;
+    assert_eq!(names, json!(["Absorbed + passages", "Passages only", "Absorbed only", "Head and tail only"]));
+    let (by, _, _) = answered_by(&b, "rag").await;
+    assert_eq!(by, "Passages only · base model, no adapter", "asked without the adapter, not waiting for it");
     assert_no_error_toasts(&b, "after comparing").await;
-    b.js("document.getElementById('chat-panel').scrollIntoView()").await;
-    shot(&b, "06-compare").await;
+    b.js("document.querySelector('#thread .turn:last-child').scrollIntoView({block: 'end'})").await;
+    shot(&b, "05-compare").await;
+
+    // Deleted: gone from the list, the conversation and the server.
+    click_centered(&b, &format!("#doc-list li[data-id='{id}'] [data-testid=delete]")).await;
+    b.accept_alert().await.unwrap();
+    b.wait_js("the row gone", Duration::from_secs(10), "return document.querySelectorAll('#doc-list li').length", |v| v == &json!(0)).await;
+    assert_eq!(b.js("return document.querySelectorAll('#thread .turn').length").await, json!(0));
+    let list: Value = http().get(format!("{base}/documents")).send().await.unwrap().json().await.unwrap();
+    assert_eq!(list["data"], json!([]));
+    shot(&b, "06-deleted").await;
+    eprintln!("the whole flow: {:.1} s", t_start.elapsed().as_secs_f64());
 
     b.close().await;
     running.shutdown().await;
@@ -262,14 +316,21 @@ async fn tiny_model_key_errors_delete_narrow() {
         .await;
     let prompt = b.js("return document.getElementById('auth-prompt').textContent").await;
     assert!(prompt.as_str().unwrap().contains("API key"), "{prompt}");
-    shot(&b, "10-key-prompt").await;
+    shot(&b, "09-key-prompt").await;
 
-    // A wrong key: asked again.
+    // A wrong key: said to be refused (not "saved"), not kept, and the key asked for again.
     type_into(&b, "#key-input", "wrong").await;
     click(&b, "#key-save").await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
-    b.wait_js("the key prompt again", Duration::from_secs(10), "return !document.getElementById('auth-prompt').hidden", |v| v == &json!(true))
+    b.wait_js("the key refused", Duration::from_secs(10), "return document.getElementById('auth-prompt').dataset.reason", |v| v == "refused")
         .await;
+    let prompt = b.js("return document.getElementById('auth-prompt').textContent").await;
+    assert!(prompt.as_str().unwrap().contains("This key was refused"), "{prompt}");
+    assert!(!b.js("return document.getElementById('auth-prompt').hidden").await.as_bool().unwrap());
+    assert_eq!(b.js("return localStorage.getItem('lift-serve.key')").await, json!(null), "a refused key is not kept");
+    let infos = b.js("return [...document.querySelectorAll('#toasts .toast')].map(t => t.textContent)").await;
+    assert!(!infos.to_string().contains("saved") && !infos.to_string().contains("accepted"), "{infos}");
+    assert_eq!(b.js("return document.activeElement.id").await, json!("key-input"), "the key field has the focus");
+    shot(&b, "10-key-refused").await;
 
     // The right key: the list loads and the key is kept in the browser.
     type_into(&b, "#key-input", "key-a").await;
@@ -322,12 +383,35 @@ async fn tiny_model_key_errors_delete_narrow() {
         .await;
     assert!(dropped.as_str().unwrap().starts_with("dropped.md"), "{dropped}");
 
-    // A document through the paste box, absorbed (tiny model: seconds).
+    // A document through the paste box: its cost follows the options as they change.
     click(&b, "#tab-paste").await;
     b.js_args("document.getElementById('paste-text').value = arguments[0]", vec![json!(TINY_DOC)]).await;
     type_into(&b, "#doc-title", "Velmora").await;
-    // The schedule chosen in the absorb options reaches the document's options.
-    b.js("document.getElementById('opt-schedule').value = 'until_learned'").await;
+    click(&b, "#advanced > summary").await;
+    type_into(&b, "#opt-epochs-seg", "1").await;
+    type_into(&b, "#opt-epochs-qa", "1").await;
+    let few = b
+        .wait_js("the cost of epochs [1, 1]", Duration::from_secs(10), "return document.getElementById('cost').dataset.steps || ''", |v| v != "")
+        .await;
+    tokio::time::sleep(Duration::from_millis(800)).await;
+    let c1 = b.js(COST_JS).await;
+    assert!(c1[1].as_array().unwrap().contains(&json!("few_epochs")), "{c1} {few}");
+    type_into(&b, "#opt-epochs-seg", "2").await;
+    type_into(&b, "#opt-epochs-qa", "3").await;
+    let c2 = b
+        .wait_js("the cost of epochs [2, 3]", Duration::from_secs(10),
+            COST_JS,
+            |v| !v[1].as_array().unwrap().contains(&json!("few_epochs")))
+        .await;
+    let steps = |c: &Value| c[0].as_str().unwrap().parse::<u64>().unwrap();
+    assert!(steps(&c2) > steps(&c1), "more epochs, more steps: {c1} → {c2}");
+    // The schedule chosen in the absorb options reaches the document's options (and is flagged).
+    b.js("const s = document.getElementById('opt-schedule'); s.value = 'until_learned'; s.dispatchEvent(new Event('change'))").await;
+    b.wait_js("the until_learned warning", Duration::from_secs(10),
+        "return [...document.querySelectorAll('#cost-warnings li')].map(l => l.dataset.code)",
+        |v| v.as_array().unwrap().contains(&json!("until_learned")))
+        .await;
+    shot(&b, "11-cost-warnings").await;
     click(&b, "#submit-doc").await;
     b.wait_js("ready", Duration::from_secs(120), "return document.getElementById('doc-status').dataset.status", |v| {
         v == "ready" || v == "failed"
@@ -338,17 +422,20 @@ async fn tiny_model_key_errors_delete_narrow() {
     let list: Value = http.get(format!("{base}/documents")).bearer_auth("key-a").send().await.unwrap().json().await.unwrap();
     let id = list["data"][0]["id"].as_str().unwrap().to_string();
     assert!(list["data"][0]["options"]["train"]["until_learned"].is_object(), "{list}");
-    // A streamed answer on the tiny model (random weights: any text).
+    assert_eq!(list["data"][0]["options"]["train"]["epochs"], json!([2, 3]), "{list}");
+    // A streamed answer on the tiny model (random weights: any text), said to be the adapter's.
     let answers = ask_on_page(&b, "Who built the harbor?", &["lift"], Duration::from_secs(60)).await;
     assert!(answers.contains_key("lift"));
+    // Absorbed until learned, it stopped before its planned steps: still the final adapter.
+    assert_eq!(answered_by(&b, "lift").await.2, "final");
     assert_no_error_toasts(&b, "after asking").await;
-    // Context passages are highlighted by relevance (the tiny model has no FltLM filter, so the
-    // page's own renderer is fed chunks shaped like an answer's `context.chunks`).
+    // Passages are highlighted by relevance (the tiny model has no FltLM filter, so the page's
+    // own renderer is fed chunks shaped like an answer's `context.chunks`).
     let bg = b
         .js("const box = renderChunks([{start: 0, end: 8, score: 2.0, mask: 0.9, text: 'very relevant '}, \
                                        {start: 8, end: 16, score: 0.5, mask: 0.6, text: 'a little relevant '}, \
-                                       {start: 16, end: 24, score: -1.0, mask: 0.1, text: 'not relevant'}], true); \
-             document.getElementById('answer-lift').append(box); \
+                                       {start: 16, end: 24, score: -1.0, mask: 0.1, text: 'not relevant'}]); \
+             box.classList.add('chunks'); document.getElementById('answer-lift').append(box); \
              return [...box.querySelectorAll('.chunk')].map(c => [getComputedStyle(c).backgroundColor, c.title])")
         .await;
     let alpha = |i: usize| -> f64 {

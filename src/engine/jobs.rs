@@ -1,5 +1,6 @@
 //! The two kinds of model work and how each runs on its thread.
 
+use crate::lift::estimate::AbsorbRate;
 use crate::document::Document;
 use super::batcher::{Batch, Entry};
 use crate::lift::answer::{chunk_scores, prepare, Ask, AnswerHooks, ContextPolicy, Mode};
@@ -104,7 +105,7 @@ pub enum AbsorbOutcome {
     Failed(String),
 }
 
-pub(super) fn absorb(model: &Model, store: &Store, events: &dyn JobEvents, job: AbsorbJob) {
+pub(super) fn absorb(model: &Model, store: &Store, events: &dyn JobEvents, rate: &AbsorbRate, job: AbsorbJob) {
     let AbsorbJob { id, document, title, source, options, cancel } = job;
     let cancelled = || cancel.load(Ordering::SeqCst);
     if cancelled() {
@@ -131,12 +132,19 @@ pub(super) fn absorb(model: &Model, store: &Store, events: &dyn JobEvents, job: 
         Ok(mut absorbed) => {
             absorbed.manifest.document.source = source;
             let tokens_per_s = absorbed.report.tokens_per_s;
+            // The measured rate: the whole absorb's seconds over the tokens its estimate planned
+            // (counted as `POST /documents` counts them before the absorb, so the two agree).
+            let one_per_row = model.base_filter().is_some();
+            let counts = crate::lift::estimate::plan_counts(document.len(), absorbed.qa.len(), &options, one_per_row);
+            let planned_tokens = counts.3;
             match absorbed.into_new_adapter(document).and_then(|a| store.save(&id, a)) {
                 Ok(loaded) => {
                     let m = &loaded.manifest;
                     let adapter = AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes };
                     let training = m.training.clone();
-                    AbsorbOutcome::Ready { adapter, training, tokens_per_s, seconds: t0.elapsed().as_secs_f64() }
+                    let seconds = t0.elapsed().as_secs_f64();
+                    rate.record(planned_tokens, seconds);
+                    AbsorbOutcome::Ready { adapter, training, tokens_per_s, seconds }
                 }
                 Err(e) => AbsorbOutcome::Failed(format!("{e:#}")),
             }

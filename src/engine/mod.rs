@@ -20,6 +20,7 @@
 pub mod batcher;
 mod jobs;
 
+use crate::lift::estimate::AbsorbRate;
 pub use jobs::{AbsorbJob, AbsorbOutcome, GenerateJob, Generated, JobEvents, JobProgress, JobUpdate, Prompt};
 
 use crate::model::Model;
@@ -104,6 +105,8 @@ struct Context {
     events: Arc<dyn JobEvents>,
     /// Most sequences in the generation batch.
     max_batch: usize,
+    /// This server's measured absorb rate (finished absorbs record into it).
+    rate: Arc<AbsorbRate>,
 }
 
 struct Worker {
@@ -174,7 +177,7 @@ fn run_one_at_a_time(ctx: &Context, rx: Receiver<Job>, counters: &Counters) {
         counters.busy.store(1, Ordering::SeqCst);
         // A panic in one job must not take the worker down.
         let run = || match job {
-            Job::Absorb(job) => jobs::absorb(&ctx.model, &ctx.store, &*ctx.events, job),
+            Job::Absorb(job) => jobs::absorb(&ctx.model, &ctx.store, &*ctx.events, &ctx.rate, job),
             Job::Generate(job) => {
                 let _ = job.reply.send(Err(EngineError::WrongLane));
             }
@@ -316,6 +319,8 @@ pub struct Engine {
     limits: GenerateLimits,
     /// KV cache tokens held by admitted generations (waiting or running).
     kv_reserved: Arc<AtomicUsize>,
+    /// Seconds per training token of this server's finished absorbs (the cost estimates).
+    pub rate: Arc<AbsorbRate>,
 }
 
 impl Engine {
@@ -328,13 +333,15 @@ impl Engine {
         train_capacity: usize,
         limits: GenerateLimits,
     ) -> std::io::Result<Self> {
-        let ctx = Arc::new(Context { model: model.clone(), store, events, max_batch: limits.max_batch });
+        let rate = Arc::new(AbsorbRate::default());
+        let ctx = Arc::new(Context { model: model.clone(), store, events, max_batch: limits.max_batch, rate: rate.clone() });
         Ok(Self {
             train: Worker::start(Lane::Train, ctx.clone(), train_capacity)?,
             gen: Worker::start(Lane::Generate, ctx, limits.queue)?,
             model,
             limits,
             kv_reserved: Arc::new(AtomicUsize::new(0)),
+            rate,
         })
     }
 

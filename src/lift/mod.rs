@@ -6,6 +6,7 @@
 
 pub mod answer;
 pub mod cdt;
+pub mod estimate;
 pub mod filter;
 pub mod plan;
 pub mod prompt;

@@ -204,6 +204,9 @@ pub struct PostDocument {
     pub text: Option<String>,
     pub title: Option<String>,
     pub options: Option<DocumentOptions>,
+    /// true: answer what absorbing would cost (planned steps, training tokens, estimated time)
+    /// and the options' warnings, without storing or queueing anything.
+    pub dry_run: Option<bool>,
 }
 
 /// Absorb options a request may set; the others are the server's `--absorb-options`.
@@ -273,11 +276,12 @@ fn invalid_option(e: OptionError) -> ApiError {
 }
 
 impl PostDocument {
-    pub fn validate(self, defaults: &AbsorbOptions, num_layers: usize, max_window: usize) -> ApiResult<NewDocument> {
+    /// The document and whether this is a dry run.
+    pub fn validate(self, defaults: &AbsorbOptions, num_layers: usize, max_window: usize) -> ApiResult<(NewDocument, bool)> {
         let text = self.text.ok_or_else(|| missing("text"))?;
         let options = self.options.unwrap_or_default().apply(defaults, num_layers, max_window)?;
         let source = Source::as_sent(&text, "application/json");
-        document(text, self.title, options, source)
+        Ok((document(text, self.title, options, source)?, self.dry_run.unwrap_or(false)))
     }
 }
 
@@ -357,7 +361,8 @@ fn options_field(text: &str) -> ApiResult<DocumentOptions> {
 }
 
 /// A `multipart/form-data` upload: one `file` part (its name and type guide the extraction),
-/// optional `title` and `options` (JSON) parts; any other part is refused.
+/// optional `title`, `options` (JSON) and `dry_run` (`true`/`false`) parts; any other part is
+/// refused. Returns the document and whether this is a dry run.
 pub async fn multipart_document(
     extractor: &Extractor,
     headers: &HeaderMap,
@@ -365,24 +370,25 @@ pub async fn multipart_document(
     defaults: &AbsorbOptions,
     num_layers: usize,
     max_window: usize,
-) -> ApiResult<NewDocument> {
+) -> ApiResult<(NewDocument, bool)> {
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
     let boundary = multer::parse_boundary(content_type)
         .map_err(|e| ApiError::bad_request("invalid_multipart", format!("multipart/form-data needs a boundary: {e}")))?;
     let body = futures_util::stream::once(async move { Ok::<_, std::convert::Infallible>(bytes) });
     let mut form = multer::Multipart::new(body, boundary);
     let malformed = |e: multer::Error| ApiError::bad_request("invalid_multipart", format!("malformed multipart body: {e}"));
-    let (mut file, mut title, mut options) = (None, None, None);
+    let (mut file, mut title, mut options, mut dry_run) = (None, None, None, None);
     while let Some(field) = form.next_field().await.map_err(malformed)? {
         let name = field.name().unwrap_or("").to_string();
         let seen = match name.as_str() {
             "file" => file.is_some(),
             "title" => title.is_some(),
             "options" => options.is_some(),
+            "dry_run" => dry_run.is_some(),
             _ => {
                 return Err(ApiError::bad_request(
                     "unknown_field",
-                    format!("unknown form field '{name}'; expected 'file', 'title' or 'options'"),
+                    format!("unknown form field '{name}'; expected 'file', 'title', 'options' or 'dry_run'"),
                 )
                 .param(&name))
             }
@@ -396,6 +402,7 @@ pub async fn multipart_document(
         match name.as_str() {
             "file" => file = Some((data, filename, media_type)),
             "title" => title = Some(utf8(&data)?.to_string()),
+            "dry_run" => dry_run = Some(bool_field("dry_run", utf8(&data)?)?),
             _ => options = Some(options_field(utf8(&data)?)?),
         }
     }
@@ -403,7 +410,40 @@ pub async fn multipart_document(
     let options = options.unwrap_or_default().apply(defaults, num_layers, max_window)?;
     // Browsers label files they do not know as octet-stream: the name and the bytes decide then.
     let extracted = extract_file(extractor, data, filename, media_type, Some("file")).await?;
-    file_document(extracted, title.filter(|t| !t.trim().is_empty()), options)
+    Ok((file_document(extracted, title.filter(|t| !t.trim().is_empty()), options)?, dry_run.unwrap_or(false)))
+}
+
+/// A boolean form field: `true` or `false`.
+fn bool_field(name: &str, text: &str) -> ApiResult<bool> {
+    match text.trim() {
+        "true" => Ok(true),
+        "false" => Ok(false),
+        other => Err(ApiError::bad_request("invalid_type", format!("'{name}' must be true or false (got '{other}')")).param(name)),
+    }
+}
+
+/// `POST /documents` with `dry_run`: what absorbing would cost; nothing is stored.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct AbsorbEstimate {
+    /// Always "absorb_estimate".
+    pub object: &'static str,
+    /// The document's tokens.
+    pub tokens: usize,
+    /// The effective absorb options.
+    #[schema(value_type = Object)]
+    pub options: serde_json::Value,
+    pub estimate: crate::lift::estimate::Estimate,
+    pub warnings: Vec<crate::lift::estimate::OptionWarning>,
+}
+
+/// `POST /documents`' answer: the Document, with what its absorb is estimated to cost and the
+/// options' warnings.
+#[derive(Debug, Serialize, ToSchema)]
+pub struct PostedDocument {
+    #[serde(flatten)]
+    pub document: crate::service::DocumentView,
+    pub estimate: crate::lift::estimate::Estimate,
+    pub warnings: Vec<crate::lift::estimate::OptionWarning>,
 }
 
 fn missing(field: &str) -> ApiError {
@@ -435,6 +475,8 @@ pub struct AskRequest {
     /// Answer as a `text/event-stream`: `token` events as the text is generated, then one
     /// `answer` event with the whole answer (or `error`).
     pub stream: Option<bool>,
+    /// true: the answer carries `context`, the passages it read (default false).
+    pub include_context: Option<bool>,
 }
 
 /// The server's bounds on generation requests.
@@ -510,7 +552,8 @@ fn temperature(v: Option<f64>) -> ApiResult<f64> {
 
 impl AskRequest {
     /// The question, its sampling parameters and whether to stream.
-    pub fn validate(self, limits: &GenerationLimits) -> ApiResult<(Question, SamplingParams, bool)> {
+    /// (Also whether the answer carries its context: `include_context`.)
+    pub fn validate(self, limits: &GenerationLimits) -> ApiResult<(Question, SamplingParams, bool, bool)> {
         let document_id = self.document_id.ok_or_else(|| missing("document_id"))?;
         let question = self.question.ok_or_else(|| missing("question"))?;
         limits.question(&question, "question")?;
@@ -520,7 +563,7 @@ impl AskRequest {
         let (mode, context) = (self.mode.unwrap_or_default(), self.context);
         let context_tokens = context_tokens(self.context_tokens, mode, context)?;
         let question = Question { document_id, question, mode, context, context_tokens };
-        Ok((question, params, self.stream.unwrap_or(false)))
+        Ok((question, params, self.stream.unwrap_or(false), self.include_context.unwrap_or(false)))
     }
 }
 
@@ -538,8 +581,8 @@ pub struct AskResponse {
     /// stopped early) or a snapshot part-way through training; null when none did (modes
     /// `rag` and `icl`, or a document whose adapter does not exist yet).
     pub adapter: Option<AnsweredBy>,
-    /// What the prepared base's filter did to the in-context document (modes with context, on a
-    /// server with a prepared base).
+    /// The passages the answer read, with what the prepared base's filter did to them (only
+    /// with `include_context`; modes with context).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context: Option<Context>,
 }
@@ -628,6 +671,9 @@ pub struct ChatRequest {
     pub context: Option<ContextPolicy>,
     /// lift-serve's extension: the in-context budget for a document model (as in `/ask`).
     pub context_tokens: Option<u64>,
+    /// lift-serve's extension: true puts the passages read in `lift.context` (as `/ask`'s
+    /// `include_context`; non-streamed completions of a document model).
+    pub include_context: Option<bool>,
 }
 
 #[derive(Debug, Deserialize, ToSchema)]
@@ -702,6 +748,7 @@ pub struct ValidChat {
     pub params: SamplingParams,
     pub stream: bool,
     pub include_usage: bool,
+    pub include_context: bool,
 }
 
 fn bad_messages(msg: impl Into<String>) -> ApiError {
@@ -783,7 +830,8 @@ impl ChatRequest {
             );
         };
         let include_usage = self.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
-        Ok(ValidChat { model, target, params, stream: self.stream.unwrap_or(false), include_usage })
+        let include_context = self.include_context.unwrap_or(false);
+        Ok(ValidChat { model, target, params, stream: self.stream.unwrap_or(false), include_usage, include_context })
     }
 }
 
@@ -840,6 +888,9 @@ pub struct ChatLift {
     #[schema(value_type = String)]
     pub mode: Mode,
     pub adapter: Option<AnsweredBy>,
+    /// The passages read (with `include_context`), as `/ask`'s `context`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub context: Option<Context>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]

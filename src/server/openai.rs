@@ -73,7 +73,7 @@ pub async fn chat_completions(
         Ok(stream(&st, completion, pending, prx, chat.include_usage))
     } else {
         let r = wait(pending).await?;
-        Ok(Json(completion.whole(&r)).into_response())
+        Ok(Json(completion.whole(&r, chat.include_context)).into_response())
     }
 }
 
@@ -99,7 +99,7 @@ struct Completion {
 }
 
 impl Completion {
-    fn whole(self, r: &Generated) -> ChatCompletion {
+    fn whole(self, r: &Generated, with_context: bool) -> ChatCompletion {
         ChatCompletion {
             id: self.id,
             object: "chat.completion",
@@ -115,6 +115,7 @@ impl Completion {
             lift: r.mode.map(|mode| ChatLift {
                 mode,
                 adapter: r.adapter.map(|(step, planned_steps)| AnsweredBy { step, planned_steps }),
+                context: if with_context { super::routes::context_of(r) } else { None },
             }),
         }
     }

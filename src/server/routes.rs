@@ -1,7 +1,7 @@
 //! Documents, asking, health and metrics: each handler reads its typed request, validates it
 //! (`api`), calls the service, and writes the typed response.
 
-use super::api::{self, AskRequest, AnsweredBy, AskResponse, AskToken, AskUsage, Body as BodyKind, Context, ContextChunk, Health, List, PostDocument, Timings};
+use super::api::{self, AbsorbEstimate, PostedDocument, AskRequest, AnsweredBy, AskResponse, AskToken, AskUsage, Body as BodyKind, Context, ContextChunk, Health, List, PostDocument, Timings};
 use super::error::{ApiError, ApiResult, Params};
 use super::{signalled, AppState, Inner, Tenant};
 use crate::lift::answer::Mode;
@@ -45,8 +45,8 @@ fn caused_by<E: std::error::Error + 'static>(e: &(dyn std::error::Error + 'stati
 
 #[utoipa::path(post, path = "/documents", tag = "documents",
     request_body(content = PostDocument, description = "JSON, or the text alone as text/plain"),
-    responses((status = 202, description = "queued", body = DocumentView),
-              (status = 200, description = "already known (same text, options and base model)", body = DocumentView),
+    responses((status = 202, description = "queued: the Document with its cost estimate and warnings", body = PostedDocument),
+              (status = 200, description = "already known (same text, options and base model); with `dry_run`, an AbsorbEstimate", body = PostedDocument),
               (status = "4XX", description = "refused", body = super::error::ErrorBody)))]
 pub async fn post_document(
     State(st): State<AppState>,
@@ -58,24 +58,33 @@ pub async fn post_document(
     let cfg = st.service.model().config();
     let (layers, window) = (cfg.num_layers, cfg.max_position_embeddings);
     let defaults = st.default_options.clone();
-    let doc = match api::media_type(&headers).as_deref() {
+    // Raw bodies are the document alone: no dry run there.
+    let (doc, dry_run) = match api::media_type(&headers).as_deref() {
         Some("text/plain") => {
             let text = api::utf8(&bytes)?.to_string();
             let source = crate::formats::Source::as_sent(&text, "text/plain");
-            api::document(text, None, defaults, source)?
+            (api::document(text, None, defaults, source)?, false)
         }
         Some("multipart/form-data") => api::multipart_document(&st.extractor, &headers, bytes, &defaults, layers, window).await?,
         Some(m) if api::is_document_media_type(m) => {
             let extracted = api::extract_file(&st.extractor, bytes, None, Some(m.to_string()), None).await?;
-            api::file_document(extracted, None, defaults)?
+            (api::file_document(extracted, None, defaults)?, false)
         }
         _ => api::json_body::<PostDocument>(&headers, &bytes, BodyKind::Document)?.validate(&defaults, layers, window)?,
     };
     let params = Params { prompt: "text", document: "text" };
-    match st.service.submit(tenant.0, doc).await.map_err(|e| ApiError::service(e, params))? {
-        Submitted::Queued(view) => Ok((StatusCode::ACCEPTED, Json(view)).into_response()),
-        Submitted::Existing(view) => Ok((StatusCode::OK, Json(view)).into_response()),
+    if dry_run {
+        let options = serde_json::to_value(&doc.options).map_err(ApiError::internal)?;
+        let cost = st.service.estimate(doc).await.map_err(|e| ApiError::service(e, params))?;
+        let body = AbsorbEstimate { object: "absorb_estimate", tokens: cost.tokens, options, estimate: cost.estimate, warnings: cost.warnings };
+        return Ok(Json(body).into_response());
     }
+    let (submitted, cost) = st.service.submit(tenant.0, doc).await.map_err(|e| ApiError::service(e, params))?;
+    let (status, document) = match submitted {
+        Submitted::Queued(view) => (StatusCode::ACCEPTED, view),
+        Submitted::Existing(view) => (StatusCode::OK, view),
+    };
+    Ok((status, Json(PostedDocument { document, estimate: cost.estimate, warnings: cost.warnings })).into_response())
 }
 
 #[utoipa::path(get, path = "/documents", tag = "documents",
@@ -159,16 +168,16 @@ pub async fn ask(
     body: Body,
 ) -> ApiResult<Response> {
     let bytes = read_body(&st, body).await?;
-    let (question, params, stream) = api::json_body::<AskRequest>(&headers, &bytes, BodyKind::Ask)?.validate(&st.limits)?;
+    let (question, params, stream, with_context) = api::json_body::<AskRequest>(&headers, &bytes, BodyKind::Ask)?.validate(&st.limits)?;
     let (id, mode) = (question.document_id.clone(), question.mode);
     let (ptx, prx) = tokio::sync::mpsc::unbounded_channel::<String>();
     let pending = st.service.ask(tenant.0.as_deref(), question, params, stream.then_some(ptx)).await.map_err(ask_error)?;
     if stream {
-        return Ok(ask_stream(&st, pending, prx, id, mode));
+        return Ok(ask_stream(&st, pending, prx, id, mode, with_context));
     }
     let mut pending = pending;
     let r = pending.wait().await.map_err(ask_error)?;
-    Ok(Json(ask_response(r, id, mode)).into_response())
+    Ok(Json(ask_response(r, id, mode, with_context)).into_response())
 }
 
 fn to_json<T: serde::Serialize>(v: &T) -> String {
@@ -179,12 +188,19 @@ fn ask_error(e: crate::service::ServiceError) -> ApiError {
     ApiError::service(e, Params { document: "document_id", prompt: "question" })
 }
 
-fn ask_response(r: Generated, document_id: String, mode: Mode) -> AskResponse {
+/// The passages an answer read (None when it read none).
+pub(super) fn context_of(r: &Generated) -> Option<Context> {
     let chunks: Vec<ContextChunk> = r
         .chunks
-        .into_iter()
-        .map(|(c, text)| ContextChunk { start: c.start, end: c.end, score: c.score, mask: c.mask, text })
+        .iter()
+        .map(|(c, text)| ContextChunk { start: c.start, end: c.end, score: c.score, mask: c.mask, text: text.clone() })
         .collect();
+    (!chunks.is_empty()).then_some(Context { chunks })
+}
+
+/// The answer; its context only when asked for (the passages can be the whole document).
+fn ask_response(r: Generated, document_id: String, mode: Mode, with_context: bool) -> AskResponse {
+    let context = if with_context { context_of(&r) } else { None };
     AskResponse {
         answer: r.text,
         document_id,
@@ -193,7 +209,7 @@ fn ask_response(r: Generated, document_id: String, mode: Mode) -> AskResponse {
         usage: AskUsage { prompt_tokens: r.prompt_tokens, completion_tokens: r.completion_tokens },
         finish_reason: r.finish_reason,
         timings: Timings { queue_ms: r.queue_ms, prompt_ms: r.prompt_ms, generate_ms: r.generate_ms },
-        context: (!chunks.is_empty()).then_some(Context { chunks }),
+        context,
     }
 }
 
@@ -206,6 +222,7 @@ fn ask_stream(
     mut pieces: tokio::sync::mpsc::UnboundedReceiver<String>,
     id: String,
     mode: Mode,
+    with_context: bool,
 ) -> Response {
     let mut shutdown = st.shutdown.subscribe();
     let events = async_stream::stream! {
@@ -222,7 +239,7 @@ fn ask_stream(
             }
         }
         match pending.wait().await {
-            Ok(r) => yield Ok(Event::default().event("answer").data(to_json(&ask_response(r, id, mode)))),
+            Ok(r) => yield Ok(Event::default().event("answer").data(to_json(&ask_response(r, id, mode, with_context)))),
             Err(e) => yield Ok(Event::default().event("error").data(ask_error(e).body().to_string())),
         }
     };

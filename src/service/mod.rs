@@ -88,6 +88,14 @@ pub struct NewDocument {
     pub source: Source,
 }
 
+/// What absorbing a document will cost, said before it runs (`POST /documents`, also `dry_run`).
+#[derive(Clone, Debug)]
+pub struct Cost {
+    pub tokens: usize,
+    pub estimate: crate::lift::estimate::Estimate,
+    pub warnings: Vec<crate::lift::estimate::OptionWarning>,
+}
+
 /// [`Service::submit`]'s answer: a new job, or the document already known under this id.
 pub enum Submitted {
     Queued(DocumentView),
@@ -244,18 +252,67 @@ impl Service {
     /// Tokenizes the document (once), checks it against the limits and queues its absorption; a
     /// document already queued, training or ready under the same id is answered as it is. A
     /// refused request (full queue, over a limit) writes nothing.
-    pub async fn submit(&self, owner: Option<String>, doc: NewDocument) -> Result<Submitted, ServiceError> {
+    pub async fn submit(&self, owner: Option<String>, doc: NewDocument) -> Result<(Submitted, Cost), ServiceError> {
         let NewDocument { text, title, options, source } = doc;
         let model = self.engine.model.clone();
         let document = tokio::task::spawn_blocking(move || encode_answerable(&model, text))
             .await
             .map_err(ServiceError::internal)?
             .map_err(|e| ServiceError::Untokenizable(format!("{e:#}")))?;
+        let cost = self.cost(document.clone(), &options).await?;
+        let submitted = self.queue(owner, title, options, source, document).await?;
+        Ok((submitted, cost))
+    }
+
+    /// What absorbing `doc` would cost (planned steps, training tokens, time at the measured rate)
+    /// and the options known to under-train it; refused as `submit` would refuse it (too large, too
+    /// much training). Nothing is stored.
+    pub async fn estimate(&self, doc: NewDocument) -> Result<Cost, ServiceError> {
+        let NewDocument { text, options, .. } = doc;
+        let model = self.engine.model.clone();
+        // Tokens only: the passages an answer needs are not built for a dry run.
+        let document = tokio::task::spawn_blocking(move || Document::encode(&model, text))
+            .await
+            .map_err(ServiceError::internal)?
+            .map_err(|e| ServiceError::Untokenizable(format!("{e:#}")))?;
+        self.cost(Arc::new(document), &options).await
+    }
+
+    /// The limits checked, then the cost (extractive QA generation counts the pairs: blocking).
+    async fn cost(&self, document: Arc<Document>, options: &AbsorbOptions) -> Result<Cost, ServiceError> {
         let (tokens, limit) = (document.len(), self.cfg.max_document_tokens);
         if tokens > limit {
             return Err(ServiceError::DocumentTooLarge { tokens, limit });
         }
-        self.check_training_cost(&options, tokens)?;
+        self.check_training_cost(options, tokens)?;
+        let (engine, o) = (self.engine.clone(), options.clone());
+        tokio::task::spawn_blocking(move || {
+            let o = &o;
+            let pairs = if o.qa.use_model {
+                // Model-written pairs are only known once written: the cap bounds them.
+                o.qa.max_pairs
+            } else {
+                let text = &document.text;
+                crate::lift::qa::extractive_qa(text, &crate::lift::text::split_sentences(text), &o.qa).len()
+            };
+            let one_per_row = engine.model.base_filter().is_some();
+            let counts = crate::lift::estimate::plan_counts(tokens, pairs, o, one_per_row);
+            Cost { tokens, estimate: engine.rate.estimate(counts), warnings: crate::lift::estimate::warnings(tokens, o) }
+        })
+        .await
+        .map_err(ServiceError::internal)
+    }
+
+    /// Queues a tokenized document within the limits.
+    async fn queue(
+        &self,
+        owner: Option<String>,
+        title: Option<String>,
+        options: AbsorbOptions,
+        source: Source,
+        document: Arc<Document>,
+    ) -> Result<Submitted, ServiceError> {
+        let tokens = document.len();
         let options_json = serde_json::to_value(&options).map_err(ServiceError::internal)?;
         let fingerprint = &self.engine.model.info.fingerprint;
         let id = store::document_id(fingerprint, owner.as_deref(), &document.text, &options_json);

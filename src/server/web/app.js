@@ -1,15 +1,19 @@
-// lift-serve's page: upload a document, follow its absorption live, ask about it.
-// Vanilla JS, no build step. Server text is always set through textContent, never parsed as markup.
+// lift-serve's page: a chat with your documents. Upload one, ask from the first second (answers
+// read the passages that match the question until the document's adapter exists), follow its
+// absorption in a compact strip. Vanilla JS, no build step. Server text is always set through
+// textContent, never parsed as markup.
 'use strict';
 
 const $ = (id) => document.getElementById(id);
 const KEY_STORE = 'lift-serve.key';
-const MODES = ['lift', 'rag', 'icl', 'memory'];
-const MODE_INFO = {
-  lift: 'absorbed + the passages that matter',
-  rag: 'the passages that matter, no adapter',
-  icl: 'head and tail of the document, no adapter',
-  memory: 'absorbed only, no document text',
+// Plain names for the API's modes, in the order the page offers them.
+const MODES = ['lift', 'rag', 'memory', 'icl'];
+const MODE_NAME = { lift: 'Absorbed + passages', rag: 'Passages only', memory: 'Absorbed only', icl: 'Head and tail only' };
+const MODE_HELP = {
+  lift: 'The document’s absorbed adapter, reading the passages that match your question (before the adapter exists: passages only).',
+  rag: 'The base model reading the passages that match your question, no adapter.',
+  memory: 'Only what the adapter absorbed: no document text is shown to the model.',
+  icl: 'The base model reading the document’s beginning and end only (a baseline).',
 };
 const TERMINAL = new Set(['ready', 'failed', 'cancelled']);
 
@@ -21,11 +25,15 @@ const state = {
   loss: new Map(),     // id -> [[step, loss]], from training progress events
   rate: new Map(),     // id -> {stage, t0, s0, t, s}: observed step rate for the ETA
   started: new Map(),  // id -> time the page first saw it training
+  posted: new Map(),   // id -> {estimate, warnings, at}: what POST /documents said it would cost
+  threads: new Map(),  // id -> the turns of a document not shown now
   file: null,          // the file chosen or dropped
   tab: 'file',
   listTimer: 0,
   asking: false,
-  turns: new Map(),    // id -> the answer panels of a document not shown now
+  mode: 'lift',
+  costTimer: 0,
+  costSeq: 0,
 };
 
 // ---------- small helpers ----------
@@ -118,20 +126,21 @@ function showError(err, context) {
 
 function key() { return localStorage.getItem(KEY_STORE) || ''; }
 
-function headers(extra) {
+function headers(extra, k) {
   const h = Object.assign({}, extra || {});
-  const k = key();
+  k = k === undefined ? key() : k;
   if (k) h.Authorization = 'Bearer ' + k;
   return h;
 }
 
-// Throws ApiError for any non-2xx answer (after showing the key prompt on 401).
+// Throws ApiError for any non-2xx answer (after asking for a key again on 401).
 async function check(resp) {
   if (resp.ok) return resp;
   let body = null;
   try { body = await resp.json(); } catch (_) { /* not JSON */ }
-  if (resp.status === 401) needKey(true);
-  throw new ApiError(resp.status, body);
+  const err = new ApiError(resp.status, body);
+  if (resp.status === 401) needKey(err.code === 'invalid_api_key' ? 'refused' : 'missing');
+  throw err;
 }
 
 async function api(method, path, body, signal) {
@@ -146,10 +155,23 @@ async function api(method, path, body, signal) {
   return { status: resp.status, data: await resp.json() };
 }
 
-function needKey(show) {
-  $('auth-prompt').hidden = !show;
-  document.body.classList.toggle('needs-key', show);
-  if (show) $('key-input').focus();
+// The key prompt: 'missing' (the server needs a key), 'refused' (the key given was refused), or
+// null (hidden).
+function needKey(reason) {
+  const box = $('auth-prompt');
+  box.hidden = !reason;
+  box.dataset.reason = reason || '';
+  document.body.classList.toggle('needs-key', !!reason);
+  if (!reason) return;
+  if (reason === 'refused') {
+    $('auth-title').textContent = 'This key was refused.';
+    $('auth-text').textContent = 'The server does not know it (invalid_api_key). Check it and enter it again at the top.';
+  } else {
+    $('auth-title').textContent = 'This server needs an API key.';
+    $('auth-text').textContent = 'Enter your key in the field at the top and press “Use key”.';
+  }
+  $('key-input').focus();
+  $('key-input').select();
 }
 
 // A text/event-stream read through fetch (EventSource cannot send the Authorization header):
@@ -195,18 +217,32 @@ async function readSSE(resp, onEvent) {
 
 function initKey() {
   $('key-input').value = key();
-  $('key-form').addEventListener('submit', (ev) => {
+  $('key-form').addEventListener('submit', async (ev) => {
     ev.preventDefault();
     const k = $('key-input').value.trim();
-    if (k) localStorage.setItem(KEY_STORE, k); else localStorage.removeItem(KEY_STORE);
-    needKey(false);
-    toast(k ? 'Key saved in this browser.' : 'Key cleared.', null, 'info');
+    if (!k) {
+      localStorage.removeItem(KEY_STORE);
+      toast('Key cleared.', null, 'info');
+      loadList();
+      return;
+    }
+    // The key is tried before it is kept: a refused key is said to be refused, never "saved".
+    let resp;
+    try { resp = await fetch('/documents', { headers: headers({}, k) }); } catch (e) { showError(e, 'Key'); return; }
+    if (resp.status === 401) {
+      localStorage.removeItem(KEY_STORE);
+      needKey('refused');
+      return;
+    }
+    localStorage.setItem(KEY_STORE, k);
+    needKey(null);
+    toast('Key accepted.', null, 'info');
     loadList();
     if (state.selected) select(state.selected, true);
   });
 }
 
-// ---------- upload ----------
+// ---------- upload, and its cost said before it is paid ----------
 
 function setTab(tab) {
   state.tab = tab;
@@ -215,6 +251,7 @@ function setTab(tab) {
     $('tab-' + t).setAttribute('aria-selected', String(t === tab));
     $('pane-' + t).hidden = t !== tab;
   }
+  scheduleCost();
 }
 
 function setFile(f) {
@@ -224,6 +261,7 @@ function setFile(f) {
     $('drop-text').append('Drop a file here or ', el('u', null, 'choose one'));
   }
   $('drop-zone').classList.toggle('has-file', !!f);
+  scheduleCost();
 }
 
 function absorbOptions() {
@@ -238,45 +276,108 @@ function absorbOptions() {
   if (w !== null) o.window = w;
   const e1 = int('opt-epochs-seg'), e2 = int('opt-epochs-qa');
   if (e1 !== null || e2 !== null) {
-    if (e1 === null || e2 === null) throw new Error('set both epoch numbers (segments, with QA) or neither');
+    if (e1 === null || e2 === null) throw new Error('set both epoch numbers (text only, text + questions) or neither');
     o.epochs = [e1, e2];
   }
   const q = int('opt-aux-qa');
   if (q !== null) o.aux_qa = q;
-  // Absorb until learned: held-aside probe questions decide when training stops.
   const schedule = $('opt-schedule').value;
   if (schedule) o.until_learned = schedule === 'until_learned';
   return Object.keys(o).length ? o : null;
+}
+
+// The POST /documents body for what the form holds; null when there is nothing to send yet
+// (only for a dry run: a real submit sends even an empty paste, and the server says why not).
+function documentBody(options, dryRun) {
+  const title = $('doc-title').value.trim();
+  if (state.tab === 'file') {
+    if (!state.file) return null;
+    const body = new FormData();
+    body.append('file', state.file, state.file.name);
+    if (title) body.append('title', title);
+    if (options) body.append('options', JSON.stringify(options));
+    if (dryRun) body.append('dry_run', 'true');
+    return body;
+  }
+  const text = $('paste-text').value;
+  if (dryRun && !text.trim()) return null;
+  const body = { text };
+  if (title) body.title = title;
+  if (options) body.options = options;
+  if (dryRun) body.dry_run = true;
+  return body;
+}
+
+function scheduleCost() {
+  clearTimeout(state.costTimer);
+  state.costTimer = setTimeout(updateCost, 350);
+}
+
+// Asks the server what absorbing would cost (a dry run: nothing is stored) as the form changes.
+async function updateCost() {
+  const seq = ++state.costSeq;
+  let options;
+  try { options = absorbOptions(); } catch (e) { renderCost(null, e.message); return; }
+  const body = documentBody(options, true);
+  if (!body) { $('cost').hidden = true; return; }
+  try {
+    const r = await api('POST', '/documents', body);
+    if (seq === state.costSeq) renderCost(r.data);
+  } catch (e) {
+    if (seq !== state.costSeq || (e instanceof ApiError && e.status === 401)) return;
+    renderCost(null, e instanceof ApiError ? e.message + ' [' + e.code + ']' : 'network error — ' + e.message);
+  }
+}
+
+function costSentence(est) {
+  const e = est.estimate;
+  const how = e.rate === 'measured'
+    ? 'at this server’s measured speed (' + e.measured_absorbs + ' absorb' + (e.measured_absorbs === 1 ? '' : 's') + ')'
+    : 'a first guess: no absorb has finished on this server yet';
+  return 'Absorbing takes about ' + fmtSecs(e.seconds) + ' — ' + fmtNum(e.planned_steps) + ' training steps over ' +
+    fmtNum(est.tokens) + ' tokens, ' + e.qa_pairs + ' practice questions (' + how + '). You can ask at once: answers read the passages until then.';
+}
+
+function renderWarnings(ul, warnings) {
+  ul.replaceChildren();
+  for (const w of warnings || []) {
+    const li = el('li', 'warning', w.message);
+    li.dataset.code = w.code;
+    li.dataset.testid = 'warning';
+    ul.append(li);
+  }
+  ul.hidden = !(warnings && warnings.length);
+}
+
+function renderCost(est, error) {
+  $('cost').hidden = false;
+  $('cost').dataset.state = est ? 'ok' : 'error';
+  $('cost-text').textContent = est ? costSentence(est) : 'Cannot absorb this: ' + error;
+  renderWarnings($('cost-warnings'), est ? est.warnings : []);
+  if (est) $('cost').dataset.steps = String(est.estimate.planned_steps);
 }
 
 async function submitDoc(ev) {
   ev.preventDefault();
   let options;
   try { options = absorbOptions(); } catch (e) { toast(e.message, 'invalid_options'); return; }
-  const title = $('doc-title').value.trim();
-  let body;
-  if (state.tab === 'file') {
-    if (!state.file) { toast('Choose or drop a file first (or paste text).', 'no_file'); return; }
-    body = new FormData();
-    body.append('file', state.file, state.file.name);
-    if (title) body.append('title', title);
-    if (options) body.append('options', JSON.stringify(options));
-  } else {
-    body = { text: $('paste-text').value };
-    if (title) body.title = title;
-    if (options) body.options = options;
-  }
+  const body = documentBody(options, false);
+  if (!body) { toast('Choose or drop a file first (or paste text).', 'no_file'); return; }
   const btn = $('submit-doc');
   btn.disabled = true;
   btn.textContent = 'Sending…';
   try {
     const r = await api('POST', '/documents', body);
     const d = r.data;
-    toast(r.status === 200 ? 'Already known: the same document with the same options.' : 'Queued for absorption.', null, 'info');
+    state.posted.set(d.id, { estimate: d.estimate, warnings: d.warnings || [], at: performance.now() });
+    toast(r.status === 200 ? 'Already known: the same document with the same options.'
+      : 'Absorbing, about ' + fmtSecs(d.estimate && d.estimate.seconds) + '. Ask away meanwhile.', null, 'info');
     if (state.tab === 'file') { setFile(null); $('file-input').value = ''; } else $('paste-text').value = '';
     $('doc-title').value = '';
+    $('cost').hidden = true;
     upsert(d);
     select(d.id);
+    $('question').focus();
   } catch (e) {
     showError(e, 'Upload');
   } finally {
@@ -303,6 +404,10 @@ function initUpload() {
   window.addEventListener('dragover', (ev) => ev.preventDefault());
   window.addEventListener('drop', (ev) => ev.preventDefault());
   $('upload-form').addEventListener('submit', submitDoc);
+  for (const id of ['paste-text', 'opt-adapter', 'opt-window', 'opt-epochs-seg', 'opt-epochs-qa', 'opt-aux-qa', 'opt-schedule']) {
+    $(id).addEventListener('input', scheduleCost);
+    $(id).addEventListener('change', scheduleCost);
+  }
   setFile(null);
 }
 
@@ -314,7 +419,7 @@ async function loadList() {
   try {
     const r = await api('GET', '/documents');
     state.docs = r.data.data || [];
-    needKey(false);
+    needKey(null);
     renderList();
   } catch (e) {
     if (!(e instanceof ApiError && e.status === 401)) showError(e, 'Documents');
@@ -335,6 +440,11 @@ function upsert(d) {
   scheduleList();
 }
 
+function statusText(d) {
+  if (d.status === 'training' && d.progress && d.progress.steps) return 'absorbing ' + Math.round(100 * d.progress.step / d.progress.steps) + '%';
+  return { queued: 'waiting', training: 'absorbing', ready: 'absorbed', failed: 'failed', cancelled: 'cancelled' }[d.status] || d.status;
+}
+
 function renderList() {
   const ul = $('doc-list');
   ul.replaceChildren();
@@ -347,18 +457,13 @@ function renderList() {
     li.tabIndex = 0;
     const main = el('div', 'docmain');
     main.append(el('span', 'doctitle', d.title || d.id));
-    const meta = el('span', 'docmeta muted small');
-    meta.append(fmtNum(d.tokens) + ' tokens · ' + fmtTime(d.created_at));
-    if (d.adapter) meta.append(' · ' + fmtBytes(d.adapter.bytes));
-    main.append(meta);
-    const badge = el('span', 'badge ' + d.status, d.status);
-    if (d.status === 'training' && d.progress && d.progress.steps) {
-      badge.textContent = 'training ' + Math.round(100 * d.progress.step / d.progress.steps) + '%';
-    }
-    const del = el('button', 'btn ghost small danger', 'Delete');
+    main.append(el('span', 'docmeta muted small', fmtNum(d.tokens) + ' tokens · ' + fmtTime(d.created_at)));
+    const badge = el('span', 'badge ' + d.status, statusText(d));
+    const del = el('button', 'btn ghost small danger', '✕');
     del.type = 'button';
     del.dataset.testid = 'delete';
     del.title = 'delete this document and its adapter';
+    del.setAttribute('aria-label', 'delete ' + (d.title || d.id));
     del.addEventListener('click', (ev) => { ev.stopPropagation(); remove(d); });
     li.append(main, badge, del);
     li.addEventListener('click', () => select(d.id));
@@ -368,13 +473,14 @@ function renderList() {
 }
 
 async function remove(d) {
-  if (!confirm('Delete “' + (d.title || d.id) + '”? Its adapter is removed from the server.')) return;
+  if (!confirm('Delete “' + (d.title || d.id) + '”? Its adapter and this conversation are removed.')) return;
   try {
     await api('DELETE', '/documents/' + encodeURIComponent(d.id));
     state.docs = state.docs.filter((x) => x.id !== d.id);
     state.loss.delete(d.id);
-    state.turns.delete(d.id);
-    if (state.selected === d.id) select(null);
+    state.threads.delete(d.id);
+    state.posted.delete(d.id);
+    if (state.selected === d.id) { state.selected = null; select(null, true); }
     renderList();
     toast('Deleted.', null, 'info');
   } catch (e) {
@@ -388,10 +494,12 @@ function select(id, force) {
   if (id === state.selected && !force) return;
   if (state.follow) state.follow.abort();
   state.follow = null;
-  // Each document keeps its own questions and answers.
-  const box = $('turns');
-  if (state.selected && state.docs.some((d) => d.id === state.selected)) state.turns.set(state.selected, [...box.children]);
-  box.replaceChildren(...(state.turns.get(id) || []));
+  // Each document keeps its own conversation.
+  const thread = $('thread');
+  const turns = [...thread.querySelectorAll(':scope > .turn')];
+  if (state.selected && state.docs.some((d) => d.id === state.selected)) state.threads.set(state.selected, turns);
+  for (const t of turns) t.remove();
+  for (const t of state.threads.get(id) || []) thread.append(t);
   state.selected = id;
   state.view = id ? state.docs.find((d) => d.id === id) || null : null;
   renderList();
@@ -410,8 +518,7 @@ async function follow(id) {
       await readSSE(resp, (name, data) => {
         if (ctl.signal.aborted) return;
         if (name === 'progress' || name === 'done') {
-          const d = JSON.parse(data);
-          onProgress(d);
+          onProgress(JSON.parse(data));
           if (name === 'done') finished = true;
         } else if (name === 'error') {
           finished = true;
@@ -451,55 +558,56 @@ function onProgress(d) {
 }
 
 const STAGES = {
-  tokenizing: 'Tokenizing',
-  generating_qa: 'Generating QA pairs',
-  training: 'Training the adapter',
+  tokenizing: 'Reading the document',
+  generating_qa: 'Writing practice questions',
+  training: 'Absorbing',
   saving: 'Saving the adapter',
 };
 
 function renderDoc() {
   const d = state.view;
   const status = $('doc-status');
-  $('figures').hidden = true;
   $('doc-error').hidden = true;
-  $('doc-hint').hidden = !!d;
+  $('thread-empty').hidden = !!d && $('thread').querySelector('.turn') !== null;
+  $('doc-hint').hidden = false;
   if (!d) {
-    $('doc-heading').textContent = 'Absorption';
-    status.textContent = 'no document selected';
+    $('doc-heading').textContent = 'No document selected';
+    status.textContent = '';
     status.className = 'badge';
     status.dataset.status = '';
     $('doc-id').textContent = '';
     $('doc-live').hidden = true;
+    $('figures').hidden = true;
     renderAskState();
     return;
   }
-  $('doc-heading').textContent = d.title || 'Absorption';
-  status.textContent = d.status;
+  $('doc-heading').textContent = d.title || d.id;
+  status.textContent = statusText(d);
   status.className = 'badge ' + d.status;
   status.dataset.status = d.status;
-  $('doc-id').textContent = d.id + ' · ' + fmtNum(d.tokens) + ' tokens';
-  const pts = state.loss.get(d.id) || [];
-  const live = !TERMINAL.has(d.status) || pts.length > 0;
-  $('doc-live').hidden = !live;
-  if (live) renderLive(d, pts);
+  $('doc-id').textContent = fmtNum(d.tokens) + ' tokens · ' + d.id;
+  $('doc-live').hidden = false;
+  renderLive(d, state.loss.get(d.id) || []);
   if (d.status === 'failed' || (d.error && d.error.message)) {
     $('doc-error').hidden = false;
-    $('doc-error').textContent = 'Absorption failed: ' + ((d.error && d.error.message) || 'no reason given');
+    $('doc-error').textContent = 'Absorbing failed: ' + ((d.error && d.error.message) || 'no reason given') + '. Answers still read the passages.';
   }
-  if (d.status === 'ready') renderFigures(d);
+  if (d.status === 'ready') renderFigures(d); else $('figures').hidden = true;
   renderAskState();
 }
 
 function renderLive(d, pts) {
   const p = d.progress || {};
-  let frac = 0;
-  let stage = STAGES[p.stage] || (d.status === 'queued' ? 'Waiting in the queue' : d.status === 'ready' ? 'Done' : d.status);
-  let steps = '';
-  if (d.status === 'ready') frac = 1;
-  else if (typeof p.step === 'number' && p.steps) {
+  const posted = state.posted.get(d.id);
+  let frac = 0, steps = '–';
+  const stage = d.status === 'ready' ? 'Absorbed' : d.status === 'queued' ? 'Waiting to absorb'
+    : STAGES[p.stage] || (d.status === 'failed' ? 'Not absorbed' : d.status === 'cancelled' ? 'Cancelled' : d.status);
+  if (d.status === 'ready') {
+    frac = 1;
+    if (d.training && d.training.steps) steps = fmtNum(d.training.steps) + (d.training.planned_steps ? ' of ' + fmtNum(d.training.planned_steps) : '');
+  } else if (typeof p.step === 'number' && p.steps) {
     frac = p.step / p.steps;
-    steps = 'step ' + p.step + ' / ' + p.steps;
-    if (p.epochs) steps += ' · epoch ' + p.epoch + ' / ' + p.epochs;
+    steps = p.step + ' of ' + p.steps + (p.epochs ? ' · epoch ' + p.epoch + ' of ' + p.epochs : '');
   }
   $('doc-stage').textContent = stage;
   $('doc-steps').textContent = steps;
@@ -507,31 +615,41 @@ function renderLive(d, pts) {
   $('progress-fill').style.width = pct + '%';
   $('progress').setAttribute('aria-valuenow', String(pct));
   $('progress').dataset.value = String(pct);
-  $('progress').classList.toggle('indeterminate', !TERMINAL.has(d.status) && !steps);
-  $('stat-loss').textContent = typeof p.loss === 'number' ? p.loss.toFixed(3) : (pts.length ? pts[pts.length - 1][1].toFixed(3) : '–');
+  $('progress').classList.toggle('indeterminate', !TERMINAL.has(d.status) && frac === 0);
+  // One loss everywhere: the last step's while training; once absorbed, the figures' final loss.
+  const final = d.training && typeof d.training.final_loss === 'number' ? d.training.final_loss : null;
+  $('stat-loss-label').textContent = final !== null ? 'final loss' : 'last step loss';
+  $('stat-loss').textContent = final !== null ? final.toFixed(4)
+    : typeof p.loss === 'number' ? p.loss.toFixed(4) : (pts.length ? pts[pts.length - 1][1].toFixed(4) : '–');
   $('stat-tps').textContent = typeof p.tokens_per_s === 'number' ? fmtNum(p.tokens_per_s) : (d.training && d.training.tokens_per_s ? fmtNum(d.training.tokens_per_s) : '–');
-  // ETA from the step rate observed in this stage (QA generation is followed by training).
-  let eta = d.status === 'ready' ? 'done' : '–';
+  // Time left: the step rate seen in this stage once training runs; the server's estimate before.
+  let eta = '';
   const r = state.rate.get(d.id);
-  if (!TERMINAL.has(d.status) && r && r.stage === p.stage && r.s > r.s0 && p.steps) {
-    const perStep = (r.t - r.t0) / 1000 / (r.s - r.s0);
-    eta = fmtSecs(perStep * (p.steps - p.step)) + (p.stage === 'generating_qa' ? ' + training' : '');
+  if (d.status === 'ready') eta = d.training && d.training.total_seconds ? 'took ' + fmtSecs(d.training.total_seconds) : '';
+  else if (!TERMINAL.has(d.status) && p.stage === 'training' && r && r.stage === p.stage && r.s > r.s0 && p.steps) {
+    eta = 'about ' + fmtSecs((r.t - r.t0) / 1000 / (r.s - r.s0) * (p.steps - p.step)) + ' left';
+  } else if (!TERMINAL.has(d.status) && posted && posted.estimate) {
+    const left = posted.estimate.seconds - (performance.now() - posted.at) / 1000;
+    eta = left > 0 ? 'about ' + fmtSecs(left) + ' left (estimate)' : 'any moment now (estimate passed)';
   }
   $('stat-eta').textContent = eta;
   const t0 = state.started.get(d.id);
   $('stat-elapsed').textContent = d.training && d.training.total_seconds ? fmtSecs(d.training.total_seconds)
-    : t0 && !TERMINAL.has(d.status) ? fmtSecs((performance.now() - t0) / 1000)
-    : d.ready_at && d.created_at ? fmtSecs(d.ready_at - d.created_at) : '–';
-  drawLoss(pts, p.stage === 'training' ? p.steps : 0);
+    : t0 && !TERMINAL.has(d.status) ? fmtSecs((performance.now() - t0) / 1000) : '–';
+  $('live-note').textContent = d.status === 'ready' ? ''
+    : TERMINAL.has(d.status) ? 'No adapter: answers read the passages that match each question.'
+    : 'Until the adapter exists, questions are answered from the passages that match them; a snapshot of the adapter answers once training has one.';
+  renderWarnings($('doc-warnings'), posted ? posted.warnings : []);
+  drawSpark(pts, p.stage === 'training' ? p.steps : (d.training && d.training.steps) || 0);
 }
 
-// The loss curve on a canvas, sized for the device's pixel ratio.
-function drawLoss(pts, steps) {
+// The loss curve, small, beside the bar (the numbers are in "Training details").
+function drawSpark(pts, steps) {
   const c = $('loss-canvas');
   c.dataset.points = String(pts.length);
-  $('loss-empty').hidden = pts.length > 0;
+  c.hidden = pts.length === 0;
   const dpr = window.devicePixelRatio || 1;
-  const w = Math.max(200, c.clientWidth || 600), h = Math.max(120, c.clientHeight || 180);
+  const w = c.clientWidth || 140, h = c.clientHeight || 34;
   if (c.width !== Math.round(w * dpr) || c.height !== Math.round(h * dpr)) {
     c.width = Math.round(w * dpr);
     c.height = Math.round(h * dpr);
@@ -539,48 +657,21 @@ function drawLoss(pts, steps) {
   const g = c.getContext('2d');
   g.setTransform(dpr, 0, 0, dpr, 0, 0);
   g.clearRect(0, 0, w, h);
-  const css = getComputedStyle(document.documentElement);
-  const ink = css.getPropertyValue('--muted').trim() || '#888';
-  const line = css.getPropertyValue('--accent').trim() || '#4f46e5';
-  const grid = css.getPropertyValue('--line').trim() || '#ddd';
-  const L = 44, R = 10, T = 10, B = 24;
-  g.font = '11px system-ui, sans-serif';
-  g.strokeStyle = grid;
-  g.lineWidth = 1;
-  g.beginPath();
-  g.moveTo(L, T); g.lineTo(L, h - B); g.lineTo(w - R, h - B);
-  g.stroke();
   if (!pts.length) return;
   let lo = Infinity, hi = -Infinity;
   for (const [, l] of pts) { lo = Math.min(lo, l); hi = Math.max(hi, l); }
-  if (hi - lo < 1e-6) { hi += 0.5; lo = Math.max(0, lo - 0.5); }
-  const pad = (hi - lo) * 0.08;
-  lo = lo >= 0 ? Math.max(0, lo - pad) : lo - pad;
-  hi += pad;
-  const s0 = Math.min(pts[0][0], 0), s1 = Math.max(pts[pts.length - 1][0], steps || 0, s0 + 1);
-  const x = (s) => L + (w - L - R) * (s - s0) / (s1 - s0);
-  const y = (l) => T + (h - T - B) * (1 - (l - lo) / (hi - lo));
-  g.fillStyle = ink;
-  g.textAlign = 'right';
-  g.textBaseline = 'middle';
-  for (let i = 0; i <= 3; i++) {
-    const v = lo + (hi - lo) * i / 3;
-    g.fillText(v.toFixed(2), L - 6, y(v));
-    g.strokeStyle = grid;
-    g.beginPath(); g.moveTo(L, y(v)); g.lineTo(w - R, y(v)); g.stroke();
-  }
-  g.textAlign = 'center';
-  g.textBaseline = 'top';
-  g.fillText('step ' + s1, w - R - 20, h - B + 6);
-  g.fillText(String(s0), L, h - B + 6);
-  g.strokeStyle = line;
-  g.lineWidth = 2;
+  if (hi - lo < 1e-6) { hi += 0.5; lo -= 0.5; }
+  const s1 = Math.max(pts[pts.length - 1][0], steps || 0, 1);
+  const x = (s) => 2 + (w - 4) * s / s1;
+  const y = (l) => 3 + (h - 6) * (1 - (l - lo) / (hi - lo));
+  const css = getComputedStyle(document.documentElement);
+  g.strokeStyle = css.getPropertyValue('--accent').trim() || '#4f46e5';
+  g.lineWidth = 1.5;
   g.lineJoin = 'round';
   g.beginPath();
   pts.forEach(([s, l], i) => (i ? g.lineTo(x(s), y(l)) : g.moveTo(x(s), y(l))));
   g.stroke();
-  g.fillStyle = line;
-  for (const [s, l] of pts) { g.beginPath(); g.arc(x(s), y(l), 2.5, 0, 2 * Math.PI); g.fill(); }
+  c.title = 'loss by step: ' + pts[0][1].toFixed(3) + ' → ' + pts[pts.length - 1][1].toFixed(3);
 }
 
 const LABELS = {
@@ -633,44 +724,82 @@ function renderFigures(d) {
   dl.hidden = false;
 }
 
-// ---------- asking ----------
+// ---------- the conversation ----------
+
+function setMode(m) {
+  state.mode = m;
+  renderModes();
+}
+
+// The mode buttons: one pressed, or (comparing) none, with the help line saying what is asked.
+function renderModes() {
+  const compare = $('compare').checked;
+  for (const b of document.querySelectorAll('.modes .mode')) {
+    const on = !compare && b.dataset.mode === state.mode;
+    b.setAttribute('aria-pressed', String(on));
+    b.classList.toggle('dim', compare);
+  }
+  $('mode-help').textContent = compare
+    ? 'Each question is answered four ways, side by side: ' + MODES.map((m) => MODE_NAME[m]).join(', ') + '.'
+    : MODE_HELP[state.mode];
+}
 
 function renderAskState() {
   const d = state.view;
-  const ready = !!d && d.status === 'ready';
   $('ask-button').disabled = !d || state.asking;
-  $('chat-doc').textContent = d ? (d.title || d.id) : '';
+  $('question').disabled = !d;
   $('ask-hint').textContent = !d ? 'Select a document to ask about it.'
-    : ready ? 'Greedy decoding (temperature 0). Ctrl+Enter asks.'
-    : 'The document is ' + d.status + ': answers read its passages (with the latest adapter snapshot once training has one) until the adapter is ready.';
+    : d.status === 'ready' ? 'Enter sends, Shift+Enter starts a new line. Answers are greedy (temperature 0).'
+    : 'Ask now: until the adapter is ready, answers read the passages (or a snapshot of the adapter once training has one).';
+}
+
+// Which adapter answered: 'none', 'snapshot' (part-way through training) or 'final'. A run that
+// stopped early (until learned) saves fewer steps than planned: the document's status tells.
+function adapterKind(v, docId) {
+  const a = v.adapter;
+  if (!a) return 'none';
+  const d = state.docs.find((x) => x.id === docId);
+  return a.step >= a.planned_steps || (d && d.status === 'ready') ? 'final' : 'snapshot';
+}
+
+// Who answered, in words: the response's `mode` and `adapter` (`askedMode`: what was asked; a
+// `lift` question answered as `rag` had no adapter to use yet).
+function answeredBy(v, kind, askedMode) {
+  const a = v.adapter;
+  const adapter = kind === 'snapshot' ? 'adapter snapshot, step ' + a.step + ' of ' + a.planned_steps
+    : kind === 'final' ? 'absorbed adapter (' + a.step + ' steps)'
+    : askedMode === 'lift' ? 'no adapter yet' : 'base model, no adapter';
+  return MODE_NAME[v.mode] + ' · ' + adapter;
 }
 
 function newTurn(question, modes) {
   // Only the newest turn carries the stable ids the tests use.
-  for (const old of document.querySelectorAll('#turns [id]')) old.removeAttribute('id');
+  for (const old of document.querySelectorAll('#thread .turn [id]')) old.removeAttribute('id');
   const turn = el('article', 'turn');
   turn.dataset.testid = 'turn';
-  turn.append(el('p', 'q', question));
-  const cols = el('div', 'cols cols-' + modes.length);
+  const q = el('div', 'msg user', question);
+  q.dataset.testid = 'question';
+  turn.append(q);
+  const cols = el('div', 'answers cols-' + modes.length);
   const out = {};
   for (const m of modes) {
-    const col = el('div', 'col-answer');
+    const col = el('div', 'msg bot');
     col.id = 'answer-' + m;
     col.dataset.mode = m;
     col.dataset.state = 'waiting';
-    const head = el('div', 'ahead');
-    head.append(el('span', 'mode-tag ' + m, m), el('span', 'muted small', MODE_INFO[m]));
-    const text = el('div', 'atext', '');
+    col.dataset.testid = 'answer';
+    if (modes.length > 1) col.append(el('div', 'who', MODE_NAME[m]));
+    const text = el('div', 'atext pending', '');
     text.id = 'answer-' + m + '-text';
-    text.classList.add('pending');
     const meta = el('div', 'ameta muted small', 'waiting…');
-    meta.dataset.testid = 'answer-' + m + '-meta';
-    col.append(head, text, meta);
+    col.append(text, meta);
     cols.append(col);
-    out[m] = { col, text, meta, compare: modes.length > 1 };
+    out[m] = { col, text, meta };
   }
   turn.append(cols);
-  $('turns').prepend(turn);
+  $('thread').append(turn);
+  $('thread-empty').hidden = true;
+  turn.scrollIntoView({ block: 'end' });
   return out;
 }
 
@@ -696,8 +825,9 @@ async function askOne(docId, question, mode, maxTokens, ui) {
         got = true;
         ui.text.classList.remove('pending');
         ui.text.textContent = v.answer;
-        renderAnswerMeta(ui, v, performance.now() - t0);
+        renderAnswerMeta(ui, v, { docId, question, mode, wallMs: performance.now() - t0 });
         ui.col.dataset.state = 'done';
+        ui.col.scrollIntoView({ block: 'nearest' });
       } else if (name === 'error') {
         got = true;
         throw new ApiError(500, v);
@@ -705,63 +835,82 @@ async function askOne(docId, question, mode, maxTokens, ui) {
     });
     if (!got) throw new Error('the answer stream ended early');
   } catch (e) {
-    ui.col.dataset.state = 'error';
     ui.text.classList.remove('pending');
-    const msg = e instanceof ApiError ? e.message + ' [' + e.code + ']' : 'network error — ' + e.message;
-    ui.meta.textContent = '';
-    ui.meta.append(el('span', 'err', msg));
-    showError(e, 'Ask (' + mode + ')');
+    ui.meta.replaceChildren();
+    // Before the first adapter snapshot, "Absorbed only" has nothing to answer with: not an error.
+    if (e instanceof ApiError && e.code === 'document_not_ready') {
+      ui.col.dataset.state = 'unavailable';
+      ui.text.textContent = 'Not yet: nothing is absorbed so far. Ask again once training has a snapshot.';
+      return;
+    }
+    ui.col.dataset.state = 'error';
+    ui.meta.append(el('span', 'err', e instanceof ApiError ? e.message + ' [' + e.code + ']' : 'network error — ' + e.message));
+    showError(e, 'Ask (' + MODE_NAME[mode] + ')');
   }
 }
 
-function renderAnswerMeta(ui, v, wallMs) {
+function renderAnswerMeta(ui, v, asked) {
   ui.meta.replaceChildren();
-  const u = v.usage || {}, t = v.timings || {};
-  const gen = t.generate_ms ? (1000 * (u.completion_tokens || 0) / t.generate_ms) : null;
-  const parts = [
-    [u.prompt_tokens, 'prompt tok'], [u.completion_tokens, 'answer tok'],
-    [t.queue_ms, 'ms queued'], [t.prompt_ms, 'ms prompt'], [t.generate_ms, 'ms generating'],
-  ];
-  for (const [n, label] of parts) {
-    if (n === undefined || n === null) continue;
-    const s = el('span', 'chip');
-    s.append(el('b', null, fmtNum(Math.round(n))), ' ' + label);
-    ui.meta.append(s);
-  }
-  if (gen) { const s = el('span', 'chip'); s.append(el('b', null, fmtNum(gen)), ' tok/s'); ui.meta.append(s); }
-  if (v.finish_reason) ui.meta.append(el('span', 'chip', 'finish: ' + v.finish_reason));
-  if (v.mode && v.mode !== ui.col.dataset.mode) ui.meta.append(el('span', 'chip', 'answered as ' + v.mode));
-  const a = v.adapter;
-  const by = !a ? 'no adapter' : a.step < a.planned_steps ? 'adapter snapshot, step ' + a.step + ' of ' + a.planned_steps : 'absorbed adapter';
-  const chip = el('span', 'chip', by);
-  chip.dataset.testid = 'answered-by';
-  ui.meta.append(chip);
-  ui.meta.title = 'round trip ' + Math.round(wallMs) + ' ms';
-  const chunks = v.context && v.context.chunks;
-  if (chunks && chunks.length) ui.col.append(renderChunks(chunks, !ui.compare));
+  const kind = adapterKind(v, asked.docId);
+  const by = el('span', 'by', answeredBy(v, kind, asked.mode));
+  by.dataset.testid = 'answered-by';
+  by.dataset.mode = v.mode;
+  by.dataset.adapter = kind;
+  ui.meta.append(by);
+  const u = v.usage || {};
+  ui.meta.append(el('span', 'nums', (u.completion_tokens || 0) + ' tokens · ' + fmtSecs(asked.wallMs / 1000)));
+  ui.meta.title = 'prompt ' + (u.prompt_tokens || 0) + ' tokens · queued ' + Math.round((v.timings || {}).queue_ms || 0) + ' ms · finish: ' + v.finish_reason;
+  // The passages it read, fetched when opened (answers do not carry them unless asked).
+  if (v.mode !== 'memory') ui.col.append(passagesBox(asked));
 }
 
-// The context passages, highlighted by the FltLM relevance score (positive: relevant).
-function renderChunks(chunks, open) {
+function passagesBox(asked) {
   const det = el('details', 'chunks');
-  det.dataset.testid = 'chunks';
-  const rel = chunks.filter((c) => c.score > 0).length;
-  det.append(el('summary', null, 'Context: ' + chunks.length + ' passages, ' + rel + ' relevant'));
+  det.dataset.testid = 'passages';
+  const sum = el('summary', null, 'Passages read');
+  det.append(sum);
+  const box = el('div', 'passages muted small', 'loading…');
+  det.append(box);
+  det.addEventListener('toggle', async () => {
+    if (!det.open || det.dataset.loaded) return;
+    det.dataset.loaded = 'loading';
+    try {
+      const r = await api('POST', '/ask', { document_id: asked.docId, question: asked.question, mode: asked.mode,
+        max_tokens: 1, temperature: 0, include_context: true });
+      const chunks = (r.data.context && r.data.context.chunks) || [];
+      box.replaceChildren();
+      box.classList.remove('muted', 'small');
+      if (!chunks.length) box.append(el('span', 'muted small', 'This server reports no passages (it has no prepared base with a relevance filter).'));
+      else {
+        const rel = chunks.filter((c) => c.score > 0).length;
+        sum.textContent = 'Passages read: ' + chunks.length + ', ' + rel + ' marked relevant';
+        box.append(renderChunks(chunks));
+      }
+      det.dataset.loaded = 'done';
+    } catch (e) {
+      det.dataset.loaded = '';
+      box.textContent = 'could not load the passages';
+      showError(e, 'Passages');
+    }
+  });
+  return det;
+}
+
+// The passages, highlighted by the relevance filter's score (positive: relevant).
+function renderChunks(chunks) {
+  const box = el('div', 'chunklist');
   const max = Math.max(1e-6, ...chunks.map((c) => Math.abs(c.score)));
-  const box = el('div', 'passages');
   for (const c of chunks) {
     const s = el('span', 'chunk ' + (c.score > 0 ? 'rel' : 'irr'), c.text);
     s.dataset.testid = 'chunk';
     s.dataset.score = String(c.score);
     const a = c.score > 0 ? 0.12 + 0.6 * Math.min(1, c.score / max) : 0;
     s.style.setProperty('--a', a.toFixed(3));
-    s.title = 'score ' + c.score.toFixed(3) + ' · mask ' + (typeof c.mask === 'number' ? c.mask.toFixed(3) : c.mask) +
+    s.title = 'relevance ' + c.score.toFixed(3) + ' · mask ' + (typeof c.mask === 'number' ? c.mask.toFixed(3) : c.mask) +
       ' · tokens ' + c.start + '–' + c.end;
     box.append(s);
   }
-  det.append(box);
-  det.open = open;
-  return det;
+  return box;
 }
 
 async function ask(ev) {
@@ -770,28 +919,33 @@ async function ask(ev) {
   const question = $('question').value.trim();
   if (!d || state.asking) return;
   if (!question) { toast('Type a question first.', 'empty_question'); return; }
-  const compare = $('compare').checked;
-  const mode = document.querySelector('input[name=mode]:checked').value;
-  // Before the adapter exists `memory` has nothing to answer with.
-  const modes = compare ? MODES.filter((m) => d.status === 'ready' || m !== 'memory') : [mode];
+  const modes = $('compare').checked ? MODES : [state.mode];
   const maxTokens = Number($('max-tokens').value) || undefined;
+  $('question').value = '';
   const uis = newTurn(question, modes);
   state.asking = true;
   renderAskState();
   try {
-    // One after another: the server queues them anyway, and each column streams in turn.
+    // One after another: the server queues them anyway, and each answer streams in turn.
     for (const m of modes) await askOne(d.id, question, m, maxTokens, uis[m]);
   } finally {
     state.asking = false;
     renderAskState();
+    $('question').focus();
   }
 }
 
 function initAsk() {
   $('ask-form').addEventListener('submit', ask);
   $('question').addEventListener('keydown', (ev) => {
-    if (ev.key === 'Enter' && (ev.ctrlKey || ev.metaKey)) ask(ev);
+    if (ev.key === 'Enter' && !ev.shiftKey && !ev.isComposing) ask(ev);
   });
+  for (const b of document.querySelectorAll('.modes .mode')) {
+    b.title = MODE_HELP[b.dataset.mode];
+    b.addEventListener('click', () => { $('compare').checked = false; setMode(b.dataset.mode); });
+  }
+  $('compare').addEventListener('change', renderModes);
+  renderModes();
 }
 
 // ---------- start ----------
@@ -802,7 +956,7 @@ function init() {
   initAsk();
   $('refresh').addEventListener('click', loadList);
   window.addEventListener('resize', () => { if (state.view) renderDoc(); });
-  // A tick for the elapsed time while a selected document trains.
+  // A tick for the elapsed time and the estimate's countdown while a selected document trains.
   setInterval(() => { if (state.view && !TERMINAL.has(state.view.status)) renderDoc(); }, 1000);
   window.addEventListener('unhandledrejection', (ev) => showError(ev.reason));
   renderDoc();
