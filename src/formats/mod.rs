@@ -3,6 +3,13 @@
 //! /documents` (raw bodies and multipart uploads) and by `lift-serve absorb`; the [`Source`] it
 //! returns says how the text was made and is kept with the document.
 
+mod html;
+mod markdown;
+mod pdf;
+
+use html::{html_depth, html_to_text};
+use markdown::{markdown_depth, markdown_to_text};
+use pdf::pdf_to_text;
 use serde::{Deserialize, Serialize};
 
 /// A document format we read.
@@ -315,454 +322,27 @@ fn tidy(text: &str) -> String {
     out
 }
 
-// ---------- Markdown ----------
-
-/// Refuses Markdown nested deeper than `max` (`Err(depth reached)`), counted line by line before
-/// the parser sees it: the container marks a line opens with (`>`, `-`, `*`, `+`, `1.`, `1)`),
-/// plus one level per two columns of indentation (how nested list items are written).
-fn markdown_depth(md: &str, max: u64) -> Result<(), u64> {
-    for line in md.lines() {
-        let bytes = line.as_bytes();
-        let (mut i, mut depth, mut columns) = (0, 0u64, 0u64);
-        loop {
-            match bytes.get(i) {
-                Some(b' ') => columns += 1,
-                Some(b'\t') => columns += 4,
-                Some(b'>') => depth += 1,
-                Some(b'-' | b'*' | b'+') if matches!(bytes.get(i + 1), Some(b' ' | b'\t') | None) => depth += 1,
-                Some(b'0'..=b'9') => {
-                    let digits = bytes[i..].iter().take_while(|b| b.is_ascii_digit()).count();
-                    match (bytes.get(i + digits), bytes.get(i + digits + 1)) {
-                        (Some(b'.' | b')'), Some(b' ' | b'\t') | None) if digits <= 9 => {
-                            depth += 1;
-                            i += digits;
-                        }
-                        _ => break,
-                    }
-                }
-                _ => break,
-            }
-            i += 1;
-            if depth + columns / 2 > max {
-                return Err(depth + columns / 2);
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Markdown as a reader sees it: headings, paragraphs and list items on their own lines, code
-/// kept, link targets, emphasis marks and raw HTML dropped (the words of links and images kept).
-fn markdown_to_text(md: &str) -> String {
-    use pulldown_cmark::{Event, Options, Parser, Tag, TagEnd};
-    let mut out = String::with_capacity(md.len());
-    let mut lists: Vec<Option<u64>> = Vec::new();
-    let parser = Parser::new_ext(md, Options::ENABLE_TABLES | Options::ENABLE_STRIKETHROUGH);
-    for event in parser {
-        match event {
-            Event::Start(Tag::Heading { .. } | Tag::Paragraph | Tag::CodeBlock(_) | Tag::BlockQuote(_) | Tag::Table(_)) => {
-                block_break(&mut out)
-            }
-            Event::Start(Tag::List(start)) => {
-                lists.push(start);
-                line_break(&mut out);
-            }
-            Event::End(TagEnd::List(_)) => {
-                lists.pop();
-            }
-            Event::Start(Tag::Item) => {
-                line_break(&mut out);
-                out.push_str(&"  ".repeat(lists.len().saturating_sub(1)));
-                match lists.last_mut() {
-                    Some(Some(n)) => {
-                        out.push_str(&format!("{n}. "));
-                        *n += 1;
-                    }
-                    _ => out.push_str("- "),
-                }
-            }
-            Event::End(TagEnd::Heading(_) | TagEnd::Paragraph | TagEnd::CodeBlock | TagEnd::TableRow | TagEnd::TableHead) => {
-                line_break(&mut out)
-            }
-            Event::End(TagEnd::TableCell) => out.push_str(" | "),
-            Event::Text(t) | Event::Code(t) => out.push_str(&t),
-            Event::SoftBreak => out.push(' '),
-            Event::HardBreak | Event::Rule => line_break(&mut out),
-            _ => {}
-        }
-    }
-    out
-}
-
-fn line_break(out: &mut String) {
+pub(super) fn line_break(out: &mut String) {
     if !out.is_empty() && !out.ends_with('\n') {
         out.push('\n');
     }
 }
 
-fn block_break(out: &mut String) {
+pub(super) fn block_break(out: &mut String) {
     line_break(out);
     if !out.is_empty() && !out.ends_with("\n\n") {
         out.push('\n');
     }
 }
 
-// ---------- HTML ----------
-
-/// Elements that never hold content.
-const HTML_VOID: &[&str] = &[
-    "area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param", "source", "track", "wbr",
-    "keygen", "basefont", "bgsound", "frame",
-];
-/// Elements a parser closes by itself when a sibling starts (`<p>a<p>b`, `<li>`, table parts).
-const HTML_SELF_ENDING: &[&str] = &[
-    "p", "li", "td", "th", "tr", "dt", "dd", "option", "optgroup", "thead", "tbody", "tfoot", "colgroup", "rb", "rt",
-    "rp", "rtc", "html", "head", "body",
-];
-/// HTML elements that end the `<svg>` or `<math>` they appear in.
-const HTML_BREAKOUT: &[&str] = &[
-    "b", "big", "blockquote", "body", "br", "center", "code", "dd", "div", "dl", "dt", "em", "embed", "h1", "h2", "h3",
-    "h4", "h5", "h6", "head", "hr", "i", "img", "li", "listing", "menu", "meta", "nobr", "ol", "p", "pre", "ruby", "s",
-    "small", "span", "strong", "strike", "sub", "sup", "table", "tt", "u", "ul", "var",
-];
-/// Elements whose content is raw text up to their end tag.
-const HTML_RAW_TEXT: &[&str] = &["script", "style", "textarea", "title", "xmp", "iframe", "noembed", "noframes"];
-
-/// Refuses HTML nested deeper than `max` (`Err(depth reached)`), measured by a linear scan of
-/// the tags before the parser sees them (an HTML parser's work grows with the depth of the open
-/// elements at every tag). An end tag closes the innermost open element of its name and those
-/// inside it; an end tag of no open element is ignored, as a parser ignores it.
-fn html_depth(html: &[u8], max: u64) -> Result<(), u64> {
-    let find = |from: usize, needle: &[u8]| html[from.min(html.len())..].windows(needle.len()).position(|w| w.eq_ignore_ascii_case(needle)).map(|p| p + from);
-    let mut open: Vec<String> = Vec::new();
-    let mut foreign = 0usize; // inside <svg> or <math>: `<x/>` opens nothing there
-    let mut i = 0;
-    while let Some(lt) = html[i.min(html.len())..].iter().position(|&b| b == b'<').map(|p| p + i) {
-        i = lt + 1;
-        if html[i..].starts_with(b"!--") {
-            // From the first dash: `<!-->` and `<!--->` are whole (empty) comments to a parser.
-            i = find(i + 1, b"-->").map_or(html.len(), |p| p + 3);
-            continue;
-        }
-        let closing = html.get(i) == Some(&b'/');
-        let start = if closing { i + 1 } else { i };
-        let len = html[start..].iter().take_while(|b| b.is_ascii_alphanumeric() || **b == b'-' || **b == b':').count();
-        if len == 0 || !html[start].is_ascii_alphabetic() {
-            continue;
-        }
-        let name = String::from_utf8_lossy(&html[start..start + len]).to_ascii_lowercase();
-        let end = html[start + len..].iter().position(|&b| b == b'>').map_or(html.len(), |p| p + start + len);
-        let self_closing = end > 0 && html.get(end - 1) == Some(&b'/');
-        i = (end + 1).min(html.len());
-        if closing {
-            if let Some(pos) = open.iter().rposition(|n| *n == name) {
-                for n in open.drain(pos..) {
-                    if n == "svg" || n == "math" {
-                        foreign = foreign.saturating_sub(1);
-                    }
-                }
-            }
-            continue;
-        }
-        if HTML_RAW_TEXT.contains(&name.as_str()) && !self_closing {
-            let mut close = b"</".to_vec();
-            close.extend_from_slice(name.as_bytes());
-            i = find(i, &close).unwrap_or(html.len());
-            continue;
-        }
-        if foreign > 0 && HTML_BREAKOUT.contains(&name.as_str()) {
-            // An HTML element ends the `<svg>` / `<math>` it appears in: it and what follows are HTML.
-            while let Some(n) = open.pop() {
-                if n == "svg" || n == "math" {
-                    foreign -= 1;
-                    break;
-                }
-            }
-        }
-        if HTML_VOID.contains(&name.as_str()) || HTML_SELF_ENDING.contains(&name.as_str()) || (self_closing && foreign > 0) {
-            continue;
-        }
-        if name == "svg" || name == "math" {
-            foreign += 1;
-        }
-        open.push(name);
-        if open.len() as u64 > max {
-            return Err(open.len() as u64);
-        }
-    }
-    Ok(())
-}
-
-/// Elements whose content is never text for a reader.
-const HTML_SKIPPED: &[&str] =
-    &["script", "style", "noscript", "template", "head", "svg", "canvas", "iframe", "object", "select", "button"];
-/// Elements that start and end a block (their text goes on lines of its own).
-const HTML_BLOCKS: &[&str] = &[
-    "address", "article", "aside", "blockquote", "body", "dd", "details", "div", "dl", "dt", "fieldset", "figcaption",
-    "figure", "footer", "form", "h1", "h2", "h3", "h4", "h5", "h6", "header", "hr", "li", "main", "nav", "ol", "p",
-    "pre", "section", "summary", "table", "tr", "ul", "caption",
-];
-
-/// The text of an HTML page as a reader sees it, and its `<title>`: scripts, styles and other
-/// non-text elements dropped, blocks on lines of their own, list items marked, table cells
-/// separated, whitespace collapsed outside `<pre>`.
-fn html_to_text(html: &str) -> (String, Option<String>) {
-    let doc = scraper::Html::parse_document(html);
-    let title = scraper::Selector::parse("title")
-        .ok()
-        .and_then(|s| doc.select(&s).next().map(|t| collapse_spaces(&t.text().collect::<String>())));
-    let mut out = String::with_capacity(html.len() / 2);
-    walk_html(doc.tree.root(), &mut out, false);
-    (out, title)
-}
-
-/// The text under `root`, in document order. An explicit stack, not recursion: the depth is
-/// the document's (bounded by [`html_depth`] before parsing, but never trusted with the stack).
-fn walk_html(root: ego_tree::NodeRef<'_, scraper::Node>, out: &mut String, pre: bool) {
-    enum Step<'a> {
-        Node(ego_tree::NodeRef<'a, scraper::Node>, bool),
-        End(&'a str, bool),
-    }
-    let mut stack: Vec<Step<'_>> = root.children().rev().map(|c| Step::Node(c, pre)).collect();
-    while let Some(step) = stack.pop() {
-        let (child, pre) = match step {
-            Step::Node(child, pre) => (child, pre),
-            Step::End(name, block) => {
-                match name {
-                    "td" | "th" => out.push_str(" | "),
-                    _ if block => {
-                        trim_line_end(out);
-                        line_break(out);
-                    }
-                    _ => {}
-                }
-                continue;
-            }
-        };
-        match child.value() {
-            scraper::Node::Text(t) => {
-                if pre {
-                    out.push_str(t);
-                } else {
-                    let s = collapse_spaces(t);
-                    if !s.is_empty() {
-                        let starts_space = t.starts_with(char::is_whitespace);
-                        if starts_space && !out.is_empty() && !out.ends_with([' ', '\n']) {
-                            out.push(' ');
-                        }
-                        out.push_str(&s);
-                        if t.ends_with(char::is_whitespace) {
-                            out.push(' ');
-                        }
-                    }
-                }
-            }
-            scraper::Node::Element(e) => {
-                let name = e.name();
-                if HTML_SKIPPED.contains(&name) {
-                    continue;
-                }
-                let block = HTML_BLOCKS.contains(&name);
-                if block {
-                    trim_line_end(out);
-                    line_break(out);
-                    if matches!(name, "p" | "h1" | "h2" | "h3" | "h4" | "h5" | "h6" | "pre" | "blockquote" | "table") {
-                        block_break(out);
-                    }
-                }
-                match name {
-                    "br" => {
-                        trim_line_end(out);
-                        out.push('\n');
-                    }
-                    "li" => out.push_str("- "),
-                    "img" => {
-                        if let Some(alt) = e.attr("alt").map(collapse_spaces).filter(|a| !a.is_empty()) {
-                            out.push_str(&alt);
-                        }
-                    }
-                    _ => {}
-                }
-                stack.push(Step::End(name, block));
-                let inner = pre || name == "pre";
-                stack.extend(child.children().rev().map(|c| Step::Node(c, inner)));
-            }
-            _ => {}
-        }
-    }
-}
-
-fn trim_line_end(out: &mut String) {
+pub(super) fn trim_line_end(out: &mut String) {
     while out.ends_with(' ') || out.ends_with('\t') {
         out.pop();
     }
 }
 
-fn collapse_spaces(s: &str) -> String {
+pub(super) fn collapse_spaces(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
-}
-
-// ---------- PDF ----------
-
-struct PdfText {
-    text: String,
-    title: Option<String>,
-    pages: usize,
-}
-
-/// The PDF's text layer, page by page, under `limits`: its nesting depth is measured before it
-/// is parsed, its objects and pages counted, and every compressed stream the text extractor may
-/// read is first inflated through a bounded reader (so that the extractor's own unbounded
-/// inflating only ever meets streams known to fit). A PDF that opens only with a password is
-/// refused (one with an empty user password, "owner-locked", opens and is read). The extractor
-/// panics on some malformed files: a panic is that file's error, never the server's.
-fn pdf_to_text(bytes: &[u8], what: &str, limits: &Limits) -> Result<PdfText, ExtractError> {
-    let unreadable = |detail: String| ExtractError::UnreadablePdf { what: what.to_string(), detail };
-    let complex = |limit, value: u64, max: u64| ExtractError::TooComplex { what: what.to_string(), limit, value, max };
-    if !bytes.trim_ascii_start().starts_with(b"%PDF-") {
-        return Err(unreadable("it does not start with a PDF header".into()));
-    }
-    pdf_depth(bytes, limits.max_depth).map_err(|d| complex("nesting depth", d, limits.max_depth))?;
-    let caught = std::panic::catch_unwind(|| -> Result<PdfText, ExtractError> {
-        // Opening decrypts with the empty user password when that is the password.
-        let doc = lopdf::Document::load_mem(bytes).map_err(|e| unreadable(e.to_string()))?;
-        if doc.is_encrypted() && doc.authenticate_password("").is_err() {
-            return Err(ExtractError::EncryptedPdf { what: what.to_string() });
-        }
-        let objects = doc.objects.len() as u64;
-        if objects > limits.max_objects {
-            return Err(complex("object count", objects, limits.max_objects));
-        }
-        pdf_inflate_budget(&doc, what, limits)?;
-        let pages: Vec<u32> = doc.get_pages().keys().copied().collect();
-        if pages.len() as u64 > limits.max_pages {
-            return Err(complex("page count", pages.len() as u64, limits.max_pages));
-        }
-        let mut text = String::new();
-        for &n in &pages {
-            let mut page = String::new();
-            let mut output = pdf_extract::PlainTextOutput::new(&mut page);
-            pdf_extract::output_doc_page(&doc, &mut output, n)
-                .map_err(|e| unreadable(format!("page {n}: {e}")))?;
-            if !text.is_empty() {
-                text.push_str("\n\n");
-            }
-            text.push_str(&page);
-            // Bytes bound characters from above: cheap to check as the text grows.
-            if text.len() as u64 > limits.max_output_chars.saturating_mul(4) {
-                let value = text.chars().count() as u64;
-                return Err(ExtractError::TooLarge {
-                    what: what.to_string(),
-                    limit: "extracted text in characters",
-                    value,
-                    max: limits.max_output_chars,
-                });
-            }
-        }
-        Ok(PdfText { text, title: pdf_title(&doc), pages: pages.len() })
-    });
-    caught.unwrap_or_else(|_| Err(unreadable("its structure is malformed (the text extractor gave up)".into())))
-}
-
-/// Inflates every FlateDecode stream but images' (the text extractor never decodes those)
-/// through a reader that stops one byte past the budget: one stream past `max_stream_bytes`, or
-/// all of them past `max_inflated_bytes`, refuses the file. A stream that does not inflate is
-/// left to the extractor (which reads what it can).
-fn pdf_inflate_budget(doc: &lopdf::Document, what: &str, limits: &Limits) -> Result<(), ExtractError> {
-    use std::io::Read;
-    let mut total = 0u64;
-    let mut buf = Vec::new();
-    for object in doc.objects.values() {
-        let lopdf::Object::Stream(stream) = object else { continue };
-        let is_image = stream.dict.get(b"Subtype").and_then(|s| s.as_name()).is_ok_and(|n| n == b"Image");
-        let flate = stream.filters().is_ok_and(|f| f.iter().any(|f| *f == b"FlateDecode" || *f == b"Fl"));
-        if is_image || !flate {
-            continue;
-        }
-        buf.clear();
-        let budget = limits.max_stream_bytes.min(limits.max_inflated_bytes - total);
-        let mut reader = flate2::read::ZlibDecoder::new(stream.content.as_slice()).take(budget + 1);
-        // A corrupt stream still counts what it gave before the fault.
-        let _ = reader.read_to_end(&mut buf);
-        let n = buf.len() as u64;
-        if n > limits.max_stream_bytes {
-            let max = limits.max_stream_bytes;
-            return Err(ExtractError::Decompression { what: what.to_string(), limit: "one stream", value: n, max });
-        }
-        total += n;
-        if n > budget {
-            let max = limits.max_inflated_bytes;
-            return Err(ExtractError::Decompression { what: what.to_string(), limit: "all streams", value: total, max });
-        }
-    }
-    Ok(())
-}
-
-/// Refuses a PDF whose arrays and dictionaries nest deeper than `max` (`Err(depth reached)`), by
-/// a linear scan of its bytes: strings, comments and stream data are skipped.
-fn pdf_depth(pdf: &[u8], max: u64) -> Result<(), u64> {
-    let mut depth = 0u64;
-    let mut i = 0;
-    while i < pdf.len() {
-        match pdf[i] {
-            b'%' => {
-                while i < pdf.len() && pdf[i] != b'\n' && pdf[i] != b'\r' {
-                    i += 1;
-                }
-            }
-            b'(' => {
-                // A literal string: balanced parentheses, backslash escapes.
-                let mut level = 0usize;
-                while i < pdf.len() {
-                    match pdf[i] {
-                        b'\\' => i += 1,
-                        b'(' => level += 1,
-                        b')' => {
-                            level -= 1;
-                            if level == 0 {
-                                break;
-                            }
-                        }
-                        _ => {}
-                    }
-                    i += 1;
-                }
-            }
-            b'[' => depth += 1,
-            b'<' if pdf.get(i + 1) == Some(&b'<') => {
-                depth += 1;
-                i += 1;
-            }
-            b']' => depth = depth.saturating_sub(1),
-            b'>' if pdf.get(i + 1) == Some(&b'>') => {
-                depth = depth.saturating_sub(1);
-                i += 1;
-            }
-            b's' if pdf[i..].starts_with(b"stream") && (i == 0 || !pdf[i - 1].is_ascii_alphabetic()) => {
-                i = pdf[i..].windows(9).position(|w| w == b"endstream").map_or(pdf.len(), |p| i + p + 9);
-                continue;
-            }
-            _ => {}
-        }
-        if depth > max {
-            return Err(depth);
-        }
-        i += 1;
-    }
-    Ok(())
-}
-
-/// The document information dictionary's `Title`, when it is a readable string.
-fn pdf_title(doc: &lopdf::Document) -> Option<String> {
-    let info = doc.trailer.get(b"Info").ok()?;
-    let info = match info {
-        lopdf::Object::Reference(id) => doc.get_dictionary(*id).ok()?,
-        lopdf::Object::Dictionary(d) => d,
-        _ => return None,
-    };
-    let title = info.get(b"Title").ok()?;
-    let s = lopdf::decode_text_string(title).ok()?;
-    Some(collapse_spaces(&s))
 }
 
 #[cfg(test)]
@@ -930,11 +510,11 @@ mod budget_tests {
     /// file's `unreadable_pdf`.
     #[test]
     fn fuzz_crashes_stay_the_files_errors() {
-        let crash = include_bytes!("../fuzz/regressions/extract_pdf/crash-944709c2dd82d9f0a3a0e37c1896568cae2447f3");
+        let crash = include_bytes!("../../fuzz/regressions/extract_pdf/crash-944709c2dd82d9f0a3a0e37c1896568cae2447f3");
         let e = extract(crash, Some("crash.pdf"), None).unwrap_err();
         assert_eq!(e.code(), "unreadable_pdf", "{e}");
         // A slow unit (15 s under the fuzzer's sanitizers): a page nested 15,000 deep behind `<!-->`.
-        let slow = include_bytes!("../fuzz/regressions/extract_html/slow-unit-b4b2d85f7e602bd23bc0b42129cf1b3b23d44e03");
+        let slow = include_bytes!("../../fuzz/regressions/extract_html/slow-unit-b4b2d85f7e602bd23bc0b42129cf1b3b23d44e03");
         assert_eq!(refused(slow, "slow.html").code(), "document_too_complex");
     }
 
