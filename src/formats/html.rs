@@ -96,14 +96,18 @@ const HTML_BLOCKS: &[&str] = &[
     "pre", "section", "summary", "table", "tr", "ul", "caption",
 ];
 
-/// The text of an HTML page as a reader sees it, and its `<title>`: scripts, styles and other
-/// non-text elements dropped, blocks on lines of their own, list items marked, table cells
-/// separated, whitespace collapsed outside `<pre>`.
+/// The text of an HTML page as a reader sees it, and its title (`<title>`, else the first
+/// heading): scripts, styles and other non-text elements dropped, blocks on lines of their own,
+/// list items marked, table cells separated, whitespace collapsed outside `<pre>`.
 pub(super) fn html_to_text(html: &str) -> (String, Option<String>) {
     let doc = scraper::Html::parse_document(html);
-    let title = scraper::Selector::parse("title")
-        .ok()
-        .and_then(|s| doc.select(&s).next().map(|t| collapse_spaces(&t.text().collect::<String>())));
+    // The page's <title>, else its first heading.
+    let first = |selector: &str| {
+        scraper::Selector::parse(selector)
+            .ok()
+            .and_then(|s| doc.select(&s).map(|t| collapse_spaces(&t.text().collect::<String>())).find(|t| !t.is_empty()))
+    };
+    let title = first("title").or_else(|| first("h1, h2, h3, h4, h5, h6"));
     let mut out = String::with_capacity(html.len() / 2);
     walk_html(doc.tree.root(), &mut out, false);
     (out, title)

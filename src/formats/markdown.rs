@@ -37,17 +37,31 @@ pub(super) fn markdown_depth(md: &str, max: u64) -> Result<(), u64> {
 }
 
 /// Markdown as a reader sees it: headings, paragraphs and list items on their own lines, code
-/// kept, link targets, emphasis marks and raw HTML dropped (the words of links and images kept).
-pub(super) fn markdown_to_text(md: &str) -> String {
+/// kept, link targets, emphasis marks and raw HTML dropped (the words of links and images kept);
+/// and its title, the text of its first heading.
+pub(super) fn markdown_to_text(md: &str) -> (String, Option<String>) {
     use pulldown_cmark::{Event, Options, Parser, Tag, TagEnd};
     let mut out = String::with_capacity(md.len());
     let mut lists: Vec<Option<u64>> = Vec::new();
+    // The first heading's text, while it is read (Some) and once it is (done).
+    let (mut title, mut heading_from, mut done) = (None::<String>, None::<usize>, false);
     let parser = Parser::new_ext(md, Options::ENABLE_TABLES | Options::ENABLE_STRIKETHROUGH);
     for event in parser {
         match event {
-            Event::Start(Tag::Heading { .. } | Tag::Paragraph | Tag::CodeBlock(_) | Tag::BlockQuote(_) | Tag::Table(_)) => {
-                block_break(&mut out)
+            Event::Start(Tag::Heading { .. }) => {
+                block_break(&mut out);
+                if !done {
+                    heading_from = Some(out.len());
+                }
             }
+            Event::End(TagEnd::Heading(_)) => {
+                if let Some(from) = heading_from.take() {
+                    title = Some(super::collapse_spaces(&out[from..])).filter(|t| !t.is_empty());
+                    done = title.is_some();
+                }
+                line_break(&mut out)
+            }
+            Event::Start(Tag::Paragraph | Tag::CodeBlock(_) | Tag::BlockQuote(_) | Tag::Table(_)) => block_break(&mut out),
             Event::Start(Tag::List(start)) => {
                 lists.push(start);
                 line_break(&mut out);
@@ -66,7 +80,7 @@ pub(super) fn markdown_to_text(md: &str) -> String {
                     _ => out.push_str("- "),
                 }
             }
-            Event::End(TagEnd::Heading(_) | TagEnd::Paragraph | TagEnd::CodeBlock | TagEnd::TableRow | TagEnd::TableHead) => {
+            Event::End(TagEnd::Paragraph | TagEnd::CodeBlock | TagEnd::TableRow | TagEnd::TableHead) => {
                 line_break(&mut out)
             }
             Event::End(TagEnd::TableCell) => out.push_str(" | "),
@@ -76,5 +90,5 @@ pub(super) fn markdown_to_text(md: &str) -> String {
             _ => {}
         }
     }
-    out
+    (out, title)
 }

@@ -1,4 +1,5 @@
-//! Documents in the formats people have: plain text, Markdown, HTML and PDF, turned into the
+//! Documents in the formats people have: plain text, Markdown, HTML, PDF, Word (`.docx`),
+//! OpenDocument text (`.odt`) and EPUB, turned into the
 //! plain text that is absorbed and stored. One entry point, [`extract`], used by `POST
 //! /documents` (raw bodies and multipart uploads) and by `lift-serve absorb`; the [`Source`] it
 //! returns says how the text was made and is kept with the document.
@@ -6,10 +7,12 @@
 mod html;
 mod markdown;
 mod pdf;
+mod zipped;
 
 use html::{html_depth, html_to_text};
 use markdown::{markdown_depth, markdown_to_text};
 use pdf::pdf_to_text;
+use zipped::{docx_to_text, epub_to_text, odt_to_text};
 use serde::{Deserialize, Serialize};
 
 /// A document format we read.
@@ -20,6 +23,9 @@ pub enum Format {
     Markdown,
     Html,
     Pdf,
+    Docx,
+    Odt,
+    Epub,
 }
 
 impl Format {
@@ -31,6 +37,9 @@ impl Format {
             "md" | "markdown" | "mdown" | "mkd" => Format::Markdown,
             "html" | "htm" | "xhtml" => Format::Html,
             "pdf" => Format::Pdf,
+            "docx" => Format::Docx,
+            "odt" => Format::Odt,
+            "epub" => Format::Epub,
             _ => return None,
         })
     }
@@ -43,13 +52,32 @@ impl Format {
             "text/markdown" | "text/x-markdown" => Format::Markdown,
             "text/html" | "application/xhtml+xml" => Format::Html,
             "application/pdf" | "application/x-pdf" => Format::Pdf,
-            "application/octet-stream" | "binary/octet-stream" => return Some(None),
+            "application/vnd.openxmlformats-officedocument.wordprocessingml.document" => Format::Docx,
+            "application/vnd.oasis.opendocument.text" => Format::Odt,
+            "application/epub+zip" => Format::Epub,
+            "application/octet-stream" | "binary/octet-stream" | "application/zip" | "application/x-zip-compressed" => {
+                return Some(None)
+            }
             _ => return None,
         }))
     }
 
-    /// The format the bytes themselves show: a PDF header, an HTML start, or else UTF-8 text.
+    /// The format the bytes themselves show: a PDF header, a ZIP package of a format we read (its
+    /// `mimetype` member, or a Word body among its names), an HTML start, or else UTF-8 text.
     fn sniff(bytes: &[u8]) -> Option<Self> {
+        if bytes.starts_with(b"PK\x03\x04") {
+            let head = &bytes[..bytes.len().min(256)];
+            let has = |s: &[u8], needle: &[u8]| s.windows(needle.len()).any(|w| w == needle);
+            return if head.get(30..38) == Some(b"mimetype") && has(head, b"application/epub+zip") {
+                Some(Format::Epub)
+            } else if head.get(30..38) == Some(b"mimetype") && has(head, b"application/vnd.oasis.opendocument.text") {
+                Some(Format::Odt)
+            } else if has(bytes, b"word/document.xml") {
+                Some(Format::Docx)
+            } else {
+                None
+            };
+        }
         let head = &bytes[..bytes.len().min(1024)];
         let start = head.iter().position(|b| !b.is_ascii_whitespace()).map_or(&head[..0], |i| &head[i..]);
         if start.starts_with(b"%PDF-") {
@@ -118,7 +146,7 @@ pub struct Extracted {
 /// Why a file gives no document. Each is the client's fault (4xx); the message says what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum ExtractError {
-    #[error("{what} is not a format lift-serve reads; send plain text, Markdown, HTML or PDF")]
+    #[error("{what} is not a format lift-serve reads; send plain text, Markdown, HTML, PDF, Word (.docx), OpenDocument text (.odt) or EPUB")]
     Unsupported { what: String },
     #[error("{what} is not valid UTF-8 text ({detail}); save it as UTF-8 and upload it again")]
     NotUtf8 { what: String, detail: String },
@@ -126,6 +154,10 @@ pub enum ExtractError {
     EncryptedPdf { what: String },
     #[error("{what} could not be read as a PDF: {detail}")]
     UnreadablePdf { what: String, detail: String },
+    #[error("{what} is encrypted or protected; remove the protection and upload it again")]
+    EncryptedDocument { what: String },
+    #[error("{what} could not be read as {kind}: {detail}")]
+    UnreadableDocument { what: String, kind: &'static str, detail: String },
     #[error("no text could be extracted from {what}{pages}: {hint}")]
     NoText { what: String, pages: String, hint: &'static str },
     /// A size budget: the upload's bytes or the extracted text's characters.
@@ -147,6 +179,8 @@ impl ExtractError {
             ExtractError::NotUtf8 { .. } => "invalid_utf8",
             ExtractError::EncryptedPdf { .. } => "encrypted_pdf",
             ExtractError::UnreadablePdf { .. } => "unreadable_pdf",
+            ExtractError::EncryptedDocument { .. } => "encrypted_document",
+            ExtractError::UnreadableDocument { .. } => "unreadable_document",
             ExtractError::NoText { .. } => "no_text",
             ExtractError::TooLarge { .. } => "document_too_large",
             ExtractError::TooComplex { .. } => "document_too_complex",
@@ -188,6 +222,10 @@ pub struct Limits {
     pub max_pages: u64,
     /// Characters of extracted text.
     pub max_output_chars: u64,
+    /// Entries of a ZIP package (`.docx`, `.odt`, `.epub`), read from its end record before the
+    /// archive is opened. Its members inflate under `max_stream_bytes` each and
+    /// `max_inflated_bytes` in all.
+    pub max_archive_entries: u64,
 }
 
 impl Default for Limits {
@@ -200,6 +238,7 @@ impl Default for Limits {
             max_objects: 200_000,
             max_pages: 5_000,
             max_output_chars: 8_000_000,
+            max_archive_entries: 10_000,
         }
     }
 }
@@ -251,7 +290,8 @@ pub fn extract_with(
         Format::Markdown => {
             let md = utf8(bytes, &what)?;
             markdown_depth(md, limits.max_depth).map_err(too_deep)?;
-            (markdown_to_text(md), None, None, "Markdown rendered to plain text (pulldown-cmark)".into())
+            let (text, title) = markdown_to_text(md);
+            (text, title, None, "Markdown rendered to plain text (pulldown-cmark)".into())
         }
         Format::Html => {
             html_depth(bytes, limits.max_depth).map_err(too_deep)?;
@@ -262,6 +302,18 @@ pub fn extract_with(
             let pdf = pdf_to_text(bytes, &what, limits)?;
             (pdf.text, pdf.title, Some(pdf.pages), "PDF text layer (pdf-extract)".into())
         }
+        Format::Docx => {
+            let doc = docx_to_text(bytes, &what, limits)?;
+            (doc.text, doc.title, None, "Word body text, paragraph by paragraph (zip, quick-xml)".into())
+        }
+        Format::Odt => {
+            let doc = odt_to_text(bytes, &what, limits)?;
+            (doc.text, doc.title, None, "OpenDocument body text, paragraph by paragraph (zip, quick-xml)".into())
+        }
+        Format::Epub => {
+            let doc = epub_to_text(bytes, &what, limits)?;
+            (doc.text, doc.title, None, "EPUB chapters in reading order, read as HTML (zip, quick-xml, scraper)".into())
+        }
     };
     let text = tidy(&text);
     if let Some(e) = over("extracted text in characters", text.chars().count() as u64, limits.max_output_chars) {
@@ -270,6 +322,7 @@ pub fn extract_with(
     if text.is_empty() && format != Format::Text {
         let hint = match format {
             Format::Pdf => "it has no text layer (a scanned or image-only PDF needs OCR first)",
+            Format::Docx | Format::Odt | Format::Epub => "it holds no text, only markup, pictures or empty paragraphs",
             _ => "it holds no text outside markup, scripts and styles",
         };
         let pages = pages.map_or(String::new(), |p| format!(" ({p} page{})", if p == 1 { "" } else { "s" }));
@@ -359,7 +412,9 @@ mod tests {
         assert_eq!(e.code(), "unsupported_format", "{e}");
         let e = extract(b"words", Some("a.docx"), Some("application/vnd.openxmlformats-officedocument.wordprocessingml.document"))
             .unwrap_err();
-        assert_eq!(e.code(), "unsupported_format");
+        assert_eq!(e.code(), "unreadable_document", "{e}");
+        let e = extract(b"words", Some("a.xlsx"), Some("application/vnd.ms-excel")).unwrap_err();
+        assert_eq!(e.code(), "unsupported_format", "{e}");
         let e = extract(b"not a pdf", Some("a.pdf"), None).unwrap_err();
         assert_eq!(e.code(), "unreadable_pdf");
         let e = extract(b"caf\xe9", Some("a.txt"), None).unwrap_err();
@@ -389,6 +444,18 @@ mod tests {
     }
 
     #[test]
+    fn markdown_and_html_titles_come_from_the_first_heading() {
+        let title = |bytes: &[u8], name| extract(bytes, Some(name), None).unwrap().title;
+        assert_eq!(title(b"# The *Harbor* of Velmora\n\ntext\n\n# Later\n", "a.md").as_deref(), Some("The Harbor of Velmora"));
+        assert_eq!(title(b"Opening words.\n\nSetext heading\n---\n\n# Later\n", "b.md").as_deref(), Some("Setext heading"));
+        assert_eq!(title(b"no heading at all\n", "c.md"), None);
+        assert_eq!(title(b"#\n\n## Second\n", "d.md").as_deref(), Some("Second"), "an empty heading is no title");
+        assert_eq!(title(b"<p>intro</p><h2>Chapter <b>One</b></h2><h1>Later</h1>", "e.html").as_deref(), Some("Chapter One"));
+        assert_eq!(title(b"<title>Page</title><h1>Heading</h1>", "f.html").as_deref(), Some("Page"));
+        assert_eq!(title(b"<title> </title><h1>Heading</h1>", "g.html").as_deref(), Some("Heading"));
+    }
+
+    #[test]
     fn text_is_tidied_but_kept() {
         let e = extract("\u{feff}\n\nline one   \n\n\n\nline two\n".as_bytes(), Some("t.txt"), None).unwrap();
         assert_eq!(e.text, "line one\n\nline two");
@@ -414,6 +481,24 @@ mod pdf_tests {
     }
 
     #[test]
+    fn every_text_showing_operator_is_read() {
+        // Standard Helvetica, an uncompressed content stream: `'` moves to the next line and shows
+        // a string, `"` sets word and character spacing first; `\256` is the fi ligature.
+        let content = "BT /F1 12 Tf 14 TL 72 720 Td (First line by Tj.) Tj (Second line by quote.) ' \
+            1 0 (Third line by double quote.) \" T* [(Fourth) -300 (line by TJ, \\256ve.)] TJ T* (Last.) Tj ET";
+        let pdf = write_pdf(PdfPages::Content(&[content]), "Quotes", None).unwrap();
+        assert!(!pdf.windows(11).any(|w| w == b"FlateDecode"), "the stream is uncompressed");
+        let e = extract(&pdf, Some("quotes.pdf"), None).unwrap();
+        let lines: Vec<String> = e.text.lines().map(|l| l.split_whitespace().collect::<Vec<_>>().join(" ")).collect();
+        assert_eq!(
+            lines,
+            ["First line by Tj.", "Second line by quote.", "Third line by double quote.", "Fourth line by TJ, five.", "Last."],
+            "{:?}",
+            e.text
+        );
+    }
+
+    #[test]
     fn locked_scanned_and_broken_pdfs_are_refused_with_their_reason() {
         let locked = write_pdf(PdfPages::Text(&["secret plans"]), "Locked", Some("user-secret")).unwrap();
         assert_eq!(extract(&locked, Some("locked.pdf"), None).unwrap_err().code(), "encrypted_pdf");
@@ -428,6 +513,90 @@ mod pdf_tests {
         let mut cut = write_pdf(PdfPages::Text(&["some text"]), "Cut", None).unwrap();
         cut.truncate(cut.len() / 3);
         assert_eq!(extract(&cut, Some("cut.pdf"), None).unwrap_err().code(), "unreadable_pdf");
+    }
+}
+
+#[cfg(test)]
+mod zipped_tests {
+    use super::*;
+    use crate::testing::packages::{docx, docx_paragraph, epub, odt, zip};
+
+    #[test]
+    fn a_docx_gives_its_paragraphs_in_order_and_headings_as_lines() {
+        let body = [
+            docx_paragraph("The Harbor of Velmora", Some("Title")),
+            docx_paragraph("History", Some("Heading1")),
+            r#"<w:p><w:pPr><w:tabs><w:tab w:val="left" w:pos="720"/></w:tabs></w:pPr><w:r><w:t xml:space="preserve">Built in 1843 </w:t></w:r><w:r><w:rPr><w:b/></w:rPr><w:t>by Ada</w:t></w:r><w:r><w:tab/><w:t>&amp; friends&#8230;</w:t></w:r></w:p>"#.into(),
+            r#"<w:p><w:r><w:delText>deleted words</w:delText><w:instrText>PAGEREF x</w:instrText><w:t>Kept.</w:t><w:br/><w:t>Next line.</w:t></w:r></w:p>"#.into(),
+            r#"<w:p><w:pPr><w:numPr><w:ilvl w:val="0"/></w:numPr></w:pPr><w:r><w:t>north pier</w:t></w:r></w:p>"#.into(),
+            r#"<w:p><w:pPr><w:numPr/></w:pPr><w:r><w:t>east pier</w:t></w:r></w:p><w:p/>"#.into(),
+            r#"<w:tbl><w:tr><w:tc><w:p><w:r><w:t>cell a</w:t></w:r></w:p></w:tc><w:tc><w:p><w:r><w:t>cell b</w:t></w:r></w:p></w:tc></w:tr></w:tbl>"#.into(),
+        ]
+        .concat();
+        let file = docx(&body, None);
+        let e = extract(&file, Some("harbor.docx"), None).unwrap();
+        assert_eq!(e.source.format, Format::Docx);
+        assert_eq!(e.title.as_deref(), Some("The Harbor of Velmora"), "the first heading, when the file has no title");
+        assert_eq!(
+            e.text,
+            "The Harbor of Velmora\n\nHistory\n\nBuilt in 1843 by Ada\t& friends\u{2026}\n\nKept.\nNext line.\nnorth pier\neast pier\ncell a\ncell b"
+        );
+        // Told by its bytes too; the package's own title comes first.
+        let e = extract(&docx(&body, Some("Velmora &amp; Co")), None, Some("application/octet-stream")).unwrap();
+        assert_eq!((e.source.format, e.title.as_deref()), (Format::Docx, Some("Velmora & Co")));
+        let e = extract(&docx("<w:p/><w:p><w:r><w:t> </w:t></w:r></w:p>", None), Some("empty.docx"), None).unwrap_err();
+        assert_eq!(e.code(), "no_text", "{e}");
+    }
+
+    #[test]
+    fn an_odt_gives_its_headings_and_paragraphs_with_odf_spacing() {
+        let body = r#"<text:sequence-decls><text:sequence-decl text:name="Figure"/></text:sequence-decls><text:h text:outline-level="1">Kestrel Observatory</text:h><text:p>Founded   in <text:span>1902</text:span>,<text:s text:c="2"/>on the ridge.<text:note><text:note-citation>1</text:note-citation><text:note-body><text:p>A footnote.</text:p></text:note-body></text:note></text:p><text:list><text:list-item><text:p>dome</text:p></text:list-item><text:list-item><text:p>telescope</text:p></text:list-item></text:list><text:p>Line one<text:line-break/>line two<text:tab/>tabbed &amp; done.</text:p><text:h text:outline-level="2">Instruments</text:h>"#;
+        let e = extract(&odt(body, None), Some("kestrel.odt"), None).unwrap();
+        assert_eq!(e.source.format, Format::Odt);
+        assert_eq!(e.title.as_deref(), Some("Kestrel Observatory"));
+        assert_eq!(
+            e.text,
+            "Kestrel Observatory\n\nFounded in 1902,  on the ridge.\ndome\ntelescope\n\nLine one\nline two\ttabbed & done.\n\nInstruments"
+        );
+        let e = extract(&odt(body, Some("The Observatory")), None, None).unwrap();
+        assert_eq!((e.source.format, e.title.as_deref()), (Format::Odt, Some("The Observatory")));
+    }
+
+    #[test]
+    fn an_epub_gives_its_chapters_in_spine_order() {
+        let file = epub(
+            "The Voyage",
+            &[("chapter 1.xhtml", "<h1>Arrival</h1><p>The ship came in.</p>"), ("ch2.xhtml", "<h2>Departure</h2><p>It left &amp; sailed.</p>")],
+        );
+        let e = extract(&file, Some("voyage.epub"), None).unwrap();
+        assert_eq!(e.source.format, Format::Epub);
+        assert_eq!(e.title.as_deref(), Some("The Voyage"));
+        assert_eq!(e.text, "Arrival\n\nThe ship came in.\n\nDeparture\n\nIt left & sailed.");
+        assert_eq!(extract(&file, None, None).unwrap().source.format, Format::Epub);
+    }
+
+    #[test]
+    fn broken_and_protected_packages_are_refused_with_their_reason() {
+        let e = extract(b"PK\x03\x04 not really a zip", Some("x.docx"), None).unwrap_err();
+        assert_eq!((e.code(), e.status()), ("unreadable_document", 422), "{e}");
+        assert!(e.to_string().contains("Word (.docx)"), "{e}");
+        let e = extract(&zip(&[("mimetype", b"application/vnd.oasis.opendocument.text")]), Some("x.odt"), None).unwrap_err();
+        assert!(e.code() == "unreadable_document" && e.to_string().contains("content.xml"), "{e}");
+        let e = extract(&odt("<text:p>unclosed", None), Some("x.odt"), None).unwrap_err();
+        assert_eq!(e.code(), "unreadable_document", "{e}");
+        let e = extract(&zip(&[("mimetype", b"application/epub+zip")]), Some("x.epub"), None).unwrap_err();
+        assert_eq!(e.code(), "unreadable_document", "{e}");
+        // An encrypted Word file is an OLE compound file with an EncryptionInfo stream.
+        let mut ole = b"\xD0\xCF\x11\xE0\xA1\xB1\x1A\xE1".to_vec();
+        ole.extend_from_slice(&[0; 512]);
+        ole.extend("EncryptionInfo".encode_utf16().flat_map(u16::to_le_bytes));
+        let e = extract(&ole, Some("locked.docx"), None).unwrap_err();
+        assert_eq!((e.code(), e.status()), ("encrypted_document", 422), "{e}");
+        let e = extract(&ole[..520], Some("old.docx"), None).unwrap_err();
+        assert!(e.code() == "unreadable_document" && e.to_string().contains(".doc)"), "{e}");
+        let manifest = br#"<manifest:manifest><manifest:file-entry manifest:full-path="content.xml"><manifest:encryption-data/></manifest:file-entry></manifest:manifest>"#;
+        let locked = zip(&[("mimetype", b"application/vnd.oasis.opendocument.text"), ("META-INF/manifest.xml", manifest), ("content.xml", b"\x01\x02")]);
+        assert_eq!(extract(&locked, Some("locked.odt"), None).unwrap_err().code(), "encrypted_document");
     }
 }
 
@@ -516,6 +685,43 @@ mod budget_tests {
         // A slow unit (15 s under the fuzzer's sanitizers): a page nested 15,000 deep behind `<!-->`.
         let slow = include_bytes!("../../fuzz/regressions/extract_html/slow-unit-b4b2d85f7e602bd23bc0b42129cf1b3b23d44e03");
         assert_eq!(refused(slow, "slow.html").code(), "document_too_complex");
+    }
+
+    #[test]
+    fn zip_bombs_and_deep_xml_are_refused_in_bounded_time() {
+        use crate::testing::packages::{docx, odt, zip};
+        // 64 MiB of one byte deflates to 64 KiB: the member stops inflating past 8 MiB.
+        let spaces = vec![b' '; 64 << 20];
+        let bomb = zip(&[("word/document.xml", &spaces)]);
+        assert!(bomb.len() < 1 << 20, "{}", bomb.len());
+        let e = refused(&bomb, "bomb.docx");
+        assert_eq!((e.code(), e.status()), ("decompression_limit", 413), "{e}");
+        assert!(e.to_string().contains("one archive member passed 8388608 bytes"), "{e}");
+        // Members under the per-member budget add up to the total one.
+        let limits = Limits { max_inflated_bytes: 1 << 10, ..Limits::default() };
+        let e = extract_with(&odt(&"<text:p>words words</text:p>".repeat(100), None), Some("a.odt"), None, &limits).unwrap_err();
+        assert!(e.code() == "decompression_limit" && e.to_string().contains("all archive members"), "{e}");
+        // Entries past the budget, counted before the archive is opened: a real one and a forged
+        // end record that declares 4 billion (ZIP64's count).
+        let names: Vec<String> = (0..10_001).map(|i| format!("m{i}")).collect();
+        let many = zip(&names.iter().map(|n| (n.as_str(), &b""[..])).collect::<Vec<_>>());
+        let e = refused(&many, "many.docx");
+        assert_eq!((e.code(), e.status()), ("document_too_complex", 422), "{e}");
+        assert!(e.to_string().contains("archive entries reached 10001; the limit is 10000"), "{e}");
+        let mut forged = b"PK\x03\x04".to_vec();
+        let zip64_at = forged.len() as u64;
+        forged.extend(b"PK\x06\x06".iter().chain(&[0u8; 28]).chain(&4_000_000_000u64.to_le_bytes()).chain(&[0u8; 16]));
+        forged.extend(b"PK\x06\x07".iter().chain(&[0u8; 4]).chain(&zip64_at.to_le_bytes()).chain(&[0u8; 4]));
+        forged.extend(b"PK\x05\x06".iter().chain(&[0u8; 6]).chain(&[0xFF, 0xFF]).chain(&[0u8; 10]));
+        let e = refused(&forged, "forged.epub");
+        assert!(e.to_string().contains("archive entries reached 4000000000"), "{e}");
+        // XML nested 100,000 deep is streamed, never recursed into, and refused at the depth budget.
+        let deep = docx(&format!("{}<w:t>x</w:t>", "<w:p>".repeat(100_000)), None);
+        let e = refused(&deep, "deep.docx");
+        assert_eq!(e.code(), "document_too_complex", "{e}");
+        assert!(e.to_string().contains("nesting depth reached 257"), "{e}");
+        let deep = crate::testing::packages::epub("Deep", &[("c.xhtml", &"<div>".repeat(100_000))]);
+        assert_eq!(refused(&deep, "deep.epub").code(), "document_too_complex");
     }
 
     #[test]

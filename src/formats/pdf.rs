@@ -23,7 +23,7 @@ pub(super) fn pdf_to_text(bytes: &[u8], what: &str, limits: &Limits) -> Result<P
     pdf_depth(bytes, limits.max_depth).map_err(|d| complex("nesting depth", d, limits.max_depth))?;
     let caught = std::panic::catch_unwind(|| -> Result<PdfText, ExtractError> {
         // Opening decrypts with the empty user password when that is the password.
-        let doc = lopdf::Document::load_mem(bytes).map_err(|e| unreadable(e.to_string()))?;
+        let mut doc = lopdf::Document::load_mem(bytes).map_err(|e| unreadable(e.to_string()))?;
         if doc.is_encrypted() && doc.authenticate_password("").is_err() {
             return Err(ExtractError::EncryptedPdf { what: what.to_string() });
         }
@@ -36,6 +36,7 @@ pub(super) fn pdf_to_text(bytes: &[u8], what: &str, limits: &Limits) -> Result<P
         if pages.len() as u64 > limits.max_pages {
             return Err(complex("page count", pages.len() as u64, limits.max_pages));
         }
+        spell_out_quote_operators(&mut doc);
         let mut text = String::new();
         for &n in &pages {
             let mut page = String::new();
@@ -45,7 +46,7 @@ pub(super) fn pdf_to_text(bytes: &[u8], what: &str, limits: &Limits) -> Result<P
             if !text.is_empty() {
                 text.push_str("\n\n");
             }
-            text.push_str(&page);
+            push_expanding_ligatures(&mut text, &page);
             // Bytes bound characters from above: cheap to check as the text grows.
             if text.len() as u64 > limits.max_output_chars.saturating_mul(4) {
                 let value = text.chars().count() as u64;
@@ -60,6 +61,69 @@ pub(super) fn pdf_to_text(bytes: &[u8], what: &str, limits: &Limits) -> Result<P
         Ok(PdfText { text, title: pdf_title(&doc), pages: pages.len() })
     });
     caught.unwrap_or_else(|_| Err(unreadable("its structure is malformed (the text extractor gave up)".into())))
+}
+
+/// Appends `page` with the Latin ligature characters fonts map glyphs such as "fi" to spelled out
+/// as their letters (they are one character to a tokenizer and to a search, not two).
+fn push_expanding_ligatures(text: &mut String, page: &str) {
+    for c in page.chars() {
+        match c {
+            '\u{fb00}' => text.push_str("ff"),
+            '\u{fb01}' => text.push_str("fi"),
+            '\u{fb02}' => text.push_str("fl"),
+            '\u{fb03}' => text.push_str("ffi"),
+            '\u{fb04}' => text.push_str("ffl"),
+            '\u{fb05}' | '\u{fb06}' => text.push_str("st"),
+            c => text.push(c),
+        }
+    }
+}
+
+/// Rewrites the text-showing operators `'` and `"` into the ones they stand for (PDF 32000-1,
+/// 9.4.3: `s '` is `T* s Tj`; `aw ac s "` is `aw Tw ac Tc s '`), in every page's content
+/// streams and every form XObject: the text extractor reads `Tj` and `TJ` only and drops the
+/// lines these show. A stream that does not decode is left as it is.
+fn spell_out_quote_operators(doc: &mut lopdf::Document) {
+    use lopdf::content::{Content, Operation};
+    let mut ids: Vec<lopdf::ObjectId> = doc.get_pages().values().flat_map(|&page| doc.get_page_contents(page)).collect();
+    ids.extend(doc.objects.iter().filter_map(|(id, object)| match object {
+        lopdf::Object::Stream(s) if s.dict.get(b"Subtype").and_then(|n| n.as_name()).is_ok_and(|n| n == b"Form") => Some(*id),
+        _ => None,
+    }));
+    ids.sort_unstable();
+    ids.dedup();
+    for id in ids {
+        let Some(lopdf::Object::Stream(stream)) = doc.objects.get_mut(&id) else { continue };
+        let Ok(plain) = stream.get_plain_content() else { continue };
+        if !plain.iter().any(|&b| b == b'\'' || b == b'"') {
+            continue;
+        }
+        let Ok(content) = Content::decode(&plain) else { continue };
+        if !content.operations.iter().any(|op| op.operator == "'" || op.operator == "\"") {
+            continue;
+        }
+        let mut operations = Vec::with_capacity(content.operations.len() + 8);
+        for mut op in content.operations {
+            match op.operator.as_str() {
+                "'" => {
+                    operations.push(Operation::new("T*", vec![]));
+                    operations.push(Operation::new("Tj", op.operands));
+                }
+                "\"" if op.operands.len() == 3 => {
+                    let text = op.operands.pop().into_iter().collect();
+                    let ac = op.operands.pop().into_iter().collect();
+                    operations.push(Operation::new("Tw", op.operands));
+                    operations.push(Operation::new("Tc", ac));
+                    operations.push(Operation::new("T*", vec![]));
+                    operations.push(Operation::new("Tj", text));
+                }
+                _ => operations.push(op),
+            }
+        }
+        if let Ok(encoded) = (Content { operations }).encode() {
+            stream.set_plain_content(encoded);
+        }
+    }
 }
 
 /// Inflates every FlateDecode stream but images' (the text extractor never decodes those)
