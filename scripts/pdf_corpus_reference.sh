@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Writes the reference text of each PDF in tests/fixtures/pdf-corpus/ with poppler's pdftotext
-# (NAME.pdftotext.txt.gz beside NAME.pdf), which tests/pdf_corpus.rs compares our extraction to.
+# (NAME.pdftotext.txt.gz beside NAME.pdf), which tests/extraction_corpus.rs compares our extraction to.
 # Run once when a file joins the corpus; the test itself needs no reference extractor.
 # Needs poppler-utils (pdftotext, pdfinfo).
 set -euo pipefail
