@@ -315,6 +315,10 @@ pub enum PdfPages<'a> {
     /// One page per entry, the entry its content stream as written, uncompressed (Helvetica is
     /// `/F1`): for operators the other variants do not use.
     Content(&'a [&'a str]),
+    /// As `Content`, but `/F1` is a CID font (Type 0, Identity-H, no embedded program) whose
+    /// two-byte codes 1 to 26 are `a` to `z` through a ToUnicode map, all 500 units wide given as
+    /// one width range (`1 26 500`) with a default width of 0, as browsers write them.
+    CidContent(&'a [&'a str]),
 }
 
 /// A small real PDF, written with lopdf: pages of text (or an image-only page), a `Title` in its
@@ -325,11 +329,27 @@ pub fn write_pdf(pages: PdfPages, title: &str, user_password: Option<&str>) -> R
     use lopdf::{dictionary, Document, Object, Stream};
     let mut doc = Document::with_version("1.5");
     let pages_id = doc.new_object_id();
-    let font_id = doc.add_object(dictionary! {"Type" => "Font", "Subtype" => "Type1", "BaseFont" => "Helvetica"});
+    let font_id = if let PdfPages::CidContent(_) = pages {
+        let cmap = "/CIDInit /ProcSet findresource begin 12 dict begin begincmap /CMapName /T def /CMapType 2 def \
+            1 begincodespacerange <0000> <FFFF> endcodespacerange 1 beginbfrange <0001> <001A> <0061> endbfrange \
+            endcmap CMapName currentdict /CMap defineresource pop end end";
+        let to_unicode = doc.add_object(Stream::new(dictionary! {}, cmap.as_bytes().to_vec()));
+        let descriptor = doc.add_object(dictionary! {"Type" => "FontDescriptor", "FontName" => "Test", "Flags" => 32,
+            "FontBBox" => vec![0.into(), 0.into(), 500.into(), 700.into()], "ItalicAngle" => 0, "Ascent" => 700,
+            "Descent" => 0, "CapHeight" => 700, "StemV" => 80});
+        let cid_font = doc.add_object(dictionary! {"Type" => "Font", "Subtype" => "CIDFontType2", "BaseFont" => "Test",
+            "CIDSystemInfo" => dictionary! {"Registry" => Object::string_literal("Adobe"), "Ordering" => Object::string_literal("Identity"), "Supplement" => 0},
+            "FontDescriptor" => descriptor, "CIDToGIDMap" => "Identity", "DW" => 0,
+            "W" => vec![1.into(), 26.into(), 500.into()]});
+        doc.add_object(dictionary! {"Type" => "Font", "Subtype" => "Type0", "BaseFont" => "Test", "Encoding" => "Identity-H",
+            "DescendantFonts" => vec![cid_font.into()], "ToUnicode" => to_unicode})
+    } else {
+        doc.add_object(dictionary! {"Type" => "Font", "Subtype" => "Type1", "BaseFont" => "Helvetica"})
+    };
     let mut image_id = None;
-    let compress = !matches!(pages, PdfPages::Content(_));
+    let compress = !matches!(pages, PdfPages::Content(_) | PdfPages::CidContent(_));
     let contents: Vec<Vec<Operation>> = match pages {
-        PdfPages::Content(_) => vec![],
+        PdfPages::Content(_) | PdfPages::CidContent(_) => vec![],
         PdfPages::Text(texts) => texts
             .iter()
             .map(|text| {
@@ -371,7 +391,7 @@ pub fn write_pdf(pages: PdfPages, title: &str, user_password: Option<&str>) -> R
     let resources_id = doc.add_object(resources);
     let mut kids = Vec::new();
     let mut streams = contents.into_iter().map(|operations| Content { operations }.encode()).collect::<Result<Vec<_>, _>>()?;
-    if let PdfPages::Content(raw) = pages {
+    if let PdfPages::Content(raw) | PdfPages::CidContent(raw) = pages {
         streams = raw.iter().map(|c| c.as_bytes().to_vec()).collect();
     }
     for stream in streams {

@@ -499,6 +499,18 @@ mod pdf_tests {
     }
 
     #[test]
+    fn a_cid_font_with_a_to_unicode_map_and_width_ranges_is_read() {
+        // Each string placed where the previous one ends (two glyphs of 500 units at 12 pt: 12 pt
+        // on); a space is a gap. Read with the default width (0), "ab" would end at once and
+        // every placed string would start a new word.
+        let content = "BT /F1 12 Tf 72 720 Td <00010002> Tj 12 0 Td <0003> Tj 6 0 Td <0004> Tj \
+            18 0 Td <0005000600070008> Tj 0 -14 Td <001A0019> Tj ET";
+        let pdf = write_pdf(PdfPages::CidContent(&[content]), "CID", None).unwrap();
+        let e = extract(&pdf, Some("cid.pdf"), None).unwrap();
+        assert_eq!(e.text, "abcd efgh\nzy", "{:?}", e.text);
+    }
+
+    #[test]
     fn locked_scanned_and_broken_pdfs_are_refused_with_their_reason() {
         let locked = write_pdf(PdfPages::Text(&["secret plans"]), "Locked", Some("user-secret")).unwrap();
         assert_eq!(extract(&locked, Some("locked.pdf"), None).unwrap_err().code(), "encrypted_pdf");
@@ -531,6 +543,8 @@ mod zipped_tests {
             r#"<w:p><w:pPr><w:numPr><w:ilvl w:val="0"/></w:numPr></w:pPr><w:r><w:t>north pier</w:t></w:r></w:p>"#.into(),
             r#"<w:p><w:pPr><w:numPr/></w:pPr><w:r><w:t>east pier</w:t></w:r></w:p><w:p/>"#.into(),
             r#"<w:tbl><w:tr><w:tc><w:p><w:r><w:t>cell a</w:t></w:r></w:p></w:tc><w:tc><w:p><w:r><w:t>cell b</w:t></w:r></w:p></w:tc></w:tr></w:tbl>"#.into(),
+            // A text box: its drawing, then the same box again as a fallback.
+            r#"<w:p><w:r><mc:AlternateContent><mc:Choice Requires="wps"><w:drawing><w:txbxContent><w:p><w:r><w:t>boxed</w:t><w:noBreakHyphen/><w:t>words</w:t></w:r></w:p></w:txbxContent></w:drawing></mc:Choice><mc:Fallback><w:pict><w:txbxContent><w:p><w:r><w:t>boxed again</w:t></w:r></w:p></w:txbxContent></w:pict></mc:Fallback></mc:AlternateContent></w:r></w:p>"#.into(),
         ]
         .concat();
         let file = docx(&body, None);
@@ -539,7 +553,7 @@ mod zipped_tests {
         assert_eq!(e.title.as_deref(), Some("The Harbor of Velmora"), "the first heading, when the file has no title");
         assert_eq!(
             e.text,
-            "The Harbor of Velmora\n\nHistory\n\nBuilt in 1843 by Ada\t& friends\u{2026}\n\nKept.\nNext line.\nnorth pier\neast pier\ncell a\ncell b"
+            "The Harbor of Velmora\n\nHistory\n\nBuilt in 1843 by Ada\t& friends\u{2026}\n\nKept.\nNext line.\nnorth pier\neast pier\ncell a\ncell b\n\nboxed-words"
         );
         // Told by its bytes too; the package's own title comes first.
         let e = extract(&docx(&body, Some("Velmora &amp; Co")), None, Some("application/octet-stream")).unwrap();

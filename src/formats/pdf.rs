@@ -37,6 +37,7 @@ pub(super) fn pdf_to_text(bytes: &[u8], what: &str, limits: &Limits) -> Result<P
             return Err(complex("page count", pages.len() as u64, limits.max_pages));
         }
         spell_out_quote_operators(&mut doc);
+        spell_out_cid_width_ranges(&mut doc);
         let mut text = String::new();
         for &n in &pages {
             let mut page = String::new();
@@ -122,6 +123,59 @@ fn spell_out_quote_operators(doc: &mut lopdf::Document) {
         }
         if let Ok(encoded) = (Content { operations }).encode() {
             stream.set_plain_content(encoded);
+        }
+    }
+}
+
+/// Rewrites each CID font's widths given as ranges (`first last width`) into the list form
+/// (`first [width …]`): the text extractor misreads the range form and gives those glyphs the
+/// default width, so that a browser's PDF (default width 0) comes out with words split in two.
+/// At most 2^20 widths are spelled out in all (a CID is two bytes: 2^16 a font covers any one
+/// font); ranges past that are dropped and read as before.
+fn spell_out_cid_width_ranges(doc: &mut lopdf::Document) {
+    use lopdf::Object;
+    let is_cid_font = |d: &lopdf::Dictionary| {
+        d.get(b"Subtype").and_then(|n| n.as_name()).is_ok_and(|n| n == b"CIDFontType0" || n == b"CIDFontType2")
+    };
+    let fonts: Vec<lopdf::ObjectId> = doc
+        .objects
+        .iter()
+        .filter_map(|(id, o)| o.as_dict().ok().filter(|d| is_cid_font(d) && d.has(b"W")).map(|_| *id))
+        .collect();
+    let mut budget = 1u64 << 20;
+    for id in fonts {
+        let Ok(font) = doc.get_dictionary(id) else { continue };
+        let widths = match font.get(b"W") {
+            Ok(Object::Reference(r)) => doc.get_object(*r).and_then(|o| o.as_array()).cloned(),
+            Ok(w) => w.as_array().cloned(),
+            Err(e) => Err(e),
+        };
+        let Ok(widths) = widths else { continue };
+        let (mut out, mut ranges, mut i) = (Vec::with_capacity(widths.len()), 0, 0);
+        while i < widths.len() {
+            match (widths.get(i), widths.get(i + 1), widths.get(i + 2)) {
+                (Some(first), Some(Object::Array(list)), _) => {
+                    out.extend([first.clone(), Object::Array(list.clone())]);
+                    i += 2;
+                }
+                (Some(first), Some(last), Some(width)) => {
+                    if let (Ok(first), Ok(last), Some(width)) = (first.as_i64(), last.as_i64(), width.as_float().ok()) {
+                        let n = last.saturating_sub(first).saturating_add(1).max(0) as u64;
+                        if n <= budget {
+                            budget -= n;
+                            out.extend([Object::Integer(first), Object::Array(vec![Object::Real(width); n as usize])]);
+                        }
+                    }
+                    ranges += 1;
+                    i += 3;
+                }
+                _ => break,
+            }
+        }
+        if ranges > 0 {
+            if let Ok(Object::Dictionary(font)) = doc.get_object_mut(id) {
+                font.set("W", Object::Array(out));
+            }
         }
     }
 }

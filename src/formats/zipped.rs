@@ -234,9 +234,13 @@ pub(super) fn docx_to_text(bytes: &[u8], what: &str, limits: &Limits) -> Result<
     let mut pkg = Package::open(bytes, what, limits, DOCX)?;
     let body = pkg.require("word/document.xml", DOCX)?;
     let mut lines = Lines::default();
-    // Tab stops are `w:tab` too, inside the paragraph's properties.
-    let (mut in_text, mut in_properties) = (false, false);
+    // Tab stops are `w:tab` too, inside the paragraph's properties. A text box comes twice, as
+    // the drawing and as its fallback for older readers: the fallback is skipped.
+    let (mut in_text, mut in_properties, mut fallback) = (false, false, 0usize);
     walk_xml(&body, "word/document.xml", what, DOCX, limits, |x| match x {
+        Xml::Open(e) if fallback > 0 || e.local_name().as_ref() == b"Fallback" => fallback += 1,
+        Xml::Close(_) if fallback > 0 => fallback -= 1,
+        _ if fallback > 0 => {}
         Xml::Open(e) => match e.local_name().as_ref() {
             b"t" => in_text = true,
             b"pPr" => in_properties = true,
@@ -249,6 +253,7 @@ pub(super) fn docx_to_text(bytes: &[u8], what: &str, limits: &Limits) -> Result<
             b"numPr" => lines.list = true,
             b"tab" if !in_text && !in_properties => lines.para.push('\t'),
             b"br" | b"cr" => lines.para.push('\n'),
+            b"noBreakHyphen" => lines.para.push('-'),
             b"tc" => lines.list = true,
             _ => {}
         },
