@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 secs=${1:-30}
 shift || true
 targets=("$@")
-[ ${#targets[@]} -gt 0 ] || targets=(extract_text extract_markdown extract_html extract_pdf multipart request_bodies)
+[ ${#targets[@]} -gt 0 ] || targets=(extract_text extract_markdown extract_html extract_pdf extract_zipped multipart request_bodies)
 command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
 python3 scripts/fuzz_corpus.py fuzz/corpus >/dev/null
 export RUSTC_BOOTSTRAP=1

@@ -2,10 +2,12 @@
 """Writes the seed corpus of the fuzz targets (fuzz/corpus/<target>/): ordinary files of each
 format and the hostile ones of issue 44 — nested HTML, a PDF whose FlateDecode page stream
 inflates to 1 GiB of text operators, one inflating to 1 GiB of zeros, a nested-array PDF, a
-100k-deep Markdown list — plus multipart and JSON bodies (one with a duplicate key).
+100k-deep Markdown list — plus Word, OpenDocument and EPUB packages (one a ZIP bomb), multipart and JSON bodies (one with a duplicate key).
 Usage: scripts/fuzz_corpus.py [out_dir] (default fuzz/corpus)."""
+import io
 import os
 import sys
+import zipfile
 import zlib
 
 out = sys.argv[1] if len(sys.argv) > 1 else os.path.join(os.path.dirname(__file__), "..", "fuzz", "corpus")
@@ -65,6 +67,29 @@ put("extract_pdf", "plain.pdf", pdf(catalog))
 put("extract_pdf", "bomb_text_ops.pdf", pdf(catalog, bomb(b"BT /F1 12 Tf (A) Tj ET\n", 1 << 30)))
 put("extract_pdf", "bomb_zeros.pdf", pdf(catalog, bomb(b"\0", 1 << 30)))
 put("extract_pdf", "nested_array.pdf", pdf(b"<< /Type /Catalog /Pages 2 0 R /Nest " + b"[" * 100_000 + b"]" * 100_000 + b" >>"))
+put("extract_pdf", "quote_operators.pdf", pdf(catalog, b"BT /F1 12 Tf 14 TL 72 720 Td (a) Tj (b) ' 1 0 (c) \" ET"))
+
+
+def package(members):
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name, data in members:
+            z.writestr(name, data, zipfile.ZIP_STORED if name == "mimetype" else zipfile.ZIP_DEFLATED)
+    return buf.getvalue()
+
+
+W = 'xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"'
+put("extract_zipped", "doc.docx", package([("word/document.xml", f'<w:document {W}><w:body><w:p><w:pPr><w:pStyle w:val="Heading1"/>'
+    '</w:pPr><w:r><w:t>Title</w:t></w:r></w:p><w:p><w:r><w:t>a &amp; b</w:t><w:tab/></w:r></w:p></w:body></w:document>')]))
+put("extract_zipped", "doc.odt", package([("mimetype", "application/vnd.oasis.opendocument.text"), ("content.xml",
+    '<office:document-content xmlns:office="o" xmlns:text="t"><office:body><office:text><text:h>T</text:h>'
+    '<text:p>a<text:s text:c="3"/>b</text:p></office:text></office:body></office:document-content>')]))
+put("extract_zipped", "book.epub", package([("mimetype", "application/epub+zip"),
+    ("META-INF/container.xml", '<container><rootfiles><rootfile full-path="o/p.opf"/></rootfiles></container>'),
+    ("o/p.opf", '<package><metadata><title>B</title></metadata><manifest><item id="c" href="c%201.xhtml"/></manifest>'
+     '<spine><itemref idref="c"/></spine></package>'),
+    ("o/c 1.xhtml", "<html><body><h1>One</h1><p>words</p></body></html>")]))
+put("extract_zipped", "bomb.docx", package([("word/document.xml", b" " * (64 << 20))]))
 put("multipart", "form.txt", "--X\r\nContent-Disposition: form-data; name=\"file\"; filename=\"a.txt\"\r\n"
     "Content-Type: text/plain\r\n\r\nwords\r\n--X\r\nContent-Disposition: form-data; name=\"options\"\r\n\r\n"
     "{\"window\":64}\r\n--X--\r\n")

@@ -119,6 +119,8 @@ fn known_code(code: &str) -> &'static str {
         "invalid_utf8",
         "encrypted_pdf",
         "unreadable_pdf",
+        "encrypted_document",
+        "unreadable_document",
         "no_text",
         "document_too_large",
         "document_too_complex",

@@ -82,7 +82,7 @@ struct ReasonLabels {
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct FormatLabels {
-    /// `text`, `markdown`, `html`, `pdf`, or `unknown` (the worker died before saying).
+    /// `text`, `markdown`, `html`, `pdf`, `docx`, `odt`, `epub`, or `unknown` (the worker died before saying).
     format: String,
 }
 

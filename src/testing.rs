@@ -306,11 +306,19 @@ fn gguf_name(hf: &str) -> String {
 }
 
 /// What a test PDF holds.
+#[derive(Clone, Copy)]
 pub enum PdfPages<'a> {
     /// One page per entry, each line of it drawn as text (Helvetica).
     Text(&'a [&'a str]),
     /// One page with only a picture on it: no text layer (a scan).
     ImageOnly,
+    /// One page per entry, the entry its content stream as written, uncompressed (Helvetica is
+    /// `/F1`): for operators the other variants do not use.
+    Content(&'a [&'a str]),
+    /// As `Content`, but `/F1` is a CID font (Type 0, Identity-H, no embedded program) whose
+    /// two-byte codes 1 to 26 are `a` to `z` through a ToUnicode map, all 500 units wide given as
+    /// one width range (`1 26 500`) with a default width of 0, as browsers write them.
+    CidContent(&'a [&'a str]),
 }
 
 /// A small real PDF, written with lopdf: pages of text (or an image-only page), a `Title` in its
@@ -321,9 +329,27 @@ pub fn write_pdf(pages: PdfPages, title: &str, user_password: Option<&str>) -> R
     use lopdf::{dictionary, Document, Object, Stream};
     let mut doc = Document::with_version("1.5");
     let pages_id = doc.new_object_id();
-    let font_id = doc.add_object(dictionary! {"Type" => "Font", "Subtype" => "Type1", "BaseFont" => "Helvetica"});
+    let font_id = if let PdfPages::CidContent(_) = pages {
+        let cmap = "/CIDInit /ProcSet findresource begin 12 dict begin begincmap /CMapName /T def /CMapType 2 def \
+            1 begincodespacerange <0000> <FFFF> endcodespacerange 1 beginbfrange <0001> <001A> <0061> endbfrange \
+            endcmap CMapName currentdict /CMap defineresource pop end end";
+        let to_unicode = doc.add_object(Stream::new(dictionary! {}, cmap.as_bytes().to_vec()));
+        let descriptor = doc.add_object(dictionary! {"Type" => "FontDescriptor", "FontName" => "Test", "Flags" => 32,
+            "FontBBox" => vec![0.into(), 0.into(), 500.into(), 700.into()], "ItalicAngle" => 0, "Ascent" => 700,
+            "Descent" => 0, "CapHeight" => 700, "StemV" => 80});
+        let cid_font = doc.add_object(dictionary! {"Type" => "Font", "Subtype" => "CIDFontType2", "BaseFont" => "Test",
+            "CIDSystemInfo" => dictionary! {"Registry" => Object::string_literal("Adobe"), "Ordering" => Object::string_literal("Identity"), "Supplement" => 0},
+            "FontDescriptor" => descriptor, "CIDToGIDMap" => "Identity", "DW" => 0,
+            "W" => vec![1.into(), 26.into(), 500.into()]});
+        doc.add_object(dictionary! {"Type" => "Font", "Subtype" => "Type0", "BaseFont" => "Test", "Encoding" => "Identity-H",
+            "DescendantFonts" => vec![cid_font.into()], "ToUnicode" => to_unicode})
+    } else {
+        doc.add_object(dictionary! {"Type" => "Font", "Subtype" => "Type1", "BaseFont" => "Helvetica"})
+    };
     let mut image_id = None;
+    let compress = !matches!(pages, PdfPages::Content(_) | PdfPages::CidContent(_));
     let contents: Vec<Vec<Operation>> = match pages {
+        PdfPages::Content(_) | PdfPages::CidContent(_) => vec![],
         PdfPages::Text(texts) => texts
             .iter()
             .map(|text| {
@@ -364,8 +390,12 @@ pub fn write_pdf(pages: PdfPages, title: &str, user_password: Option<&str>) -> R
     }
     let resources_id = doc.add_object(resources);
     let mut kids = Vec::new();
-    for operations in contents {
-        let content_id = doc.add_object(Stream::new(dictionary! {}, Content { operations }.encode()?));
+    let mut streams = contents.into_iter().map(|operations| Content { operations }.encode()).collect::<Result<Vec<_>, _>>()?;
+    if let PdfPages::Content(raw) | PdfPages::CidContent(raw) = pages {
+        streams = raw.iter().map(|c| c.as_bytes().to_vec()).collect();
+    }
+    for stream in streams {
+        let content_id = doc.add_object(Stream::new(dictionary! {}, stream).with_compression(false));
         kids.push(Object::from(doc.add_object(dictionary! {"Type" => "Page", "Parent" => pages_id, "Contents" => content_id})));
     }
     let count = kids.len() as i64;
@@ -377,7 +407,9 @@ pub fn write_pdf(pages: PdfPages, title: &str, user_password: Option<&str>) -> R
     doc.trailer.set("Root", catalog_id);
     doc.trailer.set("Info", info_id);
     doc.trailer.set("ID", vec![Object::string_literal("lift-serve-test-0"), Object::string_literal("lift-serve-test-0")]);
-    doc.compress();
+    if compress {
+        doc.compress();
+    }
     if let Some(user) = user_password {
         let version = lopdf::EncryptionVersion::V2 {
             document: &doc,
@@ -455,6 +487,92 @@ pub fn write_tiny_server_setup(dir: &Path) -> Result<(PathBuf, PathBuf)> {
                                   "qa": {"use_model": false, "max_pairs": 4, "min_pairs": 2}});
     std::fs::write(&options, json.to_string())?;
     Ok((model, options))
+}
+
+/// Small real Word, OpenDocument and EPUB files, packaged with the zip crate as their writers
+/// package them (an ODF's or EPUB's `mimetype` first and stored).
+pub mod packages {
+    use std::io::Write;
+
+    /// A ZIP of these members, in order; a member named `mimetype` is stored, the rest deflated.
+    pub fn zip(members: &[(&str, &[u8])]) -> Vec<u8> {
+        use zip::write::SimpleFileOptions;
+        let mut w = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
+        for (name, data) in members {
+            let method = if *name == "mimetype" { zip::CompressionMethod::Stored } else { zip::CompressionMethod::Deflated };
+            w.start_file(*name, SimpleFileOptions::default().compression_method(method)).unwrap();
+            w.write_all(data).unwrap();
+        }
+        w.finish().unwrap().into_inner()
+    }
+
+    /// A `.docx` whose body is `body` (the `w:body` element's content) and, when given, whose
+    /// `docProps/core.xml` has that title.
+    pub fn docx(body: &str, title: Option<&str>) -> Vec<u8> {
+        let document = format!(
+            r#"<?xml version="1.0" encoding="UTF-8" standalone="yes"?><w:document xmlns:w="http://schemas.openxmlformats.org/wordprocessingml/2006/main"><w:body>{body}</w:body></w:document>"#
+        );
+        let core = title.map(|t| {
+            format!(r#"<?xml version="1.0"?><cp:coreProperties xmlns:cp="http://schemas.openxmlformats.org/package/2006/metadata/core-properties" xmlns:dc="http://purl.org/dc/elements/1.1/"><dc:title>{t}</dc:title></cp:coreProperties>"#)
+        });
+        let types = r#"<?xml version="1.0"?><Types xmlns="http://schemas.openxmlformats.org/package/2006/content-types"><Override PartName="/word/document.xml" ContentType="application/vnd.openxmlformats-officedocument.wordprocessingml.document.main+xml"/></Types>"#;
+        let mut members: Vec<(&str, &[u8])> = vec![("[Content_Types].xml", types.as_bytes()), ("word/document.xml", document.as_bytes())];
+        if let Some(core) = &core {
+            members.push(("docProps/core.xml", core.as_bytes()));
+        }
+        zip(&members)
+    }
+
+    /// A Word paragraph of one run; `style` as `w:pStyle` (`Heading1`, `Title`, …).
+    pub fn docx_paragraph(text: &str, style: Option<&str>) -> String {
+        let props = style.map_or(String::new(), |s| format!(r#"<w:pPr><w:pStyle w:val="{s}"/></w:pPr>"#));
+        format!(r#"<w:p>{props}<w:r><w:t xml:space="preserve">{text}</w:t></w:r></w:p>"#)
+    }
+
+    /// An `.odt` whose `office:text` holds `body`, with that title in `meta.xml` when given.
+    pub fn odt(body: &str, title: Option<&str>) -> Vec<u8> {
+        let ns = r#"xmlns:office="urn:oasis:names:tc:opendocument:xmlns:office:1.0" xmlns:text="urn:oasis:names:tc:opendocument:xmlns:text:1.0" xmlns:table="urn:oasis:names:tc:opendocument:xmlns:table:1.0" xmlns:dc="http://purl.org/dc/elements/1.1/""#;
+        let content = format!(r#"<?xml version="1.0" encoding="UTF-8"?><office:document-content {ns}><office:body><office:text>{body}</office:text></office:body></office:document-content>"#);
+        let meta = title.map(|t| format!(r#"<?xml version="1.0"?><office:document-meta {ns}><office:meta><dc:title>{t}</dc:title></office:meta></office:document-meta>"#));
+        let manifest = r#"<?xml version="1.0"?><manifest:manifest xmlns:manifest="urn:oasis:names:tc:opendocument:xmlns:manifest:1.0"><manifest:file-entry manifest:full-path="/" manifest:media-type="application/vnd.oasis.opendocument.text"/></manifest:manifest>"#;
+        let mut members: Vec<(&str, &[u8])> = vec![
+            ("mimetype", b"application/vnd.oasis.opendocument.text"),
+            ("content.xml", content.as_bytes()),
+            ("META-INF/manifest.xml", manifest.as_bytes()),
+        ];
+        if let Some(meta) = &meta {
+            members.push(("meta.xml", meta.as_bytes()));
+        }
+        zip(&members)
+    }
+
+    /// An EPUB 3 of these chapters (`(file name, body HTML)`, in reading order) under `OEBPS/`,
+    /// plus a navigation document left out of the reading order (`linear="no"`).
+    pub fn epub(title: &str, chapters: &[(&str, &str)]) -> Vec<u8> {
+        let container = r#"<?xml version="1.0"?><container version="1.0" xmlns="urn:oasis:names:tc:opendocument:xmlns:container"><rootfiles><rootfile full-path="OEBPS/content.opf" media-type="application/oebps-package+xml"/></rootfiles></container>"#;
+        let mut items = String::from(r#"<item id="nav" href="nav.xhtml" media-type="application/xhtml+xml" properties="nav"/>"#);
+        let mut spine = String::from(r#"<itemref idref="nav" linear="no"/>"#);
+        let mut files = vec![("OEBPS/nav.xhtml".to_string(), xhtml("Contents", "<nav><ol><li>Contents entry</li></ol></nav>"))];
+        // Listed in the manifest in reverse: the spine, not the manifest, is the reading order.
+        for (i, (name, body)) in chapters.iter().enumerate().rev() {
+            items.push_str(&format!(r#"<item id="c{i}" href="{}" media-type="application/xhtml+xml"/>"#, name.replace(' ', "%20")));
+            files.push((format!("OEBPS/{name}"), xhtml(name, body)));
+        }
+        for i in 0..chapters.len() {
+            spine.push_str(&format!(r#"<itemref idref="c{i}"/>"#));
+        }
+        let opf = format!(
+            r#"<?xml version="1.0"?><package xmlns="http://www.idpf.org/2007/opf" version="3.0" unique-identifier="id"><metadata xmlns:dc="http://purl.org/dc/elements/1.1/"><dc:identifier id="id">test</dc:identifier><dc:title>{title}</dc:title><dc:language>en</dc:language></metadata><manifest>{items}</manifest><spine>{spine}</spine></package>"#
+        );
+        let mut members: Vec<(&str, &[u8])> =
+            vec![("mimetype", b"application/epub+zip"), ("META-INF/container.xml", container.as_bytes()), ("OEBPS/content.opf", opf.as_bytes())];
+        members.extend(files.iter().map(|(n, d)| (n.as_str(), d.as_bytes())));
+        zip(&members)
+    }
+
+    fn xhtml(title: &str, body: &str) -> String {
+        format!(r#"<?xml version="1.0" encoding="UTF-8"?><!DOCTYPE html><html xmlns="http://www.w3.org/1999/xhtml"><head><title>{title}</title></head><body>{body}</body></html>"#)
+    }
 }
 
 /// Hostile uploads (issue 44): files made to hurt an extractor. `scripts/fuzz_corpus.py` writes

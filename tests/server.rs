@@ -1622,7 +1622,8 @@ async fn uploads_in_every_format() {
         (Some(("fake.pdf", "", b"hello, not a pdf".to_vec())), vec![], 422, "unreadable_pdf", "file"),
         (Some(("photo.png", "image/png", png.clone())), vec![], 415, "unsupported_format", "file"),
         (Some(("photo", "", png)), vec![], 415, "unsupported_format", "file"),
-        (Some(("report.docx", "", b"PK\x03\x04\0\0binary".to_vec())), vec![], 415, "unsupported_format", "file"),
+        (Some(("report.docx", "", b"PK\x03\x04\0\0binary".to_vec())), vec![], 422, "unreadable_document", "file"),
+        (Some(("sheet.xlsx", "", b"PK\x03\x04\0\0binary".to_vec())), vec![], 415, "unsupported_format", "file"),
         (Some(("latin1.txt", "text/plain", b"caf\xe9 au lait".to_vec())), vec![], 400, "invalid_utf8", "file"),
         (Some(("empty.txt", "text/plain", b"  \n\n ".to_vec())), vec![], 422, "empty_document", "text"),
         (Some(("scripts.html", "", b"<html><script>x()</script><style>p{}</style></html>".to_vec())), vec![], 422, "no_text", "file"),
@@ -1846,6 +1847,68 @@ async fn post_raw(c: &Client, base: &str, media_type: &str, bytes: Vec<u8>) -> (
     let resp = c.post(format!("{base}/documents")).header("content-type", media_type).body(bytes).send().await.unwrap();
     let s = resp.status();
     (s, resp.json().await.unwrap_or(Value::Null), t0.elapsed().as_secs_f64())
+}
+
+/// Word, OpenDocument and EPUB files (made here) and a PDF whose lines are shown with the `'`
+/// and `"` operators, as multipart uploads and as raw bodies: each one's format, title and words;
+/// a Markdown file's title is its first heading. A ZIP bomb, a forged entry count, XML nested
+/// 100,000 deep and a protected file are refused with their codes, and the server keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn uploads_of_word_opendocument_epub_and_quoted_pdf_files() {
+    use lift_serve::testing::packages::{docx, docx_paragraph, epub, odt, zip};
+    use lift_serve::testing::{write_pdf, PdfPages};
+    let e = env();
+    let (_running, base) = start(config(&e, &[])).await;
+    let c = client();
+    let word = docx(&[docx_paragraph("The Kestrel Ledger", Some("Title")), docx_paragraph(DOC, None)].concat(), None);
+    let open = odt(&format!("<text:h text:outline-level=\"1\">Kestrel notes</text:h><text:p>{DOC}</text:p>"), Some("Kestrel in ODF"));
+    let chapter = format!("<h1>One</h1><p>{DOC}</p>");
+    let book = epub("Kestrel, a book", &[("one.xhtml", &chapter), ("two.xhtml", "<p>The second chapter ends here.</p>")]);
+    let content = format!("BT /F1 11 Tf 14 TL 72 720 Td (Quoted lines follow.) Tj ({DOC}) ' 1 0 (The last line.) \" ET");
+    let quoted = write_pdf(PdfPages::Content(&[&content]), "Quoted PDF", None).unwrap();
+    let md = format!("Some words first.\n\n# Kestrel *Markdown*\n\n{DOC}\n");
+    // (file name, declared type, bytes) → (format, title, the last words of its text)
+    let cases: Vec<(&str, &str, Vec<u8>, &str, &str, &str)> = vec![
+        ("ledger.docx", "", word, "docx", "The Kestrel Ledger", "rings at noon."),
+        ("notes.odt", "application/vnd.oasis.opendocument.text", open, "odt", "Kestrel in ODF", "rings at noon."),
+        ("book", "application/epub+zip", book, "epub", "Kestrel, a book", "The second chapter ends here."),
+        ("quoted.pdf", "", quoted, "pdf", "Quoted PDF", "The last line."),
+        ("notes.md", "", md.into_bytes(), "markdown", "Kestrel Markdown", "rings at noon."),
+    ];
+    for (name, media_type, bytes, format, title, last) in cases {
+        let (s, d) = upload(&c, &base, Some((name, media_type, bytes.clone())), &[]).await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{name}: {d}");
+        assert_eq!((d["source"]["format"].as_str(), d["title"].as_str()), (Some(format), Some(title)), "{name}: {d}");
+        let extracted = lift_serve::formats::extract(&bytes, Some(name), (!media_type.is_empty()).then_some(media_type)).unwrap();
+        assert!(extracted.text.contains("Ada Quill") && extracted.text.ends_with(last), "{name}: {:?}", extracted.text);
+        // The same file as a raw body is the same document (the bytes decide the format).
+        let raw_type = if format == "markdown" { "text/markdown" } else { "application/octet-stream" };
+        let (s, v, _) = post_raw(&c, &base, raw_type, bytes).await;
+        assert_eq!((s, &v["id"]), (StatusCode::OK, &d["id"]), "{name} as a raw body: {v}");
+    }
+
+    let spaces = vec![b' '; 32 << 20]; // deflates to 32 KiB: under the test server's body limit
+    let mut forged = b"PK\x03\x04".to_vec();
+    forged.extend(b"PK\x05\x06".iter().chain(&[0u8; 6]).chain(&[0x60, 0xEA]).chain(&[0u8; 10]));
+    let mut ole = b"\xD0\xCF\x11\xE0\xA1\xB1\x1A\xE1".to_vec();
+    ole.extend("EncryptionInfo".encode_utf16().flat_map(u16::to_le_bytes));
+    let bad: Vec<(&str, &str, Vec<u8>, u16, &str)> = vec![
+        ("bomb.docx", "", zip(&[("word/document.xml", &spaces)]), 413, "decompression_limit"),
+        ("forged.epub", "", forged, 422, "document_too_complex"),
+        ("deep.odt", "", odt(&"<text:span>".repeat(100_000), None), 422, "document_too_complex"),
+        ("locked.docx", "", ole, 422, "encrypted_document"),
+        ("broken.odt", "", zip(&[("mimetype", b"application/vnd.oasis.opendocument.text")]), 422, "unreadable_document"),
+        ("empty.epub", "", epub("Empty", &[("e.xhtml", "<img src='x.png'/>")]), 422, "no_text"),
+    ];
+    for (name, media_type, bytes, status, code) in bad {
+        let t0 = std::time::Instant::now();
+        let (s, v) = upload(&c, &base, Some((name, media_type, bytes)), &[]).await;
+        assert_eq!(s.as_u16(), status, "{name}: {v}");
+        assert_error_shape(&v, code, name);
+        assert!(t0.elapsed().as_secs_f64() < 10.0, "{name}: refused only after {:?}", t0.elapsed());
+    }
+    let (s, d) = upload(&c, &base, Some(("after.docx", "", docx(&docx_paragraph(&format!("{DOC} Still serving."), None), None))), &[]).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "the server keeps serving: {d}");
 }
 
 /// The attack of issue 44 against a real server process: nested HTML, a bomb of text operators,

@@ -2,7 +2,7 @@
 //! refusal, never a panic, a hang or unbounded memory (libFuzzer's -timeout and -rss_limit_mb).
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-#[path = "../../src/formats.rs"]
+#[path = "../../src/formats/mod.rs"]
 #[allow(dead_code)]
 mod formats;
 use formats::{extract_with, Limits};

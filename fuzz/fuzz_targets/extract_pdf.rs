@@ -5,7 +5,7 @@
 //! escapes: libFuzzer's abort-on-any-panic hook is replaced by one that only prints.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-#[path = "../../src/formats.rs"]
+#[path = "../../src/formats/mod.rs"]
 #[allow(dead_code)]
 mod formats;
 use formats::{extract_with, Limits};

@@ -307,6 +307,9 @@ pub fn is_document_media_type(media_type: &str) -> bool {
     matches!(
         media_type,
         "text/markdown" | "text/x-markdown" | "text/html" | "application/xhtml+xml" | "application/pdf" | "application/x-pdf"
+            | "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
+            | "application/vnd.oasis.opendocument.text"
+            | "application/epub+zip"
             | "application/octet-stream"
     )
 }

@@ -141,7 +141,8 @@ pub struct ServeConfig {
     #[arg(long, env = "LIFT_EXTRACT_MEMORY_BYTES", default_value_t = 2 << 30)]
     pub extract_memory_bytes: u64,
     /// JSON file with extraction budgets (`max_input_bytes`, `max_depth`, `max_stream_bytes`,
-    /// `max_inflated_bytes`, `max_objects`, `max_pages`, `max_output_chars`; missing ones default).
+    /// `max_inflated_bytes`, `max_objects`, `max_pages`, `max_output_chars`, `max_archive_entries`;
+    /// missing ones default).
     #[arg(long, env = "LIFT_EXTRACT_LIMITS")]
     pub extract_limits: Option<PathBuf>,
     /// The lift-serve binary run as the extraction worker (default: this one).

@@ -1,8 +1,18 @@
-//! Documents in the formats people have: plain text, Markdown, HTML and PDF, turned into the
+//! Documents in the formats people have: plain text, Markdown, HTML, PDF, Word (`.docx`),
+//! OpenDocument text (`.odt`) and EPUB, turned into the
 //! plain text that is absorbed and stored. One entry point, [`extract`], used by `POST
 //! /documents` (raw bodies and multipart uploads) and by `lift-serve absorb`; the [`Source`] it
 //! returns says how the text was made and is kept with the document.
 
+mod html;
+mod markdown;
+mod pdf;
+mod zipped;
+
+use html::{html_depth, html_to_text};
+use markdown::{markdown_depth, markdown_to_text};
+use pdf::pdf_to_text;
+use zipped::{docx_to_text, epub_to_text, odt_to_text};
 use serde::{Deserialize, Serialize};
 
 /// A document format we read.
@@ -13,6 +23,9 @@ pub enum Format {
     Markdown,
     Html,
     Pdf,
+    Docx,
+    Odt,
+    Epub,
 }
 
 impl Format {
@@ -24,6 +37,9 @@ impl Format {
             "md" | "markdown" | "mdown" | "mkd" => Format::Markdown,
             "html" | "htm" | "xhtml" => Format::Html,
             "pdf" => Format::Pdf,
+            "docx" => Format::Docx,
+            "odt" => Format::Odt,
+            "epub" => Format::Epub,
             _ => return None,
         })
     }
@@ -36,13 +52,32 @@ impl Format {
             "text/markdown" | "text/x-markdown" => Format::Markdown,
             "text/html" | "application/xhtml+xml" => Format::Html,
             "application/pdf" | "application/x-pdf" => Format::Pdf,
-            "application/octet-stream" | "binary/octet-stream" => return Some(None),
+            "application/vnd.openxmlformats-officedocument.wordprocessingml.document" => Format::Docx,
+            "application/vnd.oasis.opendocument.text" => Format::Odt,
+            "application/epub+zip" => Format::Epub,
+            "application/octet-stream" | "binary/octet-stream" | "application/zip" | "application/x-zip-compressed" => {
+                return Some(None)
+            }
             _ => return None,
         }))
     }
 
-    /// The format the bytes themselves show: a PDF header, an HTML start, or else UTF-8 text.
+    /// The format the bytes themselves show: a PDF header, a ZIP package of a format we read (its
+    /// `mimetype` member, or a Word body among its names), an HTML start, or else UTF-8 text.
     fn sniff(bytes: &[u8]) -> Option<Self> {
+        if bytes.starts_with(b"PK\x03\x04") {
+            let head = &bytes[..bytes.len().min(256)];
+            let has = |s: &[u8], needle: &[u8]| s.windows(needle.len()).any(|w| w == needle);
+            return if head.get(30..38) == Some(b"mimetype") && has(head, b"application/epub+zip") {
+                Some(Format::Epub)
+            } else if head.get(30..38) == Some(b"mimetype") && has(head, b"application/vnd.oasis.opendocument.text") {
+                Some(Format::Odt)
+            } else if has(bytes, b"word/document.xml") {
+                Some(Format::Docx)
+            } else {
+                None
+            };
+        }
         let head = &bytes[..bytes.len().min(1024)];
         let start = head.iter().position(|b| !b.is_ascii_whitespace()).map_or(&head[..0], |i| &head[i..]);
         if start.starts_with(b"%PDF-") {
@@ -111,7 +146,7 @@ pub struct Extracted {
 /// Why a file gives no document. Each is the client's fault (4xx); the message says what to do.
 #[derive(Debug, thiserror::Error)]
 pub enum ExtractError {
-    #[error("{what} is not a format lift-serve reads; send plain text, Markdown, HTML or PDF")]
+    #[error("{what} is not a format lift-serve reads; send plain text, Markdown, HTML, PDF, Word (.docx), OpenDocument text (.odt) or EPUB")]
     Unsupported { what: String },
     #[error("{what} is not valid UTF-8 text ({detail}); save it as UTF-8 and upload it again")]
     NotUtf8 { what: String, detail: String },
@@ -119,6 +154,10 @@ pub enum ExtractError {
     EncryptedPdf { what: String },
     #[error("{what} could not be read as a PDF: {detail}")]
     UnreadablePdf { what: String, detail: String },
+    #[error("{what} is encrypted or protected; remove the protection and upload it again")]
+    EncryptedDocument { what: String },
+    #[error("{what} could not be read as {kind}: {detail}")]
+    UnreadableDocument { what: String, kind: &'static str, detail: String },
     #[error("no text could be extracted from {what}{pages}: {hint}")]
     NoText { what: String, pages: String, hint: &'static str },
     /// A size budget: the upload's bytes or the extracted text's characters.
@@ -140,6 +179,8 @@ impl ExtractError {
             ExtractError::NotUtf8 { .. } => "invalid_utf8",
             ExtractError::EncryptedPdf { .. } => "encrypted_pdf",
             ExtractError::UnreadablePdf { .. } => "unreadable_pdf",
+            ExtractError::EncryptedDocument { .. } => "encrypted_document",
+            ExtractError::UnreadableDocument { .. } => "unreadable_document",
             ExtractError::NoText { .. } => "no_text",
             ExtractError::TooLarge { .. } => "document_too_large",
             ExtractError::TooComplex { .. } => "document_too_complex",
@@ -181,6 +222,10 @@ pub struct Limits {
     pub max_pages: u64,
     /// Characters of extracted text.
     pub max_output_chars: u64,
+    /// Entries of a ZIP package (`.docx`, `.odt`, `.epub`), read from its end record before the
+    /// archive is opened. Its members inflate under `max_stream_bytes` each and
+    /// `max_inflated_bytes` in all.
+    pub max_archive_entries: u64,
 }
 
 impl Default for Limits {
@@ -193,6 +238,7 @@ impl Default for Limits {
             max_objects: 200_000,
             max_pages: 5_000,
             max_output_chars: 8_000_000,
+            max_archive_entries: 10_000,
         }
     }
 }
@@ -244,7 +290,8 @@ pub fn extract_with(
         Format::Markdown => {
             let md = utf8(bytes, &what)?;
             markdown_depth(md, limits.max_depth).map_err(too_deep)?;
-            (markdown_to_text(md), None, None, "Markdown rendered to plain text (pulldown-cmark)".into())
+            let (text, title) = markdown_to_text(md);
+            (text, title, None, "Markdown rendered to plain text (pulldown-cmark)".into())
         }
         Format::Html => {
             html_depth(bytes, limits.max_depth).map_err(too_deep)?;
@@ -255,6 +302,18 @@ pub fn extract_with(
             let pdf = pdf_to_text(bytes, &what, limits)?;
             (pdf.text, pdf.title, Some(pdf.pages), "PDF text layer (pdf-extract)".into())
         }
+        Format::Docx => {
+            let doc = docx_to_text(bytes, &what, limits)?;
+            (doc.text, doc.title, None, "Word body text, paragraph by paragraph (zip, quick-xml)".into())
+        }
+        Format::Odt => {
+            let doc = odt_to_text(bytes, &what, limits)?;
+            (doc.text, doc.title, None, "OpenDocument body text, paragraph by paragraph (zip, quick-xml)".into())
+        }
+        Format::Epub => {
+            let doc = epub_to_text(bytes, &what, limits)?;
+            (doc.text, doc.title, None, "EPUB chapters in reading order, read as HTML (zip, quick-xml, scraper)".into())
+        }
     };
     let text = tidy(&text);
     if let Some(e) = over("extracted text in characters", text.chars().count() as u64, limits.max_output_chars) {
@@ -263,6 +322,7 @@ pub fn extract_with(
     if text.is_empty() && format != Format::Text {
         let hint = match format {
             Format::Pdf => "it has no text layer (a scanned or image-only PDF needs OCR first)",
+            Format::Docx | Format::Odt | Format::Epub => "it holds no text, only markup, pictures or empty paragraphs",
             _ => "it holds no text outside markup, scripts and styles",
         };
         let pages = pages.map_or(String::new(), |p| format!(" ({p} page{})", if p == 1 { "" } else { "s" }));
@@ -315,454 +375,27 @@ fn tidy(text: &str) -> String {
     out
 }
 
-// ---------- Markdown ----------
-
-/// Refuses Markdown nested deeper than `max` (`Err(depth reached)`), counted line by line before
-/// the parser sees it: the container marks a line opens with (`>`, `-`, `*`, `+`, `1.`, `1)`),
-/// plus one level per two columns of indentation (how nested list items are written).
-fn markdown_depth(md: &str, max: u64) -> Result<(), u64> {
-    for line in md.lines() {
-        let bytes = line.as_bytes();
-        let (mut i, mut depth, mut columns) = (0, 0u64, 0u64);
-        loop {
-            match bytes.get(i) {
-                Some(b' ') => columns += 1,
-                Some(b'\t') => columns += 4,
-                Some(b'>') => depth += 1,
-                Some(b'-' | b'*' | b'+') if matches!(bytes.get(i + 1), Some(b' ' | b'\t') | None) => depth += 1,
-                Some(b'0'..=b'9') => {
-                    let digits = bytes[i..].iter().take_while(|b| b.is_ascii_digit()).count();
-                    match (bytes.get(i + digits), bytes.get(i + digits + 1)) {
-                        (Some(b'.' | b')'), Some(b' ' | b'\t') | None) if digits <= 9 => {
-                            depth += 1;
-                            i += digits;
-                        }
-                        _ => break,
-                    }
-                }
-                _ => break,
-            }
-            i += 1;
-            if depth + columns / 2 > max {
-                return Err(depth + columns / 2);
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Markdown as a reader sees it: headings, paragraphs and list items on their own lines, code
-/// kept, link targets, emphasis marks and raw HTML dropped (the words of links and images kept).
-fn markdown_to_text(md: &str) -> String {
-    use pulldown_cmark::{Event, Options, Parser, Tag, TagEnd};
-    let mut out = String::with_capacity(md.len());
-    let mut lists: Vec<Option<u64>> = Vec::new();
-    let parser = Parser::new_ext(md, Options::ENABLE_TABLES | Options::ENABLE_STRIKETHROUGH);
-    for event in parser {
-        match event {
-            Event::Start(Tag::Heading { .. } | Tag::Paragraph | Tag::CodeBlock(_) | Tag::BlockQuote(_) | Tag::Table(_)) => {
-                block_break(&mut out)
-            }
-            Event::Start(Tag::List(start)) => {
-                lists.push(start);
-                line_break(&mut out);
-            }
-            Event::End(TagEnd::List(_)) => {
-                lists.pop();
-            }
-            Event::Start(Tag::Item) => {
-                line_break(&mut out);
-                out.push_str(&"  ".repeat(lists.len().saturating_sub(1)));
-                match lists.last_mut() {
-                    Some(Some(n)) => {
-                        out.push_str(&format!("{n}. "));
-                        *n += 1;
-                    }
-                    _ => out.push_str("- "),
-                }
-            }
-            Event::End(TagEnd::Heading(_) | TagEnd::Paragraph | TagEnd::CodeBlock | TagEnd::TableRow | TagEnd::TableHead) => {
-                line_break(&mut out)
-            }
-            Event::End(TagEnd::TableCell) => out.push_str(" | "),
-            Event::Text(t) | Event::Code(t) => out.push_str(&t),
-            Event::SoftBreak => out.push(' '),
-            Event::HardBreak | Event::Rule => line_break(&mut out),
-            _ => {}
-        }
-    }
-    out
-}
-
-fn line_break(out: &mut String) {
+pub(super) fn line_break(out: &mut String) {
     if !out.is_empty() && !out.ends_with('\n') {
         out.push('\n');
     }
 }
 
-fn block_break(out: &mut String) {
+pub(super) fn block_break(out: &mut String) {
     line_break(out);
     if !out.is_empty() && !out.ends_with("\n\n") {
         out.push('\n');
     }
 }
 
-// ---------- HTML ----------
-
-/// Elements that never hold content.
-const HTML_VOID: &[&str] = &[
-    "area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "param", "source", "track", "wbr",
-    "keygen", "basefont", "bgsound", "frame",
-];
-/// Elements a parser closes by itself when a sibling starts (`<p>a<p>b`, `<li>`, table parts).
-const HTML_SELF_ENDING: &[&str] = &[
-    "p", "li", "td", "th", "tr", "dt", "dd", "option", "optgroup", "thead", "tbody", "tfoot", "colgroup", "rb", "rt",
-    "rp", "rtc", "html", "head", "body",
-];
-/// HTML elements that end the `<svg>` or `<math>` they appear in.
-const HTML_BREAKOUT: &[&str] = &[
-    "b", "big", "blockquote", "body", "br", "center", "code", "dd", "div", "dl", "dt", "em", "embed", "h1", "h2", "h3",
-    "h4", "h5", "h6", "head", "hr", "i", "img", "li", "listing", "menu", "meta", "nobr", "ol", "p", "pre", "ruby", "s",
-    "small", "span", "strong", "strike", "sub", "sup", "table", "tt", "u", "ul", "var",
-];
-/// Elements whose content is raw text up to their end tag.
-const HTML_RAW_TEXT: &[&str] = &["script", "style", "textarea", "title", "xmp", "iframe", "noembed", "noframes"];
-
-/// Refuses HTML nested deeper than `max` (`Err(depth reached)`), measured by a linear scan of
-/// the tags before the parser sees them (an HTML parser's work grows with the depth of the open
-/// elements at every tag). An end tag closes the innermost open element of its name and those
-/// inside it; an end tag of no open element is ignored, as a parser ignores it.
-fn html_depth(html: &[u8], max: u64) -> Result<(), u64> {
-    let find = |from: usize, needle: &[u8]| html[from.min(html.len())..].windows(needle.len()).position(|w| w.eq_ignore_ascii_case(needle)).map(|p| p + from);
-    let mut open: Vec<String> = Vec::new();
-    let mut foreign = 0usize; // inside <svg> or <math>: `<x/>` opens nothing there
-    let mut i = 0;
-    while let Some(lt) = html[i.min(html.len())..].iter().position(|&b| b == b'<').map(|p| p + i) {
-        i = lt + 1;
-        if html[i..].starts_with(b"!--") {
-            // From the first dash: `<!-->` and `<!--->` are whole (empty) comments to a parser.
-            i = find(i + 1, b"-->").map_or(html.len(), |p| p + 3);
-            continue;
-        }
-        let closing = html.get(i) == Some(&b'/');
-        let start = if closing { i + 1 } else { i };
-        let len = html[start..].iter().take_while(|b| b.is_ascii_alphanumeric() || **b == b'-' || **b == b':').count();
-        if len == 0 || !html[start].is_ascii_alphabetic() {
-            continue;
-        }
-        let name = String::from_utf8_lossy(&html[start..start + len]).to_ascii_lowercase();
-        let end = html[start + len..].iter().position(|&b| b == b'>').map_or(html.len(), |p| p + start + len);
-        let self_closing = end > 0 && html.get(end - 1) == Some(&b'/');
-        i = (end + 1).min(html.len());
-        if closing {
-            if let Some(pos) = open.iter().rposition(|n| *n == name) {
-                for n in open.drain(pos..) {
-                    if n == "svg" || n == "math" {
-                        foreign = foreign.saturating_sub(1);
-                    }
-                }
-            }
-            continue;
-        }
-        if HTML_RAW_TEXT.contains(&name.as_str()) && !self_closing {
-            let mut close = b"</".to_vec();
-            close.extend_from_slice(name.as_bytes());
-            i = find(i, &close).unwrap_or(html.len());
-            continue;
-        }
-        if foreign > 0 && HTML_BREAKOUT.contains(&name.as_str()) {
-            // An HTML element ends the `<svg>` / `<math>` it appears in: it and what follows are HTML.
-            while let Some(n) = open.pop() {
-                if n == "svg" || n == "math" {
-                    foreign -= 1;
-                    break;
-                }
-            }
-        }
-        if HTML_VOID.contains(&name.as_str()) || HTML_SELF_ENDING.contains(&name.as_str()) || (self_closing && foreign > 0) {
-            continue;
-        }
-        if name == "svg" || name == "math" {
-            foreign += 1;
-        }
-        open.push(name);
-        if open.len() as u64 > max {
-            return Err(open.len() as u64);
-        }
-    }
-    Ok(())
-}
-
-/// Elements whose content is never text for a reader.
-const HTML_SKIPPED: &[&str] =
-    &["script", "style", "noscript", "template", "head", "svg", "canvas", "iframe", "object", "select", "button"];
-/// Elements that start and end a block (their text goes on lines of its own).
-const HTML_BLOCKS: &[&str] = &[
-    "address", "article", "aside", "blockquote", "body", "dd", "details", "div", "dl", "dt", "fieldset", "figcaption",
-    "figure", "footer", "form", "h1", "h2", "h3", "h4", "h5", "h6", "header", "hr", "li", "main", "nav", "ol", "p",
-    "pre", "section", "summary", "table", "tr", "ul", "caption",
-];
-
-/// The text of an HTML page as a reader sees it, and its `<title>`: scripts, styles and other
-/// non-text elements dropped, blocks on lines of their own, list items marked, table cells
-/// separated, whitespace collapsed outside `<pre>`.
-fn html_to_text(html: &str) -> (String, Option<String>) {
-    let doc = scraper::Html::parse_document(html);
-    let title = scraper::Selector::parse("title")
-        .ok()
-        .and_then(|s| doc.select(&s).next().map(|t| collapse_spaces(&t.text().collect::<String>())));
-    let mut out = String::with_capacity(html.len() / 2);
-    walk_html(doc.tree.root(), &mut out, false);
-    (out, title)
-}
-
-/// The text under `root`, in document order. An explicit stack, not recursion: the depth is
-/// the document's (bounded by [`html_depth`] before parsing, but never trusted with the stack).
-fn walk_html(root: ego_tree::NodeRef<'_, scraper::Node>, out: &mut String, pre: bool) {
-    enum Step<'a> {
-        Node(ego_tree::NodeRef<'a, scraper::Node>, bool),
-        End(&'a str, bool),
-    }
-    let mut stack: Vec<Step<'_>> = root.children().rev().map(|c| Step::Node(c, pre)).collect();
-    while let Some(step) = stack.pop() {
-        let (child, pre) = match step {
-            Step::Node(child, pre) => (child, pre),
-            Step::End(name, block) => {
-                match name {
-                    "td" | "th" => out.push_str(" | "),
-                    _ if block => {
-                        trim_line_end(out);
-                        line_break(out);
-                    }
-                    _ => {}
-                }
-                continue;
-            }
-        };
-        match child.value() {
-            scraper::Node::Text(t) => {
-                if pre {
-                    out.push_str(t);
-                } else {
-                    let s = collapse_spaces(t);
-                    if !s.is_empty() {
-                        let starts_space = t.starts_with(char::is_whitespace);
-                        if starts_space && !out.is_empty() && !out.ends_with([' ', '\n']) {
-                            out.push(' ');
-                        }
-                        out.push_str(&s);
-                        if t.ends_with(char::is_whitespace) {
-                            out.push(' ');
-                        }
-                    }
-                }
-            }
-            scraper::Node::Element(e) => {
-                let name = e.name();
-                if HTML_SKIPPED.contains(&name) {
-                    continue;
-                }
-                let block = HTML_BLOCKS.contains(&name);
-                if block {
-                    trim_line_end(out);
-                    line_break(out);
-                    if matches!(name, "p" | "h1" | "h2" | "h3" | "h4" | "h5" | "h6" | "pre" | "blockquote" | "table") {
-                        block_break(out);
-                    }
-                }
-                match name {
-                    "br" => {
-                        trim_line_end(out);
-                        out.push('\n');
-                    }
-                    "li" => out.push_str("- "),
-                    "img" => {
-                        if let Some(alt) = e.attr("alt").map(collapse_spaces).filter(|a| !a.is_empty()) {
-                            out.push_str(&alt);
-                        }
-                    }
-                    _ => {}
-                }
-                stack.push(Step::End(name, block));
-                let inner = pre || name == "pre";
-                stack.extend(child.children().rev().map(|c| Step::Node(c, inner)));
-            }
-            _ => {}
-        }
-    }
-}
-
-fn trim_line_end(out: &mut String) {
+pub(super) fn trim_line_end(out: &mut String) {
     while out.ends_with(' ') || out.ends_with('\t') {
         out.pop();
     }
 }
 
-fn collapse_spaces(s: &str) -> String {
+pub(super) fn collapse_spaces(s: &str) -> String {
     s.split_whitespace().collect::<Vec<_>>().join(" ")
-}
-
-// ---------- PDF ----------
-
-struct PdfText {
-    text: String,
-    title: Option<String>,
-    pages: usize,
-}
-
-/// The PDF's text layer, page by page, under `limits`: its nesting depth is measured before it
-/// is parsed, its objects and pages counted, and every compressed stream the text extractor may
-/// read is first inflated through a bounded reader (so that the extractor's own unbounded
-/// inflating only ever meets streams known to fit). A PDF that opens only with a password is
-/// refused (one with an empty user password, "owner-locked", opens and is read). The extractor
-/// panics on some malformed files: a panic is that file's error, never the server's.
-fn pdf_to_text(bytes: &[u8], what: &str, limits: &Limits) -> Result<PdfText, ExtractError> {
-    let unreadable = |detail: String| ExtractError::UnreadablePdf { what: what.to_string(), detail };
-    let complex = |limit, value: u64, max: u64| ExtractError::TooComplex { what: what.to_string(), limit, value, max };
-    if !bytes.trim_ascii_start().starts_with(b"%PDF-") {
-        return Err(unreadable("it does not start with a PDF header".into()));
-    }
-    pdf_depth(bytes, limits.max_depth).map_err(|d| complex("nesting depth", d, limits.max_depth))?;
-    let caught = std::panic::catch_unwind(|| -> Result<PdfText, ExtractError> {
-        // Opening decrypts with the empty user password when that is the password.
-        let doc = lopdf::Document::load_mem(bytes).map_err(|e| unreadable(e.to_string()))?;
-        if doc.is_encrypted() && doc.authenticate_password("").is_err() {
-            return Err(ExtractError::EncryptedPdf { what: what.to_string() });
-        }
-        let objects = doc.objects.len() as u64;
-        if objects > limits.max_objects {
-            return Err(complex("object count", objects, limits.max_objects));
-        }
-        pdf_inflate_budget(&doc, what, limits)?;
-        let pages: Vec<u32> = doc.get_pages().keys().copied().collect();
-        if pages.len() as u64 > limits.max_pages {
-            return Err(complex("page count", pages.len() as u64, limits.max_pages));
-        }
-        let mut text = String::new();
-        for &n in &pages {
-            let mut page = String::new();
-            let mut output = pdf_extract::PlainTextOutput::new(&mut page);
-            pdf_extract::output_doc_page(&doc, &mut output, n)
-                .map_err(|e| unreadable(format!("page {n}: {e}")))?;
-            if !text.is_empty() {
-                text.push_str("\n\n");
-            }
-            text.push_str(&page);
-            // Bytes bound characters from above: cheap to check as the text grows.
-            if text.len() as u64 > limits.max_output_chars.saturating_mul(4) {
-                let value = text.chars().count() as u64;
-                return Err(ExtractError::TooLarge {
-                    what: what.to_string(),
-                    limit: "extracted text in characters",
-                    value,
-                    max: limits.max_output_chars,
-                });
-            }
-        }
-        Ok(PdfText { text, title: pdf_title(&doc), pages: pages.len() })
-    });
-    caught.unwrap_or_else(|_| Err(unreadable("its structure is malformed (the text extractor gave up)".into())))
-}
-
-/// Inflates every FlateDecode stream but images' (the text extractor never decodes those)
-/// through a reader that stops one byte past the budget: one stream past `max_stream_bytes`, or
-/// all of them past `max_inflated_bytes`, refuses the file. A stream that does not inflate is
-/// left to the extractor (which reads what it can).
-fn pdf_inflate_budget(doc: &lopdf::Document, what: &str, limits: &Limits) -> Result<(), ExtractError> {
-    use std::io::Read;
-    let mut total = 0u64;
-    let mut buf = Vec::new();
-    for object in doc.objects.values() {
-        let lopdf::Object::Stream(stream) = object else { continue };
-        let is_image = stream.dict.get(b"Subtype").and_then(|s| s.as_name()).is_ok_and(|n| n == b"Image");
-        let flate = stream.filters().is_ok_and(|f| f.iter().any(|f| *f == b"FlateDecode" || *f == b"Fl"));
-        if is_image || !flate {
-            continue;
-        }
-        buf.clear();
-        let budget = limits.max_stream_bytes.min(limits.max_inflated_bytes - total);
-        let mut reader = flate2::read::ZlibDecoder::new(stream.content.as_slice()).take(budget + 1);
-        // A corrupt stream still counts what it gave before the fault.
-        let _ = reader.read_to_end(&mut buf);
-        let n = buf.len() as u64;
-        if n > limits.max_stream_bytes {
-            let max = limits.max_stream_bytes;
-            return Err(ExtractError::Decompression { what: what.to_string(), limit: "one stream", value: n, max });
-        }
-        total += n;
-        if n > budget {
-            let max = limits.max_inflated_bytes;
-            return Err(ExtractError::Decompression { what: what.to_string(), limit: "all streams", value: total, max });
-        }
-    }
-    Ok(())
-}
-
-/// Refuses a PDF whose arrays and dictionaries nest deeper than `max` (`Err(depth reached)`), by
-/// a linear scan of its bytes: strings, comments and stream data are skipped.
-fn pdf_depth(pdf: &[u8], max: u64) -> Result<(), u64> {
-    let mut depth = 0u64;
-    let mut i = 0;
-    while i < pdf.len() {
-        match pdf[i] {
-            b'%' => {
-                while i < pdf.len() && pdf[i] != b'\n' && pdf[i] != b'\r' {
-                    i += 1;
-                }
-            }
-            b'(' => {
-                // A literal string: balanced parentheses, backslash escapes.
-                let mut level = 0usize;
-                while i < pdf.len() {
-                    match pdf[i] {
-                        b'\\' => i += 1,
-                        b'(' => level += 1,
-                        b')' => {
-                            level -= 1;
-                            if level == 0 {
-                                break;
-                            }
-                        }
-                        _ => {}
-                    }
-                    i += 1;
-                }
-            }
-            b'[' => depth += 1,
-            b'<' if pdf.get(i + 1) == Some(&b'<') => {
-                depth += 1;
-                i += 1;
-            }
-            b']' => depth = depth.saturating_sub(1),
-            b'>' if pdf.get(i + 1) == Some(&b'>') => {
-                depth = depth.saturating_sub(1);
-                i += 1;
-            }
-            b's' if pdf[i..].starts_with(b"stream") && (i == 0 || !pdf[i - 1].is_ascii_alphabetic()) => {
-                i = pdf[i..].windows(9).position(|w| w == b"endstream").map_or(pdf.len(), |p| i + p + 9);
-                continue;
-            }
-            _ => {}
-        }
-        if depth > max {
-            return Err(depth);
-        }
-        i += 1;
-    }
-    Ok(())
-}
-
-/// The document information dictionary's `Title`, when it is a readable string.
-fn pdf_title(doc: &lopdf::Document) -> Option<String> {
-    let info = doc.trailer.get(b"Info").ok()?;
-    let info = match info {
-        lopdf::Object::Reference(id) => doc.get_dictionary(*id).ok()?,
-        lopdf::Object::Dictionary(d) => d,
-        _ => return None,
-    };
-    let title = info.get(b"Title").ok()?;
-    let s = lopdf::decode_text_string(title).ok()?;
-    Some(collapse_spaces(&s))
 }
 
 #[cfg(test)]
@@ -779,7 +412,9 @@ mod tests {
         assert_eq!(e.code(), "unsupported_format", "{e}");
         let e = extract(b"words", Some("a.docx"), Some("application/vnd.openxmlformats-officedocument.wordprocessingml.document"))
             .unwrap_err();
-        assert_eq!(e.code(), "unsupported_format");
+        assert_eq!(e.code(), "unreadable_document", "{e}");
+        let e = extract(b"words", Some("a.xlsx"), Some("application/vnd.ms-excel")).unwrap_err();
+        assert_eq!(e.code(), "unsupported_format", "{e}");
         let e = extract(b"not a pdf", Some("a.pdf"), None).unwrap_err();
         assert_eq!(e.code(), "unreadable_pdf");
         let e = extract(b"caf\xe9", Some("a.txt"), None).unwrap_err();
@@ -809,6 +444,18 @@ mod tests {
     }
 
     #[test]
+    fn markdown_and_html_titles_come_from_the_first_heading() {
+        let title = |bytes: &[u8], name| extract(bytes, Some(name), None).unwrap().title;
+        assert_eq!(title(b"# The *Harbor* of Velmora\n\ntext\n\n# Later\n", "a.md").as_deref(), Some("The Harbor of Velmora"));
+        assert_eq!(title(b"Opening words.\n\nSetext heading\n---\n\n# Later\n", "b.md").as_deref(), Some("Setext heading"));
+        assert_eq!(title(b"no heading at all\n", "c.md"), None);
+        assert_eq!(title(b"#\n\n## Second\n", "d.md").as_deref(), Some("Second"), "an empty heading is no title");
+        assert_eq!(title(b"<p>intro</p><h2>Chapter <b>One</b></h2><h1>Later</h1>", "e.html").as_deref(), Some("Chapter One"));
+        assert_eq!(title(b"<title>Page</title><h1>Heading</h1>", "f.html").as_deref(), Some("Page"));
+        assert_eq!(title(b"<title> </title><h1>Heading</h1>", "g.html").as_deref(), Some("Heading"));
+    }
+
+    #[test]
     fn text_is_tidied_but_kept() {
         let e = extract("\u{feff}\n\nline one   \n\n\n\nline two\n".as_bytes(), Some("t.txt"), None).unwrap();
         assert_eq!(e.text, "line one\n\nline two");
@@ -834,6 +481,36 @@ mod pdf_tests {
     }
 
     #[test]
+    fn every_text_showing_operator_is_read() {
+        // Standard Helvetica, an uncompressed content stream: `'` moves to the next line and shows
+        // a string, `"` sets word and character spacing first; `\256` is the fi ligature.
+        let content = "BT /F1 12 Tf 14 TL 72 720 Td (First line by Tj.) Tj (Second line by quote.) ' \
+            1 0 (Third line by double quote.) \" T* [(Fourth) -300 (line by TJ, \\256ve.)] TJ T* (Last.) Tj ET";
+        let pdf = write_pdf(PdfPages::Content(&[content]), "Quotes", None).unwrap();
+        assert!(!pdf.windows(11).any(|w| w == b"FlateDecode"), "the stream is uncompressed");
+        let e = extract(&pdf, Some("quotes.pdf"), None).unwrap();
+        let lines: Vec<String> = e.text.lines().map(|l| l.split_whitespace().collect::<Vec<_>>().join(" ")).collect();
+        assert_eq!(
+            lines,
+            ["First line by Tj.", "Second line by quote.", "Third line by double quote.", "Fourth line by TJ, five.", "Last."],
+            "{:?}",
+            e.text
+        );
+    }
+
+    #[test]
+    fn a_cid_font_with_a_to_unicode_map_and_width_ranges_is_read() {
+        // Each string placed where the previous one ends (two glyphs of 500 units at 12 pt: 12 pt
+        // on); a space is a gap. Read with the default width (0), "ab" would end at once and
+        // every placed string would start a new word.
+        let content = "BT /F1 12 Tf 72 720 Td <00010002> Tj 12 0 Td <0003> Tj 6 0 Td <0004> Tj \
+            18 0 Td <0005000600070008> Tj 0 -14 Td <001A0019> Tj ET";
+        let pdf = write_pdf(PdfPages::CidContent(&[content]), "CID", None).unwrap();
+        let e = extract(&pdf, Some("cid.pdf"), None).unwrap();
+        assert_eq!(e.text, "abcd efgh\nzy", "{:?}", e.text);
+    }
+
+    #[test]
     fn locked_scanned_and_broken_pdfs_are_refused_with_their_reason() {
         let locked = write_pdf(PdfPages::Text(&["secret plans"]), "Locked", Some("user-secret")).unwrap();
         assert_eq!(extract(&locked, Some("locked.pdf"), None).unwrap_err().code(), "encrypted_pdf");
@@ -848,6 +525,92 @@ mod pdf_tests {
         let mut cut = write_pdf(PdfPages::Text(&["some text"]), "Cut", None).unwrap();
         cut.truncate(cut.len() / 3);
         assert_eq!(extract(&cut, Some("cut.pdf"), None).unwrap_err().code(), "unreadable_pdf");
+    }
+}
+
+#[cfg(test)]
+mod zipped_tests {
+    use super::*;
+    use crate::testing::packages::{docx, docx_paragraph, epub, odt, zip};
+
+    #[test]
+    fn a_docx_gives_its_paragraphs_in_order_and_headings_as_lines() {
+        let body = [
+            docx_paragraph("The Harbor of Velmora", Some("Title")),
+            docx_paragraph("History", Some("Heading1")),
+            r#"<w:p><w:pPr><w:tabs><w:tab w:val="left" w:pos="720"/></w:tabs></w:pPr><w:r><w:t xml:space="preserve">Built in 1843 </w:t></w:r><w:r><w:rPr><w:b/></w:rPr><w:t>by Ada</w:t></w:r><w:r><w:tab/><w:t>&amp; friends&#8230;</w:t></w:r></w:p>"#.into(),
+            r#"<w:p><w:r><w:delText>deleted words</w:delText><w:instrText>PAGEREF x</w:instrText><w:t>Kept.</w:t><w:br/><w:t>Next line.</w:t></w:r></w:p>"#.into(),
+            r#"<w:p><w:pPr><w:numPr><w:ilvl w:val="0"/></w:numPr></w:pPr><w:r><w:t>north pier</w:t></w:r></w:p>"#.into(),
+            r#"<w:p><w:pPr><w:numPr/></w:pPr><w:r><w:t>east pier</w:t></w:r></w:p><w:p/>"#.into(),
+            r#"<w:tbl><w:tr><w:tc><w:p><w:r><w:t>cell a</w:t></w:r></w:p></w:tc><w:tc><w:p><w:r><w:t>cell b</w:t></w:r></w:p></w:tc></w:tr></w:tbl>"#.into(),
+            // A text box: its drawing, then the same box again as a fallback.
+            r#"<w:p><w:r><mc:AlternateContent><mc:Choice Requires="wps"><w:drawing><w:txbxContent><w:p><w:r><w:t>boxed</w:t><w:noBreakHyphen/><w:t>words</w:t></w:r></w:p></w:txbxContent></w:drawing></mc:Choice><mc:Fallback><w:pict><w:txbxContent><w:p><w:r><w:t>boxed again</w:t></w:r></w:p></w:txbxContent></w:pict></mc:Fallback></mc:AlternateContent></w:r></w:p>"#.into(),
+        ]
+        .concat();
+        let file = docx(&body, None);
+        let e = extract(&file, Some("harbor.docx"), None).unwrap();
+        assert_eq!(e.source.format, Format::Docx);
+        assert_eq!(e.title.as_deref(), Some("The Harbor of Velmora"), "the first heading, when the file has no title");
+        assert_eq!(
+            e.text,
+            "The Harbor of Velmora\n\nHistory\n\nBuilt in 1843 by Ada\t& friends\u{2026}\n\nKept.\nNext line.\nnorth pier\neast pier\ncell a\ncell b\n\nboxed-words"
+        );
+        // Told by its bytes too; the package's own title comes first.
+        let e = extract(&docx(&body, Some("Velmora &amp; Co")), None, Some("application/octet-stream")).unwrap();
+        assert_eq!((e.source.format, e.title.as_deref()), (Format::Docx, Some("Velmora & Co")));
+        let e = extract(&docx("<w:p/><w:p><w:r><w:t> </w:t></w:r></w:p>", None), Some("empty.docx"), None).unwrap_err();
+        assert_eq!(e.code(), "no_text", "{e}");
+    }
+
+    #[test]
+    fn an_odt_gives_its_headings_and_paragraphs_with_odf_spacing() {
+        let body = r#"<text:sequence-decls><text:sequence-decl text:name="Figure"/></text:sequence-decls><text:h text:outline-level="1">Kestrel Observatory</text:h><text:p>Founded   in <text:span>1902</text:span>,<text:s text:c="2"/>on the ridge.<text:note><text:note-citation>1</text:note-citation><text:note-body><text:p>A footnote.</text:p></text:note-body></text:note></text:p><text:list><text:list-item><text:p>dome</text:p></text:list-item><text:list-item><text:p>telescope</text:p></text:list-item></text:list><text:p>Line one<text:line-break/>line two<text:tab/>tabbed &amp; done.</text:p><text:h text:outline-level="2">Instruments</text:h>"#;
+        let e = extract(&odt(body, None), Some("kestrel.odt"), None).unwrap();
+        assert_eq!(e.source.format, Format::Odt);
+        assert_eq!(e.title.as_deref(), Some("Kestrel Observatory"));
+        assert_eq!(
+            e.text,
+            "Kestrel Observatory\n\nFounded in 1902,  on the ridge.\ndome\ntelescope\n\nLine one\nline two\ttabbed & done.\n\nInstruments"
+        );
+        let e = extract(&odt(body, Some("The Observatory")), None, None).unwrap();
+        assert_eq!((e.source.format, e.title.as_deref()), (Format::Odt, Some("The Observatory")));
+    }
+
+    #[test]
+    fn an_epub_gives_its_chapters_in_spine_order() {
+        let file = epub(
+            "The Voyage",
+            &[("chapter 1.xhtml", "<h1>Arrival</h1><p>The ship came in.</p>"), ("ch2.xhtml", "<h2>Departure</h2><p>It left &amp; sailed.</p>")],
+        );
+        let e = extract(&file, Some("voyage.epub"), None).unwrap();
+        assert_eq!(e.source.format, Format::Epub);
+        assert_eq!(e.title.as_deref(), Some("The Voyage"));
+        assert_eq!(e.text, "Arrival\n\nThe ship came in.\n\nDeparture\n\nIt left & sailed.");
+        assert_eq!(extract(&file, None, None).unwrap().source.format, Format::Epub);
+    }
+
+    #[test]
+    fn broken_and_protected_packages_are_refused_with_their_reason() {
+        let e = extract(b"PK\x03\x04 not really a zip", Some("x.docx"), None).unwrap_err();
+        assert_eq!((e.code(), e.status()), ("unreadable_document", 422), "{e}");
+        assert!(e.to_string().contains("Word (.docx)"), "{e}");
+        let e = extract(&zip(&[("mimetype", b"application/vnd.oasis.opendocument.text")]), Some("x.odt"), None).unwrap_err();
+        assert!(e.code() == "unreadable_document" && e.to_string().contains("content.xml"), "{e}");
+        let e = extract(&odt("<text:p>unclosed", None), Some("x.odt"), None).unwrap_err();
+        assert_eq!(e.code(), "unreadable_document", "{e}");
+        let e = extract(&zip(&[("mimetype", b"application/epub+zip")]), Some("x.epub"), None).unwrap_err();
+        assert_eq!(e.code(), "unreadable_document", "{e}");
+        // An encrypted Word file is an OLE compound file with an EncryptionInfo stream.
+        let mut ole = b"\xD0\xCF\x11\xE0\xA1\xB1\x1A\xE1".to_vec();
+        ole.extend_from_slice(&[0; 512]);
+        ole.extend("EncryptionInfo".encode_utf16().flat_map(u16::to_le_bytes));
+        let e = extract(&ole, Some("locked.docx"), None).unwrap_err();
+        assert_eq!((e.code(), e.status()), ("encrypted_document", 422), "{e}");
+        let e = extract(&ole[..520], Some("old.docx"), None).unwrap_err();
+        assert!(e.code() == "unreadable_document" && e.to_string().contains(".doc)"), "{e}");
+        let manifest = br#"<manifest:manifest><manifest:file-entry manifest:full-path="content.xml"><manifest:encryption-data/></manifest:file-entry></manifest:manifest>"#;
+        let locked = zip(&[("mimetype", b"application/vnd.oasis.opendocument.text"), ("META-INF/manifest.xml", manifest), ("content.xml", b"\x01\x02")]);
+        assert_eq!(extract(&locked, Some("locked.odt"), None).unwrap_err().code(), "encrypted_document");
     }
 }
 
@@ -930,12 +693,49 @@ mod budget_tests {
     /// file's `unreadable_pdf`.
     #[test]
     fn fuzz_crashes_stay_the_files_errors() {
-        let crash = include_bytes!("../fuzz/regressions/extract_pdf/crash-944709c2dd82d9f0a3a0e37c1896568cae2447f3");
+        let crash = include_bytes!("../../fuzz/regressions/extract_pdf/crash-944709c2dd82d9f0a3a0e37c1896568cae2447f3");
         let e = extract(crash, Some("crash.pdf"), None).unwrap_err();
         assert_eq!(e.code(), "unreadable_pdf", "{e}");
         // A slow unit (15 s under the fuzzer's sanitizers): a page nested 15,000 deep behind `<!-->`.
-        let slow = include_bytes!("../fuzz/regressions/extract_html/slow-unit-b4b2d85f7e602bd23bc0b42129cf1b3b23d44e03");
+        let slow = include_bytes!("../../fuzz/regressions/extract_html/slow-unit-b4b2d85f7e602bd23bc0b42129cf1b3b23d44e03");
         assert_eq!(refused(slow, "slow.html").code(), "document_too_complex");
+    }
+
+    #[test]
+    fn zip_bombs_and_deep_xml_are_refused_in_bounded_time() {
+        use crate::testing::packages::{docx, odt, zip};
+        // 64 MiB of one byte deflates to 64 KiB: the member stops inflating past 8 MiB.
+        let spaces = vec![b' '; 64 << 20];
+        let bomb = zip(&[("word/document.xml", &spaces)]);
+        assert!(bomb.len() < 1 << 20, "{}", bomb.len());
+        let e = refused(&bomb, "bomb.docx");
+        assert_eq!((e.code(), e.status()), ("decompression_limit", 413), "{e}");
+        assert!(e.to_string().contains("one archive member passed 8388608 bytes"), "{e}");
+        // Members under the per-member budget add up to the total one.
+        let limits = Limits { max_inflated_bytes: 1 << 10, ..Limits::default() };
+        let e = extract_with(&odt(&"<text:p>words words</text:p>".repeat(100), None), Some("a.odt"), None, &limits).unwrap_err();
+        assert!(e.code() == "decompression_limit" && e.to_string().contains("all archive members"), "{e}");
+        // Entries past the budget, counted before the archive is opened: a real one and a forged
+        // end record that declares 4 billion (ZIP64's count).
+        let names: Vec<String> = (0..10_001).map(|i| format!("m{i}")).collect();
+        let many = zip(&names.iter().map(|n| (n.as_str(), &b""[..])).collect::<Vec<_>>());
+        let e = refused(&many, "many.docx");
+        assert_eq!((e.code(), e.status()), ("document_too_complex", 422), "{e}");
+        assert!(e.to_string().contains("archive entries reached 10001; the limit is 10000"), "{e}");
+        let mut forged = b"PK\x03\x04".to_vec();
+        let zip64_at = forged.len() as u64;
+        forged.extend(b"PK\x06\x06".iter().chain(&[0u8; 28]).chain(&4_000_000_000u64.to_le_bytes()).chain(&[0u8; 16]));
+        forged.extend(b"PK\x06\x07".iter().chain(&[0u8; 4]).chain(&zip64_at.to_le_bytes()).chain(&[0u8; 4]));
+        forged.extend(b"PK\x05\x06".iter().chain(&[0u8; 6]).chain(&[0xFF, 0xFF]).chain(&[0u8; 10]));
+        let e = refused(&forged, "forged.epub");
+        assert!(e.to_string().contains("archive entries reached 4000000000"), "{e}");
+        // XML nested 100,000 deep is streamed, never recursed into, and refused at the depth budget.
+        let deep = docx(&format!("{}<w:t>x</w:t>", "<w:p>".repeat(100_000)), None);
+        let e = refused(&deep, "deep.docx");
+        assert_eq!(e.code(), "document_too_complex", "{e}");
+        assert!(e.to_string().contains("nesting depth reached 257"), "{e}");
+        let deep = crate::testing::packages::epub("Deep", &[("c.xhtml", &"<div>".repeat(100_000))]);
+        assert_eq!(refused(&deep, "deep.epub").code(), "document_too_complex");
     }
 
     #[test]
