@@ -466,7 +466,9 @@ impl Decoder {
             device: device.clone(),
             dtype,
             rope_interleaved: false,
-            float_prefill_min_rows: 16,
+            // `LIFT_FLOAT_MIN_ROWS=1` (a diagnostic) runs decode rows through the float weights
+            // too, as on CUDA, to tell the int8 kernel's arithmetic from a device's.
+            float_prefill_min_rows: std::env::var("LIFT_FLOAT_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(16),
             float_batch_min_rows: if packed { usize::MAX } else { 6 },
             base_adapter: None,
             base_merged: false,

@@ -12,7 +12,10 @@ use std::sync::{Arc, OnceLock};
 /// The dtype of the frozen float weights and of the decoder's activations on `device`: f32 on
 /// the CPU (our fused ops are f32), bf16 on CUDA.
 pub fn base_dtype(device: &Device) -> DType {
-    if device.is_cuda() {
+    // `LIFT_CUDA_DTYPE=f32` (a diagnostic) keeps the frozen base in f32 on CUDA too, to tell
+    // bf16's arithmetic from a bug in a CUDA path when the GPU answers differ from the CPU's.
+    let f32_asked = std::env::var("LIFT_CUDA_DTYPE").is_ok_and(|v| v.eq_ignore_ascii_case("f32"));
+    if device.is_cuda() && !f32_asked {
         DType::BF16
     } else {
         DType::F32
