@@ -17,6 +17,8 @@
 #   FLASH_ATTN=1 scripts/cuda_compile_check.sh # also `cargo check --features cuda,flash-attn`
 #                                              # (compiles flash-attn's kernels: very long)
 # PORTABLE_ONLY=1 with GPU_TESTS=1 builds only the portable GPU binaries (skips the all-targets build).
+# CHECK_ONLY=1 runs `cargo check` instead of the build (kernels compiled, Rust type-checked, not
+# linked): CI's setting.
 # Environment: VENV (default /tmp/lift-cuda-venv; kept between runs, so a second run only
 # rebuilds what changed), CUDA_COMPUTE_CAP (default 80), CARGO_TARGET_DIR (the CUDA build goes to
 # its `cuda/` subfolder so it never replaces the CPU build's binaries).
@@ -98,7 +100,14 @@ export LIBRARY_PATH="$ROOT/lib:$ROOT/lib/stubs${LIBRARY_PATH:+:$LIBRARY_PATH}"
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}/cuda"
 nvcc --version | tail -2
 
-if [ "${PORTABLE_ONLY:-0}" != 1 ]; then
+if [ "${CHECK_ONLY:-0}" = 1 ]; then
+    # Type-checks every CUDA path and compiles the kernels (build scripts run), without code
+    # generation or linking: what CI runs, at a fraction of the build's time.
+    step "cargo check --release --features cuda --all-targets (into $CARGO_TARGET_DIR)"
+    start=$(date +%s)
+    cargo check --release --features cuda --all-targets
+    echo "cuda check: $(($(date +%s) - start)) s"
+elif [ "${PORTABLE_ONLY:-0}" != 1 ]; then
     step "cargo build --release --features cuda --all-targets (into $CARGO_TARGET_DIR)"
     start=$(date +%s)
     cargo build --release --features cuda --all-targets

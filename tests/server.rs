@@ -2201,6 +2201,8 @@ async fn an_adapter_directory_is_served_after_import() {
     let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "mode": "lift"}), Some("key-a")).await;
     assert_eq!(s, 200, "{a}");
     assert_eq!(a["mode"], "lift", "{a}");
+    running.shutdown().await;
+}
 
 /// `dry_run`: the cost of an absorb (planned steps, training tokens, time at the measured rate)
 /// and the options' warnings before anything is stored; the 202 carries the same estimate; the
