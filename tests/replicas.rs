@@ -3,6 +3,9 @@
 //! blob store, real HTTP. Killing a replica is SIGKILL; restarting the database is `pg_ctl stop`
 //! then start on the same port.
 
+mod common;
+
+use common::{get_json, metric, post_json};
 use lift_serve::testing::{write_tiny_server_setup, PgCluster};
 use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
@@ -102,15 +105,11 @@ fn client() -> Client {
 }
 
 async fn get(url: &str, key: &str) -> (StatusCode, Value) {
-    let resp = client().get(url).bearer_auth(key).send().await.unwrap();
-    let s = resp.status();
-    (s, resp.json().await.unwrap_or(Value::Null))
+    get_json(&client(), url, Some(key)).await
 }
 
 async fn post(url: &str, body: Value, key: &str) -> (StatusCode, Value) {
-    let resp = client().post(url).json(&body).bearer_auth(key).send().await.unwrap();
-    let s = resp.status();
-    (s, resp.json().await.unwrap_or(Value::Null))
+    post_json(&client(), url, body, Some(key)).await
 }
 
 async fn wait_status(r: &Replica, id: &str, key: &str, want: &str, secs: u64) -> Value {
@@ -125,10 +124,6 @@ async fn wait_status(r: &Replica, id: &str, key: &str, want: &str, secs: u64) ->
         assert!(Instant::now() < deadline, "{id} never became {want}: {d}\n{}", r.log_text());
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-fn metric(text: &str, name: &str) -> f64 {
-    text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
 }
 
 fn archives(dir: &Path) -> Vec<String> {

@@ -1,6 +1,9 @@
 //! HTTP server integration tests: a real socket on 127.0.0.1:0, the tiny random model, a temp
 //! adapters directory and tiny absorb options; a real HTTP client (reqwest).
 
+mod common;
+
+use common::{get_json, post_json};
 use lift_serve::server::{self, Running, ServeConfig};
 use lift_serve::testing::write_tiny_server_setup;
 use reqwest::{Client, StatusCode};
@@ -51,26 +54,6 @@ async fn start(c: ServeConfig) -> (Running, String) {
 
 fn client() -> Client {
     Client::builder().timeout(Duration::from_secs(120)).build().unwrap()
-}
-
-async fn get_json(c: &Client, url: &str, key: Option<&str>) -> (StatusCode, Value) {
-    let mut r = c.get(url);
-    if let Some(k) = key {
-        r = r.bearer_auth(k);
-    }
-    let resp = r.send().await.unwrap();
-    let s = resp.status();
-    (s, resp.json().await.unwrap_or(Value::Null))
-}
-
-async fn post_json(c: &Client, url: &str, body: Value, key: Option<&str>) -> (StatusCode, Value) {
-    let mut r = c.post(url).json(&body);
-    if let Some(k) = key {
-        r = r.bearer_auth(k);
-    }
-    let resp = r.send().await.unwrap();
-    let s = resp.status();
-    (s, resp.json().await.unwrap_or(Value::Null))
 }
 
 async fn wait_ready(c: &Client, base: &str, id: &str, key: Option<&str>) -> Value {
@@ -893,6 +876,8 @@ async fn wait_engine(running: &Running, what: &str, cond: impl Fn(&lift_serve::e
 }
 
 /// A metric's value in the Prometheus text.
+
+/// A metric's value; the test fails when the server does not report it.
 fn metric(text: &str, name: &str) -> f64 {
     text.lines()
         .find_map(|l| l.strip_prefix(name).and_then(|v| v.strip_prefix(' ')))
