@@ -43,9 +43,26 @@ pub const KNOWN_MODELS: &[KnownModel] = &[
     },
 ];
 
-/// The models directory: `$LIFT_MODELS_DIR`, else `models/` under the current directory.
+/// The models directory: `$LIFT_MODELS_DIR`, else `models/` (see [`project_dir`]).
 pub fn models_dir() -> PathBuf {
-    std::env::var_os("LIFT_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("models"))
+    std::env::var_os("LIFT_MODELS_DIR").map(PathBuf::from).unwrap_or_else(|| project_dir("models"))
+}
+
+/// `name/` under the current directory when it is there; else the first `name/` beside the
+/// running binary or up to three folders above it (a checkout's `target/release/lift-serve`
+/// finds the checkout's `models/`, `base/`, `data/` from any working directory); else `name/`
+/// under the current directory (where a fetch will put it).
+pub fn project_dir(name: &str) -> PathBuf {
+    let here = PathBuf::from(name);
+    if here.exists() {
+        return here;
+    }
+    let exe = std::env::current_exe().ok().and_then(|e| e.canonicalize().ok());
+    exe.iter()
+        .flat_map(|e| e.ancestors().skip(1).take(4))
+        .map(|d| d.join(name))
+        .find(|d| d.is_dir())
+        .unwrap_or(here)
 }
 
 /// Path of the default model (whether or not it has been fetched).

@@ -233,7 +233,8 @@ struct ModelArgs {
     #[arg(long, env = "LIFT_MODEL")]
     model: Option<PathBuf>,
     /// Prepared base (directory written by `prepare-base`) under every document adapter, or
-    /// `none`; default: `base/` in the working directory if it holds one.
+    /// `none`; default: `base/` if it holds one (the working directory's, else the checkout's
+    /// beside the binary).
     #[arg(long, env = "LIFT_PREPARED_BASE")]
     prepared_base: Option<String>,
 }

@@ -1382,8 +1382,7 @@ async fn special_tokens_in_user_text_stay_text() {
 async fn cli_generate_and_chat_endpoint_answer_alike() {
     let model = lift_serve::fetch::resolve_model(None).unwrap();
     let tmp = tempfile::tempdir().unwrap();
-    // The server over the shipped prepared base, as `lift-serve serve` runs from the repository;
-    // `generate` finds the same base by default (`base/` in the working directory).
+    // The server over the shipped prepared base, as `lift-serve serve` runs from the repository.
     let mut cfg = ServeConfig::new(model.clone(), tmp.path().join("adapters"));
     cfg.prepared_base = Some(concat!(env!("CARGO_MANIFEST_DIR"), "/base").into());
     let (running, base) = start(cfg).await;
@@ -1395,11 +1394,15 @@ async fn cli_generate_and_chat_endpoint_answer_alike() {
     let (s, v) = post_json(&c, &format!("{base}/v1/chat/completions"), body, None).await;
     assert_eq!(s, 200, "{v}");
     running.shutdown().await;
+    // From another working directory, nothing named: the binary finds the checkout's model and
+    // prepared base beside it (the same answer proves the base was found too).
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
-        .args(["generate", "--max-tokens", "8", "--temperature", "0", "--model"])
-        .arg(&model)
+        .args(["generate", "--max-tokens", "8", "--temperature", "0"])
         .arg(prompt)
-        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .current_dir(tmp.path())
+        .env_remove("LIFT_MODEL")
+        .env_remove("LIFT_MODELS_DIR")
+        .env_remove("LIFT_PREPARED_BASE")
         .env("RUST_LOG", "info")
         .output()
         .unwrap();

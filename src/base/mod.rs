@@ -253,7 +253,7 @@ pub fn resolve(arg: Option<&str>) -> Option<PathBuf> {
     match arg {
         Some("none") => None,
         Some(p) => Some(PathBuf::from(p)),
-        None => Some(PathBuf::from(DEFAULT_DIR)).filter(|d| d.join(MANIFEST_FILE).is_file()),
+        None => Some(crate::fetch::project_dir(DEFAULT_DIR)).filter(|d| d.join(MANIFEST_FILE).is_file()),
     }
 }
 

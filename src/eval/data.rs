@@ -19,9 +19,9 @@ const STAMP: &str = "SOURCE";
 /// Essays shorter than this (after normalisation) are not used: a few are one-line stubs.
 const MIN_ESSAY_CHARS: usize = 1500;
 
-/// The data directory: `$LIFT_DATA_DIR`, else `data/` under the current directory.
+/// The data directory: `$LIFT_DATA_DIR`, else `data/` (see [`crate::fetch::project_dir`]).
 pub fn data_dir() -> PathBuf {
-    std::env::var_os("LIFT_DATA_DIR").map(PathBuf::from).unwrap_or_else(|| PathBuf::from("data"))
+    std::env::var_os("LIFT_DATA_DIR").map(PathBuf::from).unwrap_or_else(|| crate::fetch::project_dir("data"))
 }
 
 fn stamp_text() -> String {
