@@ -3,7 +3,7 @@
 # SECONDS (default 30) from the seed corpus scripts/fuzz_corpus.py writes. A crash is saved under
 # fuzz/artifacts/<target>/; make it a regression test (see docs/fuzzing.md). cargo-fuzz needs a
 # nightly compiler: on a stable toolchain RUSTC_BOOTSTRAP=1 unlocks its flags.
-# Usage: scripts/fuzz.sh [SECONDS] [TARGET...]
+# Usage: scripts/fuzz.sh [SECONDS] [TARGET...]   (FUZZ_SEED=N: libFuzzer's seed, as CI sets it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-30}
@@ -20,6 +20,6 @@ for t in "${targets[@]}"; do
   features=()
   [ "$t" = request_bodies ] && features=(--features server)
   cargo fuzz run --fuzz-dir fuzz "${features[@]}" "$t" "fuzz/corpus/$t" -- \
-    -max_total_time="$secs" -timeout=20 -rss_limit_mb=2048 -max_len=8388608
+    -max_total_time="$secs" -timeout=20 -rss_limit_mb=2048 -max_len=8388608 ${FUZZ_SEED:+-seed=$FUZZ_SEED}
   echo "fuzz $t: $(($(date +%s) - start)) s"
 done
