@@ -2268,3 +2268,35 @@ async fn dry_run_says_the_cost_before_paying() {
     assert_eq!((v["error"]["code"].as_str(), v["error"]["param"].as_str()), (Some("invalid_type"), Some("include_context")), "{v}");
     running.shutdown().await;
 }
+
+/// A document whose training failed keeps its text: after a restart it still answers from its
+/// passages (`rag`; `lift` answers as `rag`, `memory` needs an adapter), and DELETE removes the
+/// text with the record.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_document_answers_from_its_passages_after_a_restart() {
+    let e = env();
+    std::fs::create_dir_all(&e.adapters).unwrap();
+    let id = format!("doc_{}", "ab".repeat(16));
+    let rec = json!({"id": id, "owner": null, "title": "Velmora", "status": "failed", "tokens": 40, "created_at": 1,
+                     "ready_at": null, "error": "training failed: out of memory", "adapter": null, "options": {}});
+    std::fs::write(e.adapters.join(format!("{id}.job.json")), rec.to_string()).unwrap();
+    let text = e.adapters.join(format!("{id}.pending.txt"));
+    std::fs::write(&text, DOC).unwrap();
+    let (running, base) = start(config(&e, &[])).await;
+    let c = client();
+    let (s, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+    assert_eq!((s, d["status"].as_str()), (StatusCode::OK, Some("failed")), "{d}");
+    assert!(text.exists(), "a failed document's text is kept at start");
+    for (mode, want) in [("rag", "rag"), ("lift", "rag")] {
+        let (s, a) = post_json(&c, &format!("{base}/ask"),
+            json!({"document_id": id, "question": "Who built the harbor?", "mode": mode, "max_tokens": 4, "include_context": true}), None).await;
+        assert_eq!(s, 200, "{mode}: {a}");
+        assert_eq!((a["mode"].as_str(), &a["adapter"]), (Some(want), &Value::Null), "{mode}: {a}");
+    }
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who?", "mode": "memory"}), None).await;
+    assert_eq!(s, 409, "{a}");
+    let resp = c.delete(format!("{base}/documents/{id}")).send().await.unwrap();
+    assert!(resp.status().is_success(), "{}", resp.status());
+    assert!(!text.exists(), "DELETE removes the kept text");
+    running.shutdown().await;
+}

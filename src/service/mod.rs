@@ -546,14 +546,22 @@ impl Service {
     }
 
     /// A document without a saved adapter must be in the store's live documents to be answered
-    /// about: with replicas, one that another replica posted is read from the shared queue.
+    /// about: with replicas, one that another replica posted is read from the shared queue; a
+    /// failed one, from its kept text.
     async fn ensure_live(&self, id: &str, view: &DocumentView) -> Result<(), ServiceError> {
         if self.store.live(id).is_some() {
             return Ok(());
         }
         let not_ready = || ServiceError::NotReady { id: id.to_string(), status: view.status };
-        let Registry::Shared(s) = &self.registry else { return Err(not_ready()) };
-        let text = s.job_text(id).await?.ok_or_else(not_ready)?;
+        let text = match &self.registry {
+            Registry::Shared(s) => s.job_text(id).await?.ok_or_else(not_ready)?,
+            // A document that failed (in this process or an earlier one) answers from its kept text.
+            Registry::Files(_) => {
+                let store = self.store.clone();
+                let id = id.to_string();
+                tokio::task::spawn_blocking(move || store.read_pending_text(&id)).await.map_err(ServiceError::internal)?.ok_or_else(not_ready)?
+            }
+        };
         let model = self.engine.model.clone();
         let document = tokio::task::spawn_blocking(move || encode_answerable(&model, text))
             .await

@@ -152,7 +152,8 @@ impl Records {
                     d.rec.status = Status::Failed;
                     d.rec.error = Some(msg);
                 });
-                self.store.remove_pending_text(id);
+                // Its text is kept: a failed document still answers from its passages (`rag`),
+                // after a restart too; DELETE removes it.
                 self.metrics.job("failed", None);
             }
         }

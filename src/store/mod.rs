@@ -5,7 +5,8 @@
 //! <root>/<id>/              adapter.safetensors, manifest.json, document.txt, document.tokens,
 //!                           qa.json (manifest::save, atomic; see `save_dir`)
 //! <root>/<id>.job.json      the document's record: owner, title, status, error (temp file + rename)
-//! <root>/<id>.pending.txt   the document's text while its job is queued or training (atomic)
+//! <root>/<id>.pending.txt   the document's text while it has no adapter: queued, training or
+//!                           failed (a failed document answers from its passages; atomic)
 //! ```
 //! The record is kept beside the adapter directory, not in it, because `manifest::save` publishes
 //! a whole directory atomically and refuses to replace one that is not an adapter. On start,
@@ -318,6 +319,11 @@ impl Store {
         write_atomic(&self.pending_path(id), text.as_bytes())
     }
 
+    /// The kept text of a document without an adapter (queued, training or failed), if any.
+    pub fn read_pending_text(&self, id: &str) -> Option<String> {
+        std::fs::read_to_string(self.pending_path(id)).ok()
+    }
+
     /// Drops the kept text (the job ended; a saved adapter has its own copy).
     pub fn remove_pending_text(&self, id: &str) {
         let p = self.pending_path(id);
@@ -385,7 +391,10 @@ impl Store {
             out.push(Recovered { rec, requeue_text });
         }
         for id in pending {
-            if !out.iter().any(|r| r.rec.id == id && r.requeue_text.is_some()) {
+            // Kept for the jobs to re-queue and for failed documents, which still answer from
+            // their passages.
+            let keep = |r: &Recovered| r.rec.id == id && (r.requeue_text.is_some() || r.rec.status == Status::Failed);
+            if !out.iter().any(keep) {
                 self.remove_pending_text(&id);
             }
         }
