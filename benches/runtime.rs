@@ -261,14 +261,18 @@ fn main() -> anyhow::Result<()> {
             let input = Tensor::new(&toks[..t], &dev)?.unsqueeze(0)?;
             let target = Tensor::new(&toks[1..], &dev)?;
             let weights = Tensor::ones(t, DType::F32, &dev)?;
+            // The step's forward: embeddings, every layer with the adapter, logits, the loss.
+            let forward = || {
+                let emb = model.decoder.embed(&input).unwrap();
+                let h = model.decoder.forward_train(&emb, Some(&adapter), &mut NoHooks).unwrap();
+                let logits = model.decoder.logits_train(&h.squeeze(0).unwrap()).unwrap();
+                ops::cross_entropy_masked(&logits, &target, &weights).unwrap()
+            };
             let mut fwd = Vec::new();
             let mut bwd = Vec::new();
             let steps = time_runs(runs, 1, || {
                 let t0 = Instant::now();
-                let emb = model.decoder.embed(&input).unwrap();
-                let h = model.decoder.forward_train(&emb, Some(&adapter), &mut NoHooks).unwrap();
-                let logits = model.decoder.logits_train(&h.squeeze(0).unwrap()).unwrap();
-                let loss = ops::cross_entropy_masked(&logits, &target, &weights).unwrap();
+                let loss = forward();
                 let t1 = Instant::now();
                 let grads = loss.backward().unwrap();
                 let t2 = Instant::now();
@@ -292,10 +296,7 @@ fn main() -> anyhow::Result<()> {
                 let mut ph: [Vec<f64>; 5] = Default::default();
                 for _ in 0..runs {
                     let t0 = Instant::now();
-                    let emb = model.decoder.embed(&input).unwrap();
-                    let h = model.decoder.forward_train(&emb, Some(&adapter), &mut NoHooks).unwrap();
-                    let logits = model.decoder.logits_train(&h.squeeze(0).unwrap()).unwrap();
-                    let loss = ops::cross_entropy_masked(&logits, &target, &weights).unwrap();
+                    let loss = forward();
                     let t1 = Instant::now();
                     target::sync(&dev);
                     let t2 = Instant::now();

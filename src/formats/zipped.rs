@@ -40,6 +40,14 @@ impl<'a> Package<'a> {
         Ok(Self { zip, inflated: 0, what, limits })
     }
 
+    /// The title a metadata part names (`dc:title` in `docProps/core.xml` or `meta.xml`), if any.
+    fn title(&mut self, part: &str, kind: &'static str) -> Result<Option<String>, ExtractError> {
+        match self.read(part, kind)? {
+            Some(xml) => first_text_of(&xml, b"title", part, self.what, kind, self.limits),
+            None => Ok(None),
+        }
+    }
+
     /// One member, inflated through a reader that stops one byte past what the budgets leave;
     /// `None` when the package has no such member.
     fn read(&mut self, name: &str, kind: &'static str) -> Result<Option<Vec<u8>>, ExtractError> {
@@ -264,10 +272,7 @@ pub(super) fn docx_to_text(bytes: &[u8], what: &str, limits: &Limits) -> Result<
         _ => {}
     })?;
     lines.end_paragraph();
-    let title = match pkg.read("docProps/core.xml", DOCX)? {
-        Some(core) => first_text_of(&core, b"title", "docProps/core.xml", what, DOCX, limits)?,
-        None => None,
-    };
+    let title = pkg.title("docProps/core.xml", DOCX)?;
     Ok(ZippedText { text: lines.out, title: title.or(lines.first_heading) })
 }
 
@@ -338,10 +343,7 @@ pub(super) fn odt_to_text(bytes: &[u8], what: &str, limits: &Limits) -> Result<Z
         _ => {}
     })?;
     lines.end_paragraph();
-    let title = match pkg.read("meta.xml", ODT)? {
-        Some(meta) => first_text_of(&meta, b"title", "meta.xml", what, ODT, limits)?,
-        None => None,
-    };
+    let title = pkg.title("meta.xml", ODT)?;
     Ok(ZippedText { text: lines.out, title: title.or(lines.first_heading) })
 }
 
