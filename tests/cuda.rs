@@ -666,6 +666,51 @@ fn prepared_base_under_a_document_adapter_on_cuda_matches_cpu() {
     assert_steps_close("gated memory over the prepared base", &step(&cpu), &step(&gpu));
 }
 
+/// The prepared base over a quantized file: its LoRA is merged into the float copies, and the
+/// CPU's quantized inference path (which the merge does not reach) adds it per token. CUDA runs
+/// a quantized layer through the merged float copy, so it must not add it again: it did, and the
+/// real model's GPU answers stopped early ("August 26, 1960" → "August 26"). The base's own effect
+/// on the logits is asserted to be well above the tolerance, so applying it twice would fail here.
+#[test]
+fn prepared_base_over_a_quantized_file_on_cuda_matches_cpu() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_gguf(&dir.path().join("tiny_q8.gguf"), &TinySpec::default(), GgmlDType::Q8_0).unwrap();
+    let plain = cpu_model(&path);
+    let mut base = PreparedBase::new(&plain, &BaseShape { rank: 4, filter: FilterOptions::default() }, 3).unwrap();
+    for (i, v) in base.vars().0.iter().enumerate().filter(|(i, _)| i % 2 == 1) {
+        v.set(&rand(v.dims(), 300 + i as u64, 0.05)).unwrap();
+    }
+    let base_dir = dir.path().join("base");
+    base.save(&base_dir).unwrap();
+    let with_base = |mut m: Model| {
+        PreparedBase::load(&base_dir, &m).unwrap().install(&mut m).unwrap();
+        m
+    };
+    let (cpu, gpu) = (with_base(cpu_model(&path)), with_base(Model::load(&path, &gpu()).unwrap()));
+    let toks = tokens(&cpu, "The prepared base answers over quantized weights, one token at a time.");
+    // Prefill, then decode rows one at a time: the quantized inference path on both devices.
+    let decode = |m: &Model| {
+        let ids = Tensor::new(toks.as_slice(), m.device()).unwrap().unsqueeze(0).unwrap();
+        let n = toks.len();
+        let mut cache = KvCache::new(m.config().num_layers);
+        m.decoder.forward(&ids.narrow(1, 0, n - 3).unwrap(), &mut cache, None, &mut NoHooks, Logits::Last).unwrap();
+        (n - 3..n)
+            .map(|i| {
+                m.decoder.forward(&ids.narrow(1, i, 1).unwrap(), &mut cache, None, &mut NoHooks, Logits::Last).unwrap()
+            })
+            .collect::<Vec<_>>()
+    };
+    let (c, g, p) = (decode(&cpu), decode(&gpu), decode(&plain));
+    // On an H200 with the fix: GPU vs CPU 0.006, the base's effect 0.07 (row 0).
+    let tol = 2e-2;
+    for (i, ((c, g), p)) in c.iter().zip(&g).zip(&p).enumerate() {
+        let (d, effect) = (rel_diff(g, c), rel_diff(c, p));
+        eprintln!("decode row {i}: GPU vs CPU {d}, the base's effect on the CPU {effect}");
+        assert!(effect > 2.0 * tol, "row {i}: the base changes the logits too little ({effect}) for this check to see it twice");
+        assert!(d < tol, "row {i}: decode logits over the prepared base on a quantized file: GPU vs CPU {d}");
+    }
+}
+
 /// Continuous batching (`Decoder::forward_batch`) on CUDA: a batch mixing a prompt chunk and
 /// decoding rows with different adapters (Gated Memory, LoRA, none) gives each sequence the
 /// logits the CPU gives it, and each sequence's batched logits stay close to its logits alone

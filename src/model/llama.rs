@@ -1345,9 +1345,12 @@ impl Decoder {
     }
 
     /// The base adapter where its deltas must still be added: everywhere when it is not merged,
-    /// else only on the quantized inference path (`float` false) of a quantized file.
+    /// else only where inference reads quantized blocks (`float` false on a quantized file, off
+    /// CUDA). On CUDA the quantized path runs through the merged float copy: adding the deltas
+    /// there too applied the prepared base twice to every decoded token (answers cut short:
+    /// "August 26, 1960" → "August 26").
     fn unmerged_base(&self, float: bool) -> Option<&dyn Adapter> {
-        let quantized = self.layers.first().is_some_and(|l| l.q.is_quantized());
+        let quantized = self.layers.first().is_some_and(|l| l.q.infers_from_quantized());
         let needed = !self.base_merged || (!float && quantized);
         self.base_adapter.as_deref().filter(|_| needed)
     }

@@ -100,6 +100,13 @@ impl Linear {
         self.quantized.is_some()
     }
 
+    /// Whether inference (`forward`) reads the quantized blocks, which an update merged into the
+    /// float copy (`merge_into_float`) does not reach: a quantized file, except on CUDA, where a
+    /// quantized layer runs through its float copy (the merged one).
+    pub fn infers_from_quantized(&self) -> bool {
+        self.quantized.as_ref().is_some_and(|q| !q.device().is_cuda())
+    }
+
     /// Whether inference on the CPU runs our int8 kernel (`kernels::quant_matmul`).
     pub fn is_packed(&self) -> bool {
         self.packed.is_some()
@@ -172,7 +179,7 @@ impl Linear {
     /// Adds `delta` (`[out, in]`) to the float weight, for good: a frozen low-rank update merged
     /// once costs nothing per token afterwards. Quantized inference weights are left as they are
     /// (requantizing would round a small update away), so on a quantized file the caller keeps
-    /// applying the update on the quantized path; `is_quantized` says whether it must.
+    /// applying the update on the quantized path; `infers_from_quantized` says whether it must.
     pub fn merge_into_float(&mut self, delta: &Tensor) -> Result<()> {
         let w = self.float_weight()?;
         let merged = (w + delta.to_dtype(w.dtype())?)?;
