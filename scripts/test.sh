@@ -43,3 +43,6 @@ stage "cargo test (every test binary)"
 # The official `openai` Python client against the server on the real default model.
 ./scripts/openai_client_check.sh
 stage "openai client check"
+# README.md's Quickstart, block by block, on the real default model (the README cannot drift).
+./scripts/quickstart_check.sh
+stage "quickstart check"
