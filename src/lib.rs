@@ -22,4 +22,7 @@ pub mod runtime;
 pub mod server;
 pub mod service;
 pub mod store;
+/// Test support, not in the shipped library: the unit tests and the `testing` feature (which
+/// the integration tests and benches turn on) compile it.
+#[cfg(any(test, feature = "testing"))]
 pub mod testing;

@@ -13,10 +13,12 @@
 //!
 //! That is the default registry: this process's memory and files. With a shared database
 //! ([`ServiceConfig::shared`]) the records and the job queue live in PostgreSQL instead and the
-//! adapters in a shared blob store ([`shared`]): the same calls, answered for every replica.
+//! adapters in a shared blob store ([`shared`]): the same calls, answered for every replica. Both
+//! implement one trait ([`registry`]), which the service holds.
 
 mod error;
 pub mod records;
+mod registry;
 pub mod shared;
 
 pub use error::ServiceError;
@@ -24,7 +26,7 @@ pub use crate::engine::Generated;
 pub use records::{DocumentView, ErrorMessage};
 
 use crate::document::Document;
-use crate::engine::{AbsorbJob, Engine, EngineError, GenerateJob, GenerateLimits, Job, Lane, Prompt};
+use crate::engine::{Engine, EngineError, GenerateJob, GenerateLimits, Job, Prompt};
 use crate::lift::answer::{ContextPolicy, Mode};
 use crate::formats::Source;
 use crate::lift::AbsorbOptions;
@@ -35,6 +37,7 @@ use crate::store::blobs::BlobRef;
 use crate::store::{self, JobRecord, Status, Store};
 use anyhow::Result;
 use records::{DocEntry, Records};
+use registry::Registry;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -132,16 +135,11 @@ pub struct Stats {
 pub struct Service {
     pub engine: Arc<Engine>,
     store: Arc<Store>,
-    registry: Registry,
+    /// Where the documents' records and the job queue live: this process's memory, written
+    /// through to files beside the adapters ([`Records`], the default), or PostgreSQL, shared by
+    /// replicas ([`shared::Shared`]).
+    registry: Arc<dyn Registry>,
     cfg: ServiceConfig,
-}
-
-/// Where the documents' records and the job queue live.
-enum Registry {
-    /// This process's memory, written through to files beside the adapters (the default).
-    Files(Arc<Records>),
-    /// PostgreSQL, shared by replicas.
-    Shared(Arc<shared::Shared>),
 }
 
 /// What `/health` says.
@@ -185,11 +183,10 @@ impl Service {
             shutting_down: AtomicBool::new(false),
         });
         let engine = Arc::new(Engine::start(model.clone(), store.clone(), records.clone(), cfg.train_queue, cfg.generate_limits(&model))?);
-        let service = Self { engine, store, registry: Registry::Files(records), cfg };
         for (id, text) in requeue {
-            service.requeue(&id, text);
+            records.requeue(&engine, &id, text);
         }
-        Ok(service)
+        Ok(Self { engine, store, registry: records, cfg })
     }
 
     /// A replica on a shared database and adapter store: `adapters_dir` is its local cache of
@@ -205,35 +202,19 @@ impl Service {
             replica = %shared_cfg.replica, role = ?shared_cfg.role, adapter_store = %shared_cfg.adapter_store,
             cache_dir = %cfg.adapters_dir.display(), "replica on a shared database"
         );
-        Ok(Self { engine, store, registry: Registry::Shared(shared), cfg })
-    }
-
-    fn records(&self) -> Option<&Arc<Records>> {
-        match &self.registry {
-            Registry::Files(r) => Some(r),
-            Registry::Shared(_) => None,
-        }
+        Ok(Self { engine, store, registry: shared, cfg })
     }
 
     /// Whether this process answers questions (a training-only replica does not).
     fn check_serves(&self) -> Result<(), ServiceError> {
-        match &self.registry {
-            Registry::Shared(s) if !s.role().answers() => Err(ServiceError::NotServing),
-            _ => Ok(()),
-        }
+        if self.registry.answers() { Ok(()) } else { Err(ServiceError::NotServing) }
     }
 
     pub async fn health(&self) -> Health {
         if self.is_shutting_down() {
             return Health::ShuttingDown;
         }
-        match &self.registry {
-            Registry::Files(_) => Health::Ok,
-            Registry::Shared(s) => match s.healthy().await {
-                Ok(()) => Health::Ok,
-                Err(e) => Health::DatabaseUnavailable(e.to_string()),
-            },
-        }
+        self.registry.health().await
     }
 
     pub fn model(&self) -> &Model {
@@ -241,10 +222,7 @@ impl Service {
     }
 
     pub fn is_shutting_down(&self) -> bool {
-        match &self.registry {
-            Registry::Files(r) => r.shutting_down.load(Ordering::SeqCst),
-            Registry::Shared(s) => s.is_shutting_down(),
-        }
+        self.registry.is_shutting_down()
     }
 
     // ---------- documents ----------
@@ -317,7 +295,7 @@ impl Service {
         let fingerprint = &self.engine.model.info.fingerprint;
         let id = store::document_id(fingerprint, owner.as_deref(), &document.text, &options_json);
         let rec = JobRecord {
-            id: id.clone(),
+            id,
             owner,
             title,
             status: Status::Queued,
@@ -331,51 +309,7 @@ impl Service {
             source: Some(source),
             training: None,
         };
-        let records = match &self.registry {
-            Registry::Files(r) => r,
-            Registry::Shared(s) => {
-                let submitted = s.submit(rec, &document.text, self.cfg.train_queue).await?;
-                if let Submitted::Queued(_) = submitted {
-                    self.store.put_live(&id, document);
-                    tracing::info!(id, tokens, "document queued (shared queue)");
-                }
-                return Ok(submitted);
-            }
-        };
-        if let Some(view) = existing_view(&*records.docs.read().map_err(ServiceError::poisoned)?, &id) {
-            return Ok(Submitted::Existing(view));
-        }
-        // A place in the queue first: a refused request (429) writes nothing.
-        let slot = self.engine.reserve(Lane::Train)?;
-        // The text is kept until the adapter is saved, so that a restart can train it again.
-        let (store, id2) = (self.store.clone(), id.clone());
-        let document = tokio::task::spawn_blocking(move || store.write_pending_text(&id2, &document.text).map(|()| document))
-            .await
-            .map_err(ServiceError::internal)?
-            .map_err(|e| ServiceError::internal(format!("cannot keep the document text: {e:#}")))?;
-
-        let mut docs = records.docs.write().map_err(ServiceError::poisoned)?;
-        if let Some(view) = existing_view(&docs, &id) {
-            // The same document was queued meanwhile: its job keeps the text it wrote.
-            return Ok(Submitted::Existing(view));
-        }
-        let entry = DocEntry::new(rec);
-        // Answerable from now on, from its passages.
-        self.store.put_live(&id, document.clone());
-        let job = AbsorbJob {
-            id: id.clone(),
-            document,
-            title: entry.rec.title.clone(),
-            source: entry.rec.source.clone(),
-            options,
-            cancel: entry.cancel.clone(),
-        };
-        slot.submit(Job::Absorb(job))?;
-        self.store.write_record(&entry.rec).map_err(|e| ServiceError::internal(format!("cannot write the job record: {e}")))?;
-        let view = entry.view();
-        docs.insert(id.clone(), entry);
-        tracing::info!(id, tokens, "document queued");
-        Ok(Submitted::Queued(view))
+        self.registry.submit(&self.engine, rec, document, options, self.cfg.train_queue).await
     }
 
     /// The training the options plan for a document of `tokens` must stay within the cap (each
@@ -389,50 +323,6 @@ impl Service {
         Ok(())
     }
 
-    /// Queues again a job interrupted by the previous process (its text was kept), or records why
-    /// it cannot be: its id no longer matches the text, options and base model, or the queue is
-    /// full.
-    fn requeue(&self, id: &str, text: String) {
-        let Some(records) = self.records() else { return };
-        let Ok(mut docs) = records.docs.write() else { return };
-        let Some(entry) = docs.get_mut(id) else { return };
-        match self.requeue_job(entry, text) {
-            Ok(()) => tracing::info!(id, "re-queued a job interrupted by the previous process"),
-            Err(why) => {
-                entry.rec.status = Status::Failed;
-                entry.rec.error = Some(format!(
-                    "interrupted: the server stopped during the job and could not re-queue it: {why}; POST the document again to retry"
-                ));
-                self.store.remove_pending_text(id);
-                if let Err(e) = self.store.write_record(&entry.rec) {
-                    tracing::error!(id, error = %e, "cannot write job record");
-                }
-                tracing::warn!(id, why, "interrupted job not re-queued");
-            }
-        }
-    }
-
-    fn requeue_job(&self, entry: &DocEntry, text: String) -> Result<(), String> {
-        let r = &entry.rec;
-        let options = serde_json::from_value::<AbsorbOptions>(r.options.clone())
-            .map_err(|e| format!("its options no longer parse ({e})"))?;
-        let model = &self.engine.model;
-        if store::document_id(&model.info.fingerprint, r.owner.as_deref(), &text, &r.options) != r.id {
-            return Err("its text, options or the base model changed".to_string());
-        }
-        let document = encode_answerable(model, text).map_err(|e| format!("its text cannot be tokenized ({e:#})"))?;
-        self.store.put_live(&r.id, document.clone());
-        let job = AbsorbJob {
-            id: r.id.clone(),
-            document,
-            title: r.title.clone(),
-            source: r.source.clone(),
-            options,
-            cancel: entry.cancel.clone(),
-        };
-        self.engine.submit(Job::Absorb(job)).map_err(|e| format!("the training queue refused it ({e})"))
-    }
-
     /// The document `id` as `owner` sees it: unknown ids and other tenants' documents are both
     /// `UnknownDocument`.
     pub async fn document(&self, owner: Option<&str>, id: &str) -> Result<DocumentView, ServiceError> {
@@ -442,54 +332,24 @@ impl Service {
     /// The document and, with shared blobs, the archive of its adapter.
     async fn lookup(&self, owner: Option<&str>, id: &str) -> Result<(DocumentView, Option<BlobRef>), ServiceError> {
         known_shape(id)?;
-        match &self.registry {
-            Registry::Files(r) => Ok((with_doc(r, owner, id, DocEntry::view)?, None)),
-            Registry::Shared(s) => s.document(owner, id).await,
-        }
+        self.registry.document(owner, id).await
     }
 
     /// `owner`'s documents in posting order.
     pub async fn documents(&self, owner: Option<&str>) -> Result<Vec<DocumentView>, ServiceError> {
-        let records = match &self.registry {
-            Registry::Files(r) => r,
-            Registry::Shared(s) => return s.documents(owner).await,
-        };
-        let docs = records.docs.read().map_err(ServiceError::poisoned)?;
-        let mut list: Vec<&DocEntry> = docs.values().filter(|d| d.rec.owner.as_deref() == owner).collect();
-        list.sort_by(|a, b| a.rec.posting_order().cmp(&b.rec.posting_order()));
-        Ok(list.into_iter().map(DocEntry::view).collect())
+        self.registry.documents(owner).await
     }
 
     /// Updates of the document's view, for event streams (closed when the document is deleted).
     pub async fn watch(&self, owner: Option<&str>, id: &str) -> Result<tokio::sync::watch::Receiver<DocumentView>, ServiceError> {
         known_shape(id)?;
-        match &self.registry {
-            Registry::Files(r) => with_doc(r, owner, id, |d| d.watch.subscribe()),
-            Registry::Shared(s) => s.watch(owner, id).await,
-        }
+        self.registry.clone().watch(owner, id).await
     }
 
     /// Stops the document's job if it runs and removes its adapter and record.
     pub async fn delete(&self, owner: Option<&str>, id: &str) -> Result<(), ServiceError> {
         known_shape(id)?;
-        let records = match &self.registry {
-            Registry::Files(r) => r,
-            Registry::Shared(s) => {
-                s.delete(owner, id).await?;
-                tracing::info!(id, "document deleted");
-                return Ok(());
-            }
-        };
-        with_doc(records, owner, id, |_| ())?;
-        let entry = records.docs.write().map_err(ServiceError::poisoned)?.remove(id);
-        if let Some(e) = entry {
-            e.cancel.store(true, Ordering::SeqCst);
-        }
-        let (store, id2) = (self.store.clone(), id.to_string());
-        tokio::task::spawn_blocking(move || store.delete(&id2))
-            .await
-            .map_err(ServiceError::internal)?
-            .map_err(|e| ServiceError::internal(format!("cannot delete: {e:#}")))?;
+        self.registry.delete(owner, id).await?;
         tracing::info!(id, "document deleted");
         Ok(())
     }
@@ -553,15 +413,7 @@ impl Service {
             return Ok(());
         }
         let not_ready = || ServiceError::NotReady { id: id.to_string(), status: view.status };
-        let text = match &self.registry {
-            Registry::Shared(s) => s.job_text(id).await?.ok_or_else(not_ready)?,
-            // A document that failed (in this process or an earlier one) answers from its kept text.
-            Registry::Files(_) => {
-                let store = self.store.clone();
-                let id = id.to_string();
-                tokio::task::spawn_blocking(move || store.read_pending_text(&id)).await.map_err(ServiceError::internal)?.ok_or_else(not_ready)?
-            }
-        };
+        let text = self.registry.kept_text(id).await?.ok_or_else(not_ready)?;
         let model = self.engine.model.clone();
         let document = tokio::task::spawn_blocking(move || encode_answerable(&model, text))
             .await
@@ -614,40 +466,16 @@ impl Service {
     /// Stops taking work: the running training job stops (recorded as queued, re-queued by the
     /// next start) and so do queued ones when their turn comes.
     pub fn begin_shutdown(&self) {
-        let records = match &self.registry {
-            Registry::Files(r) => r,
-            Registry::Shared(s) => return s.begin_shutdown(),
-        };
-        records.shutting_down.store(true, Ordering::SeqCst);
-        if let Ok(docs) = records.docs.read() {
-            for d in docs.values().filter(|d| !d.rec.status.is_terminal()) {
-                d.cancel.store(true, Ordering::SeqCst);
-            }
-        }
+        self.registry.begin_shutdown()
     }
 
     /// Counts for `/metrics`. With a shared database the document counts are every replica's,
     /// the training queue's waiting jobs the shared queue's (empty when the database is away).
     pub async fn stats(&self) -> Stats {
-        let mut documents = HashMap::new();
         let mut train_queue = self.engine.train_queue();
-        let (mut blob_puts, mut blob_fetches) = (0, 0);
-        match &self.registry {
-            Registry::Files(r) => {
-                if let Ok(docs) = r.docs.read() {
-                    for d in docs.values() {
-                        *documents.entry(d.rec.status).or_insert(0) += 1;
-                    }
-                }
-            }
-            Registry::Shared(s) => {
-                if let Ok((counts, waiting)) = s.counts().await {
-                    documents = counts;
-                    train_queue.0 = waiting;
-                }
-                blob_puts = s.blobs().stats.puts.load(Ordering::Relaxed);
-                blob_fetches = s.blobs().stats.fetches.load(Ordering::Relaxed);
-            }
+        let registry::RegistryStats { documents, waiting, blob_puts, blob_fetches } = self.registry.stats().await;
+        if let Some(waiting) = waiting {
+            train_queue.0 = waiting;
         }
         let s = &self.store.stats;
         Stats {
@@ -675,18 +503,6 @@ pub fn encode_answerable(model: &Model, text: String) -> anyhow::Result<Arc<Docu
 
 fn known_shape(id: &str) -> Result<(), ServiceError> {
     if store::valid_id(id) { Ok(()) } else { Err(ServiceError::UnknownDocument(id.to_string())) }
-}
-
-fn with_doc<T>(records: &Records, owner: Option<&str>, id: &str, f: impl FnOnce(&DocEntry) -> T) -> Result<T, ServiceError> {
-    let docs = records.docs.read().map_err(ServiceError::poisoned)?;
-    match docs.get(id) {
-        Some(d) if d.rec.owner.as_deref() == owner => Ok(f(d)),
-        _ => Err(ServiceError::UnknownDocument(id.to_string())),
-    }
-}
-
-fn existing_view(docs: &HashMap<String, DocEntry>, id: &str) -> Option<DocumentView> {
-    docs.get(id).filter(|d| matches!(d.rec.status, Status::Queued | Status::Training | Status::Ready)).map(DocEntry::view)
 }
 
 /// Where a streaming generation sends its text pieces.

@@ -1,12 +1,21 @@
 //! The documents a service knows: each one's record (kept on disk beside its adapter), live
 //! progress and a watch channel for event streams. The engine's absorb jobs report here
 //! ([`JobEvents`]); every change to a record is written through to the store.
+//!
+//! [`Records`] is the default [`Registry`]: this process's memory and files.
 
-use crate::engine::{AbsorbOutcome, JobEvents, JobProgress, JobUpdate};
+use super::registry::{Registry, RegistryStats};
+use super::{encode_answerable, Health, ServiceError, Submitted};
+use crate::document::Document;
+use crate::engine::{AbsorbJob, AbsorbOutcome, Engine, Job, JobEvents, JobProgress, JobUpdate, Lane};
+use crate::formats::Source;
+use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
 use crate::model::generate::Generation;
+use crate::store::blobs::BlobRef;
 use crate::store::{self, AdapterInfo, JobRecord, Status, Store};
-use crate::formats::Source;
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -180,4 +189,191 @@ impl JobEvents for Records {
     fn batch(&self, sequences: usize) {
         self.metrics.batch_step(sequences);
     }
+}
+
+impl Records {
+    /// Queues again a job interrupted by the previous process (its text was kept), or records why
+    /// it cannot be: its id no longer matches the text, options and base model, or the queue is
+    /// full.
+    pub(super) fn requeue(&self, engine: &Engine, id: &str, text: String) {
+        let Ok(mut docs) = self.docs.write() else { return };
+        let Some(entry) = docs.get_mut(id) else { return };
+        match self.requeue_job(engine, entry, text) {
+            Ok(()) => tracing::info!(id, "re-queued a job interrupted by the previous process"),
+            Err(why) => {
+                entry.rec.status = Status::Failed;
+                entry.rec.error = Some(format!(
+                    "interrupted: the server stopped during the job and could not re-queue it: {why}; POST the document again to retry"
+                ));
+                self.store.remove_pending_text(id);
+                if let Err(e) = self.store.write_record(&entry.rec) {
+                    tracing::error!(id, error = %e, "cannot write job record");
+                }
+                tracing::warn!(id, why, "interrupted job not re-queued");
+            }
+        }
+    }
+
+    fn requeue_job(&self, engine: &Engine, entry: &DocEntry, text: String) -> Result<(), String> {
+        let r = &entry.rec;
+        let options = serde_json::from_value::<AbsorbOptions>(r.options.clone())
+            .map_err(|e| format!("its options no longer parse ({e})"))?;
+        let model = &engine.model;
+        if store::document_id(&model.info.fingerprint, r.owner.as_deref(), &text, &r.options) != r.id {
+            return Err("its text, options or the base model changed".to_string());
+        }
+        let document = encode_answerable(model, text).map_err(|e| format!("its text cannot be tokenized ({e:#})"))?;
+        self.store.put_live(&r.id, document.clone());
+        let job = AbsorbJob {
+            id: r.id.clone(),
+            document,
+            title: r.title.clone(),
+            source: r.source.clone(),
+            options,
+            cancel: entry.cancel.clone(),
+        };
+        engine.submit(Job::Absorb(job)).map_err(|e| format!("the training queue refused it ({e})"))
+    }
+
+    /// Queues a tokenized document within the limits (the engine's training queue bounds the
+    /// waiting jobs).
+    async fn queue(&self, engine: &Engine, rec: JobRecord, document: Arc<Document>, options: AbsorbOptions) -> Result<Submitted, ServiceError> {
+        let (id, tokens) = (rec.id.clone(), rec.tokens);
+        if let Some(view) = existing_view(&*self.docs.read().map_err(ServiceError::poisoned)?, &id) {
+            return Ok(Submitted::Existing(view));
+        }
+        // A place in the queue first: a refused request (429) writes nothing.
+        let slot = engine.reserve(Lane::Train)?;
+        // The text is kept until the adapter is saved, so that a restart can train it again.
+        let (store, id2) = (self.store.clone(), id.clone());
+        let document = tokio::task::spawn_blocking(move || store.write_pending_text(&id2, &document.text).map(|()| document))
+            .await
+            .map_err(ServiceError::internal)?
+            .map_err(|e| ServiceError::internal(format!("cannot keep the document text: {e:#}")))?;
+
+        let mut docs = self.docs.write().map_err(ServiceError::poisoned)?;
+        if let Some(view) = existing_view(&docs, &id) {
+            // The same document was queued meanwhile: its job keeps the text it wrote.
+            return Ok(Submitted::Existing(view));
+        }
+        let entry = DocEntry::new(rec);
+        // Answerable from now on, from its passages.
+        self.store.put_live(&id, document.clone());
+        let job = AbsorbJob {
+            id: id.clone(),
+            document,
+            title: entry.rec.title.clone(),
+            source: entry.rec.source.clone(),
+            options,
+            cancel: entry.cancel.clone(),
+        };
+        slot.submit(Job::Absorb(job))?;
+        self.store.write_record(&entry.rec).map_err(|e| ServiceError::internal(format!("cannot write the job record: {e}")))?;
+        let view = entry.view();
+        docs.insert(id.clone(), entry);
+        tracing::info!(id, tokens, "document queued");
+        Ok(Submitted::Queued(view))
+    }
+
+    async fn remove(&self, owner: Option<&str>, id: &str) -> Result<(), ServiceError> {
+        with_doc(self, owner, id, |_| ())?;
+        let entry = self.docs.write().map_err(ServiceError::poisoned)?.remove(id);
+        if let Some(e) = entry {
+            e.cancel.store(true, Ordering::SeqCst);
+        }
+        let (store, id2) = (self.store.clone(), id.to_string());
+        tokio::task::spawn_blocking(move || store.delete(&id2))
+            .await
+            .map_err(ServiceError::internal)?
+            .map_err(|e| ServiceError::internal(format!("cannot delete: {e:#}")))?;
+        Ok(())
+    }
+}
+
+impl Registry for Records {
+    fn answers(&self) -> bool {
+        true
+    }
+
+    fn health(&self) -> BoxFuture<'_, Health> {
+        futures_util::future::ready(Health::Ok).boxed()
+    }
+
+    fn is_shutting_down(&self) -> bool {
+        self.shutting_down.load(Ordering::SeqCst)
+    }
+
+    fn begin_shutdown(&self) {
+        self.shutting_down.store(true, Ordering::SeqCst);
+        if let Ok(docs) = self.docs.read() {
+            for d in docs.values().filter(|d| !d.rec.status.is_terminal()) {
+                d.cancel.store(true, Ordering::SeqCst);
+            }
+        }
+    }
+
+    fn submit<'a>(
+        &'a self,
+        engine: &'a Engine,
+        rec: JobRecord,
+        document: Arc<Document>,
+        options: AbsorbOptions,
+        _max_waiting: usize,
+    ) -> BoxFuture<'a, Result<Submitted, ServiceError>> {
+        self.queue(engine, rec, document, options).boxed()
+    }
+
+    fn document<'a>(&'a self, owner: Option<&'a str>, id: &'a str) -> BoxFuture<'a, Result<(DocumentView, Option<BlobRef>), ServiceError>> {
+        async move { Ok((with_doc(self, owner, id, DocEntry::view)?, None)) }.boxed()
+    }
+
+    fn documents<'a>(&'a self, owner: Option<&'a str>) -> BoxFuture<'a, Result<Vec<DocumentView>, ServiceError>> {
+        async move {
+            let docs = self.docs.read().map_err(ServiceError::poisoned)?;
+            let mut list: Vec<&DocEntry> = docs.values().filter(|d| d.rec.owner.as_deref() == owner).collect();
+            list.sort_by(|a, b| a.rec.posting_order().cmp(&b.rec.posting_order()));
+            Ok(list.into_iter().map(DocEntry::view).collect())
+        }
+        .boxed()
+    }
+
+    fn watch<'a>(
+        self: Arc<Self>,
+        owner: Option<&'a str>,
+        id: &'a str,
+    ) -> BoxFuture<'a, Result<tokio::sync::watch::Receiver<DocumentView>, ServiceError>> {
+        async move { with_doc(&self, owner, id, |d| d.watch.subscribe()) }.boxed()
+    }
+
+    fn delete<'a>(&'a self, owner: Option<&'a str>, id: &'a str) -> BoxFuture<'a, Result<(), ServiceError>> {
+        self.remove(owner, id).boxed()
+    }
+
+    /// A document that failed (in this process or an earlier one) answers from its kept text.
+    fn kept_text<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<String>, ServiceError>> {
+        let (store, id) = (self.store.clone(), id.to_string());
+        async move { tokio::task::spawn_blocking(move || store.read_pending_text(&id)).await.map_err(ServiceError::internal) }.boxed()
+    }
+
+    fn stats(&self) -> BoxFuture<'_, RegistryStats> {
+        let mut documents = HashMap::new();
+        if let Ok(docs) = self.docs.read() {
+            for d in docs.values() {
+                *documents.entry(d.rec.status).or_insert(0) += 1;
+            }
+        }
+        futures_util::future::ready(RegistryStats { documents, ..RegistryStats::default() }).boxed()
+    }
+}
+
+fn with_doc<T>(records: &Records, owner: Option<&str>, id: &str, f: impl FnOnce(&DocEntry) -> T) -> Result<T, ServiceError> {
+    let docs = records.docs.read().map_err(ServiceError::poisoned)?;
+    match docs.get(id) {
+        Some(d) if d.rec.owner.as_deref() == owner => Ok(f(d)),
+        _ => Err(ServiceError::UnknownDocument(id.to_string())),
+    }
+}
+
+fn existing_view(docs: &HashMap<String, DocEntry>, id: &str) -> Option<DocumentView> {
+    docs.get(id).filter(|d| matches!(d.rec.status, Status::Queued | Status::Training | Status::Ready)).map(DocEntry::view)
 }

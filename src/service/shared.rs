@@ -22,7 +22,9 @@
 //! says so; the pool reconnects by itself when it is back, nothing restarts.
 
 use super::records::view;
-use super::{DocumentView, ServiceError, Submitted};
+use super::registry::{Registry, RegistryStats};
+use super::{DocumentView, Health, ServiceError, Submitted};
+use crate::document::Document;
 use crate::engine::{AbsorbJob, AbsorbOutcome, Engine, Job, JobEvents, JobProgress, JobUpdate};
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
@@ -31,6 +33,8 @@ use crate::model::Model;
 use crate::store::blobs::{self, BlobRef, Blobs};
 use crate::store::{self, AdapterInfo, JobRecord, Status, Store};
 use anyhow::Context;
+use futures_util::future::BoxFuture;
+use futures_util::FutureExt;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -795,6 +799,93 @@ enum Ending {
     Ready { blob: BlobRef, adapter: AdapterInfo, training: serde_json::Value },
     Failed(String),
     Release,
+}
+
+/// The registry of replicas: every call asks the database (503 while it is away).
+impl Registry for Shared {
+    fn answers(&self) -> bool {
+        self.role().answers()
+    }
+
+    fn health(&self) -> BoxFuture<'_, Health> {
+        async move {
+            match self.healthy().await {
+                Ok(()) => Health::Ok,
+                Err(e) => Health::DatabaseUnavailable(e.to_string()),
+            }
+        }
+        .boxed()
+    }
+
+    fn is_shutting_down(&self) -> bool {
+        Shared::is_shutting_down(self)
+    }
+
+    fn begin_shutdown(&self) {
+        Shared::begin_shutdown(self)
+    }
+
+    /// Inserts the document and its job in the shared queue (a trainer replica claims it).
+    fn submit<'a>(
+        &'a self,
+        _engine: &'a Engine,
+        rec: JobRecord,
+        document: Arc<Document>,
+        _options: AbsorbOptions,
+        max_waiting: usize,
+    ) -> BoxFuture<'a, Result<Submitted, ServiceError>> {
+        async move {
+            let (id, tokens) = (rec.id.clone(), rec.tokens);
+            let submitted = Shared::submit(self, rec, &document.text, max_waiting).await?;
+            if let Submitted::Queued(_) = submitted {
+                self.store.put_live(&id, document);
+                tracing::info!(id, tokens, "document queued (shared queue)");
+            }
+            Ok(submitted)
+        }
+        .boxed()
+    }
+
+    fn document<'a>(&'a self, owner: Option<&'a str>, id: &'a str) -> BoxFuture<'a, Result<(DocumentView, Option<BlobRef>), ServiceError>> {
+        Shared::document(self, owner, id).boxed()
+    }
+
+    fn documents<'a>(&'a self, owner: Option<&'a str>) -> BoxFuture<'a, Result<Vec<DocumentView>, ServiceError>> {
+        Shared::documents(self, owner).boxed()
+    }
+
+    fn watch<'a>(
+        self: Arc<Self>,
+        owner: Option<&'a str>,
+        id: &'a str,
+    ) -> BoxFuture<'a, Result<tokio::sync::watch::Receiver<DocumentView>, ServiceError>> {
+        async move { Shared::watch(&self, owner, id).await }.boxed()
+    }
+
+    fn delete<'a>(&'a self, owner: Option<&'a str>, id: &'a str) -> BoxFuture<'a, Result<(), ServiceError>> {
+        Shared::delete(self, owner, id).boxed()
+    }
+
+    /// The text kept in the document's job row, until its job ends.
+    fn kept_text<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<String>, ServiceError>> {
+        self.job_text(id).boxed()
+    }
+
+    /// Every replica's documents; the shared queue's waiting jobs (unknown while the database
+    /// is away); the blob store's traffic.
+    fn stats(&self) -> BoxFuture<'_, RegistryStats> {
+        async move {
+            let mut stats = RegistryStats::default();
+            if let Ok((counts, waiting)) = self.counts().await {
+                stats.documents = counts;
+                stats.waiting = Some(waiting);
+            }
+            stats.blob_puts = self.blobs().stats.puts.load(Ordering::Relaxed);
+            stats.blob_fetches = self.blobs().stats.fetches.load(Ordering::Relaxed);
+            stats
+        }
+        .boxed()
+    }
 }
 
 impl JobEvents for Shared {
