@@ -293,7 +293,7 @@ pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize)
         let mut ranked: Vec<usize> = index.search_weighted(&retrieval_query(ask)).iter().map(|h| h.passage).collect();
         if let Some(f) = filter.filter(|_| policy == ContextPolicy::Retrieved) {
             // The candidates' layout must fit the window too.
-            ranked = rerank(model, f, ids, &index, ask, &ranked, (RERANK_FACTOR * budget).min(fits))?;
+            ranked = rerank(model, f, ids, &index, question, &ranked, (RERANK_FACTOR * budget).min(fits))?;
         }
         // The chosen passages' markers and elisions are not in the budget: when a prompt over
         // what the window holds comes out, the budget shrinks by the excess and they are chosen
@@ -342,14 +342,16 @@ pub const RERANK_FACTOR: usize = 2;
 /// the answer lays out its context (the question, then each passage and its marker, in document
 /// order), run through the layers up to the prepared base's filter layer only; they are ranked by
 /// the filter's chunk scores (FltLM eq. 3, the relevance it was trained to score), best first,
-/// the rest of `ranked` after them. The conversation before the question precedes them as in the
-/// answer, where the window holds it, so that the filter reads a follow-up with what it follows.
+/// the rest of `ranked` after them. The filter reads the question alone, as it was trained: in a
+/// conversation the earlier questions have already brought their topic's passages among the
+/// candidates (BM25 over [`retrieval_query`]), and with the earlier turns in its prompt the
+/// shipped filter put an earlier topic before the one the question itself names.
 fn rerank(
     model: &Model,
     f: &filter::Filter,
     ids: &[u32],
     index: &crate::retrieve::PassageIndex,
-    ask: &Ask,
+    question: &str,
     ranked: &[usize],
     candidate_tokens: usize,
 ) -> Result<Vec<usize>> {
@@ -368,9 +370,7 @@ fn rerank(
     }
     candidates.sort_unstable();
     let ranges: Vec<(usize, usize)> = candidates.iter().map(|&p| index.passages[p]).collect();
-    let len = |p: &(Vec<u32>, Vec<filter::Chunk>)| p.0.len();
-    let (tokens, chunks) =
-        with_turns(model, ask.history, 0, len, |turns| filter::ranges_prompt_after(model, turns, ids, &ranges, ask.question))?;
+    let (tokens, chunks) = filter::ranges_prompt(model, ids, &ranges, question)?;
     let mut hooks = FilterHooks::new(f, &chunks, model.config().num_layers);
     let input = candle_core::Tensor::new(tokens.as_slice(), model.device())?.unsqueeze(0)?;
     model.decoder.run_through_layer(&input, f.layer, &mut hooks)?;

@@ -1142,7 +1142,7 @@ mod tests {
             let e = parse::<AskRequest>(ask(history.clone()), Body::Ask);
             assert_eq!((e.code, e.param.as_deref()), ("invalid_history", Some(param)), "{history}: {e}");
         }
-        let limits = GenerationLimits { max_question_chars: 40, max_tokens_limit: 8, default_max_tokens: 8 };
+        let limits = GenerationLimits { max_question_chars: 60, max_tokens_limit: 8, default_max_tokens: 8 };
         let valid = |history: serde_json::Value| {
             json_body::<AskRequest>(&HeaderMap::new(), ask(history).to_string().as_bytes(), Body::Ask).unwrap().validate(&limits)
         };
@@ -1150,10 +1150,10 @@ mod tests {
         let (q, ..) = valid(turns).unwrap();
         let got: Vec<(&str, &str)> = q.history.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
         assert_eq!(got, [("user", "Tell me about the museum."), ("assistant", "Tools.")]);
-        // The question (17 characters) and the turns share the question limit (40).
-        let e = valid(serde_json::json!([{"role": "user", "content": "x".repeat(24)}])).err().unwrap();
+        // The question (17 characters) and the turns share the question limit (60).
+        let e = valid(serde_json::json!([{"role": "user", "content": "x".repeat(44)}])).err().unwrap();
         assert_eq!((e.status.as_u16(), e.code, e.param.as_deref()), (400, "history_too_long", Some("history")), "{e}");
-        assert!(valid(serde_json::json!([{"role": "user", "content": "x".repeat(23)}])).is_ok());
+        assert!(valid(serde_json::json!([{"role": "user", "content": "x".repeat(43)}])).is_ok());
         let many: Vec<_> = (0..=MAX_HISTORY_TURNS).map(|_| serde_json::json!({"role": "user", "content": ""})).collect();
         let e = valid(serde_json::json!(many)).err().unwrap();
         assert_eq!((e.code, e.param.as_deref()), ("invalid_history", Some("history")), "{e}");
