@@ -40,7 +40,7 @@ fn as_pair(q: &Question) -> QaPair {
 
 fn ask(model: &Model, doc: &Document, adapter: Option<&dyn Adapter>, q: &Question, mode: Mode) -> (bool, String) {
     let params = SamplingParams { max_tokens: MAX_TOKENS, ..Default::default() };
-    let ask = Ask { question: q.question, mode, context: Some(ContextPolicy::Full), context_tokens: Some(CONTEXT_TOKENS) };
+    let ask = Ask { history: &[], question: q.question, mode, context: Some(ContextPolicy::Full), context_tokens: Some(CONTEXT_TOKENS) };
     let out = answer(model, doc, adapter, &ask, &params, &mut |_| true).unwrap().generation;
     let reply = out.text.trim().to_string();
     let lower = reply.to_lowercase();

@@ -70,7 +70,7 @@ fn costs(model: &Model, eval: &[data::Essay], all: &[data::Essay], runs: usize, 
             for q in &d.questions {
                 let (_, s) = time(|| Ok(index.search(&q.question)))?;
                 search.push(s);
-                let ask = |context| Ask { question: &q.question, mode: Mode::Rag, context: Some(context), context_tokens: None };
+                let ask = |context| Ask { history: &[], question: &q.question, mode: Mode::Rag, context: Some(context), context_tokens: None };
                 bm25_prompt.push(time(|| build_prompt(model, &doc, &ask(ContextPolicy::Bm25), max_tokens))?.1);
                 retrieved_prompt.push(time(|| build_prompt(model, &doc, &ask(ContextPolicy::Retrieved), max_tokens))?.1);
                 if tokens <= 8192 {
@@ -120,7 +120,7 @@ async fn first_answer(model_path: std::path::PathBuf, essays: &[data::Essay], mo
         .questions
         .iter()
         .find(|q| {
-            let ask = Ask { question: &q.question, mode: Mode::Icl, context: Some(ContextPolicy::HeadTail), context_tokens: None };
+            let ask = Ask { history: &[], question: &q.question, mode: Mode::Icl, context: Some(ContextPolicy::HeadTail), context_tokens: None };
             build_prompt(model, &doc, &ask, 32).is_ok_and(|p| !q.evidence_tokens.iter().any(|&s| p.shows(s)))
         })
         .context("no out-of-window question")?;

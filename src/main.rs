@@ -1,6 +1,6 @@
 //! `lift-serve` command line.
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use candle_core::Device;
 use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -153,6 +153,12 @@ struct AskArgs {
     document: Option<PathBuf>,
     #[arg(long)]
     question: String,
+    /// A JSON file with the conversation before the question, oldest first (as `/ask`'s
+    /// `history`): `[{"role": "user", "content": "Tell me about the museum."}, {"role":
+    /// "assistant", "content": "..."}]`. The earlier questions help choose the passages, and the
+    /// turns precede the question in the prompt.
+    #[arg(long)]
+    history: Option<PathBuf>,
     /// Default: lift with --adapter, icl with --document (rag reads its retrieved passages).
     #[arg(long, value_enum)]
     mode: Option<Mode>,
@@ -467,7 +473,19 @@ impl AskArgs {
         anyhow::ensure!(!document.is_empty(), "the document is empty");
         let params =
             SamplingParams { max_tokens: self.max_tokens, temperature: self.temperature, ..Default::default() };
-        let ask = Ask { question: &self.question, mode, context: self.context, context_tokens: self.context_tokens };
+        let history: Vec<lift_serve::model::ChatMessage> = match &self.history {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+                let turns: Vec<lift_serve::model::ChatMessage> =
+                    serde_json::from_str(&text).with_context(|| format!("{}: not a JSON array of {{role, content}} turns", path.display()))?;
+                if let Some(t) = turns.iter().find(|t| t.role != "user" && t.role != "assistant") {
+                    anyhow::bail!("{}: a turn's role is 'user' or 'assistant' (got '{}')", path.display(), t.role);
+                }
+                turns
+            }
+            None => Vec::new(),
+        };
+        let ask = Ask { question: &self.question, history: &history, mode, context: self.context, context_tokens: self.context_tokens };
         let adapter = loaded.as_ref().map(|b| &b.adapter as &dyn lift_serve::model::Adapter);
         let a = answer(&model, &document, adapter, &ask, &params, &mut print_piece)?;
         println!();

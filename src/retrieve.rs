@@ -96,19 +96,35 @@ impl PassageIndex {
     /// Every passage with a positive BM25 score for `question`, best first (ties: document
     /// order).
     pub fn search(&self, question: &str) -> Vec<Hit> {
+        self.search_weighted(&[(question, 1.0)])
+    }
+
+    /// [`search`](Self::search) for a query made of several texts, each with a weight: a term's
+    /// BM25 contribution is scaled by the largest weight of the texts it is in. A conversation
+    /// asks this way (the question at full weight, earlier questions lower), so that a follow-up
+    /// whose own words do not name its topic ("When did it open?") still finds the passages of
+    /// the topic asked about before, while a word of the question itself outweighs them.
+    pub fn search_weighted(&self, query: &[(&str, f32)]) -> Vec<Hit> {
         let n = self.passages.len() as f32;
         let mut scores = vec![0f32; self.passages.len()];
-        let mut query = terms(question);
-        query.sort();
-        query.dedup();
-        for term in &query {
+        let mut weights: HashMap<String, f32> = HashMap::new();
+        for &(text, weight) in query.iter().filter(|(_, w)| *w > 0.0) {
+            for term in terms(text) {
+                let w = weights.entry(term).or_insert(0.0);
+                *w = w.max(weight);
+            }
+        }
+        let mut query: Vec<(String, f32)> = weights.into_iter().collect();
+        // A fixed order, so that the float sums (and so the ties) do not depend on hashing.
+        query.sort_by(|a, b| a.0.cmp(&b.0));
+        for (term, weight) in &query {
             let Some(list) = self.postings.get(term) else { continue };
             let df = list.len() as f32;
             let idf = (1.0 + (n - df + 0.5) / (df + 0.5)).ln();
             for &(p, tf) in list {
                 let tf = tf as f32;
                 let norm = K1 * (1.0 - B + B * self.lengths[p as usize] as f32 / self.avg_len);
-                scores[p as usize] += idf * tf * (K1 + 1.0) / (tf + norm);
+                scores[p as usize] += weight * idf * tf * (K1 + 1.0) / (tf + norm);
             }
         }
         let mut hits: Vec<Hit> =
@@ -174,6 +190,31 @@ mod tests {
         assert_eq!(hits[0].passage, 1, "{hits:?}");
         assert!(hits.iter().all(|h| h.score > 0.0));
         assert!(idx.search("zebra quantum").is_empty());
+    }
+
+    #[test]
+    fn earlier_questions_find_the_topic_of_a_follow_up_at_a_lower_weight() {
+        let idx = index(&[
+            "The school opened near the chapel in the first year of the town.",
+            "A small museum opened beside the slipway, with tools and photographs.",
+            "The bakery sold bread to the crews before dawn.",
+        ]);
+        // The follow-up alone cannot tell the school from the museum: both opened, in passages
+        // of the same length.
+        let alone = idx.search("When was it opened?");
+        assert_eq!(alone.len(), 2, "{alone:?}");
+        assert_eq!(alone[0].score, alone[1].score, "{alone:?}");
+        // The earlier question names the topic, either way round.
+        for (earlier, topic) in [("Tell me about the museum.", 1), ("Tell me about the school.", 0)] {
+            let s = idx.search_weighted(&[("When was it opened?", 1.0), (earlier, 0.5)]);
+            assert_eq!(s[0].passage, topic, "{earlier}: {s:?}");
+            assert!(s[0].score > alone[0].score, "{s:?}");
+        }
+        // A word of the question itself outweighs an earlier question's word.
+        let s = idx.search_weighted(&[("Who sold bread?", 1.0), ("Tell me about the school.", 0.5)]);
+        assert_eq!(s[0].passage, 2, "{s:?}");
+        // One text at weight 1 is `search`; a weight of 0 adds nothing.
+        assert_eq!(idx.search_weighted(&[("museum", 1.0), ("school", 0.0)]), idx.search("museum"));
     }
 
     #[test]

@@ -292,11 +292,11 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     // Answering reads the document through the base filter, with and without the adapter.
     let params = SamplingParams { max_tokens: 3, ..Default::default() };
     for (mode, adapter) in [(Mode::Icl, None), (Mode::Lift, Some(&a.bundle.adapter as &dyn Adapter))] {
-        let ask = Ask { question: "Who keeps the lighthouse?", mode, context: Some(ContextPolicy::Full), context_tokens: None };
+        let ask = Ask { history: &[], question: "Who keeps the lighthouse?", mode, context: Some(ContextPolicy::Full), context_tokens: None };
         let chunks = answer(&m1, &document, adapter, &ask, &params, &mut |_| true).unwrap().chunks;
         assert!(chunks.len() >= 2, "{mode:?}: {} chunks", chunks.len());
     }
-    let ask = Ask { question: "Who keeps the lighthouse?", mode: Mode::Icl, context: Some(ContextPolicy::Full), context_tokens: None };
+    let ask = Ask { history: &[], question: "Who keeps the lighthouse?", mode: Mode::Icl, context: Some(ContextPolicy::Full), context_tokens: None };
     let chunks = answer(&plain, &document, None, &ask, &params, &mut |_| true).unwrap().chunks;
     assert!(chunks.is_empty(), "no filter without a prepared base");
 
@@ -304,7 +304,7 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     // a budget past it: the re-rank's candidates and the answer's passages stay within the window.
     let long = Document::encode(&m1, DOC.repeat(20)).unwrap();
     assert!(long.len() > 2 * 2048, "{}", long.len());
-    let ask = Ask { question: "Who keeps the lighthouse?", mode: Mode::Rag, context: None, context_tokens: Some(1 << 20) };
+    let ask = Ask { history: &[], question: "Who keeps the lighthouse?", mode: Mode::Rag, context: None, context_tokens: Some(1 << 20) };
     let a = answer(&m1, &long, None, &ask, &params, &mut |_| true).unwrap();
     assert!(a.prompt.tokens.len() + params.max_tokens <= 2048, "{}", a.prompt.tokens.len());
     assert!(a.prompt.context_tokens > 1000 && !a.chunks.is_empty(), "{} document tokens", a.prompt.context_tokens);

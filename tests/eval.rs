@@ -51,7 +51,7 @@ fn retrieval_shows_the_planted_fact_in_a_small_context() {
             let ids = Document::encode(model, doc.text.clone()).unwrap();
             for q in &doc.questions {
                 let planted = q.planted.as_deref().unwrap();
-                let ask = |context| Ask { question: &q.question, mode: Mode::Rag, context, context_tokens: Some(256) };
+                let ask = |context| Ask { history: &[], question: &q.question, mode: Mode::Rag, context, context_tokens: Some(256) };
                 let p = build_prompt(model, &ids, &ask(None), 32).unwrap();
                 assert!(p.context_tokens <= 256, "{name}: {} document tokens in context", p.context_tokens);
                 let shown = model.tokenizer.decode(&p.tokens).unwrap();
@@ -136,16 +136,16 @@ fn window_labels_agree_with_the_prompt_build_prompt_builds() {
     let (mut ins, mut outs) = (0, 0);
     for budget in [Some(64), Some(128), Some(300), None] {
         for q in &doc.questions {
-            let prompt = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Lift, context: Some(ContextPolicy::Full), context_tokens: budget }, 32).unwrap();
+            let prompt = build_prompt(model, &ids, &Ask { history: &[], question: &q.question, mode: Mode::Lift, context: Some(ContextPolicy::Full), context_tokens: budget }, 32).unwrap();
             let label = eval::in_window(&prompt, &q.evidence_tokens).unwrap();
             // Independent check: is the planted sentence's text in the decoded prompt?
             let shown = model.tokenizer.decode(&prompt.tokens).unwrap();
             let planted = q.planted.as_deref().unwrap();
             assert_eq!(label, shown.contains(planted), "budget {budget:?}, {planted:?}: label {label}");
             // icl builds the same context; memory none.
-            let icl = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Icl, context: Some(ContextPolicy::Full), context_tokens: budget }, 32).unwrap();
+            let icl = build_prompt(model, &ids, &Ask { history: &[], question: &q.question, mode: Mode::Icl, context: Some(ContextPolicy::Full), context_tokens: budget }, 32).unwrap();
             assert_eq!(icl.tokens, prompt.tokens);
-            let mem = build_prompt(model, &ids, &Ask { question: &q.question, mode: Mode::Memory, context: Some(ContextPolicy::Full), context_tokens: budget }, 32).unwrap();
+            let mem = build_prompt(model, &ids, &Ask { history: &[], question: &q.question, mode: Mode::Memory, context: Some(ContextPolicy::Full), context_tokens: budget }, 32).unwrap();
             assert!(!model.tokenizer.decode(&mem.tokens).unwrap().contains(planted));
             if label {
                 ins += 1;
@@ -327,7 +327,7 @@ fn jsonl_questions_are_labelled_from_answer_occurrences() {
         .iter()
         .map(|q| {
             eval::in_window(
-                &build_prompt(&model, &ids, &Ask { question: &q.question, mode: Mode::Lift, context: Some(ContextPolicy::Full), context_tokens: Some(48) }, 8).unwrap(),
+                &build_prompt(&model, &ids, &Ask { history: &[], question: &q.question, mode: Mode::Lift, context: Some(ContextPolicy::Full), context_tokens: Some(48) }, 8).unwrap(),
                 &q.evidence_tokens,
             )
         })

@@ -208,7 +208,7 @@ fn batched_answers_over_the_prepared_base_match_each_alone() {
     let alone: Vec<_> = cases
         .iter()
         .map(|(q, mode, a, _, ctx)| {
-            let ask = Ask { question: q, mode: *mode, context: Some(ContextPolicy::Full), context_tokens: Some(*ctx) };
+            let ask = Ask { history: &[], question: q, mode: *mode, context: Some(ContextPolicy::Full), context_tokens: Some(*ctx) };
             let out = answer(&m, &doc, a.as_deref(), &ask, &params, &mut |_| true).unwrap();
             (out.generation.tokens, out.generation.text, out.chunks)
         })
@@ -223,7 +223,7 @@ fn batched_answers_over_the_prepared_base_match_each_alone() {
     while done.len() < cases.len() + 1 {
         for (i, (q, mode, a, join, ctx)) in cases.iter().enumerate() {
             if *join == step {
-                let ask = Ask { question: q, mode: *mode, context: Some(ContextPolicy::Full), context_tokens: Some(*ctx) };
+                let ask = Ask { history: &[], question: q, mode: *mode, context: Some(ContextPolicy::Full), context_tokens: Some(*ctx) };
                 let (_, seq) = prepare(&m, &doc, &ask, &params).unwrap();
                 let key = a.as_ref().map_or(0, |a| Arc::as_ptr(a) as *const () as usize);
                 batch.join(Entry { seq, adapter: a.clone(), adapter_key: key, data: i });

@@ -2300,3 +2300,92 @@ async fn a_failed_document_answers_from_its_passages_after_a_restart() {
     assert!(!text.exists(), "DELETE removes the kept text");
     running.shutdown().await;
 }
+
+/// A follow-up is a chat turn: a multi-turn chat completion to a document model reads the
+/// passages of the topic the earlier user turn asked about ("What colour did he paint it?" names
+/// no topic), as `/ask` does with `history`; without the earlier turns the same question reads
+/// others. Over a prepared base, whose filter reports the passages read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_follow_up_reads_the_passages_of_the_conversation_it_follows() {
+    let e = env();
+    let plain = lift_serve::model::Model::load(&e.model, &candle_core::Device::Cpu).unwrap();
+    let shape = lift_serve::base::BaseShape {
+        rank: 2,
+        filter: lift_serve::lift::filter::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
+    };
+    let base_dir = e.adapters.with_file_name("base");
+    lift_serve::base::PreparedBase::new(&plain, &shape, 5).unwrap().save(&base_dir).unwrap();
+    let mut cfg = config(&e, &[]);
+    cfg.prepared_base = Some(base_dir.to_string_lossy().into_owned());
+    let (running, base) = start(cfg).await;
+    let c = client();
+    // Nothing trains: the document answers from its passages (`rag`), deterministically.
+    let hold = hold_thread(&running, true).await;
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC}), None).await;
+    assert_eq!(s, 202, "{d}");
+    let id = d["id"].as_str().unwrap().to_string();
+    let texts = |v: &Value| -> String {
+        let chunks = v["context"]["chunks"].as_array().unwrap_or_else(|| panic!("passages in {v}"));
+        chunks.iter().map(|c| c["text"].as_str().unwrap()).collect::<Vec<_>>().join(" | ")
+    };
+    let earlier = json!([{"role": "user", "content": "Tell me about the lighthouse keeper."},
+                         {"role": "assistant", "content": "He looks after the light."}]);
+    let follow_up = "What colour did he paint it?";
+
+    // Chat completions: the whole conversation against the last user message alone.
+    let chat = |messages: Value| json!({"model": id, "messages": messages, "max_tokens": 4, "mode": "rag",
+                                        "context_tokens": 96, "include_context": true});
+    let mut turns = earlier.as_array().unwrap().clone();
+    turns.insert(0, json!({"role": "system", "content": "Answer briefly."}));
+    turns.push(json!({"role": "user", "content": follow_up}));
+    let (s, multi) = post_json(&c, &format!("{base}/v1/chat/completions"), chat(json!(turns)), None).await;
+    assert_eq!(s, 200, "{multi}");
+    let (s, single) = post_json(&c, &format!("{base}/v1/chat/completions"), chat(json!([{"role": "user", "content": follow_up}])), None).await;
+    assert_eq!(s, 200, "{single}");
+    let (with, without) = (texts(&multi["lift"]), texts(&single["lift"]));
+    // (The tiny base's chunks are a few words long: the sentence's first one names the keeper.)
+    assert!(with.contains("The lighthouse keeper"), "the follow-up reads the keeper's passage: {with}");
+    assert!(!without.contains("lighthouse"), "the question alone does not name the keeper: {without}");
+    let prompt = |v: &Value| v["usage"]["prompt_tokens"].as_u64().unwrap();
+    assert!(prompt(&multi) > prompt(&single) + 40, "the earlier turns are in the prompt: {} vs {}", prompt(&multi), prompt(&single));
+
+    // /ask with `history`: the same passages; without it, the question on its own, as before.
+    let ask = |history: Option<&Value>| {
+        let mut b = json!({"document_id": id, "question": follow_up, "mode": "rag", "max_tokens": 4, "context_tokens": 96,
+                           "include_context": true});
+        if let Some(h) = history {
+            b["history"] = h.clone();
+        }
+        b
+    };
+    let (s, a) = post_json(&c, &format!("{base}/ask"), ask(Some(&earlier)), None).await;
+    assert_eq!(s, 200, "{a}");
+    assert_eq!(texts(&a), with, "/ask with history reads what the chat read");
+    assert_eq!(a["usage"]["prompt_tokens"], multi["usage"]["prompt_tokens"], "the same prompt: {a}");
+    let (s, a) = post_json(&c, &format!("{base}/ask"), ask(None), None).await;
+    assert_eq!(s, 200, "{a}");
+    assert_eq!(texts(&a), without);
+    // Streamed, with history: the same answer event.
+    let mut b = ask(Some(&earlier));
+    b["stream"] = json!(true);
+    let r = c.post(format!("{base}/ask")).json(&b).send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    let events = sse_events(&r.text().await.unwrap());
+    let (_, last) = events.last().expect("events");
+    assert_eq!(texts(&serde_json::from_str(last).unwrap()), with);
+
+    // A bad history is a 4xx in the API's shape, naming the turn at fault.
+    for (history, code, param) in [
+        (json!([{"role": "system", "content": "x"}]), "invalid_history", "history[0].role"),
+        (json!([{"role": "user"}]), "invalid_history", "history[0]"),
+        (json!({"role": "user", "content": "x"}), "invalid_history", "history"),
+        (json!([{"role": "user", "content": "x".repeat(1000)}]), "history_too_long", "history"),
+    ] {
+        let (s, v) = post_json(&c, &format!("{base}/ask"), ask(Some(&history)), None).await;
+        assert_eq!(s, 400, "{history}: {v}");
+        assert_error_shape(&v, code, &history.to_string());
+        assert_eq!(v["error"]["param"], param, "{v}");
+    }
+    drop(hold);
+    running.shutdown().await;
+}

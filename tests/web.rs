@@ -182,6 +182,11 @@ async fn real_model_document_chat() {
     b.goto(&base).await.unwrap();
     assert_eq!(b.title().await.unwrap(), "lift-serve");
     wait_list_loaded(&b).await;
+    // The bodies the page posts to /ask, to see what a follow-up sends.
+    b.js("window.askBodies = []; const f = window.fetch; \
+          window.fetch = (url, init) => { if (url === '/ask') window.askBodies.push(JSON.parse(init.body)); return f(url, init); }; \
+          return null")
+        .await;
 
     // Choosing the file asks the server what absorbing it costs (a dry run: nothing stored).
     b.find(Locator::Css("#file-input")).await.unwrap().send_keys(&doc_path.display().to_string()).await.unwrap();
@@ -227,6 +232,10 @@ async fn real_model_document_chat() {
     ask_on_page(&b, "When was the harbor built?", &["lift"], Duration::from_secs(120)).await;
     let (by, _, _) = answered_by(&b, "lift").await;
     assert!(!by.is_empty(), "the follow-up says who answered it");
+    // The follow-up is sent with the conversation so far, as chat turns.
+    let sent = b.js("return window.askBodies[window.askBodies.length - 1]").await;
+    assert_eq!(sent["question"], "When was the harbor built?", "{sent}");
+    assert_eq!(sent["history"], json!([{"role": "user", "content": q1}, {"role": "assistant", "content": a1["lift"].as_str().unwrap().trim()}]), "{sent}");
     let turns = b.js("return [...document.querySelectorAll('#thread .turn [data-testid=question]')].map(q => q.textContent)").await;
     assert_eq!(turns, json!([q1, "When was the harbor built?"]), "one thread, in order");
     shot(&b, "03-follow-up").await;
@@ -252,7 +261,14 @@ async fn real_model_document_chat() {
     let (by, mode, adapter) = answered_by(&b, "lift").await;
     assert_eq!((mode.as_str(), adapter.as_str()), ("lift", "final"), "{by}");
     assert!(by.starts_with("Absorbed + passages · absorbed adapter"), "{by}");
-    let direct = ask_direct(&base, json!({"document_id": id, "question": q3, "max_tokens": max_tokens, "temperature": 0, "include_context": true})).await;
+    let sent = b.js("return window.askBodies[window.askBodies.length - 1]").await;
+    let history = sent["history"].clone();
+    assert_eq!(history.as_array().map(|h| h.len()), Some(4), "two questions and their answers before: {sent}");
+    let direct = ask_direct(
+        &base,
+        json!({"document_id": id, "question": q3, "history": history, "max_tokens": max_tokens, "temperature": 0, "include_context": true}),
+    )
+    .await;
     assert_eq!(a3["lift"], direct["answer"], "{direct}");
     // The passages it read: asked for when opened.
     click_centered(&b, "#answer-lift [data-testid=passages] > summary").await;

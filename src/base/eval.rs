@@ -69,7 +69,7 @@ pub fn read(model: &Model, items: &[ReadingItem], on_done: &mut dyn FnMut(usize)
         let ex = &item.example;
         let text = ex.document();
         let doc = Document::encode(model, text.clone())?;
-        let ask = Ask { question: &ex.question, mode: Mode::Icl, context: Some(ContextPolicy::Full), context_tokens: None };
+        let ask = Ask { history: &[], question: &ex.question, mode: Mode::Icl, context: Some(ContextPolicy::Full), context_tokens: None };
         let a = answer(model, &doc, None, &ask, &params, &mut |_| true)?;
         let (generation, scores) = (a.generation, a.chunks);
         let filter_counts = if scores.is_empty() {

@@ -190,6 +190,8 @@ pub enum Prompt {
     Document {
         id: String,
         question: String,
+        /// The conversation before the question, oldest first.
+        history: Vec<crate::model::ChatMessage>,
         mode: Mode,
         context: Option<ContextPolicy>,
         context_tokens: Option<usize>,
@@ -321,7 +323,7 @@ struct Started<'m> {
 /// then answers as `rag`).
 fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Started<'m>, EngineError> {
     match &job.prompt {
-        Prompt::Document { id, question, mode, context, context_tokens, blob } => {
+        Prompt::Document { id, question, history, mode, context, context_tokens, blob } => {
             let (document, held) = match store.live(id) {
                 Some(live) if blob.is_none() && !store.adapter_dir(id).exists() => {
                     (live.document.clone(), live.snapshot().map(HeldAdapter::Snapshot))
@@ -344,7 +346,7 @@ fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Start
                 HeldAdapter::Stored(l) => l.steps(),
                 HeldAdapter::Snapshot(s) => (s.step, s.planned_steps),
             });
-            let ask = Ask { question, mode, context: *context, context_tokens: *context_tokens };
+            let ask = Ask { question, history, mode, context: *context, context_tokens: *context_tokens };
             let (_, seq) = prepare(model, &document, &ask, &job.params)?;
             let adapter_key = held.as_ref().map_or(0, HeldAdapter::key);
             let adapter = held.map(|h| Arc::new(h) as Arc<dyn Adapter>);

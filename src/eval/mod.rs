@@ -390,7 +390,7 @@ impl Backend for Local<'_> {
         let bundle = handle.map(|h| &self.adapters[h].bundle);
         let adapter = bundle.map(|b| &b.adapter as &dyn crate::model::Adapter);
         let params = SamplingParams { max_tokens: self.max_tokens, temperature: 0.0, ..Default::default() };
-        let ask = Ask { question, mode, context, context_tokens: budget(context, self.context_tokens) };
+        let ask = Ask { history: &[], question, mode, context, context_tokens: budget(context, self.context_tokens) };
         let a = answer(self.model, document, adapter, &ask, &params, &mut |_| true)?;
         Ok((a.generation.text, a.prompt.tokens.len()))
     }
@@ -402,7 +402,7 @@ impl Backend for Local<'_> {
 
 /// The question as the answer budget of the run asks it.
 fn ask<'q>(question: &'q str, mode: Mode, context: Option<ContextPolicy>, cfg: &RunConfig) -> Ask<'q> {
-    Ask { question, mode, context, context_tokens: budget(context, cfg.context_tokens) }
+    Ask { history: &[], question, mode, context, context_tokens: budget(context, cfg.context_tokens) }
 }
 
 /// The run's answer budget, except for methods that show what fits the window (`:full`).

@@ -10,10 +10,10 @@
 //! and the benchmarks all answer through it.
 
 use super::filter::{self, ChunkScore, FilterHooks};
-use super::prompt::{chat_with_context, elision_tokens, head_tail, kept_ranges};
+use super::prompt::{chat_after_turns, elision_tokens, head_tail, kept_ranges};
 use crate::document::Document;
 use crate::model::generate::{run_alone, Generation, SamplingParams, Sequence};
-use crate::model::{Adapter, KvCache, Model};
+use crate::model::{Adapter, ChatMessage, KvCache, Model};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
 
@@ -145,6 +145,11 @@ pub fn min_prompt_tokens(question_tokens: usize, filtered: bool) -> usize {
 #[derive(Clone, Copy, Debug)]
 pub struct Ask<'a> {
     pub question: &'a str,
+    /// The conversation before the question (user and assistant turns, oldest first; other roles
+    /// are left out): earlier questions help choose the passages ([`retrieval_query`]), and the
+    /// turns go into the prompt as chat turns, the oldest left out first where the window is
+    /// short ([`build_prompt`]). Empty: a question on its own.
+    pub history: &'a [ChatMessage],
     pub mode: Mode,
     /// The context policy; `None`: the mode's default ([`Mode::default_context`]).
     pub context: Option<ContextPolicy>,
@@ -156,7 +161,7 @@ pub struct Ask<'a> {
 impl<'a> Ask<'a> {
     /// A question in `mode` with the mode's default context and budget.
     pub fn new(question: &'a str, mode: Mode) -> Self {
-        Self { question, mode, context: None, context_tokens: None }
+        Self { question, history: &[], mode, context: None, context_tokens: None }
     }
 
     pub fn policy(&self) -> ContextPolicy {
@@ -172,15 +177,107 @@ impl<'a> Ask<'a> {
     }
 }
 
+/// The weight of the user turn before the question in the retrieval query; each turn further
+/// back counts half as much as the one after it. Under 1, so that the question's own words
+/// outweigh a topic asked about before, and decaying, so that a conversation that moved on to
+/// another topic leaves the old one behind.
+pub const HISTORY_QUERY_WEIGHT: f32 = 0.5;
+
+/// Earlier user turns read into a retrieval query (the ones before weigh under 1/32).
+pub const HISTORY_QUERY_TURNS: usize = 4;
+
+/// The retrieval query of `ask`: its question at weight 1, then the user turns before it, newest
+/// first, at [`HISTORY_QUERY_WEIGHT`] halving each turn back. A follow-up that does not name its
+/// topic ("When did it open?" after "Tell me about the museum") finds the topic's passages
+/// through the earlier question ([`PassageIndex::search_weighted`]).
+///
+/// [`PassageIndex::search_weighted`]: crate::retrieve::PassageIndex::search_weighted
+pub fn retrieval_query<'a>(ask: &Ask<'a>) -> Vec<(&'a str, f32)> {
+    let mut query = vec![(ask.question, 1.0)];
+    let earlier = ask.history.iter().rev().filter(|t| t.role == "user").take(HISTORY_QUERY_TURNS);
+    let mut weight = HISTORY_QUERY_WEIGHT;
+    for turn in earlier {
+        query.push((turn.content.as_str(), weight));
+        weight /= 2.0;
+    }
+    query
+}
+
+/// The turns of `history` a prompt carries: user and assistant messages, from the first user
+/// message on (a template may expect the conversation to open with the user).
+fn conversation(history: &[ChatMessage]) -> Vec<ChatMessage> {
+    let turns = history.iter().filter(|t| t.role == "user" || t.role == "assistant");
+    turns.skip_while(|t| t.role != "user").cloned().collect()
+}
+
+/// Template tokens a turn takes besides its text, at least (ChatML's `<|im_start|>role\n` and
+/// `<|im_end|>\n`): how turns are counted before their prompt is rendered.
+const TURN_TOKENS: usize = 4;
+
+/// The prompt `build` makes with the most recent of `history`'s turns that leave `max_tokens` of
+/// answer in the model's window: the oldest turns are left out first (a question with the answer
+/// that followed it), never what `build` shows without turns (the document's text, the question).
+fn with_turns<T>(
+    model: &Model,
+    history: &[ChatMessage],
+    max_tokens: usize,
+    len: impl Fn(&T) -> usize,
+    build: impl Fn(&[ChatMessage]) -> Result<T>,
+) -> Result<T> {
+    let turns = conversation(history);
+    if turns.is_empty() {
+        return build(&[]);
+    }
+    let window = model.config().max_position_embeddings;
+    let room = window.saturating_sub(len(&build(&[])?) + max_tokens);
+    // Each turn's tokens, at least: the newest turns whose count fits are tried first.
+    let costs = turns
+        .iter()
+        .map(|t| Ok(model.tokenizer.encode_plain(&t.content)?.len() + TURN_TOKENS))
+        .collect::<Result<Vec<usize>>>()?;
+    let mut from = turns.len();
+    let mut used = 0;
+    while from > 0 && used + costs[from - 1] <= room {
+        from -= 1;
+        used += costs[from];
+    }
+    loop {
+        from = skip_to_user(&turns, from);
+        let p = build(&turns[from..])?;
+        let over = (len(&p) + max_tokens).saturating_sub(window);
+        if over == 0 || from == turns.len() {
+            return Ok(p);
+        }
+        // Leave out the oldest turns that (counted at least) make up the excess, one at least.
+        let mut dropped = 0;
+        while from < turns.len() && (dropped < over || dropped == 0) {
+            dropped += costs[from];
+            from += 1;
+        }
+    }
+}
+
+/// The first user turn of `turns` at or after `from` (`turns.len()` when there is none).
+fn skip_to_user(turns: &[ChatMessage], from: usize) -> usize {
+    (from..turns.len()).find(|&i| turns[i].role == "user").unwrap_or(turns.len())
+}
+
 /// Builds the prompt for `ask` about `doc` leaving room for `max_tokens` of answer: the one
 /// prompt every answer uses, and that evaluations label questions by. With a prepared base's FltLM
-/// filter the context is laid out in its chunks, the question before and after them.
+/// filter the context is laid out in its chunks, the question before and after them. The
+/// conversation before the question (`ask.history`) comes before as chat turns, in what the
+/// window has left once the context and the question are in: the context's budget is the same
+/// with or without it.
 pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize) -> Result<AnswerPrompt> {
     let question = ask.question;
     let ids = doc.tokens();
+    let history = ask.history;
+    let tokens_of = |p: &AnswerPrompt| p.tokens.len();
     if !ask.mode.uses_context() {
-        let tokens = chat_with_context(model, &[], question)?;
-        return Ok(AnswerPrompt { tokens, shown: Vec::new(), context_tokens: 0, chunks: Vec::new(), policy: None });
+        return with_turns(model, history, max_tokens, tokens_of, |turns| {
+            let tokens = chat_after_turns(model, turns, &[], question)?.0;
+            Ok(AnswerPrompt { tokens, shown: Vec::new(), context_tokens: 0, chunks: Vec::new(), policy: None })
+        });
     }
     let policy = ask.policy();
     let requested = ask.requested_budget();
@@ -193,7 +290,7 @@ pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize)
     let budget = requested.map_or(fits, |r| r.min(fits));
     if matches!(policy, ContextPolicy::Retrieved | ContextPolicy::Bm25) {
         let index = doc.passages(model, passage_tokens(model))?;
-        let mut ranked: Vec<usize> = index.search(question).iter().map(|h| h.passage).collect();
+        let mut ranked: Vec<usize> = index.search_weighted(&retrieval_query(ask)).iter().map(|h| h.passage).collect();
         if let Some(f) = filter.filter(|_| policy == ContextPolicy::Retrieved) {
             // The candidates' layout must fit the window too.
             ranked = rerank(model, f, ids, &index, question, &ranked, (RERANK_FACTOR * budget).min(fits))?;
@@ -205,27 +302,37 @@ pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize)
         let mut budget = budget;
         loop {
             let shown: Vec<(usize, usize)> = index.select(&ranked, budget).into_iter().map(|p| index.passages[p]).collect();
-            let p = passages_prompt(model, ids, &shown, question, filter.is_some(), policy)?;
+            let p = passages_prompt(model, &[], ids, &shown, question, filter.is_some(), policy)?;
             let over = (p.tokens.len() + max_tokens).saturating_sub(window);
             if over == 0 || shown.is_empty() {
-                return Ok(p);
+                if conversation(history).is_empty() {
+                    return Ok(p);
+                }
+                return with_turns(model, history, max_tokens, tokens_of, |turns| {
+                    passages_prompt(model, turns, ids, &shown, question, filter.is_some(), policy)
+                });
             }
             budget = budget.saturating_sub(over);
         }
     }
     if let Some(filter) = filter {
         let breaks = doc.breaks(model)?;
-        let p = filter::build_prompt(model, ids, breaks, question, budget, filter.chunk_tokens)?;
-        let context_tokens = p.chunks.iter().map(|c| c.end - c.start).sum();
-        let shown = head_and_tail(p.head_end, p.tail_start, ids.len());
-        return Ok(AnswerPrompt { tokens: p.tokens, shown, context_tokens, chunks: p.chunks, policy: Some(policy) });
+        let build = |turns: &[ChatMessage]| {
+            let p = filter::build_prompt_after(model, turns, ids, breaks, question, budget, filter.chunk_tokens)?;
+            let context_tokens = p.chunks.iter().map(|c| c.end - c.start).sum();
+            let shown = head_and_tail(p.head_end, p.tail_start, ids.len());
+            Ok(AnswerPrompt { tokens: p.tokens, shown, context_tokens, chunks: p.chunks, policy: Some(policy) })
+        };
+        return with_turns(model, history, max_tokens, tokens_of, build);
     }
     let elision = elision_tokens(model)?;
     let ctx = head_tail(ids, budget, budget / 2, &elision);
     let (head_end, tail_start) = kept_ranges(ids.len(), budget, budget / 2, elision.len());
-    let tokens = chat_with_context(model, &ctx, question)?;
     let shown = head_and_tail(head_end, tail_start, ids.len());
-    Ok(AnswerPrompt { tokens, shown, context_tokens: ctx.len(), chunks: Vec::new(), policy: Some(policy) })
+    with_turns(model, history, max_tokens, tokens_of, |turns| {
+        let tokens = chat_after_turns(model, turns, &ctx, question)?.0;
+        Ok(AnswerPrompt { tokens, shown: shown.clone(), context_tokens: ctx.len(), chunks: Vec::new(), policy: Some(policy) })
+    })
 }
 
 /// BM25's candidates the filter re-ranks: as many as fill this many times the budget.
@@ -235,7 +342,10 @@ pub const RERANK_FACTOR: usize = 2;
 /// the answer lays out its context (the question, then each passage and its marker, in document
 /// order), run through the layers up to the prepared base's filter layer only; they are ranked by
 /// the filter's chunk scores (FltLM eq. 3, the relevance it was trained to score), best first,
-/// the rest of `ranked` after them.
+/// the rest of `ranked` after them. The filter reads the question alone, as it was trained: in a
+/// conversation the earlier questions have already brought their topic's passages among the
+/// candidates (BM25 over [`retrieval_query`]), and with the earlier turns in its prompt the
+/// shipped filter put an earlier topic before the one the question itself names.
 fn rerank(
     model: &Model,
     f: &filter::Filter,
@@ -277,6 +387,7 @@ fn rerank(
 /// follow each other.
 fn passages_prompt(
     model: &Model,
+    turns: &[ChatMessage],
     ids: &[u32],
     shown: &[(usize, usize)],
     question: &str,
@@ -285,7 +396,7 @@ fn passages_prompt(
 ) -> Result<AnswerPrompt> {
     let context_tokens = shown.iter().map(|(a, b)| b - a).sum();
     if filtered {
-        let (tokens, chunks) = filter::ranges_prompt(model, ids, shown, question)?;
+        let (tokens, chunks) = filter::ranges_prompt_after(model, turns, ids, shown, question)?;
         return Ok(AnswerPrompt { tokens, shown: merged(shown), context_tokens, chunks, policy: Some(policy) });
     }
     let elision = elision_tokens(model)?;
@@ -296,7 +407,7 @@ fn passages_prompt(
         }
         ctx.extend_from_slice(&ids[a..b]);
     }
-    let tokens = chat_with_context(model, &ctx, question)?;
+    let tokens = chat_after_turns(model, turns, &ctx, question)?.0;
     Ok(AnswerPrompt { tokens, shown: merged(shown), context_tokens, chunks: Vec::new(), policy: Some(policy) })
 }
 

@@ -16,13 +16,13 @@
 //! with a question) use the layout; contextualized-training examples keep theirs.
 
 use super::plan::{Example, ExampleKind};
-use super::prompt::{chat_with_context_at, elision_tokens, end_of_turn, kept_ranges};
+use super::prompt::{chat_after_turns, elision_tokens, end_of_turn, kept_ranges};
 use super::qa::QaPair;
 use crate::document::Document;
 pub use crate::model::filter::{
     Chunk, ChunkScore, Filter, FilterHooks, FilterOptions, CONFIG, HEAD_BIAS, HEAD_WEIGHT, LOG_TAU, MASK_B, MASK_W, W_INIT,
 };
-use crate::model::{Adapter, Model, Projection};
+use crate::model::{Adapter, ChatMessage, Model, Projection};
 use anyhow::{Context, Result};
 use candle_core::{DType, Tensor};
 use serde::Serialize;
@@ -94,6 +94,20 @@ pub fn build_prompt(
     budget: usize,
     chunk_tokens: usize,
 ) -> Result<FilterPrompt> {
+    build_prompt_after(model, &[], doc, breaks, question, budget, chunk_tokens)
+}
+
+/// [`build_prompt`] after the earlier turns of a conversation (see
+/// [`chat_after_turns`](super::prompt::chat_after_turns)).
+pub fn build_prompt_after(
+    model: &Model,
+    turns: &[ChatMessage],
+    doc: &[u32],
+    breaks: &[Break],
+    question: &str,
+    budget: usize,
+    chunk_tokens: usize,
+) -> Result<FilterPrompt> {
     let elision = elision_tokens(model)?;
     let (head_end, tail_start) = kept_ranges(doc.len(), budget, budget / 2, elision.len());
     let mut ranges = chunk_ranges(breaks, 0, head_end, chunk_tokens);
@@ -102,14 +116,25 @@ pub fn build_prompt(
     if tail_start < doc.len() {
         ranges.extend(chunk_ranges(breaks, tail_start, doc.len(), chunk_tokens));
     }
-    let (tokens, chunks) = layout(model, doc, &ranges, elide, question)?;
+    let (tokens, chunks) = layout(model, turns, doc, &ranges, elide, question)?;
     Ok(FilterPrompt { tokens, chunks, head_end, tail_start })
 }
 
 /// The filter-layout prompt for `question` over the document ranges `ranges` of `doc` (in
 /// order), one chunk per range: retrieved passages, which are the document's chunks already.
 pub fn ranges_prompt(model: &Model, doc: &[u32], ranges: &[(usize, usize)], question: &str) -> Result<(Vec<u32>, Vec<Chunk>)> {
-    layout(model, doc, ranges, None, question)
+    ranges_prompt_after(model, &[], doc, ranges, question)
+}
+
+/// [`ranges_prompt`] after the earlier turns of a conversation.
+pub fn ranges_prompt_after(
+    model: &Model,
+    turns: &[ChatMessage],
+    doc: &[u32],
+    ranges: &[(usize, usize)],
+    question: &str,
+) -> Result<(Vec<u32>, Vec<Chunk>)> {
+    layout(model, turns, doc, ranges, None, question)
 }
 
 /// The filter-layout prompt for `question` over `passages` (token ids), one chunk per passage:
@@ -131,15 +156,17 @@ pub fn passages_prompt(
     }
     let elision = elision_tokens(model)?;
     let elide = elide_before.map(|i| (i, elision.as_slice()));
-    let (tokens, chunks) = layout(model, &doc, &ranges, elide, question)?;
+    let (tokens, chunks) = layout(model, &[], &doc, &ranges, elide, question)?;
     // Every token of `passages` is in the prompt (what was elided never reached this function).
     Ok(FilterPrompt { tokens, chunks, head_end: doc.len(), tail_start: doc.len() })
 }
 
 /// `Question: q`, then each document range of `doc` followed by a marker (the `elide` tokens
-/// before range `elide.0`), in the chat template with the question again after the context.
+/// before range `elide.0`), in the chat template with the question again after the context;
+/// `turns`, a conversation's earlier turns, before them.
 fn layout(
     model: &Model,
+    turns: &[ChatMessage],
     doc: &[u32],
     ranges: &[(usize, usize)],
     elide: Option<(usize, &[u32])>,
@@ -158,7 +185,7 @@ fn layout(
         chunks.push(Chunk { doc_start: a, doc_end: b, start, end: ctx.len() });
         ctx.push(marker);
     }
-    let (tokens, offset) = chat_with_context_at(model, &ctx, question)?;
+    let (tokens, offset) = chat_after_turns(model, turns, &ctx, question)?;
     for c in &mut chunks {
         c.start += offset;
         c.end += offset;

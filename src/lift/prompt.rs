@@ -5,7 +5,7 @@
 //! user turn = [document context tokens] + "\n\n" + instruction or question; the assistant turn
 //! follows. The document context is spliced in as token ids, never re-tokenised.
 
-use crate::model::{ChatPart, Model};
+use crate::model::{ChatMessage, ChatPart, Model};
 use anyhow::{Context, Result};
 
 /// The system message of every LIFT prompt (SmolLM2's own default derails it).
@@ -25,18 +25,29 @@ pub fn chat_with_context(model: &Model, context: &[u32], suffix: &str) -> Result
 
 /// `chat_with_context` and the position of the context's first token in the prompt.
 pub fn chat_with_context_at(model: &Model, context: &[u32], suffix: &str) -> Result<(Vec<u32>, usize)> {
+    chat_after_turns(model, &[], context, suffix)
+}
+
+/// `chat_with_context_at` after the earlier turns of a conversation (`turns`: user and assistant
+/// messages, oldest first), each its own turn of the chat template between the system message and
+/// the user turn that shows the context and asks `suffix`.
+pub fn chat_after_turns(model: &Model, turns: &[ChatMessage], context: &[u32], suffix: &str) -> Result<(Vec<u32>, usize)> {
     let user = if context.is_empty() {
         vec![ChatPart::Text(suffix)]
     } else {
         vec![ChatPart::Tokens(context), ChatPart::Text("\n\n"), ChatPart::Text(suffix)]
     };
-    let (ids, starts) = model.encode_chat_parts(&[("system", vec![ChatPart::Text(SYSTEM_PROMPT)]), ("user", user)])?;
+    let mut messages = Vec::with_capacity(turns.len() + 2);
+    messages.push(("system", vec![ChatPart::Text(SYSTEM_PROMPT)]));
+    messages.extend(turns.iter().map(|t| (t.role.as_str(), vec![ChatPart::Text(&t.content)])));
+    messages.push(("user", user));
+    let (ids, starts) = model.encode_chat_parts(&messages)?;
     if context.is_empty() {
         let n = ids.len();
         return Ok((ids, n));
     }
-    // Parts in order: the system message, then the context.
-    let at = *starts.get(1).context("chat template dropped the user message")?;
+    // The last user turn's parts are the last three rendered: the context, the break, `suffix`.
+    let at = starts.len().checked_sub(3).map(|i| starts[i]).context("chat template dropped the user message")?;
     Ok((ids, at))
 }
 

@@ -33,6 +33,7 @@ impl Body {
         match (self, path.split(['.', '[']).next().unwrap_or("")) {
             (Body::Document, "options") if path != "options" => "invalid_option",
             (Body::Ask | Body::Chat, "mode") => "invalid_mode",
+            (Body::Ask, "history") => "invalid_history",
             (Body::Chat, "messages") => "invalid_messages",
             _ => "invalid_type",
         }
@@ -42,6 +43,7 @@ impl Body {
         match self {
             Body::Document if path.starts_with("options.") => "unknown_option",
             Body::Chat if path.starts_with("messages") => "invalid_messages",
+            Body::Ask if path.starts_with("history") => "invalid_history",
             _ => "unknown_field",
         }
     }
@@ -480,6 +482,56 @@ pub struct AskRequest {
     pub stream: Option<bool>,
     /// true: the answer carries `context`, the passages it read (default false).
     pub include_context: Option<bool>,
+    /// The conversation before `question`, oldest first: `{"role": "user" | "assistant",
+    /// "content": "..."}` turns. The earlier questions help choose the passages (a follow-up such
+    /// as "When did it open?" finds the passages of the topic asked about before), and the turns
+    /// precede the question in the prompt as chat turns, the oldest left out first where the
+    /// model's window is short. At most 64 turns; their characters count with the question's
+    /// against the question limit.
+    pub history: Option<Vec<Turn>>,
+}
+
+/// A turn of the conversation before a question (`AskRequest.history`).
+#[derive(Debug, Deserialize, ToSchema)]
+#[serde(deny_unknown_fields)]
+pub struct Turn {
+    #[schema(value_type = String, example = "user")]
+    pub role: TurnRole,
+    pub content: String,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TurnRole {
+    User,
+    Assistant,
+}
+
+/// Most turns in `/ask`'s `history`.
+pub const MAX_HISTORY_TURNS: usize = 64;
+
+/// `history` checked against its bounds (`question_chars`: the question's characters, counted
+/// with the turns' against the question limit), as chat messages.
+fn history(turns: Option<Vec<Turn>>, question_chars: usize, limits: &GenerationLimits) -> ApiResult<Vec<ChatMessage>> {
+    let turns = turns.unwrap_or_default();
+    if turns.len() > MAX_HISTORY_TURNS {
+        return Err(ApiError::bad_request(
+            "invalid_history",
+            format!("'history' has {} turns; the limit is {MAX_HISTORY_TURNS}", turns.len()),
+        )
+        .param("history"));
+    }
+    let chars = question_chars + turns.iter().map(|t| t.content.chars().count()).sum::<usize>();
+    let limit = limits.max_question_chars;
+    if chars > limit {
+        return Err(ApiError::bad_request(
+            "history_too_long",
+            format!("the question and its history have {chars} characters; the limit is {limit}"),
+        )
+        .param("history"));
+    }
+    let role = |r: TurnRole| if r == TurnRole::User { "user" } else { "assistant" };
+    Ok(turns.into_iter().map(|t| ChatMessage::new(role(t.role), t.content)).collect())
 }
 
 /// The server's bounds on generation requests.
@@ -565,7 +617,8 @@ impl AskRequest {
         let params = SamplingParams { max_tokens, temperature, ..Default::default() };
         let (mode, context) = (self.mode.unwrap_or_default(), self.context);
         let context_tokens = context_tokens(self.context_tokens, mode, context)?;
-        let question = Question { document_id, question, mode, context, context_tokens };
+        let history = history(self.history, question.chars().count(), limits)?;
+        let question = Question { document_id, question, history, mode, context, context_tokens };
         Ok((question, params, self.stream.unwrap_or(false), self.include_context.unwrap_or(false)))
     }
 }
@@ -741,7 +794,8 @@ pub struct ContentPart {
 pub enum ChatTarget {
     /// The base model, on the whole conversation.
     Base(Vec<ChatMessage>),
-    /// A document, on the last user message.
+    /// A document, on the last user message, with the user and assistant messages before it as
+    /// the conversation it follows.
     Document(Question),
 }
 
@@ -817,16 +871,21 @@ impl ChatRequest {
         let target = if model == base_id {
             ChatTarget::Base(messages)
         } else if is_document(&model) {
-            let question = messages
-                .into_iter()
-                .rev()
-                .find(|m| m.role == "user")
-                .map(|m| m.content)
+            // The last user message is the question; the user and assistant messages before it
+            // are the conversation it follows (system messages give way to the answer's own, and
+            // what comes after the question is not part of it).
+            let last = messages
+                .iter()
+                .rposition(|m| m.role == "user")
                 .ok_or_else(|| bad_messages("a document model needs a user message"))?;
+            let mut messages = messages;
+            messages.truncate(last + 1);
+            let question = messages.pop().map(|m| m.content).unwrap_or_default();
             limits.question(&question, "messages")?;
+            let history = messages.into_iter().filter(|m| m.role == "user" || m.role == "assistant").collect();
             let (mode, context) = (self.mode.unwrap_or_default(), self.context);
             let context_tokens = context_tokens(self.context_tokens, mode, context)?;
-            ChatTarget::Document(Question { document_id: model.clone(), question, mode, context, context_tokens })
+            ChatTarget::Document(Question { document_id: model.clone(), question, history, mode, context, context_tokens })
         } else {
             return Err(
                 ApiError::not_found("model_not_found", format!("the model '{model}' does not exist")).param("model")
@@ -997,6 +1056,7 @@ mod tests {
         let seeds: Vec<Vec<u8>> = [
             r#"{"text": "The harbor was built in 1843.", "title": "Velmora", "options": {"window": 128, "epochs": [1, 2], "aux_qa": 8}, "dry_run": true}"#,
             r#"{"document_id": "doc_0123456789abcdef0123456789abcdef", "question": "Who built it?", "mode": "rag", "context": "bm25", "context_tokens": 64, "max_tokens": 8, "stream": true, "include_context": true}"#,
+            r#"{"document_id": "doc_0123456789abcdef0123456789abcdef", "question": "When did it open?", "history": [{"role": "user", "content": "Tell me about the museum."}, {"role": "assistant", "content": "It shows tools."}]}"#,
             r#"{"model": "doc_0123456789abcdef0123456789abcdef", "messages": [{"role": "user", "content": "Hi"}], "stream": false, "temperature": 0.5, "mode": "lift"}"#,
             r#"{"text": "a", "text": "b"}"#,
         ]
@@ -1067,6 +1127,38 @@ mod tests {
         let body = serde_json::json!({"model": "m", "messages": [{"role": "wizard", "content": "x"}]});
         let e = parse::<ChatRequest>(body, Body::Chat);
         assert_eq!((e.code, e.param.as_deref()), ("invalid_messages", Some("messages[0].role")), "{e}");
+    }
+
+    #[test]
+    fn history_is_checked_turn_by_turn() {
+        let ask = |history: serde_json::Value| serde_json::json!({"document_id": "d", "question": "When did it open?", "history": history});
+        for (history, param) in [
+            (serde_json::json!("Tell me about the museum"), "history"),
+            (serde_json::json!([{"role": "system", "content": "x"}]), "history[0].role"),
+            (serde_json::json!([{"role": "user", "content": 5}]), "history[0].content"),
+            (serde_json::json!([{"role": "user", "content": "x", "name": "n"}]), "history[0].name"),
+            (serde_json::json!([{"role": "user", "content": "x"}, {"content": "x"}]), "history[1]"),
+        ] {
+            let e = parse::<AskRequest>(ask(history.clone()), Body::Ask);
+            assert_eq!((e.code, e.param.as_deref()), ("invalid_history", Some(param)), "{history}: {e}");
+        }
+        let limits = GenerationLimits { max_question_chars: 60, max_tokens_limit: 8, default_max_tokens: 8 };
+        let valid = |history: serde_json::Value| {
+            json_body::<AskRequest>(&HeaderMap::new(), ask(history).to_string().as_bytes(), Body::Ask).unwrap().validate(&limits)
+        };
+        let turns = serde_json::json!([{"role": "user", "content": "Tell me about the museum."}, {"role": "assistant", "content": "Tools."}]);
+        let (q, ..) = valid(turns).unwrap();
+        let got: Vec<(&str, &str)> = q.history.iter().map(|m| (m.role.as_str(), m.content.as_str())).collect();
+        assert_eq!(got, [("user", "Tell me about the museum."), ("assistant", "Tools.")]);
+        // The question (17 characters) and the turns share the question limit (60).
+        let e = valid(serde_json::json!([{"role": "user", "content": "x".repeat(44)}])).err().unwrap();
+        assert_eq!((e.status.as_u16(), e.code, e.param.as_deref()), (400, "history_too_long", Some("history")), "{e}");
+        assert!(valid(serde_json::json!([{"role": "user", "content": "x".repeat(43)}])).is_ok());
+        let many: Vec<_> = (0..=MAX_HISTORY_TURNS).map(|_| serde_json::json!({"role": "user", "content": ""})).collect();
+        let e = valid(serde_json::json!(many)).err().unwrap();
+        assert_eq!((e.code, e.param.as_deref()), ("invalid_history", Some("history")), "{e}");
+        // Without a history the question is on its own, as before.
+        assert!(valid(serde_json::Value::Null).unwrap().0.history.is_empty());
     }
 
     #[test]

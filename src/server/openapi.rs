@@ -24,7 +24,7 @@ use utoipa::OpenApi;
         routes::health,
         routes::metrics,
     ),
-    components(schemas(api::DocumentOptions, api::AbsorbEstimate, api::AskToken, api::ChatMessageIn, api::StreamOptions, error::ErrorBody)),
+    components(schemas(api::DocumentOptions, api::AbsorbEstimate, api::AskToken, api::ChatMessageIn, api::Turn, api::StreamOptions, error::ErrorBody)),
     modifiers(&BearerAuth),
     security(("bearer" = []))
 )]

@@ -110,6 +110,9 @@ pub enum Submitted {
 pub struct Question {
     pub document_id: String,
     pub question: String,
+    /// The conversation before the question, oldest first (see
+    /// [`Ask::history`](crate::lift::answer::Ask::history)); empty for a question on its own.
+    pub history: Vec<ChatMessage>,
     pub mode: Mode,
     /// The context policy (None: the mode's default).
     pub context: Option<ContextPolicy>,
@@ -381,6 +384,7 @@ impl Service {
         let context_tokens = q.context_tokens.or(self.cfg.context_tokens);
         let ask = crate::lift::answer::Ask {
             question: &q.question,
+            history: &q.history,
             mode: q.mode,
             context: q.context,
             context_tokens,
@@ -393,10 +397,16 @@ impl Service {
         };
         let context = if q.mode.uses_context() { view.tokens.min(budget) } else { 0 };
         let markers = model.base_filter().filter(|_| filtered).map_or(0, |f| context / f.chunk_tokens.max(1) + 1);
-        let kv_tokens = (context + markers + needed + params.max_tokens).min(model.config().max_position_embeddings);
+        // The conversation's turns, as far as the window holds them (the oldest are left out).
+        let mut turns = 0;
+        for t in &q.history {
+            turns += model.tokenizer.encode_plain(&t.content).map_err(ServiceError::internal)?.len() + 4;
+        }
+        let kv_tokens = (context + markers + needed + turns + params.max_tokens).min(model.config().max_position_embeddings);
         let prompt = Prompt::Document {
             id: q.document_id,
             question: q.question,
+            history: q.history,
             mode: q.mode,
             context: q.context,
             context_tokens,

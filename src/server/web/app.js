@@ -803,13 +803,39 @@ function newTurn(question, modes) {
   return out;
 }
 
-async function askOne(docId, question, mode, maxTokens, ui) {
+// A follow-up is asked with the conversation so far, so that "When did it open?" is read (and
+// its passages chosen) after the question it follows. At most this many earlier turns (questions
+// and answers) and characters are sent, the oldest left out first: the server counts them with
+// the question against its question limit.
+const HISTORY_TURNS = 8;
+const HISTORY_CHARS = 4000;
+
+// The thread's turns so far as chat turns for a follow-up asked in `mode`: each question, then
+// the answer given in that mode (when the turn was not asked in it, the first answer the turn has).
+function historyFor(mode) {
+  const turns = [];
+  for (const t of $('thread').querySelectorAll(':scope > .turn')) {
+    const q = t.querySelector('.msg.user');
+    if (!q) continue;
+    turns.push({ role: 'user', content: q.textContent });
+    const done = [...t.querySelectorAll('.msg.bot[data-state="done"]')];
+    const a = done.find((c) => c.dataset.mode === mode) || done[0];
+    const text = a ? a.querySelector('.atext').textContent.trim() : '';
+    if (text) turns.push({ role: 'assistant', content: text });
+  }
+  const chars = () => turns.reduce((n, t) => n + t.content.length, 0);
+  while (turns.length && (turns.length > HISTORY_TURNS || chars() > HISTORY_CHARS || turns[0].role !== 'user')) turns.shift();
+  return turns;
+}
+
+async function askOne(docId, question, mode, maxTokens, ui, history) {
   ui.col.dataset.state = 'streaming';
   ui.meta.textContent = 'thinking…';
   const t0 = performance.now();
   let got = false, pieces = 0;
   try {
     const body = { document_id: docId, question, mode, max_tokens: maxTokens, temperature: 0, stream: true };
+    if (history.length) body.history = history;
     const resp = await check(await fetch('/ask', {
       method: 'POST',
       headers: headers({ 'Content-Type': 'application/json', Accept: 'text/event-stream' }),
@@ -825,7 +851,7 @@ async function askOne(docId, question, mode, maxTokens, ui) {
         got = true;
         ui.text.classList.remove('pending');
         ui.text.textContent = v.answer;
-        renderAnswerMeta(ui, v, { docId, question, mode, wallMs: performance.now() - t0 });
+        renderAnswerMeta(ui, v, { docId, question, history, mode, wallMs: performance.now() - t0 });
         ui.col.dataset.state = 'done';
         ui.col.scrollIntoView({ block: 'nearest' });
       } else if (name === 'error') {
@@ -875,8 +901,11 @@ function passagesBox(asked) {
     if (!det.open || det.dataset.loaded) return;
     det.dataset.loaded = 'loading';
     try {
-      const r = await api('POST', '/ask', { document_id: asked.docId, question: asked.question, mode: asked.mode,
-        max_tokens: 1, temperature: 0, include_context: true });
+      const body = { document_id: asked.docId, question: asked.question, mode: asked.mode,
+        max_tokens: 1, temperature: 0, include_context: true };
+      // The same conversation, so that these are the passages the answer read.
+      if (asked.history.length) body.history = asked.history;
+      const r = await api('POST', '/ask', body);
       const chunks = (r.data.context && r.data.context.chunks) || [];
       box.replaceChildren();
       box.classList.remove('muted', 'small');
@@ -922,12 +951,14 @@ async function ask(ev) {
   const modes = $('compare').checked ? MODES : [state.mode];
   const maxTokens = Number($('max-tokens').value) || undefined;
   $('question').value = '';
+  // The conversation before this question, per mode (taken before its turn joins the thread).
+  const histories = Object.fromEntries(modes.map((m) => [m, historyFor(m)]));
   const uis = newTurn(question, modes);
   state.asking = true;
   renderAskState();
   try {
     // One after another: the server queues them anyway, and each answer streams in turn.
-    for (const m of modes) await askOne(d.id, question, m, maxTokens, uis[m]);
+    for (const m of modes) await askOne(d.id, question, m, maxTokens, uis[m], histories[m]);
   } finally {
     state.asking = false;
     renderAskState();
