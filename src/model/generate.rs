@@ -2,7 +2,7 @@
 //! EOS, and streaming of decoded text through a callback.
 
 use super::hooks::{Adapter, ForwardHooks};
-use super::llama::{KvCache, SeqInput};
+use super::{KvCache, SeqInput};
 use super::Model;
 use anyhow::Result;
 use candle_core::Tensor;

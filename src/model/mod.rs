@@ -1,6 +1,7 @@
 //! The base model: configuration, loaders (GGUF, Hugging Face), the Llama-family decoder with its
 //! inference and trainable paths, tokenizer, chat template and generation.
 
+pub mod batch;
 pub mod chat;
 pub mod config;
 pub mod filter;
@@ -8,16 +9,20 @@ pub mod generate;
 pub mod gguf;
 pub mod hf;
 pub mod hooks;
+pub mod kv_cache;
 pub mod llama;
 pub mod ops;
 pub mod packing;
 pub mod tokenizer;
+pub mod train_path;
 pub mod weights;
 
+pub use batch::SeqInput;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, ModelConfig};
 pub use hooks::{Adapter, DecodeMix, ForwardHooks, NoHooks, Projection};
-pub use llama::{Decoder, KvCache, Logits, SeqInput};
+pub use kv_cache::KvCache;
+pub use llama::{Decoder, Logits};
 pub use packing::Packing;
 pub use tokenizer::TextTokenizer;
 

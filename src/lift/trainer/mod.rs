@@ -2,6 +2,12 @@
 //! LIFT paper's settings (Table 9), gradient accumulation over small batches, global grad-norm
 //! clipping, seeded shuffling, cancellation, progress reports and optional early stopping. With a
 //! prepared base, its frozen FltLM filter masks the QA examples while the adapter trains.
+//!
+//! This file is the training loop (`train_with`) and the losses it trains on; the optimizers are in
+//! `optim`, the until-learned rule (probes, plateau, cool-down) in `until_learned`.
+
+mod optim;
+mod until_learned;
 
 use super::cdt::{self, CdtStats};
 use super::filter::{filter_loss, Filter, FilterExample, FilterHooks, FromLayer};
@@ -13,6 +19,11 @@ use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
+
+pub use optim::AdamW;
+pub use until_learned::{CooldownCause, Probes, UntilLearned};
+use optim::Optimizers;
+use until_learned::{Focus, UntilLearnedRun};
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default)]
@@ -38,169 +49,6 @@ pub struct TrainOptions {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub until_learned: Option<UntilLearned>,
     pub seed: u64,
-}
-
-/// Absorb until learned. A sample of the auxiliary QA pairs is held aside, never trained on (one
-/// wording of a fact whose other wordings train); every [`UntilLearned::probe_interval`] optimizer
-/// steps (`probe_rounds` rounds spread over the step budget, at least `probe_every` apart) the mean
-/// loss of their answer tokens under the adapter (the document's facts recalled through questions
-/// never trained on) is measured. Per-example steps make that curve noisy, so the rule reads its
-/// moving average (`smoothing`: the newest probe's weight). Once the average has not improved by
-/// `min_delta` (relative) for `patience` probes in a row — in the last stage only, never before
-/// `min_steps` — the learning rate cools down linearly to zero over `cooldown` × the steps run so
-/// far, and training stops (an adapter left at the full learning rate is caught mid-update: the
-/// answers of one run stopped at once were wrong even in the window).
-///
-/// The steps have a ceiling, `max_share` of the fixed schedule's: if the probes have not
-/// plateaued by then, the cool-down starts early enough to end there (`CooldownCause::Budget`).
-/// The probe curve keeps falling slowly for the whole fixed schedule at a constant learning rate
-/// while recall is made in its first part; the cool-down is what turns a run's steps into recall
-/// (validation: 2/6 → 5/6 out of the window at similar steps), so a budget with a cool-down spends
-/// a share of the steps on what the constant rate spends all of them.
-///
-/// Steps also go where the document is not yet known: a QA pair or segment whose loss at its last
-/// visit was below `learned_loss` is skipped in the next epochs and revisited every
-/// `revisit_every` epochs (to catch forgetting) — example-level selection by current loss, in the
-/// spirit of the "impactful tokens" of LongRecipe: Recipe for Efficient Long Context
-/// Generalization in Large Language Models (§4.1). `learned_loss` 0 (the default: on the
-/// out-of-window fact test 0.05 lost recall, see the README) trains every example. The
-/// epochs stay the ceiling: skipping shortens them, so a run may end, with every example learned,
-/// before `min_steps` (which bounds the probe rule only).
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
-#[serde(default, deny_unknown_fields)]
-pub struct UntilLearned {
-    /// The fewest optimizer steps between two probe rounds.
-    pub probe_every: usize,
-    /// Probe rounds over the step budget (the ceiling): a long document is probed as often
-    /// relative to its budget as a short one, at a cost that does not grow with it (a round is
-    /// `max_probes` forward passes, ~0.3 of a training step each).
-    pub probe_rounds: usize,
-    pub min_steps: usize,
-    pub patience: usize,
-    pub min_delta: f64,
-    /// Weight of the newest probe in the moving average the rule reads (1: the raw probe loss).
-    pub smoothing: f64,
-    /// Steps of the linear cool-down after the plateau, as a share of the steps run so far (0:
-    /// stop at once).
-    pub cooldown: f64,
-    /// The ceiling: the most steps a run takes, cool-down included, as a share of the fixed
-    /// schedule's (1: the fixed schedule). Never below `min_steps`.
-    pub max_share: f64,
-    /// A schedule planned for the budget: from the first step of the last stage the learning rate
-    /// falls linearly to zero at the ceiling, where the run ends; a plateau of the probes before
-    /// then cools it down (from the rate it has reached) over `cooldown` × the steps so far.
-    /// false (the default): the constant rate until the plateau or until the budget forces the
-    /// cool-down. Chosen on a validation essay (5/6 out of the window vs 3/6), the decay lost on
-    /// the eval documents and the out-of-window fact test (README), so it stays an option.
-    pub decay: bool,
-    /// Share of the QA pairs held aside as probes: at least 2, at most `max_probes`, and only when
-    /// at least as many pairs are left to train on.
-    pub probe_share: f64,
-    pub max_probes: usize,
-    /// Mean loss per answer (or segment) token under which an example counts as learned.
-    pub learned_loss: f64,
-    /// A learned example is trained again every this many epochs.
-    pub revisit_every: usize,
-}
-
-impl Default for UntilLearned {
-    fn default() -> Self {
-        Self {
-            probe_every: 16,
-            probe_rounds: 16,
-            min_steps: 48,
-            patience: 3,
-            min_delta: 0.02,
-            smoothing: 0.5,
-            cooldown: 0.25,
-            max_share: 0.4,
-            decay: false,
-            probe_share: 0.15,
-            max_probes: 8,
-            learned_loss: 0.0,
-            revisit_every: 3,
-        }
-    }
-}
-
-/// Which examples an epoch trains when absorbing until learned (see [`UntilLearned`]): each
-/// segment's and QA pair's loss at its last visit, and the epoch of that visit.
-struct Focus {
-    learned_loss: f64,
-    revisit_every: usize,
-    segments: Vec<Visit>,
-    qa: Vec<Visit>,
-}
-
-#[derive(Clone, Copy, Default)]
-struct Visit {
-    loss: Option<f64>,
-    epoch: usize,
-}
-
-impl Focus {
-    fn new(rule: Option<&UntilLearned>, n_seg: usize, n_qa: usize) -> Self {
-        let (learned_loss, revisit_every) = rule.map_or((0.0, 1), |r| (r.learned_loss, r.revisit_every.max(1)));
-        Self { learned_loss, revisit_every, segments: vec![Visit::default(); n_seg], qa: vec![Visit::default(); n_qa] }
-    }
-
-    /// Whether epoch `epoch` trains example `i`: never seen, not yet learned, or due for a revisit.
-    fn wants(&self, is_qa: bool, i: usize, epoch: usize) -> bool {
-        let v = if is_qa { self.qa[i] } else { self.segments[i] };
-        match v.loss {
-            None => true,
-            Some(loss) => loss >= self.learned_loss || epoch >= v.epoch + self.revisit_every,
-        }
-    }
-
-    fn book(&mut self, is_qa: bool, i: usize, loss: f64, epoch: usize) {
-        let v = if is_qa { &mut self.qa[i] } else { &mut self.segments[i] };
-        *v = Visit { loss: Some(loss), epoch };
-    }
-}
-
-impl UntilLearned {
-    /// The most steps a run of a fixed schedule of `planned` steps takes.
-    pub fn ceiling(&self, planned: usize) -> usize {
-        ((self.max_share.clamp(0.0, 1.0) * planned as f64).round() as usize).max(self.min_steps).min(planned)
-    }
-
-    /// Optimizer steps between probe rounds in a run of a fixed schedule of `planned` steps.
-    pub fn probe_interval(&self, planned: usize) -> usize {
-        self.probe_every.max(self.ceiling(planned).div_ceil(self.probe_rounds.max(1))).max(1)
-    }
-
-    /// How many of `pairs` QA pairs to hold aside (0: too few to spare any).
-    pub fn probe_count(&self, pairs: usize) -> usize {
-        let n = ((pairs as f64 * self.probe_share).round() as usize).clamp(2, self.max_probes.max(2));
-        if pairs >= 2 * n {
-            n
-        } else {
-            0
-        }
-    }
-}
-
-/// Held-aside examples never trained on (`UntilLearned`), in the layout the QA examples train in:
-/// under the prepared base's frozen filter when there is one.
-pub struct Probes<'a> {
-    pub examples: &'a [Example],
-    pub filter: Option<FilterTraining<'a>>,
-}
-
-impl Probes<'_> {
-    /// Mean loss of the probes' answer tokens under `adapter` (forward only).
-    fn loss(&self, model: &Model, adapter: &dyn Adapter) -> Result<f64> {
-        let mut sum = 0.0;
-        let mut stats = CdtStats::default();
-        for (i, example) in self.examples.iter().enumerate() {
-            let fx = self.filter.as_ref().map(|ft| (ft, &ft.examples[i]));
-            let example = fx.map_or(example, |(_, fx)| &fx.example);
-            let (loss, _) = training_loss(model, adapter, example, fx, None, &mut stats, None)?;
-            sum += loss.to_scalar::<f32>()? as f64;
-        }
-        Ok(sum / self.examples.len().max(1) as f64)
-    }
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -351,90 +199,6 @@ impl FrozenCache {
             self.entries.insert(key, h.clone());
         }
         Ok(h)
-    }
-}
-
-/// AdamW on f32 `Var`s (decoupled weight decay, bias-corrected moments).
-pub struct AdamW {
-    vars: Vec<Var>,
-    m: Vec<Tensor>,
-    v: Vec<Tensor>,
-    t: usize,
-    opts: TrainOptions,
-}
-
-impl AdamW {
-    pub fn new(vars: Vec<Var>, opts: &TrainOptions) -> Result<Self> {
-        let m = vars.iter().map(|v| v.zeros_like()).collect::<candle_core::Result<Vec<_>>>()?;
-        let v = vars.iter().map(|v| v.zeros_like()).collect::<candle_core::Result<Vec<_>>>()?;
-        Ok(Self { vars, m, v, t: 0, opts: opts.clone() })
-    }
-
-    /// The moments and the step count, to checkpoint.
-    pub fn state(&self) -> (&[Tensor], &[Tensor], usize) {
-        (&self.m, &self.v, self.t)
-    }
-
-    /// Restores [`Self::state`] (same variables, same order).
-    pub fn restore(&mut self, m: Vec<Tensor>, v: Vec<Tensor>, t: usize) -> Result<()> {
-        anyhow::ensure!(m.len() == self.vars.len() && v.len() == self.vars.len(), "optimizer state of another shape");
-        for (i, var) in self.vars.iter().enumerate() {
-            anyhow::ensure!(m[i].dims() == var.dims() && v[i].dims() == var.dims(), "optimizer state of another shape");
-        }
-        (self.m, self.v, self.t) = (m, v, t);
-        Ok(())
-    }
-
-    /// [`clip`] the gradients to global norm `max_norm` (≤ 0: no clipping), then [`Self::step`].
-    /// On CUDA both in two kernel launches (kernels/adamw.cu) where the variables are f32.
-    pub fn clip_and_step(&mut self, grads: Vec<Tensor>, max_norm: f64, lr: f64) -> Result<()> {
-        #[cfg(feature = "cuda")]
-        if self.vars.first().is_some_and(|v| v.device().is_cuda()) && self.vars.iter().all(|v| v.dtype() == candle_core::DType::F32) {
-            return self.cuda_step(&grads, max_norm, lr);
-        }
-        self.step(&clip(grads, max_norm)?, lr)
-    }
-
-    #[cfg(feature = "cuda")]
-    fn cuda_step(&mut self, grads: &[Tensor], max_norm: f64, lr: f64) -> Result<()> {
-        self.t += 1;
-        let o = &self.opts;
-        let scalars = crate::kernels::cuda::AdamWScalars {
-            beta1: o.beta1 as f32,
-            beta2: o.beta2 as f32,
-            eps: o.eps as f32,
-            lr: lr as f32,
-            decay: (1.0 - lr * o.weight_decay) as f32,
-            bc1: (1.0 - o.beta1.powi(self.t as i32)) as f32,
-            bc2: (1.0 - o.beta2.powi(self.t as i32)) as f32,
-            max_norm: max_norm as f32,
-        };
-        let grads = grads.iter().map(|g| g.detach().contiguous()).collect::<candle_core::Result<Vec<_>>>()?;
-        let params: Vec<&Tensor> = self.vars.iter().map(|v| v.as_tensor()).collect();
-        crate::kernels::cuda::adamw_step(&params, &grads, &self.m, &self.v, scalars, max_norm > 0.0)?;
-        Ok(())
-    }
-
-    /// One update with `grads[i]` for `vars[i]` at learning rate `lr`.
-    pub fn step(&mut self, grads: &[Tensor], lr: f64) -> Result<()> {
-        self.t += 1;
-        let o = &self.opts;
-        let bc1 = 1.0 - o.beta1.powi(self.t as i32);
-        let bc2 = 1.0 - o.beta2.powi(self.t as i32);
-        for i in 0..self.vars.len() {
-            // Gradients of a product with a `Var` carry an autograd graph back to that step's
-            // activations; optimizer state built from them would chain every step's graph.
-            let g = &grads[i].detach();
-            let m = ((&self.m[i] * o.beta1)? + (g * (1.0 - o.beta1))?)?;
-            let v = ((&self.v[i] * o.beta2)? + (g.sqr()? * (1.0 - o.beta2))?)?;
-            let update = ((&m / bc1)? / ((&v / bc2)?.sqrt()? + o.eps)?)?;
-            let var = &self.vars[i];
-            let decayed = (var.as_tensor().detach() * (1.0 - lr * o.weight_decay))?;
-            var.set(&(decayed - (update * lr)?)?)?;
-            self.m[i] = m.detach();
-            self.v[i] = v.detach();
-        }
-        Ok(())
     }
 }
 
@@ -651,16 +415,8 @@ pub fn train_with(
     let mut report = TrainReport { planned_steps: steps_total, ..Default::default() };
     let start = Instant::now();
     let mut patience = Patience { best: f64::INFINITY, since_best: 0 };
-    let until_learned = opts.until_learned.as_ref().zip(probes.filter(|p| !p.examples.is_empty()));
-    // The rule's step budget and probe spacing, fixed by the planned schedule.
-    let (ceiling, probe_interval) =
-        until_learned.map_or((steps_total, 1), |(r, _)| (r.ceiling(steps_total), r.probe_interval(steps_total)));
     let mut focus = Focus::new(opts.until_learned.as_ref(), rows.n_seg, rows.n_qa);
-    let mut probed = Patience { best: f64::INFINITY, since_best: 0 };
-    let mut probe_loss = None;
-    let (mut probe_avg, mut cooldown): (Option<f64>, Option<Cooldown>) = (None, None);
-    // `UntilLearned::decay`: the budget's planned fall of the learning rate, beside `cooldown`.
-    let mut decay: Option<Cooldown> = None;
+    let mut until_learned = UntilLearnedRun::new(opts.until_learned.as_ref(), probes, steps_total);
     let final_stage = if opts.epochs[1] > 0 { Stage::SegmentsAndQa } else { Stage::Segments };
     let mut epoch = 0;
     'stages: for (stage, epochs) in [(Stage::Segments, opts.epochs[0]), (Stage::SegmentsAndQa, opts.epochs[1])] {
@@ -683,67 +439,15 @@ pub fn train_with(
                         focus.book(is_qa, m, loss, epoch);
                     }
                 }
-                let lr_scale = [cooldown, decay].iter().flatten().map(|c| c.lr_scale(report.steps)).product();
-                optimizers.step(b.grads, opts, report.steps, lr_scale)?;
+                optimizers.step(b.grads, opts, report.steps, until_learned.lr_scale(report.steps))?;
                 report.steps += 1;
                 report.examples += batch.len();
                 report.tokens += b.tokens;
                 report.step_losses.push(b.loss);
                 epoch_loss += b.loss * batch.len() as f64;
                 let secs = t0.elapsed().as_secs_f64();
-                let mut plateau = false;
-                if let Some((rule, probes)) = until_learned.filter(|_| report.steps % probe_interval == 0) {
-                    let loss = probes.loss(model, inputs.adapter)?;
-                    report.probe_curve.push((report.steps, loss));
-                    let avg = probe_avg.map_or(loss, |a| a + rule.smoothing.clamp(0.0, 1.0) * (loss - a));
-                    probe_avg = Some(avg);
-                    tracing::info!(
-                        step = report.steps,
-                        planned = steps_total,
-                        epoch,
-                        probe_loss = loss,
-                        probe_avg = avg,
-                        train_loss = b.loss,
-                        "probe"
-                    );
-                    probe_loss = Some(loss);
-                    let rule_as_patience =
-                        EarlyStop { patience: rule.patience, min_delta: rule.min_delta * probed.best.min(avg) };
-                    // Only in the last stage, and counted from its start: the probes are
-                    // questions, which the QA stage teaches to answer; a plateau over segments
-                    // alone says nothing about that (counted through the first stage, a long one
-                    // stopped a 2K document at the QA stage's first probe).
-                    plateau = stage == final_stage
-                        && probed.exhausted(Some(&rule_as_patience), avg)
-                        && report.steps >= rule.min_steps;
-                }
-                // The budget too only in the last stage: a run cut inside the first would never
-                // see a question.
-                if let Some((rule, _)) = until_learned.filter(|_| stage == final_stage) {
-                    if rule.decay && decay.is_none() {
-                        let d = Cooldown { start: report.steps, steps: ceiling.saturating_sub(report.steps) };
-                        tracing::info!(
-                            step = report.steps,
-                            decay_steps = d.steps,
-                            ceiling,
-                            "the learning rate decays to the budget"
-                        );
-                        decay = Some(d);
-                        report.cooldown_from = Some(report.steps);
-                        report.cooldown_cause = Some(CooldownCause::Budget);
-                    }
-                    let begun =
-                        cooldown.is_none().then(|| Cooldown::begin(rule, report.steps, plateau, ceiling)).flatten();
-                    // With the decay the budget is already planned: only a plateau begins a cool-down.
-                    if let Some((c, cause)) = begun.filter(|(_, cause)| !rule.decay || *cause == CooldownCause::Plateau)
-                    {
-                        tracing::info!(step = report.steps, cooldown_steps = c.steps, ?cause, ceiling, "cooling down");
-                        cooldown = Some(c);
-                        report.cooldown_from = Some(report.steps);
-                        report.cooldown_cause = Some(cause);
-                    }
-                }
-                let learned = [cooldown, decay].iter().flatten().any(|c| report.steps >= c.start + c.steps);
+                until_learned.after_step(model, inputs.adapter, stage == final_stage, epoch, b.loss, &mut report)?;
+                let learned = until_learned.is_over(report.steps);
                 on_progress(&Progress {
                     stage,
                     epoch,
@@ -752,11 +456,11 @@ pub fn train_with(
                     steps: steps_total,
                     loss: b.loss,
                     tokens_per_s: b.tokens as f64 / secs.max(1e-9),
-                    probe_loss,
+                    probe_loss: until_learned.probe_loss(),
                     epoch_end: bi + 1 == batches || learned,
                 });
                 if learned {
-                    tracing::info!(step = report.steps, planned = steps_total, probe_loss, cause = ?report.cooldown_cause, "training stops: the cool-down is over");
+                    tracing::info!(step = report.steps, planned = steps_total, probe_loss = until_learned.probe_loss(), cause = ?report.cooldown_cause, "training stops: the cool-down is over");
                     report.epoch_losses.push(epoch_loss / (report.examples - epoch_start).max(1) as f64);
                     report.stopped_early = true;
                     break 'stages;
@@ -891,79 +595,6 @@ impl LiftRun<'_> {
     }
 }
 
-/// The adapter's optimizer and a trainable filter's, each clipped on its own.
-struct Optimizers {
-    adapter: AdamW,
-    filter: AdamW,
-    n_adapter_vars: usize,
-    filter_lr_scale: f64,
-}
-
-impl Optimizers {
-    fn new(adapter_vars: &[Var], filter_vars: &[Var], filter_lr_scale: f64, opts: &TrainOptions) -> Result<Self> {
-        Ok(Self {
-            adapter: AdamW::new(adapter_vars.to_vec(), opts)?,
-            filter: AdamW::new(filter_vars.to_vec(), opts)?,
-            n_adapter_vars: adapter_vars.len(),
-            filter_lr_scale,
-        })
-    }
-
-    /// Optimizer step `step` with `grads` (the adapter's, then the filter's), the learning rate
-    /// scaled by `lr_scale`.
-    fn step(&mut self, mut grads: Vec<Tensor>, opts: &TrainOptions, step: usize, lr_scale: f64) -> Result<()> {
-        let filter_grads = grads.split_off(self.n_adapter_vars.min(grads.len()));
-        let lr = current_lr(opts, step) * lr_scale;
-        self.adapter.clip_and_step(grads, opts.max_grad_norm, lr)?;
-        if !filter_grads.is_empty() {
-            self.filter.clip_and_step(filter_grads, opts.max_grad_norm, lr * self.filter_lr_scale)?;
-        }
-        Ok(())
-    }
-}
-
-/// Why an absorb until learned began its cool-down.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum CooldownCause {
-    /// The probes' moving average stopped improving.
-    Plateau,
-    /// The step budget (`max_share` of the fixed schedule) would otherwise be passed.
-    Budget,
-}
-
-/// The cool-down after the probes plateaued: `steps` optimizer steps from step `start`.
-#[derive(Clone, Copy)]
-struct Cooldown {
-    start: usize,
-    steps: usize,
-}
-
-impl Cooldown {
-    /// The cool-down to begin after `step` optimizer steps, if one begins: on a plateau, over
-    /// `rule.cooldown` × the steps so far; without one, once that cool-down would end past the
-    /// ceiling. Either ends by the ceiling.
-    fn begin(rule: &UntilLearned, step: usize, plateau: bool, ceiling: usize) -> Option<(Self, CooldownCause)> {
-        let wanted = (step as f64 * rule.cooldown.max(0.0)).round() as usize;
-        let left = ceiling.saturating_sub(step);
-        let cause = if plateau {
-            CooldownCause::Plateau
-        } else if step + wanted >= ceiling {
-            CooldownCause::Budget
-        } else {
-            return None;
-        };
-        Some((Self { start: step, steps: wanted.min(left) }, cause))
-    }
-
-    /// The learning rate's factor at 0-based optimizer step `step`: linear from just below 1 to
-    /// just above 0 over the cool-down.
-    fn lr_scale(self, step: usize) -> f64 {
-        let left = (self.start + self.steps).saturating_sub(step);
-        left as f64 / (self.steps + 1) as f64
-    }
-}
-
 /// Early stopping's count: the best epoch mean so far and the epochs since it.
 struct Patience {
     best: f64,
@@ -997,49 +628,10 @@ pub(crate) fn gradients(loss: &Tensor, vars: &[Var]) -> Result<Vec<Tensor>> {
         .collect::<candle_core::Result<_>>()?)
 }
 
-/// The learning rate of optimizer step `step` (linear warm-up, then constant).
-fn current_lr(opts: &TrainOptions, step: usize) -> f64 {
-    if opts.warmup_steps > 0 && step < opts.warmup_steps {
-        opts.lr * (step + 1) as f64 / opts.warmup_steps as f64
-    } else {
-        opts.lr
-    }
-}
-
-/// Scales gradients so their global L2 norm is at most `max_norm`.
-pub(crate) fn clip(grads: Vec<Tensor>, max_norm: f64) -> Result<Vec<Tensor>> {
-    if max_norm <= 0.0 || grads.is_empty() {
-        return Ok(grads);
-    }
-    let mut sq = 0f64;
-    for g in &grads {
-        sq += g.sqr()?.sum_all()?.to_scalar::<f32>()? as f64;
-    }
-    let norm = sq.sqrt();
-    if norm <= max_norm || !norm.is_finite() {
-        return Ok(grads);
-    }
-    let s = max_norm / (norm + 1e-6);
-    Ok(grads.iter().map(|g| g * s).collect::<candle_core::Result<_>>()?)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::Device;
-
-    #[test]
-    fn adamw_matches_hand_computed_update() {
-        // One step on f(x) = x² from x = 1: grad 2, m̂ = 2, v̂ = 4, update = 1 (bias-corrected).
-        let x = Var::new(&[1.0f32], &Device::Cpu).unwrap();
-        let opts = TrainOptions { weight_decay: 0.1, ..Default::default() };
-        let mut opt = AdamW::new(vec![x.clone()], &opts).unwrap();
-        let g = Tensor::new(&[2.0f32], &Device::Cpu).unwrap();
-        opt.step(&[g], 0.01).unwrap();
-        let got = x.as_tensor().to_vec1::<f32>().unwrap()[0];
-        let want = 1.0 * (1.0 - 0.01 * 0.1) - 0.01 * 2.0 / (4f32.sqrt() + 1e-8);
-        assert!((got - want).abs() < 1e-6, "{got} vs {want}");
-    }
 
     #[test]
     fn a_frozen_filter_gives_the_same_loss_and_gradients_over_cached_frozen_layers() {
@@ -1101,45 +693,5 @@ mod tests {
         let (unmasked, _) = training_loss(&model, &gm, ex, None, None, &mut stats, None).unwrap();
         let d = (unmasked.to_scalar::<f32>().unwrap() - plain.to_scalar::<f32>().unwrap()).abs();
         assert!(d > 1e-4, "the soft mask changed nothing ({d})");
-    }
-
-    #[test]
-    fn the_cooldown_takes_the_learning_rate_linearly_towards_zero() {
-        let c = Cooldown { start: 100, steps: 3 };
-        let scales: Vec<f64> = (100..104).map(|s| c.lr_scale(s)).collect();
-        assert_eq!(scales, vec![0.75, 0.5, 0.25, 0.0]);
-    }
-
-    #[test]
-    fn the_budget_bounds_the_run_and_spreads_the_probe_rounds() {
-        let rule = UntilLearned::default();
-        // 40% of 1,000 planned steps; the floor wins over a small budget, the plan over the floor.
-        assert_eq!(rule.ceiling(1000), 400);
-        assert_eq!(rule.ceiling(100), rule.min_steps);
-        assert_eq!(rule.ceiling(30), 30);
-        // 16 rounds over the budget, never closer than `probe_every`.
-        assert_eq!(rule.probe_interval(1000), 25);
-        assert_eq!(rule.probe_interval(300), rule.probe_every);
-        // Without a plateau the cool-down (25% of the steps so far) begins when it would end at
-        // the ceiling: at 320 of 400 (320 + 80), not at 319 (319 + 80 < 400); a plateau at 100
-        // cools down over 25 steps; one at 390 has 10 left.
-        assert!(Cooldown::begin(&rule, 319, false, 400).is_none());
-        let (c, cause) = Cooldown::begin(&rule, 320, false, 400).unwrap();
-        assert_eq!((c.start, c.steps, cause), (320, 80, CooldownCause::Budget));
-        let (c, cause) = Cooldown::begin(&rule, 100, true, 400).unwrap();
-        assert_eq!((c.start, c.steps, cause), (100, 25, CooldownCause::Plateau));
-        let (c, _) = Cooldown::begin(&rule, 390, true, 400).unwrap();
-        assert_eq!(c.start + c.steps, 400);
-    }
-
-    #[test]
-    fn clipping_bounds_the_global_norm() {
-        let a = Tensor::new(&[3.0f32, 0.0], &Device::Cpu).unwrap();
-        let b = Tensor::new(&[4.0f32], &Device::Cpu).unwrap();
-        let c = clip(vec![a, b], 1.0).unwrap();
-        let n: f32 = c.iter().map(|t| t.sqr().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap()).sum();
-        assert!((n.sqrt() - 1.0).abs() < 1e-4);
-        let small = clip(vec![Tensor::new(&[0.1f32], &Device::Cpu).unwrap()], 1.0).unwrap();
-        assert_eq!(small[0].to_vec1::<f32>().unwrap(), vec![0.1]);
     }
 }
