@@ -270,7 +270,7 @@ mod tests {
 
     #[test]
     fn rounding_is_to_nearest_even() {
-        for v in [1.0f32, -2.5, 1e-3, 3.1415927, 65504.0, f32::INFINITY, 1.00390625, 1.01171875] {
+        for v in [1.0f32, -2.5, 1e-3, std::f32::consts::PI, 65504.0, f32::INFINITY, 1.00390625, 1.01171875] {
             assert_eq!(round_bf16(v), bf16::from_f32(v).to_bits(), "{v}");
         }
         assert!(bf16::from_bits(round_bf16(f32::NAN)).is_nan());
