@@ -45,7 +45,8 @@ for f in "$work"/bash-*.sh "$work"/python-*.py; do
   sed -i "s/127\.0\.0\.1:8080/127.0.0.1:$port/g; s/localhost:8080/localhost:$port/g" "$f"
 done
 # The first block, with a throwaway adapters directory and the free port.
-./scripts/run.sh serve --port "$port" --adapters-dir "$work/adapters" > "$work/server.log" 2>&1 &
+# LIFT_NO_BUILD: scripts/test.sh has just built the binaries (with the tests' feature).
+LIFT_NO_BUILD="${LIFT_NO_BUILD:-1}" ./scripts/run.sh serve --port "$port" --adapters-dir "$work/adapters" > "$work/server.log" 2>&1 &
 server=$!
 for _ in $(seq 1 240); do
   curl -sf "http://127.0.0.1:$port/health" > /dev/null && break

@@ -4,7 +4,11 @@
 # 127.0.0.1:8080 with the default model; LIFT_* variables configure it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release --bins
+# LIFT_NO_BUILD=1 runs the binary already built (scripts/test.sh's Quickstart check: its build has
+# the tests' `testing` feature, and building again without it would compile the library twice).
+if [ "${LIFT_NO_BUILD:-0}" != 1 ] || [ ! -x target/release/lift-serve ]; then
+  cargo build --release --bins
+fi
 ./target/release/lift-serve fetch-model >/dev/null
 if [ "$#" -eq 0 ]; then
   set -- serve
