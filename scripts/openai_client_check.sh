@@ -5,11 +5,7 @@
 # model. Expects a release build and the fetched default model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv="${OPENAI_VENV:-/tmp/lift-openai-venv}"
-if ! "$venv/bin/python" -c "import openai" 2>/dev/null; then
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet openai
-fi
+venv=$(./scripts/openai_venv.sh)
 work=$(mktemp -d)
 trap 'kill "$server" 2>/dev/null || true; rm -rf "$work"' EXIT
 cat > "$work/options.json" <<'JSON'

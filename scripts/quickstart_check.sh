@@ -7,11 +7,7 @@
 # Expects a release build and the fetched default model (scripts/test.sh runs it after them).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv="${OPENAI_VENV:-/tmp/lift-openai-venv}"
-if ! "$venv/bin/python" -c "import openai" 2>/dev/null; then
-  python3 -m venv "$venv"
-  "$venv/bin/pip" install --quiet openai
-fi
+venv=$(./scripts/openai_venv.sh)
 work=$(mktemp -d)
 server=""
 trap '[ -n "$server" ] && kill "$server" 2>/dev/null; rm -rf "$work"' EXIT
