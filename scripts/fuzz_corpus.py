@@ -61,6 +61,7 @@ catalog = b"<< /Type /Catalog /Pages 2 0 R >>"
 put("extract_text", "plain.txt", "The harbor of Velmora was built in 1843.\n")
 put("extract_markdown", "doc.md", "# Title\n\n- a\n  - b\n\n> quote\n\n1. one\n")
 put("extract_markdown", "deep_list.md", "- " * 100_000 + "x\n")
+put("extract_markdown", "deep_list_after_cr.md", "a\r" + "- " * 50_000 + "x\n")  # found by the fuzzer: a lone \r ends a line
 put("extract_html", "page.html", "<!doctype html><title>T</title><p>words<ul><li>a</ul><script>x<y</script>")
 put("extract_html", "nested.html", "<div>" * 50_000)
 put("extract_pdf", "plain.pdf", pdf(catalog))

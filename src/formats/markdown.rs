@@ -4,9 +4,11 @@ use super::{block_break, line_break};
 
 /// Refuses Markdown nested deeper than `max` (`Err(depth reached)`), counted line by line before
 /// the parser sees it: the container marks a line opens with (`>`, `-`, `*`, `+`, `1.`, `1)`),
-/// plus one level per two columns of indentation (how nested list items are written).
+/// plus one level per two columns of indentation (how nested list items are written). Lines end
+/// where CommonMark ends them: at `\n`, `\r\n` or a lone `\r` (the fuzzer found a list nested
+/// 50,000 deep behind `a\r`, which `str::lines` reads as one line).
 pub(super) fn markdown_depth(md: &str, max: u64) -> Result<(), u64> {
-    for line in md.lines() {
+    for line in md.split(['\n', '\r']) {
         let bytes = line.as_bytes();
         let (mut i, mut depth, mut columns) = (0, 0u64, 0u64);
         loop {
@@ -38,8 +40,10 @@ pub(super) fn markdown_depth(md: &str, max: u64) -> Result<(), u64> {
 
 /// Markdown as a reader sees it: headings, paragraphs and list items on their own lines, code
 /// kept, link targets, emphasis marks and raw HTML dropped (the words of links and images kept);
-/// and its title, the text of its first heading.
-pub(super) fn markdown_to_text(md: &str) -> (String, Option<String>) {
+/// and its title, the text of its first heading. Stops with `Err(characters written)` once the
+/// text passes `max_chars`, so no input makes more text than the budget (list indentation grows
+/// with depth: the text can be larger than the Markdown).
+pub(super) fn markdown_to_text(md: &str, max_chars: u64) -> Result<(String, Option<String>), u64> {
     use pulldown_cmark::{Event, Options, Parser, Tag, TagEnd};
     let mut out = String::with_capacity(md.len());
     let mut lists: Vec<Option<u64>> = Vec::new();
@@ -47,6 +51,10 @@ pub(super) fn markdown_to_text(md: &str) -> (String, Option<String>) {
     let (mut title, mut heading_from, mut done) = (None::<String>, None::<usize>, false);
     let parser = Parser::new_ext(md, Options::ENABLE_TABLES | Options::ENABLE_STRIKETHROUGH);
     for event in parser {
+        // A character is at most four bytes: past four bytes a character, the text is over.
+        if out.len() as u64 > max_chars.saturating_mul(4) {
+            return Err(out.chars().count() as u64);
+        }
         match event {
             Event::Start(Tag::Heading { .. }) => {
                 block_break(&mut out);
@@ -90,5 +98,5 @@ pub(super) fn markdown_to_text(md: &str) -> (String, Option<String>) {
             _ => {}
         }
     }
-    (out, title)
+    Ok((out, title))
 }

@@ -290,7 +290,8 @@ pub fn extract_with(
         Format::Markdown => {
             let md = utf8(bytes, &what)?;
             markdown_depth(md, limits.max_depth).map_err(too_deep)?;
-            let (text, title) = markdown_to_text(md);
+            let (text, title) = markdown_to_text(md, limits.max_output_chars)
+                .map_err(|chars| ExtractError::TooLarge { what: what.clone(), limit: "extracted text in characters", value: chars, max: limits.max_output_chars })?;
             (text, title, None, "Markdown rendered to plain text (pulldown-cmark)".into())
         }
         Format::Html => {
@@ -647,6 +648,11 @@ mod budget_tests {
         assert_eq!(e.code(), "document_too_complex", "{e}");
         let e = refused(&b"> ".repeat(1000), "quote.md");
         assert_eq!(e.code(), "document_too_complex", "{e}");
+        // Found by the fuzzer (extract_markdown): CommonMark ends a line at a lone `\r`, so the
+        // depth scan must too; read as one line, this list's 2.5 GB of indentation got through.
+        let e = refused(&[&b"a\r"[..], &hostile::deep_markdown_list(50_000)].concat(), "cr.md");
+        assert_eq!(e.code(), "document_too_complex", "{e}");
+        assert!(e.to_string().contains("nesting depth reached 257"), "{e}");
         let e = refused(&hostile::nested_array_pdf(100_000), "nest.pdf");
         assert_eq!(e.code(), "document_too_complex", "{e}");
     }
@@ -746,5 +752,11 @@ mod budget_tests {
         let limits = Limits { max_output_chars: 5, ..Limits::default() };
         let e = extract_with(b"# six chars", Some("a.md"), None, &limits).unwrap_err();
         assert_eq!(e.code(), "document_too_large", "{e}");
+        // Markdown stops rendering once its text is over the budget, before the text is whole.
+        let limits = Limits { max_output_chars: 1_000, ..Limits::default() };
+        let list = "- a\n  - b\n".repeat(10_000);
+        let e = extract_with(list.as_bytes(), Some("a.md"), None, &limits).unwrap_err();
+        assert_eq!(e.code(), "document_too_large", "{e}");
+        assert!(e.to_string().contains("extracted text in characters"), "{e}");
     }
 }
