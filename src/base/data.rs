@@ -760,7 +760,7 @@ mod tests {
     /// Word 3-grams of a template text, placeholders dropped.
     fn trigrams(s: &str) -> HashSet<String> {
         let w: Vec<String> =
-            normalize(&s.replace("{S}", " ").replace("{V}", " ").replace("{X}", " ").replace("{Y}", " "))
+            normalize(&s.replace("{S}", " ").replace("{V}", " ").replace("{X}", " ").replace("{Y}", " ").replace("{B}", " "))
                 .split_whitespace()
                 .map(str::to_string)
                 .collect();
@@ -772,7 +772,7 @@ mod tests {
     }
 
     fn eval_texts() -> Vec<&'static str> {
-        needles::TEMPLATES.iter().flat_map(|t| [t.sentence, t.question].into_iter().chain(t.distractor)).collect()
+        needles::TEMPLATES.iter().flat_map(|t| [t.sentence, t.question].into_iter().chain(t.distractor).chain(t.bridge)).collect()
     }
 
     fn pool_words(p: &Pools) -> Vec<&'static str> {

@@ -41,6 +41,9 @@ pub struct EvalQuestion {
     pub actual_depth: Option<f64>,
     pub planted: Option<String>,
     pub distractor: Option<String>,
+    /// Every evidence span is needed to answer (a two-hop question), not any one of them.
+    #[serde(default)]
+    pub needs_all_evidence: bool,
     /// Byte spans of the text that answers the question (the planted sentence; for user data,
     /// every occurrence of an answer or of the given evidence) and their token spans.
     pub evidence: Vec<(usize, usize)>,
@@ -60,12 +63,15 @@ pub struct EvalDocument {
 }
 
 /// Whether the question's evidence is in the prompt: `Some(true)` when some evidence span lies
-/// wholly in the document text the prompt shows, `None` without evidence.
-pub fn in_window(prompt: &AnswerPrompt, evidence_tokens: &[(usize, usize)]) -> Option<bool> {
-    if evidence_tokens.is_empty() {
-        return None;
+/// wholly in the document text the prompt shows (every span, for a two-hop question), `None`
+/// without evidence.
+pub fn in_window(prompt: &AnswerPrompt, q: &EvalQuestion) -> Option<bool> {
+    let mut shown = q.evidence_tokens.iter().map(|&span| prompt.shows(span));
+    match (q.evidence_tokens.is_empty(), q.needs_all_evidence) {
+        (true, _) => None,
+        (false, true) => Some(shown.all(|s| s)),
+        (false, false) => Some(shown.any(|s| s)),
     }
-    Some(evidence_tokens.iter().any(|&span| prompt.shows(span)))
 }
 
 /// Loads a user's evaluation set: one JSON object per line,
@@ -541,7 +547,7 @@ impl Runner<'_> {
         // In or out of the window: of the head and tail the paper's truncation shows.
         let label_prompt =
             build_prompt(model, document, &ask(&q.question, Mode::Icl, Some(ContextPolicy::HeadTail), cfg), cfg.max_tokens)?;
-        let label = in_window(&label_prompt, &q.evidence_tokens);
+        let label = in_window(&label_prompt, q);
         for m in &self.methods {
             self.bars.overall.set_message(format!("{} {} {}", doc.id, q.id, m.name));
             let t = Instant::now();

@@ -1,7 +1,10 @@
 //! Long-document QA built offline from real prose: essays are joined and cut to a target length
 //! in tokens, and facts ("needles": numbers, names, places, dates, and confusable near-duplicate
 //! pairs) are planted at sentence boundaries at controlled relative depths. Each needle's
-//! question is worded differently from the planted sentence, as a user would ask it.
+//! question is worded differently from the planted sentence, as a user would ask it; paraphrased
+//! needles share no content word with their sentence, and two-hop needles need two sentences
+//! planted apart (the question names someone only through the first, the answer is in the
+//! second).
 
 use super::data::Essay;
 use super::{EvalDocument, EvalQuestion};
@@ -13,7 +16,7 @@ use rand::seq::{IndexedRandom, SliceRandom};
 use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum FactKind {
     Number,
@@ -23,6 +26,13 @@ pub enum FactKind {
     /// Two near-duplicate facts are planted (the other one at another depth); the question asks
     /// for one of them.
     Confusable,
+    /// The question shares no content word with the planted sentence (synonyms, other phrasing):
+    /// word-matching retrieval has nothing to match.
+    Paraphrase,
+    /// Two sentences planted apart: the first names a person (the bridge), the second tells the
+    /// answer about that person by name only. The question describes the person as the first
+    /// sentence does.
+    TwoHop,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -35,24 +45,30 @@ enum Slot {
 }
 
 /// A fact: the planted sentence (`{X}` is the answer), its distractor for confusable pairs
-/// (`{Y}`, a different value of the same slot) and the question.
+/// (`{Y}`, a different value of the same slot), the first hop of a two-hop fact (`{B}`, a
+/// person's name, which the answer's sentence also names) and the question.
 pub struct Template {
     pub kind: FactKind,
     slot: Slot,
     pub sentence: &'static str,
     pub distractor: Option<&'static str>,
+    pub bridge: Option<&'static str>,
     pub question: &'static str,
 }
 
 const fn t(kind: FactKind, slot: Slot, sentence: &'static str, question: &'static str) -> Template {
-    Template { kind, slot, sentence, distractor: None, question }
+    Template { kind, slot, sentence, distractor: None, bridge: None, question }
 }
 
 const fn pair(slot: Slot, sentence: &'static str, distractor: &'static str, question: &'static str) -> Template {
-    Template { kind: FactKind::Confusable, slot, sentence, distractor: Some(distractor), question }
+    Template { kind: FactKind::Confusable, slot, sentence, distractor: Some(distractor), bridge: None, question }
 }
 
-use FactKind::{Date as D, Name as N, Number as U, Place as P};
+const fn two_hop(slot: Slot, bridge: &'static str, sentence: &'static str, question: &'static str) -> Template {
+    Template { kind: FactKind::TwoHop, slot, sentence, distractor: None, bridge: Some(bridge), question }
+}
+
+use FactKind::{Date as D, Name as N, Paraphrase as W, Number as U, Place as P};
 
 /// Every template has its own subject, so the needles of one document never collide.
 pub const TEMPLATES: &[Template] = &[
@@ -164,6 +180,54 @@ pub const TEMPLATES: &[Template] = &[
         "The green prototype was assembled in {Y}.",
         "In which city did they put together the red prototype?",
     ),
+    t(
+        W,
+        Slot::Number,
+        "In its first year the ferry carried {X} passengers across the strait.",
+        "How many people rode the boat over the channel during its opening twelve months?",
+    ),
+    t(
+        W,
+        Slot::Name,
+        "The recipe for the famous plum cake was written down by {X}.",
+        "Who set out on paper how to bake that well-known fruit dessert?",
+    ),
+    t(
+        W,
+        Slot::Place,
+        "The orchestra made its final album in {X}.",
+        "Where did the musicians record their last LP?",
+    ),
+    t(
+        W,
+        Slot::Date,
+        "The observatory's telescope first saw starlight on {X}.",
+        "When did the astronomers begin using their big lens?",
+    ),
+    two_hop(
+        Slot::Place,
+        "The pilot who guided the tall ship into the harbor was {B}.",
+        "{B} had grown up in {X}.",
+        "In which town did the pilot who brought the tall ship in spend their childhood?",
+    ),
+    two_hop(
+        Slot::Number,
+        "The prize for the best pear orchard went to {B}.",
+        "{B} kept exactly {X} beehives behind the barn.",
+        "How many beehives did the winner of the pear orchard prize keep?",
+    ),
+    two_hop(
+        Slot::Date,
+        "The new clock tower was designed by an architect named {B}.",
+        "{B} got married on {X}.",
+        "When did the architect of the clock tower marry?",
+    ),
+    two_hop(
+        Slot::Name,
+        "The stolen painting was recovered by a detective called {B}.",
+        "{B} had trained under a mentor named {X}.",
+        "Who taught the detective that found the stolen painting?",
+    ),
 ];
 
 pub const FIRST: &[&str] = &[
@@ -253,12 +317,23 @@ pub fn build_set(model: &Model, essays: &[Essay], spec: &NeedleSpec) -> Result<V
     Ok(docs)
 }
 
-/// One planted sentence: which needle it belongs to, whether it is the answer-bearing one.
+/// What a planted sentence is to its question.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Role {
+    /// It holds the answer.
+    Answer,
+    /// A near-duplicate that does not answer (confusable pairs).
+    Distractor,
+    /// The first hop of a two-hop fact: needed evidence without the answer.
+    Bridge,
+}
+
+/// One planted sentence: which needle it belongs to and what it is to the question.
 struct Plant {
     text: String,
     depth: f64,
     needle: usize,
-    target: bool,
+    role: Role,
 }
 
 /// Byte offsets of each token of `text` (the tokenizer's own offsets).
@@ -346,7 +421,16 @@ fn haystack_source(essays: &[Essay], target_tokens: usize, rng: &mut StdRng) -> 
 fn choose_templates(n_needles: usize, rng: &mut StdRng) -> Vec<usize> {
     let mut order: Vec<usize> = (0..TEMPLATES.len()).collect();
     order.shuffle(rng);
-    let kinds = [FactKind::Number, FactKind::Name, FactKind::Place, FactKind::Date, FactKind::Confusable];
+    // The questions worded apart from their evidence first, so ten needles hold two of each.
+    let kinds = [
+        FactKind::Paraphrase,
+        FactKind::TwoHop,
+        FactKind::Number,
+        FactKind::Name,
+        FactKind::Place,
+        FactKind::Date,
+        FactKind::Confusable,
+    ];
     let mut chosen = Vec::new();
     'outer: while chosen.len() < n_needles {
         for kind in kinds {
@@ -395,22 +479,28 @@ fn plant_needle(
     rng: &mut StdRng,
 ) -> Result<(EvalQuestion, Vec<Plant>)> {
     let (value, answers) = values.draw(tpl.slot, rng)?;
-    let sentence = tpl.sentence.replace("{X}", &value);
-    let mut plants = vec![Plant { text: sentence.clone(), depth, needle: n, target: true }];
+    let mut sentence = tpl.sentence.replace("{X}", &value);
+    // At least a quarter of the document away from the answer.
+    let mut elsewhere = |rng: &mut StdRng| loop {
+        let x: f64 = rng.random_range(0.0..=1.0);
+        if (x - depth).abs() >= 0.25 {
+            break x;
+        }
+    };
+    let mut plants = Vec::new();
     let mut distractor = None;
     if let Some(d) = tpl.distractor {
         let (other, _) = values.draw(tpl.slot, rng)?;
         let text = d.replace("{Y}", &other);
-        // At least a quarter of the document away from the answer.
-        let ddepth = loop {
-            let x: f64 = rng.random_range(0.0..=1.0);
-            if (x - depth).abs() >= 0.25 {
-                break x;
-            }
-        };
-        plants.push(Plant { text: text.clone(), depth: ddepth, needle: n, target: false });
+        plants.push(Plant { text: text.clone(), depth: elsewhere(rng), needle: n, role: Role::Distractor });
         distractor = Some(text);
     }
+    if let Some(b) = tpl.bridge {
+        let (person, _) = values.draw(Slot::Name, rng)?;
+        sentence = sentence.replace("{B}", &person);
+        plants.push(Plant { text: b.replace("{B}", &person), depth: elsewhere(rng), needle: n, role: Role::Bridge });
+    }
+    plants.insert(0, Plant { text: sentence.clone(), depth, needle: n, role: Role::Answer });
     let question = EvalQuestion {
         id: String::new(),
         question: tpl.question.to_string(),
@@ -419,6 +509,7 @@ fn plant_needle(
         depth: Some(depth),
         planted: Some(sentence),
         distractor,
+        needs_all_evidence: tpl.bridge.is_some(),
         evidence: Vec::new(),
         ..Default::default()
     };
@@ -502,12 +593,18 @@ fn record_evidence(
     for (k, p) in plants.iter().enumerate() {
         let q = &mut questions[p.needle];
         let tokens = token_span(&doc_offsets, spans[k].0, spans[k].1);
-        if p.target {
-            q.evidence = vec![spans[k]];
-            q.evidence_tokens = vec![tokens];
-            q.actual_depth = Some(tokens.0 as f64 / n_tokens as f64);
-        } else {
-            q.distractor_tokens = Some(tokens);
+        match p.role {
+            // The answer's sentence first: questions are ordered by it.
+            Role::Answer => {
+                q.evidence.insert(0, spans[k]);
+                q.evidence_tokens.insert(0, tokens);
+                q.actual_depth = Some(tokens.0 as f64 / n_tokens as f64);
+            }
+            Role::Bridge => {
+                q.evidence.push(spans[k]);
+                q.evidence_tokens.push(tokens);
+            }
+            Role::Distractor => q.distractor_tokens = Some(tokens),
         }
     }
     Ok(n_tokens)
@@ -533,9 +630,24 @@ mod tests {
                     .map(str::to_string)
                     .collect()
             };
-            let (s, q) = (words(tpl.sentence), words(tpl.question));
+            let (s, q) = (words(&tpl.sentence.replace("{B}", "")), words(tpl.question));
             let jaccard = s.intersection(&q).count() as f64 / s.union(&q).count() as f64;
             assert!(jaccard < 0.5, "{:?} / {:?}: word overlap {jaccard:.2}", tpl.sentence, tpl.question);
+            // A paraphrase shares no content word (nor a word's first five letters: no stem).
+            let stems = |w: &HashSet<String>| -> HashSet<String> { w.iter().map(|w| w.chars().take(5).collect()).collect() };
+            if tpl.kind == FactKind::Paraphrase {
+                let function = ["the", "a", "an", "its", "their", "did", "how", "many", "on", "by", "that", "what"];
+                let content = |w: &HashSet<String>| -> HashSet<String> { w.iter().filter(|w| !function.contains(&w.as_str())).cloned().collect() };
+                let shared: Vec<_> = stems(&content(&s)).intersection(&stems(&content(&q))).cloned().collect();
+                assert!(shared.is_empty(), "{:?} / {:?} share {shared:?}", tpl.sentence, tpl.question);
+            }
+            // A two-hop question describes the person as the first hop does, and shares no word
+            // with the answer's sentence but the thing asked about.
+            if let Some(bridge) = tpl.bridge {
+                assert!(bridge.contains("{B}") && tpl.sentence.contains("{B}") && !bridge.contains("{X}"));
+                let b = words(&bridge.replace("{B}", ""));
+                assert!(b.intersection(&q).count() >= 2, "{bridge:?} / {:?}", tpl.question);
+            }
             assert!(!normalize(tpl.sentence).contains(&normalize(tpl.question)));
             assert!(tpl.sentence.contains("{X}") && tpl.distractor.is_none_or(|d| d.contains("{Y}")));
         }

@@ -77,6 +77,7 @@ pub fn markdown(results: &Results) -> String {
          document the `lift`/`icl` prompt holds. absorb s: wall time of the absorption (QA + training)."
     );
     paired_tables(&mut s, results);
+    kind_table(&mut s, results);
     depth_tables(&mut s, results);
     s
 }
@@ -156,6 +157,34 @@ fn method_row(s: &mut String, results: &Results, m: &str) {
         f1_in.unwrap_or(f64::NAN),
         f1_out.unwrap_or(f64::NAN),
     );
+}
+
+/// Right answers by question kind (columns, as `right/questions`, out of window first), one row
+/// per method; nothing without planted questions.
+fn kind_table(s: &mut String, results: &Results) {
+    let mut kinds: Vec<_> = results.answers.iter().filter_map(|a| a.kind).collect();
+    kinds.sort();
+    kinds.dedup();
+    if kinds.is_empty() {
+        return;
+    }
+    let name = |k: &super::needles::FactKind| serde_json::to_value(k).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
+    let _ = writeln!(s, "\nBy question kind (right / questions: out of window, in window):\n");
+    let _ = writeln!(s, "| method | {} |", kinds.iter().map(name).collect::<Vec<_>>().join(" | "));
+    let _ = writeln!(s, "|---|{}", "---|".repeat(kinds.len()));
+    for m in methods(results) {
+        let cells: Vec<String> = kinds
+            .iter()
+            .map(|k| {
+                let count = |w: bool| {
+                    let rows: Vec<_> = results.answers.iter().filter(|a| a.method == m && a.kind == Some(*k) && a.in_window == Some(w)).collect();
+                    format!("{}/{}", rows.iter().filter(|a| a.scores.contains > 0.5).count(), rows.len())
+                };
+                format!("{}, {}", count(false), count(true))
+            })
+            .collect();
+        let _ = writeln!(s, "| {m} | {} |", cells.join(" | "));
+    }
 }
 
 /// Accuracy by document length (rows) and needle depth (columns), one table per method; nothing
@@ -418,6 +447,7 @@ mod tests {
     /// method is paired by question against the first.
     #[test]
     fn merged_runs_are_paired_by_question() {
+        use super::super::needles::FactKind;
         use super::super::{AnswerRecord, EvalDocument};
         let doc = EvalDocument {
             id: "len1024-0".into(),
@@ -442,7 +472,7 @@ mod tests {
                     scores: crate::eval::metrics::Scores { contains: f64::from(u8::from(right(k))), ..Default::default() },
                     in_window: Some(k >= 4),
                     depth: None,
-                    kind: None,
+                    kind: Some(if k % 2 == 0 { FactKind::Paraphrase } else { FactKind::TwoHop }),
                     target_tokens: None,
                     document_tokens: 1024,
                     prompt_tokens: 0,
@@ -459,6 +489,10 @@ mod tests {
         // Out of window q0..q3: both q1; only learned q3; only fixed q0, q2; neither none. In
         // window q4, q5: only learned q5; neither q4.
         assert!(md.contains("| learned | 1 / 1 / 2 / 0 | 0 / 1 / 0 / 1 | 100 (25%) |"), "{md}");
+        // By kind: paraphrase q0, q2 out, q4 in; two-hop q1, q3 out, q5 in.
+        assert!(md.contains("| method | paraphrase | two_hop |"), "{md}");
+        assert!(md.contains("| fixed | 2/2, 0/1 | 1/2, 0/1 |"), "{md}");
+        assert!(md.contains("| learned | 0/2, 0/1 | 2/2, 1/1 |"), "{md}");
         // The same method in two runs: the second is labelled by its run.
         let twice = Results::merge(vec![("a".into(), run("fixed", 400, |k| k < 3)), ("b".into(), run("fixed", 100, |k| k % 2 == 1))])
             .unwrap();
