@@ -4,7 +4,9 @@
 //! the same pieces the prepared base's FltLM filter scores ("FltLM: An Integrated Long-Context
 //! Large Language Model for Effective Context Filtering and Understanding", §4.1) — so a
 //! retrieved passage is one filter chunk in the answer's prompt. First stage: BM25 over the
-//! passages' words (Robertson & Zaragoza's Okapi weighting, k1 = 1.2, b = 0.75). The chosen
+//! passages' words (Robertson & Zaragoza's Okapi weighting, k1 = 1.2, b = 0.75), searched twice:
+//! the second time with the best passage's linking words added (pseudo-relevance feedback), so a
+//! fact reached through another fact is found too. The chosen
 //! passages fill the in-context budget in document order. The index is a pure function of the
 //! document's token ids (stored with every adapter and moved with it between replicas), built
 //! once per loaded document ([`crate::document::Document::passages`]).
@@ -14,6 +16,11 @@ use std::collections::HashMap;
 /// Okapi BM25's term-frequency saturation and length normalisation.
 const K1: f32 = 1.2;
 const B: f32 = 0.75;
+
+/// How much a word the feedback adds counts against a word of the question itself.
+pub const FEEDBACK_WEIGHT: f32 = 0.5;
+/// At most this many words are added by the feedback.
+pub const FEEDBACK_TERMS: usize = 3;
 
 /// Words too common to say which passage a question is about.
 const STOPWORDS: &[&str] = &[
@@ -94,9 +101,10 @@ impl PassageIndex {
     }
 
     /// Every passage with a positive BM25 score for `question`, best first (ties: document
-    /// order).
+    /// order), as answers rank them: with the feedback of
+    /// [`search_with_feedback`](Self::search_with_feedback).
     pub fn search(&self, question: &str) -> Vec<Hit> {
-        self.search_weighted(&[(question, 1.0)])
+        self.search_with_feedback(&[(question, 1.0)])
     }
 
     /// [`search`](Self::search) for a query made of several texts, each with a weight: a term's
@@ -131,6 +139,39 @@ impl PassageIndex {
             scores.into_iter().enumerate().filter(|(_, s)| *s > 0.0).map(|(passage, score)| Hit { passage, score }).collect();
         hits.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.passage.cmp(&b.passage)));
         hits
+    }
+
+    /// [`search_weighted`](Self::search_weighted), then once more with the query widened by the
+    /// best passage's rarest words that occur in other passages too (pseudo-relevance feedback,
+    /// at [`FEEDBACK_WEIGHT`]). A question that names something only through another fact ("the
+    /// architect of the clock tower") finds that fact first; the name the fact gives ("…designed
+    /// by Ilse Thorne") then finds the passages about the name ("Ilse Thorne got married on …"),
+    /// which share no word with the question.
+    pub fn search_with_feedback(&self, query: &[(&str, f32)]) -> Vec<Hit> {
+        let first = self.search_weighted(query);
+        let Some(top) = first.first() else { return first };
+        let asked: Vec<String> = query.iter().flat_map(|(t, _)| terms(t)).collect();
+        let n = self.passages.len();
+        // The top passage's words found in 2 to 3 passages (a name, a rare thing): the words that
+        // link it to a few others, rarest first, at most FEEDBACK_TERMS of them.
+        let mut linking: Vec<(&str, usize)> = self
+            .postings
+            .iter()
+            .filter(|(term, list)| {
+                (2..=3.max(n / 50)).contains(&list.len())
+                    && list.iter().any(|&(p, _)| p as usize == top.passage)
+                    && !asked.contains(term)
+            })
+            .map(|(term, list)| (term.as_str(), list.len()))
+            .collect();
+        if linking.is_empty() {
+            return first;
+        }
+        linking.sort_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(b.0)));
+        let widened = linking.iter().take(FEEDBACK_TERMS).map(|(t, _)| *t).collect::<Vec<_>>().join(" ");
+        let mut query = query.to_vec();
+        query.push((&widened, FEEDBACK_WEIGHT));
+        self.search_weighted(&query)
     }
 
     /// The passages to show for a ranking (`ranked`, best first): as many as fit `budget`
@@ -190,6 +231,31 @@ mod tests {
         assert_eq!(hits[0].passage, 1, "{hits:?}");
         assert!(hits.iter().all(|h| h.score > 0.0));
         assert!(idx.search("zebra quantum").is_empty());
+    }
+
+    #[test]
+    fn feedback_follows_a_name_from_the_best_passage_to_the_fact_about_it() {
+        let idx = index(&[
+            "The new clock tower was designed by an architect named Ilse Thorne.",
+            "The market square fills with stalls of cheese and wool on Saturdays.",
+            "Ilse Thorne got married on April 8, 1949.",
+            "The tower of the old church was struck by lightning twice.",
+            "Marriage records of the parish were kept in the vestry.",
+        ]);
+        let question = [("When did the architect of the clock tower marry?", 1.0)];
+        // Word matching alone: the first hop, then passages sharing "tower"; the fact about
+        // the architect shares no word with the question.
+        let plain = idx.search_weighted(&question);
+        assert_eq!(plain[0].passage, 0, "{plain:?}");
+        assert!(plain.iter().all(|h| h.passage != 2), "{plain:?}");
+        // With the first hop's linking words (the name, in two passages), the second hop joins
+        // the best three, after the first hop.
+        let widened = idx.search_with_feedback(&question);
+        assert_eq!(widened[0].passage, 0, "{widened:?}");
+        assert!(widened.iter().take(3).any(|h| h.passage == 2), "{widened:?}");
+        // A question whose best passage links to nothing is ranked as before.
+        let q = [("What is sold in the market square?", 1.0)];
+        assert_eq!(idx.search_with_feedback(&q), idx.search_weighted(&q));
     }
 
     #[test]

@@ -481,7 +481,7 @@ fn plant_needle(
     let (value, answers) = values.draw(tpl.slot, rng)?;
     let mut sentence = tpl.sentence.replace("{X}", &value);
     // At least a quarter of the document away from the answer.
-    let mut elsewhere = |rng: &mut StdRng| loop {
+    let elsewhere = |rng: &mut StdRng| loop {
         let x: f64 = rng.random_range(0.0..=1.0);
         if (x - depth).abs() >= 0.25 {
             break x;

@@ -290,7 +290,7 @@ pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize)
     let budget = requested.map_or(fits, |r| r.min(fits));
     if matches!(policy, ContextPolicy::Retrieved | ContextPolicy::Bm25) {
         let index = doc.passages(model, passage_tokens(model))?;
-        let mut ranked: Vec<usize> = index.search_weighted(&retrieval_query(ask)).iter().map(|h| h.passage).collect();
+        let mut ranked: Vec<usize> = index.search_with_feedback(&retrieval_query(ask)).iter().map(|h| h.passage).collect();
         if let Some(f) = filter.filter(|_| policy == ContextPolicy::Retrieved) {
             // The candidates' layout must fit the window too.
             ranked = rerank(model, f, ids, &index, question, &ranked, (RERANK_FACTOR * budget).min(fits))?;
