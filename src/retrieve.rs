@@ -17,6 +17,18 @@ use std::collections::HashMap;
 const K1: f32 = 1.2;
 const B: f32 = 0.75;
 
+/// The words of `text` written with a capital letter where a sentence does not start: after a
+/// word that ends no sentence. The text's first word starts a sentence (passages start at one).
+fn capitalised_mid_sentence(text: &str) -> impl Iterator<Item = &str> {
+    let words: Vec<&str> = text.split_whitespace().collect();
+    (1..words.len()).filter_map(move |i| {
+        let (before, word) = (words[i - 1], words[i]);
+        let ends = before.trim_end_matches(['"', '\'', ')', '\u{201d}', '\u{2019}']).ends_with(['.', '!', '?', ':']);
+        let first = word.trim_start_matches(|c: char| !c.is_alphanumeric()).chars().next();
+        (!ends && first.is_some_and(char::is_uppercase)).then_some(word)
+    })
+}
+
 /// How much a word the feedback adds counts against a word of the question itself.
 pub const FEEDBACK_WEIGHT: f32 = 0.5;
 /// At most this many words are added by the feedback.
@@ -63,6 +75,8 @@ pub struct PassageIndex {
     /// Index terms per passage.
     lengths: Vec<u32>,
     avg_len: f32,
+    /// Terms written capitalised somewhere other than at a sentence's start: names.
+    names: std::collections::HashSet<String>,
 }
 
 /// A passage the question matched, with its BM25 score.
@@ -77,7 +91,9 @@ impl PassageIndex {
     pub fn from_texts(passages: Vec<(usize, usize)>, texts: &[String]) -> Self {
         let mut postings: HashMap<String, Vec<(u32, u32)>> = HashMap::new();
         let mut lengths = Vec::with_capacity(texts.len());
+        let mut names = std::collections::HashSet::new();
         for (i, text) in texts.iter().enumerate() {
+            names.extend(capitalised_mid_sentence(text).flat_map(terms));
             let words = terms(text);
             lengths.push(words.len() as u32);
             let mut counts: HashMap<String, u32> = HashMap::new();
@@ -89,7 +105,7 @@ impl PassageIndex {
             }
         }
         let avg_len = lengths.iter().map(|&l| l as f32).sum::<f32>() / lengths.len().max(1) as f32;
-        Self { passages, postings, lengths, avg_len: avg_len.max(1.0) }
+        Self { passages, postings, lengths, avg_len: avg_len.max(1.0), names }
     }
 
     pub fn len(&self) -> usize {
@@ -142,8 +158,8 @@ impl PassageIndex {
     }
 
     /// [`search_weighted`](Self::search_weighted), then once more with the query widened by the
-    /// best passage's rarest words that occur in other passages too (pseudo-relevance feedback,
-    /// at [`FEEDBACK_WEIGHT`]). A question that names something only through another fact ("the
+    /// names in the best passage that occur in a few other passages too (pseudo-relevance
+    /// feedback, at [`FEEDBACK_WEIGHT`]). A question that names something only through another fact ("the
     /// architect of the clock tower") finds that fact first; the name the fact gives ("…designed
     /// by Ilse Thorne") then finds the passages about the name ("Ilse Thorne got married on …"),
     /// which share no word with the question.
@@ -152,13 +168,15 @@ impl PassageIndex {
         let Some(top) = first.first() else { return first };
         let asked: Vec<String> = query.iter().flat_map(|(t, _)| terms(t)).collect();
         let n = self.passages.len();
-        // The top passage's words found in 2 to 3 passages (a name, a rare thing): the words that
-        // link it to a few others, rarest first, at most FEEDBACK_TERMS of them.
+        // The names in the top passage found in 2 to 3 passages: the words that link it to a few
+        // others, rarest first, at most FEEDBACK_TERMS of them. (Common words found in a few
+        // passages, "vessel" or "two", link nothing: they pulled unrelated passages up.)
         let mut linking: Vec<(&str, usize)> = self
             .postings
             .iter()
             .filter(|(term, list)| {
                 (2..=3.max(n / 50)).contains(&list.len())
+                    && self.names.contains(*term)
                     && list.iter().any(|&(p, _)| p as usize == top.passage)
                     && !asked.contains(term)
             })
@@ -214,6 +232,12 @@ mod tests {
     }
 
     #[test]
+    fn names_are_the_words_capitalised_mid_sentence() {
+        let text = "The yard was run by Ingrid Solberg. Later, \"Oskar\" took over. Then the Grey Petrel sailed!";
+        assert_eq!(capitalised_mid_sentence(text).collect::<Vec<_>>(), ["Ingrid", "Solberg.", "\"Oskar\"", "Grey", "Petrel"]);
+    }
+
+    #[test]
     fn terms_drop_stopwords_and_plurals() {
         assert_eq!(terms("What colour are the Lanterns of Vell's harbour?"), ["colour", "lantern", "vell", "harbour"]);
         assert_eq!(terms("the 2012 class, glass and bus"), ["2012", "class", "glass", "bus"]);
@@ -255,6 +279,9 @@ mod tests {
         assert!(widened.iter().take(3).any(|h| h.passage == 2), "{widened:?}");
         // A question whose best passage links to nothing is ranked as before.
         let q = [("What is sold in the market square?", 1.0)];
+        assert_eq!(idx.search_with_feedback(&q), idx.search_weighted(&q));
+        // Nor do common words found in a few passages ("tower" and "the old" here).
+        let q = [("Which old church was struck by lightning?", 1.0)];
         assert_eq!(idx.search_with_feedback(&q), idx.search_weighted(&q));
     }
 

@@ -65,7 +65,20 @@ fn retrieval_shows_the_planted_fact_in_a_small_context() {
                 total += 1;
             }
         }
-        eprintln!("{name}: retrieved {found}/{total}, head and tail {head_tail}/{total}");
+        // Two-hop facts: the question names the first hop's words only; the feedback step follows
+        // the person's name from it to the second.
+        let (mut both, mut two_hop) = (0, 0);
+        for doc in &docs {
+            let ids = Document::encode(model, doc.text.clone()).unwrap();
+            for q in doc.questions.iter().filter(|q| q.kind == Some(needles::FactKind::TwoHop)) {
+                let ask = Ask { history: &[], question: &q.question, mode: Mode::Rag, context: None, context_tokens: Some(256) };
+                let shown = model.tokenizer.decode(&build_prompt(model, &ids, &ask, 32).unwrap().tokens).unwrap();
+                both += q.evidence.iter().all(|&(s, e)| shown.contains(&doc.text[s..e])) as usize;
+                two_hop += 1;
+            }
+        }
+        eprintln!("{name}: retrieved {found}/{total}, head and tail {head_tail}/{total}; two-hop, both hops {both}/{two_hop}");
+        assert!(both * 4 >= two_hop * 3, "{name}: both hops of {both} of {two_hop} two-hop facts shown");
         assert!(found * 10 >= total * 9, "{name}: retrieval showed {found} of {total} planted facts");
         assert!(head_tail * 2 < total, "{name}: the head and tail showed {head_tail} of {total}: the test needs facts out of it");
     }
