@@ -231,7 +231,7 @@ fn check_results(results: &eval::Results, docs: usize, questions: usize) {
         assert_eq!(a.methods, vec!["lift".to_string(), "memory".to_string()]);
         assert!(a.steps > 0 && a.adapter_bytes > 0 && a.parameters > 0);
         assert_eq!(a.step_losses.len(), a.steps, "one loss per optimizer step");
-        assert!(a.step_losses.iter().all(|l| l.is_finite() && *l > 0.0));
+        assert!(a.step_losses.iter().all(|l| l.is_finite() && *l > 0.0), "{:?}", a.step_losses);
     }
     for a in &results.answers {
         let s = eval::metrics::score(

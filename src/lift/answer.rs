@@ -291,7 +291,10 @@ pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize)
     if matches!(policy, ContextPolicy::Retrieved | ContextPolicy::Bm25) {
         let index = doc.passages(model, passage_tokens(model))?;
         let mut ranked: Vec<usize> = index.search_with_feedback(&retrieval_query(ask)).iter().map(|h| h.passage).collect();
-        if let Some(f) = filter.filter(|_| policy == ContextPolicy::Retrieved) {
+        // When every passage BM25 found fits the budget, all are shown whatever their order (unless
+        // the window forces the budget down below): the re-rank would change nothing; skipped.
+        let found: usize = ranked.iter().map(|&p| index.passages[p].1 - index.passages[p].0).sum();
+        if let Some(f) = filter.filter(|_| policy == ContextPolicy::Retrieved && found > budget) {
             // The candidates' layout must fit the window too.
             ranked = rerank(model, f, ids, &index, question, &ranked, (RERANK_FACTOR * budget).min(fits))?;
         }
