@@ -118,6 +118,10 @@ impl Backend for Server {
                 doc_json["error"]["message"].as_str().unwrap_or(&last.to_string())
             );
         }
+        // The adapter's own record of every step's loss; the progress events skip steps when
+        // the stream falls behind (their gaps were NaN here), so they are only the fallback.
+        let recorded: Option<Vec<f64>> = serde_json::from_value(doc_json["training"]["step_losses"].clone()).ok();
+        let losses = recorded.filter(|l| !l.is_empty()).unwrap_or(losses);
         let rec = AbsorbRecord {
             document: doc.id.clone(),
             seconds: t0.elapsed().as_secs_f64(),

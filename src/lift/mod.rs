@@ -458,6 +458,8 @@ fn training_figures(r: &TrainReport, qa_pairs: usize, qa_seconds: f64, segments:
         "tokens_per_s": r.tokens_per_s,
         "final_loss": r.final_loss,
         "epoch_losses": r.epoch_losses,
+        // Every step's loss (a few KB at most): the whole curve, which progress events may thin.
+        "step_losses": r.step_losses,
         "stopped_early": r.stopped_early,
         "planned_steps": r.planned_steps,
         "probe_curve": r.probe_curve,
