@@ -280,7 +280,8 @@ pub fn install_dir(model: &mut Model, dir: &Path, explicit: bool) -> Result<bool
                         dir = %dir.display(),
                         trained_on = %manifest.base_model.id,
                         model = %model.info.id,
-                        "the default prepared base was trained on another model; running without a prepared base                          (pass --prepared-base none to silence this, or a base prepared for this model)"
+                        "the default prepared base was trained on another model; running without a prepared base \
+                         (pass --prepared-base none to silence this, or a base prepared for this model)"
                     );
                     return Ok(false);
                 }
