@@ -197,6 +197,25 @@ impl GatedMemory {
         Ok(Self { layers: out, vars: vars.into_inner() })
     }
 
+    /// Sets the output layers of the memory and the gate (`mem_w2`, `mem_b2`, `gate_w2`) of a
+    /// trainable adapter to zero, as LoRA starts its `B` at zero: the adapter then starts as
+    /// `(1 − σ(−3))·attn` (m = 0, the gate exactly 0.047) whatever the size of the queries, and
+    /// the first steps move the output layers first. For models whose queries are large where a
+    /// kaiming-initialised memory outweighs the attention it is mixed with (see `lift::new_adapter`).
+    pub fn zero_outputs(&self) -> Result<()> {
+        let ids: Vec<_> = self
+            .layers
+            .values()
+            .flat_map(|l| [Some(&l.mem_w2), l.mem_b2.as_ref(), Some(&l.gate_w2)])
+            .flatten()
+            .map(|t| t.id())
+            .collect();
+        for v in self.vars.iter().filter(|v| ids.contains(&v.as_tensor().id())) {
+            v.set(&v.as_tensor().zeros_like()?)?;
+        }
+        Ok(())
+    }
+
     /// Trainable parameters (empty for a detached copy).
     pub fn vars(&self) -> &[Var] {
         &self.vars
