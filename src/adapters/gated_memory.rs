@@ -399,6 +399,26 @@ mod tests {
         }
     }
 
+    // A zero-output start: the memory is 0 and the gate exactly σ(−3) for any query, however
+    // large, so the mix is (1 − σ(−3))·attn; the output layers still get gradients.
+    #[test]
+    fn a_zero_output_start_scales_the_attention_for_any_query() {
+        let c = cfg(3, 16);
+        let gm = GatedMemory::new(&c, &[0], true, 7, &Device::Cpu).unwrap();
+        gm.zero_outputs().unwrap();
+        let layer = &gm.layers[&0];
+        let q = (rand((1, 3, 4, 16), 1) * 50.0).unwrap();
+        let a = rand((1, 3, 4, 16), 2);
+        let out = layer.mix(&q, &a).unwrap();
+        let g = 1.0 / (1.0 + 3f64.exp());
+        assert!(max_diff(&out, &(&a * (1.0 - g)).unwrap()) < 1e-5);
+        let grads = (out * rand((1, 3, 4, 16), 3)).unwrap().sum_all().unwrap().backward().unwrap();
+        for t in [&layer.mem_w2, &layer.gate_w2] {
+            let norm = grads.get(t).expect("a gradient").abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(norm > 0.0);
+        }
+    }
+
     #[test]
     fn offsets_follow_named_order() {
         let c = cfg(3, 16);
