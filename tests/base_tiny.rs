@@ -378,3 +378,67 @@ fn absorb_reads_a_pdf_and_refuses_a_locked_one() {
     assert!(!out.status.success() && err.contains("encrypted with a password"), "{err}");
     assert!(!d.path().join("locked").exists(), "nothing written for a refused file");
 }
+
+/// A prepared base found by default (`base/` in the working directory) that was trained on
+/// another model is skipped with a warning, so a model the user brings runs without one; named
+/// explicitly (`--prepared-base`, `LIFT_PREPARED_BASE`) it stays an error. The CLI (every
+/// command loads through the same arguments) in a directory whose `base/` belongs to another
+/// tiny model, then the server over the repository's own `base/` (the default model's).
+#[test]
+fn a_default_prepared_base_of_another_model_is_skipped_an_explicit_one_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let ours = write_hf(&d.path().join("ours"), &TinySpec::default()).unwrap();
+    let theirs = write_hf(&d.path().join("theirs"), &TinySpec { seed: 7, ..TinySpec::default() }).unwrap();
+    let work = d.path().join("work");
+    std::fs::create_dir_all(&work).unwrap();
+    let shape = BaseShape { rank: 2, filter: FilterOptions { enabled: true, layer: Some(0), ..Default::default() } };
+    PreparedBase::new(&load(&theirs), &shape, 5).unwrap().save(&work.join("base")).unwrap();
+
+    let generate = |model: &Path, extra: &[&str], env: Option<&str>| {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"));
+        c.current_dir(&work).env_remove("LIFT_PREPARED_BASE").args(["generate", "--max-tokens", "2"]).arg("--model").arg(model);
+        c.args(extra).arg("Who keeps the lighthouse?");
+        if let Some(v) = env {
+            c.env("LIFT_PREPARED_BASE", v);
+        }
+        let out = c.output().unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    // Found by default, another model's: a warning, and the plain model answers.
+    let (ok, err) = generate(&ours, &[], None);
+    assert!(ok, "{err}");
+    assert!(err.contains("trained on another model") && !err.contains("prepared base installed"), "{err}");
+    // Named, on the command line or in the environment: refused with both fingerprints.
+    for (extra, env) in [(&["--prepared-base", "base"][..], None), (&[][..], Some("base"))] {
+        let (ok, err) = generate(&ours, extra, env);
+        assert!(!ok, "an explicit base of another model must be refused");
+        assert!(err.contains("prepared base was trained on base model"), "{err}");
+    }
+    // Its own model, found by default: installed.
+    let (ok, err) = generate(&theirs, &[], None);
+    assert!(ok && err.contains("prepared base installed"), "{err}");
+    // `none`: no base, no warning.
+    let (ok, err) = generate(&ours, &["--prepared-base", "none"], None);
+    assert!(ok && !err.contains("trained on another model"), "{err}");
+
+    // The library call, both ways, and the server: with no prepared base configured it finds the
+    // repository's `base/` (the default model's) and starts over the tiny model without it.
+    let mut m = load(&ours);
+    assert!(!lift_serve::base::install_dir(&mut m, &work.join("base"), false).unwrap());
+    assert!(m.info.prepared_base.is_none() && m.base_filter().is_none());
+    assert!(lift_serve::base::install_dir(&mut m, &work.join("base"), true).is_err());
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("base");
+    if shipped.join("manifest.json").is_file() {
+        let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+        rt.block_on(async {
+            let mut cfg = lift_serve::server::ServeConfig::new(ours.clone(), d.path().join("adapters"));
+            cfg.prepared_base = None;
+            let state = lift_serve::server::build_state(cfg, &Device::Cpu).expect("starts without the other model's base");
+            assert!(state.service.model().info.prepared_base.is_none());
+        });
+        let mut cfg = lift_serve::server::ServeConfig::new(ours.clone(), d.path().join("adapters2"));
+        cfg.prepared_base = Some(shipped.to_string_lossy().into_owned());
+        let err = rt.block_on(async { lift_serve::server::build_state(cfg, &Device::Cpu).err() }).expect("explicit: refused");
+        assert!(format!("{err:#}").contains("prepared base was trained on base model"), "{err:#}");
+    }
+}

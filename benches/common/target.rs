@@ -5,8 +5,8 @@
 //! (`random-qwen2.5-0.5b`, `random-llama-3.2-1b`: deployment-size shapes, the same way)
 //! shapes, vocabulary included, in a temporary folder: the default model's matmuls, attention and
 //! LM head for timing on a machine the weights file cannot reach (the GPU machine), with a
-//! byte-level tokenizer (one token per byte of text). Otherwise the default model (or
-//! `LIFT_MODELS_DIR`), as everywhere.
+//! byte-level tokenizer (one token per byte of text). A path (a `.gguf` file or a Hugging Face
+//! directory) loads that model. Otherwise the default model (or `LIFT_MODELS_DIR`), as everywhere.
 
 use candle_core::Device;
 use lift_serve::model::Model;
@@ -36,8 +36,12 @@ pub fn load(dev: &Device) -> anyhow::Result<Target> {
             let model = Model::load(&path, dev)?;
             Ok(Target { model, label: format!("random weights of {shapes}'s shapes"), _dir: Some(dir) })
         }
+        Some(file) if std::path::Path::new(file).exists() => {
+            let model = Model::load(std::path::Path::new(file), dev)?;
+            Ok(Target { model, label: file.to_string(), _dir: None })
+        }
         Some(other) => anyhow::bail!(
-            "BENCH_MODEL={other}: random-smollm2, random-qwen2.5-0.5b or random-llama-3.2-1b (or unset: the default model)"
+            "BENCH_MODEL={other}: random-smollm2, random-qwen2.5-0.5b, random-llama-3.2-1b, a model file or directory (or unset: the default model)"
         ),
         None => {
             let path = lift_serve::fetch::resolve_model(None)?;

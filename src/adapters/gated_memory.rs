@@ -197,6 +197,25 @@ impl GatedMemory {
         Ok(Self { layers: out, vars: vars.into_inner() })
     }
 
+    /// Sets the output layers of the memory and the gate (`mem_w2`, `mem_b2`, `gate_w2`) of a
+    /// trainable adapter to zero, as LoRA starts its `B` at zero: the adapter then starts as
+    /// `(1 − σ(−3))·attn` (m = 0, the gate exactly 0.047) whatever the size of the queries, and
+    /// the first steps move the output layers first. For models whose queries are large where a
+    /// kaiming-initialised memory outweighs the attention it is mixed with (see `lift::new_adapter`).
+    pub fn zero_outputs(&self) -> Result<()> {
+        let ids: Vec<_> = self
+            .layers
+            .values()
+            .flat_map(|l| [Some(&l.mem_w2), l.mem_b2.as_ref(), Some(&l.gate_w2)])
+            .flatten()
+            .map(|t| t.id())
+            .collect();
+        for v in self.vars.iter().filter(|v| ids.contains(&v.as_tensor().id())) {
+            v.set(&v.as_tensor().zeros_like()?)?;
+        }
+        Ok(())
+    }
+
     /// Trainable parameters (empty for a detached copy).
     pub fn vars(&self) -> &[Var] {
         &self.vars
@@ -377,6 +396,26 @@ mod tests {
                 checked += 1;
             }
             assert_eq!(checked, 2 + if bias { 7 } else { 4 });
+        }
+    }
+
+    // A zero-output start: the memory is 0 and the gate exactly σ(−3) for any query, however
+    // large, so the mix is (1 − σ(−3))·attn; the output layers still get gradients.
+    #[test]
+    fn a_zero_output_start_scales_the_attention_for_any_query() {
+        let c = cfg(3, 16);
+        let gm = GatedMemory::new(&c, &[0], true, 7, &Device::Cpu).unwrap();
+        gm.zero_outputs().unwrap();
+        let layer = &gm.layers[&0];
+        let q = (rand((1, 3, 4, 16), 1) * 50.0).unwrap();
+        let a = rand((1, 3, 4, 16), 2);
+        let out = layer.mix(&q, &a).unwrap();
+        let g = 1.0 / (1.0 + 3f64.exp());
+        assert!(max_diff(&out, &(&a * (1.0 - g)).unwrap()) < 1e-5);
+        let grads = (out * rand((1, 3, 4, 16), 3)).unwrap().sum_all().unwrap().backward().unwrap();
+        for t in [&layer.mem_w2, &layer.gate_w2] {
+            let norm = grads.get(t).expect("a gradient").abs().unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap();
+            assert!(norm > 0.0);
         }
     }
 

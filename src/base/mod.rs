@@ -257,10 +257,37 @@ pub fn resolve(arg: Option<&str>) -> Option<PathBuf> {
     }
 }
 
-/// Loads and installs the prepared base `arg` names ([`resolve`]) into `model`.
+/// Loads and installs the prepared base `arg` names ([`resolve`]) into `model`. A base found by
+/// default (no `arg`) that was trained on another model is skipped with a warning (a user's own
+/// model runs without it); one named explicitly must match.
 pub fn install_from_arg(model: &mut Model, arg: Option<&str>) -> Result<()> {
     if let Some(dir) = resolve(arg) {
-        PreparedBase::load(&dir, model)?.install(model)?;
+        install_dir(model, &dir, arg.is_some())?;
     }
     Ok(())
+}
+
+/// Installs the prepared base in `dir` into `model`; returns whether it did. When `explicit` is
+/// false (the default directory, found rather than asked for), a base trained on another model
+/// is not installed: a warning says so and the model runs plain. Every other failure (no
+/// manifest, a bad hash, an explicit base of another model) is an error.
+pub fn install_dir(model: &mut Model, dir: &Path, explicit: bool) -> Result<bool> {
+    if !explicit {
+        if let Ok(text) = std::fs::read_to_string(dir.join(MANIFEST_FILE)) {
+            if let Ok(manifest) = serde_json::from_str::<BaseManifest>(&text) {
+                if manifest.base_model.fingerprint != model.info.fingerprint {
+                    tracing::warn!(
+                        dir = %dir.display(),
+                        trained_on = %manifest.base_model.id,
+                        model = %model.info.id,
+                        "the default prepared base was trained on another model; running without a prepared base \
+                         (pass --prepared-base none to silence this, or a base prepared for this model)"
+                    );
+                    return Ok(false);
+                }
+            }
+        }
+    }
+    PreparedBase::load(dir, model)?.install(model)?;
+    Ok(true)
 }
