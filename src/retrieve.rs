@@ -11,7 +11,7 @@
 //! document's token ids (stored with every adapter and moved with it between replicas), built
 //! once per loaded document ([`crate::document::Document::passages`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 /// Okapi BM25's term-frequency saturation and length normalisation.
 const K1: f32 = 1.2;
@@ -76,7 +76,7 @@ pub struct PassageIndex {
     lengths: Vec<u32>,
     avg_len: f32,
     /// Terms written capitalised somewhere other than at a sentence's start: names.
-    names: std::collections::HashSet<String>,
+    names: HashSet<String>,
 }
 
 /// A passage the question matched, with its BM25 score.
@@ -91,7 +91,7 @@ impl PassageIndex {
     pub fn from_texts(passages: Vec<(usize, usize)>, texts: &[String]) -> Self {
         let mut postings: HashMap<String, Vec<(u32, u32)>> = HashMap::new();
         let mut lengths = Vec::with_capacity(texts.len());
-        let mut names = std::collections::HashSet::new();
+        let mut names = HashSet::new();
         for (i, text) in texts.iter().enumerate() {
             names.extend(capitalised_mid_sentence(text).flat_map(terms));
             let words = terms(text);
@@ -159,8 +159,8 @@ impl PassageIndex {
 
     /// [`search_weighted`](Self::search_weighted), then once more with the query widened by the
     /// names in the best passage that occur in a few other passages too (pseudo-relevance
-    /// feedback, at [`FEEDBACK_WEIGHT`]). A question that names something only through another fact ("the
-    /// architect of the clock tower") finds that fact first; the name the fact gives ("…designed
+    /// feedback, at [`FEEDBACK_WEIGHT`]). A question that names something only through another
+    /// fact ("the architect of the clock tower") finds that fact first; the name the fact gives ("…designed
     /// by Ilse Thorne") then finds the passages about the name ("Ilse Thorne got married on …"),
     /// which share no word with the question.
     pub fn search_with_feedback(&self, query: &[(&str, f32)]) -> Vec<Hit> {

@@ -51,30 +51,28 @@ fn retrieval_shows_the_planted_fact_in_a_small_context() {
     let worded_apart = |q: &eval::EvalQuestion| matches!(q.kind, Some(needles::FactKind::Paraphrase | needles::FactKind::TwoHop));
     for (name, model) in [("plain", plain), ("prepared base", &based)] {
         let (mut found, mut head_tail, mut total) = (0, 0, 0);
-        for doc in &docs {
-            let ids = Document::encode(model, doc.text.clone()).unwrap();
-            for q in doc.questions.iter().filter(|q| !worded_apart(q)) {
-                let planted = q.planted.as_deref().unwrap();
-                let ask = |context| Ask { history: &[], question: &q.question, mode: Mode::Rag, context, context_tokens: Some(256) };
-                let p = build_prompt(model, &ids, &ask(None), 32).unwrap();
-                assert!(p.context_tokens <= 256, "{name}: {} document tokens in context", p.context_tokens);
-                let shown = model.tokenizer.decode(&p.tokens).unwrap();
-                found += shown.contains(planted) as usize;
-                let ht = build_prompt(model, &ids, &ask(Some(ContextPolicy::HeadTail)), 32).unwrap();
-                head_tail += model.tokenizer.decode(&ht.tokens).unwrap().contains(planted) as usize;
-                total += 1;
-            }
-        }
         // Two-hop facts: the question names the first hop's words only; the feedback step follows
         // the person's name from it to the second.
         let (mut both, mut two_hop) = (0, 0);
         for doc in &docs {
             let ids = Document::encode(model, doc.text.clone()).unwrap();
-            for q in doc.questions.iter().filter(|q| q.kind == Some(needles::FactKind::TwoHop)) {
-                let ask = Ask { history: &[], question: &q.question, mode: Mode::Rag, context: None, context_tokens: Some(256) };
-                let shown = model.tokenizer.decode(&build_prompt(model, &ids, &ask, 32).unwrap().tokens).unwrap();
-                both += q.evidence.iter().all(|&(s, e)| shown.contains(&doc.text[s..e])) as usize;
-                two_hop += 1;
+            for q in &doc.questions {
+                let ask = |context| Ask { history: &[], question: &q.question, mode: Mode::Rag, context, context_tokens: Some(256) };
+                let p = build_prompt(model, &ids, &ask(None), 32).unwrap();
+                let shown = model.tokenizer.decode(&p.tokens).unwrap();
+                if q.kind == Some(needles::FactKind::TwoHop) {
+                    both += q.evidence.iter().all(|&(s, e)| shown.contains(&doc.text[s..e])) as usize;
+                    two_hop += 1;
+                }
+                if worded_apart(q) {
+                    continue;
+                }
+                let planted = q.planted.as_deref().unwrap();
+                assert!(p.context_tokens <= 256, "{name}: {} document tokens in context", p.context_tokens);
+                found += shown.contains(planted) as usize;
+                let ht = build_prompt(model, &ids, &ask(Some(ContextPolicy::HeadTail)), 32).unwrap();
+                head_tail += model.tokenizer.decode(&ht.tokens).unwrap().contains(planted) as usize;
+                total += 1;
             }
         }
         eprintln!("{name}: retrieved {found}/{total}, head and tail {head_tail}/{total}; two-hop, both hops {both}/{two_hop}");

@@ -177,18 +177,11 @@ impl PreparedBase {
 
     /// Reads a prepared base from `dir` for `model` (the plain model it was trained on), detached.
     pub fn load(dir: &Path, model: &Model) -> Result<Self> {
-        let mpath = dir.join(MANIFEST_FILE);
-        let text = std::fs::read_to_string(&mpath)
-            .with_context(|| format!("{}: not a prepared base (no {MANIFEST_FILE})", dir.display()))?;
-        let manifest: BaseManifest = serde_json::from_str(&text)
-            .with_context(|| format!("{}: invalid prepared-base manifest", mpath.display()))?;
-        if manifest.format_version != FORMAT_VERSION {
-            bail!(
-                "{}: prepared-base format {} (this build reads {FORMAT_VERSION})",
-                dir.display(),
-                manifest.format_version
-            );
-        }
+        Self::load_with(dir, read_manifest(dir)?, model)
+    }
+
+    /// [`load`](Self::load) with the manifest already read from `dir`.
+    fn load_with(dir: &Path, manifest: BaseManifest, model: &Model) -> Result<Self> {
         if model.info.prepared_base.is_some() {
             bail!("the model already has a prepared base installed");
         }
@@ -257,6 +250,19 @@ pub fn resolve(arg: Option<&str>) -> Option<PathBuf> {
     }
 }
 
+/// The manifest of the prepared base in `dir`, in a format this build reads.
+fn read_manifest(dir: &Path) -> Result<BaseManifest> {
+    let mpath = dir.join(MANIFEST_FILE);
+    let text = std::fs::read_to_string(&mpath)
+        .with_context(|| format!("{}: not a prepared base (no {MANIFEST_FILE})", dir.display()))?;
+    let manifest: BaseManifest =
+        serde_json::from_str(&text).with_context(|| format!("{}: invalid prepared-base manifest", mpath.display()))?;
+    if manifest.format_version != FORMAT_VERSION {
+        bail!("{}: prepared-base format {} (this build reads {FORMAT_VERSION})", dir.display(), manifest.format_version);
+    }
+    Ok(manifest)
+}
+
 /// Loads and installs the prepared base `arg` names ([`resolve`]) into `model`. A base found by
 /// default (no `arg`) that was trained on another model is skipped with a warning (a user's own
 /// model runs without it); one named explicitly must match.
@@ -272,22 +278,17 @@ pub fn install_from_arg(model: &mut Model, arg: Option<&str>) -> Result<()> {
 /// is not installed: a warning says so and the model runs plain. Every other failure (no
 /// manifest, a bad hash, an explicit base of another model) is an error.
 pub fn install_dir(model: &mut Model, dir: &Path, explicit: bool) -> Result<bool> {
-    if !explicit {
-        if let Ok(text) = std::fs::read_to_string(dir.join(MANIFEST_FILE)) {
-            if let Ok(manifest) = serde_json::from_str::<BaseManifest>(&text) {
-                if manifest.base_model.fingerprint != model.info.fingerprint {
-                    tracing::warn!(
-                        dir = %dir.display(),
-                        trained_on = %manifest.base_model.id,
-                        model = %model.info.id,
-                        "the default prepared base was trained on another model; running without a prepared base \
-                         (pass --prepared-base none to silence this, or a base prepared for this model)"
-                    );
-                    return Ok(false);
-                }
-            }
-        }
+    let manifest = read_manifest(dir)?;
+    if !explicit && manifest.base_model.fingerprint != model.info.fingerprint {
+        tracing::warn!(
+            dir = %dir.display(),
+            trained_on = %manifest.base_model.id,
+            model = %model.info.id,
+            "the default prepared base was trained on another model; running without a prepared base \
+             (pass --prepared-base none to silence this, or a base prepared for this model)"
+        );
+        return Ok(false);
     }
-    PreparedBase::load(dir, model)?.install(model)?;
+    PreparedBase::load_with(dir, manifest, model)?.install(model)?;
     Ok(true)
 }
