@@ -273,10 +273,10 @@ fn local_backend_absorbs_and_answers_through_the_prepared_bases_filter() {
     let q_len = model.tokenizer.encode(q, false).unwrap().len();
     let mut lens = Vec::new();
     for m in [&plain, &model] {
-        let mut local = Local::new(m, Some(200), 4);
+        let mut local = Local::new(m, 4);
         let (_, handle) = local.absorb(&doc, &tokens, &o, &mut |_, _, _| {}).unwrap();
-        let (_, lift_len) = local.ask(&doc, &tokens, Some(handle), q, Mode::Lift, Some(ContextPolicy::HeadTail)).unwrap();
-        let (_, icl_len) = local.ask(&doc, &tokens, None, q, Mode::Icl, Some(ContextPolicy::HeadTail)).unwrap();
+        let (_, lift_len) = local.ask(&doc, &tokens, Some(handle), q, Mode::Lift, Some(ContextPolicy::HeadTail), Some(200)).unwrap();
+        let (_, icl_len) = local.ask(&doc, &tokens, None, q, Mode::Icl, Some(ContextPolicy::HeadTail), Some(200)).unwrap();
         lens.push((lift_len, icl_len));
     }
     // Without a base, `lift` has exactly the `icl` prompt; the base's filter layout repeats the
@@ -289,7 +289,7 @@ fn local_backend_absorbs_and_answers_through_the_prepared_bases_filter() {
     // The whole run over the base: questions are labelled by the prompt the answers use (the
     // run stops on any prompt that differs from the labelled one).
     let cfg = config(&["icl", "lift", "memory", "rag"], None);
-    let mut backend = Local::new(&model, cfg.context_tokens, cfg.max_tokens);
+    let mut backend = Local::new(&model, cfg.max_tokens);
     let results = eval::run(&model, &mut backend, vec![doc.clone()], &cfg, false, &mut |_| Ok(())).unwrap();
     check_results(&results, 1, doc.questions.len());
     let a = results.answers.iter().find(|a| a.method == "icl").unwrap();
@@ -303,7 +303,7 @@ fn eval_runs_every_method_and_writes_the_report_on_the_tiny_model() {
     let n_q: usize = docs.iter().map(|d| d.questions.len()).sum();
     assert_eq!(n_q, 6);
     let cfg = config(&["icl", "lift", "memory", "rag"], None);
-    let mut backend = Local::new(&model, cfg.context_tokens, cfg.max_tokens);
+    let mut backend = Local::new(&model, cfg.max_tokens);
     let mut partial = Vec::new();
     let results = eval::run(&model, &mut backend, docs, &cfg, false, &mut |r| {
         partial.push((r.documents.len(), r.answers.len()));
@@ -398,7 +398,7 @@ fn eval_through_a_real_server_socket_measures_the_serving_path() {
     check_results(&results, 2, n_q);
 
     // The same documents in-process give the same greedy answers (same options and seed).
-    let mut local = Local::new(&model, cfg.context_tokens, cfg.max_tokens);
+    let mut local = Local::new(&model, cfg.max_tokens);
     let here =
         eval::run(&model, &mut local, docs.clone(), &config(&["icl", "lift", "memory", "rag"], None), false, &mut |_| Ok(()))
             .unwrap();
@@ -407,11 +407,15 @@ fn eval_through_a_real_server_socket_measures_the_serving_path() {
         assert_eq!(a.prediction, b.prediction, "{} {} {}", a.document, a.question, a.method);
     }
 
-    // A server with another context budget is caught, not mislabelled.
-    let wrong = config(&["icl", "lift"], Some(url.clone()));
-    let wrong = RunConfig { context_tokens: Some(180), ..wrong };
-    let mut backend = eval::client::Server::new(&url, None, wrong.max_tokens).unwrap();
-    let err = format!("{:#}", eval::run(&model, &mut backend, docs, &wrong, false, &mut |_| Ok(())).unwrap_err());
-    assert!(err.contains("context budget"), "{err}");
+    // The run's budget and each method's own (`lift:64`) travel with the question: the server
+    // answers with them, not with its default, and the prompts are the ones labelled.
+    let other = config(&["icl", "lift", "lift:64"], Some(url.clone()));
+    let other = RunConfig { context_tokens: Some(180), ..other };
+    let mut backend = eval::client::Server::new(&url, None, other.max_tokens).unwrap();
+    let r = eval::run(&model, &mut backend, docs, &other, false, &mut |_| Ok(())).unwrap();
+    let tokens = |m: &str| r.answers.iter().filter(|a| a.method == m).map(|a| a.prompt_tokens).collect::<Vec<_>>();
+    for (at_180, at_64) in tokens("lift").iter().zip(tokens("lift:64")) {
+        assert!(at_64 < *at_180, "lift:64 prompt {at_64} tokens, lift at 180: {at_180}");
+    }
     rt.block_on(running.shutdown());
 }

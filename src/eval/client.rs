@@ -146,6 +146,7 @@ impl Backend for Server {
         question: &str,
         mode: Mode,
         context: Option<ContextPolicy>,
+        context_tokens: Option<usize>,
     ) -> Result<(String, usize)> {
         // `icl` and `rag` need no adapter, but the API asks about a document by id: any of its adapters.
         let id = match handle.or(self.ids.len().checked_sub(1)) {
@@ -155,6 +156,10 @@ impl Backend for Server {
         let mut body = json!({"document_id": id, "question": question, "mode": mode.name(), "max_tokens": self.max_tokens, "temperature": 0});
         if let Some(c) = context {
             body["context"] = json!(c.name());
+        }
+        // The run's budget, not the server's default, so the labels match what was shown.
+        if let Some(n) = context_tokens.filter(|_| mode.uses_context()) {
+            body["context_tokens"] = json!(n);
         }
         let r = self.send(self.http.post(format!("{}/ask", self.base)).json(&body))?;
         let answer = r["answer"].as_str().context("POST /ask answered no answer")?.to_string();

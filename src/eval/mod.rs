@@ -150,6 +150,8 @@ pub struct Method {
     pub mode: Mode,
     /// The context policy it answers with (`None`: the mode's default).
     pub context: Option<ContextPolicy>,
+    /// Its in-context budget in tokens (`None`: the run's `--ask-context-tokens`).
+    pub context_tokens: Option<usize>,
     pub absorb: Option<AbsorbOptions>,
 }
 
@@ -168,16 +170,25 @@ pub const METHODS: &[(&str, &str)] = &[
 ];
 
 /// The method preset `name` on top of the base absorb options (for a model of `num_layers`).
-/// `name:policy` answers with that context policy (`lift:head_tail`, `icl:full`, …).
+/// `name:policy` answers with that context policy (`lift:head_tail`, `icl:full`, …) and
+/// `name:N` with an in-context budget of N tokens (`rag:256`, `lift:head_tail:256`), so one
+/// absorb answers at several budgets.
 pub fn method(name: &str, base: &AbsorbOptions, num_layers: usize) -> Result<Method> {
-    let (preset, context) = match name.split_once(':') {
-        Some((preset, p)) => {
-            let policy = ContextPolicy::parse(p)
-                .with_context(|| format!("unknown context policy '{p}' in method '{name}' (retrieved, head_tail, full)"))?;
-            (preset, Some(policy))
+    let mut parts = name.split(':');
+    let preset = parts.next().unwrap_or_default();
+    let (mut context, mut context_tokens) = (None, None);
+    for p in parts {
+        if let Ok(n) = p.parse::<usize>() {
+            anyhow::ensure!(n > 0 && context_tokens.is_none(), "method '{name}': one budget of at least 1 token");
+            context_tokens = Some(n);
+        } else {
+            let policy = ContextPolicy::parse(p).with_context(|| {
+                format!("unknown context policy '{p}' in method '{name}' (retrieved, head_tail, full, or a budget in tokens)")
+            })?;
+            anyhow::ensure!(context.is_none(), "method '{name}': one context policy");
+            context = Some(policy);
         }
-        None => (name, None),
-    };
+    }
     let (mode, absorb) = match preset {
         "rag" => (Mode::Rag, None),
         "icl" => (Mode::Icl, None),
@@ -205,8 +216,15 @@ pub fn method(name: &str, base: &AbsorbOptions, num_layers: usize) -> Result<Met
             bail!("unknown method '{name}' (known: {})", known.join(", "))
         }
     };
-    anyhow::ensure!(mode.uses_context() || context.is_none(), "method '{name}': `memory` shows no context to choose");
-    Ok(Method { name: name.to_string(), mode, context, absorb })
+    anyhow::ensure!(
+        mode.uses_context() || (context.is_none() && context_tokens.is_none()),
+        "method '{name}': `memory` shows no context to choose"
+    );
+    anyhow::ensure!(
+        context != Some(ContextPolicy::Full) || context_tokens.is_none(),
+        "method '{name}': `full` shows what fits the window, not a budget"
+    );
+    Ok(Method { name: name.to_string(), mode, context, context_tokens, absorb })
 }
 
 /// What absorbing one document with one set of options cost and produced.
@@ -314,7 +332,9 @@ pub trait Backend {
         opts: &AbsorbOptions,
         on_step: &mut dyn FnMut(usize, usize, f64),
     ) -> Result<(AbsorbRecord, usize)>;
-    /// Answers greedily; returns the answer and the prompt's length in tokens.
+    /// Answers greedily with at most `context_tokens` of the document in context (`None`: what
+    /// fits the window); returns the answer and the prompt's length in tokens.
+    #[allow(clippy::too_many_arguments)]
     fn ask(
         &mut self,
         doc: &EvalDocument,
@@ -323,6 +343,7 @@ pub trait Backend {
         question: &str,
         mode: Mode,
         context: Option<ContextPolicy>,
+        context_tokens: Option<usize>,
     ) -> Result<(String, usize)>;
     /// Forgets the adapters of the current document.
     fn release(&mut self) {}
@@ -331,14 +352,13 @@ pub trait Backend {
 /// In-process backend: [`lift::absorb`] and [`answer`] on a loaded model.
 pub struct Local<'a> {
     pub model: &'a Model,
-    pub context_tokens: Option<usize>,
     pub max_tokens: usize,
     adapters: Vec<lift::Absorbed>,
 }
 
 impl<'a> Local<'a> {
-    pub fn new(model: &'a Model, context_tokens: Option<usize>, max_tokens: usize) -> Self {
-        Self { model, context_tokens, max_tokens, adapters: Vec::new() }
+    pub fn new(model: &'a Model, max_tokens: usize) -> Self {
+        Self { model, max_tokens, adapters: Vec::new() }
     }
 }
 
@@ -392,11 +412,12 @@ impl Backend for Local<'_> {
         question: &str,
         mode: Mode,
         context: Option<ContextPolicy>,
+        context_tokens: Option<usize>,
     ) -> Result<(String, usize)> {
         let bundle = handle.map(|h| &self.adapters[h].bundle);
         let adapter = bundle.map(|b| &b.adapter as &dyn crate::model::Adapter);
         let params = SamplingParams { max_tokens: self.max_tokens, temperature: 0.0, ..Default::default() };
-        let ask = Ask { history: &[], question, mode, context, context_tokens: budget(context, self.context_tokens) };
+        let ask = Ask { history: &[], question, mode, context, context_tokens };
         let a = answer(self.model, document, adapter, &ask, &params, &mut |_| true)?;
         Ok((a.generation.text, a.prompt.tokens.len()))
     }
@@ -406,17 +427,18 @@ impl Backend for Local<'_> {
     }
 }
 
-/// The question as the answer budget of the run asks it.
-fn ask<'q>(question: &'q str, mode: Mode, context: Option<ContextPolicy>, cfg: &RunConfig) -> Ask<'q> {
-    Ask { history: &[], question, mode, context, context_tokens: budget(context, cfg.context_tokens) }
+/// The question as `m` asks it in this run.
+fn ask<'q>(question: &'q str, m: &Method, cfg: &RunConfig) -> Ask<'q> {
+    Ask { history: &[], question, mode: m.mode, context: m.context, context_tokens: budget(m, cfg) }
 }
 
-/// The run's answer budget, except for methods that show what fits the window (`:full`).
-fn budget(context: Option<ContextPolicy>, run: Option<usize>) -> Option<usize> {
-    if context == Some(ContextPolicy::Full) {
+/// The in-context budget `m` answers with: its own (`rag:256`), else the run's; none for
+/// methods that show what fits the window (`:full`).
+fn budget(m: &Method, cfg: &RunConfig) -> Option<usize> {
+    if m.context == Some(ContextPolicy::Full) {
         None
     } else {
-        run
+        m.context_tokens.or(cfg.context_tokens)
     }
 }
 
@@ -544,20 +566,35 @@ impl Runner<'_> {
         answers: &mut Vec<AnswerRecord>,
     ) -> Result<()> {
         let (model, cfg) = (self.model, self.cfg);
-        // In or out of the window: of the head and tail the paper's truncation shows.
-        let label_prompt =
-            build_prompt(model, document, &ask(&q.question, Mode::Icl, Some(ContextPolicy::HeadTail), cfg), cfg.max_tokens)?;
-        let label = in_window(&label_prompt, q);
+        // In or out of the window: of the head and tail the paper's truncation shows at the
+        // method's budget (one label per budget the run answers with).
+        let mut labels: BTreeMap<Option<usize>, Option<bool>> = BTreeMap::new();
         for m in &self.methods {
             self.bars.overall.set_message(format!("{} {} {}", doc.id, q.id, m.name));
+            let window_budget = m.context_tokens.or(cfg.context_tokens);
+            let label = match labels.get(&window_budget) {
+                Some(l) => *l,
+                None => {
+                    let head_tail = Ask {
+                        history: &[],
+                        question: &q.question,
+                        mode: Mode::Icl,
+                        context: Some(ContextPolicy::HeadTail),
+                        context_tokens: window_budget,
+                    };
+                    let l = in_window(&build_prompt(model, document, &head_tail, cfg.max_tokens)?, q);
+                    *labels.entry(window_budget).or_insert(l)
+                }
+            };
             let t = Instant::now();
-            let (prediction, prompt_tokens) =
-                self.backend.ask(doc, document, handles.get(&m.name).copied(), &q.question, m.mode, m.context)?;
-            let expected = build_prompt(model, document, &ask(&q.question, m.mode, m.context, cfg), cfg.max_tokens)?;
+            let budget = budget(m, cfg);
+            let handle = handles.get(&m.name).copied();
+            let (prediction, prompt_tokens) = self.backend.ask(doc, document, handle, &q.question, m.mode, m.context, budget)?;
+            let expected = build_prompt(model, document, &ask(&q.question, m, cfg), cfg.max_tokens)?;
             if prompt_tokens != expected.tokens.len() {
                 bail!(
                     "{} {}: the {} prompt has {prompt_tokens} tokens, the labels assume {}: the answering side uses \
-                     another context budget (pass the server's --context-tokens as --ask-context-tokens)",
+                     another context budget",
                     doc.id,
                     q.id,
                     m.name,
@@ -706,7 +743,7 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
             run(model, &mut backend, docs, &cfg, !args.quiet, &mut |partial| report::write(partial, &args.out))?
         }
         None => {
-            let mut backend = Local::new(model, cfg.context_tokens, cfg.max_tokens);
+            let mut backend = Local::new(model, cfg.max_tokens);
             run(model, &mut backend, docs, &cfg, !args.quiet, &mut |partial| report::write(partial, &args.out))?
         }
     };
@@ -730,6 +767,14 @@ mod tests {
         assert_eq!((h.mode, h.context, h.absorb.is_some()), (Mode::Lift, Some(ContextPolicy::HeadTail), true));
         assert!(method("lift:everything", &base, 30).is_err() && method("memory:full", &base, 30).is_err());
         assert_eq!(method("memory", &base, 30).unwrap().mode, Mode::Memory);
+        // A budget per method: one absorb answers at several budgets.
+        let b = method("lift:head_tail:256", &base, 30).unwrap();
+        assert_eq!((b.context, b.context_tokens), (Some(ContextPolicy::HeadTail), Some(256)));
+        assert_eq!(method("rag:64", &base, 30).unwrap().context_tokens, Some(64));
+        assert_eq!(method("lift", &base, 30).unwrap().context_tokens, None);
+        for bad in ["memory:64", "icl:full:64", "lift:0", "rag:64:128", "lift:full:head_tail"] {
+            assert!(method(bad, &base, 30).is_err(), "{bad}");
+        }
         // FltLM and CDT belong to the prepared base, not to a method.
         assert!(method("lift+filter", &base, 30).is_err() && method("lift+cdt", &base, 30).is_err());
         let p = method("lift-paper", &base, 30).unwrap().absorb.unwrap();
