@@ -320,6 +320,39 @@ impl Results {
         }
         Ok(out)
     }
+
+    /// One report from labelled runs of the same methods over different documents (e.g. more
+    /// documents added by a later run with another `--seed`): their documents, absorbs and
+    /// answers pooled, so paired comparisons run over every question. A document id already in
+    /// an earlier run is renamed `label/id`; a document that is in two runs (same text) is an
+    /// error, since its questions would count twice.
+    pub fn pool(runs: Vec<(String, Results)>) -> Result<Results> {
+        let mut it = runs.into_iter();
+        let (_, mut out) = it.next().context("nothing to pool")?;
+        for (label, mut r) in it {
+            anyhow::ensure!(
+                r.config.methods == out.config.methods,
+                "the runs to pool answer with different methods ({} / {})",
+                out.config.methods.join(","),
+                r.config.methods.join(",")
+            );
+            anyhow::ensure!(r.model == out.model, "the runs to pool used different models ({} / {})", out.model, r.model);
+            for d in &mut r.documents {
+                anyhow::ensure!(!out.documents.iter().any(|o| o.text == d.text), "document {} is in two of the runs to pool", d.id);
+                if out.documents.iter().any(|o| o.id == d.id) {
+                    let renamed = format!("{label}/{}", d.id);
+                    r.absorbs.iter_mut().filter(|a| a.document == d.id).for_each(|a| a.document.clone_from(&renamed));
+                    r.answers.iter_mut().filter(|a| a.document == d.id).for_each(|a| a.document.clone_from(&renamed));
+                    d.id = renamed;
+                }
+            }
+            out.documents.extend(r.documents);
+            out.absorbs.extend(r.absorbs);
+            out.answers.extend(r.answers);
+            out.seconds += r.seconds;
+        }
+        Ok(out)
+    }
 }
 
 /// Where absorbing and answering happen: in this process, or on a server ([`client::Server`]).
@@ -670,6 +703,10 @@ pub struct EvalArgs {
     /// against the first.
     #[arg(long, value_delimiter = ',')]
     pub merge: Vec<PathBuf>,
+    /// Pool the results.json of runs of the same methods over different documents (e.g. a later
+    /// run with another `--seed`) into one report in OUT, paired over all their questions.
+    #[arg(long, value_delimiter = ',', conflicts_with = "merge")]
+    pub pool: Vec<PathBuf>,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -684,10 +721,11 @@ pub enum EssaySplit {
 
 /// The `eval` command: build or load the documents, run, write the report.
 pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs) -> Result<()> {
-    if !args.merge.is_empty() {
+    if !args.merge.is_empty() || !args.pool.is_empty() {
         let runs = args
             .merge
             .iter()
+            .chain(&args.pool)
             .map(|p| {
                 let r: Results = serde_json::from_slice(&std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()))?)?;
                 // A run's label: the name of the directory its results.json is in.
@@ -695,9 +733,9 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
                 Ok((dir, r))
             })
             .collect::<Result<Vec<(String, Results)>>>()?;
-        let merged = Results::merge(runs)?;
-        report::write(&merged, &args.out)?;
-        print!("{}", report::markdown(&merged));
+        let combined = if args.pool.is_empty() { Results::merge(runs)? } else { Results::pool(runs)? };
+        report::write(&combined, &args.out)?;
+        print!("{}", report::markdown(&combined));
         return Ok(());
     }
     if args.report_only {

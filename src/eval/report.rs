@@ -500,6 +500,58 @@ mod tests {
         assert!(super::markdown(&twice).contains("| fixed@b | 1 / 1 / 2 / 0 | 0 / 1 / 0 / 1 | 100 (25%) |"));
     }
 
+    /// Runs of the same methods over different documents pool into one report: every question
+    /// counts once, a document id used by both runs is renamed, the same document twice is refused.
+    #[test]
+    fn pooled_runs_count_every_question_once() {
+        use super::super::{AnswerRecord, EvalDocument};
+        let run = |text: &str, right: bool| {
+            let doc = EvalDocument {
+                id: "len1024-0".into(),
+                source: "essays".into(),
+                target_tokens: Some(1024),
+                tokens: 1024,
+                text: text.into(),
+                questions: Vec::new(),
+            };
+            let answers = ["rag", "lift"]
+                .iter()
+                .map(|m| AnswerRecord {
+                    document: doc.id.clone(),
+                    question: "q0".into(),
+                    method: (*m).into(),
+                    prediction: String::new(),
+                    scores: crate::eval::metrics::Scores { contains: f64::from(u8::from(right || *m == "lift")), ..Default::default() },
+                    in_window: Some(false),
+                    depth: None,
+                    kind: None,
+                    target_tokens: None,
+                    document_tokens: 1024,
+                    prompt_tokens: 0,
+                    seconds: 0.0,
+                })
+                .collect();
+            Results {
+                model: "tiny".into(),
+                config: config(vec!["rag".into(), "lift".into()]),
+                documents: vec![doc.clone()],
+                absorbs: vec![AbsorbRecord { document: doc.id.clone(), methods: vec!["lift".into()], steps: 10, ..Default::default() }],
+                answers,
+                seconds: 1.0,
+            }
+        };
+        let pooled = Results::pool(vec![("a".into(), run("one", true)), ("b".into(), run("two", false))]).unwrap();
+        assert_eq!(pooled.documents.iter().map(|d| d.id.as_str()).collect::<Vec<_>>(), ["len1024-0", "b/len1024-0"]);
+        assert_eq!(pooled.answers.iter().filter(|a| a.document == "b/len1024-0").count(), 2);
+        assert_eq!(pooled.absorbs[1].document, "b/len1024-0");
+        // Out of window: both right on the first document, only `lift` on the second.
+        assert!(super::markdown(&pooled).contains("| lift | 1 / 1 / 0 / 0 | 0 / 0 / 0 / 0 |"), "{}", super::markdown(&pooled));
+        assert!(Results::pool(vec![("a".into(), run("one", true)), ("b".into(), run("one", true))]).is_err());
+        let mut other = run("three", true);
+        other.config.methods = vec!["rag".into()];
+        assert!(Results::pool(vec![("a".into(), run("one", true)), ("c".into(), other)]).is_err());
+    }
+
     #[test]
     fn running_mean_of_the_last_k() {
         assert_eq!(super::running_mean(&[2.0, 4.0, 6.0, 8.0], 2), vec![2.0, 3.0, 5.0, 7.0]);
