@@ -255,6 +255,9 @@ async fn real_model_document_chat() {
         .await;
     assert_eq!(losses[0], losses[1], "one final loss: {losses}");
     assert_eq!(b.js("return document.getElementById('progress').dataset.value").await, json!("100"));
+    // The loss strip draws every step of the absorb, not only the steps the events brought.
+    let points = b.js("return document.getElementById('loss-canvas').dataset.points").await;
+    assert_eq!(points, json!(doc["training"]["steps"].as_u64().unwrap().to_string()), "{doc}");
     click_centered(&b, "#details > summary").await;
     let q3 = "Who founded the Saltmere Harbor Company?";
     let a3 = ask_on_page(&b, q3, &["lift"], Duration::from_secs(120)).await;

@@ -587,7 +587,11 @@ function renderDoc() {
   status.dataset.status = d.status;
   $('doc-id').textContent = fmtNum(d.tokens) + ' tokens · ' + d.id;
   $('doc-live').hidden = false;
-  renderLive(d, state.loss.get(d.id) || []);
+  // Absorbed: the whole curve from the adapter's figures (events skip steps when a reader falls
+  // behind, and a reloaded page saw none); while training, the steps the events brought.
+  const curve = d.status === 'ready' && d.training && Array.isArray(d.training.step_losses) && d.training.step_losses.length
+    ? d.training.step_losses.map((l, i) => [i + 1, l]) : state.loss.get(d.id) || [];
+  renderLive(d, curve);
   if (d.status === 'failed' || (d.error && d.error.message)) {
     $('doc-error').hidden = false;
     $('doc-error').textContent = 'Absorbing failed: ' + ((d.error && d.error.message) || 'no reason given') + '. Answers still read the passages.';
