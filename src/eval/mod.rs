@@ -310,7 +310,11 @@ impl Results {
                 }
                 let renamed = format!("{m}@{label}");
                 anyhow::ensure!(!out.config.methods.contains(&renamed), "method {renamed} is in two of the runs");
-                r.absorbs.iter_mut().flat_map(|a| a.methods.iter_mut()).filter(|x| **x == m).for_each(|x| x.clone_from(&renamed));
+                r.absorbs
+                    .iter_mut()
+                    .flat_map(|a| a.methods.iter_mut())
+                    .filter(|x| **x == m)
+                    .for_each(|x| x.clone_from(&renamed));
                 r.answers.iter_mut().filter(|a| a.method == m).for_each(|a| a.method.clone_from(&renamed));
                 out.config.methods.push(renamed);
             }
@@ -321,24 +325,50 @@ impl Results {
         Ok(out)
     }
 
-    /// One report from labelled runs of the same methods over different documents (e.g. more
-    /// documents added by a later run with another `--seed`): their documents, absorbs and
-    /// answers pooled, so paired comparisons run over every question. A document id already in
-    /// an earlier run is renamed `label/id`; a document that is in two runs (same text) is an
-    /// error, since its questions would count twice.
+    /// One report from labelled runs over different documents (e.g. more documents added by a
+    /// later run with another `--seed`): their documents, absorbs and answers pooled, so paired
+    /// comparisons run over every question. Only the methods every run answered are kept (the
+    /// others are dropped with a warning). A document id already in an earlier run is renamed
+    /// `label/id`; a document that is in two runs (same text) is an error, since its questions
+    /// would count twice.
     pub fn pool(runs: Vec<(String, Results)>) -> Result<Results> {
+        let common: Vec<String> = match runs.first() {
+            Some((_, first)) => first
+                .config
+                .methods
+                .iter()
+                .filter(|m| runs.iter().all(|(_, r)| r.config.methods.contains(m)))
+                .cloned()
+                .collect(),
+            None => bail!("nothing to pool"),
+        };
+        anyhow::ensure!(!common.is_empty(), "the runs to pool have no method in common");
+        let mut runs = runs;
+        for (label, r) in &mut runs {
+            let dropped: Vec<&String> = r.config.methods.iter().filter(|m| !common.contains(m)).collect();
+            if !dropped.is_empty() {
+                tracing::warn!(run = %label, ?dropped, "methods not in every run to pool: dropped");
+            }
+            r.config.methods.clone_from(&common);
+            r.answers.retain(|a| common.contains(&a.method));
+            r.absorbs.iter_mut().for_each(|a| a.methods.retain(|m| common.contains(m)));
+            r.absorbs.retain(|a| !a.methods.is_empty());
+        }
         let mut it = runs.into_iter();
         let (_, mut out) = it.next().context("nothing to pool")?;
         for (label, mut r) in it {
             anyhow::ensure!(
-                r.config.methods == out.config.methods,
-                "the runs to pool answer with different methods ({} / {})",
-                out.config.methods.join(","),
-                r.config.methods.join(",")
+                r.model == out.model,
+                "the runs to pool used different models ({} / {})",
+                out.model,
+                r.model
             );
-            anyhow::ensure!(r.model == out.model, "the runs to pool used different models ({} / {})", out.model, r.model);
             for d in &mut r.documents {
-                anyhow::ensure!(!out.documents.iter().any(|o| o.text == d.text), "document {} is in two of the runs to pool", d.id);
+                anyhow::ensure!(
+                    !out.documents.iter().any(|o| o.text == d.text),
+                    "document {} is in two of the runs to pool",
+                    d.id
+                );
                 if out.documents.iter().any(|o| o.id == d.id) {
                     let renamed = format!("{label}/{}", d.id);
                     r.absorbs.iter_mut().filter(|a| a.document == d.id).for_each(|a| a.document.clone_from(&renamed));
@@ -540,7 +570,11 @@ struct Bars {
 
 impl Bars {
     fn new(show: bool, total: u64) -> Self {
-        let multi = MultiProgress::with_draw_target(if show { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
+        let multi = MultiProgress::with_draw_target(if show {
+            ProgressDrawTarget::stderr()
+        } else {
+            ProgressDrawTarget::hidden()
+        });
         let bar = |len: u64, template: &str, prefix: &'static str| {
             let b = multi.add(ProgressBar::new(len));
             b.set_style(ProgressStyle::with_template(template).expect("valid template").progress_chars("=> "));
@@ -569,7 +603,12 @@ struct Runner<'a> {
 
 impl Runner<'_> {
     /// Absorbs `doc` once per group of methods; returns each method's adapter handle.
-    fn absorb(&mut self, doc: &EvalDocument, document: &Document, absorbs: &mut Vec<AbsorbRecord>) -> Result<BTreeMap<String, usize>> {
+    fn absorb(
+        &mut self,
+        doc: &EvalDocument,
+        document: &Document,
+        absorbs: &mut Vec<AbsorbRecord>,
+    ) -> Result<BTreeMap<String, usize>> {
         let mut handles = BTreeMap::new();
         for (opts, names) in &self.groups {
             let (overall, step) = (&self.bars.overall, &self.bars.step);
@@ -622,7 +661,8 @@ impl Runner<'_> {
             let t = Instant::now();
             let budget = budget(m, cfg);
             let handle = handles.get(&m.name).copied();
-            let (prediction, prompt_tokens) = self.backend.ask(doc, document, handle, &q.question, m.mode, m.context, budget)?;
+            let (prediction, prompt_tokens) =
+                self.backend.ask(doc, document, handle, &q.question, m.mode, m.context, budget)?;
             let expected = build_prompt(model, document, &ask(&q.question, m, cfg), cfg.max_tokens)?;
             if prompt_tokens != expected.tokens.len() {
                 bail!(
@@ -703,8 +743,9 @@ pub struct EvalArgs {
     /// against the first.
     #[arg(long, value_delimiter = ',')]
     pub merge: Vec<PathBuf>,
-    /// Pool the results.json of runs of the same methods over different documents (e.g. a later
-    /// run with another `--seed`) into one report in OUT, paired over all their questions.
+    /// Pool the results.json of runs over different documents (e.g. a later run with another
+    /// `--seed`) into one report in OUT, paired over all their questions (the methods every run
+    /// answered).
     #[arg(long, value_delimiter = ',', conflicts_with = "merge")]
     pub pool: Vec<PathBuf>,
     /// No progress bar.
@@ -727,9 +768,14 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
             .iter()
             .chain(&args.pool)
             .map(|p| {
-                let r: Results = serde_json::from_slice(&std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()))?)?;
+                let r: Results = serde_json::from_slice(
+                    &std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()))?,
+                )?;
                 // A run's label: the name of the directory its results.json is in.
-                let dir = p.parent().and_then(|d| d.file_name()).map_or_else(|| p.display().to_string(), |d| d.to_string_lossy().into_owned());
+                let dir = p
+                    .parent()
+                    .and_then(|d| d.file_name())
+                    .map_or_else(|| p.display().to_string(), |d| d.to_string_lossy().into_owned());
                 Ok((dir, r))
             })
             .collect::<Result<Vec<(String, Results)>>>()?;
