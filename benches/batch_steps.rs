@@ -20,13 +20,13 @@
 mod stats;
 #[path = "common/target.rs"]
 mod target;
+use stats::percentile;
 use lift_serve::adapters::GatedMemory;
 use lift_serve::engine::batcher::{Batch, Entry};
-use lift_serve::model::generate::{SamplingParams, Sequence, PREFILL_CHUNK};
 use lift_serve::model::Adapter;
-use lift_serve::model::{KvCache, NoHooks};
-use stats::percentile;
 use std::sync::Arc;
+use lift_serve::model::generate::{SamplingParams, Sequence, PREFILL_CHUNK};
+use lift_serve::model::{KvCache, NoHooks};
 use std::time::Instant;
 
 fn main() -> anyhow::Result<()> {
@@ -52,11 +52,7 @@ fn main() -> anyhow::Result<()> {
         })
         .collect::<anyhow::Result<_>>()?;
     println!("adapters: {}", if adapters[0].is_some() { "a Gated Memory per generation, all layers" } else { "none" });
-    println!(
-        "threads: {}  generations: {n}  float decode from {} rows",
-        rayon::current_num_threads(),
-        m.decoder.float_batch_min_rows
-    );
+    println!("threads: {}  generations: {n}  float decode from {} rows", rayon::current_num_threads(), m.decoder.float_batch_min_rows);
     println!("| prompt | answer | max batch | wall s | steps | decode rows | decode rows/s | full-batch decode steps | their median ms | ms per decoded token | vs max batch 1 |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let only_short = std::env::var("BENCH_SHORT_ONLY").is_ok();

@@ -27,14 +27,7 @@ fn env_usize(name: &str, default: usize) -> usize {
 }
 
 /// One streamed chat completion: (time to first content, total, completion tokens).
-async fn stream_chat(
-    c: &reqwest::Client,
-    base: &str,
-    doc: &str,
-    question: &str,
-    mode: &str,
-    max_tokens: usize,
-) -> Result<(f64, f64, usize)> {
+async fn stream_chat(c: &reqwest::Client, base: &str, doc: &str, question: &str, mode: &str, max_tokens: usize) -> Result<(f64, f64, usize)> {
     let body = json!({"model": doc, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
                       "stream": true, "stream_options": {"include_usage": true}, "mode": mode});
     let t0 = Instant::now();
@@ -65,12 +58,7 @@ async fn stream_chat(
     Ok((first.unwrap_or(total), total, tokens))
 }
 
-async fn start(
-    adapters: &Path,
-    max_batch: usize,
-    context_tokens: usize,
-    options: &Path,
-) -> Result<(server::Running, String)> {
+async fn start(adapters: &Path, max_batch: usize, context_tokens: usize, options: &Path) -> Result<(server::Running, String)> {
     let model = lift_serve::fetch::resolve_model(None)?;
     let mut cfg = ServeConfig::new(model, adapters.to_path_buf());
     cfg.absorb_options = Some(options.to_path_buf());
@@ -93,12 +81,7 @@ struct Load {
 }
 
 async fn load(base: &str, docs: &[String], per_client: usize, mode: &str, max_tokens: usize) -> Result<Load> {
-    let questions = [
-        "Who built the harbor?",
-        "What happened in the storm?",
-        "Describe the lighthouse.",
-        "What is the harbor known for?",
-    ];
+    let questions = ["Who built the harbor?", "What happened in the storm?", "Describe the lighthouse.", "What is the harbor known for?"];
     let t0 = Instant::now();
     let mut tasks = Vec::new();
     for (k, doc) in docs.iter().enumerate() {
@@ -137,16 +120,11 @@ async fn run() -> Result<()> {
         .collect();
     let tmp = tempfile::tempdir()?;
     // BENCH_ADAPTERS: a store kept between runs (its documents are found again, not re-absorbed).
-    let adapters =
-        std::env::var_os("BENCH_ADAPTERS").map_or_else(|| tmp.path().join("adapters"), std::path::PathBuf::from);
+    let adapters = std::env::var_os("BENCH_ADAPTERS").map_or_else(|| tmp.path().join("adapters"), std::path::PathBuf::from);
     let options = tmp.path().join("absorb.json");
     // Quick absorptions: this measures serving, not what the adapters learned.
-    std::fs::write(
-        &options,
-        json!({"plan": {"window": 128, "context_tokens": 32}, "train": {"epochs": [1, 1]},
-                                    "qa": {"use_model": false, "max_pairs": 2, "min_pairs": 1}})
-        .to_string(),
-    )?;
+    std::fs::write(&options, json!({"plan": {"window": 128, "context_tokens": 32}, "train": {"epochs": [1, 1]},
+                                    "qa": {"use_model": false, "max_pairs": 2, "min_pairs": 1}}).to_string())?;
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt"))?;
     let head: String = text.chars().take(1500).collect();
 
@@ -156,8 +134,7 @@ async fn run() -> Result<()> {
     let t0 = Instant::now();
     let mut docs = Vec::new();
     for k in 0..clients {
-        let body =
-            json!({"text": format!("Record {k} of the harbor archive.\n\n{head}"), "title": format!("harbor {k}")});
+        let body = json!({"text": format!("Record {k} of the harbor archive.\n\n{head}"), "title": format!("harbor {k}")});
         let d: Value = c.post(format!("{base}/documents")).json(&body).send().await?.json().await?;
         docs.push(d["id"].as_str().with_context(|| format!("POST /documents: {d}"))?.to_string());
     }

@@ -23,30 +23,20 @@ fn main() {
         Simd::Scalar => vec![Simd::Scalar],
     };
     println!("threads: {}  runs: {runs}  best path: {best:?}", rayon::current_num_threads());
-    println!(
-        "| sequences | cached tokens | {} | best vs scalar | GB/s of cache read (best) |",
-        paths.iter().map(|p| format!("{p:?} µs")).collect::<Vec<_>>().join(" | ")
-    );
+    println!("| sequences | cached tokens | {} | best vs scalar | GB/s of cache read (best) |", paths.iter().map(|p| format!("{p:?} µs")).collect::<Vec<_>>().join(" | "));
     println!("|---|---|{}---|---|", "---|".repeat(paths.len()));
     // A cheap deterministic fill: the values do not matter to the speed.
-    let fill = |n: usize, seed: usize| -> Vec<f16> {
-        (0..n).map(|i| f16::from_f32((((i * 7919 + seed * 104_729) % 2001) as f32 - 1000.0) / 1000.0)).collect()
-    };
+    let fill = |n: usize, seed: usize| -> Vec<f16> { (0..n).map(|i| f16::from_f32((((i * 7919 + seed * 104_729) % 2001) as f32 - 1000.0) / 1000.0)).collect() };
     for n in [1usize, 16] {
         for len in [64usize, 256, 1024] {
             let cap = len;
             let ks: Vec<Vec<f16>> = (0..n).map(|i| fill(kv_heads * cap * d, 2 * i)).collect();
             let vs: Vec<Vec<f16>> = (0..n).map(|i| fill(kv_heads * cap * d, 2 * i + 1)).collect();
-            let caches: Vec<DecodeCache<f16>> =
-                (0..n).map(|i| DecodeCache { k: &ks[i], v: &vs[i], capacity: cap, len, bias: None }).collect();
+            let caches: Vec<DecodeCache<f16>> = (0..n).map(|i| DecodeCache { k: &ks[i], v: &vs[i], capacity: cap, len, bias: None }).collect();
             let q: Vec<f32> = fill(n * heads * d, 99).iter().map(|x| x.to_f32()).collect();
             let times: Vec<f64> = paths
                 .iter()
-                .map(|&p| {
-                    median_s(runs, || {
-                        std::hint::black_box(decode_attention_on(p, &q, &caches, heads, kv_heads, d, 0.125));
-                    })
-                })
+                .map(|&p| median_s(runs, || { std::hint::black_box(decode_attention_on(p, &q, &caches, heads, kv_heads, d, 0.125)); }))
                 .collect();
             let bytes = (n * 2 * kv_heads * len * d * 2) as f64;
             let best_t = *times.last().unwrap_or(&f64::NAN);

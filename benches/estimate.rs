@@ -68,15 +68,8 @@ async fn main() -> anyhow::Result<()> {
         let (said, tokens) = (e["seconds"].as_f64().unwrap(), e["training_tokens"].as_u64().unwrap());
         println!(
             "| {} | {} | {} | {:.1} ({}, {} absorbs) | {:.1} | {:.1} | {:.2} |",
-            est["tokens"],
-            e["planned_steps"],
-            tokens,
-            said,
-            e["rate"].as_str().unwrap(),
-            e["measured_absorbs"],
-            PRIOR_OVERHEAD_SECONDS + tokens as f64 * PRIOR_SECONDS_PER_TOKEN,
-            measured,
-            said / measured
+            est["tokens"], e["planned_steps"], tokens, said, e["rate"].as_str().unwrap(), e["measured_absorbs"],
+            PRIOR_OVERHEAD_SECONDS + tokens as f64 * PRIOR_SECONDS_PER_TOKEN, measured, said / measured
         );
     }
     running.shutdown().await;

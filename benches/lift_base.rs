@@ -40,13 +40,7 @@ fn as_pair(q: &Question) -> QaPair {
 
 fn ask(model: &Model, doc: &Document, adapter: Option<&dyn Adapter>, q: &Question, mode: Mode) -> (bool, String) {
     let params = SamplingParams { max_tokens: MAX_TOKENS, ..Default::default() };
-    let ask = Ask {
-        history: &[],
-        question: q.question,
-        mode,
-        context: Some(ContextPolicy::Full),
-        context_tokens: Some(CONTEXT_TOKENS),
-    };
+    let ask = Ask { history: &[], question: q.question, mode, context: Some(ContextPolicy::Full), context_tokens: Some(CONTEXT_TOKENS) };
     let out = answer(model, doc, adapter, &ask, &params, &mut |_| true).unwrap().generation;
     let reply = out.text.trim().to_string();
     let lower = reply.to_lowercase();
@@ -96,13 +90,7 @@ fn main() -> anyhow::Result<()> {
         let mut on_event = |e: AbsorbEvent| {
             if let AbsorbEvent::Train(p) = e {
                 if p.step % 25 == 0 {
-                    eprintln!(
-                        "[{name}] step {}/{} loss {:.3} ({:.0} s)",
-                        p.step,
-                        p.steps,
-                        p.loss,
-                        t0.elapsed().as_secs_f64()
-                    );
+                    eprintln!("[{name}] step {}/{} loss {:.3} ({:.0} s)", p.step, p.steps, p.loss, t0.elapsed().as_secs_f64());
                 }
             }
         };
@@ -115,11 +103,7 @@ fn main() -> anyhow::Result<()> {
             for q in qs {
                 let (hit, reply) = ask(&model, doc, (mode == Mode::Lift).then_some(adapter), q, mode);
                 ok += hit as usize;
-                eprintln!(
-                    "[{name}] {mode:?} {label} {} {:?}: {reply:?}",
-                    if hit { "ok  " } else { "miss" },
-                    q.question
-                );
+                eprintln!("[{name}] {mode:?} {label} {} {:?}: {reply:?}", if hit { "ok  " } else { "miss" }, q.question);
             }
             ok
         };

@@ -33,11 +33,8 @@ fn main() -> anyhow::Result<()> {
     let essays = lift_serve::eval::data::data_dir().join("pg-essays");
     let build = BuildOptions { min_tokens: tokens, max_tokens: tokens, ..Default::default() };
     let examples = data::build_examples_with(&essays, Split::Train, steps, 0, &build)?;
-    let lens: Vec<usize> = examples
-        .iter()
-        .enumerate()
-        .map(|(i, e)| Ok(train::filter_example(&model, e, i)?.0.example.tokens.len()))
-        .collect::<anyhow::Result<_>>()?;
+    let lens: Vec<usize> =
+        examples.iter().enumerate().map(|(i, e)| Ok(train::filter_example(&model, e, i)?.0.example.tokens.len())).collect::<anyhow::Result<_>>()?;
     println!("examples: {steps}, tokens {lens:?}");
     let mut baseline = None;
     for arm in arms.split(',') {

@@ -136,8 +136,7 @@ impl Bench {
 
 /// `n` distinct documents of about `words` words from the fixture.
 fn documents(n: usize, words: usize) -> Result<Vec<String>> {
-    let text =
-        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harbor_history.txt"))?;
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harbor_history.txt"))?;
     let all: Vec<&str> = text.split_whitespace().collect();
     Ok((0..n)
         .map(|i| {
@@ -164,8 +163,7 @@ async fn main() -> Result<()> {
     println!("replicas bench: default model, documents of ~160 words, window 128, epochs [1,1], 4 extractive QA pairs");
 
     // a. POST → ready.
-    let (mut files_over, mut files_wall, mut shared_over, mut shared_wall) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut files_over, mut files_wall, mut shared_over, mut shared_wall) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     let files = b.start("files", None, 2).await?;
     let pg = PgCluster::start()?;
     let server = b.start("server", Some((&pg.url, "server")), 2).await?;
@@ -178,10 +176,7 @@ async fn main() -> Result<()> {
         let (w, t) = b.absorb(&server, &docs[2 * i + 1]).await?;
         shared_wall.push(w);
         shared_over.push((w - t) * 1000.0);
-        println!(
-            "  run {i}: files {:.1} s (overhead {:.0} ms); replicas {:.1} s (overhead {:.0} ms)",
-            files_wall[i], files_over[i], shared_wall[i], shared_over[i]
-        );
+        println!("  run {i}: files {:.1} s (overhead {:.0} ms); replicas {:.1} s (overhead {:.0} ms)", files_wall[i], files_over[i], shared_wall[i], shared_over[i]);
     }
     println!(
         "a. POST → ready, median of {runs}: one process on files {:.2} s, overhead {:.0} ms; posted to A, trained by B {:.2} s, overhead {:.0} ms",
@@ -221,9 +216,7 @@ async fn main() -> Result<()> {
         let threads = 2 / trainers;
         let mut procs = Vec::new();
         for t in 0..trainers {
-            procs.push(
-                b.start(&format!("{label}-{t}").replace([' ', ','], "_"), Some((&pg.url, "all")), threads).await?,
-            );
+            procs.push(b.start(&format!("{label}-{t}").replace([' ', ','], "_"), Some((&pg.url, "all")), threads).await?);
         }
         let t0 = Instant::now();
         let mut ids = Vec::new();

@@ -65,27 +65,17 @@ fn costs(model: &Model, eval: &[data::Essay], all: &[data::Essay], runs: usize, 
         let (doc, encode) = time(|| Document::encode(model, d.text.clone()))?;
         let (_, build) = time(|| Ok(doc.passages(model, passage_tokens(model))?.len()))?;
         let index = doc.passages(model, passage_tokens(model))?;
-        let (mut search, mut bm25_prompt, mut retrieved_prompt, mut answers) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut search, mut bm25_prompt, mut retrieved_prompt, mut answers) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..runs {
             for q in &d.questions {
                 let (_, s) = time(|| Ok(index.search(&q.question)))?;
                 search.push(s);
-                let ask = |context| Ask {
-                    history: &[],
-                    question: &q.question,
-                    mode: Mode::Rag,
-                    context: Some(context),
-                    context_tokens: None,
-                };
+                let ask = |context| Ask { history: &[], question: &q.question, mode: Mode::Rag, context: Some(context), context_tokens: None };
                 bm25_prompt.push(time(|| build_prompt(model, &doc, &ask(ContextPolicy::Bm25), max_tokens))?.1);
-                retrieved_prompt
-                    .push(time(|| build_prompt(model, &doc, &ask(ContextPolicy::Retrieved), max_tokens))?.1);
+                retrieved_prompt.push(time(|| build_prompt(model, &doc, &ask(ContextPolicy::Retrieved), max_tokens))?.1);
                 if tokens <= 8192 {
                     let params = SamplingParams { max_tokens, ..Default::default() };
-                    answers.push(
-                        time(|| answer(model, &doc, None, &ask(ContextPolicy::Retrieved), &params, &mut |_| true))?.1,
-                    );
+                    answers.push(time(|| answer(model, &doc, None, &ask(ContextPolicy::Retrieved), &params, &mut |_| true))?.1);
                 }
             }
         }
@@ -130,13 +120,7 @@ async fn first_answer(model_path: std::path::PathBuf, essays: &[data::Essay], mo
         .questions
         .iter()
         .find(|q| {
-            let ask = Ask {
-                history: &[],
-                question: &q.question,
-                mode: Mode::Icl,
-                context: Some(ContextPolicy::HeadTail),
-                context_tokens: None,
-            };
+            let ask = Ask { history: &[], question: &q.question, mode: Mode::Icl, context: Some(ContextPolicy::HeadTail), context_tokens: None };
             build_prompt(model, &doc, &ask, 32).is_ok_and(|p| !q.evidence_tokens.iter().any(|&s| p.shows(s)))
         })
         .context("no out-of-window question")?;

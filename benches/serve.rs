@@ -16,11 +16,11 @@
 
 #[path = "common/stats.rs"]
 mod stats;
+use stats::percentile;
 use anyhow::{bail, Context, Result};
 use futures_util::StreamExt;
 use lift_serve::server::{self, ServeConfig};
 use serde_json::{json, Value};
-use stats::percentile;
 use std::time::{Duration, Instant};
 
 fn env_usize(name: &str, default: usize) -> usize {
@@ -30,6 +30,7 @@ fn env_usize(name: &str, default: usize) -> usize {
 fn median(xs: &[f64]) -> f64 {
     percentile(xs, 0.5)
 }
+
 
 /// One streamed chat completion, timed on the client.
 struct Streamed {

@@ -17,16 +17,17 @@ mod webdriver;
 
 #[path = "common/stats.rs"]
 mod stats;
+use stats::percentile;
 use flate2::{write::GzEncoder, Compression};
 use lift_serve::server::{self, ServeConfig};
 use serde_json::Value;
-use stats::percentile;
 use std::io::Write;
 use std::time::{Duration, Instant};
 
 fn env_usize(name: &str, default: usize) -> usize {
     std::env::var(name).ok().and_then(|s| s.parse().ok()).unwrap_or(default)
 }
+
 
 fn gzip_len(bytes: &[u8]) -> usize {
     let mut e = GzEncoder::new(Vec::new(), Compression::best());
@@ -69,8 +70,7 @@ async fn main() {
     let requests = env_usize("BENCH_REQUESTS", 200);
     let loads = env_usize("BENCH_LOADS", 15);
     let tmp = tempfile::tempdir().unwrap();
-    let model =
-        lift_serve::testing::write_hf(&tmp.path().join("tiny"), &lift_serve::testing::TinySpec::default()).unwrap();
+    let model = lift_serve::testing::write_hf(&tmp.path().join("tiny"), &lift_serve::testing::TinySpec::default()).unwrap();
     let cfg = ServeConfig::new(model, tmp.path().join("adapters"));
     let state = server::build_state(cfg, &candle_core::Device::Cpu).unwrap();
     let running = server::start(state).await.unwrap();

@@ -69,8 +69,7 @@ impl Document {
 
     fn index_passages(&self, model: &Model, chunk_tokens: usize) -> Result<PassageIndex> {
         let ranges = chunk_ranges(self.breaks(model)?, 0, self.tokens.len(), chunk_tokens);
-        let texts =
-            ranges.iter().map(|&(a, b)| model.tokenizer.decode(&self.tokens[a..b])).collect::<Result<Vec<_>>>()?;
+        let texts = ranges.iter().map(|&(a, b)| model.tokenizer.decode(&self.tokens[a..b])).collect::<Result<Vec<_>>>()?;
         Ok(PassageIndex::from_texts(ranges, &texts))
     }
 

@@ -140,12 +140,7 @@ impl Extractor {
     }
 
     /// The text of an upload, made by a worker process.
-    pub async fn extract(
-        &self,
-        bytes: bytes::Bytes,
-        filename: Option<String>,
-        media_type: Option<String>,
-    ) -> Result<Extracted, Failure> {
+    pub async fn extract(&self, bytes: bytes::Bytes, filename: Option<String>, media_type: Option<String>) -> Result<Extracted, Failure> {
         let t0 = Instant::now();
         let (result, format, rss) = self.run(bytes, filename, media_type).await;
         let refused = match &result {
@@ -160,12 +155,7 @@ impl Extractor {
         result
     }
 
-    async fn run(
-        &self,
-        bytes: bytes::Bytes,
-        filename: Option<String>,
-        media_type: Option<String>,
-    ) -> (Result<Extracted, Failure>, Option<Format>, Option<u64>) {
+    async fn run(&self, bytes: bytes::Bytes, filename: Option<String>, media_type: Option<String>) -> (Result<Extracted, Failure>, Option<Format>, Option<u64>) {
         use std::os::unix::process::ExitStatusExt;
         use tokio::io::AsyncWriteExt;
         let cfg = &self.cfg;
@@ -173,8 +163,7 @@ impl Extractor {
         let permit = match tokio::time::timeout(cfg.timeout, self.permits.clone().acquire_owned()).await {
             Ok(Ok(p)) => p,
             _ => {
-                let message =
-                    format!("all {} extraction workers stayed busy for {secs} s; retry later", cfg.concurrency);
+                let message = format!("all {} extraction workers stayed busy for {secs} s; retry later", cfg.concurrency);
                 return (Err(Failure::Refused { status: 429, code: "queue_full", message }), None, None);
             }
         };
@@ -223,10 +212,7 @@ impl Extractor {
             Ok(c) => c,
             Err(e) => {
                 return (
-                    Err(Failure::Internal(format!(
-                        "cannot start the extraction worker {}: {e}",
-                        cfg.program.display()
-                    ))),
+                    Err(Failure::Internal(format!("cannot start the extraction worker {}: {e}", cfg.program.display()))),
                     None,
                     None,
                 )
@@ -244,9 +230,7 @@ impl Extractor {
             Ok(Ok(o)) => o,
             Ok(Err(e)) => return (Err(Failure::Internal(format!("the extraction worker: {e}"))), None, None),
             // Dropping the child kills it.
-            Err(_) => {
-                return (Err(too_complex("extraction time", format!("passed the limit of {secs} s"))), None, None)
-            }
+            Err(_) => return (Err(too_complex("extraction time", format!("passed the limit of {secs} s"))), None, None),
         };
         drop(permit);
         if output.status.success() {
@@ -271,15 +255,11 @@ impl Extractor {
         let stderr = String::from_utf8_lossy(&output.stderr);
         let mib = cfg.memory_bytes >> 20;
         let failure = match output.status.signal() {
-            _ if stderr.contains("overflowed its stack") => {
-                too_complex("nesting depth", "overflowed the extractor's stack".into())
-            }
+            _ if stderr.contains("overflowed its stack") => too_complex("nesting depth", "overflowed the extractor's stack".into()),
             _ if stderr.contains("memory allocation") || stderr.contains("capacity overflow") => {
                 too_complex("extraction memory", format!("passed the limit of {mib} MiB"))
             }
-            Some(libc::SIGXCPU) | Some(libc::SIGKILL) => {
-                too_complex("extraction CPU time", format!("passed the limit of {cpu} s"))
-            }
+            Some(libc::SIGXCPU) | Some(libc::SIGKILL) => too_complex("extraction CPU time", format!("passed the limit of {cpu} s")),
             Some(sig) => too_complex("extraction", format!("ended the extractor (signal {sig})")),
             None => {
                 tracing::warn!(status = %output.status, stderr = %stderr.chars().take(2000).collect::<String>(), "extraction worker failed");

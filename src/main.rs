@@ -476,8 +476,8 @@ impl AskArgs {
         let history: Vec<lift_serve::model::ChatMessage> = match &self.history {
             Some(path) => {
                 let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
-                let turns: Vec<lift_serve::model::ChatMessage> = serde_json::from_str(&text)
-                    .with_context(|| format!("{}: not a JSON array of {{role, content}} turns", path.display()))?;
+                let turns: Vec<lift_serve::model::ChatMessage> =
+                    serde_json::from_str(&text).with_context(|| format!("{}: not a JSON array of {{role, content}} turns", path.display()))?;
                 if let Some(t) = turns.iter().find(|t| t.role != "user" && t.role != "assistant") {
                     anyhow::bail!("{}: a turn's role is 'user' or 'assistant' (got '{}')", path.display(), t.role);
                 }
@@ -485,13 +485,7 @@ impl AskArgs {
             }
             None => Vec::new(),
         };
-        let ask = Ask {
-            question: &self.question,
-            history: &history,
-            mode,
-            context: self.context,
-            context_tokens: self.context_tokens,
-        };
+        let ask = Ask { question: &self.question, history: &history, mode, context: self.context, context_tokens: self.context_tokens };
         let adapter = loaded.as_ref().map(|b| &b.adapter as &dyn lift_serve::model::Adapter);
         let a = answer(&model, &document, adapter, &ask, &params, &mut print_piece)?;
         println!();

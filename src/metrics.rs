@@ -133,17 +133,9 @@ impl Default for Metrics {
         let jobs = Family::<OutcomeLabels, Counter>::default();
         r.register("lift_training_jobs", "Training jobs by outcome", jobs.clone());
         let train_tokens_per_s = FloatGauge::default();
-        r.register(
-            "lift_training_tokens_per_second",
-            "Training throughput of the last job",
-            train_tokens_per_s.clone(),
-        );
+        r.register("lift_training_tokens_per_second", "Training throughput of the last job", train_tokens_per_s.clone());
         let time_to_first_token = latency_histogram();
-        r.register(
-            "lift_generation_time_to_first_token_seconds",
-            "Prompt processing time",
-            time_to_first_token.clone(),
-        );
+        r.register("lift_generation_time_to_first_token_seconds", "Prompt processing time", time_to_first_token.clone());
         let generated_tokens = Counter::default();
         r.register("lift_generated_tokens", "Generated tokens", generated_tokens.clone());
         let decode_seconds = Counter::<f64, AtomicU64>::default();
@@ -186,29 +178,13 @@ impl Default for Metrics {
         let lease_renewals = Counter::default();
         r.register("lift_lease_renewals", "Job leases this replica renewed", lease_renewals.clone());
         let leases_lost = Counter::default();
-        r.register(
-            "lift_leases_lost",
-            "Jobs this replica stopped because another replica took them over",
-            leases_lost.clone(),
-        );
+        r.register("lift_leases_lost", "Jobs this replica stopped because another replica took them over", leases_lost.clone());
         let extractions_refused = Family::<ReasonLabels, Counter>::default();
-        r.register(
-            "lift_extractions_refused",
-            "Uploads whose extraction was refused, by reason",
-            extractions_refused.clone(),
-        );
+        r.register("lift_extractions_refused", "Uploads whose extraction was refused, by reason", extractions_refused.clone());
         let extraction_seconds = Family::new_with_constructor(latency_histogram as fn() -> Histogram);
-        r.register(
-            "lift_extraction_duration_seconds",
-            "Time to extract an upload's text, by format",
-            extraction_seconds.clone(),
-        );
+        r.register("lift_extraction_duration_seconds", "Time to extract an upload's text, by format", extraction_seconds.clone());
         let extraction_peak_rss = Family::new_with_constructor(rss_histogram as fn() -> Histogram);
-        r.register(
-            "lift_extraction_peak_rss_bytes",
-            "Peak resident memory of the extraction worker, by format",
-            extraction_peak_rss.clone(),
-        );
+        r.register("lift_extraction_peak_rss_bytes", "Peak resident memory of the extraction worker, by format", extraction_peak_rss.clone());
         Self {
             registry: r,
             extractions_refused,

@@ -36,11 +36,11 @@ pub const FEEDBACK_TERMS: usize = 3;
 
 /// Words too common to say which passage a question is about.
 const STOPWORDS: &[&str] = &[
-    "a", "about", "after", "all", "s", "t", "also", "an", "and", "any", "are", "as", "at", "be", "been", "before",
-    "but", "by", "can", "could", "did", "do", "does", "for", "from", "had", "has", "have", "he", "her", "his", "how",
-    "i", "if", "in", "into", "is", "it", "its", "me", "my", "no", "not", "of", "on", "or", "our", "she", "so", "than",
-    "that", "the", "their", "them", "then", "there", "these", "they", "this", "those", "to", "was", "we", "were",
-    "what", "when", "where", "which", "who", "whom", "whose", "why", "will", "with", "would", "you", "your",
+    "a", "about", "after", "all", "s", "t", "also", "an", "and", "any", "are", "as", "at", "be", "been", "before", "but", "by",
+    "can", "could", "did", "do", "does", "for", "from", "had", "has", "have", "he", "her", "his", "how", "i", "if",
+    "in", "into", "is", "it", "its", "me", "my", "no", "not", "of", "on", "or", "our", "she", "so", "than", "that",
+    "the", "their", "them", "then", "there", "these", "they", "this", "those", "to", "was", "we", "were", "what",
+    "when", "where", "which", "who", "whom", "whose", "why", "will", "with", "would", "you", "your",
 ];
 
 /// The index terms of `text`: lower-cased alphanumeric words, stop words dropped, a plural or
@@ -151,12 +151,8 @@ impl PassageIndex {
                 scores[p as usize] += weight * idf * tf * (K1 + 1.0) / (tf + norm);
             }
         }
-        let mut hits: Vec<Hit> = scores
-            .into_iter()
-            .enumerate()
-            .filter(|(_, s)| *s > 0.0)
-            .map(|(passage, score)| Hit { passage, score })
-            .collect();
+        let mut hits: Vec<Hit> =
+            scores.into_iter().enumerate().filter(|(_, s)| *s > 0.0).map(|(passage, score)| Hit { passage, score }).collect();
         hits.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.passage.cmp(&b.passage)));
         hits
     }
@@ -238,10 +234,7 @@ mod tests {
     #[test]
     fn names_are_the_words_capitalised_mid_sentence() {
         let text = "The yard was run by Ingrid Solberg. Later, \"Oskar\" took over. Then the Grey Petrel sailed!";
-        assert_eq!(
-            capitalised_mid_sentence(text).collect::<Vec<_>>(),
-            ["Ingrid", "Solberg.", "\"Oskar\"", "Grey", "Petrel"]
-        );
+        assert_eq!(capitalised_mid_sentence(text).collect::<Vec<_>>(), ["Ingrid", "Solberg.", "\"Oskar\"", "Grey", "Petrel"]);
     }
 
     #[test]

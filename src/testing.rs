@@ -26,17 +26,7 @@ pub struct TinySpec {
 
 impl Default for TinySpec {
     fn default() -> Self {
-        Self {
-            hidden: 64,
-            intermediate: 128,
-            layers: 2,
-            heads: 4,
-            kv_heads: 2,
-            max_positions: 2048,
-            qkv_bias: false,
-            seed: 42,
-            vocab: 0,
-        }
+        Self { hidden: 64, intermediate: 128, layers: 2, heads: 4, kv_heads: 2, max_positions: 2048, qkv_bias: false, seed: 42, vocab: 0 }
     }
 }
 
@@ -62,33 +52,13 @@ impl TinySpec {
     /// Random weights of Qwen2.5-0.5B's shapes (biased q/k/v, 14 query and 2 KV heads, its
     /// 151,936-entry vocabulary): what a deployment-size model costs, for benchmarks.
     pub fn qwen2_5_0_5b_shaped() -> Self {
-        Self {
-            hidden: 896,
-            intermediate: 4864,
-            layers: 24,
-            heads: 14,
-            kv_heads: 2,
-            max_positions: 32768,
-            qkv_bias: true,
-            seed: 42,
-            vocab: 151_936,
-        }
+        Self { hidden: 896, intermediate: 4864, layers: 24, heads: 14, kv_heads: 2, max_positions: 32768, qkv_bias: true, seed: 42, vocab: 151_936 }
     }
 
     /// Random weights of Llama-3.2-1B's shapes (16 layers, 32 query and 8 KV heads of 64, its
     /// 128,256-entry vocabulary), for benchmarks.
     pub fn llama_3_2_1b_shaped() -> Self {
-        Self {
-            hidden: 2048,
-            intermediate: 8192,
-            layers: 16,
-            heads: 32,
-            kv_heads: 8,
-            max_positions: 32768,
-            qkv_bias: false,
-            seed: 42,
-            vocab: 128_256,
-        }
+        Self { hidden: 2048, intermediate: 8192, layers: 16, heads: 32, kv_heads: 8, max_positions: 32768, qkv_bias: false, seed: 42, vocab: 128_256 }
     }
 
     /// The vocabulary: the tiny byte vocabulary, padded to `vocab` entries if that is larger.
@@ -164,28 +134,12 @@ fn tensors(spec: &TinySpec) -> Vec<(String, Vec<usize>, Vec<f32>)> {
         let norm = |rng: &mut Rng| (0..h).map(|_| 1.0 + 0.1 * rng.next_f32()).collect::<Vec<_>>();
         out.push((format!("{p}.input_layernorm.weight"), vec![h], norm(&mut rng)));
         out.push((format!("{p}.self_attn.q_proj.weight"), vec![spec.heads * hd, h], lin(&mut rng, spec.heads * hd, h)));
-        out.push((
-            format!("{p}.self_attn.k_proj.weight"),
-            vec![spec.kv_heads * hd, h],
-            lin(&mut rng, spec.kv_heads * hd, h),
-        ));
-        out.push((
-            format!("{p}.self_attn.v_proj.weight"),
-            vec![spec.kv_heads * hd, h],
-            lin(&mut rng, spec.kv_heads * hd, h),
-        ));
+        out.push((format!("{p}.self_attn.k_proj.weight"), vec![spec.kv_heads * hd, h], lin(&mut rng, spec.kv_heads * hd, h)));
+        out.push((format!("{p}.self_attn.v_proj.weight"), vec![spec.kv_heads * hd, h], lin(&mut rng, spec.kv_heads * hd, h)));
         if spec.qkv_bias {
             out.push((format!("{p}.self_attn.q_proj.bias"), vec![spec.heads * hd], rng.vec(spec.heads * hd, 0.1)));
-            out.push((
-                format!("{p}.self_attn.k_proj.bias"),
-                vec![spec.kv_heads * hd],
-                rng.vec(spec.kv_heads * hd, 0.1),
-            ));
-            out.push((
-                format!("{p}.self_attn.v_proj.bias"),
-                vec![spec.kv_heads * hd],
-                rng.vec(spec.kv_heads * hd, 0.1),
-            ));
+            out.push((format!("{p}.self_attn.k_proj.bias"), vec![spec.kv_heads * hd], rng.vec(spec.kv_heads * hd, 0.1)));
+            out.push((format!("{p}.self_attn.v_proj.bias"), vec![spec.kv_heads * hd], rng.vec(spec.kv_heads * hd, 0.1)));
         }
         out.push((format!("{p}.self_attn.o_proj.weight"), vec![h, spec.heads * hd], lin(&mut rng, h, spec.heads * hd)));
         out.push((format!("{p}.post_attention_layernorm.weight"), vec![h], norm(&mut rng)));
@@ -242,8 +196,12 @@ pub fn tokenizer_json() -> String {
 
 /// A byte-level BPE tokenizer over `vocab` (the tiny vocabulary first), no merges.
 fn tokenizer_json_of(vocab: &[String]) -> String {
-    let vocab: serde_json::Map<String, serde_json::Value> =
-        vocab.iter().cloned().enumerate().map(|(i, t)| (t, serde_json::Value::from(i))).collect();
+    let vocab: serde_json::Map<String, serde_json::Value> = vocab
+        .iter()
+        .cloned()
+        .enumerate()
+        .map(|(i, t)| (t, serde_json::Value::from(i)))
+        .collect();
     let added: Vec<serde_json::Value> = SPECIALS
         .iter()
         .enumerate()
@@ -377,16 +335,14 @@ pub fn write_pdf(pages: PdfPages, title: &str, user_password: Option<&str>) -> R
             endcmap CMapName currentdict /CMap defineresource pop end end";
         let to_unicode = doc.add_object(Stream::new(dictionary! {}, cmap.as_bytes().to_vec()));
         let descriptor = doc.add_object(dictionary! {"Type" => "FontDescriptor", "FontName" => "Test", "Flags" => 32,
-        "FontBBox" => vec![0.into(), 0.into(), 500.into(), 700.into()], "ItalicAngle" => 0, "Ascent" => 700,
-        "Descent" => 0, "CapHeight" => 700, "StemV" => 80});
+            "FontBBox" => vec![0.into(), 0.into(), 500.into(), 700.into()], "ItalicAngle" => 0, "Ascent" => 700,
+            "Descent" => 0, "CapHeight" => 700, "StemV" => 80});
         let cid_font = doc.add_object(dictionary! {"Type" => "Font", "Subtype" => "CIDFontType2", "BaseFont" => "Test",
             "CIDSystemInfo" => dictionary! {"Registry" => Object::string_literal("Adobe"), "Ordering" => Object::string_literal("Identity"), "Supplement" => 0},
             "FontDescriptor" => descriptor, "CIDToGIDMap" => "Identity", "DW" => 0,
             "W" => vec![1.into(), 26.into(), 500.into()]});
-        doc.add_object(
-            dictionary! {"Type" => "Font", "Subtype" => "Type0", "BaseFont" => "Test", "Encoding" => "Identity-H",
-            "DescendantFonts" => vec![cid_font.into()], "ToUnicode" => to_unicode},
-        )
+        doc.add_object(dictionary! {"Type" => "Font", "Subtype" => "Type0", "BaseFont" => "Test", "Encoding" => "Identity-H",
+            "DescendantFonts" => vec![cid_font.into()], "ToUnicode" => to_unicode})
     } else {
         doc.add_object(dictionary! {"Type" => "Font", "Subtype" => "Type1", "BaseFont" => "Helvetica"})
     };
@@ -416,7 +372,7 @@ pub fn write_pdf(pages: PdfPages, title: &str, user_password: Option<&str>) -> R
             let pixels: Vec<u8> = (0..64u8).map(|i| i * 4).collect();
             let image = Stream::new(
                 dictionary! {"Type" => "XObject", "Subtype" => "Image", "Width" => 8, "Height" => 8,
-                "ColorSpace" => "DeviceGray", "BitsPerComponent" => 8},
+                             "ColorSpace" => "DeviceGray", "BitsPerComponent" => 8},
                 pixels,
             );
             image_id = Some(doc.add_object(image));
@@ -434,27 +390,23 @@ pub fn write_pdf(pages: PdfPages, title: &str, user_password: Option<&str>) -> R
     }
     let resources_id = doc.add_object(resources);
     let mut kids = Vec::new();
-    let mut streams =
-        contents.into_iter().map(|operations| Content { operations }.encode()).collect::<Result<Vec<_>, _>>()?;
+    let mut streams = contents.into_iter().map(|operations| Content { operations }.encode()).collect::<Result<Vec<_>, _>>()?;
     if let PdfPages::Content(raw) | PdfPages::CidContent(raw) = pages {
         streams = raw.iter().map(|c| c.as_bytes().to_vec()).collect();
     }
     for stream in streams {
         let content_id = doc.add_object(Stream::new(dictionary! {}, stream).with_compression(false));
-        kids.push(Object::from(
-            doc.add_object(dictionary! {"Type" => "Page", "Parent" => pages_id, "Contents" => content_id}),
-        ));
+        kids.push(Object::from(doc.add_object(dictionary! {"Type" => "Page", "Parent" => pages_id, "Contents" => content_id})));
     }
     let count = kids.len() as i64;
     let pages = dictionary! {"Type" => "Pages", "Kids" => kids, "Count" => count, "Resources" => resources_id,
-    "MediaBox" => vec![0.into(), 0.into(), 612.into(), 792.into()]};
+                             "MediaBox" => vec![0.into(), 0.into(), 612.into(), 792.into()]};
     doc.objects.insert(pages_id, Object::Dictionary(pages));
     let catalog_id = doc.add_object(dictionary! {"Type" => "Catalog", "Pages" => pages_id});
     let info_id = doc.add_object(dictionary! {"Title" => Object::string_literal(title)});
     doc.trailer.set("Root", catalog_id);
     doc.trailer.set("Info", info_id);
-    doc.trailer
-        .set("ID", vec![Object::string_literal("lift-serve-test-0"), Object::string_literal("lift-serve-test-0")]);
+    doc.trailer.set("ID", vec![Object::string_literal("lift-serve-test-0"), Object::string_literal("lift-serve-test-0")]);
     if compress {
         doc.compress();
     }
@@ -547,8 +499,7 @@ pub mod packages {
         use zip::write::SimpleFileOptions;
         let mut w = zip::ZipWriter::new(std::io::Cursor::new(Vec::new()));
         for (name, data) in members {
-            let method =
-                if *name == "mimetype" { zip::CompressionMethod::Stored } else { zip::CompressionMethod::Deflated };
+            let method = if *name == "mimetype" { zip::CompressionMethod::Stored } else { zip::CompressionMethod::Deflated };
             w.start_file(*name, SimpleFileOptions::default().compression_method(method)).unwrap();
             w.write_all(data).unwrap();
         }
@@ -565,8 +516,7 @@ pub mod packages {
             format!(r#"<?xml version="1.0"?><cp:coreProperties xmlns:cp="http://schemas.openxmlformats.org/package/2006/metadata/core-properties" xmlns:dc="http://purl.org/dc/elements/1.1/"><dc:title>{t}</dc:title></cp:coreProperties>"#)
         });
         let types = r#"<?xml version="1.0"?><Types xmlns="http://schemas.openxmlformats.org/package/2006/content-types"><Override PartName="/word/document.xml" ContentType="application/vnd.openxmlformats-officedocument.wordprocessingml.document.main+xml"/></Types>"#;
-        let mut members: Vec<(&str, &[u8])> =
-            vec![("[Content_Types].xml", types.as_bytes()), ("word/document.xml", document.as_bytes())];
+        let mut members: Vec<(&str, &[u8])> = vec![("[Content_Types].xml", types.as_bytes()), ("word/document.xml", document.as_bytes())];
         if let Some(core) = &core {
             members.push(("docProps/core.xml", core.as_bytes()));
         }
@@ -582,9 +532,7 @@ pub mod packages {
     /// An `.odt` whose `office:text` holds `body`, with that title in `meta.xml` when given.
     pub fn odt(body: &str, title: Option<&str>) -> Vec<u8> {
         let ns = r#"xmlns:office="urn:oasis:names:tc:opendocument:xmlns:office:1.0" xmlns:text="urn:oasis:names:tc:opendocument:xmlns:text:1.0" xmlns:table="urn:oasis:names:tc:opendocument:xmlns:table:1.0" xmlns:dc="http://purl.org/dc/elements/1.1/""#;
-        let content = format!(
-            r#"<?xml version="1.0" encoding="UTF-8"?><office:document-content {ns}><office:body><office:text>{body}</office:text></office:body></office:document-content>"#
-        );
+        let content = format!(r#"<?xml version="1.0" encoding="UTF-8"?><office:document-content {ns}><office:body><office:text>{body}</office:text></office:body></office:document-content>"#);
         let meta = title.map(|t| format!(r#"<?xml version="1.0"?><office:document-meta {ns}><office:meta><dc:title>{t}</dc:title></office:meta></office:document-meta>"#));
         let manifest = r#"<?xml version="1.0"?><manifest:manifest xmlns:manifest="urn:oasis:names:tc:opendocument:xmlns:manifest:1.0"><manifest:file-entry manifest:full-path="/" manifest:media-type="application/vnd.oasis.opendocument.text"/></manifest:manifest>"#;
         let mut members: Vec<(&str, &[u8])> = vec![
@@ -602,17 +550,12 @@ pub mod packages {
     /// plus a navigation document left out of the reading order (`linear="no"`).
     pub fn epub(title: &str, chapters: &[(&str, &str)]) -> Vec<u8> {
         let container = r#"<?xml version="1.0"?><container version="1.0" xmlns="urn:oasis:names:tc:opendocument:xmlns:container"><rootfiles><rootfile full-path="OEBPS/content.opf" media-type="application/oebps-package+xml"/></rootfiles></container>"#;
-        let mut items =
-            String::from(r#"<item id="nav" href="nav.xhtml" media-type="application/xhtml+xml" properties="nav"/>"#);
+        let mut items = String::from(r#"<item id="nav" href="nav.xhtml" media-type="application/xhtml+xml" properties="nav"/>"#);
         let mut spine = String::from(r#"<itemref idref="nav" linear="no"/>"#);
-        let mut files =
-            vec![("OEBPS/nav.xhtml".to_string(), xhtml("Contents", "<nav><ol><li>Contents entry</li></ol></nav>"))];
+        let mut files = vec![("OEBPS/nav.xhtml".to_string(), xhtml("Contents", "<nav><ol><li>Contents entry</li></ol></nav>"))];
         // Listed in the manifest in reverse: the spine, not the manifest, is the reading order.
         for (i, (name, body)) in chapters.iter().enumerate().rev() {
-            items.push_str(&format!(
-                r#"<item id="c{i}" href="{}" media-type="application/xhtml+xml"/>"#,
-                name.replace(' ', "%20")
-            ));
+            items.push_str(&format!(r#"<item id="c{i}" href="{}" media-type="application/xhtml+xml"/>"#, name.replace(' ', "%20")));
             files.push((format!("OEBPS/{name}"), xhtml(name, body)));
         }
         for i in 0..chapters.len() {
@@ -621,19 +564,14 @@ pub mod packages {
         let opf = format!(
             r#"<?xml version="1.0"?><package xmlns="http://www.idpf.org/2007/opf" version="3.0" unique-identifier="id"><metadata xmlns:dc="http://purl.org/dc/elements/1.1/"><dc:identifier id="id">test</dc:identifier><dc:title>{title}</dc:title><dc:language>en</dc:language></metadata><manifest>{items}</manifest><spine>{spine}</spine></package>"#
         );
-        let mut members: Vec<(&str, &[u8])> = vec![
-            ("mimetype", b"application/epub+zip"),
-            ("META-INF/container.xml", container.as_bytes()),
-            ("OEBPS/content.opf", opf.as_bytes()),
-        ];
+        let mut members: Vec<(&str, &[u8])> =
+            vec![("mimetype", b"application/epub+zip"), ("META-INF/container.xml", container.as_bytes()), ("OEBPS/content.opf", opf.as_bytes())];
         members.extend(files.iter().map(|(n, d)| (n.as_str(), d.as_bytes())));
         zip(&members)
     }
 
     fn xhtml(title: &str, body: &str) -> String {
-        format!(
-            r#"<?xml version="1.0" encoding="UTF-8"?><!DOCTYPE html><html xmlns="http://www.w3.org/1999/xhtml"><head><title>{title}</title></head><body>{body}</body></html>"#
-        )
+        format!(r#"<?xml version="1.0" encoding="UTF-8"?><!DOCTYPE html><html xmlns="http://www.w3.org/1999/xhtml"><head><title>{title}</title></head><body>{body}</body></html>"#)
     }
 }
 
@@ -686,8 +624,7 @@ pub mod hostile {
         let mut offsets = Vec::new();
         let mut objects: Vec<Vec<u8>> = vec![catalog];
         objects.push(b"<< /Type /Pages /Kids [3 0 R] /Count 1 /MediaBox [0 0 612 792] >>".to_vec());
-        objects
-            .push(b"<< /Type /Page /Parent 2 0 R /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> >> >>".to_vec());
+        objects.push(b"<< /Type /Page /Parent 2 0 R /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> >> >>".to_vec());
         let content = match stream {
             Some(s) => {
                 let mut o = format!("<< /Length {} /Filter /FlateDecode >>\nstream\n", s.len()).into_bytes();
@@ -716,9 +653,7 @@ pub mod hostile {
         for o in offsets {
             out.extend(format!("{o:010} 00000 n \n").into_bytes());
         }
-        out.extend(
-            format!("trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n", objects.len() + 1).into_bytes(),
-        );
+        out.extend(format!("trailer\n<< /Size {} /Root 1 0 R >>\nstartxref\n{xref}\n%%EOF\n", objects.len() + 1).into_bytes());
         out
     }
 }

@@ -169,9 +169,7 @@ fn lora_gradients_reach_a_and_b_only() {
     }
 
     // Fresh (B = 0): B gets a gradient, A's is exactly zero (standard LoRA start).
-    let fresh = AnyAdapter::Lora(
-        Lora::new(model.config(), &small_lora(Projection::ALL.to_vec(), vec![]), 4, &Device::Cpu).unwrap(),
-    );
+    let fresh = AnyAdapter::Lora(Lora::new(model.config(), &small_lora(Projection::ALL.to_vec(), vec![]), 4, &Device::Cpu).unwrap());
     let grads = backward(&fresh);
     for (v, (name, _)) in fresh.vars().iter().zip(fresh.named_tensors()) {
         let n = grad_norm2(grads.get(v.as_tensor()).expect("every factor has a gradient"));

@@ -13,14 +13,7 @@ fn example(essay: &str, skip: usize, count: usize, at: usize, fact: &str, q: &st
     let sentences: Vec<&str> = essay.split(". ").filter(|s| s.len() > 20).skip(skip).collect();
     let mut passages: Vec<String> = sentences.chunks(3).take(count).map(|c| format!("{}.", c.join(". "))).collect();
     passages.insert(at, fact.to_string());
-    BaseExample {
-        passages,
-        positive: vec![at],
-        question: q.into(),
-        answer: a.into(),
-        kind: "single".into(),
-        distractors: vec![],
-    }
+    BaseExample { passages, positive: vec![at], question: q.into(), answer: a.into(), kind: "single".into(), distractors: vec![] }
 }
 
 #[test]

@@ -161,8 +161,9 @@ fn a_short_run_lowers_the_loss_and_resume_continues_from_the_checkpoint() {
     let train_set = examples();
     let data = train::TrainingSet { examples: &train_set, hash: "test-data" };
     let control = RunControl { on_progress: &mut |_| {}, cancel: &|| false };
-    let err =
-        train::prepare(&model, data, &options(7), out2.path(), true, control).err().expect("other options refused");
+    let err = train::prepare(&model, data, &options(7), out2.path(), true, control)
+        .err()
+        .expect("other options refused");
     assert!(err.to_string().contains("other options"), "{err}");
 }
 
@@ -291,23 +292,11 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     // Answering reads the document through the base filter, with and without the adapter.
     let params = SamplingParams { max_tokens: 3, ..Default::default() };
     for (mode, adapter) in [(Mode::Icl, None), (Mode::Lift, Some(&a.bundle.adapter as &dyn Adapter))] {
-        let ask = Ask {
-            history: &[],
-            question: "Who keeps the lighthouse?",
-            mode,
-            context: Some(ContextPolicy::Full),
-            context_tokens: None,
-        };
+        let ask = Ask { history: &[], question: "Who keeps the lighthouse?", mode, context: Some(ContextPolicy::Full), context_tokens: None };
         let chunks = answer(&m1, &document, adapter, &ask, &params, &mut |_| true).unwrap().chunks;
         assert!(chunks.len() >= 2, "{mode:?}: {} chunks", chunks.len());
     }
-    let ask = Ask {
-        history: &[],
-        question: "Who keeps the lighthouse?",
-        mode: Mode::Icl,
-        context: Some(ContextPolicy::Full),
-        context_tokens: None,
-    };
+    let ask = Ask { history: &[], question: "Who keeps the lighthouse?", mode: Mode::Icl, context: Some(ContextPolicy::Full), context_tokens: None };
     let chunks = answer(&plain, &document, None, &ask, &params, &mut |_| true).unwrap().chunks;
     assert!(chunks.is_empty(), "no filter without a prepared base");
 
@@ -315,13 +304,7 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     // a budget past it: the re-rank's candidates and the answer's passages stay within the window.
     let long = Document::encode(&m1, DOC.repeat(20)).unwrap();
     assert!(long.len() > 2 * 2048, "{}", long.len());
-    let ask = Ask {
-        history: &[],
-        question: "Who keeps the lighthouse?",
-        mode: Mode::Rag,
-        context: None,
-        context_tokens: Some(1 << 20),
-    };
+    let ask = Ask { history: &[], question: "Who keeps the lighthouse?", mode: Mode::Rag, context: None, context_tokens: Some(1 << 20) };
     let a = answer(&m1, &long, None, &ask, &params, &mut |_| true).unwrap();
     assert!(a.prompt.tokens.len() + params.max_tokens <= 2048, "{}", a.prompt.tokens.len());
     assert!(a.prompt.context_tokens > 1000 && !a.chunks.is_empty(), "{} document tokens", a.prompt.context_tokens);
@@ -365,8 +348,7 @@ fn absorb_reads_a_pdf_and_refuses_a_locked_one() {
     use lift_serve::testing::{write_pdf, PdfPages};
     let (d, path) = tiny();
     let pdf = d.path().join("harbor.pdf");
-    std::fs::write(&pdf, write_pdf(PdfPages::Text(&[DOC, "The bell rings at noon."]), "Harbor notes", None).unwrap())
-        .unwrap();
+    std::fs::write(&pdf, write_pdf(PdfPages::Text(&[DOC, "The bell rings at noon."]), "Harbor notes", None).unwrap()).unwrap();
     let locked = d.path().join("locked.pdf");
     std::fs::write(&locked, write_pdf(PdfPages::Text(&[DOC]), "Locked", Some("pw")).unwrap()).unwrap();
     let absorb = |file: &Path, out: &Path| {
@@ -414,11 +396,7 @@ fn a_default_prepared_base_of_another_model_is_skipped_an_explicit_one_refused()
 
     let generate = |model: &Path, extra: &[&str], env: Option<&str>| {
         let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"));
-        c.current_dir(&work)
-            .env_remove("LIFT_PREPARED_BASE")
-            .args(["generate", "--max-tokens", "2"])
-            .arg("--model")
-            .arg(model);
+        c.current_dir(&work).env_remove("LIFT_PREPARED_BASE").args(["generate", "--max-tokens", "2"]).arg("--model").arg(model);
         c.args(extra).arg("Who keeps the lighthouse?");
         if let Some(v) = env {
             c.env("LIFT_PREPARED_BASE", v);
@@ -455,14 +433,12 @@ fn a_default_prepared_base_of_another_model_is_skipped_an_explicit_one_refused()
         rt.block_on(async {
             let mut cfg = lift_serve::server::ServeConfig::new(ours.clone(), d.path().join("adapters"));
             cfg.prepared_base = None;
-            let state =
-                lift_serve::server::build_state(cfg, &Device::Cpu).expect("starts without the other model's base");
+            let state = lift_serve::server::build_state(cfg, &Device::Cpu).expect("starts without the other model's base");
             assert!(state.service.model().info.prepared_base.is_none());
         });
         let mut cfg = lift_serve::server::ServeConfig::new(ours.clone(), d.path().join("adapters2"));
         cfg.prepared_base = Some(shipped.to_string_lossy().into_owned());
-        let err =
-            rt.block_on(async { lift_serve::server::build_state(cfg, &Device::Cpu).err() }).expect("explicit: refused");
+        let err = rt.block_on(async { lift_serve::server::build_state(cfg, &Device::Cpu).err() }).expect("explicit: refused");
         assert!(format!("{err:#}").contains("prepared base was trained on base model"), "{err:#}");
     }
 }

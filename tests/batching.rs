@@ -92,12 +92,7 @@ fn batched_sequences_with_different_adapters_match_each_alone() {
         Case { prompt: prompt(40, 1, vocab), params: greedy(24), adapter: Some(gm_a.clone()), join_at: 0 },
         Case { prompt: prompt(5, 2, vocab), params: greedy(6), adapter: None, join_at: 0 },
         // Three prefill chunks: joins while the first two decode.
-        Case {
-            prompt: prompt(2 * PREFILL_CHUNK + 37, 3, vocab),
-            params: greedy(10),
-            adapter: Some(gm_b.clone()),
-            join_at: 3,
-        },
+        Case { prompt: prompt(2 * PREFILL_CHUNK + 37, 3, vocab), params: greedy(10), adapter: Some(gm_b.clone()), join_at: 3 },
         Case { prompt: prompt(17, 4, vocab), params: greedy(30), adapter: Some(lora.clone()), join_at: 3 },
         // Shares the first sequence's adapter (one delta matmul for both).
         Case { prompt: prompt(1, 5, vocab), params: greedy(12), adapter: Some(gm_a.clone()), join_at: 5 },
@@ -138,14 +133,7 @@ fn batched_sequences_with_different_adapters_match_each_alone() {
             let Some(pos) = waiting.iter().position(|&i| cases[i].join_at <= step) else { break };
             let i = waiting.remove(pos);
             let c = &cases[i];
-            let seq = Sequence::new(
-                &model,
-                c.prompt.clone(),
-                KvCache::new(model.config().num_layers),
-                c.params.clone(),
-                NoHooks,
-            )
-            .unwrap();
+            let seq = Sequence::new(&model, c.prompt.clone(), KvCache::new(model.config().num_layers), c.params.clone(), NoHooks).unwrap();
             let key = c.adapter.as_ref().map_or(0, |a| Arc::as_ptr(a) as *const () as usize);
             batch.join(Entry { seq, adapter: c.adapter.clone(), adapter_key: key, data: (i, String::new()) });
             joined_at[i] = step;
@@ -155,12 +143,11 @@ fn batched_sequences_with_different_adapters_match_each_alone() {
             mixed_steps += 1;
         }
         max_seen = max_seen.max(batch.len());
-        for e in batch
-            .step(&model, &mut |d: &mut (usize, String), s: &str| {
-                d.1.push_str(s);
-                true
-            })
-            .unwrap()
+        for e in batch.step(&model, &mut |d: &mut (usize, String), s: &str| {
+            d.1.push_str(s);
+            true
+        })
+        .unwrap()
         {
             let (g, _, _) = e.seq.into_parts();
             assert_eq!(e.data.1, g.text, "streamed text of case {}", e.data.0);
@@ -192,8 +179,7 @@ fn a_cancelled_sequence_leaves_at_the_next_step() {
     // text of its own).
     let streams = |seed: u64| {
         let mut cache = KvCache::new(2);
-        let g =
-            generate(&model, &prompt(8, seed, vocab), &mut cache, None, &mut NoHooks, &params, &mut |_| true).unwrap();
+        let g = generate(&model, &prompt(8, seed, vocab), &mut cache, None, &mut NoHooks, &params, &mut |_| true).unwrap();
         !g.text.is_empty()
     };
     let seeds: Vec<u64> = (0..64).filter(|&s| streams(s)).take(2).collect();
@@ -241,50 +227,22 @@ fn float_rows_batch_close_to_alone() {
         for (p, c) in prompts.iter().zip(caches.iter_mut()) {
             let head = &p[..p.len() - 1];
             let mut h = NoHooks;
-            model
-                .decoder
-                .forward_batch(&mut [lift_serve::model::SeqInput {
-                    ids: head,
-                    cache: c,
-                    adapter: None,
-                    adapter_key: 0,
-                    hooks: &mut h,
-                }])
-                .unwrap();
+            model.decoder.forward_batch(&mut [lift_serve::model::SeqInput { ids: head, cache: c, adapter: None, adapter_key: 0, hooks: &mut h }]).unwrap();
             let mut fork = c.fork().unwrap();
             let last = &p[p.len() - 1..];
             let mut h = NoHooks;
-            alone.push(
-                model
-                    .decoder
-                    .forward_batch(&mut [lift_serve::model::SeqInput {
-                        ids: last,
-                        cache: &mut fork,
-                        adapter: None,
-                        adapter_key: 0,
-                        hooks: &mut h,
-                    }])
-                    .unwrap(),
-            );
+            alone.push(model.decoder.forward_batch(&mut [lift_serve::model::SeqInput { ids: last, cache: &mut fork, adapter: None, adapter_key: 0, hooks: &mut h }]).unwrap());
         }
         let mut hooks: Vec<NoHooks> = (0..rows).map(|_| NoHooks).collect();
         let mut inputs: Vec<lift_serve::model::SeqInput> = caches
             .iter_mut()
             .zip(hooks.iter_mut())
             .zip(&prompts)
-            .map(|((cache, hooks), p)| lift_serve::model::SeqInput {
-                ids: &p[p.len() - 1..],
-                cache,
-                adapter: None,
-                adapter_key: 0,
-                hooks,
-            })
+            .map(|((cache, hooks), p)| lift_serve::model::SeqInput { ids: &p[p.len() - 1..], cache, adapter: None, adapter_key: 0, hooks })
             .collect();
         (alone, model.decoder.forward_batch(&mut inputs).unwrap())
     };
-    let diff = |a: &Tensor, b: &Tensor| {
-        (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap()
-    };
+    let diff = |a: &Tensor, b: &Tensor| (a - b).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
     model.decoder.float_batch_min_rows = 4;
     let (alone, batched) = step(&model, 3);
     for (i, a) in alone.iter().enumerate() {

@@ -9,7 +9,7 @@
 
 use candle_core::Device;
 use lift_serve::document::Document;
-use lift_serve::lift::answer::{build_prompt, AnswerPrompt, Ask, ContextPolicy, Mode};
+use lift_serve::lift::answer::{build_prompt, Ask, AnswerPrompt, ContextPolicy, Mode};
 use lift_serve::model::{ChatMessage, Model};
 
 const DOC: &str = include_str!("fixtures/harbor_history.txt");
@@ -53,38 +53,21 @@ fn a_follow_up_reads_the_passages_of_the_topic_it_follows() {
             // The earlier turns are chat turns before the question's own turn, in order.
             let prompt = model.tokenizer.decode(&follow.tokens).unwrap();
             let at = |s: &str| prompt.find(s).unwrap_or_else(|| panic!("{name}: {s:?} in {prompt}"));
-            assert!(
-                at("Tell me about the museum.") < at("half-models of the boats")
-                    && at("half-models") < at("When did it open?")
-            );
-            assert!(
-                prompt.matches("<|im_start|>user").count() == 2 && prompt.matches("<|im_start|>assistant").count() == 2,
-                "{prompt}"
-            );
+            assert!(at("Tell me about the museum.") < at("half-models of the boats") && at("half-models") < at("When did it open?"));
+            assert!(prompt.matches("<|im_start|>user").count() == 2 && prompt.matches("<|im_start|>assistant").count() == 2, "{prompt}");
             // The passages sit in the last user turn: the filter's chunks point at them there.
             for c in &follow.chunks {
                 assert_eq!(&follow.tokens[c.start..c.end], &doc.tokens()[c.doc_start..c.doc_end], "{name}");
             }
         }
         // A question that names its own topic keeps it over the earlier topic.
-        let own =
-            build_prompt(&model, &doc, &ask("Who was the chief designer of the Grey Petrel?", &history, Mode::Rag), 32)
-                .unwrap();
+        let own = build_prompt(&model, &doc, &ask("Who was the chief designer of the Grey Petrel?", &history, Mode::Rag), 32).unwrap();
         let text = shown(&model, &doc, &own);
         assert!(text.contains("Ingrid Solberg"), "{name}: {text}");
         // `memory` shows no document, but carries the conversation.
-        let memory = Ask {
-            question: "When did it open?",
-            history: &history,
-            mode: Mode::Memory,
-            context: None,
-            context_tokens: None,
-        };
+        let memory = Ask { question: "When did it open?", history: &history, mode: Mode::Memory, context: None, context_tokens: None };
         let p = build_prompt(&model, &doc, &memory, 32).unwrap();
-        assert!(
-            p.shown.is_empty() && model.tokenizer.decode(&p.tokens).unwrap().contains("Tell me about the museum."),
-            "{name}"
-        );
+        assert!(p.shown.is_empty() && model.tokenizer.decode(&p.tokens).unwrap().contains("Tell me about the museum."), "{name}");
     }
 }
 
@@ -103,11 +86,7 @@ fn the_oldest_turns_give_way_when_the_window_is_short() {
     let alone = build_prompt(&model, &doc, &ask("When did it open?", &history[..2], Mode::Rag), max_tokens).unwrap();
     let p = build_prompt(&model, &doc, &ask("When did it open?", &history, Mode::Rag), max_tokens).unwrap();
     assert!(p.tokens.len() + max_tokens <= window, "{} prompt tokens", p.tokens.len());
-    assert!(
-        p.tokens.len() + max_tokens > window - 1500,
-        "the window is filled with turns: {} prompt tokens",
-        p.tokens.len()
-    );
+    assert!(p.tokens.len() + max_tokens > window - 1500, "the window is filled with turns: {} prompt tokens", p.tokens.len());
     let prompt = model.tokenizer.decode(&p.tokens).unwrap();
     assert!(!prompt.contains("Question number 0 "), "the oldest turn is left out first");
     assert!(prompt.contains("Question number 11 "), "the newest turn is kept");
@@ -117,9 +96,5 @@ fn the_oldest_turns_give_way_when_the_window_is_short() {
     assert_eq!(prompt.matches("<|im_start|>assistant").count(), kept.len() + 1, "each kept question with its answer");
     // The passages and the question stay whole: the same passages as with a short conversation.
     assert_eq!(p.shown, alone.shown);
-    assert!(
-        prompt.trim_end().ends_with("When did it open?<|im_end|>\n<|im_start|>assistant"),
-        "{}",
-        &prompt[prompt.len() - 200..]
-    );
+    assert!(prompt.trim_end().ends_with("When did it open?<|im_end|>\n<|im_start|>assistant"), "{}", &prompt[prompt.len() - 200..]);
 }

@@ -12,9 +12,9 @@
 
 use candle_core::quantized::GgmlDType;
 use candle_core::{DType, Device, Tensor, Var};
+use lift_serve::document::Document;
 use lift_serve::adapters::{GatedMemory, Lora, LoraConfig, LoraPair};
 use lift_serve::base::{BaseShape, PreparedBase};
-use lift_serve::document::Document;
 use lift_serve::kernels::masked_softmax;
 use lift_serve::lift::filter::{self, Filter, FilterHooks, FilterOptions};
 use lift_serve::lift::{absorb, AbsorbOptions};
@@ -325,12 +325,8 @@ fn lora_inference_and_training_step_on_cuda_match_cpu() {
         let ids = Tensor::new(toks.as_slice(), m.device()).unwrap().unsqueeze(0).unwrap();
         let mut cache = KvCache::new(m.config().num_layers);
         let n = toks.len();
-        m.decoder
-            .forward(&ids.narrow(1, 0, n - 1).unwrap(), &mut cache, Some(&lora), &mut NoHooks, Logits::Last)
-            .unwrap();
-        m.decoder
-            .forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&lora), &mut NoHooks, Logits::Last)
-            .unwrap()
+        m.decoder.forward(&ids.narrow(1, 0, n - 1).unwrap(), &mut cache, Some(&lora), &mut NoHooks, Logits::Last).unwrap();
+        m.decoder.forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&lora), &mut NoHooks, Logits::Last).unwrap()
     };
     let d = rel_diff(&logits(&gpu), &logits(&cpu));
     assert!(d < 5e-2, "LoRA decode logits: {d}");
@@ -354,16 +350,10 @@ fn gated_memory_decode_with_kv_cache_on_cuda_matches_cpu() {
         let n = toks.len();
         let full = m.decoder.forward(&ids, &mut KvCache::new(2), Some(&gm), &mut NoHooks, Logits::All).unwrap();
         let mut cache = KvCache::new(2);
-        m.decoder
-            .forward(&ids.narrow(1, 0, n - 2).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last)
-            .unwrap();
-        m.decoder
-            .forward(&ids.narrow(1, n - 2, 1).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last)
-            .unwrap();
-        let last = m
-            .decoder
-            .forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last)
-            .unwrap();
+        m.decoder.forward(&ids.narrow(1, 0, n - 2).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last).unwrap();
+        m.decoder.forward(&ids.narrow(1, n - 2, 1).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last).unwrap();
+        let last =
+            m.decoder.forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&gm), &mut NoHooks, Logits::Last).unwrap();
         (full, last)
     };
     let (full_c, last_c) = run(&cpu);
@@ -463,8 +453,7 @@ fn filter_training_gradients_on_cuda_match_cpu() {
             .enumerate()
             .map(|(i, v)| {
                 let g = grads.get(v.as_tensor());
-                g.unwrap_or_else(|| panic!("no gradient for filter parameter {i} {:?} on {:?}", v.shape(), m.device()))
-                    .clone()
+                g.unwrap_or_else(|| panic!("no gradient for filter parameter {i} {:?} on {:?}", v.shape(), m.device())).clone()
             })
             .collect();
         (loss.to_scalar::<f32>().unwrap(), g)
@@ -486,8 +475,7 @@ fn cdt_embedding_gradients_and_critical_tokens_on_cuda_match_cpu() {
         let hidden = m.decoder.forward_train(&x, None, &mut NoHooks).unwrap().squeeze(0).unwrap();
         let logits = m.decoder.logits_train(&hidden).unwrap();
         let targets = Tensor::new(&toks[1..], dev).unwrap();
-        let loss =
-            ops::cross_entropy_masked(&logits, &targets, &Tensor::ones(n - 1, DType::F32, dev).unwrap()).unwrap();
+        let loss = ops::cross_entropy_masked(&logits, &targets, &Tensor::ones(n - 1, DType::F32, dev).unwrap()).unwrap();
         let grads = loss.backward().unwrap();
         grads.get(emb.as_tensor()).expect("embedding gradient").squeeze(0).unwrap()
     };
@@ -547,8 +535,7 @@ fn fused_ops_on_cuda_match_cpu() {
     );
     let targets = Tensor::new(&[3u32, 0, 39, 7, 7, 1, 2, 30, 5, 6, 8], &Device::Cpu).unwrap();
     let weights = Tensor::new(&[1f32, 1., 0., 1., 1., 1., 0., 1., 1., 1., 1.], &Device::Cpu).unwrap();
-    let ce =
-        |x: &Tensor| ops::cross_entropy_masked(x, &on(&targets, x), &on(&weights, x)).unwrap().unsqueeze(0).unwrap();
+    let ce = |x: &Tensor| ops::cross_entropy_masked(x, &on(&targets, x), &on(&weights, x)).unwrap().unsqueeze(0).unwrap();
     both("cross_entropy_masked", &ce, &x2, 1e-4);
 }
 
@@ -656,14 +643,10 @@ fn prepared_base_under_a_document_adapter_on_cuda_matches_cpu() {
         let n = p.tokens.len();
         let mut hooks = FilterHooks::new(f, &p.chunks, cfg.num_layers);
         let mut cache = KvCache::new(cfg.num_layers);
-        let prefill = m
-            .decoder
-            .forward(&ids.narrow(1, 0, n - 1).unwrap(), &mut cache, Some(&gm), &mut hooks, Logits::All)
-            .unwrap();
-        let last = m
-            .decoder
-            .forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&gm), &mut hooks, Logits::Last)
-            .unwrap();
+        let prefill =
+            m.decoder.forward(&ids.narrow(1, 0, n - 1).unwrap(), &mut cache, Some(&gm), &mut hooks, Logits::All).unwrap();
+        let last =
+            m.decoder.forward(&ids.narrow(1, n - 1, 1).unwrap(), &mut cache, Some(&gm), &mut hooks, Logits::Last).unwrap();
         (prefill, last, hooks.report().unwrap())
     };
     let (pre_c, last_c, rep_c) = answer(&cpu);
@@ -723,10 +706,7 @@ fn prepared_base_over_a_quantized_file_on_cuda_matches_cpu() {
     for (i, ((c, g), p)) in c.iter().zip(&g).zip(&p).enumerate() {
         let (d, effect) = (rel_diff(g, c), rel_diff(c, p));
         eprintln!("decode row {i}: GPU vs CPU {d}, the base's effect on the CPU {effect}");
-        assert!(
-            effect > 2.0 * tol,
-            "row {i}: the base changes the logits too little ({effect}) for this check to see it twice"
-        );
+        assert!(effect > 2.0 * tol, "row {i}: the base changes the logits too little ({effect}) for this check to see it twice");
         assert!(d < tol, "row {i}: decode logits over the prepared base on a quantized file: GPU vs CPU {d}");
     }
 }
@@ -740,11 +720,7 @@ fn batched_forward_with_mixed_adapters_on_cuda_matches_cpu() {
     use lift_serve::model::SeqInput;
     let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
     let cfg = cpu.config().clone();
-    let prompts = [
-        tokens(&cpu, "A prompt still being read by the batch, long enough for the float path."),
-        tokens(&cpu, "Decoding"),
-        tokens(&cpu, "Also decoding here"),
-    ];
+    let prompts = [tokens(&cpu, "A prompt still being read by the batch, long enough for the float path."), tokens(&cpu, "Decoding"), tokens(&cpu, "Also decoding here")];
     let run = |m: &Model| {
         let gm: Box<dyn Adapter> = Box::new(GatedMemory::new(&cfg, &[0, 1], false, 5, m.device()).unwrap().detached());
         let lora: Box<dyn Adapter> = Box::new(lora_on(m, 3, false));
@@ -761,8 +737,7 @@ fn batched_forward_with_mixed_adapters_on_cuda_matches_cpu() {
             let last = Tensor::new(&p[p.len() - 1..], m.device()).unwrap().unsqueeze(0).unwrap();
             alone.push(m.decoder.forward(&last, &mut c, adapters[i], &mut NoHooks, Logits::Last).unwrap());
         }
-        let ids: Vec<&[u32]> =
-            vec![&prompts[0], &prompts[1][prompts[1].len() - 1..], &prompts[2][prompts[2].len() - 1..]];
+        let ids: Vec<&[u32]> = vec![&prompts[0], &prompts[1][prompts[1].len() - 1..], &prompts[2][prompts[2].len() - 1..]];
         let mut inputs: Vec<SeqInput> = caches
             .iter_mut()
             .zip(hooks.iter_mut())
@@ -780,10 +755,7 @@ fn batched_forward_with_mixed_adapters_on_cuda_matches_cpu() {
         assert!(d < 5e-2, "sequence {i}: batched logits CUDA vs CPU {d}");
     }
     for (k, i) in (1..3).enumerate() {
-        assert!(
-            rel_diff(&bc.get(i).unwrap(), &ac[k].squeeze(0).unwrap()) < 1e-5,
-            "CPU: batched = alone for sequence {i}"
-        );
+        assert!(rel_diff(&bc.get(i).unwrap(), &ac[k].squeeze(0).unwrap()) < 1e-5, "CPU: batched = alone for sequence {i}");
         let d = rel_diff(&bg.get(i).unwrap(), &ag[k].squeeze(0).unwrap());
         assert!(d < 5e-2, "CUDA: sequence {i} batched vs alone {d}");
     }
@@ -798,27 +770,11 @@ fn batched_decode_attention_on_cuda_matches_cpu() {
     use lift_serve::model::SeqInput;
     struct KeyBias(Device);
     impl ForwardHooks for KeyBias {
-        fn attention_bias(
-            &self,
-            layer: usize,
-            _start: usize,
-            q_len: usize,
-            k_len: usize,
-        ) -> candle_core::Result<Option<Tensor>> {
+        fn attention_bias(&self, layer: usize, _start: usize, q_len: usize, k_len: usize) -> candle_core::Result<Option<Tensor>> {
             if q_len != 1 {
                 return Ok(None);
             }
-            let b: Vec<f32> = (0..k_len)
-                .map(|k| {
-                    if (k + layer) % 4 == 0 {
-                        -3.0
-                    } else if k % 7 == 0 {
-                        0.5
-                    } else {
-                        0.0
-                    }
-                })
-                .collect();
+            let b: Vec<f32> = (0..k_len).map(|k| if (k + layer) % 4 == 0 { -3.0 } else if k % 7 == 0 { 0.5 } else { 0.0 }).collect();
             Ok(Some(Tensor::from_vec(b, k_len, &self.0)?))
         }
     }
@@ -839,8 +795,7 @@ fn batched_decode_attention_on_cuda_matches_cpu() {
                 .collect()
         };
         let step = |m: &Model, caches: &mut [KvCache], next: &[u32]| -> Tensor {
-            let mut hooks: Vec<Option<KeyBias>> =
-                (0..caches.len()).map(|i| (i == 2).then(|| KeyBias(m.device().clone()))).collect();
+            let mut hooks: Vec<Option<KeyBias>> = (0..caches.len()).map(|i| (i == 2).then(|| KeyBias(m.device().clone()))).collect();
             let ids: Vec<[u32; 1]> = next.iter().map(|&t| [t]).collect();
             let mut inputs: Vec<SeqInput> = caches
                 .iter_mut()
@@ -857,12 +812,7 @@ fn batched_decode_attention_on_cuda_matches_cpu() {
             assert!(lg.device().is_cuda());
             for i in 0..lens.len() {
                 let d = rel_diff(&lg.get(i).unwrap(), &lc.get(i).unwrap());
-                assert!(
-                    d < 5e-2,
-                    "head dim {}, step {s}, sequence {i} ({} keys): CUDA vs CPU {d}",
-                    hidden / heads,
-                    lens[i] + s + 1
-                );
+                assert!(d < 5e-2, "head dim {}, step {s}, sequence {i} ({} keys): CUDA vs CPU {d}", hidden / heads, lens[i] + s + 1);
             }
             next = lc.argmax(1).unwrap().to_vec1::<u32>().unwrap();
         }
@@ -879,18 +829,12 @@ fn fused_adamw_with_clipping_on_cuda_matches_cpu() {
     let shapes: [&[usize]; 4] = [&[9, 64, 128], &[9, 128], &[9, 8], &[300, 301]];
     let opts = TrainOptions { weight_decay: 0.01, max_grad_norm: 1.0, ..Default::default() };
     let run = |dev: &Device| {
-        let vars: Vec<Var> = shapes
-            .iter()
-            .enumerate()
-            .map(|(i, s)| Var::from_tensor(&rand(s, 10 + i as u64, 0.2).to_device(dev).unwrap()).unwrap())
-            .collect();
+        let vars: Vec<Var> =
+            shapes.iter().enumerate().map(|(i, s)| Var::from_tensor(&rand(s, 10 + i as u64, 0.2).to_device(dev).unwrap()).unwrap()).collect();
         let mut opt = AdamW::new(vars.clone(), &opts).unwrap();
         for (step, scale) in [(0u64, 5.0f32), (1, 1e-3), (2, 3.0)] {
-            let grads: Vec<Tensor> = shapes
-                .iter()
-                .enumerate()
-                .map(|(i, s)| rand(s, 100 * step + i as u64, scale).to_device(dev).unwrap())
-                .collect();
+            let grads: Vec<Tensor> =
+                shapes.iter().enumerate().map(|(i, s)| rand(s, 100 * step + i as u64, scale).to_device(dev).unwrap()).collect();
             opt.clip_and_step(grads, opts.max_grad_norm, 1e-3).unwrap();
         }
         let (m, v, t) = opt.state();
@@ -901,9 +845,7 @@ fn fused_adamw_with_clipping_on_cuda_matches_cpu() {
     let (pg, mg, vg) = run(&gpu());
     assert!(pg[0].device().is_cuda());
     for i in 0..shapes.len() {
-        for (what, a, b) in
-            [("parameters", &pg[i], &pc[i]), ("first moment", &mg[i], &mc[i]), ("second moment", &vg[i], &vc[i])]
-        {
+        for (what, a, b) in [("parameters", &pg[i], &pc[i]), ("first moment", &mg[i], &mc[i]), ("second moment", &vg[i], &vc[i])] {
             let d = rel_diff(a, b);
             assert!(d < 1e-4, "tensor {i} {:?}: {what} CUDA vs CPU {d}", shapes[i]);
         }

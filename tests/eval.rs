@@ -5,10 +5,10 @@
 //! `lift-serve fetch-data`, which these tests run themselves when the essays are missing).
 
 use candle_core::Device;
-use lift_serve::base::{BaseShape, PreparedBase};
-use lift_serve::document::Document;
 use lift_serve::eval::{self, data, needles, report, Backend, EvalDocument, Local, RunConfig};
+use lift_serve::document::Document;
 use lift_serve::lift::answer::{build_prompt, Ask, ContextPolicy, Mode};
+use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::lift::filter::FilterOptions;
 use lift_serve::lift::AbsorbOptions;
 use lift_serve::model::Model;
@@ -48,8 +48,7 @@ fn retrieval_shows_the_planted_fact_in_a_small_context() {
     let docs = needles::build_set(plain, essays(), &spec).unwrap();
     // Questions that share words with their fact's sentence; those worded apart (paraphrases,
     // two hops) are what word matching cannot find, measured by the eval, not asserted here.
-    let worded_apart =
-        |q: &eval::EvalQuestion| matches!(q.kind, Some(needles::FactKind::Paraphrase | needles::FactKind::TwoHop));
+    let worded_apart = |q: &eval::EvalQuestion| matches!(q.kind, Some(needles::FactKind::Paraphrase | needles::FactKind::TwoHop));
     for (name, model) in [("plain", plain), ("prepared base", &based)] {
         let (mut found, mut head_tail, mut total) = (0, 0, 0);
         // Two-hop facts: the question names the first hop's words only; the feedback step follows
@@ -58,13 +57,7 @@ fn retrieval_shows_the_planted_fact_in_a_small_context() {
         for doc in &docs {
             let ids = Document::encode(model, doc.text.clone()).unwrap();
             for q in &doc.questions {
-                let ask = |context| Ask {
-                    history: &[],
-                    question: &q.question,
-                    mode: Mode::Rag,
-                    context,
-                    context_tokens: Some(256),
-                };
+                let ask = |context| Ask { history: &[], question: &q.question, mode: Mode::Rag, context, context_tokens: Some(256) };
                 let p = build_prompt(model, &ids, &ask(None), 32).unwrap();
                 let shown = model.tokenizer.decode(&p.tokens).unwrap();
                 if q.kind == Some(needles::FactKind::TwoHop) {
@@ -82,15 +75,10 @@ fn retrieval_shows_the_planted_fact_in_a_small_context() {
                 total += 1;
             }
         }
-        eprintln!(
-            "{name}: retrieved {found}/{total}, head and tail {head_tail}/{total}; two-hop, both hops {both}/{two_hop}"
-        );
+        eprintln!("{name}: retrieved {found}/{total}, head and tail {head_tail}/{total}; two-hop, both hops {both}/{two_hop}");
         assert!(both * 4 >= two_hop * 3, "{name}: both hops of {both} of {two_hop} two-hop facts shown");
         assert!(found * 10 >= total * 9, "{name}: retrieval showed {found} of {total} planted facts");
-        assert!(
-            head_tail * 2 < total,
-            "{name}: the head and tail showed {head_tail} of {total}: the test needs facts out of it"
-        );
+        assert!(head_tail * 2 < total, "{name}: the head and tail showed {head_tail} of {total}: the test needs facts out of it");
     }
 }
 
@@ -178,19 +166,7 @@ fn window_labels_agree_with_the_prompt_build_prompt_builds() {
     let (mut ins, mut outs) = (0, 0);
     for budget in [Some(64), Some(128), Some(300), None] {
         for q in &doc.questions {
-            let prompt = build_prompt(
-                model,
-                &ids,
-                &Ask {
-                    history: &[],
-                    question: &q.question,
-                    mode: Mode::Lift,
-                    context: Some(ContextPolicy::Full),
-                    context_tokens: budget,
-                },
-                32,
-            )
-            .unwrap();
+            let prompt = build_prompt(model, &ids, &Ask { history: &[], question: &q.question, mode: Mode::Lift, context: Some(ContextPolicy::Full), context_tokens: budget }, 32).unwrap();
             let label = eval::in_window(&prompt, q).unwrap();
             // Independent check: is the planted sentence's text (and a two-hop fact's first hop)
             // in the decoded prompt?
@@ -199,33 +175,9 @@ fn window_labels_agree_with_the_prompt_build_prompt_builds() {
             let hops_shown = q.evidence.iter().all(|&(s, e)| shown.contains(&doc.text[s..e]));
             assert_eq!(label, hops_shown, "budget {budget:?}, {planted:?}: label {label}");
             // icl builds the same context; memory none.
-            let icl = build_prompt(
-                model,
-                &ids,
-                &Ask {
-                    history: &[],
-                    question: &q.question,
-                    mode: Mode::Icl,
-                    context: Some(ContextPolicy::Full),
-                    context_tokens: budget,
-                },
-                32,
-            )
-            .unwrap();
+            let icl = build_prompt(model, &ids, &Ask { history: &[], question: &q.question, mode: Mode::Icl, context: Some(ContextPolicy::Full), context_tokens: budget }, 32).unwrap();
             assert_eq!(icl.tokens, prompt.tokens);
-            let mem = build_prompt(
-                model,
-                &ids,
-                &Ask {
-                    history: &[],
-                    question: &q.question,
-                    mode: Mode::Memory,
-                    context: Some(ContextPolicy::Full),
-                    context_tokens: budget,
-                },
-                32,
-            )
-            .unwrap();
+            let mem = build_prompt(model, &ids, &Ask { history: &[], question: &q.question, mode: Mode::Memory, context: Some(ContextPolicy::Full), context_tokens: budget }, 32).unwrap();
             assert!(!model.tokenizer.decode(&mem.tokens).unwrap().contains(planted));
             if label {
                 ins += 1;
@@ -323,10 +275,8 @@ fn local_backend_absorbs_and_answers_through_the_prepared_bases_filter() {
     for m in [&plain, &model] {
         let mut local = Local::new(m, 4);
         let (_, handle) = local.absorb(&doc, &tokens, &o, &mut |_, _, _| {}).unwrap();
-        let (_, lift_len) =
-            local.ask(&doc, &tokens, Some(handle), q, Mode::Lift, Some(ContextPolicy::HeadTail), Some(200)).unwrap();
-        let (_, icl_len) =
-            local.ask(&doc, &tokens, None, q, Mode::Icl, Some(ContextPolicy::HeadTail), Some(200)).unwrap();
+        let (_, lift_len) = local.ask(&doc, &tokens, Some(handle), q, Mode::Lift, Some(ContextPolicy::HeadTail), Some(200)).unwrap();
+        let (_, icl_len) = local.ask(&doc, &tokens, None, q, Mode::Icl, Some(ContextPolicy::HeadTail), Some(200)).unwrap();
         lens.push((lift_len, icl_len));
     }
     // Without a base, `lift` has exactly the `icl` prompt; the base's filter layout repeats the
@@ -409,19 +359,7 @@ fn jsonl_questions_are_labelled_from_answer_occurrences() {
         .iter()
         .map(|q| {
             eval::in_window(
-                &build_prompt(
-                    &model,
-                    &ids,
-                    &Ask {
-                        history: &[],
-                        question: &q.question,
-                        mode: Mode::Lift,
-                        context: Some(ContextPolicy::Full),
-                        context_tokens: Some(48),
-                    },
-                    8,
-                )
-                .unwrap(),
+                &build_prompt(&model, &ids, &Ask { history: &[], question: &q.question, mode: Mode::Lift, context: Some(ContextPolicy::Full), context_tokens: Some(48) }, 8).unwrap(),
                 q,
             )
         })
@@ -461,15 +399,9 @@ fn eval_through_a_real_server_socket_measures_the_serving_path() {
 
     // The same documents in-process give the same greedy answers (same options and seed).
     let mut local = Local::new(&model, cfg.max_tokens);
-    let here = eval::run(
-        &model,
-        &mut local,
-        docs.clone(),
-        &config(&["icl", "lift", "memory", "rag"], None),
-        false,
-        &mut |_| Ok(()),
-    )
-    .unwrap();
+    let here =
+        eval::run(&model, &mut local, docs.clone(), &config(&["icl", "lift", "memory", "rag"], None), false, &mut |_| Ok(()))
+            .unwrap();
     for (a, b) in results.answers.iter().zip(&here.answers) {
         assert_eq!((&a.document, &a.question, &a.method), (&b.document, &b.question, &b.method));
         assert_eq!(a.prediction, b.prediction, "{} {} {}", a.document, a.question, a.method);

@@ -5,8 +5,8 @@
 //! base filter's layout, under its frozen mask.
 
 use candle_core::{Device, Tensor};
-use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::document::Document;
+use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::lift::filter::{self, Filter, FilterHooks, FilterOptions};
 use lift_serve::lift::qa::{QaPair, QaSource};
 use lift_serve::lift::{absorb, AbsorbOptions};
@@ -212,10 +212,7 @@ fn absorb_over_a_prepared_base_trains_qa_in_its_filter_layout_and_leaves_the_fil
     let path = write_hf(&dir.path().join("tiny"), &TinySpec::default()).unwrap();
     let plain = Model::load(&path, &Device::Cpu).unwrap();
     let mut model = Model::load(&path, &Device::Cpu).unwrap();
-    let shape = BaseShape {
-        rank: 4,
-        filter: FilterOptions { enabled: true, layer: Some(0), chunk_tokens: 24, ..Default::default() },
-    };
+    let shape = BaseShape { rank: 4, filter: FilterOptions { enabled: true, layer: Some(0), chunk_tokens: 24, ..Default::default() } };
     let mut base = PreparedBase::new(&model, &shape, 3).unwrap();
     base.filter = filter(&model, 1.0, -0.5); // a scoring head and a mask that acts
     base.save(&dir.path().join("base")).unwrap();

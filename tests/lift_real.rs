@@ -29,13 +29,7 @@ fn token_span(model: &Model, evidence: &str) -> (usize, usize) {
 
 fn ask(model: &Model, doc: &Document, adapter: &dyn Adapter, q: &Question, mode: Mode) -> (bool, String) {
     let params = SamplingParams { max_tokens: MAX_TOKENS, ..Default::default() };
-    let ask = Ask {
-        history: &[],
-        question: q.question,
-        mode,
-        context: Some(ContextPolicy::Full),
-        context_tokens: Some(CONTEXT_TOKENS),
-    };
+    let ask = Ask { history: &[], question: q.question, mode, context: Some(ContextPolicy::Full), context_tokens: Some(CONTEXT_TOKENS) };
     let out = answer(model, doc, Some(adapter), &ask, &params, &mut |_| true).unwrap().generation;
     let reply = out.text.trim().to_string();
     let lower = reply.to_lowercase();
@@ -57,8 +51,8 @@ fn out_of_window_facts_are_recalled_in_lift_mode() {
 
     let t0 = Instant::now();
     let doc = &Document::encode(&model, DOC).expect("tokenizes");
-    let absorbed =
-        absorb(&model, doc, Some("Kestrel Valley Observatory"), &options(), &mut |_| {}, &|| false).expect("absorb");
+    let absorbed = absorb(&model, doc, Some("Kestrel Valley Observatory"), &options(), &mut |_| {}, &|| false)
+        .expect("absorb");
     let adapter: &dyn Adapter = &absorbed.bundle.adapter;
     eprintln!(
         "absorbed {} tokens in {:.0} s: {} QA pairs, {} steps, final loss {:.3}",
@@ -71,13 +65,7 @@ fn out_of_window_facts_are_recalled_in_lift_mode() {
     assert!((1300..=1800).contains(&doc.len()), "a ~1,500-token document: {}", doc.len());
 
     // Where the window is: the prompt `icl` and `lift` build for a question.
-    let icl = Ask {
-        history: &[],
-        question: OUT_OF_WINDOW[0].question,
-        mode: Mode::Icl,
-        context: Some(ContextPolicy::Full),
-        context_tokens: Some(CONTEXT_TOKENS),
-    };
+    let icl = Ask { history: &[], question: OUT_OF_WINDOW[0].question, mode: Mode::Icl, context: Some(ContextPolicy::Full), context_tokens: Some(CONTEXT_TOKENS) };
     let prompt = build_prompt(&model, doc, &icl, MAX_TOKENS).unwrap();
     let shown = |(a, b): (usize, usize)| prompt.shown.iter().any(|&(s, e)| a < e && s < b);
     for q in OUT_OF_WINDOW {

@@ -44,9 +44,9 @@ fn qwen_path() -> Option<PathBuf> {
         eprintln!("skipped: set LIFT_QWEN_TESTS=1 to run the Qwen2.5-0.5B tests (see the file's header)");
         return None;
     }
-    let path = std::env::var_os("LIFT_QWEN_MODEL")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("models/qwen2.5-coder-0.5b-instruct.gguf"));
+    let path = std::env::var_os("LIFT_QWEN_MODEL").map(PathBuf::from).unwrap_or_else(|| {
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("models/qwen2.5-coder-0.5b-instruct.gguf")
+    });
     if !path.is_file() {
         eprintln!("skipped: {} is missing (lift-serve fetch-model qwen2.5-0.5b, or LIFT_QWEN_MODEL)", path.display());
         return None;
@@ -90,8 +90,7 @@ fn the_architecture_loads_and_greedy_chat_answers_paris() {
     let shown = m.tokenizer.decode(&prompt).unwrap();
     assert!(shown.starts_with("<|im_start|>system\n") && shown.ends_with("<|im_start|>assistant\n"), "{shown:?}");
     let params = SamplingParams { max_tokens: 24, ..Default::default() };
-    let out =
-        generate(m, &prompt, &mut KvCache::new(c.num_layers), None, &mut NoHooks, &params, &mut |_| true).unwrap();
+    let out = generate(m, &prompt, &mut KvCache::new(c.num_layers), None, &mut NoHooks, &params, &mut |_| true).unwrap();
     eprintln!("answer in {:.1} s: {:?}", t0.elapsed().as_secs_f64(), out.text);
     assert!(out.text.contains("Paris"), "{:?}", out.text);
     // It stops at its end of turn, not at the token limit.
@@ -215,8 +214,7 @@ async fn absorb_and_ask_through_the_server() {
     let base = format!("http://{}", running.addr);
     let c = reqwest::Client::builder().timeout(Duration::from_secs(600)).build().unwrap();
 
-    let (s, d) =
-        post_json(&c, &format!("{base}/documents"), json!({"text": document(), "title": "Saltmere"}), None).await;
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": document(), "title": "Saltmere"}), None).await;
     assert_eq!(s, 202, "{d}");
     let id = d["id"].as_str().unwrap().to_string();
     let ready = loop {
@@ -251,10 +249,8 @@ async fn absorb_and_ask_through_the_server() {
     }
     assert!(lift.1["adapter"]["step"].as_u64().is_some(), "the adapter answered: {}", lift.1);
     let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
-    let (sum, count) = (
-        common::metric(&metrics, "lift_generation_batch_size_sum"),
-        common::metric(&metrics, "lift_generation_batch_size_count"),
-    );
+    let (sum, count) =
+        (common::metric(&metrics, "lift_generation_batch_size_sum"), common::metric(&metrics, "lift_generation_batch_size_count"));
     eprintln!("generation steps {count}, sequences per step {:.2}", sum / count.max(1.0));
     assert!(sum > count, "some steps decoded more than one sequence: {sum} / {count}");
 

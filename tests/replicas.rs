@@ -56,12 +56,9 @@ impl Replica {
         let store = format!("file://{}", e.blobs.display());
         let child = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
             .args(["serve", "--port", &port.to_string()])
-            .arg("--model")
-            .arg(&e.model)
-            .arg("--adapters-dir")
-            .arg(&cache)
-            .arg("--absorb-options")
-            .arg(&e.options)
+            .arg("--model").arg(&e.model)
+            .arg("--adapters-dir").arg(&cache)
+            .arg("--absorb-options").arg(&e.options)
             .args(["--prepared-base", "none", "--database-url", &e.pg.url, "--adapter-store", &store])
             .args(["--role", role, "--replica-id", name])
             .args(if extra.contains(&"--lease-secs") { &[][..] } else { &["--lease-secs", "2"][..] })
@@ -131,11 +128,7 @@ async fn wait_status(r: &Replica, id: &str, key: &str, want: &str, secs: u64) ->
 
 fn archives(dir: &Path) -> Vec<String> {
     match std::fs::read_dir(dir) {
-        Ok(d) => d
-            .filter_map(|e| e.ok())
-            .map(|e| e.file_name().to_string_lossy().to_string())
-            .filter(|n| n.ends_with(".zip"))
-            .collect(),
+        Ok(d) => d.filter_map(|e| e.ok()).map(|e| e.file_name().to_string_lossy().to_string()).filter(|n| n.ends_with(".zip")).collect(),
         Err(_) => Vec::new(),
     }
 }
@@ -166,8 +159,7 @@ async fn a_document_posted_to_one_replica_is_trained_by_another_and_answered_by_
     let id = d["id"].as_str().unwrap().to_string();
 
     // The event stream on the answer-only replica follows training on the other one.
-    let resp =
-        client().get(server.url(&format!("/documents/{id}/events"))).bearer_auth("key-one").send().await.unwrap();
+    let resp = client().get(server.url(&format!("/documents/{id}/events"))).bearer_auth("key-one").send().await.unwrap();
     assert_eq!(resp.status(), 200);
     let events = resp.text().await.unwrap();
     let steps: Vec<u64> = events
@@ -229,8 +221,7 @@ async fn a_document_posted_to_one_replica_is_trained_by_another_and_answered_by_
     assert_eq!(s, 200, "{a}");
     assert_eq!(a["mode"], "rag", "{a}");
     assert!(a["adapter"].is_null(), "{a}");
-    let resp =
-        client().delete(server.url(&format!("/documents/{long_id}"))).bearer_auth("key-one").send().await.unwrap();
+    let resp = client().delete(server.url(&format!("/documents/{long_id}"))).bearer_auth("key-one").send().await.unwrap();
     assert_eq!(resp.status(), 204);
 
     // Deleted on one replica: gone on both, its archive too.
@@ -260,10 +251,7 @@ async fn a_killed_replicas_job_is_taken_over_after_its_lease() {
         if d["status"] == "training" && d["progress"]["step"].as_u64() >= Some(2) {
             break;
         }
-        assert!(
-            d["status"] == "queued" || d["status"] == "training",
-            "A must still be training when it is killed: {d}"
-        );
+        assert!(d["status"] == "queued" || d["status"] == "training", "A must still be training when it is killed: {d}");
         assert!(Instant::now() < deadline, "training never started: {d}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
@@ -314,9 +302,7 @@ async fn the_same_document_posted_to_both_replicas_at_once_is_one_document() {
         wait_status(&a, id, "key-one", "ready", 300).await;
     }
     let (ma, mb) = (a.metrics().await, b.metrics().await);
-    let claimed = |m: &str| {
-        metric(m, "lift_jobs_claimed_total{how=\"fresh\"}") + metric(m, "lift_jobs_claimed_total{how=\"stolen\"}")
-    };
+    let claimed = |m: &str| metric(m, "lift_jobs_claimed_total{how=\"fresh\"}") + metric(m, "lift_jobs_claimed_total{how=\"stolen\"}");
     assert_eq!(claimed(&ma) + claimed(&mb), 4.0, "one job per document:\n{ma}\n{mb}");
     assert_eq!(metric(&ma, "lift_blob_puts") + metric(&mb, "lift_blob_puts"), 4.0);
     assert_eq!(archives(&e.blobs).len(), 4, "one adapter per document");
@@ -347,19 +333,10 @@ async fn a_database_restart_mid_run_loses_nothing() {
         let h = r.wait_health(StatusCode::SERVICE_UNAVAILABLE).await;
         assert_eq!(h["status"], "database_unavailable", "{h}");
     }
-    let (s, err) =
-        post(&a.url("/documents"), json!({"text": "A document posted while the database is away."}), "key-one").await;
-    assert_eq!(
-        (s, err["error"]["code"].as_str()),
-        (StatusCode::SERVICE_UNAVAILABLE, Some("database_unavailable")),
-        "{err}"
-    );
+    let (s, err) = post(&a.url("/documents"), json!({"text": "A document posted while the database is away."}), "key-one").await;
+    assert_eq!((s, err["error"]["code"].as_str()), (StatusCode::SERVICE_UNAVAILABLE, Some("database_unavailable")), "{err}");
     let (s, err) = get(&b.url("/documents"), "key-one").await;
-    assert_eq!(
-        (s, err["error"]["code"].as_str()),
-        (StatusCode::SERVICE_UNAVAILABLE, Some("database_unavailable")),
-        "{err}"
-    );
+    assert_eq!((s, err["error"]["code"].as_str()), (StatusCode::SERVICE_UNAVAILABLE, Some("database_unavailable")), "{err}");
     tokio::time::sleep(Duration::from_secs(3)).await; // longer than the lease: the holder must keep it
 
     e.pg.restart().unwrap();

@@ -21,8 +21,7 @@ fn logits_match_candle_transformers_quantized_llama() {
     let mut file = std::fs::File::open(&path).unwrap();
     let content = candle_core::quantized::gguf_file::Content::read(&mut file).unwrap();
     let mut reference =
-        candle_transformers::models::quantized_llama::ModelWeights::from_gguf(content, &mut file, &Device::Cpu)
-            .unwrap();
+        candle_transformers::models::quantized_llama::ModelWeights::from_gguf(content, &mut file, &Device::Cpu).unwrap();
     let ids = m.tokenizer.encode("The history of the Roman Empire spans many centuries, and its", false).unwrap();
     let input = Tensor::new(ids.as_slice(), &Device::Cpu).unwrap().unsqueeze(0).unwrap();
     let want = reference.forward(&input, 0).unwrap().squeeze(0).unwrap();
@@ -35,8 +34,7 @@ fn logits_match_candle_transformers_quantized_llama() {
     let mut with_candle = Model::load(&path, &Device::Cpu).unwrap();
     with_candle.decoder.use_candle_quantized_kernels();
     with_candle.decoder.cpu_kv_dtype = candle_core::DType::F32;
-    let candle_kernels =
-        with_candle.decoder.forward_with_float_threshold(&input, usize::MAX).unwrap().squeeze(0).unwrap();
+    let candle_kernels = with_candle.decoder.forward_with_float_threshold(&input, usize::MAX).unwrap().squeeze(0).unwrap();
     let diff = max_diff(&candle_kernels, &want);
     eprintln!("quantized path, candle's kernels: max |diff| = {diff:.3e}, relative {:.3e}", diff / scale);
     assert!(diff / scale <= 1e-3, "relative difference {} > 1e-3", diff / scale);
@@ -94,26 +92,13 @@ fn fused_prompt_ops_match_candles_ops() {
         let split = 17;
         let chunk = |a: usize, b: usize| Tensor::new(&ids[a..b], &Device::Cpu).unwrap().unsqueeze(0).unwrap();
         m.decoder.forward(&chunk(0, split), &mut cache, None, &mut NoHooks, Logits::Last).unwrap();
-        m.decoder
-            .forward(&chunk(split, ids.len()), &mut cache, None, &mut NoHooks, Logits::All)
-            .unwrap()
-            .squeeze(0)
-            .unwrap()
+        m.decoder.forward(&chunk(split, ids.len()), &mut cache, None, &mut NoHooks, Logits::All).unwrap().squeeze(0).unwrap()
     };
     let fused = run(&m);
     m.decoder.reference_ops = true;
     let reference = run(&m);
     let scale = reference.abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
-    let diff = (&fused - &reference)
-        .unwrap()
-        .abs()
-        .unwrap()
-        .flatten_all()
-        .unwrap()
-        .max(0)
-        .unwrap()
-        .to_scalar::<f32>()
-        .unwrap();
+    let diff = (&fused - &reference).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap();
     eprintln!("fused vs candle's ops, {} tokens: max |diff| = {diff:.3e}, relative {:.3e}", ids.len(), diff / scale);
     assert!(diff / scale <= 1e-4, "fused ops moved the logits by {} (relative)", diff / scale);
 }
@@ -132,37 +117,23 @@ fn int8_kernel_is_as_accurate_as_candles_quantized_matmul() {
     let path = lift_serve::fetch::resolve_model(None).unwrap();
     let mut reference = Model::load(&path, &Device::Cpu).unwrap();
     reference.decoder.use_candle_quantized_kernels();
-    let rms =
-        |a: &Tensor, b: &Tensor| (a - b).unwrap().sqr().unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap().sqrt();
+    let rms = |a: &Tensor, b: &Tensor| (a - b).unwrap().sqr().unwrap().mean_all().unwrap().to_scalar::<f32>().unwrap().sqrt();
     let (mut ours_sq, mut candle_sq) = (0f64, 0f64);
     let mut pairs = Vec::new();
     for li in [0usize, 15, 29] {
         let (a, b) = (&m.decoder.layers[li], &reference.decoder.layers[li]);
-        for (x, y) in [
-            (&a.q, &b.q),
-            (&a.k, &b.k),
-            (&a.v, &b.v),
-            (&a.o, &b.o),
-            (&a.gate, &b.gate),
-            (&a.up, &b.up),
-            (&a.down, &b.down),
-        ] {
+        for (x, y) in [(&a.q, &b.q), (&a.k, &b.k), (&a.v, &b.v), (&a.o, &b.o), (&a.gate, &b.gate), (&a.up, &b.up), (&a.down, &b.down)] {
             pairs.push((format!("layer {li}"), x, y));
         }
     }
     pairs.push(("lm head".to_string(), &m.decoder.lm_head, &reference.decoder.lm_head));
     for (name, ours, theirs) in pairs {
         let n = ours.in_dim();
-        let x: Vec<f32> =
-            (0..8 * n).map(|i| ((i as f32 * 0.37).sin() * 2.0 + (i as f32 * 0.011).cos()) * 0.5).collect();
+        let x: Vec<f32> = (0..8 * n).map(|i| ((i as f32 * 0.37).sin() * 2.0 + (i as f32 * 0.011).cos()) * 0.5).collect();
         let x = Tensor::from_vec(x, (8, n), &Device::Cpu).unwrap();
         let exact = ours.forward_float(&x, false).unwrap();
         let (e_ours, e_candle) = (rms(&ours.forward(&x).unwrap(), &exact), rms(&theirs.forward(&x).unwrap(), &exact));
-        assert!(
-            e_ours <= 1.1 * e_candle,
-            "{name} [{}, {n}]: RMS error {e_ours:.3e} vs candle's {e_candle:.3e}",
-            ours.out_dim()
-        );
+        assert!(e_ours <= 1.1 * e_candle, "{name} [{}, {n}]: RMS error {e_ours:.3e} vs candle's {e_candle:.3e}", ours.out_dim());
         ours_sq += (e_ours as f64).powi(2);
         candle_sq += (e_candle as f64).powi(2);
     }
@@ -180,9 +151,8 @@ fn greedy_chat_answer_knows_the_capital_of_france() {
         ])
         .unwrap();
     let params = SamplingParams { max_tokens: 40, ..Default::default() };
-    let out =
-        generate(m, &prompt, &mut KvCache::new(m.config().num_layers), None, &mut NoHooks, &params, &mut |_| true)
-            .unwrap();
+    let out = generate(m, &prompt, &mut KvCache::new(m.config().num_layers), None, &mut NoHooks, &params, &mut |_| true)
+        .unwrap();
     eprintln!("answer: {}", out.text);
     assert!(out.text.contains("Paris"), "answer was: {}", out.text);
 }
@@ -224,15 +194,10 @@ fn batched_answers_over_the_prepared_base_match_each_alone() {
     let base_dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("base");
     lift_serve::base::PreparedBase::load(&base_dir, &m).unwrap().install(&mut m).unwrap();
     assert!(m.base_filter().is_some());
-    let text = std::fs::read_to_string(
-        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harbor_history.txt"),
-    )
-    .unwrap();
+    let text = std::fs::read_to_string(std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harbor_history.txt")).unwrap();
     let doc = Document::encode(&m, text).unwrap();
     let layers: Vec<usize> = (15..m.config().num_layers).collect();
-    let gm = |seed| -> Arc<dyn Adapter> {
-        Arc::new(GatedMemory::new(m.config(), &layers, false, seed, &Device::Cpu).unwrap().detached())
-    };
+    let gm = |seed| -> Arc<dyn Adapter> { Arc::new(GatedMemory::new(m.config(), &layers, false, seed, &Device::Cpu).unwrap().detached()) };
     let params = SamplingParams { max_tokens: 12, ..Default::default() };
     // (question, mode, adapter, join at step, context budget)
     let cases: Vec<(&str, Mode, Option<Arc<dyn Adapter>>, usize, usize)> = vec![
@@ -243,22 +208,14 @@ fn batched_answers_over_the_prepared_base_match_each_alone() {
     let alone: Vec<_> = cases
         .iter()
         .map(|(q, mode, a, _, ctx)| {
-            let ask = Ask {
-                history: &[],
-                question: q,
-                mode: *mode,
-                context: Some(ContextPolicy::Full),
-                context_tokens: Some(*ctx),
-            };
+            let ask = Ask { history: &[], question: q, mode: *mode, context: Some(ContextPolicy::Full), context_tokens: Some(*ctx) };
             let out = answer(&m, &doc, a.as_deref(), &ask, &params, &mut |_| true).unwrap();
             (out.generation.tokens, out.generation.text, out.chunks)
         })
         .collect();
     let chat = m.encode_chat(&[ChatMessage { role: "user".into(), content: "Name a color.".into() }]).unwrap();
     let chat_alone =
-        generate(&m, &chat, &mut KvCache::new(m.config().num_layers), None, &mut NoHooks, &params, &mut |_| true)
-            .unwrap()
-            .tokens;
+        generate(&m, &chat, &mut KvCache::new(m.config().num_layers), None, &mut NoHooks, &params, &mut |_| true).unwrap().tokens;
 
     let mut batch = Batch::new(8, PREFILL_CHUNK);
     let mut done = std::collections::BTreeMap::new();
@@ -266,21 +223,14 @@ fn batched_answers_over_the_prepared_base_match_each_alone() {
     while done.len() < cases.len() + 1 {
         for (i, (q, mode, a, join, ctx)) in cases.iter().enumerate() {
             if *join == step {
-                let ask = Ask {
-                    history: &[],
-                    question: q,
-                    mode: *mode,
-                    context: Some(ContextPolicy::Full),
-                    context_tokens: Some(*ctx),
-                };
+                let ask = Ask { history: &[], question: q, mode: *mode, context: Some(ContextPolicy::Full), context_tokens: Some(*ctx) };
                 let (_, seq) = prepare(&m, &doc, &ask, &params).unwrap();
                 let key = a.as_ref().map_or(0, |a| Arc::as_ptr(a) as *const () as usize);
                 batch.join(Entry { seq, adapter: a.clone(), adapter_key: key, data: i });
             }
         }
         if step == 1 {
-            let seq =
-                Sequence::new(&m, chat.clone(), KvCache::new(m.config().num_layers), params.clone(), None).unwrap();
+            let seq = Sequence::new(&m, chat.clone(), KvCache::new(m.config().num_layers), params.clone(), None).unwrap();
             batch.join(Entry { seq, adapter: None, adapter_key: 0, data: cases.len() });
         }
         for e in batch.step(&m, &mut |_: &mut usize, _: &str| true).unwrap() {
@@ -310,18 +260,15 @@ fn an_f16_kv_cache_costs_little_next_token_loss() {
         m.decoder.cpu_float_dtype = float;
         let (mut nll, mut count) = (0f64, 0usize);
         for name in ["harbor_history.txt", "kestrel_observatory.txt"] {
-            let text =
-                std::fs::read_to_string(format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap();
+            let text = std::fs::read_to_string(format!("{}/tests/fixtures/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap();
             let ids = m.tokenizer.encode(&text, false).unwrap();
             let mut cache = KvCache::new(m.config().num_layers);
             for start in (0..ids.len() - 1).step_by(128) {
                 let chunk = &ids[start..(start + 128).min(ids.len() - 1)];
                 let input = Tensor::new(chunk, &Device::Cpu).unwrap().unsqueeze(0).unwrap();
-                let logits =
-                    m.decoder.forward(&input, &mut cache, None, &mut NoHooks, lift_serve::model::Logits::All).unwrap();
+                let logits = m.decoder.forward(&input, &mut cache, None, &mut NoHooks, lift_serve::model::Logits::All).unwrap();
                 let logp = candle_nn::ops::log_softmax(&logits.squeeze(0).unwrap(), 1).unwrap();
-                let target =
-                    Tensor::new(&ids[start + 1..start + 1 + chunk.len()], &Device::Cpu).unwrap().unsqueeze(1).unwrap();
+                let target = Tensor::new(&ids[start + 1..start + 1 + chunk.len()], &Device::Cpu).unwrap().unsqueeze(1).unwrap();
                 nll -= logp.gather(&target, 1).unwrap().sum_all().unwrap().to_scalar::<f32>().unwrap() as f64;
                 count += chunk.len();
             }
@@ -330,19 +277,13 @@ fn an_f16_kv_cache_costs_little_next_token_loss() {
     };
     use candle_core::DType::{BF16, F16, F32};
     let (f32_loss, f16_loss) = (loss(F32, F32), loss(F16, F32));
-    eprintln!(
-        "next-token loss: f32 cache {f32_loss:.4} nats, f16 cache {f16_loss:.4} ({:+.3}%)",
-        100.0 * (f16_loss / f32_loss - 1.0)
-    );
+    eprintln!("next-token loss: f32 cache {f32_loss:.4} nats, f16 cache {f16_loss:.4} ({:+.3}%)", 100.0 * (f16_loss / f32_loss - 1.0));
     assert!(f16_loss <= f32_loss * 1.005, "f16 cache {f16_loss} vs f32 {f32_loss} nats");
     // The 128-token chunks take the float path: its bf16 matmuls (the default where the CPU
     // runs them) against f32, both over the f16 cache, under the same bound.
     if lift_serve::kernels::bf16_matmul::available() {
         let bf16_loss = loss(F16, BF16);
-        eprintln!(
-            "bf16 prefill matmuls: {bf16_loss:.4} nats ({:+.3}% vs f32 matmuls)",
-            100.0 * (bf16_loss / f16_loss - 1.0)
-        );
+        eprintln!("bf16 prefill matmuls: {bf16_loss:.4} nats ({:+.3}% vs f32 matmuls)", 100.0 * (bf16_loss / f16_loss - 1.0));
         assert!(bf16_loss <= f16_loss * 1.005, "bf16 matmuls {bf16_loss} vs f32 {f16_loss} nats");
     }
 }
@@ -363,9 +304,7 @@ fn bf16_training_matmuls_follow_f32_training() {
     }
     let path = lift_serve::fetch::resolve_model(None).unwrap();
     let mut m = Model::load(&path, &Device::Cpu).unwrap();
-    let text =
-        std::fs::read_to_string(format!("{}/tests/fixtures/kestrel_observatory.txt", env!("CARGO_MANIFEST_DIR")))
-            .unwrap();
+    let text = std::fs::read_to_string(format!("{}/tests/fixtures/kestrel_observatory.txt", env!("CARGO_MANIFEST_DIR"))).unwrap();
     let ids = m.tokenizer.encode(&text, false).unwrap();
     let window = &ids[200..329];
     let input = Tensor::new(&window[..128], &Device::Cpu).unwrap().unsqueeze(0).unwrap();

@@ -46,10 +46,7 @@ fn hf_and_gguf_loaders_agree() {
         let a = hf.decoder.forward(&input, &mut KvCache::new(2), None, &mut NoHooks, Logits::All).unwrap();
         let b = gguf.decoder.forward(&input, &mut KvCache::new(2), None, &mut NoHooks, Logits::All).unwrap();
         let d = max_abs_diff(&a, &b);
-        assert!(
-            d < 1e-4,
-            "qkv_bias={qkv_bias}: GGUF (llama.cpp q/k layout, interleaved RoPE) vs HF logits differ by {d}"
-        );
+        assert!(d < 1e-4, "qkv_bias={qkv_bias}: GGUF (llama.cpp q/k layout, interleaved RoPE) vs HF logits differ by {d}");
     }
 }
 
@@ -192,13 +189,7 @@ struct MaskKey {
     value: f32,
 }
 impl ForwardHooks for MaskKey {
-    fn attention_bias(
-        &self,
-        layer: usize,
-        _q_start: usize,
-        q_len: usize,
-        k_len: usize,
-    ) -> candle_core::Result<Option<Tensor>> {
+    fn attention_bias(&self, layer: usize, _q_start: usize, q_len: usize, k_len: usize) -> candle_core::Result<Option<Tensor>> {
         if layer < self.from_layer {
             return Ok(None);
         }
@@ -317,18 +308,8 @@ fn interleaved_rope_matches_candle_and_is_differentiable() {
     // Gradient against the slow (composite, differentiable) interleaved RoPE.
     let xv = candle_core::Var::from_tensor(&x).unwrap();
     let r = Tensor::from_vec(rng.vec(b * h * t * d, 1.0), (b, h, t, d), &dev).unwrap();
-    let g1 = (ops::rope_interleaved(xv.as_tensor(), &cos, &sin).unwrap() * &r)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
-    let g2 = (candle_nn::rotary_emb::rope_i_slow(xv.as_tensor(), &cos, &sin).unwrap() * &r)
-        .unwrap()
-        .sum_all()
-        .unwrap()
-        .backward()
-        .unwrap();
+    let g1 = (ops::rope_interleaved(xv.as_tensor(), &cos, &sin).unwrap() * &r).unwrap().sum_all().unwrap().backward().unwrap();
+    let g2 = (candle_nn::rotary_emb::rope_i_slow(xv.as_tensor(), &cos, &sin).unwrap() * &r).unwrap().sum_all().unwrap().backward().unwrap();
     assert!(max_abs_diff(g1.get(xv.as_tensor()).unwrap(), g2.get(xv.as_tensor()).unwrap()) < 1e-5);
 }
 

@@ -225,32 +225,15 @@ async fn document_lifecycle_and_restart() {
     assert_eq!(list["object"], "list");
     assert_eq!(list["data"].as_array().unwrap().len(), 1);
     let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
-    for m in [
-        "lift_http_requests_total{",
-        "lift_training_jobs_total{outcome=\"ready\"} 1",
-        "lift_adapter_cache_hits",
-        "lift_adapter_cache_misses",
-        "lift_adapter_cache_evictions",
-        "lift_adapter_cache_resident_bytes",
-        "lift_training_queue_depth",
-        "lift_generation_time_to_first_token_seconds_count",
-        "lift_generation_tokens_per_second",
-    ] {
+    for m in ["lift_http_requests_total{", "lift_training_jobs_total{outcome=\"ready\"} 1", "lift_adapter_cache_hits",
+              "lift_adapter_cache_misses", "lift_adapter_cache_evictions", "lift_adapter_cache_resident_bytes",
+              "lift_training_queue_depth", "lift_generation_time_to_first_token_seconds_count", "lift_generation_tokens_per_second"] {
         assert!(metrics.contains(m), "missing {m} in\n{metrics}");
     }
     let (s, api) = get_json(&c, &format!("{base}/openapi.json"), None).await;
     assert_eq!(s, 200);
     assert!(api["openapi"].as_str().unwrap().starts_with("3."));
-    for p in [
-        "/documents",
-        "/documents/{id}",
-        "/documents/{id}/events",
-        "/ask",
-        "/v1/models",
-        "/v1/chat/completions",
-        "/health",
-        "/metrics",
-    ] {
+    for p in ["/documents", "/documents/{id}", "/documents/{id}/events", "/ask", "/v1/models", "/v1/chat/completions", "/health", "/metrics"] {
         assert!(api["paths"].get(p).is_some(), "{p}");
     }
 
@@ -264,13 +247,7 @@ async fn document_lifecycle_and_restart() {
     let (s, g) = get_json(&c, &format!("{base}/documents/{ghost}"), None).await;
     assert_eq!((s, g["status"].as_str()), (StatusCode::OK, Some("failed")), "{g}");
     assert!(g["error"]["message"].as_str().unwrap().contains("interrupted"), "{g}");
-    let (s, a) = post_json(
-        &c,
-        &format!("{base}/ask"),
-        json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}),
-        None,
-    )
-    .await;
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
     assert_eq!(s, 200, "{a}");
     let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(!metrics.contains("lift_training_jobs_total{"), "nothing retrained:\n{metrics}");
@@ -324,16 +301,10 @@ async fn auth_and_tenancy() {
     assert_eq!(list["data"].as_array().unwrap().len(), 0);
     let (_, models) = get_json(&c, &format!("{base}/v1/models"), Some("key-b")).await;
     assert!(models["data"].as_array().unwrap().iter().all(|m| m["id"] != id.as_str()));
-    let (s, _) =
-        post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who?"}), Some("key-b")).await;
+    let (s, _) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who?"}), Some("key-b")).await;
     assert_eq!(s, 404);
-    let (s, _) = post_json(
-        &c,
-        &format!("{base}/v1/chat/completions"),
-        json!({"model": id, "messages": [{"role": "user", "content": "Who?"}]}),
-        Some("key-b"),
-    )
-    .await;
+    let (s, _) = post_json(&c, &format!("{base}/v1/chat/completions"),
+        json!({"model": id, "messages": [{"role": "user", "content": "Who?"}]}), Some("key-b")).await;
     assert_eq!(s, 404);
     let r = c.delete(format!("{base}/documents/{id}")).bearer_auth("key-b").send().await.unwrap();
     assert_eq!(r.status(), 404);
@@ -363,30 +334,17 @@ async fn bad_inputs() {
     assert!(before.keys().any(|k| k.ends_with("adapter.safetensors")));
 
     let long_doc: String = DOC.repeat(4);
-    let (s, slow) =
-        post_json(&c, &format!("{base}/documents"), json!({"text": long_doc, "options": {"epochs": [20, 20]}}), None)
-            .await;
+    let (s, slow) = post_json(&c, &format!("{base}/documents"), json!({"text": long_doc, "options": {"epochs": [20, 20]}}), None).await;
     assert_eq!(s, 202, "{slow}");
     let slow_id = slow["id"].as_str().unwrap().to_string();
     // Before its adapter exists a document answers from its passages, but `memory` (the adapter
     // alone) has nothing to answer with.
-    let (s, v) = post_json(
-        &c,
-        &format!("{base}/ask"),
-        json!({"document_id": slow_id, "question": "Who?", "mode": "memory"}),
-        None,
-    )
-    .await;
+    let (s, v) = post_json(&c, &format!("{base}/ask"), json!({"document_id": slow_id, "question": "Who?", "mode": "memory"}), None).await;
     assert_eq!(s, 409, "{v}");
     assert_error_shape(&v, "document_not_ready", "ask before ready");
     assert_eq!(v["error"]["type"], "conflict_error");
-    let (s, v) = post_json(
-        &c,
-        &format!("{base}/v1/chat/completions"),
-        json!({"model": slow_id, "messages": [{"role": "user", "content": "Who?"}], "mode": "memory"}),
-        None,
-    )
-    .await;
+    let (s, v) = post_json(&c, &format!("{base}/v1/chat/completions"),
+        json!({"model": slow_id, "messages": [{"role": "user", "content": "Who?"}], "mode": "memory"}), None).await;
     assert_eq!(s, 409, "{v}");
 
     let json_ct = "application/json";
@@ -418,13 +376,7 @@ async fn bad_inputs() {
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"cdt": false}})), 400, "removed_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"window": 0}})), 400, "invalid_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"epochs": [1]}})), 400, "invalid_option"),
-        (
-            "POST",
-            "/documents".into(),
-            ask(json!({"text": DOC, "options": {"adapter": "magic"}})),
-            400,
-            "invalid_option",
-        ),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"adapter": "magic"}})), 400, "invalid_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": "fast"})), 400, "invalid_type"),
         ("GET", "/documents/doc_unknown".into(), ("", vec![]), 404, "document_not_found"),
         ("GET", format!("/documents/{unknown}"), ("", vec![]), 404, "document_not_found"),
@@ -434,101 +386,23 @@ async fn bad_inputs() {
         ("POST", "/ask".into(), ask(json!({"document_id": unknown, "question": "Who?"})), 404, "document_not_found"),
         ("POST", "/ask".into(), ask(json!({"document_id": id})), 400, "missing_field"),
         ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "  "})), 422, "empty_question"),
-        (
-            "POST",
-            "/ask".into(),
-            ask(json!({"document_id": id, "question": "q".repeat(1001)})),
-            400,
-            "question_too_long",
-        ),
-        (
-            "POST",
-            "/ask".into(),
-            ask(json!({"document_id": id, "question": "Who?", "max_tokens": 0})),
-            400,
-            "invalid_max_tokens",
-        ),
-        (
-            "POST",
-            "/ask".into(),
-            ask(json!({"document_id": id, "question": "Who?", "max_tokens": 100000})),
-            400,
-            "invalid_max_tokens",
-        ),
-        (
-            "POST",
-            "/ask".into(),
-            ask(json!({"document_id": id, "question": "Who?", "max_tokens": "ten"})),
-            400,
-            "invalid_type",
-        ),
-        (
-            "POST",
-            "/ask".into(),
-            ask(json!({"document_id": id, "question": "Who?", "mode": "psychic"})),
-            400,
-            "invalid_mode",
-        ),
-        (
-            "POST",
-            "/ask".into(),
-            ask(json!({"document_id": id, "question": "Who?", "temperature": -1})),
-            400,
-            "invalid_temperature",
-        ),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "q".repeat(1001)})), 400, "question_too_long"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "max_tokens": 0})), 400, "invalid_max_tokens"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "max_tokens": 100000})), 400, "invalid_max_tokens"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "max_tokens": "ten"})), 400, "invalid_type"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "mode": "psychic"})), 400, "invalid_mode"),
+        ("POST", "/ask".into(), ask(json!({"document_id": id, "question": "Who?", "temperature": -1})), 400, "invalid_temperature"),
         ("POST", "/ask".into(), ask(json!({"document_id": 7, "question": "Who?"})), 400, "invalid_type"),
         ("POST", "/ask".into(), ("text/plain", b"Who built it?".to_vec()), 415, "unsupported_media_type"),
-        (
-            "POST",
-            "/v1/chat/completions".into(),
-            chat(json!({"model": "gpt-9", "messages": msgs})),
-            404,
-            "model_not_found",
-        ),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": "gpt-9", "messages": msgs})), 404, "model_not_found"),
         ("POST", "/v1/chat/completions".into(), chat(json!({"model": id})), 400, "missing_field"),
         ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": []})), 400, "invalid_messages"),
-        (
-            "POST",
-            "/v1/chat/completions".into(),
-            chat(json!({"model": id, "messages": [{"role": "wizard", "content": "x"}]})),
-            400,
-            "invalid_messages",
-        ),
-        (
-            "POST",
-            "/v1/chat/completions".into(),
-            chat(json!({"model": id, "messages": msgs, "n": 2})),
-            400,
-            "unsupported_n",
-        ),
-        (
-            "POST",
-            "/v1/chat/completions".into(),
-            chat(json!({"model": id, "messages": msgs, "max_tokens": 0})),
-            400,
-            "invalid_max_tokens",
-        ),
-        (
-            "POST",
-            "/v1/chat/completions".into(),
-            chat(json!({"model": id, "messages": msgs, "stream": "yes"})),
-            400,
-            "invalid_type",
-        ),
-        (
-            "POST",
-            "/v1/chat/completions".into(),
-            chat(json!({"model": id, "messages": msgs, "top_p": 0})),
-            400,
-            "invalid_top_p",
-        ),
-        (
-            "POST",
-            "/v1/chat/completions".into(),
-            chat(json!({"model": id, "messages": msgs, "mode": "psychic"})),
-            400,
-            "invalid_mode",
-        ),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": [{"role": "wizard", "content": "x"}]})), 400, "invalid_messages"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "n": 2})), 400, "unsupported_n"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "max_tokens": 0})), 400, "invalid_max_tokens"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "stream": "yes"})), 400, "invalid_type"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "top_p": 0})), 400, "invalid_top_p"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "mode": "psychic"})), 400, "invalid_mode"),
         ("GET", "/nowhere".into(), ("", vec![]), 404, "route_not_found"),
         ("PUT", "/ask".into(), ("", vec![]), 405, "method_not_allowed"),
     ];
@@ -555,13 +429,7 @@ async fn bad_inputs() {
     // Still healthy and answering; stored adapter untouched.
     let (s, _) = get_json(&c, &format!("{base}/health"), None).await;
     assert_eq!(s, 200);
-    let (s, a) = post_json(
-        &c,
-        &format!("{base}/ask"),
-        json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}),
-        None,
-    )
-    .await;
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
     assert_eq!(s, 200, "{a}");
     running.shutdown().await;
     let after: BTreeMap<_, _> = snapshot(&e.adapters).into_iter().filter(|(k, _)| !k.contains(&slow_id)).collect();
@@ -578,8 +446,7 @@ async fn queue_full_and_shutdown() {
     let (running, base) = start(cfg).await;
     let c = client();
     let slow = json!({"epochs": [50, 50]});
-    let (s, a) =
-        post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(4), "options": slow}), None).await;
+    let (s, a) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(4), "options": slow}), None).await;
     assert_eq!(s, 202, "{a}");
     let a_id = a["id"].as_str().unwrap().to_string();
     for _ in 0..200 {
@@ -589,11 +456,9 @@ async fn queue_full_and_shutdown() {
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let (s, b) =
-        post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": slow}), None).await;
+    let (s, b) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": slow}), None).await;
     assert_eq!(s, 202, "{b}");
-    let (s, v) =
-        post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(2), "options": slow}), None).await;
+    let (s, v) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(2), "options": slow}), None).await;
     assert_eq!(s, 429, "{v}");
     assert_error_shape(&v, "queue_full", "queue full");
     assert_eq!(v["error"]["type"], "rate_limit_error");
@@ -629,13 +494,9 @@ async fn queue_full_and_shutdown() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert!(
-        metrics.contains("lift_training_running 1") && metrics.contains("lift_training_queue_depth 1"),
-        "{metrics}"
-    );
+    assert!(metrics.contains("lift_training_running 1") && metrics.contains("lift_training_queue_depth 1"), "{metrics}");
     // Re-posting a re-queued document finds it in progress.
-    let (s, d) =
-        post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": slow}), None).await;
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": slow}), None).await;
     assert_eq!((s, d["id"].as_str()), (StatusCode::OK, Some(b_id)), "{d}");
     for id in [a_id.as_str(), b_id] {
         let r = c.delete(format!("{base}/documents/{id}")).send().await.unwrap();
@@ -665,12 +526,9 @@ impl Drop for Child {
 fn server_command(e: &Env, port: u16, log: &Path) -> std::process::Command {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"));
     cmd.args(["serve", "--port", &port.to_string()])
-        .arg("--model")
-        .arg(&e.model)
-        .arg("--adapters-dir")
-        .arg(&e.adapters)
-        .arg("--absorb-options")
-        .arg(&e.options)
+        .arg("--model").arg(&e.model)
+        .arg("--adapters-dir").arg(&e.adapters)
+        .arg("--absorb-options").arg(&e.options)
         // A `base/` in the working directory would belong to the default model, not the tiny one.
         .args(["--prepared-base", "none"])
         .stdout(std::process::Stdio::null())
@@ -716,17 +574,11 @@ async fn killed_mid_training_requeues_on_restart() {
     let mut training = Value::Null;
     for _ in 0..1000 {
         let (_, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
-        if d["status"] == "training"
-            && d["progress"]["stage"] == "training"
-            && d["progress"]["step"].as_u64() >= Some(1)
-        {
+        if d["status"] == "training" && d["progress"]["stage"] == "training" && d["progress"]["step"].as_u64() >= Some(1) {
             training = d;
             break;
         }
-        assert!(
-            matches!(d["status"].as_str(), Some("queued") | Some("training")),
-            "the job must still be running when the process is killed: {d}"
-        );
+        assert!(matches!(d["status"].as_str(), Some("queued") | Some("training")), "the job must still be running when the process is killed: {d}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert!(!training.is_null(), "training never started");
@@ -734,8 +586,7 @@ async fn killed_mid_training_requeues_on_restart() {
     let ghost = write_ghost_record(&e.adapters, "cd");
     child.0.kill().unwrap(); // SIGKILL: no shutdown handler runs
     child.0.wait().unwrap();
-    let rec: Value =
-        serde_json::from_slice(&std::fs::read(e.adapters.join(format!("{id}.job.json"))).unwrap()).unwrap();
+    let rec: Value = serde_json::from_slice(&std::fs::read(e.adapters.join(format!("{id}.job.json"))).unwrap()).unwrap();
     assert_eq!(rec["status"], "training", "the dead process left the job training: {rec}");
     assert!(!e.adapters.join(&id).exists(), "no adapter was saved before the kill");
 
@@ -752,29 +603,15 @@ async fn killed_mid_training_requeues_on_restart() {
     let d = wait_ready(&c, &base, &id, None).await;
     assert_eq!(d["adapter"]["kind"], "gated_memory");
     assert_eq!(std::fs::read_to_string(e.adapters.join(&id).join("document.txt")).unwrap(), text);
-    let (s, a) = post_json(
-        &c,
-        &format!("{base}/ask"),
-        json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}),
-        None,
-    )
-    .await;
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
     assert_eq!(s, 200, "{a}");
     // The same post is now answered from the store (200, ready), not trained a third time.
     let (s, d2) = post_json(&c, &format!("{base}/documents"), body, None).await;
-    assert_eq!(
-        (s, d2["id"].as_str(), d2["status"].as_str()),
-        (StatusCode::OK, Some(id.as_str()), Some("ready")),
-        "{d2}"
-    );
+    assert_eq!((s, d2["id"].as_str(), d2["status"].as_str()), (StatusCode::OK, Some(id.as_str()), Some("ready")), "{d2}");
     let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
     assert!(metrics.contains("lift_training_jobs_total{outcome=\"ready\"} 1"), "{metrics}");
     drop(child);
-    let pending: Vec<_> = std::fs::read_dir(&e.adapters)
-        .unwrap()
-        .filter_map(|f| f.ok())
-        .filter(|f| f.file_name().to_string_lossy().ends_with(".pending.txt"))
-        .collect();
+    let pending: Vec<_> = std::fs::read_dir(&e.adapters).unwrap().filter_map(|f| f.ok()).filter(|f| f.file_name().to_string_lossy().ends_with(".pending.txt")).collect();
     assert!(pending.is_empty(), "the kept text is dropped once the adapter is saved");
 }
 
@@ -791,8 +628,7 @@ async fn a_document_answers_from_the_first_second() {
     let c = Client::builder().timeout(Duration::from_secs(30)).build().unwrap();
     // Queued behind a held training thread: it cannot have started.
     let hold = hold_thread(&running, true).await;
-    let (s, d) =
-        post_json(&c, &format!("{base}/documents"), json!({"text": DOC, "options": {"epochs": [1, 12]}}), None).await;
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC, "options": {"epochs": [1, 12]}}), None).await;
     assert_eq!(s, 202, "{d}");
     let id = d["id"].as_str().unwrap().to_string();
     let ask = |mode: &str| json!({"document_id": id, "question": "Who painted the lighthouse tower?", "mode": mode, "max_tokens": 4});
@@ -802,13 +638,8 @@ async fn a_document_answers_from_the_first_second() {
     assert!(a["adapter"].is_null(), "{a}");
     let (_, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
     assert_eq!(d["status"], "queued", "{d}");
-    let (s, a) = post_json(
-        &c,
-        &format!("{base}/v1/chat/completions"),
-        json!({"model": id, "messages": [{"role": "user", "content": "Who built the harbor?"}], "max_tokens": 4}),
-        None,
-    )
-    .await;
+    let (s, a) = post_json(&c, &format!("{base}/v1/chat/completions"),
+        json!({"model": id, "messages": [{"role": "user", "content": "Who built the harbor?"}], "max_tokens": 4}), None).await;
     assert_eq!(s, 200, "chat with a queued document: {a}");
     assert_eq!(a["lift"]["mode"], "rag", "{a}");
     assert!(a["lift"]["adapter"].is_null(), "{a}");
@@ -883,13 +714,7 @@ async fn ask_while_another_document_trains() {
     wait_ready(&c, &base, &ready_id, None).await;
 
     // Minutes of training on the tiny model; it is deleted (cancelled) at the end.
-    let (s, slow) = post_json(
-        &c,
-        &format!("{base}/documents"),
-        json!({"text": DOC.repeat(4), "options": {"epochs": [100, 100]}}),
-        None,
-    )
-    .await;
+    let (s, slow) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(4), "options": {"epochs": [100, 100]}}), None).await;
     assert_eq!(s, 202, "{slow}");
     let slow_id = slow["id"].as_str().unwrap().to_string();
     let mut step = 0;
@@ -905,21 +730,13 @@ async fn ask_while_another_document_trains() {
 
     for (route, body) in [
         ("/ask", json!({"document_id": ready_id, "question": "Who built the harbor?", "max_tokens": 8})),
-        (
-            "/v1/chat/completions",
-            json!({"model": ready_id, "messages": [{"role": "user", "content": "Who painted the tower?"}], "max_tokens": 8}),
-        ),
+        ("/v1/chat/completions", json!({"model": ready_id, "messages": [{"role": "user", "content": "Who painted the tower?"}], "max_tokens": 8})),
     ] {
         let t = std::time::Instant::now();
         let (s, a) = post_json(&c, &format!("{base}{route}"), body, None).await;
         assert_eq!(s, 200, "{route}: {a}");
         let (_, d) = get_json(&c, &format!("{base}/documents/{slow_id}"), None).await;
-        assert_eq!(
-            d["status"],
-            "training",
-            "{route} answered in {:?}, but only after the training job ended: {d}",
-            t.elapsed()
-        );
+        assert_eq!(d["status"], "training", "{route} answered in {:?}, but only after the training job ended: {d}", t.elapsed());
         if route == "/ask" {
             assert!(a["timings"]["queue_ms"].as_f64().unwrap() < 5000.0, "waited in the generation queue: {a}");
         }
@@ -984,10 +801,8 @@ async fn a_server_over_a_prepared_base_answers_through_its_filter_and_reports_ch
     assert_eq!(s, 200, "{r}");
     assert!(r.get("context").is_none(), "no context, no chunks: {r}");
     // Chat completions: the same passages under the `lift` extension, on request only.
-    let chat = |with: bool| {
-        json!({"model": id, "messages": [{"role": "user", "content": "Who built the harbor?"}],
-                                   "max_tokens": 4, "include_context": with})
-    };
+    let chat = |with: bool| json!({"model": id, "messages": [{"role": "user", "content": "Who built the harbor?"}],
+                                   "max_tokens": 4, "include_context": with});
     let (s, r) = post_json(&c, &format!("{base}/v1/chat/completions"), chat(true), None).await;
     assert_eq!(s, 200, "{r}");
     assert!(r["lift"]["context"]["chunks"].as_array().is_some_and(|c| !c.is_empty()), "{r}");
@@ -1687,12 +1502,7 @@ async fn out_of_file_descriptors_the_server_keeps_accepting() {
 // ---------- issue 18: documents in the formats people have, the page, streamed answers ----------
 
 /// A multipart upload: the `file` part (name, media type, bytes) and any text parts.
-async fn upload(
-    c: &Client,
-    base: &str,
-    file: Option<(&str, &str, Vec<u8>)>,
-    texts: &[(&str, &str)],
-) -> (StatusCode, Value) {
+async fn upload(c: &Client, base: &str, file: Option<(&str, &str, Vec<u8>)>, texts: &[(&str, &str)]) -> (StatusCode, Value) {
     let mut form = reqwest::multipart::Form::new();
     if let Some((name, media_type, bytes)) = file {
         let part = reqwest::multipart::Part::bytes(bytes).file_name(name.to_string());
@@ -1715,10 +1525,8 @@ async fn uploads_in_every_format() {
     let e = env();
     let (running, base) = start(config(&e, &[])).await;
     let c = client();
-    let html = format!(
-        "<!doctype html><html><head><title>Harbor page</title><script>var hidden = 'SCRIPTWORD';</script>\
-        <style>.x {{ color: red }}</style></head><body><h1>Velmora</h1><p>{DOC}</p></body></html>"
-    );
+    let html = format!("<!doctype html><html><head><title>Harbor page</title><script>var hidden = 'SCRIPTWORD';</script>\
+        <style>.x {{ color: red }}</style></head><body><h1>Velmora</h1><p>{DOC}</p></body></html>");
     let md = format!("# Velmora\n\n*{DOC}*\n\n- [north pier](http://example.invalid/north)\n");
     let pages = [DOC, "The harbor master's office keeps a brass bell.\nIt rings at noon."];
     let pdf = write_pdf(PdfPages::Text(&pages), "Velmora in PDF", None).unwrap();
@@ -1757,29 +1565,15 @@ async fn uploads_in_every_format() {
     assert!(text.contains("Ada Quill") && !text.contains("SCRIPTWORD") && !text.contains("color"), "{text}");
 
     // Raw bodies in a document format (no multipart): the media type decides.
-    let r = c
-        .post(format!("{base}/documents"))
-        .header("content-type", "application/pdf")
-        .body(pdf.clone())
-        .send()
-        .await
-        .unwrap();
+    let r = c.post(format!("{base}/documents")).header("content-type", "application/pdf").body(pdf.clone()).send().await.unwrap();
     assert_eq!(r.status(), 200, "the same PDF as a raw body is the same document");
     let v: Value = r.json().await.unwrap();
     assert_eq!(v["id"], ids[3].as_str());
-    let r = c
-        .post(format!("{base}/documents"))
-        .header("content-type", "text/markdown")
-        .body(md.clone())
-        .send()
-        .await
-        .unwrap();
+    let r = c.post(format!("{base}/documents")).header("content-type", "text/markdown").body(md.clone()).send().await.unwrap();
     assert_eq!(r.status(), 200);
     assert_eq!(r.json::<Value>().await.unwrap()["id"], ids[1].as_str());
     // Options in a multipart form: a JSON object, read like a JSON body's (other options, new id).
-    let (s, d) =
-        upload(&c, &base, Some(("harbor.txt", "", DOC.as_bytes().to_vec())), &[("options", r#"{"epochs": [1, 2]}"#)])
-            .await;
+    let (s, d) = upload(&c, &base, Some(("harbor.txt", "", DOC.as_bytes().to_vec())), &[("options", r#"{"epochs": [1, 2]}"#)]).await;
     assert_eq!(s, StatusCode::ACCEPTED, "{d}");
     assert_eq!(d["options"]["train"]["epochs"], json!([1, 2]), "{d}");
     for id in &ids {
@@ -1787,12 +1581,11 @@ async fn uploads_in_every_format() {
     }
     wait_ready(&c, &base, d["id"].as_str().unwrap(), None).await;
     // Absorb until learned, per document: probes held aside, their curve in the figures.
-    let harbor: String =
-        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt"))
-            .unwrap()
-            .chars()
-            .take(1500)
-            .collect();
+    let harbor: String = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt"))
+        .unwrap()
+        .chars()
+        .take(1500)
+        .collect();
     let body = json!({"text": harbor, "options": {"until_learned": true, "epochs": [0, 8]}});
     let (s, d) = post_json(&c, &format!("{base}/documents"), body, None).await;
     assert_eq!(s, StatusCode::ACCEPTED, "{d}");
@@ -1821,30 +1614,12 @@ async fn uploads_in_every_format() {
         (Some(("sheet.xlsx", "", b"PK\x03\x04\0\0binary".to_vec())), vec![], 415, "unsupported_format", "file"),
         (Some(("latin1.txt", "text/plain", b"caf\xe9 au lait".to_vec())), vec![], 400, "invalid_utf8", "file"),
         (Some(("empty.txt", "text/plain", b"  \n\n ".to_vec())), vec![], 422, "empty_document", "text"),
-        (
-            Some(("scripts.html", "", b"<html><script>x()</script><style>p{}</style></html>".to_vec())),
-            vec![],
-            422,
-            "no_text",
-            "file",
-        ),
+        (Some(("scripts.html", "", b"<html><script>x()</script><style>p{}</style></html>".to_vec())), vec![], 422, "no_text", "file"),
         (None, vec![("title", "no file")], 400, "missing_field", "file"),
         (Some(("a.txt", "", DOC.as_bytes().to_vec())), vec![("colour", "red")], 400, "unknown_field", "colour"),
-        (
-            Some(("a.txt", "", DOC.as_bytes().to_vec())),
-            vec![("options", r#"{"colour": 1}"#)],
-            400,
-            "unknown_option",
-            "options.colour",
-        ),
+        (Some(("a.txt", "", DOC.as_bytes().to_vec())), vec![("options", r#"{"colour": 1}"#)], 400, "unknown_option", "options.colour"),
         (Some(("a.txt", "", DOC.as_bytes().to_vec())), vec![("options", "{not json")], 400, "invalid_json", "options"),
-        (
-            Some(("a.txt", "", DOC.as_bytes().to_vec())),
-            vec![("title", "a"), ("title", "b")],
-            400,
-            "duplicate_field",
-            "title",
-        ),
+        (Some(("a.txt", "", DOC.as_bytes().to_vec())), vec![("title", "a"), ("title", "b")], 400, "duplicate_field", "title"),
     ];
     for (file, texts, status, code, param) in bad {
         let ctx = format!("{:?} {texts:?}", file.as_ref().map(|f| f.0));
@@ -1853,13 +1628,7 @@ async fn uploads_in_every_format() {
         assert_error_shape(&v, code, &ctx);
         assert_eq!(v["error"]["param"], param, "{ctx}: {v}");
     }
-    let r = c
-        .post(format!("{base}/documents"))
-        .header("content-type", "multipart/form-data")
-        .body("x")
-        .send()
-        .await
-        .unwrap();
+    let r = c.post(format!("{base}/documents")).header("content-type", "multipart/form-data").body("x").send().await.unwrap();
     assert_eq!(r.status(), 400);
     assert_error_shape(&r.json().await.unwrap(), "invalid_multipart", "no boundary");
     let r = c.post(format!("{base}/documents")).header("content-type", "image/png").body("x").send().await.unwrap();
@@ -1890,20 +1659,14 @@ async fn uploads_in_every_format() {
     assert_eq!(pieces, whole["answer"].as_str().unwrap(), "{body}");
     assert_eq!(answer["usage"], whole["usage"]);
     // A streamed ask refused before any model work is a plain JSON error.
-    let (s, v) =
-        post_json(&c, &format!("{base}/ask"), json!({"document_id": "doc_0", "question": "q", "stream": true}), None)
-            .await;
+    let (s, v) = post_json(&c, &format!("{base}/ask"), json!({"document_id": "doc_0", "question": "q", "stream": true}), None).await;
     assert_eq!(s, 404, "{v}");
 
     // The record keeps the source across a restart.
     running.shutdown().await;
     let (running, base) = start(config(&e, &[])).await;
     let (_, d) = get_json(&c, &format!("{base}/documents/{}", ids[3]), None).await;
-    assert_eq!(
-        (d["status"].as_str(), d["source"]["format"].as_str(), d["source"]["pages"].as_u64()),
-        (Some("ready"), Some("pdf"), Some(2)),
-        "{d}"
-    );
+    assert_eq!((d["status"].as_str(), d["source"]["format"].as_str(), d["source"]["pages"].as_u64()), (Some("ready"), Some("pdf"), Some(2)), "{d}");
     assert!(d["training"]["steps"].as_u64().unwrap() > 0, "{d}");
     running.shutdown().await;
 }
@@ -1952,13 +1715,7 @@ async fn the_page_is_served_without_a_key() {
     let mut unzipped = Vec::new();
     std::io::Read::read_to_end(&mut flate2::read::GzDecoder::new(&zipped[..]), &mut unzipped).unwrap();
     assert_eq!(unzipped, raw.to_vec());
-    let again = c
-        .get(format!("{base}/ui/app.js"))
-        .header("accept-encoding", "gzip")
-        .header("if-none-match", &z_tag)
-        .send()
-        .await
-        .unwrap();
+    let again = c.get(format!("{base}/ui/app.js")).header("accept-encoding", "gzip").header("if-none-match", &z_tag).send().await.unwrap();
     assert_eq!(again.status(), 304);
     let refused = c.get(format!("{base}/ui/app.js")).header("accept-encoding", "gzip;q=0").send().await.unwrap();
     assert!(refused.headers().get("content-encoding").is_none());
@@ -1989,7 +1746,9 @@ async fn kv_budget_full_is_429_memory_full_until_answered() {
     let (running, base) = start(cfg).await;
     let c = client();
     let base_id = base_model_id(&c, &base).await;
-    let chat = move |max_tokens: usize| json!({"model": base_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens});
+    let chat = move |max_tokens: usize| {
+        json!({"model": base_id, "messages": [{"role": "user", "content": "hi"}], "max_tokens": max_tokens})
+    };
     let hold = hold_thread(&running, false).await;
     let first = {
         let (c, url, body) = (c.clone(), format!("{base}/v1/chat/completions"), chat(60));
@@ -2033,8 +1792,7 @@ async fn client_disconnect_frees_its_batch_slot() {
     // to no text of its own).
     let mut streaming = None;
     for i in 0..20 {
-        let body =
-            json!({"model": base_id, "messages": [{"role": "user", "content": format!("story {i}")}], "max_tokens": 8});
+        let body = json!({"model": base_id, "messages": [{"role": "user", "content": format!("story {i}")}], "max_tokens": 8});
         let (s, v) = post_json(&c, &format!("{base}/v1/chat/completions"), body, None).await;
         assert_eq!(s, 200, "{v}");
         if v["choices"][0]["message"]["content"].as_str().is_some_and(|t| !t.is_empty()) {
@@ -2066,16 +1824,7 @@ async fn client_disconnect_frees_its_batch_slot() {
 fn process_memory(pid: u32) -> (u64, u64) {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
     let kb = |key: &str| -> u64 {
-        status
-            .lines()
-            .find_map(|l| l.strip_prefix(key))
-            .unwrap()
-            .trim()
-            .trim_end_matches("kB")
-            .trim()
-            .parse::<u64>()
-            .unwrap()
-            * 1024
+        status.lines().find_map(|l| l.strip_prefix(key)).unwrap().trim().trim_end_matches("kB").trim().parse::<u64>().unwrap() * 1024
     };
     (kb("VmRSS:"), kb("VmHWM:"))
 }
@@ -2100,15 +1849,10 @@ async fn uploads_of_word_opendocument_epub_and_quoted_pdf_files() {
     let (_running, base) = start(config(&e, &[])).await;
     let c = client();
     let word = docx(&[docx_paragraph("The Kestrel Ledger", Some("Title")), docx_paragraph(DOC, None)].concat(), None);
-    let open = odt(
-        &format!("<text:h text:outline-level=\"1\">Kestrel notes</text:h><text:p>{DOC}</text:p>"),
-        Some("Kestrel in ODF"),
-    );
+    let open = odt(&format!("<text:h text:outline-level=\"1\">Kestrel notes</text:h><text:p>{DOC}</text:p>"), Some("Kestrel in ODF"));
     let chapter = format!("<h1>One</h1><p>{DOC}</p>");
-    let book =
-        epub("Kestrel, a book", &[("one.xhtml", &chapter), ("two.xhtml", "<p>The second chapter ends here.</p>")]);
-    let content =
-        format!("BT /F1 11 Tf 14 TL 72 720 Td (Quoted lines follow.) Tj ({DOC}) ' 1 0 (The last line.) \" ET");
+    let book = epub("Kestrel, a book", &[("one.xhtml", &chapter), ("two.xhtml", "<p>The second chapter ends here.</p>")]);
+    let content = format!("BT /F1 11 Tf 14 TL 72 720 Td (Quoted lines follow.) Tj ({DOC}) ' 1 0 (The last line.) \" ET");
     let quoted = write_pdf(PdfPages::Content(&[&content]), "Quoted PDF", None).unwrap();
     let md = format!("Some words first.\n\n# Kestrel *Markdown*\n\n{DOC}\n");
     // (file name, declared type, bytes) → (format, title, the last words of its text)
@@ -2123,8 +1867,7 @@ async fn uploads_of_word_opendocument_epub_and_quoted_pdf_files() {
         let (s, d) = upload(&c, &base, Some((name, media_type, bytes.clone())), &[]).await;
         assert_eq!(s, StatusCode::ACCEPTED, "{name}: {d}");
         assert_eq!((d["source"]["format"].as_str(), d["title"].as_str()), (Some(format), Some(title)), "{name}: {d}");
-        let extracted =
-            lift_serve::formats::extract(&bytes, Some(name), (!media_type.is_empty()).then_some(media_type)).unwrap();
+        let extracted = lift_serve::formats::extract(&bytes, Some(name), (!media_type.is_empty()).then_some(media_type)).unwrap();
         assert!(extracted.text.contains("Ada Quill") && extracted.text.ends_with(last), "{name}: {:?}", extracted.text);
         // The same file as a raw body is the same document (the bytes decide the format).
         let raw_type = if format == "markdown" { "text/markdown" } else { "application/octet-stream" };
@@ -2142,13 +1885,7 @@ async fn uploads_of_word_opendocument_epub_and_quoted_pdf_files() {
         ("forged.epub", "", forged, 422, "document_too_complex"),
         ("deep.odt", "", odt(&"<text:span>".repeat(100_000), None), 422, "document_too_complex"),
         ("locked.docx", "", ole, 422, "encrypted_document"),
-        (
-            "broken.odt",
-            "",
-            zip(&[("mimetype", b"application/vnd.oasis.opendocument.text")]),
-            422,
-            "unreadable_document",
-        ),
+        ("broken.odt", "", zip(&[("mimetype", b"application/vnd.oasis.opendocument.text")]), 422, "unreadable_document"),
         ("empty.epub", "", epub("Empty", &[("e.xhtml", "<img src='x.png'/>")]), 422, "no_text"),
     ];
     for (name, media_type, bytes, status, code) in bad {
@@ -2158,13 +1895,7 @@ async fn uploads_of_word_opendocument_epub_and_quoted_pdf_files() {
         assert_error_shape(&v, code, name);
         assert!(t0.elapsed().as_secs_f64() < 10.0, "{name}: refused only after {:?}", t0.elapsed());
     }
-    let (s, d) = upload(
-        &c,
-        &base,
-        Some(("after.docx", "", docx(&docx_paragraph(&format!("{DOC} Still serving."), None), None))),
-        &[],
-    )
-    .await;
+    let (s, d) = upload(&c, &base, Some(("after.docx", "", docx(&docx_paragraph(&format!("{DOC} Still serving."), None), None))), &[]).await;
     assert_eq!(s, StatusCode::ACCEPTED, "the server keeps serving: {d}");
 }
 
@@ -2181,8 +1912,7 @@ async fn hostile_uploads_are_refused_in_bounded_time() {
     let logs = e.adapters.parent().unwrap().to_path_buf();
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
-    let mut child =
-        Child(server_command(&e, port, &logs.join("serve.log")).args(["--extract-timeout-secs", "8"]).spawn().unwrap());
+    let mut child = Child(server_command(&e, port, &logs.join("serve.log")).args(["--extract-timeout-secs", "8"]).spawn().unwrap());
     wait_health(&c, &base, &mut child).await;
     let pid = child.0.id();
 
@@ -2207,13 +1937,8 @@ async fn hostile_uploads_are_refused_in_bounded_time() {
         let size = bytes.len();
         let (s, v, secs) = post_raw(&c, &base, media_type, bytes).await;
         let (rss, hwm) = process_memory(pid);
-        eprintln!(
-            "{what}: {size} bytes → {s} {} in {secs:.2} s; server RSS {} MiB (start {} MiB, peak {} MiB)",
-            v["error"]["code"],
-            rss >> 20,
-            rss_start >> 20,
-            hwm >> 20
-        );
+        eprintln!("{what}: {size} bytes → {s} {} in {secs:.2} s; server RSS {} MiB (start {} MiB, peak {} MiB)",
+            v["error"]["code"], rss >> 20, rss_start >> 20, hwm >> 20);
         assert!(s.is_client_error(), "{what}: {s} {v}");
         assert_error_shape(&v, code, what);
         assert!(v["error"]["message"].as_str().unwrap().contains("limit"), "{what}: the message names the limit: {v}");
@@ -2240,20 +1965,13 @@ async fn hostile_uploads_are_refused_in_bounded_time() {
     // Nothing was written for the refused uploads; the server still absorbs and answers.
     let (_, list) = get_json(&c, &format!("{base}/documents"), None).await;
     assert_eq!(list["data"].as_array().unwrap().len(), 1, "{list}");
-    let (s, d) =
-        upload(&c, &base, Some(("after.html", "text/html", format!("<p>{DOC} After.</p>").into_bytes())), &[]).await;
+    let (s, d) = upload(&c, &base, Some(("after.html", "text/html", format!("<p>{DOC} After.</p>").into_bytes())), &[]).await;
     assert_eq!(s, 202, "{d}");
     let after = d["id"].as_str().unwrap().to_string();
     assert_eq!(d["source"]["format"], "html");
     wait_ready(&c, &base, &after, None).await;
     for id in [&before, &after] {
-        let (s, a) = post_json(
-            &c,
-            &format!("{base}/ask"),
-            json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}),
-            None,
-        )
-        .await;
+        let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
         assert_eq!(s, 200, "{a}");
     }
     let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
@@ -2272,12 +1990,7 @@ async fn exact_contract_paths_duplicates_auth_scheme_health() {
     cfg.memory_budget_bytes = Some(1);
     let (running, base) = start(cfg).await;
     let c = client();
-    for (method, path) in [
-        ("GET", "/documents/%ff%fe"),
-        ("GET", "/documents/%ff%fe/events"),
-        ("DELETE", "/documents/%ff%fe"),
-        ("GET", "/ui/%ff"),
-    ] {
+    for (method, path) in [("GET", "/documents/%ff%fe"), ("GET", "/documents/%ff%fe/events"), ("DELETE", "/documents/%ff%fe"), ("GET", "/ui/%ff")] {
         let r = c.request(method.parse().unwrap(), format!("{base}{path}")).bearer_auth("key-a").send().await.unwrap();
         let s = r.status();
         assert!(r.headers()["content-type"].to_str().unwrap().starts_with("application/json"), "{method} {path}");
@@ -2286,11 +1999,7 @@ async fn exact_contract_paths_duplicates_auth_scheme_health() {
         assert_error_shape(&v, "invalid_path", path);
     }
     let dup = |body: &'static str| {
-        c.post(format!("{base}/documents"))
-            .bearer_auth("key-a")
-            .header("content-type", "application/json")
-            .body(body)
-            .send()
+        c.post(format!("{base}/documents")).bearer_auth("key-a").header("content-type", "application/json").body(body).send()
     };
     for (body, param) in [
         (r#"{"text":"a","text":"b"}"#, "text"),
@@ -2303,13 +2012,7 @@ async fn exact_contract_paths_duplicates_auth_scheme_health() {
         assert_error_shape(&v, "duplicate_field", body);
         assert_eq!(v["error"]["param"], param, "{v}");
     }
-    let r = c
-        .post(format!("{base}/ask"))
-        .bearer_auth("key-a")
-        .body(r#"{"document_id":"doc_x","question":"q","question":"r"}"#)
-        .send()
-        .await
-        .unwrap();
+    let r = c.post(format!("{base}/ask")).bearer_auth("key-a").body(r#"{"document_id":"doc_x","question":"q","question":"r"}"#).send().await.unwrap();
     assert_eq!(r.status(), 400);
     assert_eq!(r.json::<Value>().await.unwrap()["error"]["code"], "duplicate_field");
     let form = reqwest::multipart::Form::new()
@@ -2321,8 +2024,7 @@ async fn exact_contract_paths_duplicates_auth_scheme_health() {
     assert_error_shape(&v, "duplicate_field", "multipart options");
     assert_eq!(v["error"]["param"], "options.window", "{v}");
     for scheme in ["Bearer", "bearer", "BEARER", "bEaReR"] {
-        let r =
-            c.get(format!("{base}/documents")).header("authorization", format!("{scheme} key-a")).send().await.unwrap();
+        let r = c.get(format!("{base}/documents")).header("authorization", format!("{scheme} key-a")).send().await.unwrap();
         assert_eq!(r.status(), 200, "{scheme}");
     }
     let r = c.get(format!("{base}/documents")).header("authorization", "Basic key-a").send().await.unwrap();
@@ -2344,16 +2046,9 @@ async fn sigterm_with_training_exits_within_the_drain() {
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
     let drain = 1.0;
-    let mut child =
-        Child(server_command(&e, port, &logs.join("serve.log")).args(["--drain-secs", "1"]).spawn().unwrap());
+    let mut child = Child(server_command(&e, port, &logs.join("serve.log")).args(["--drain-secs", "1"]).spawn().unwrap());
     wait_health(&c, &base, &mut child).await;
-    let (s, d) = post_json(
-        &c,
-        &format!("{base}/documents"),
-        json!({"text": DOC.repeat(3), "options": {"epochs": [100, 100]}}),
-        None,
-    )
-    .await;
+    let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": DOC.repeat(3), "options": {"epochs": [100, 100]}}), None).await;
     assert_eq!(s, 202, "{d}");
     let id = d["id"].as_str().unwrap().to_string();
     for _ in 0..1000 {
@@ -2393,11 +2088,7 @@ async fn the_worker_limits_hold_when_a_parser_runs_away() {
     let c = client();
     let logs = e.adapters.parent().unwrap().to_path_buf();
     let limits = logs.join("limits.json");
-    std::fs::write(
-        &limits,
-        r#"{"max_depth": 100000000, "max_stream_bytes": 100000000000, "max_inflated_bytes": 100000000000}"#,
-    )
-    .unwrap();
+    std::fs::write(&limits, r#"{"max_depth": 100000000, "max_stream_bytes": 100000000000, "max_inflated_bytes": 100000000000}"#).unwrap();
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
     let mut child = Child(
@@ -2482,11 +2173,7 @@ async fn an_adapter_directory_is_served_after_import() {
             .arg(&e.model)
             .output()
             .unwrap();
-        (
-            out.status.success(),
-            String::from_utf8_lossy(&out.stdout).trim().to_string(),
-            String::from_utf8_lossy(&out.stderr).to_string(),
-        )
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).trim().to_string(), String::from_utf8_lossy(&out.stderr).to_string())
     };
     let (ok, id, err) = import(&notes);
     assert!(ok && id.starts_with("doc_"), "{id} {err}");
@@ -2499,13 +2186,7 @@ async fn an_adapter_directory_is_served_after_import() {
     assert_eq!(d["title"], "harbor-notes", "{d}");
     let (s, v) = get_json(&c, &format!("{base}/documents/{id}"), Some("key-b")).await;
     assert_eq!(s, 404, "another tenant does not see it: {v}");
-    let (s, a) = post_json(
-        &c,
-        &format!("{base}/ask"),
-        json!({"document_id": id, "question": "Who built the harbor?", "mode": "lift"}),
-        Some("key-a"),
-    )
-    .await;
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "mode": "lift"}), Some("key-a")).await;
     assert_eq!(s, 200, "{a}");
     assert_eq!(a["mode"], "lift", "{a}");
     running.shutdown().await;
@@ -2528,11 +2209,7 @@ async fn dry_run_says_the_cost_before_paying() {
     let planned = est["estimate"]["planned_steps"].as_u64().unwrap();
     let tokens = est["estimate"]["training_tokens"].as_u64().unwrap();
     assert!(planned > 0 && tokens > 0 && est["tokens"].as_u64().unwrap() > 0, "{est}");
-    assert_eq!(
-        (est["estimate"]["rate"].as_str(), est["estimate"]["measured_absorbs"].as_u64()),
-        (Some("prior"), Some(0)),
-        "{est}"
-    );
+    assert_eq!((est["estimate"]["rate"].as_str(), est["estimate"]["measured_absorbs"].as_u64()), (Some("prior"), Some(0)), "{est}");
     let secs = est["estimate"]["seconds"].as_f64().unwrap();
     let per_token = est["estimate"]["seconds_per_token"].as_f64().unwrap();
     let overhead = est["estimate"]["overhead_seconds"].as_f64().unwrap();
@@ -2540,39 +2217,24 @@ async fn dry_run_says_the_cost_before_paying() {
     // The tiny server's options (epochs [1, 1], 4 QA pairs) are known to under-train.
     let codes: Vec<&str> = est["warnings"].as_array().unwrap().iter().map(|w| w["code"].as_str().unwrap()).collect();
     assert!(codes.contains(&"few_epochs"), "{est}");
-    assert!(
-        est["warnings"][0]["param"] == "options.epochs"
-            && est["warnings"][0]["message"].as_str().unwrap().contains("[2, 3]"),
-        "{est}"
-    );
+    assert!(est["warnings"][0]["param"] == "options.epochs" && est["warnings"][0]["message"].as_str().unwrap().contains("[2, 3]"), "{est}");
     // More epochs: more steps, and no warning about them.
-    let (s, more) = post_json(
-        &c,
-        &format!("{base}/documents"),
-        json!({"text": DOC, "dry_run": true, "options": {"epochs": [2, 3]}}),
-        None,
-    )
-    .await;
+    let (s, more) = post_json(&c, &format!("{base}/documents"),
+        json!({"text": DOC, "dry_run": true, "options": {"epochs": [2, 3]}}), None).await;
     assert_eq!(s, 200, "{more}");
     assert!(more["estimate"]["planned_steps"].as_u64().unwrap() > planned, "{more} vs {est}");
     assert!(!more["warnings"].as_array().unwrap().iter().any(|w| w["code"] == "few_epochs"), "{more}");
     // As a form field too; refusals are the real post's (too much training is 400 before any work).
-    let (s, form) =
-        upload(&c, &base, Some(("velmora.txt", "text/plain", DOC.as_bytes().to_vec())), &[("dry_run", "true")]).await;
+    let (s, form) = upload(&c, &base, Some(("velmora.txt", "text/plain", DOC.as_bytes().to_vec())), &[("dry_run", "true")]).await;
     assert_eq!(s, 200, "{form}");
     assert_eq!(form["estimate"]["planned_steps"].as_u64(), Some(planned), "{form}");
-    let (s, v) =
-        upload(&c, &base, Some(("velmora.txt", "text/plain", DOC.as_bytes().to_vec())), &[("dry_run", "maybe")]).await;
+    let (s, v) = upload(&c, &base, Some(("velmora.txt", "text/plain", DOC.as_bytes().to_vec())), &[("dry_run", "maybe")]).await;
     assert_eq!(s, 400, "{v}");
     assert_error_shape(&v, "invalid_type", "dry_run maybe");
     assert_eq!(v["error"]["param"], "dry_run");
     let (s, v) = post_json(&c, &format!("{base}/documents"), body(json!("yes")), None).await;
     assert_eq!(s, 400, "{v}");
-    assert_eq!(
-        (v["error"]["code"].as_str(), v["error"]["param"].as_str()),
-        (Some("invalid_type"), Some("dry_run")),
-        "{v}"
-    );
+    assert_eq!((v["error"]["code"].as_str(), v["error"]["param"].as_str()), (Some("invalid_type"), Some("dry_run")), "{v}");
     let (s, v) = post_json(&c, &format!("{base}/documents"),
         json!({"text": DOC, "dry_run": true, "options": {"epochs": [100, 100], "window": 32, "stride": 1, "aux_qa": 1000}}), None).await;
     assert_eq!(s, 400, "{v}");
@@ -2594,32 +2256,16 @@ async fn dry_run_says_the_cost_before_paying() {
     // One absorb finished: the rate is this server's now.
     let (s, after) = post_json(&c, &format!("{base}/documents"), body(json!(true)), None).await;
     assert_eq!(s, 200, "{after}");
-    assert_eq!(
-        (after["estimate"]["rate"].as_str(), after["estimate"]["measured_absorbs"].as_u64()),
-        (Some("measured"), Some(1)),
-        "{after}"
-    );
+    assert_eq!((after["estimate"]["rate"].as_str(), after["estimate"]["measured_absorbs"].as_u64()), (Some("measured"), Some(1)), "{after}");
     let took = ready["training"]["total_seconds"].as_f64().unwrap();
     let said = after["estimate"]["seconds"].as_f64().unwrap();
-    assert!(
-        (said - took).abs() < 0.5 * took + 0.5,
-        "the measured rate predicts the same absorb: said {said} s, took {took} s"
-    );
+    assert!((said - took).abs() < 0.5 * took + 0.5, "the measured rate predicts the same absorb: said {said} s, took {took} s");
 
     // `include_context` must be a boolean.
-    let (s, v) = post_json(
-        &c,
-        &format!("{base}/ask"),
-        json!({"document_id": id, "question": "Who built the harbor?", "include_context": "yes"}),
-        None,
-    )
-    .await;
+    let (s, v) = post_json(&c, &format!("{base}/ask"),
+        json!({"document_id": id, "question": "Who built the harbor?", "include_context": "yes"}), None).await;
     assert_eq!(s, 400, "{v}");
-    assert_eq!(
-        (v["error"]["code"].as_str(), v["error"]["param"].as_str()),
-        (Some("invalid_type"), Some("include_context")),
-        "{v}"
-    );
+    assert_eq!((v["error"]["code"].as_str(), v["error"]["param"].as_str()), (Some("invalid_type"), Some("include_context")), "{v}");
     running.shutdown().await;
 }
 
@@ -2647,9 +2293,7 @@ async fn a_failed_document_answers_from_its_passages_after_a_restart() {
         assert_eq!(s, 200, "{mode}: {a}");
         assert_eq!((a["mode"].as_str(), &a["adapter"]), (Some(want), &Value::Null), "{mode}: {a}");
     }
-    let (s, a) =
-        post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who?", "mode": "memory"}), None)
-            .await;
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who?", "mode": "memory"}), None).await;
     assert_eq!(s, 409, "{a}");
     let resp = c.delete(format!("{base}/documents/{id}")).send().await.unwrap();
     assert!(resp.status().is_success(), "{}", resp.status());
@@ -2689,34 +2333,21 @@ async fn a_follow_up_reads_the_passages_of_the_conversation_it_follows() {
     let follow_up = "What colour did he paint it?";
 
     // Chat completions: the whole conversation against the last user message alone.
-    let chat = |messages: Value| {
-        json!({"model": id, "messages": messages, "max_tokens": 4, "mode": "rag",
-                                        "context_tokens": 96, "include_context": true})
-    };
+    let chat = |messages: Value| json!({"model": id, "messages": messages, "max_tokens": 4, "mode": "rag",
+                                        "context_tokens": 96, "include_context": true});
     let mut turns = earlier.as_array().unwrap().clone();
     turns.insert(0, json!({"role": "system", "content": "Answer briefly."}));
     turns.push(json!({"role": "user", "content": follow_up}));
     let (s, multi) = post_json(&c, &format!("{base}/v1/chat/completions"), chat(json!(turns)), None).await;
     assert_eq!(s, 200, "{multi}");
-    let (s, single) = post_json(
-        &c,
-        &format!("{base}/v1/chat/completions"),
-        chat(json!([{"role": "user", "content": follow_up}])),
-        None,
-    )
-    .await;
+    let (s, single) = post_json(&c, &format!("{base}/v1/chat/completions"), chat(json!([{"role": "user", "content": follow_up}])), None).await;
     assert_eq!(s, 200, "{single}");
     let (with, without) = (texts(&multi["lift"]), texts(&single["lift"]));
     // (The tiny base's chunks are a few words long: the sentence's first one names the keeper.)
     assert!(with.contains("The lighthouse keeper"), "the follow-up reads the keeper's passage: {with}");
     assert!(!without.contains("lighthouse"), "the question alone does not name the keeper: {without}");
     let prompt = |v: &Value| v["usage"]["prompt_tokens"].as_u64().unwrap();
-    assert!(
-        prompt(&multi) > prompt(&single) + 40,
-        "the earlier turns are in the prompt: {} vs {}",
-        prompt(&multi),
-        prompt(&single)
-    );
+    assert!(prompt(&multi) > prompt(&single) + 40, "the earlier turns are in the prompt: {} vs {}", prompt(&multi), prompt(&single));
 
     // /ask with `history`: the same passages; without it, the question on its own, as before.
     let ask = |history: Option<&Value>| {

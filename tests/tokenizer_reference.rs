@@ -20,7 +20,9 @@ struct Case {
 }
 
 fn gguf(env: &str, default: &str) -> Option<PathBuf> {
-    let path = std::env::var_os(env).map(PathBuf::from).unwrap_or_else(|| PathBuf::from(default));
+    let path = std::env::var_os(env)
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(default));
     if path.exists() {
         Some(path)
     } else {
@@ -44,18 +46,27 @@ fn check(path: PathBuf, fixture: &str, exact_round_trip: bool) {
             assert_eq!(decoded, case.text);
         }
         let mut stream = tok.decode_stream();
-        let mut streamed: String = ids.iter().filter_map(|&id| stream.push(id).unwrap()).collect();
+        let mut streamed: String = ids
+            .iter()
+            .filter_map(|&id| stream.push(id).unwrap())
+            .collect();
         streamed.extend(stream.flush().unwrap());
         assert_eq!(streamed, decoded, "stream of {:?}", case.text);
     }
-    assert!(mismatches.is_empty(), "{} mismatches:\n{}", mismatches.len(), mismatches.join("\n"));
+    assert!(
+        mismatches.is_empty(),
+        "{} mismatches:\n{}",
+        mismatches.len(),
+        mismatches.join("\n")
+    );
 }
 
 #[test]
 fn smollm2_matches_reference_ids() {
-    let Some(path) =
-        gguf("LIFT_TEST_GGUF", concat!(env!("CARGO_MANIFEST_DIR"), "/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-    else {
+    let Some(path) = gguf(
+        "LIFT_TEST_GGUF",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/models/SmolLM2-135M-Instruct.Q4_1.gguf"),
+    ) else {
         panic!("the default model is missing: run `lift-serve fetch-model`");
     };
     check(path, include_str!("fixtures/smollm2_reference.json"), true);
@@ -63,9 +74,10 @@ fn smollm2_matches_reference_ids() {
 
 #[test]
 fn qwen25_matches_reference_ids() {
-    let Some(path) =
-        gguf("LIFT_TEST_QWEN_GGUF", concat!(env!("CARGO_MANIFEST_DIR"), "/models/qwen2.5-coder-0.5b-instruct.gguf"))
-    else {
+    let Some(path) = gguf(
+        "LIFT_TEST_QWEN_GGUF",
+        concat!(env!("CARGO_MANIFEST_DIR"), "/models/qwen2.5-coder-0.5b-instruct.gguf"),
+    ) else {
         return;
     };
     // Qwen2 normalizes to NFC, so decoded text may differ from the input.
@@ -81,14 +93,18 @@ fn qwen25_matches_reference_ids() {
 fn sentencepiece_gguf_matches_sentencepiece() {
     let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tiny-spm.gguf");
     let tok = TextTokenizer::from_gguf_file(&path).unwrap();
-    let cases: Vec<Case> = serde_json::from_str(include_str!("fixtures/tiny_spm_reference.json")).unwrap();
+    let cases: Vec<Case> =
+        serde_json::from_str(include_str!("fixtures/tiny_spm_reference.json")).unwrap();
     assert_eq!(cases.len(), 200);
     for case in &cases {
         let ids = tok.encode(&case.text, false).unwrap();
         assert_eq!(ids, case.ids, "{:?}", case.text);
         assert_eq!(tok.decode(&ids).unwrap(), case.text);
         let mut stream = tok.decode_stream();
-        let mut streamed: String = ids.iter().filter_map(|&id| stream.push(id).unwrap()).collect();
+        let mut streamed: String = ids
+            .iter()
+            .filter_map(|&id| stream.push(id).unwrap())
+            .collect();
         streamed.extend(stream.flush().unwrap());
         assert_eq!(streamed, case.text);
     }

@@ -56,11 +56,7 @@ async fn toasts(b: &Browser) -> Vec<(String, String)> {
     let v = b
         .js("return [...document.querySelectorAll('#toasts .toast.error')].map(t => [t.dataset.code || '', t.querySelector('.toast-msg').textContent])")
         .await;
-    v.as_array()
-        .unwrap()
-        .iter()
-        .map(|p| (p[0].as_str().unwrap().to_string(), p[1].as_str().unwrap().to_string()))
-        .collect()
+    v.as_array().unwrap().iter().map(|p| (p[0].as_str().unwrap().to_string(), p[1].as_str().unwrap().to_string())).collect()
 }
 
 async fn assert_no_error_toasts(b: &Browser, ctx: &str) {
@@ -76,12 +72,7 @@ async fn click_centered(b: &Browser, css: &str) {
 }
 
 async fn click(b: &Browser, css: &str) {
-    b.find(Locator::Css(css))
-        .await
-        .unwrap_or_else(|e| panic!("{css}: {e}"))
-        .click()
-        .await
-        .unwrap_or_else(|e| panic!("click {css}: {e}"));
+    b.find(Locator::Css(css)).await.unwrap_or_else(|e| panic!("{css}: {e}")).click().await.unwrap_or_else(|e| panic!("click {css}: {e}"));
 }
 
 async fn type_into(b: &Browser, css: &str, text: &str) {
@@ -97,26 +88,16 @@ async fn page_status(b: &Browser) -> String {
 
 /// Waits until the page's list has loaded (its empty note or a row shows).
 async fn wait_list_loaded(b: &Browser) {
-    b.wait_js(
-        "the document list",
-        Duration::from_secs(20),
+    b.wait_js("the document list", Duration::from_secs(20),
         "return !document.getElementById('doc-empty').hidden || document.querySelectorAll('#doc-list li').length > 0",
-        |v| v == &json!(true),
-    )
-    .await;
+        |v| v == &json!(true)).await;
 }
 
 /// Asks through the page (question box, ask button) and waits until every answer of the new turn
 /// is done; returns {mode: answer text}.
 async fn ask_on_page(b: &Browser, question: &str, modes: &[&str], timeout: Duration) -> serde_json::Map<String, Value> {
     type_into(b, "#question", question).await;
-    b.wait_js(
-        "the ask button enabled",
-        Duration::from_secs(10),
-        "return !document.getElementById('ask-button').disabled",
-        |v| v == &json!(true),
-    )
-    .await;
+    b.wait_js("the ask button enabled", Duration::from_secs(10), "return !document.getElementById('ask-button').disabled", |v| v == &json!(true)).await;
     click(b, "#ask-button").await;
     let script = format!(
         "return {modes:?}.map(m => {{ const c = document.getElementById('answer-' + m); return c ? c.dataset.state : 'missing'; }})"
@@ -126,11 +107,7 @@ async fn ask_on_page(b: &Browser, question: &str, modes: &[&str], timeout: Durat
             v.as_array().unwrap().iter().all(|s| s == "done" || s == "error")
         })
         .await;
-    assert!(
-        states.as_array().unwrap().iter().all(|s| s == "done"),
-        "answer states {states}; toasts: {:?}",
-        toasts(b).await
-    );
+    assert!(states.as_array().unwrap().iter().all(|s| s == "done"), "answer states {states}; toasts: {:?}", toasts(b).await);
     let mut out = serde_json::Map::new();
     for m in modes {
         let t = b.js(&format!("return document.getElementById('answer-{m}-text').textContent")).await;
@@ -142,10 +119,8 @@ async fn ask_on_page(b: &Browser, question: &str, modes: &[&str], timeout: Durat
 /// Who answered the newest turn's `mode` answer, as the page shows it: [text, mode, adapter].
 async fn answered_by(b: &Browser, mode: &str) -> (String, String, String) {
     let v = b
-        .js(&format!(
-            "const e = document.querySelector('#answer-{mode} [data-testid=answered-by]'); \
-                      return e ? [e.textContent, e.dataset.mode, e.dataset.adapter] : ['', '', '']"
-        ))
+        .js(&format!("const e = document.querySelector('#answer-{mode} [data-testid=answered-by]'); \
+                      return e ? [e.textContent, e.dataset.mode, e.dataset.adapter] : ['', '', '']"))
         .await;
     let s = |i: usize| v[i].as_str().unwrap().to_string();
     (s(0), s(1), s(2))
@@ -194,8 +169,7 @@ async fn real_model_document_chat() {
     let t_start = std::time::Instant::now();
 
     // The document: the first ~700 bytes of the fixture, as a .txt file.
-    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harbor_history.txt"))
-        .unwrap();
+    let text = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/harbor_history.txt")).unwrap();
     let mut cut = 700;
     while !text.is_char_boundary(cut) {
         cut -= 1;
@@ -218,20 +192,11 @@ async fn real_model_document_chat() {
     b.find(Locator::Css("#file-input")).await.unwrap().send_keys(&doc_path.display().to_string()).await.unwrap();
     type_into(&b, "#doc-title", "Harbor history").await;
     let steps = b
-        .wait_js(
-            "the cost",
-            Duration::from_secs(30),
-            "return document.getElementById('cost').dataset.steps || ''",
-            |v| v != "",
-        )
+        .wait_js("the cost", Duration::from_secs(30), "return document.getElementById('cost').dataset.steps || ''", |v| v != "")
         .await;
     let steps: u64 = steps.as_str().unwrap().parse().unwrap();
     let cost = b.js("return document.getElementById('cost-text').textContent").await;
-    assert!(
-        cost.as_str().unwrap().contains(&format!("{steps} training steps"))
-            && cost.as_str().unwrap().contains("first guess"),
-        "{cost}"
-    );
+    assert!(cost.as_str().unwrap().contains(&format!("{steps} training steps")) && cost.as_str().unwrap().contains("first guess"), "{cost}");
     let warned = b.js("return [...document.querySelectorAll('#cost-warnings li')].map(l => l.dataset.code)").await;
     assert!(warned.as_array().unwrap().contains(&json!("few_epochs")), "the tiny options are flagged: {warned}");
     let list: Value = http().get(format!("{base}/documents")).send().await.unwrap().json().await.unwrap();
@@ -241,10 +206,7 @@ async fn real_model_document_chat() {
     // Posted while the training thread is held: asked before any adapter exists.
     let hold = hold_training(&running).await;
     click(&b, "#submit-doc").await;
-    b.wait_js("queued", Duration::from_secs(30), "return document.getElementById('doc-status').dataset.status", |v| {
-        v == "queued"
-    })
-    .await;
+    b.wait_js("queued", Duration::from_secs(30), "return document.getElementById('doc-status').dataset.status", |v| v == "queued").await;
     let list: Value = http().get(format!("{base}/documents")).send().await.unwrap().json().await.unwrap();
     let id = list["data"][0]["id"].as_str().unwrap().to_string();
     let eta = b.js("return document.getElementById('stat-eta').textContent").await;
@@ -256,8 +218,7 @@ async fn real_model_document_chat() {
     let (by, mode, adapter) = answered_by(&b, "lift").await;
     assert_eq!((mode.as_str(), adapter.as_str()), ("rag", "none"), "no adapter yet: passages only ({by})");
     assert_eq!(by, "Passages only · no adapter yet", "asked before the adapter exists");
-    let direct =
-        ask_direct(&base, json!({"document_id": id, "question": q1, "max_tokens": max_tokens, "temperature": 0})).await;
+    let direct = ask_direct(&base, json!({"document_id": id, "question": q1, "max_tokens": max_tokens, "temperature": 0})).await;
     assert_eq!(a1["lift"], direct["answer"], "the page shows the server's answer ({direct})");
     assert!(direct.get("context").is_none(), "no passages unless asked: {direct}");
     let pieces = b.js("return Number(document.getElementById('answer-lift').dataset.pieces)").await;
@@ -266,44 +227,27 @@ async fn real_model_document_chat() {
     drop(hold);
 
     // A follow-up in the same thread while it absorbs.
-    b.wait_js(
-        "absorbing",
-        Duration::from_secs(60),
-        "return document.getElementById('doc-status').dataset.status",
-        |v| v == "training" || v == "ready",
-    )
-    .await;
+    b.wait_js("absorbing", Duration::from_secs(60), "return document.getElementById('doc-status').dataset.status", |v| v == "training" || v == "ready")
+        .await;
     ask_on_page(&b, "When was the harbor built?", &["lift"], Duration::from_secs(120)).await;
     let (by, _, _) = answered_by(&b, "lift").await;
     assert!(!by.is_empty(), "the follow-up says who answered it");
     // The follow-up is sent with the conversation so far, as chat turns.
     let sent = b.js("return window.askBodies[window.askBodies.length - 1]").await;
     assert_eq!(sent["question"], "When was the harbor built?", "{sent}");
-    assert_eq!(
-        sent["history"],
-        json!([{"role": "user", "content": q1}, {"role": "assistant", "content": a1["lift"].as_str().unwrap().trim()}]),
-        "{sent}"
-    );
-    let turns = b
-        .js("return [...document.querySelectorAll('#thread .turn [data-testid=question]')].map(q => q.textContent)")
-        .await;
+    assert_eq!(sent["history"], json!([{"role": "user", "content": q1}, {"role": "assistant", "content": a1["lift"].as_str().unwrap().trim()}]), "{sent}");
+    let turns = b.js("return [...document.querySelectorAll('#thread .turn [data-testid=question]')].map(q => q.textContent)").await;
     assert_eq!(turns, json!([q1, "When was the harbor built?"]), "one thread, in order");
     shot(&b, "03-follow-up").await;
 
     // Absorbed: the adapter answers, the figures and the strip agree on the final loss.
     let t0 = std::time::Instant::now();
-    b.wait_js("ready", Duration::from_secs(120), "return document.getElementById('doc-status').dataset.status", |v| {
-        v == "ready" || v == "failed"
-    })
-    .await;
+    b.wait_js("ready", Duration::from_secs(120), "return document.getElementById('doc-status').dataset.status", |v| v == "ready" || v == "failed")
+        .await;
     assert_eq!(page_status(&b).await, "ready", "toasts: {:?}", toasts(&b).await);
     eprintln!("absorbed {:.1} s after the hold ended", t0.elapsed().as_secs_f64());
     let doc: Value = http().get(format!("{base}/documents/{id}")).send().await.unwrap().json().await.unwrap();
-    assert_eq!(
-        doc["training"]["planned_steps"].as_u64(),
-        Some(steps),
-        "the cost said the steps the trainer planned: {doc}"
-    );
+    assert_eq!(doc["training"]["planned_steps"].as_u64(), Some(steps), "the cost said the steps the trainer planned: {doc}");
     click_centered(&b, "#details > summary").await;
     let losses = b
         .js("return [document.getElementById('stat-loss').textContent, \
@@ -331,16 +275,9 @@ async fn real_model_document_chat() {
     assert_eq!(a3["lift"], direct["answer"], "{direct}");
     // The passages it read: asked for when opened.
     click_centered(&b, "#answer-lift [data-testid=passages] > summary").await;
-    b.wait_js(
-        "the passages",
-        Duration::from_secs(60),
-        "return document.querySelector('#answer-lift [data-testid=passages]').dataset.loaded",
-        |v| v == "done",
-    )
-    .await;
-    let shown =
-        b.js("return document.querySelectorAll('#answer-lift [data-testid=chunk]').length").await.as_u64().unwrap()
-            as usize;
+    b.wait_js("the passages", Duration::from_secs(60), "return document.querySelector('#answer-lift [data-testid=passages]').dataset.loaded", |v| v == "done")
+        .await;
+    let shown = b.js("return document.querySelectorAll('#answer-lift [data-testid=chunk]').length").await.as_u64().unwrap() as usize;
     let chunks = direct["context"]["chunks"].as_array().map_or(0, |c| c.len());
     assert_eq!(shown, chunks, "the passages the API reports ({direct})");
     b.js("document.querySelector('#answer-lift').scrollIntoView({block: 'center'})").await;
@@ -355,8 +292,7 @@ async fn real_model_document_chat() {
     let xs = b.js("return ['lift','rag','memory','icl'].map(m => document.getElementById('answer-' + m).getBoundingClientRect().left)").await;
     let xs: Vec<f64> = serde_json::from_value(xs).unwrap();
     assert!(xs.windows(2).all(|w| w[0] < w[1]), "four columns side by side: {xs:?}");
-    let names =
-        b.js("return [...document.querySelectorAll('#thread .turn:last-child .who')].map(w => w.textContent)").await;
+    let names = b.js("return [...document.querySelectorAll('#thread .turn:last-child .who')].map(w => w.textContent)").await;
     assert_eq!(names, json!(["Absorbed + passages", "Passages only", "Absorbed only", "Head and tail only"]));
     let (by, _, _) = answered_by(&b, "rag").await;
     assert_eq!(by, "Passages only · base model, no adapter", "asked without the adapter, not waiting for it");
@@ -367,13 +303,7 @@ async fn real_model_document_chat() {
     // Deleted: gone from the list, the conversation and the server.
     click_centered(&b, &format!("#doc-list li[data-id='{id}'] [data-testid=delete]")).await;
     b.accept_alert().await.unwrap();
-    b.wait_js(
-        "the row gone",
-        Duration::from_secs(10),
-        "return document.querySelectorAll('#doc-list li').length",
-        |v| v == &json!(0),
-    )
-    .await;
+    b.wait_js("the row gone", Duration::from_secs(10), "return document.querySelectorAll('#doc-list li').length", |v| v == &json!(0)).await;
     assert_eq!(b.js("return document.querySelectorAll('#thread .turn').length").await, json!(0));
     let list: Value = http().get(format!("{base}/documents")).send().await.unwrap().json().await.unwrap();
     assert_eq!(list["data"], json!([]));
@@ -401,13 +331,8 @@ async fn tiny_model_key_errors_delete_narrow() {
     b.goto(&base).await.unwrap();
 
     // No key: the list answers 401 and the page asks for the key.
-    b.wait_js(
-        "the key prompt",
-        Duration::from_secs(20),
-        "return !document.getElementById('auth-prompt').hidden",
-        |v| v == &json!(true),
-    )
-    .await;
+    b.wait_js("the key prompt", Duration::from_secs(20), "return !document.getElementById('auth-prompt').hidden", |v| v == &json!(true))
+        .await;
     let prompt = b.js("return document.getElementById('auth-prompt').textContent").await;
     assert!(prompt.as_str().unwrap().contains("API key"), "{prompt}");
     shot(&b, "09-key-prompt").await;
@@ -415,13 +340,8 @@ async fn tiny_model_key_errors_delete_narrow() {
     // A wrong key: said to be refused (not "saved"), not kept, and the key asked for again.
     type_into(&b, "#key-input", "wrong").await;
     click(&b, "#key-save").await;
-    b.wait_js(
-        "the key refused",
-        Duration::from_secs(10),
-        "return document.getElementById('auth-prompt').dataset.reason",
-        |v| v == "refused",
-    )
-    .await;
+    b.wait_js("the key refused", Duration::from_secs(10), "return document.getElementById('auth-prompt').dataset.reason", |v| v == "refused")
+        .await;
     let prompt = b.js("return document.getElementById('auth-prompt').textContent").await;
     assert!(prompt.as_str().unwrap().contains("This key was refused"), "{prompt}");
     assert!(!b.js("return document.getElementById('auth-prompt').hidden").await.as_bool().unwrap());
@@ -434,13 +354,8 @@ async fn tiny_model_key_errors_delete_narrow() {
     // The right key: the list loads and the key is kept in the browser.
     type_into(&b, "#key-input", "key-a").await;
     click(&b, "#key-save").await;
-    b.wait_js(
-        "the prompt gone",
-        Duration::from_secs(10),
-        "return document.getElementById('auth-prompt').hidden",
-        |v| v == &json!(true),
-    )
-    .await;
+    b.wait_js("the prompt gone", Duration::from_secs(10), "return document.getElementById('auth-prompt').hidden", |v| v == &json!(true))
+        .await;
     wait_list_loaded(&b).await;
     assert_eq!(b.js("return localStorage.getItem('lift-serve.key')").await, json!("key-a"));
 
@@ -469,12 +384,9 @@ async fn tiny_model_key_errors_delete_narrow() {
         b.find(Locator::Css("#file-input")).await.unwrap().send_keys(&bad.display().to_string()).await.unwrap();
         click(&b, "#submit-doc").await;
         let t = b
-            .wait_js(
-                "the unsupported-file error",
-                Duration::from_secs(10),
+            .wait_js("the unsupported-file error", Duration::from_secs(10),
                 "return [...document.querySelectorAll('#toasts .toast.error')].map(t => t.dataset.code)",
-                |v| v.as_array().is_some_and(|a| !a.is_empty()),
-            )
+                |v| v.as_array().is_some_and(|a| !a.is_empty()))
             .await;
         assert_eq!(t, json!(["unsupported_format"]), "the server's refusal shows");
         tokio::time::sleep(Duration::from_millis(400)).await;
@@ -498,12 +410,7 @@ async fn tiny_model_key_errors_delete_narrow() {
     type_into(&b, "#opt-epochs-seg", "1").await;
     type_into(&b, "#opt-epochs-qa", "1").await;
     let few = b
-        .wait_js(
-            "the cost of epochs [1, 1]",
-            Duration::from_secs(10),
-            "return document.getElementById('cost').dataset.steps || ''",
-            |v| v != "",
-        )
+        .wait_js("the cost of epochs [1, 1]", Duration::from_secs(10), "return document.getElementById('cost').dataset.steps || ''", |v| v != "")
         .await;
     tokio::time::sleep(Duration::from_millis(800)).await;
     let c1 = b.js(COST_JS).await;
@@ -511,21 +418,18 @@ async fn tiny_model_key_errors_delete_narrow() {
     type_into(&b, "#opt-epochs-seg", "2").await;
     type_into(&b, "#opt-epochs-qa", "3").await;
     let c2 = b
-        .wait_js("the cost of epochs [2, 3]", Duration::from_secs(10), COST_JS, |v| {
-            !v[1].as_array().unwrap().contains(&json!("few_epochs"))
-        })
+        .wait_js("the cost of epochs [2, 3]", Duration::from_secs(10),
+            COST_JS,
+            |v| !v[1].as_array().unwrap().contains(&json!("few_epochs")))
         .await;
     let steps = |c: &Value| c[0].as_str().unwrap().parse::<u64>().unwrap();
     assert!(steps(&c2) > steps(&c1), "more epochs, more steps: {c1} → {c2}");
     // The schedule chosen in the absorb options reaches the document's options (and is flagged).
     b.js("const s = document.getElementById('opt-schedule'); s.value = 'until_learned'; s.dispatchEvent(new Event('change'))").await;
-    b.wait_js(
-        "the until_learned warning",
-        Duration::from_secs(10),
+    b.wait_js("the until_learned warning", Duration::from_secs(10),
         "return [...document.querySelectorAll('#cost-warnings li')].map(l => l.dataset.code)",
-        |v| v.as_array().unwrap().contains(&json!("until_learned")),
-    )
-    .await;
+        |v| v.as_array().unwrap().contains(&json!("until_learned")))
+        .await;
     shot(&b, "11-cost-warnings").await;
     click(&b, "#submit-doc").await;
     b.wait_js("ready", Duration::from_secs(120), "return document.getElementById('doc-status').dataset.status", |v| {
@@ -534,8 +438,7 @@ async fn tiny_model_key_errors_delete_narrow() {
     .await;
     assert_eq!(page_status(&b).await, "ready");
     let http = http();
-    let list: Value =
-        http.get(format!("{base}/documents")).bearer_auth("key-a").send().await.unwrap().json().await.unwrap();
+    let list: Value = http.get(format!("{base}/documents")).bearer_auth("key-a").send().await.unwrap().json().await.unwrap();
     let id = list["data"][0]["id"].as_str().unwrap().to_string();
     assert!(list["data"][0]["options"]["train"]["until_learned"].is_object(), "{list}");
     assert_eq!(list["data"][0]["options"]["train"]["epochs"], json!([2, 3]), "{list}");
@@ -557,13 +460,7 @@ async fn tiny_model_key_errors_delete_narrow() {
     let alpha = |i: usize| -> f64 {
         let s = bg[i][0].as_str().unwrap();
         let parts: Vec<&str> = s.trim_end_matches(')').split(',').collect();
-        if parts.len() == 4 {
-            parts[3].trim().parse().unwrap()
-        } else if s.starts_with("rgb(") {
-            1.0
-        } else {
-            0.0
-        }
+        if parts.len() == 4 { parts[3].trim().parse().unwrap() } else if s.starts_with("rgb(") { 1.0 } else { 0.0 }
     };
     assert!(alpha(0) > alpha(1) && alpha(1) > 0.0 && alpha(2) == 0.0, "highlight follows the score: {bg}");
     assert!(bg[0][1].as_str().unwrap().contains("mask 0.900"), "the mask shows in the tooltip: {bg}");
@@ -580,15 +477,9 @@ async fn tiny_model_key_errors_delete_narrow() {
     assert_eq!(b.js("return document.querySelectorAll('#doc-list li').length").await, json!(1));
     click(&b, &row).await;
     b.accept_alert().await.unwrap();
-    b.wait_js(
-        "the row gone",
-        Duration::from_secs(10),
-        "return document.querySelectorAll('#doc-list li').length",
-        |v| v == &json!(0),
-    )
-    .await;
-    let list: Value =
-        http.get(format!("{base}/documents")).bearer_auth("key-a").send().await.unwrap().json().await.unwrap();
+    b.wait_js("the row gone", Duration::from_secs(10), "return document.querySelectorAll('#doc-list li').length", |v| v == &json!(0))
+        .await;
+    let list: Value = http.get(format!("{base}/documents")).bearer_auth("key-a").send().await.unwrap().json().await.unwrap();
     assert_eq!(list["data"], json!([]), "deleted on the server too");
     assert_eq!(page_status(&b).await, "", "the selection is cleared");
     assert_no_error_toasts(&b, "after deleting").await;

@@ -6,12 +6,7 @@ use std::time::Instant;
 
 /// `steps` greedy steps after a prompt whose last logits are `logits` (`[1, vocab]`) and whose
 /// keys and values are in `cache`; returns each step's time in seconds (argmax + one forward).
-pub fn timed_greedy_steps(
-    model: &Model,
-    cache: &mut KvCache,
-    mut logits: Tensor,
-    steps: usize,
-) -> anyhow::Result<Vec<f64>> {
+pub fn timed_greedy_steps(model: &Model, cache: &mut KvCache, mut logits: Tensor, steps: usize) -> anyhow::Result<Vec<f64>> {
     let dev = model.decoder.device().clone();
     let mut times = Vec::with_capacity(steps);
     for _ in 0..steps {

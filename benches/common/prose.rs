@@ -2,10 +2,8 @@
 
 use lift_serve::model::Model;
 
-const SOURCES: &[&str] = &[
-    include_str!("../../tests/fixtures/kestrel_observatory.txt"),
-    include_str!("../../tests/fixtures/harbor_history.txt"),
-];
+const SOURCES: &[&str] =
+    &[include_str!("../../tests/fixtures/kestrel_observatory.txt"), include_str!("../../tests/fixtures/harbor_history.txt")];
 
 /// Prose of at least `tokens` tokens, ended at a paragraph or sentence boundary.
 pub fn document(model: &Model, tokens: usize) -> anyhow::Result<String> {
@@ -36,3 +34,4 @@ pub fn document(model: &Model, tokens: usize) -> anyhow::Result<String> {
     }
     Ok(text)
 }
+

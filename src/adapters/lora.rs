@@ -11,8 +11,8 @@
 //! linear layers, trained with AdamW at lr 5e-5: that is `LoraConfig::default()` and
 //! [`RECOMMENDED_LR`].
 
-use super::init::Rng;
 use crate::model::{Adapter, DecodeMix, ModelConfig, Projection};
+use super::init::Rng;
 use candle_core::{Device, Result, Tensor, Var};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -104,8 +104,12 @@ impl LoraConfig {
 
 /// `(in, out)` features of projection `p` in every layer of a model with configuration `cfg`.
 pub fn projection_dims(cfg: &ModelConfig, p: Projection) -> (usize, usize) {
-    let (h, q, kv, i) =
-        (cfg.hidden_size, cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size);
+    let (h, q, kv, i) = (
+        cfg.hidden_size,
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+        cfg.intermediate_size,
+    );
     match p {
         Projection::Q => (h, q),
         Projection::K | Projection::V => (h, kv),
@@ -182,11 +186,7 @@ impl Lora {
                 let (i, o) = projection_dims(cfg, p);
                 for (what, t, want) in [("lora_a", &pair.a, [i, r]), ("lora_b", &pair.b, [r, o])] {
                     if t.dims() != want {
-                        candle_core::bail!(
-                            "LoRA layers.{l}.{}.{what}: shape {:?}, expected {want:?}",
-                            p.name(),
-                            t.dims()
-                        );
+                        candle_core::bail!("LoRA layers.{l}.{}.{what}: shape {:?}, expected {want:?}", p.name(), t.dims());
                     }
                     if t.dtype() != candle_core::DType::F32 {
                         candle_core::bail!("LoRA layers.{l}.{}.{what}: dtype {:?}, expected F32", p.name(), t.dtype());
@@ -327,8 +327,7 @@ mod tests {
         assert_eq!(d.scale(), 2.0);
         // Per layer: q 2·73728, k/v 98304 each, o 147456, gate/up/down 270336 each.
         assert_eq!(d.num_parameters(&c), 1_302_528 * 30);
-        let small =
-            LoraConfig { rank: 8, alpha: 16.0, targets: vec![Projection::V, Projection::Q], layers: vec![3, 1, 3] };
+        let small = LoraConfig { rank: 8, alpha: 16.0, targets: vec![Projection::V, Projection::Q], layers: vec![3, 1, 3] };
         assert_eq!(small.num_parameters(&c), 2 * 8 * ((576 + 576) + (576 + 192)));
         assert_eq!(small.normalized().targets, vec![Projection::Q, Projection::V]);
         assert_eq!(small.normalized().layers, vec![1, 3]);

@@ -165,8 +165,7 @@ impl Manifest {
     /// manifest from a newer build gives that error rather than a parse error.
     pub fn read(dir: &Path) -> Result<Self> {
         let path = dir.join(MANIFEST_FILE);
-        let bytes =
-            std::fs::read(&path).with_context(|| format!("{}: cannot read adapter manifest", path.display()))?;
+        let bytes = std::fs::read(&path).with_context(|| format!("{}: cannot read adapter manifest", path.display()))?;
         Self::parse(&bytes, &path)
     }
 
@@ -201,7 +200,10 @@ impl Manifest {
             bail!(WrongBaseModel(format!(
                 "adapter was trained on base model '{}' (fingerprint {}), but the loaded base model is '{}' \
                  (fingerprint {}); an adapter only works on the model it was trained on",
-                want.id, want.fingerprint, have.id, have.fingerprint
+                want.id,
+                want.fingerprint,
+                have.id,
+                have.fingerprint
             )));
         }
         let shape = |b: &BaseModelRef| (b.architecture, b.hidden_size, b.num_layers, b.num_heads, b.head_dim);
@@ -266,8 +268,7 @@ pub fn save(dir: &Path, bundle: &AdapterBundle, manifest: &Manifest, attachments
     manifest
         .check_describes(bundle)
         .with_context(|| format!("{}: manifest does not describe the adapter being saved", dir.display()))?;
-    let data =
-        serialize(bundle, manifest.kind).with_context(|| format!("{}: cannot serialize adapter", dir.display()))?;
+    let data = serialize(bundle, manifest.kind).with_context(|| format!("{}: cannot serialize adapter", dir.display()))?;
     let mut manifest = manifest.clone();
     manifest.adapter_sha256 = hex::encode(Sha256::digest(&data));
     let json = serde_json::to_vec_pretty(&manifest)?;
@@ -316,8 +317,7 @@ pub fn load(dir: &Path, model: &Model) -> Result<(AdapterBundle, Manifest)> {
     const ATTEMPTS: usize = 4;
     let mut last_manifest: Option<Vec<u8>> = None;
     for attempt in 1..=ATTEMPTS {
-        let mbytes =
-            std::fs::read(&mpath).with_context(|| format!("{}: cannot read adapter manifest", mpath.display()))?;
+        let mbytes = std::fs::read(&mpath).with_context(|| format!("{}: cannot read adapter manifest", mpath.display()))?;
         let manifest = Manifest::parse(&mbytes, &mpath)?;
         manifest.check_base_model(model).with_context(|| format!("{}: wrong base model", dir.display()))?;
         if manifest.adapter_sha256.is_empty() {
@@ -375,8 +375,7 @@ fn parse_bundle(
 ) -> Result<AdapterBundle> {
     let tensors = candle_core::safetensors::load_buffer(data, device)
         .map_err(|e| anyhow::anyhow!("{}: corrupt or truncated adapter file ({e})", apath.display()))?;
-    let file_shapes: BTreeMap<String, Vec<usize>> =
-        tensors.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())).collect();
+    let file_shapes: BTreeMap<String, Vec<usize>> = tensors.iter().map(|(n, t)| (n.clone(), t.dims().to_vec())).collect();
     if file_shapes != manifest.shapes {
         let mut diffs = Vec::new();
         for (n, s) in &manifest.shapes {
@@ -404,9 +403,9 @@ fn parse_bundle(
          (the filter is part of the prepared base): absorb the document again",
         apath.display()
     );
-    manifest.check_describes(&bundle).with_context(|| {
-        format!("{}: does not describe {}", apath.with_file_name(MANIFEST_FILE).display(), apath.display())
-    })?;
+    manifest
+        .check_describes(&bundle)
+        .with_context(|| format!("{}: does not describe {}", apath.with_file_name(MANIFEST_FILE).display(), apath.display()))?;
     Ok(bundle)
 }
 
@@ -515,8 +514,7 @@ fn exchange(a: &Path, b: &Path) -> Result<bool> {
     let ca = std::ffi::CString::new(a.as_os_str().as_bytes())?;
     let cb = std::ffi::CString::new(b.as_os_str().as_bytes())?;
     // SAFETY: both paths are valid NUL-terminated strings that outlive the call.
-    let rc =
-        unsafe { libc::renameat2(libc::AT_FDCWD, ca.as_ptr(), libc::AT_FDCWD, cb.as_ptr(), libc::RENAME_EXCHANGE) };
+    let rc = unsafe { libc::renameat2(libc::AT_FDCWD, ca.as_ptr(), libc::AT_FDCWD, cb.as_ptr(), libc::RENAME_EXCHANGE) };
     if rc == 0 {
         return Ok(true);
     }

@@ -354,10 +354,7 @@ mod tests {
         let cfg = LoraConfig { rank: 2, alpha: 4.0, targets: vec![Projection::Up, Projection::Q], layers: vec![1] };
         let lora = AnyAdapter::Lora(Lora::new(&c, &cfg, 3, &dev).unwrap());
         let names: Vec<String> = lora.named_tensors().into_iter().map(|x| x.0).collect();
-        assert_eq!(
-            names,
-            ["layers.1.q_proj.lora_a", "layers.1.q_proj.lora_b", "layers.1.up_proj.lora_a", "layers.1.up_proj.lora_b"]
-        );
+        assert_eq!(names, ["layers.1.q_proj.lora_a", "layers.1.q_proj.lora_b", "layers.1.up_proj.lora_a", "layers.1.up_proj.lora_b"]);
         let rebuilt = AnyAdapter::from_named_tensors(AdapterKind::Lora, &c, Some(&cfg), lora.named_tensors()).unwrap();
         assert_eq!(rebuilt.lora_config(), lora.lora_config());
 

@@ -522,12 +522,8 @@ fn try_build(source: &Source, opts: &BuildOptions, rng: &mut StdRng) -> Result<O
     let mut positive: Vec<usize> = facts.iter().filter(|f| f.role == Role::Support).map(|f| f.passage).collect();
     positive.sort_unstable();
     positive.dedup();
-    let mut distractors: Vec<usize> = facts
-        .iter()
-        .filter(|f| f.role == Role::Distractor)
-        .map(|f| f.passage)
-        .filter(|p| !positive.contains(p))
-        .collect();
+    let mut distractors: Vec<usize> =
+        facts.iter().filter(|f| f.role == Role::Distractor).map(|f| f.passage).filter(|p| !positive.contains(p)).collect();
     distractors.sort_unstable();
     distractors.dedup();
     let example = BaseExample { passages, positive, question, answer, kind: kind.to_string(), distractors };
@@ -763,12 +759,11 @@ mod tests {
 
     /// Word 3-grams of a template text, placeholders dropped.
     fn trigrams(s: &str) -> HashSet<String> {
-        let w: Vec<String> = normalize(
-            &s.replace("{S}", " ").replace("{V}", " ").replace("{X}", " ").replace("{Y}", " ").replace("{B}", " "),
-        )
-        .split_whitespace()
-        .map(str::to_string)
-        .collect();
+        let w: Vec<String> =
+            normalize(&s.replace("{S}", " ").replace("{V}", " ").replace("{X}", " ").replace("{Y}", " ").replace("{B}", " "))
+                .split_whitespace()
+                .map(str::to_string)
+                .collect();
         w.windows(3).map(|g| g.join(" ")).collect()
     }
 
@@ -777,10 +772,7 @@ mod tests {
     }
 
     fn eval_texts() -> Vec<&'static str> {
-        needles::TEMPLATES
-            .iter()
-            .flat_map(|t| [t.sentence, t.question].into_iter().chain(t.distractor).chain(t.bridge))
-            .collect()
+        needles::TEMPLATES.iter().flat_map(|t| [t.sentence, t.question].into_iter().chain(t.distractor).chain(t.bridge)).collect()
     }
 
     fn pool_words(p: &Pools) -> Vec<&'static str> {

@@ -10,8 +10,8 @@
 //! (McNemar's exact test on the discordant pairs).
 
 use super::data::{self, BaseExample, BuildOptions, Split};
-use crate::document::Document;
 use crate::eval::metrics;
+use crate::document::Document;
 use crate::lift::answer::{answer, Ask, ContextPolicy, Mode};
 use crate::model::generate::SamplingParams;
 use crate::model::{KvCache, Logits, Model, NoHooks};
@@ -37,11 +37,9 @@ pub fn reading_set(essays_dir: &Path, lengths: &[usize], per_length: usize, seed
         let opts = BuildOptions { min_tokens: length * 9 / 10, max_tokens: length * 11 / 10, ..Default::default() };
         // Another seed per length: each length gets its own facts and questions.
         let examples = data::build_examples_with(essays_dir, Split::Eval, per_length, seed ^ length as u64, &opts)?;
-        items.extend(examples.into_iter().enumerate().map(|(i, example)| ReadingItem {
-            id: format!("{length}-{i}"),
-            length,
-            example,
-        }));
+        items.extend(
+            examples.into_iter().enumerate().map(|(i, example)| ReadingItem { id: format!("{length}-{i}"), length, example }),
+        );
     }
     Ok(items)
 }
@@ -71,13 +69,7 @@ pub fn read(model: &Model, items: &[ReadingItem], on_done: &mut dyn FnMut(usize)
         let ex = &item.example;
         let text = ex.document();
         let doc = Document::encode(model, text.clone())?;
-        let ask = Ask {
-            history: &[],
-            question: &ex.question,
-            mode: Mode::Icl,
-            context: Some(ContextPolicy::Full),
-            context_tokens: None,
-        };
+        let ask = Ask { history: &[], question: &ex.question, mode: Mode::Icl, context: Some(ContextPolicy::Full), context_tokens: None };
         let a = answer(model, &doc, None, &ask, &params, &mut |_| true)?;
         let (generation, scores) = (a.generation, a.chunks);
         let filter_counts = if scores.is_empty() {
@@ -89,8 +81,7 @@ pub fn read(model: &Model, items: &[ReadingItem], on_done: &mut dyn FnMut(usize)
                 .iter()
                 .map(|&i| crate::document::token_span(model, &text, spans[i]))
                 .collect::<Result<_>>()?;
-            let relevant =
-                |c: &crate::lift::filter::ChunkScore| positive.iter().any(|&(a, b)| c.start < b && a < c.end);
+            let relevant = |c: &crate::lift::filter::ChunkScore| positive.iter().any(|&(a, b)| c.start < b && a < c.end);
             let kept = scores.iter().filter(|c| c.score > 0.0).count();
             let hits = scores.iter().filter(|c| c.score > 0.0 && relevant(c)).count();
             let gold = scores.iter().filter(|c| relevant(c)).count();
@@ -168,10 +159,9 @@ pub fn reuse(dir: &Path, arm: &str, base: &str, items: &[ReadingItem]) -> Result
         };
     let same = meta.base == base
         && records.len() == items.len()
-        && records
-            .iter()
-            .zip(items)
-            .all(|(r, i)| r.id == i.id && r.question == i.example.question && r.answer == i.example.answer);
+        && records.iter().zip(items).all(|(r, i)| {
+            r.id == i.id && r.question == i.example.question && r.answer == i.example.answer
+        });
     Ok(same.then_some((records, meta.perplexity)))
 }
 
@@ -210,10 +200,13 @@ pub fn summarize(arms: &[(String, Vec<ReadingRecord>, f64)]) -> Vec<ArmSummary> 
             let mut lengths: Vec<usize> = recs.iter().map(|r| r.length).collect();
             lengths.sort_unstable();
             lengths.dedup();
-            let by_length =
-                lengths.iter().map(|&l| (l, acc(&recs.iter().filter(|r| r.length == l).collect::<Vec<_>>()))).collect();
+            let by_length = lengths
+                .iter()
+                .map(|&l| (l, acc(&recs.iter().filter(|r| r.length == l).collect::<Vec<_>>())))
+                .collect();
             let counts: Vec<[usize; 3]> = recs.iter().filter_map(|r| r.filter_counts).collect();
-            let (hits, kept, gold) = counts.iter().fold((0, 0, 0), |(h, k, g), c| (h + c[0], k + c[1], g + c[2]));
+            let (hits, kept, gold) =
+                counts.iter().fold((0, 0, 0), |(h, k, g), c| (h + c[0], k + c[1], g + c[2]));
             let ratio = |a: usize, b: usize| (!counts.is_empty() && b > 0).then(|| a as f64 / b as f64);
             let vs_first = first.filter(|(f, _, _)| f != name).map(|(f, other, _)| {
                 let pairs = recs.iter().zip(other);

@@ -258,11 +258,7 @@ fn read_manifest(dir: &Path) -> Result<BaseManifest> {
     let manifest: BaseManifest =
         serde_json::from_str(&text).with_context(|| format!("{}: invalid prepared-base manifest", mpath.display()))?;
     if manifest.format_version != FORMAT_VERSION {
-        bail!(
-            "{}: prepared-base format {} (this build reads {FORMAT_VERSION})",
-            dir.display(),
-            manifest.format_version
-        );
+        bail!("{}: prepared-base format {} (this build reads {FORMAT_VERSION})", dir.display(), manifest.format_version);
     }
     Ok(manifest)
 }

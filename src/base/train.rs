@@ -149,13 +149,12 @@ pub fn truncated_view(ex: &BaseExample, lens: &[usize], budget: usize, rng: &mut
     // How many passages, taken in `order`, fit `room` tokens (at least one).
     let fit = |order: &mut dyn Iterator<Item = usize>, room: usize| {
         let mut used = 0;
-        order
-            .take_while(|&i| {
-                used += lens[i];
-                used <= room
-            })
-            .count()
-            .max(1)
+        order.take_while(|&i| {
+            used += lens[i];
+            used <= room
+        })
+        .count()
+        .max(1)
     };
     let head = fit(&mut (0..n), budget / 2);
     let tail = fit(&mut (0..n).rev(), budget - budget / 2);
@@ -196,8 +195,7 @@ pub fn training_examples(
     for (i, ex) in examples.iter().enumerate() {
         let passages = encode_passages(model, ex)?;
         // One stream per example, apart from the epoch-order streams (`seed + epoch`).
-        let mut rng =
-            Plan::rng(opts.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(i as u64) ^ 0x0074_7275_6e63);
+        let mut rng = Plan::rng(opts.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15).wrapping_add(i as u64) ^ 0x0074_7275_6e63);
         let view = if t.fraction > 0.0 && rng.random_bool(t.fraction) {
             let budget = rng.random_range(t.min_tokens..=t.max_tokens);
             let lens: Vec<usize> = passages.iter().map(Vec::len).collect();
@@ -576,3 +574,4 @@ mod tests {
         assert_eq!(truncated_view(&example(10, vec![3, 4, 5], vec![]), &[100; 10], 200, &mut rng), None);
     }
 }
+

@@ -112,8 +112,7 @@ impl<'m, H: ForwardHooks, T> Batch<'m, H, T> {
                 e.seq.advance(&logits, row, &mut |piece| on_text(data, piece))?;
             }
         }
-        let (done, running): (Vec<_>, Vec<_>) =
-            std::mem::take(&mut self.entries).into_iter().partition(|e| e.seq.is_finished());
+        let (done, running): (Vec<_>, Vec<_>) = std::mem::take(&mut self.entries).into_iter().partition(|e| e.seq.is_finished());
         self.entries = running;
         Ok(done)
     }

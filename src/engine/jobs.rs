@@ -1,12 +1,12 @@
 //! The two kinds of model work and how each runs on its thread.
 
-use super::batcher::{Batch, Entry};
-use super::EngineError;
-use crate::document::Document;
-use crate::lift::answer::{chunk_scores, prepare, AnswerHooks, Ask, ContextPolicy, Mode};
 use crate::lift::estimate::AbsorbRate;
+use crate::document::Document;
+use super::batcher::{Batch, Entry};
+use crate::lift::answer::{chunk_scores, prepare, Ask, AnswerHooks, ContextPolicy, Mode};
 use crate::lift::filter::ChunkScore;
 use crate::lift::{AbsorbEvent, AbsorbOptions, AbsorbStage};
+use super::EngineError;
 use crate::model::generate::{FinishReason, Generation, SamplingParams, Sequence};
 use crate::model::{Adapter, DecodeMix, KvCache, Model, Projection};
 use crate::store::{AdapterInfo, Loaded, Store};
@@ -233,8 +233,7 @@ pub(super) struct Running {
 impl Running {
     /// Sends a piece of text to the client; false when it is gone.
     fn send(&self, piece: &str) -> bool {
-        !self.job.cancel.load(Ordering::SeqCst)
-            && self.job.pieces.as_ref().is_none_or(|p| p.send(piece.to_string()).is_ok())
+        !self.job.cancel.load(Ordering::SeqCst) && self.job.pieces.as_ref().is_none_or(|p| p.send(piece.to_string()).is_ok())
     }
 
     fn gone(&self) -> bool {
@@ -332,11 +331,7 @@ fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Start
                 _ => {
                     let loaded = store.get(id, model, blob.as_ref()).map_err(|e| {
                         // Deleted while the request waited: the document is gone, not a server fault.
-                        if store.adapter_dir(id).exists() {
-                            EngineError::from(e)
-                        } else {
-                            EngineError::UnknownDocument(id.clone())
-                        }
+                        if store.adapter_dir(id).exists() { EngineError::from(e) } else { EngineError::UnknownDocument(id.clone()) }
                     })?;
                     (loaded.document.clone(), Some(HeldAdapter::Stored(loaded)))
                 }

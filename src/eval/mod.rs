@@ -310,11 +310,7 @@ impl Results {
                 }
                 let renamed = format!("{m}@{label}");
                 anyhow::ensure!(!out.config.methods.contains(&renamed), "method {renamed} is in two of the runs");
-                r.absorbs
-                    .iter_mut()
-                    .flat_map(|a| a.methods.iter_mut())
-                    .filter(|x| **x == m)
-                    .for_each(|x| x.clone_from(&renamed));
+                r.absorbs.iter_mut().flat_map(|a| a.methods.iter_mut()).filter(|x| **x == m).for_each(|x| x.clone_from(&renamed));
                 r.answers.iter_mut().filter(|a| a.method == m).for_each(|a| a.method.clone_from(&renamed));
                 out.config.methods.push(renamed);
             }
@@ -331,19 +327,11 @@ impl Results {
     /// others are dropped with a warning). A document id already in an earlier run is renamed
     /// `label/id`; a document that is in two runs (same text) is an error, since its questions
     /// would count twice.
-    pub fn pool(runs: Vec<(String, Results)>) -> Result<Results> {
-        let common: Vec<String> = match runs.first() {
-            Some((_, first)) => first
-                .config
-                .methods
-                .iter()
-                .filter(|m| runs.iter().all(|(_, r)| r.config.methods.contains(m)))
-                .cloned()
-                .collect(),
-            None => bail!("nothing to pool"),
-        };
+    pub fn pool(mut runs: Vec<(String, Results)>) -> Result<Results> {
+        let Some((_, first)) = runs.first() else { bail!("nothing to pool") };
+        let common: Vec<String> =
+            first.config.methods.iter().filter(|m| runs.iter().all(|(_, r)| r.config.methods.contains(m))).cloned().collect();
         anyhow::ensure!(!common.is_empty(), "the runs to pool have no method in common");
-        let mut runs = runs;
         for (label, r) in &mut runs {
             let dropped: Vec<&String> = r.config.methods.iter().filter(|m| !common.contains(m)).collect();
             if !dropped.is_empty() {
@@ -357,18 +345,9 @@ impl Results {
         let mut it = runs.into_iter();
         let (_, mut out) = it.next().context("nothing to pool")?;
         for (label, mut r) in it {
-            anyhow::ensure!(
-                r.model == out.model,
-                "the runs to pool used different models ({} / {})",
-                out.model,
-                r.model
-            );
+            anyhow::ensure!(r.model == out.model, "the runs to pool used different models ({} / {})", out.model, r.model);
             for d in &mut r.documents {
-                anyhow::ensure!(
-                    !out.documents.iter().any(|o| o.text == d.text),
-                    "document {} is in two of the runs to pool",
-                    d.id
-                );
+                anyhow::ensure!(!out.documents.iter().any(|o| o.text == d.text), "document {} is in two of the runs to pool", d.id);
                 if out.documents.iter().any(|o| o.id == d.id) {
                     let renamed = format!("{label}/{}", d.id);
                     r.absorbs.iter_mut().filter(|a| a.document == d.id).for_each(|a| a.document.clone_from(&renamed));
@@ -570,11 +549,7 @@ struct Bars {
 
 impl Bars {
     fn new(show: bool, total: u64) -> Self {
-        let multi = MultiProgress::with_draw_target(if show {
-            ProgressDrawTarget::stderr()
-        } else {
-            ProgressDrawTarget::hidden()
-        });
+        let multi = MultiProgress::with_draw_target(if show { ProgressDrawTarget::stderr() } else { ProgressDrawTarget::hidden() });
         let bar = |len: u64, template: &str, prefix: &'static str| {
             let b = multi.add(ProgressBar::new(len));
             b.set_style(ProgressStyle::with_template(template).expect("valid template").progress_chars("=> "));
@@ -603,12 +578,7 @@ struct Runner<'a> {
 
 impl Runner<'_> {
     /// Absorbs `doc` once per group of methods; returns each method's adapter handle.
-    fn absorb(
-        &mut self,
-        doc: &EvalDocument,
-        document: &Document,
-        absorbs: &mut Vec<AbsorbRecord>,
-    ) -> Result<BTreeMap<String, usize>> {
+    fn absorb(&mut self, doc: &EvalDocument, document: &Document, absorbs: &mut Vec<AbsorbRecord>) -> Result<BTreeMap<String, usize>> {
         let mut handles = BTreeMap::new();
         for (opts, names) in &self.groups {
             let (overall, step) = (&self.bars.overall, &self.bars.step);
@@ -661,8 +631,7 @@ impl Runner<'_> {
             let t = Instant::now();
             let budget = budget(m, cfg);
             let handle = handles.get(&m.name).copied();
-            let (prediction, prompt_tokens) =
-                self.backend.ask(doc, document, handle, &q.question, m.mode, m.context, budget)?;
+            let (prediction, prompt_tokens) = self.backend.ask(doc, document, handle, &q.question, m.mode, m.context, budget)?;
             let expected = build_prompt(model, document, &ask(&q.question, m, cfg), cfg.max_tokens)?;
             if prompt_tokens != expected.tokens.len() {
                 bail!(
@@ -768,14 +737,9 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
             .iter()
             .chain(&args.pool)
             .map(|p| {
-                let r: Results = serde_json::from_slice(
-                    &std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()))?,
-                )?;
+                let r: Results = serde_json::from_slice(&std::fs::read(p).with_context(|| format!("{}: cannot read", p.display()))?)?;
                 // A run's label: the name of the directory its results.json is in.
-                let dir = p
-                    .parent()
-                    .and_then(|d| d.file_name())
-                    .map_or_else(|| p.display().to_string(), |d| d.to_string_lossy().into_owned());
+                let dir = p.parent().and_then(|d| d.file_name()).map_or_else(|| p.display().to_string(), |d| d.to_string_lossy().into_owned());
                 Ok((dir, r))
             })
             .collect::<Result<Vec<(String, Results)>>>()?;

@@ -68,7 +68,7 @@ const fn two_hop(slot: Slot, bridge: &'static str, sentence: &'static str, quest
     Template { kind: FactKind::TwoHop, slot, sentence, distractor: None, bridge: Some(bridge), question }
 }
 
-use FactKind::{Date as D, Name as N, Number as U, Paraphrase as W, Place as P};
+use FactKind::{Date as D, Name as N, Paraphrase as W, Number as U, Place as P};
 
 /// Every template has its own subject, so the needles of one document never collide.
 pub const TEMPLATES: &[Template] = &[
@@ -192,7 +192,12 @@ pub const TEMPLATES: &[Template] = &[
         "The recipe for the famous plum cake was written down by {X}.",
         "Who set out on paper how to bake that well-known fruit dessert?",
     ),
-    t(W, Slot::Place, "The orchestra made its final album in {X}.", "Where did the musicians record their last LP?"),
+    t(
+        W,
+        Slot::Place,
+        "The orchestra made its final album in {X}.",
+        "Where did the musicians record their last LP?",
+    ),
     t(
         W,
         Slot::Date,
@@ -629,13 +634,10 @@ mod tests {
             let jaccard = s.intersection(&q).count() as f64 / s.union(&q).count() as f64;
             assert!(jaccard < 0.5, "{:?} / {:?}: word overlap {jaccard:.2}", tpl.sentence, tpl.question);
             // A paraphrase shares no content word (nor a word's first five letters: no stem).
-            let stems =
-                |w: &HashSet<String>| -> HashSet<String> { w.iter().map(|w| w.chars().take(5).collect()).collect() };
+            let stems = |w: &HashSet<String>| -> HashSet<String> { w.iter().map(|w| w.chars().take(5).collect()).collect() };
             if tpl.kind == FactKind::Paraphrase {
                 let function = ["the", "a", "an", "its", "their", "did", "how", "many", "on", "by", "that", "what"];
-                let content = |w: &HashSet<String>| -> HashSet<String> {
-                    w.iter().filter(|w| !function.contains(&w.as_str())).cloned().collect()
-                };
+                let content = |w: &HashSet<String>| -> HashSet<String> { w.iter().filter(|w| !function.contains(&w.as_str())).cloned().collect() };
                 let shared: Vec<_> = stems(&content(&s)).intersection(&stems(&content(&q))).cloned().collect();
                 assert!(shared.is_empty(), "{:?} / {:?} share {shared:?}", tpl.sentence, tpl.question);
             }

@@ -92,23 +92,16 @@ fn paired_tables(s: &mut String, results: &Results) {
         return;
     }
     let answer = |m: &str, doc: &str, q: &str| {
-        results
-            .answers
-            .iter()
-            .find(|a| a.method == m && a.document == doc && a.question == q)
-            .map(|a| a.scores.contains > 0.0)
+        results.answers.iter().find(|a| a.method == m && a.document == doc && a.question == q).map(|a| a.scores.contains > 0.0)
     };
-    let absorb =
-        |m: &str, doc: &str| results.absorbs.iter().find(|a| a.document == doc && a.methods.iter().any(|x| x == m));
+    let absorb = |m: &str, doc: &str| results.absorbs.iter().find(|a| a.document == doc && a.methods.iter().any(|x| x == m));
     let _ = writeln!(s, "\nPaired by question against `{first}` (both right / only this method / only `{first}` / neither; McNemar's exact two-sided p over all questions):\n");
     let _ = writeln!(s, "| method | out of window | in window | steps (share of `{first}`'s) | absorb s | per document: steps | McNemar p |");
     let _ = writeln!(s, "|---|---|---|---|---|---|---|");
     for m in others {
         let mut cells = [[0usize; 4]; 2];
         for a in results.answers.iter().filter(|a| a.method == *first) {
-            let (Some(base), Some(this)) =
-                (answer(first, &a.document, &a.question), answer(m, &a.document, &a.question))
-            else {
+            let (Some(base), Some(this)) = (answer(first, &a.document, &a.question), answer(m, &a.document, &a.question)) else {
                 continue;
             };
             let w = usize::from(a.in_window == Some(true));
@@ -128,20 +121,10 @@ fn paired_tables(s: &mut String, results: &Results) {
                 per_doc.push(format!("{} {}/{}", d.id, a.steps, b.steps));
             }
         }
-        let share = if base_steps > 0 {
-            format!("{steps} ({:.0}%)", 100.0 * steps as f64 / base_steps as f64)
-        } else {
-            "–".into()
-        };
+        let share = if base_steps > 0 { format!("{steps} ({:.0}%)", 100.0 * steps as f64 / base_steps as f64) } else { "–".into() };
         let fmt = |c: [usize; 4]| format!("{} / {} / {} / {}", c[0], c[1], c[2], c[3]);
         let p = super::metrics::mcnemar_exact(cells[0][1] + cells[1][1], cells[0][2] + cells[1][2]);
-        let _ = writeln!(
-            s,
-            "| {m} | {} | {} | {share} | {secs:.0} | {} | {p:.3} |",
-            fmt(cells[0]),
-            fmt(cells[1]),
-            per_doc.join(", ")
-        );
+        let _ = writeln!(s, "| {m} | {} | {} | {share} | {secs:.0} | {} | {p:.3} |", fmt(cells[0]), fmt(cells[1]), per_doc.join(", "));
     }
 }
 
@@ -185,9 +168,7 @@ fn kind_table(s: &mut String, results: &Results) {
     if kinds.is_empty() {
         return;
     }
-    let name = |k: &super::needles::FactKind| {
-        serde_json::to_value(k).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default()
-    };
+    let name = |k: &super::needles::FactKind| serde_json::to_value(k).ok().and_then(|v| v.as_str().map(str::to_string)).unwrap_or_default();
     let _ = writeln!(s, "\nBy question kind (right / questions: out of window, in window):\n");
     let _ = writeln!(s, "| method | {} |", kinds.iter().map(name).collect::<Vec<_>>().join(" | "));
     let _ = writeln!(s, "|---|{}", "---|".repeat(kinds.len()));
@@ -196,11 +177,7 @@ fn kind_table(s: &mut String, results: &Results) {
             .iter()
             .map(|k| {
                 let count = |w: bool| {
-                    let rows: Vec<_> = results
-                        .answers
-                        .iter()
-                        .filter(|a| a.method == m && a.kind == Some(*k) && a.in_window == Some(w))
-                        .collect();
+                    let rows: Vec<_> = results.answers.iter().filter(|a| a.method == m && a.kind == Some(*k) && a.in_window == Some(w)).collect();
                     format!("{}/{}", rows.iter().filter(|a| a.scores.contains > 0.5).count(), rows.len())
                 };
                 format!("{}, {}", count(false), count(true))
@@ -437,15 +414,7 @@ mod tests {
     use super::super::{AbsorbRecord, Results, RunConfig};
 
     fn config(methods: Vec<String>) -> RunConfig {
-        RunConfig {
-            methods,
-            context_tokens: None,
-            max_tokens: 8,
-            absorb: Default::default(),
-            needles: None,
-            jsonl: None,
-            server: None,
-        }
+        RunConfig { methods, context_tokens: None, max_tokens: 8, absorb: Default::default(), needles: None, jsonl: None, server: None }
     }
 
     #[test]
@@ -467,8 +436,7 @@ mod tests {
         };
         let (plain, probed) = (dir.path().join("plain.png"), dir.path().join("probed.png"));
         super::loss_plot(&results(absorb.clone()), &plain).unwrap();
-        let with_probes =
-            AbsorbRecord { probe_curve: vec![(16, 2.5), (32, 1.5), (48, 1.4)], planned_steps: Some(96), ..absorb };
+        let with_probes = AbsorbRecord { probe_curve: vec![(16, 2.5), (32, 1.5), (48, 1.4)], planned_steps: Some(96), ..absorb };
         super::loss_plot(&results(with_probes), &probed).unwrap();
         let (a, b) = (std::fs::read(&plain).unwrap(), std::fs::read(&probed).unwrap());
         assert!(a.starts_with(b"\x89PNG") && b.starts_with(b"\x89PNG"));
@@ -494,22 +462,14 @@ mod tests {
             model: "tiny".into(),
             config: config(vec![m.into()]),
             documents: vec![doc.clone()],
-            absorbs: vec![AbsorbRecord {
-                document: doc.id.clone(),
-                methods: vec![m.into()],
-                steps,
-                ..Default::default()
-            }],
+            absorbs: vec![AbsorbRecord { document: doc.id.clone(), methods: vec![m.into()], steps, ..Default::default() }],
             answers: (0..6)
                 .map(|k| AnswerRecord {
                     document: doc.id.clone(),
                     question: format!("q{k}"),
                     method: m.into(),
                     prediction: String::new(),
-                    scores: crate::eval::metrics::Scores {
-                        contains: f64::from(u8::from(right(k))),
-                        ..Default::default()
-                    },
+                    scores: crate::eval::metrics::Scores { contains: f64::from(u8::from(right(k))), ..Default::default() },
                     in_window: Some(k >= 4),
                     depth: None,
                     kind: Some(if k % 2 == 0 { FactKind::Paraphrase } else { FactKind::TwoHop }),
@@ -521,11 +481,9 @@ mod tests {
                 .collect(),
             seconds: 1.0,
         };
-        let merged = Results::merge(vec![
-            ("a".into(), run("fixed", 400, |k| k < 3)),
-            ("b".into(), run("learned", 100, |k| k % 2 == 1)),
-        ])
-        .unwrap();
+        let merged =
+            Results::merge(vec![("a".into(), run("fixed", 400, |k| k < 3)), ("b".into(), run("learned", 100, |k| k % 2 == 1))])
+                .unwrap();
         assert_eq!(merged.config.methods, vec!["fixed", "learned"]);
         let md = super::markdown(&merged);
         // Out of window q0..q3: both q1; only learned q3; only fixed q0, q2; neither none. In
@@ -536,11 +494,8 @@ mod tests {
         assert!(md.contains("| fixed | 2/2, 0/1 | 1/2, 0/1 |"), "{md}");
         assert!(md.contains("| learned | 0/2, 0/1 | 2/2, 1/1 |"), "{md}");
         // The same method in two runs: the second is labelled by its run.
-        let twice = Results::merge(vec![
-            ("a".into(), run("fixed", 400, |k| k < 3)),
-            ("b".into(), run("fixed", 100, |k| k % 2 == 1)),
-        ])
-        .unwrap();
+        let twice = Results::merge(vec![("a".into(), run("fixed", 400, |k| k < 3)), ("b".into(), run("fixed", 100, |k| k % 2 == 1))])
+            .unwrap();
         assert_eq!(twice.config.methods, vec!["fixed", "fixed@b"]);
         assert!(super::markdown(&twice).contains("| fixed@b | 1 / 1 / 2 / 0 | 0 / 1 / 0 / 1 | 100 (25%) |"));
     }
@@ -566,10 +521,7 @@ mod tests {
                     question: "q0".into(),
                     method: (*m).into(),
                     prediction: String::new(),
-                    scores: crate::eval::metrics::Scores {
-                        contains: f64::from(u8::from(right || *m == "lift")),
-                        ..Default::default()
-                    },
+                    scores: crate::eval::metrics::Scores { contains: f64::from(u8::from(right || *m == "lift")), ..Default::default() },
                     in_window: Some(false),
                     depth: None,
                     kind: None,
@@ -583,12 +535,7 @@ mod tests {
                 model: "tiny".into(),
                 config: config(vec!["rag".into(), "lift".into()]),
                 documents: vec![doc.clone()],
-                absorbs: vec![AbsorbRecord {
-                    document: doc.id.clone(),
-                    methods: vec!["lift".into()],
-                    steps: 10,
-                    ..Default::default()
-                }],
+                absorbs: vec![AbsorbRecord { document: doc.id.clone(), methods: vec!["lift".into()], steps: 10, ..Default::default() }],
                 answers,
                 seconds: 1.0,
             }
@@ -598,11 +545,7 @@ mod tests {
         assert_eq!(pooled.answers.iter().filter(|a| a.document == "b/len1024-0").count(), 2);
         assert_eq!(pooled.absorbs[1].document, "b/len1024-0");
         // Out of window: both right on the first document, only `lift` on the second.
-        assert!(
-            super::markdown(&pooled).contains("| lift | 1 / 1 / 0 / 0 | 0 / 0 / 0 / 0 |"),
-            "{}",
-            super::markdown(&pooled)
-        );
+        assert!(super::markdown(&pooled).contains("| lift | 1 / 1 / 0 / 0 | 0 / 0 / 0 / 0 |"), "{}", super::markdown(&pooled));
         assert!(Results::pool(vec![("a".into(), run("one", true)), ("b".into(), run("one", true))]).is_err());
         // Only the methods every run answered are kept.
         let mut other = run("three", true);

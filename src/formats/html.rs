@@ -26,12 +26,7 @@ const HTML_RAW_TEXT: &[&str] = &["script", "style", "textarea", "title", "xmp", 
 /// elements at every tag). An end tag closes the innermost open element of its name and those
 /// inside it; an end tag of no open element is ignored, as a parser ignores it.
 pub(super) fn html_depth(html: &[u8], max: u64) -> Result<(), u64> {
-    let find = |from: usize, needle: &[u8]| {
-        html[from.min(html.len())..]
-            .windows(needle.len())
-            .position(|w| w.eq_ignore_ascii_case(needle))
-            .map(|p| p + from)
-    };
+    let find = |from: usize, needle: &[u8]| html[from.min(html.len())..].windows(needle.len()).position(|w| w.eq_ignore_ascii_case(needle)).map(|p| p + from);
     let mut open: Vec<String> = Vec::new();
     let mut foreign = 0usize; // inside <svg> or <math>: `<x/>` opens nothing there
     let mut i = 0;
@@ -77,10 +72,7 @@ pub(super) fn html_depth(html: &[u8], max: u64) -> Result<(), u64> {
                 }
             }
         }
-        if HTML_VOID.contains(&name.as_str())
-            || HTML_SELF_ENDING.contains(&name.as_str())
-            || (self_closing && foreign > 0)
-        {
+        if HTML_VOID.contains(&name.as_str()) || HTML_SELF_ENDING.contains(&name.as_str()) || (self_closing && foreign > 0) {
             continue;
         }
         if name == "svg" || name == "math" {
@@ -111,9 +103,9 @@ pub(super) fn html_to_text(html: &str) -> (String, Option<String>) {
     let doc = scraper::Html::parse_document(html);
     // The page's <title>, else its first heading.
     let first = |selector: &str| {
-        scraper::Selector::parse(selector).ok().and_then(|s| {
-            doc.select(&s).map(|t| collapse_spaces(&t.text().collect::<String>())).find(|t| !t.is_empty())
-        })
+        scraper::Selector::parse(selector)
+            .ok()
+            .and_then(|s| doc.select(&s).map(|t| collapse_spaces(&t.text().collect::<String>())).find(|t| !t.is_empty()))
     };
     let title = first("title").or_else(|| first("h1, h2, h3, h4, h5, h6"));
     let mut out = String::with_capacity(html.len() / 2);

@@ -69,9 +69,7 @@ pub(super) fn markdown_to_text(md: &str, max_chars: u64) -> Result<(String, Opti
                 }
                 line_break(&mut out)
             }
-            Event::Start(Tag::Paragraph | Tag::CodeBlock(_) | Tag::BlockQuote(_) | Tag::Table(_)) => {
-                block_break(&mut out)
-            }
+            Event::Start(Tag::Paragraph | Tag::CodeBlock(_) | Tag::BlockQuote(_) | Tag::Table(_)) => block_break(&mut out),
             Event::Start(Tag::List(start)) => {
                 lists.push(start);
                 line_break(&mut out);

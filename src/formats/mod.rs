@@ -12,8 +12,8 @@ mod zipped;
 use html::{html_depth, html_to_text};
 use markdown::{markdown_depth, markdown_to_text};
 use pdf::pdf_to_text;
-use serde::{Deserialize, Serialize};
 use zipped::{docx_to_text, epub_to_text, odt_to_text};
+use serde::{Deserialize, Serialize};
 
 /// A document format we read.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
@@ -280,30 +280,18 @@ pub fn extract_with(
             return Err(ExtractError::Unsupported { what: format!("{what}{kind}") });
         }
     };
-    let over = |limit, value: u64, max: u64| {
-        (value > max).then(|| ExtractError::TooLarge { what: what.clone(), limit, value, max })
-    };
+    let over = |limit, value: u64, max: u64| (value > max).then(|| ExtractError::TooLarge { what: what.clone(), limit, value, max });
     if let Some(e) = over("size in bytes", bytes.len() as u64, limits.max_input_bytes) {
         return Err(e);
     }
-    let too_deep = |depth: u64| ExtractError::TooComplex {
-        what: what.clone(),
-        limit: "nesting depth",
-        value: depth,
-        max: limits.max_depth,
-    };
+    let too_deep = |depth: u64| ExtractError::TooComplex { what: what.clone(), limit: "nesting depth", value: depth, max: limits.max_depth };
     let (text, title, pages, extraction) = match format {
         Format::Text => (utf8(bytes, &what)?.to_string(), None, None, AS_SENT.to_string()),
         Format::Markdown => {
             let md = utf8(bytes, &what)?;
             markdown_depth(md, limits.max_depth).map_err(too_deep)?;
-            let (text, title) =
-                markdown_to_text(md, limits.max_output_chars).map_err(|chars| ExtractError::TooLarge {
-                    what: what.clone(),
-                    limit: "extracted text in characters",
-                    value: chars,
-                    max: limits.max_output_chars,
-                })?;
+            let (text, title) = markdown_to_text(md, limits.max_output_chars)
+                .map_err(|chars| ExtractError::TooLarge { what: what.clone(), limit: "extracted text in characters", value: chars, max: limits.max_output_chars })?;
             (text, title, None, "Markdown rendered to plain text (pulldown-cmark)".into())
         }
         Format::Html => {
@@ -420,18 +408,11 @@ mod tests {
         assert_eq!(extract(b"plain words", Some("a.md"), None).unwrap().source.format, Format::Markdown);
         assert_eq!(extract(b"plain words", Some("a.md"), Some("text/plain")).unwrap().source.format, Format::Text);
         assert_eq!(extract(b"<!DOCTYPE html><p>hi</p>", None, None).unwrap().source.format, Format::Html);
-        assert_eq!(
-            extract(b"words", Some("notes"), Some("application/octet-stream")).unwrap().source.format,
-            Format::Text
-        );
+        assert_eq!(extract(b"words", Some("notes"), Some("application/octet-stream")).unwrap().source.format, Format::Text);
         let e = extract(b"\x89PNG\r\n\x1a\n\0\0", Some("a.png"), None).unwrap_err();
         assert_eq!(e.code(), "unsupported_format", "{e}");
-        let e = extract(
-            b"words",
-            Some("a.docx"),
-            Some("application/vnd.openxmlformats-officedocument.wordprocessingml.document"),
-        )
-        .unwrap_err();
+        let e = extract(b"words", Some("a.docx"), Some("application/vnd.openxmlformats-officedocument.wordprocessingml.document"))
+            .unwrap_err();
         assert_eq!(e.code(), "unreadable_document", "{e}");
         let e = extract(b"words", Some("a.xlsx"), Some("application/vnd.ms-excel")).unwrap_err();
         assert_eq!(e.code(), "unsupported_format", "{e}");
@@ -449,10 +430,7 @@ mod tests {
             <noscript>enable js</noscript><pre>  x = 1\n  y = 2</pre></body></html>";
         let e = extract(html.as_bytes(), Some("h.html"), None).unwrap();
         assert_eq!(e.title.as_deref(), Some("The Harbor"));
-        assert_eq!(
-            e.text,
-            "Velmora\n\nBuilt in 1843 by Ada.\n- north pier\n- east pier\n\na | b |\n\n  x = 1\n  y = 2"
-        );
+        assert_eq!(e.text, "Velmora\n\nBuilt in 1843 by Ada.\n- north pier\n- east pier\n\na | b |\n\n  x = 1\n  y = 2");
         assert!(!e.text.contains("secret") && !e.text.contains("color") && !e.text.contains("enable js"));
         let e = extract(b"<html><script>x()</script></html>", Some("e.html"), None).unwrap_err();
         assert_eq!(e.code(), "no_text");
@@ -463,29 +441,17 @@ mod tests {
         let md = "# Title\n\nSome *emphasis* and a [link](http://example.invalid/x).\nSame paragraph.\n\n\
             1. one\n2. two\n\n- a\n  - b\n\n```\ncode line\n```\n\n<div>raw</div>\n";
         let e = extract(md.as_bytes(), Some("r.md"), None).unwrap();
-        assert_eq!(
-            e.text,
-            "Title\n\nSome emphasis and a link. Same paragraph.\n1. one\n2. two\n- a\n  - b\n\ncode line"
-        );
+        assert_eq!(e.text, "Title\n\nSome emphasis and a link. Same paragraph.\n1. one\n2. two\n- a\n  - b\n\ncode line");
     }
 
     #[test]
     fn markdown_and_html_titles_come_from_the_first_heading() {
         let title = |bytes: &[u8], name| extract(bytes, Some(name), None).unwrap().title;
-        assert_eq!(
-            title(b"# The *Harbor* of Velmora\n\ntext\n\n# Later\n", "a.md").as_deref(),
-            Some("The Harbor of Velmora")
-        );
-        assert_eq!(
-            title(b"Opening words.\n\nSetext heading\n---\n\n# Later\n", "b.md").as_deref(),
-            Some("Setext heading")
-        );
+        assert_eq!(title(b"# The *Harbor* of Velmora\n\ntext\n\n# Later\n", "a.md").as_deref(), Some("The Harbor of Velmora"));
+        assert_eq!(title(b"Opening words.\n\nSetext heading\n---\n\n# Later\n", "b.md").as_deref(), Some("Setext heading"));
         assert_eq!(title(b"no heading at all\n", "c.md"), None);
         assert_eq!(title(b"#\n\n## Second\n", "d.md").as_deref(), Some("Second"), "an empty heading is no title");
-        assert_eq!(
-            title(b"<p>intro</p><h2>Chapter <b>One</b></h2><h1>Later</h1>", "e.html").as_deref(),
-            Some("Chapter One")
-        );
+        assert_eq!(title(b"<p>intro</p><h2>Chapter <b>One</b></h2><h1>Later</h1>", "e.html").as_deref(), Some("Chapter One"));
         assert_eq!(title(b"<title>Page</title><h1>Heading</h1>", "f.html").as_deref(), Some("Page"));
         assert_eq!(title(b"<title> </title><h1>Heading</h1>", "g.html").as_deref(), Some("Heading"));
     }
@@ -506,26 +472,13 @@ mod pdf_tests {
 
     #[test]
     fn a_pdf_gives_its_text_pages_and_title() {
-        let pdf = write_pdf(
-            PdfPages::Text(&[
-                "The harbor of Velmora was built in 1843.\nIt has three piers.",
-                "The lighthouse is blue.",
-            ]),
-            "Velmora",
-            None,
-        )
-        .unwrap();
+        let pdf = write_pdf(PdfPages::Text(&["The harbor of Velmora was built in 1843.\nIt has three piers.", "The lighthouse is blue."]), "Velmora", None).unwrap();
         let e = extract(&pdf, Some("velmora.pdf"), Some("application/pdf")).unwrap();
         assert_eq!(e.source.format, Format::Pdf);
         assert_eq!(e.source.pages, Some(2));
         assert_eq!(e.title.as_deref(), Some("Velmora"));
         let words: Vec<&str> = e.text.split_whitespace().collect();
-        assert_eq!(
-            words.join(" "),
-            "The harbor of Velmora was built in 1843. It has three piers. The lighthouse is blue.",
-            "{:?}",
-            e.text
-        );
+        assert_eq!(words.join(" "), "The harbor of Velmora was built in 1843. It has three piers. The lighthouse is blue.", "{:?}", e.text);
     }
 
     #[test]
@@ -540,13 +493,7 @@ mod pdf_tests {
         let lines: Vec<String> = e.text.lines().map(|l| l.split_whitespace().collect::<Vec<_>>().join(" ")).collect();
         assert_eq!(
             lines,
-            [
-                "First line by Tj.",
-                "Second line by quote.",
-                "Third line by double quote.",
-                "Fourth line by TJ, five.",
-                "Last."
-            ],
+            ["First line by Tj.", "Second line by quote.", "Third line by double quote.", "Fourth line by TJ, five.", "Last."],
             "{:?}",
             e.text
         );
@@ -634,10 +581,7 @@ mod zipped_tests {
     fn an_epub_gives_its_chapters_in_spine_order() {
         let file = epub(
             "The Voyage",
-            &[
-                ("chapter 1.xhtml", "<h1>Arrival</h1><p>The ship came in.</p>"),
-                ("ch2.xhtml", "<h2>Departure</h2><p>It left &amp; sailed.</p>"),
-            ],
+            &[("chapter 1.xhtml", "<h1>Arrival</h1><p>The ship came in.</p>"), ("ch2.xhtml", "<h2>Departure</h2><p>It left &amp; sailed.</p>")],
         );
         let e = extract(&file, Some("voyage.epub"), None).unwrap();
         assert_eq!(e.source.format, Format::Epub);
@@ -651,8 +595,7 @@ mod zipped_tests {
         let e = extract(b"PK\x03\x04 not really a zip", Some("x.docx"), None).unwrap_err();
         assert_eq!((e.code(), e.status()), ("unreadable_document", 422), "{e}");
         assert!(e.to_string().contains("Word (.docx)"), "{e}");
-        let e = extract(&zip(&[("mimetype", b"application/vnd.oasis.opendocument.text")]), Some("x.odt"), None)
-            .unwrap_err();
+        let e = extract(&zip(&[("mimetype", b"application/vnd.oasis.opendocument.text")]), Some("x.odt"), None).unwrap_err();
         assert!(e.code() == "unreadable_document" && e.to_string().contains("content.xml"), "{e}");
         let e = extract(&odt("<text:p>unclosed", None), Some("x.odt"), None).unwrap_err();
         assert_eq!(e.code(), "unreadable_document", "{e}");
@@ -667,11 +610,7 @@ mod zipped_tests {
         let e = extract(&ole[..520], Some("old.docx"), None).unwrap_err();
         assert!(e.code() == "unreadable_document" && e.to_string().contains(".doc)"), "{e}");
         let manifest = br#"<manifest:manifest><manifest:file-entry manifest:full-path="content.xml"><manifest:encryption-data/></manifest:file-entry></manifest:manifest>"#;
-        let locked = zip(&[
-            ("mimetype", b"application/vnd.oasis.opendocument.text"),
-            ("META-INF/manifest.xml", manifest),
-            ("content.xml", b"\x01\x02"),
-        ]);
+        let locked = zip(&[("mimetype", b"application/vnd.oasis.opendocument.text"), ("META-INF/manifest.xml", manifest), ("content.xml", b"\x01\x02")]);
         assert_eq!(extract(&locked, Some("locked.odt"), None).unwrap_err().code(), "encrypted_document");
     }
 }
@@ -764,8 +703,7 @@ mod budget_tests {
         let e = extract(crash, Some("crash.pdf"), None).unwrap_err();
         assert_eq!(e.code(), "unreadable_pdf", "{e}");
         // A slow unit (15 s under the fuzzer's sanitizers): a page nested 15,000 deep behind `<!-->`.
-        let slow =
-            include_bytes!("../../fuzz/regressions/extract_html/slow-unit-b4b2d85f7e602bd23bc0b42129cf1b3b23d44e03");
+        let slow = include_bytes!("../../fuzz/regressions/extract_html/slow-unit-b4b2d85f7e602bd23bc0b42129cf1b3b23d44e03");
         assert_eq!(refused(slow, "slow.html").code(), "document_too_complex");
     }
 
@@ -781,8 +719,7 @@ mod budget_tests {
         assert!(e.to_string().contains("one archive member passed 8388608 bytes"), "{e}");
         // Members under the per-member budget add up to the total one.
         let limits = Limits { max_inflated_bytes: 1 << 10, ..Limits::default() };
-        let e = extract_with(&odt(&"<text:p>words words</text:p>".repeat(100), None), Some("a.odt"), None, &limits)
-            .unwrap_err();
+        let e = extract_with(&odt(&"<text:p>words words</text:p>".repeat(100), None), Some("a.odt"), None, &limits).unwrap_err();
         assert!(e.code() == "decompression_limit" && e.to_string().contains("all archive members"), "{e}");
         // Entries past the budget, counted before the archive is opened: a real one and a forged
         // end record that declares 4 billion (ZIP64's count).

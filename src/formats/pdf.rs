@@ -42,7 +42,8 @@ pub(super) fn pdf_to_text(bytes: &[u8], what: &str, limits: &Limits) -> Result<P
         for &n in &pages {
             let mut page = String::new();
             let mut output = pdf_extract::PlainTextOutput::new(&mut page);
-            pdf_extract::output_doc_page(&doc, &mut output, n).map_err(|e| unreadable(format!("page {n}: {e}")))?;
+            pdf_extract::output_doc_page(&doc, &mut output, n)
+                .map_err(|e| unreadable(format!("page {n}: {e}")))?;
             if !text.is_empty() {
                 text.push_str("\n\n");
             }
@@ -85,12 +86,9 @@ fn push_expanding_ligatures(text: &mut String, page: &str) {
 /// lines these show. A stream that does not decode is left as it is.
 fn spell_out_quote_operators(doc: &mut lopdf::Document) {
     use lopdf::content::{Content, Operation};
-    let mut ids: Vec<lopdf::ObjectId> =
-        doc.get_pages().values().flat_map(|&page| doc.get_page_contents(page)).collect();
+    let mut ids: Vec<lopdf::ObjectId> = doc.get_pages().values().flat_map(|&page| doc.get_page_contents(page)).collect();
     ids.extend(doc.objects.iter().filter_map(|(id, object)| match object {
-        lopdf::Object::Stream(s) if s.dict.get(b"Subtype").and_then(|n| n.as_name()).is_ok_and(|n| n == b"Form") => {
-            Some(*id)
-        }
+        lopdf::Object::Stream(s) if s.dict.get(b"Subtype").and_then(|n| n.as_name()).is_ok_and(|n| n == b"Form") => Some(*id),
         _ => None,
     }));
     ids.sort_unstable();
@@ -210,12 +208,7 @@ fn pdf_inflate_budget(doc: &lopdf::Document, what: &str, limits: &Limits) -> Res
         total += n;
         if n > budget {
             let max = limits.max_inflated_bytes;
-            return Err(ExtractError::Decompression {
-                what: what.to_string(),
-                limit: "all streams",
-                value: total,
-                max,
-            });
+            return Err(ExtractError::Decompression { what: what.to_string(), limit: "all streams", value: total, max });
         }
     }
     Ok(())

@@ -202,6 +202,7 @@ impl PackedBf16 {
         }
         out
     }
+
 }
 
 struct SharedOut(*mut f32);
@@ -239,13 +240,7 @@ mod avx512 {
             }
         }
         let m0: __mmask16 = if valid >= 16 { 0xFFFF } else { (1u16 << valid) - 1 };
-        let m1: __mmask16 = if valid >= 32 {
-            0xFFFF
-        } else if valid > 16 {
-            (1u16 << (valid - 16)) - 1
-        } else {
-            0
-        };
+        let m1: __mmask16 = if valid >= 32 { 0xFFFF } else if valid > 16 { (1u16 << (valid - 16)) - 1 } else { 0 };
         for t in 0..T {
             let o = out.add(t * out_stride);
             _mm512_mask_storeu_ps(o, m0, lo[t]);
@@ -301,16 +296,10 @@ mod tests {
                 for r in 0..rows {
                     let k = i * rows + r;
                     let mag: f32 = (0..cols).map(|c| (xr[i * cols + c] * wr[r * cols + c]).abs()).sum();
-                    assert!(
-                        (got[k] - want[k]).abs() <= 1e-6 * mag + 1e-30,
-                        "{rows}x{cols} n={n} [{i},{r}]: {} vs {}",
-                        got[k],
-                        want[k]
-                    );
+                    assert!((got[k] - want[k]).abs() <= 1e-6 * mag + 1e-30, "{rows}x{cols} n={n} [{i},{r}]: {} vs {}", got[k], want[k]);
                     // Against the f32 product: the inputs' rounding (2^-9 relative each) bounds it.
                     let exact: f32 = (0..cols).map(|c| x[i * cols + c] * w[r * cols + c]).sum();
-                    let bound =
-                        2.0 * 2f32.powi(-8) * (0..cols).map(|c| (x[i * cols + c] * w[r * cols + c]).abs()).sum::<f32>();
+                    let bound = 2.0 * 2f32.powi(-8) * (0..cols).map(|c| (x[i * cols + c] * w[r * cols + c]).abs()).sum::<f32>();
                     assert!((got[k] - exact).abs() <= bound, "[{i},{r}] {} vs f32 {}", got[k], exact);
                 }
             }

@@ -232,11 +232,7 @@ const DECODE_ATTENTION_PTX: &str = include_str!(concat!(env!("OUT_DIR"), "/decod
 
 /// A view of a (read-locked) tensor storage, for the launches below that take tensors rather
 /// than what a custom op is handed.
-fn locked_view<'a, T: CudaDType>(
-    storage: &'a candle_core::Storage,
-    layout: &Layout,
-    what: &str,
-) -> Result<CudaView<'a, T>> {
+fn locked_view<'a, T: CudaDType>(storage: &'a candle_core::Storage, layout: &Layout, what: &str) -> Result<CudaView<'a, T>> {
     match storage {
         candle_core::Storage::Cuda(cs) => view::<T>(cs, layout, what),
         _ => bail!("{what}: not on CUDA"),
@@ -267,11 +263,7 @@ fn expect_dtype(t: &candle_core::Tensor, dtype: DType, what: &str) -> Result<()>
     Ok(())
 }
 
-fn wrap(
-    out: CudaSlice<impl CudaDType>,
-    dev: candle_core::CudaDevice,
-    shape: impl Into<candle_core::Shape>,
-) -> candle_core::Tensor {
+fn wrap(out: CudaSlice<impl CudaDType>, dev: candle_core::CudaDevice, shape: impl Into<candle_core::Shape>) -> candle_core::Tensor {
     let storage = candle_core::Storage::Cuda(CudaStorage::wrap_cuda_slice(out, dev));
     candle_core::Tensor::from_storage(storage, shape, candle_core::op::BackpropOp::none(), false)
 }
@@ -314,14 +306,7 @@ pub fn decode_attention(
         || counts.dims2()? != (2, n)
         || bias.is_some_and(|b| b.dims() != [n])
     {
-        bail!(
-            "decode-attention: q {:?}, k {:?}, v {:?}, caches {:?}, counts {:?}",
-            q.dims(),
-            k.dims(),
-            v.dims(),
-            caches.dims(),
-            counts.dims()
-        );
+        bail!("decode-attention: q {:?}, k {:?}, v {:?}, caches {:?}, counts {:?}", q.dims(), k.dims(), v.dims(), caches.dims(), counts.dims());
     }
     for t in [q, k, v] {
         expect_dtype(t, DType::BF16, "decode-attention q/k/v")?;
@@ -329,28 +314,19 @@ pub fn decode_attention(
     expect_dtype(caches, DType::I64, "decode-attention caches")?;
     expect_dtype(counts, DType::U32, "decode-attention counts")?;
     let dev = q.device().as_cuda_device()?.clone();
-    let (q, k, v, caches, counts) =
-        (q.contiguous()?, k.contiguous()?, v.contiguous()?, caches.contiguous()?, counts.contiguous()?);
+    let (q, k, v, caches, counts) = (q.contiguous()?, k.contiguous()?, v.contiguous()?, caches.contiguous()?, counts.contiguous()?);
     let out: CudaSlice<half::bf16> = unsafe { dev.alloc::<half::bf16>(n * heads * d)? };
     {
         let qg: Vec<_> = [&q, &k, &v].iter().map(|t| t.storage_and_layout()).collect();
-        let qkv = qg
-            .iter()
-            .map(|(s, l)| locked_view::<half::bf16>(s, l, "decode-attention q/k/v"))
-            .collect::<Result<Vec<_>>>()?;
+        let qkv = qg.iter().map(|(s, l)| locked_view::<half::bf16>(s, l, "decode-attention q/k/v")).collect::<Result<Vec<_>>>()?;
         let (tables, lens) = (caches.chunk(2, 0)?, counts.chunk(2, 0)?);
         let tg: Vec<_> = tables.iter().chain(bias).map(|t| t.storage_and_layout()).collect();
-        let tv = tg
-            .iter()
-            .map(|(s, l)| locked_view::<i64>(s, l, "decode-attention addresses"))
-            .collect::<Result<Vec<_>>>()?;
+        let tv = tg.iter().map(|(s, l)| locked_view::<i64>(s, l, "decode-attention addresses")).collect::<Result<Vec<_>>>()?;
         let cg: Vec<_> = lens.iter().map(|t| t.storage_and_layout()).collect();
-        let cv =
-            cg.iter().map(|(s, l)| locked_view::<u32>(s, l, "decode-attention counts")).collect::<Result<Vec<_>>>()?;
+        let cv = cg.iter().map(|(s, l)| locked_view::<u32>(s, l, "decode-attention counts")).collect::<Result<Vec<_>>>()?;
         let (h, kvh, dd, scale) = (heads as i32, kv_heads as i32, d as i32, 1.0f32 / (d as f32).sqrt());
         let null = 0u64;
-        let func =
-            dev.get_or_load_custom_func("decode_attention_bf16", "lift_decode_attention", DECODE_ATTENTION_PTX)?;
+        let func = dev.get_or_load_custom_func("decode_attention_bf16", "lift_decode_attention", DECODE_ATTENTION_PTX)?;
         let mut builder = func.builder();
         for x in &qkv {
             builder.arg(x);
@@ -370,8 +346,7 @@ pub fn decode_attention(
         builder.arg(&dd);
         builder.arg(&scale);
         // 8 warps (DA_WARPS in the kernel): a block per (sequence, KV head).
-        let cfg =
-            LaunchConfig { grid_dim: ((n * kv_heads) as u32, 1, 1), block_dim: (32 * 8, 1, 1), shared_mem_bytes: 0 };
+        let cfg = LaunchConfig { grid_dim: ((n * kv_heads) as u32, 1, 1), block_dim: (32 * 8, 1, 1), shared_mem_bytes: 0 };
         unsafe { builder.launch(cfg) }.w()?;
     }
     Ok(wrap(out, dev, (n, heads, d)))
@@ -389,12 +364,7 @@ pub fn gated_memory_fwd_rows(
 ) -> Result<candle_core::Tensor> {
     let (b, h, t, d) = q.dims4()?;
     if (h, d) != (dims.heads, dims.d) || attn.dims() != q.dims() || params.dims() != [b] {
-        bail!(
-            "gated-memory-rows: q {:?} / attn {:?} / {:?} addresses for {dims:?}",
-            q.dims(),
-            attn.dims(),
-            params.dims()
-        );
+        bail!("gated-memory-rows: q {:?} / attn {:?} / {:?} addresses for {dims:?}", q.dims(), attn.dims(), params.dims());
     }
     expect_dtype(q, DType::F32, "gated-memory-rows q")?;
     expect_dtype(attn, DType::F32, "gated-memory-rows attn")?;
@@ -404,10 +374,7 @@ pub fn gated_memory_fwd_rows(
     let out: CudaSlice<f32> = unsafe { dev.alloc::<f32>(q.elem_count())? };
     {
         let locked: Vec<_> = [&q, &attn].iter().map(|t| t.storage_and_layout()).collect();
-        let qa = locked
-            .iter()
-            .map(|(s, l)| locked_view::<f32>(s, l, "gated-memory-rows q/attn"))
-            .collect::<Result<Vec<_>>>()?;
+        let qa = locked.iter().map(|(s, l)| locked_view::<f32>(s, l, "gated-memory-rows q/attn")).collect::<Result<Vec<_>>>()?;
         let (ts, tl) = params.storage_and_layout();
         let tv = locked_view::<i64>(&ts, tl, "gated-memory-rows addresses")?;
         let (cfg, tr) = gm_launch(dims, b, t, 3 * dims.d + dims.s + 1);
@@ -480,10 +447,7 @@ pub fn adamw_step(
         tables[4].push(size as i64);
         largest = largest.max(size);
     }
-    let tables = tables
-        .iter()
-        .map(|t| candle_core::Tensor::new(t.as_slice(), params[0].device()))
-        .collect::<candle_core::Result<Vec<_>>>()?;
+    let tables = tables.iter().map(|t| candle_core::Tensor::new(t.as_slice(), params[0].device())).collect::<candle_core::Result<Vec<_>>>()?;
     let locked: Vec<_> = tables.iter().map(|t| t.storage_and_layout()).collect();
     let views = locked.iter().map(|(st, l)| locked_view::<i64>(st, l, "adamw table")).collect::<Result<Vec<_>>>()?;
     // Blocks per tensor: enough for the largest, at most 32 (they stride).

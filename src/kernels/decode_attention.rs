@@ -25,14 +25,7 @@ pub struct DecodeCache<'a, T> {
 /// One unit of work is a (sequence, KV head): its query heads share each key and value row read
 /// from the cache. Units run on candle's CPU thread pool, the one the quantized matmuls around
 /// this call use (a second pool would compete with its spinning workers for the cores).
-pub fn decode_attention<T: StoredFloat>(
-    q: &[f32],
-    caches: &[DecodeCache<T>],
-    heads: usize,
-    kv_heads: usize,
-    d: usize,
-    scale: f32,
-) -> Vec<f32> {
+pub fn decode_attention<T: StoredFloat>(q: &[f32], caches: &[DecodeCache<T>], heads: usize, kv_heads: usize, d: usize, scale: f32) -> Vec<f32> {
     decode_attention_on(simd(), q, caches, heads, kv_heads, d, scale)
 }
 
@@ -80,15 +73,7 @@ pub fn decode_attention_on<T: StoredFloat>(
 }
 
 /// The query heads `q` (`[g, d]`) of one KV head `kvh` over one cache, into `o` (`[g, d]`).
-fn attend_unit<T: StoredFloat>(
-    q: &[f32],
-    c: &DecodeCache<T>,
-    kvh: usize,
-    d: usize,
-    scale: f32,
-    o: &mut [f32],
-    scores: &mut Vec<f32>,
-) {
+fn attend_unit<T: StoredFloat>(q: &[f32], c: &DecodeCache<T>, kvh: usize, d: usize, scale: f32, o: &mut [f32], scores: &mut Vec<f32>) {
     let g = q.len() / d;
     let base = kvh * c.capacity * d;
     let (k, v) = (&c.k[base..base + c.len * d], &c.v[base..base + c.len * d]);
@@ -169,15 +154,7 @@ pub fn simd() -> Simd {
 /// [`dot`]'s lanes: every path gives the scalar loop's scores and outputs bit for bit. The general
 /// loop's sum per key and head, and its per-key read-modify-write of the output, bounded it at
 /// ~7 GMAC/s per thread.
-fn attend_unit_64<T: StoredFloat, const G: usize>(
-    simd: Simd,
-    q: &[f32],
-    c: &DecodeCache<T>,
-    kvh: usize,
-    scale: f32,
-    o: &mut [f32],
-    scores: &mut Vec<f32>,
-) {
+fn attend_unit_64<T: StoredFloat, const G: usize>(simd: Simd, q: &[f32], c: &DecodeCache<T>, kvh: usize, scale: f32, o: &mut [f32], scores: &mut Vec<f32>) {
     const D: usize = 64;
     let len = c.len;
     let base = kvh * c.capacity * D;
@@ -443,13 +420,7 @@ mod avx2 {
     /// Columns `col..col + 8·C` of [`weighted_values`].
     #[inline]
     #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn columns<T: StoredFloat, const G: usize, const C: usize>(
-        w: &[f32],
-        v: &[T],
-        len: usize,
-        col: usize,
-        acc: &mut [[f32; 64]; G],
-    ) {
+    unsafe fn columns<T: StoredFloat, const G: usize, const C: usize>(w: &[f32], v: &[T], len: usize, col: usize, acc: &mut [[f32; 64]; G]) {
         // SAFETY: v holds `len` rows of 64 and w `G·len` weights (checked by the caller);
         // col + 8·C ≤ 64.
         unsafe {
@@ -575,52 +546,23 @@ mod tests {
         let cap = 48;
         let dev = Device::Cpu;
         for (heads, kv_heads) in [(3, 3), (4, 2), (9, 3), (8, 2)] {
-            let q: Vec<f32> = Tensor::randn(0f32, 1.0, (lens.len(), heads, 64), &dev)
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap();
-            let cached = || -> Vec<f32> {
-                Tensor::randn(0f32, 1.0, (kv_heads, cap, 64), &dev).unwrap().flatten_all().unwrap().to_vec1().unwrap()
-            };
+            let q: Vec<f32> = Tensor::randn(0f32, 1.0, (lens.len(), heads, 64), &dev).unwrap().flatten_all().unwrap().to_vec1().unwrap();
+            let cached = || -> Vec<f32> { Tensor::randn(0f32, 1.0, (kv_heads, cap, 64), &dev).unwrap().flatten_all().unwrap().to_vec1().unwrap() };
             let (ks, vs): (Vec<Vec<f32>>, Vec<Vec<f32>>) = lens.iter().map(|_| (cached(), cached())).unzip();
-            let bias: Vec<f32> =
-                (0..cap).map(|j| if j == 2 { f32::NEG_INFINITY } else { -0.1 * (j % 5) as f32 }).collect();
+            let bias: Vec<f32> = (0..cap).map(|j| if j == 2 { f32::NEG_INFINITY } else { -0.1 * (j % 5) as f32 }).collect();
             let caches: Vec<DecodeCache<f32>> = (0..lens.len())
-                .map(|i| DecodeCache {
-                    k: &ks[i],
-                    v: &vs[i],
-                    capacity: cap,
-                    len: lens[i],
-                    bias: (i % 2 == 1).then_some(&bias[..]),
-                })
+                .map(|i| DecodeCache { k: &ks[i], v: &vs[i], capacity: cap, len: lens[i], bias: (i % 2 == 1).then_some(&bias[..]) })
                 .collect();
             let halves = |x: &[f32]| -> Vec<f16> { x.iter().map(|&v| f16::from_f32(v)).collect() };
-            let (kh, vh): (Vec<Vec<f16>>, Vec<Vec<f16>>) =
-                ks.iter().zip(&vs).map(|(k, v)| (halves(k), halves(v))).unzip();
+            let (kh, vh): (Vec<Vec<f16>>, Vec<Vec<f16>>) = ks.iter().zip(&vs).map(|(k, v)| (halves(k), halves(v))).unzip();
             let caches16: Vec<DecodeCache<f16>> = (0..lens.len())
-                .map(|i| DecodeCache {
-                    k: &kh[i],
-                    v: &vh[i],
-                    capacity: cap,
-                    len: lens[i],
-                    bias: (i % 2 == 1).then_some(&bias[..]),
-                })
+                .map(|i| DecodeCache { k: &kh[i], v: &vh[i], capacity: cap, len: lens[i], bias: (i % 2 == 1).then_some(&bias[..]) })
                 .collect();
             let want = decode_attention_on(Simd::Scalar, &q, &caches, heads, kv_heads, 64, 0.125);
             let want16 = decode_attention_on(Simd::Scalar, &q, &caches16, heads, kv_heads, 64, 0.125);
             for &simd in &paths {
-                assert_eq!(
-                    decode_attention_on(simd, &q, &caches, heads, kv_heads, 64, 0.125),
-                    want,
-                    "{simd:?}, {heads}/{kv_heads} heads, f32"
-                );
-                assert_eq!(
-                    decode_attention_on(simd, &q, &caches16, heads, kv_heads, 64, 0.125),
-                    want16,
-                    "{simd:?}, {heads}/{kv_heads} heads, f16"
-                );
+                assert_eq!(decode_attention_on(simd, &q, &caches, heads, kv_heads, 64, 0.125), want, "{simd:?}, {heads}/{kv_heads} heads, f32");
+                assert_eq!(decode_attention_on(simd, &q, &caches16, heads, kv_heads, 64, 0.125), want16, "{simd:?}, {heads}/{kv_heads} heads, f16");
             }
         }
         eprintln!("vector paths checked: {paths:?}");
@@ -639,18 +581,10 @@ mod tests {
         let mut bias = vec![0f32; lens[2]];
         bias[3] = f32::NEG_INFINITY;
         bias[4] = -1.5;
-        let halves = |x: &Tensor| -> Vec<f16> {
-            x.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|&v| f16::from_f32(v)).collect()
-        };
+        let halves = |x: &Tensor| -> Vec<f16> { x.flatten_all().unwrap().to_vec1::<f32>().unwrap().iter().map(|&v| f16::from_f32(v)).collect() };
         let (kv, vv): (Vec<Vec<f16>>, Vec<Vec<f16>>) = ks.iter().zip(&vs).map(|(k, v)| (halves(k), halves(v))).unzip();
         let caches: Vec<DecodeCache<f16>> = (0..lens.len())
-            .map(|i| DecodeCache {
-                k: &kv[i],
-                v: &vv[i],
-                capacity: cap,
-                len: lens[i],
-                bias: (i == 2).then_some(&bias[..]),
-            })
+            .map(|i| DecodeCache { k: &kv[i], v: &vv[i], capacity: cap, len: lens[i], bias: (i == 2).then_some(&bias[..]) })
             .collect();
         let scale = 1.0 / (d as f32).sqrt();
         let qv: Vec<f32> = q.flatten_all().unwrap().to_vec1().unwrap();
@@ -659,26 +593,13 @@ mod tests {
         let floats = |x: &Tensor| -> Vec<f32> { x.flatten_all().unwrap().to_vec1::<f32>().unwrap() };
         let (kf, vf): (Vec<Vec<f32>>, Vec<Vec<f32>>) = ks.iter().zip(&vs).map(|(k, v)| (floats(k), floats(v))).unzip();
         let caches32: Vec<DecodeCache<f32>> = (0..lens.len())
-            .map(|i| DecodeCache {
-                k: &kf[i],
-                v: &vf[i],
-                capacity: cap,
-                len: lens[i],
-                bias: (i == 2).then_some(&bias[..]),
-            })
+            .map(|i| DecodeCache { k: &kf[i], v: &vf[i], capacity: cap, len: lens[i], bias: (i == 2).then_some(&bias[..]) })
             .collect();
         assert_eq!(decode_attention(&qv, &caches32, heads, kv_heads, d, scale), got, "an f32 cache of the same values");
         for (i, &len) in lens.iter().enumerate() {
             let k = ks[i].narrow(1, 0, len).unwrap();
             let v = vs[i].narrow(1, 0, len).unwrap();
-            let rep = |x: &Tensor| {
-                x.unsqueeze(1)
-                    .unwrap()
-                    .expand((kv_heads, heads / kv_heads, len, d))
-                    .unwrap()
-                    .reshape((heads, len, d))
-                    .unwrap()
-            };
+            let rep = |x: &Tensor| x.unsqueeze(1).unwrap().expand((kv_heads, heads / kv_heads, len, d)).unwrap().reshape((heads, len, d)).unwrap();
             let qi = q.get(i).unwrap().unsqueeze(1).unwrap();
             let mut s = (qi.matmul(&rep(&k).t().unwrap()).unwrap() * scale as f64).unwrap();
             if i == 2 {

@@ -427,10 +427,7 @@ impl RowsQ8 {
     /// with AVX-512 or AVX2 (outputs in registers, a row's bytes widened as they load) as without.
     fn times(&self, dst: &mut [f32], x: &[f32]) {
         let n = self.n;
-        assert!(
-            dst.len() == n && self.q.len() >= x.len() * n && self.scale.len() >= x.len(),
-            "a [k, n] product of other shapes"
-        );
+        assert!(dst.len() == n && self.q.len() >= x.len() * n && self.scale.len() >= x.len(), "a [k, n] product of other shapes");
         #[cfg(target_arch = "x86_64")]
         if std::arch::is_x86_feature_detected!("avx512f") {
             // SAFETY: AVX-512F is present; the shapes are asserted above.
@@ -568,9 +565,7 @@ impl DecodeWeights {
         let small = |v: &Option<Vec<f32>>| v.as_ref().map_or(0, |v| 4 * v.len());
         self.heads
             .iter()
-            .map(|h| {
-                h.w1.bytes() + h.w2.bytes() + h.g1.bytes() + small(&h.b1) + small(&h.b2) + small(&h.c1) + 4 * h.g2.len()
-            })
+            .map(|h| h.w1.bytes() + h.w2.bytes() + h.g1.bytes() + small(&h.b1) + small(&h.b2) + small(&h.c1) + 4 * h.g2.len())
             .sum()
     }
 
@@ -934,10 +929,7 @@ mod tests {
             let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
             let diff = got.iter().zip(&want).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
             let moved = want.iter().zip(&a).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
-            assert!(
-                diff > 0.0 && diff < 0.01 * moved,
-                "bias {bias}: int8 weights moved the mix by {diff} (the mix itself {moved}, scale {scale})"
-            );
+            assert!(diff > 0.0 && diff < 0.01 * moved, "bias {bias}: int8 weights moved the mix by {diff} (the mix itself {moved}, scale {scale})");
             for r in 0..n {
                 let mut alone = a.clone();
                 mix_decode_rows(&q, &mut alone, &[(r, &weights)]);

@@ -18,8 +18,8 @@ pub mod bf16_matmul;
 pub mod decode_attention;
 pub mod gated_memory;
 pub mod masked_softmax;
-pub(crate) mod math;
 pub mod quant_matmul;
+pub(crate) mod math;
 
 #[cfg(feature = "cuda")]
 pub(crate) mod cuda;

@@ -148,11 +148,7 @@ impl PackedWeights {
         let nb = cols / BLOCK;
         let bb = format.block_bytes();
         if raw.len() != rows * nb * bb {
-            return Err(format!(
-                "{} bytes for a {rows}×{cols} {format:?} matrix, expected {}",
-                raw.len(),
-                rows * nb * bb
-            ));
+            return Err(format!("{} bytes for a {rows}×{cols} {format:?} matrix, expected {}", raw.len(), rows * nb * bb));
         }
         let bits = format.bits();
         let block_bytes = panel_block_bytes(bits);

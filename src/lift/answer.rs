@@ -290,8 +290,7 @@ pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize)
     let budget = requested.map_or(fits, |r| r.min(fits));
     if matches!(policy, ContextPolicy::Retrieved | ContextPolicy::Bm25) {
         let index = doc.passages(model, passage_tokens(model))?;
-        let mut ranked: Vec<usize> =
-            index.search_with_feedback(&retrieval_query(ask)).iter().map(|h| h.passage).collect();
+        let mut ranked: Vec<usize> = index.search_with_feedback(&retrieval_query(ask)).iter().map(|h| h.passage).collect();
         // When every passage BM25 found fits the budget, all are shown whatever their order (unless
         // the window forces the budget down below): the re-rank would change nothing; skipped.
         let found: usize = ranked.iter().map(|&p| index.passages[p].1 - index.passages[p].0).sum();
@@ -305,8 +304,7 @@ pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize)
         let window = model.config().max_position_embeddings;
         let mut budget = budget;
         loop {
-            let shown: Vec<(usize, usize)> =
-                index.select(&ranked, budget).into_iter().map(|p| index.passages[p]).collect();
+            let shown: Vec<(usize, usize)> = index.select(&ranked, budget).into_iter().map(|p| index.passages[p]).collect();
             let p = passages_prompt(model, &[], ids, &shown, question, filter.is_some(), policy)?;
             let over = (p.tokens.len() + max_tokens).saturating_sub(window);
             if over == 0 || shown.is_empty() {
@@ -336,13 +334,7 @@ pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize)
     let shown = head_and_tail(head_end, tail_start, ids.len());
     with_turns(model, history, max_tokens, tokens_of, |turns| {
         let tokens = chat_after_turns(model, turns, &ctx, question)?.0;
-        Ok(AnswerPrompt {
-            tokens,
-            shown: shown.clone(),
-            context_tokens: ctx.len(),
-            chunks: Vec::new(),
-            policy: Some(policy),
-        })
+        Ok(AnswerPrompt { tokens, shown: shown.clone(), context_tokens: ctx.len(), chunks: Vec::new(), policy: Some(policy) })
     })
 }
 
@@ -460,8 +452,7 @@ pub fn prepare<'m>(
 ) -> Result<(AnswerPrompt, Sequence<'m, AnswerHooks<'m>>)> {
     let prompt = build_prompt(model, doc, ask, params.max_tokens)?;
     let layers = model.config().num_layers;
-    let hooks =
-        model.base_filter().filter(|_| !prompt.chunks.is_empty()).map(|f| FilterHooks::new(f, &prompt.chunks, layers));
+    let hooks = model.base_filter().filter(|_| !prompt.chunks.is_empty()).map(|f| FilterHooks::new(f, &prompt.chunks, layers));
     let cache = KvCache::with_capacity(layers, prompt.tokens.len() + params.max_tokens);
     let seq = Sequence::new(model, prompt.tokens.clone(), cache, params.clone(), hooks)?;
     Ok((prompt, seq))

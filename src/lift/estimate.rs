@@ -58,12 +58,7 @@ pub struct OptionWarning {
 
 /// The plan's counts for a document of `doc_tokens` with `qa_pairs` generated QA pairs;
 /// `one_question_per_row`: the prepared base's filter builds QA rows unpacked.
-pub fn plan_counts(
-    doc_tokens: usize,
-    qa_pairs: usize,
-    o: &AbsorbOptions,
-    one_question_per_row: bool,
-) -> (usize, usize, usize, u64) {
+pub fn plan_counts(doc_tokens: usize, qa_pairs: usize, o: &AbsorbOptions, one_question_per_row: bool) -> (usize, usize, usize, u64) {
     let p = &o.plan;
     let window = p.window.max(1);
     let segments = if doc_tokens <= window { 1 } else { (doc_tokens - window).div_ceil(p.stride()) + 1 };
@@ -186,10 +181,9 @@ pub fn warnings(doc_tokens: usize, o: &AbsorbOptions) -> Vec<OptionWarning> {
         out.push(OptionWarning {
             code: "until_learned",
             param: "options.until_learned",
-            message:
-                "absorbing until learned stops at about 40% of the fixed schedule's steps; measured, it recalled fewer \
+            message: "absorbing until learned stops at about 40% of the fixed schedule's steps; measured, it recalled fewer \
                       facts (in the answer's window 4/12 against 7/12, docs/until-learned.md)"
-                    .to_string(),
+                .to_string(),
         });
     }
     out

@@ -20,8 +20,7 @@ use super::prompt::{chat_after_turns, elision_tokens, end_of_turn, kept_ranges};
 use super::qa::QaPair;
 use crate::document::Document;
 pub use crate::model::filter::{
-    Chunk, ChunkScore, Filter, FilterHooks, FilterOptions, CONFIG, HEAD_BIAS, HEAD_WEIGHT, LOG_TAU, MASK_B, MASK_W,
-    W_INIT,
+    Chunk, ChunkScore, Filter, FilterHooks, FilterOptions, CONFIG, HEAD_BIAS, HEAD_WEIGHT, LOG_TAU, MASK_B, MASK_W, W_INIT,
 };
 use crate::model::{Adapter, ChatMessage, Model, Projection};
 use anyhow::{Context, Result};
@@ -123,12 +122,7 @@ pub fn build_prompt_after(
 
 /// The filter-layout prompt for `question` over the document ranges `ranges` of `doc` (in
 /// order), one chunk per range: retrieved passages, which are the document's chunks already.
-pub fn ranges_prompt(
-    model: &Model,
-    doc: &[u32],
-    ranges: &[(usize, usize)],
-    question: &str,
-) -> Result<(Vec<u32>, Vec<Chunk>)> {
+pub fn ranges_prompt(model: &Model, doc: &[u32], ranges: &[(usize, usize)], question: &str) -> Result<(Vec<u32>, Vec<Chunk>)> {
     ranges_prompt_after(model, &[], doc, ranges, question)
 }
 
@@ -239,12 +233,7 @@ pub fn qa_examples(
             let mut tokens = p.tokens.clone();
             tokens.extend_from_slice(&answer);
             let positive = p.labels(span);
-            Ok(FilterExample {
-                example: Example { kind: ExampleKind::Qa(i), tokens, target, packing: None },
-                chunks: p.chunks,
-                positive,
-                evidence,
-            })
+            Ok(FilterExample { example: Example { kind: ExampleKind::Qa(i), tokens, target, packing: None }, chunks: p.chunks, positive, evidence })
         })
         .collect()
 }
@@ -337,12 +326,7 @@ pub fn evaluate(
 }
 
 /// The chunk scores of a filter prompt (one prefill, no generation).
-pub fn score_prompt(
-    model: &Model,
-    adapter: Option<&dyn Adapter>,
-    filter: &Filter,
-    p: &FilterPrompt,
-) -> Result<Vec<ChunkScore>> {
+pub fn score_prompt(model: &Model, adapter: Option<&dyn Adapter>, filter: &Filter, p: &FilterPrompt) -> Result<Vec<ChunkScore>> {
     let mut hooks = FilterHooks::new(filter, &p.chunks, model.config().num_layers);
     let mut cache = crate::model::KvCache::new(model.config().num_layers);
     crate::model::generate::prefill(model, &p.tokens, &mut cache, adapter, &mut hooks)?;
@@ -352,8 +336,8 @@ pub fn score_prompt(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::ForwardHooks;
     use candle_core::Device;
+    use crate::model::ForwardHooks;
     use std::collections::BTreeMap;
 
     #[test]
@@ -419,10 +403,7 @@ mod tests {
         f.w = Tensor::new(&[2.0f32], &dev).unwrap();
         f.b = Tensor::new(&[0.5f32], &dev).unwrap();
         // Two chunks: tokens 2..4 (marker 4) and 5..8 (marker 8); 10 positions.
-        let chunks = [
-            Chunk { doc_start: 0, doc_end: 2, start: 2, end: 4 },
-            Chunk { doc_start: 2, doc_end: 5, start: 5, end: 8 },
-        ];
+        let chunks = [Chunk { doc_start: 0, doc_end: 2, start: 2, end: 4 }, Chunk { doc_start: 2, doc_end: 5, start: 5, end: 8 }];
         let mut hidden = vec![0.0f32; 10 * 4];
         // Marker rows: chunk 0 normalised first component 1 → s = 2·... ; chunk 1 negative.
         hidden[4 * 4..4 * 4 + 4].copy_from_slice(&[-3.0, 1.0, 1.0, 1.0]);
@@ -516,8 +497,7 @@ mod tests {
     fn extras_round_trip() {
         let dev = Device::Cpu;
         let cfg = crate::testing::smollm2_135m_config();
-        let f =
-            Filter::new(&cfg, &FilterOptions { enabled: true, chunk_tokens: 24, ..Default::default() }, &dev).unwrap();
+        let f = Filter::new(&cfg, &FilterOptions { enabled: true, chunk_tokens: 24, ..Default::default() }, &dev).unwrap();
         let back = Filter::from_extras(&f.to_extras().unwrap(), &cfg).unwrap().unwrap();
         assert_eq!((back.layer, back.chunk_tokens), (15, 24));
         assert_eq!(back.w.to_vec1::<f32>().unwrap(), vec![W_INIT]);

@@ -133,8 +133,7 @@ impl AbsorbOptions {
                 }
                 k if nested.get(k).is_some() => merge_json(&mut nested[k], value),
                 k => {
-                    let mut known: Vec<&str> =
-                        nested.as_object().map(|o| o.keys().map(String::as_str).collect()).unwrap_or_default();
+                    let mut known: Vec<&str> = nested.as_object().map(|o| o.keys().map(String::as_str).collect()).unwrap_or_default();
                     known.extend(FLAT_OPTIONS);
                     known.sort_unstable();
                     known.dedup();
@@ -156,8 +155,7 @@ impl AbsorbOptions {
             // The names beside it: those of the same object in these options.
             let defaults = serde_json::to_value(self)?;
             let parent = path.rsplit_once('.').map(|(p, _)| p);
-            let siblings =
-                parent.and_then(|p| p.split('.').try_fold(&defaults, |v, k| v.get(k))).and_then(|v| v.as_object());
+            let siblings = parent.and_then(|p| p.split('.').try_fold(&defaults, |v, k| v.get(k))).and_then(|v| v.as_object());
             let known: Vec<&str> = siblings.map(|o| o.keys().map(String::as_str).collect()).unwrap_or_default();
             anyhow::bail!("unknown option '{path}' (options in '{}': {})", parent.unwrap_or(""), known.join(", "));
         }
@@ -166,10 +164,8 @@ impl AbsorbOptions {
 
     /// Options read from a JSON file over the defaults (see [`AbsorbOptions::with_json`]).
     pub fn from_file(path: &std::path::Path) -> Result<AbsorbOptions> {
-        let text =
-            std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", path.display()))?;
-        let v: serde_json::Value =
-            serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", path.display()))?;
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
         Self::default().with_json(&v).map_err(|e| anyhow::anyhow!("{}: invalid absorb options: {e}", path.display()))
     }
 }
@@ -406,10 +402,7 @@ fn plan(
     };
     if opts.plan.qa_pack > 1 {
         // Each question's filter masks the context its own way; a packed row shares one context.
-        tracing::warn!(
-            qa_pack = opts.plan.qa_pack,
-            "qa_pack has no effect under the prepared base's filter: one question per row"
-        );
+        tracing::warn!(qa_pack = opts.plan.qa_pack, "qa_pack has no effect under the prepared base's filter: one question per row");
     }
     let examples = filter::qa_examples(model, document, pairs, opts.plan.qa_context(), f)?;
     let qa = examples.iter().map(|e| e.example.clone()).collect();
@@ -428,20 +421,13 @@ fn hold_aside(pairs: &[QaPair], opts: &AbsorbOptions) -> (Vec<QaPair>, Vec<QaPai
     let Some(rule) = &opts.train.until_learned else { return (pairs.to_vec(), Vec::new()) };
     let n = rule.probe_count(pairs.len());
     if n == 0 {
-        tracing::warn!(
-            pairs = pairs.len(),
-            "too few QA pairs to hold any aside as probes: the fixed schedule runs to its end"
-        );
+        tracing::warn!(pairs = pairs.len(), "too few QA pairs to hold any aside as probes: the fixed schedule runs to its end");
         return (pairs.to_vec(), Vec::new());
     }
     let held = probe_indices(pairs, n, opts.train.seed);
     let (mut trained, mut probes) = (Vec::new(), Vec::new());
     for (i, p) in pairs.iter().enumerate() {
-        if held.contains(&i) {
-            probes.push(p.clone())
-        } else {
-            trained.push(p.clone())
-        }
+        if held.contains(&i) { probes.push(p.clone()) } else { trained.push(p.clone()) }
     }
     (trained, probes)
 }
@@ -473,13 +459,7 @@ fn probe_indices(pairs: &[QaPair], n: usize, seed: u64) -> std::collections::BTr
 }
 
 /// The manifest's `training` figures.
-fn training_figures(
-    r: &TrainReport,
-    qa_pairs: usize,
-    qa_seconds: f64,
-    segments: usize,
-    t0: Instant,
-) -> serde_json::Value {
+fn training_figures(r: &TrainReport, qa_pairs: usize, qa_seconds: f64, segments: usize, t0: Instant) -> serde_json::Value {
     serde_json::json!({
         "steps": r.steps,
         "examples": r.examples,
@@ -510,20 +490,13 @@ mod tests {
     #[test]
     fn options_files_take_either_spelling_and_name_the_known_options() {
         let d = AbsorbOptions::default();
-        let flat = d
-            .with_json(
-                &serde_json::json!({"window": 64, "stride": 24, "epochs": [1, 2], "aux_qa": 3, "until_learned": true}),
-            )
-            .unwrap();
+        let flat = d.with_json(&serde_json::json!({"window": 64, "stride": 24, "epochs": [1, 2], "aux_qa": 3, "until_learned": true})).unwrap();
         let nested = d
             .with_json(&serde_json::json!({"plan": {"window": 64, "stride": 24}, "train": {"epochs": [1, 2], "until_learned": {}},
                                            "qa": {"max_pairs": 3, "min_pairs": 3}}))
             .unwrap();
         assert_eq!(serde_json::to_value(&flat).unwrap(), serde_json::to_value(&nested).unwrap());
-        assert_eq!(
-            (flat.plan.window, flat.plan.stride, flat.train.epochs, flat.qa.max_pairs),
-            (64, Some(24), [1, 2], 3)
-        );
+        assert_eq!((flat.plan.window, flat.plan.stride, flat.train.epochs, flat.qa.max_pairs), (64, Some(24), [1, 2], 3));
         assert!(flat.qa.min_pairs <= 3 && flat.train.until_learned.is_some());
         // Nested keys keep the defaults they do not name.
         let one = d.with_json(&serde_json::json!({"plan": {"window": 96}})).unwrap();
@@ -536,13 +509,7 @@ mod tests {
     use qa::QaSource;
 
     fn pair(q: &str, span: (usize, usize)) -> QaPair {
-        QaPair {
-            question: q.into(),
-            answer: "a".into(),
-            evidence: "e".into(),
-            evidence_span: span,
-            source: QaSource::Extractive,
-        }
+        QaPair { question: q.into(), answer: "a".into(), evidence: "e".into(), evidence_span: span, source: QaSource::Extractive }
     }
 
     #[test]

@@ -31,12 +31,7 @@ pub fn chat_with_context_at(model: &Model, context: &[u32], suffix: &str) -> Res
 /// `chat_with_context_at` after the earlier turns of a conversation (`turns`: user and assistant
 /// messages, oldest first), each its own turn of the chat template between the system message and
 /// the user turn that shows the context and asks `suffix`.
-pub fn chat_after_turns(
-    model: &Model,
-    turns: &[ChatMessage],
-    context: &[u32],
-    suffix: &str,
-) -> Result<(Vec<u32>, usize)> {
+pub fn chat_after_turns(model: &Model, turns: &[ChatMessage], context: &[u32], suffix: &str) -> Result<(Vec<u32>, usize)> {
     let user = if context.is_empty() {
         vec![ChatPart::Text(suffix)]
     } else {

@@ -87,12 +87,9 @@ impl Decoder {
         let eps = self.config.rms_norm_eps as f32;
         for (li, layer) in self.layers.iter().enumerate() {
             let h = self.inference_norm(&x, &layer.attn_norm, eps)?;
-            let mut qkv =
-                self.batch_linears(li, layer, &[Projection::Q, Projection::K, Projection::V], &h, &plan, seqs)?;
+            let mut qkv = self.batch_linears(li, layer, &[Projection::Q, Projection::K, Projection::V], &h, &plan, seqs)?;
             let (v, k, q) = (qkv.pop(), qkv.pop(), qkv.pop());
-            let (Some(q), Some(k), Some(v)) = (q, k, v) else {
-                candle_core::bail!("three projections asked, fewer made")
-            };
+            let (Some(q), Some(k), Some(v)) = (q, k, v) else { candle_core::bail!("three projections asked, fewer made") };
             let mut parts = Vec::with_capacity(n);
             if decoding > 0 {
                 parts.push(self.decode_attention(li, seqs, &order[..decoding], [&q, &k, &v], &step)?);
@@ -111,9 +108,7 @@ impl Decoder {
             x = (x + self.batch_linear(li, layer, Projection::O, &attn, &plan, seqs)?)?;
             let h = self.inference_norm(&x, &layer.ffn_norm, eps)?;
             let mut gate_up = self.batch_linears(li, layer, &[Projection::Gate, Projection::Up], &h, &plan, seqs)?;
-            let (Some(up), Some(gate)) = (gate_up.pop(), gate_up.pop()) else {
-                candle_core::bail!("two projections asked, fewer made")
-            };
+            let (Some(up), Some(gate)) = (gate_up.pop(), gate_up.pop()) else { candle_core::bail!("two projections asked, fewer made") };
             // The training path's fused SwiGLU (one pass, a vectorised exp), not candle's silu
             // then mul (a libm exp per element, two passes: 2.1 of 22.6 ms of a 16-row step).
             let act = super::ops::silu_mul(&gate, &up)?;
@@ -132,11 +127,7 @@ impl Decoder {
         }
         let x = x.squeeze(0)?.index_select(&Tensor::new(last.as_slice(), &self.device)?, 0)?;
         let x = self.inference_norm(&x, &self.norm, eps)?;
-        let logits = if n >= self.float_batch_min_rows {
-            self.lm_head.forward_float(&x, self.float_in_bf16())?
-        } else {
-            self.lm_head.forward(&x)?
-        };
+        let logits = if n >= self.float_batch_min_rows { self.lm_head.forward_float(&x, self.float_in_bf16())? } else { self.lm_head.forward(&x)? };
         logits.to_dtype(DType::F32)
     }
 
@@ -224,8 +215,7 @@ impl Decoder {
                 if let (DecodeMix::Opaque | DecodeMix::GatedMemoryPacked(..), Some(ad)) = (mix, seqs[i].adapter) {
                     let a = Tensor::from_slice(&out[j * row..(j + 1) * row], (1, nh, 1, hd), &self.device)?;
                     let mixed = ad.mix_attention(li, &q.narrow(0, j, 1)?, a)?;
-                    out[j * row..(j + 1) * row]
-                        .copy_from_slice(&mixed.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
+                    out[j * row..(j + 1) * row].copy_from_slice(&mixed.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?);
                 }
             }
         }
@@ -259,11 +249,7 @@ impl Decoder {
             for li in 0..layers {
                 let (ck, cv, capacity) = cache.device_slot(li, &like)?;
                 if ck.dims4()? != (1, nkv, capacity, hd) || ck.dtype() != DType::BF16 || cv.dims() != ck.dims() {
-                    candle_core::bail!(
-                        "layer {li}'s cache {:?} {:?} is not bf16 [1, {nkv}, capacity, {hd}]",
-                        ck.dtype(),
-                        ck.dims()
-                    );
+                    candle_core::bail!("layer {li}'s cache {:?} {:?} is not bf16 [1, {nkv}, capacity, {hd}]", ck.dtype(), ck.dims());
                 }
                 let a = addresses(&[Some(&ck), Some(&cv)])?;
                 (kv[(2 * li) * n + j], kv[(2 * li + 1) * n + j]) = (a[0], a[1]);
@@ -276,8 +262,7 @@ impl Decoder {
         for li in 0..layers {
             let mixes: Vec<DecodeMix> =
                 which.iter().map(|&i| seqs[i].adapter.map_or(DecodeMix::Identity, |a| a.decode_mix(li))).collect();
-            let dims =
-                mixes.iter().find_map(|m| if let DecodeMix::GatedMemoryPacked(_, d) = m { Some(*d) } else { None });
+            let dims = mixes.iter().find_map(|m| if let DecodeMix::GatedMemoryPacked(_, d) = m { Some(*d) } else { None });
             let params: Vec<Option<&Tensor>> = mixes
                 .iter()
                 .map(|m| match m {
@@ -286,8 +271,7 @@ impl Decoder {
                 })
                 .collect();
             // Rows whose mix only `mix_attention` can do.
-            let own =
-                mixes.iter().zip(&params).map(|(m, p)| p.is_none() && !matches!(m, DecodeMix::Identity)).collect();
+            let own = mixes.iter().zip(&params).map(|(m, p)| p.is_none() && !matches!(m, DecodeMix::Identity)).collect();
             gm_params[li * n..(li + 1) * n].copy_from_slice(&addresses(&params)?);
             gm.push(LayerMix { dims, own });
         }
@@ -321,9 +305,7 @@ impl Decoder {
         for &i in which {
             let start = seqs[i].cache.len();
             biases.push(match seqs[i].hooks.attention_bias(li, start, 1, start + 1)? {
-                Some(b) if b.elem_count() == start + 1 => {
-                    Some(b.to_device(&self.device)?.to_dtype(DType::F32)?.flatten_all()?.contiguous()?)
-                }
+                Some(b) if b.elem_count() == start + 1 => Some(b.to_device(&self.device)?.to_dtype(DType::F32)?.flatten_all()?.contiguous()?),
                 Some(b) => candle_core::bail!("a decode attention bias of shape {:?} for {} keys", b.dims(), start + 1),
                 None => None,
             });
@@ -335,8 +317,7 @@ impl Decoder {
             None
         };
         let (q3, k3, v3) = (q_rot.reshape((n, nh, hd))?, k_rot.reshape((n, nkv, hd))?, v.reshape((n, nkv, hd))?);
-        let mut attn = decode_attention(&q3, &k3, &v3, &step.caches.get(li)?, &step.counts, bias_table.as_ref())?
-            .reshape((n, nh, 1, hd))?;
+        let mut attn = decode_attention(&q3, &k3, &v3, &step.caches.get(li)?, &step.counts, bias_table.as_ref())?.reshape((n, nh, 1, hd))?;
         let mix = &step.gm[li];
         if let Some(dims) = mix.dims {
             let (qf, af) = (q.to_dtype(DType::F32)?, attn.to_dtype(DType::F32)?);
@@ -350,11 +331,7 @@ impl Decoder {
             let first = &seqs[which[j]];
             let (key, adapter, own) = (first.adapter_key, first.adapter, mix.own[j]);
             let mut e = j + 1;
-            while e < n
-                && seqs[which[e]].adapter_key == key
-                && seqs[which[e]].adapter.is_some() == adapter.is_some()
-                && mix.own[e] == own
-            {
+            while e < n && seqs[which[e]].adapter_key == key && seqs[which[e]].adapter.is_some() == adapter.is_some() && mix.own[e] == own {
                 e += 1;
             }
             let rows = attn.narrow(0, j, e - j)?;
@@ -435,14 +412,7 @@ impl Decoder {
         for j in quantized..plan.order.len() {
             let r = &plan.spans[j];
             let s = &seqs[plan.order[j]];
-            let ctx = LayerCtx {
-                li,
-                adapter: s.adapter,
-                base: self.unmerged_base(true),
-                float: true,
-                bf16: self.float_in_bf16(),
-                start: 0,
-            };
+            let ctx = LayerCtx { li, adapter: s.adapter, base: self.unmerged_base(true), float: true, bf16: self.float_in_bf16(), start: 0 };
             let xj = x.narrow(1, r.start, r.len())?;
             for (&p, out) in ps.iter().zip(pieces.iter_mut()) {
                 out.push(ctx.linear(layer, p, &xj)?);

@@ -23,7 +23,10 @@ pub struct ChatMessage {
 
 impl ChatMessage {
     pub fn new(role: impl Into<String>, content: impl Into<String>) -> Self {
-        Self { role: role.into(), content: content.into() }
+        Self {
+            role: role.into(),
+            content: content.into(),
+        }
     }
 }
 
@@ -56,7 +59,11 @@ impl ChatTemplate {
         env.add_function("strftime_now", strftime_now);
         env.add_template_owned(TEMPLATE_NAME, source.to_string())
             .map_err(|e| anyhow!("invalid chat template: {e:#}"))?;
-        Ok(Self { env, bos_token, eos_token })
+        Ok(Self {
+            env,
+            bos_token,
+            eos_token,
+        })
     }
 
     /// The built-in ChatML template.
@@ -83,13 +90,20 @@ impl ChatTemplate {
     }
 
     fn for_tokenizer(source: &str, tokenizer: &TextTokenizer) -> Result<Self> {
-        Self::new(source, tokenizer.bos_token().map(|(s, _)| s), tokenizer.eos_token())
+        Self::new(
+            source,
+            tokenizer.bos_token().map(|(s, _)| s),
+            tokenizer.eos_token(),
+        )
     }
 
     /// Renders the conversation to prompt text. Special tokens appear as text;
     /// `TextTokenizer::encode` maps them back to their ids.
     pub fn render(&self, messages: &[ChatMessage], add_generation_prompt: bool) -> Result<String> {
-        let template = self.env.get_template(TEMPLATE_NAME).map_err(|e| anyhow!("chat template missing: {e}"))?;
+        let template = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| anyhow!("chat template missing: {e}"))?;
         // A missing token is "" rather than undefined, so templates doing
         // `bos_token + ...` still render (jinja2 would raise there).
         let token = |t: &Option<String>| Value::from(t.as_deref().unwrap_or(""));
@@ -102,7 +116,9 @@ impl ChatTemplate {
         };
         // Plain Display: the alternate form would dump all variables, i.e.
         // the whole conversation, into the error.
-        template.render(ctx).map_err(|e| anyhow!("cannot render chat template: {e}"))
+        template
+            .render(ctx)
+            .map_err(|e| anyhow!("cannot render chat template: {e}"))
     }
 }
 
@@ -120,17 +136,18 @@ pub fn gguf_chat_template(content: &gguf_file::Content) -> Option<String> {
 pub fn hf_chat_template(dir: &Path) -> Result<Option<String>> {
     let jinja = dir.join("chat_template.jinja");
     if jinja.exists() {
-        let src = std::fs::read_to_string(&jinja).with_context(|| format!("cannot read {}", jinja.display()))?;
+        let src = std::fs::read_to_string(&jinja)
+            .with_context(|| format!("cannot read {}", jinja.display()))?;
         return Ok(Some(src));
     }
     let config_path = dir.join("tokenizer_config.json");
     if !config_path.exists() {
         return Ok(None);
     }
-    let text =
-        std::fs::read_to_string(&config_path).with_context(|| format!("cannot read {}", config_path.display()))?;
-    let config: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("invalid JSON in {}", config_path.display()))?;
+    let text = std::fs::read_to_string(&config_path)
+        .with_context(|| format!("cannot read {}", config_path.display()))?;
+    let config: serde_json::Value = serde_json::from_str(&text)
+        .with_context(|| format!("invalid JSON in {}", config_path.display()))?;
     Ok(match config.get("chat_template") {
         Some(serde_json::Value::String(s)) => Some(s.clone()),
         Some(serde_json::Value::Array(list)) => list
@@ -160,10 +177,28 @@ fn strftime_now(format: String) -> Result<Value, Error> {
 }
 
 const MONTHS: [&str; 12] = [
-    "January", "February", "March", "April", "May", "June", "July", "August", "September", "October", "November",
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
     "December",
 ];
-const WEEKDAYS: [&str; 7] = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"];
+const WEEKDAYS: [&str; 7] = [
+    "Monday",
+    "Tuesday",
+    "Wednesday",
+    "Thursday",
+    "Friday",
+    "Saturday",
+    "Sunday",
+];
 
 /// Formats a Unix time (UTC) with a subset of C strftime.
 fn strftime(format: &str, unix_secs: u64) -> Result<String, Error> {
@@ -339,9 +374,9 @@ mod tests {
     }
 
     fn smollm2_gguf() -> PathBuf {
-        std::env::var_os("LIFT_TEST_GGUF").map(PathBuf::from).unwrap_or_else(|| {
-            PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-        })
+        std::env::var_os("LIFT_TEST_GGUF")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/models/SmolLM2-135M-Instruct.Q4_1.gguf")))
     }
 
     #[test]
@@ -353,7 +388,12 @@ mod tests {
 
     #[test]
     fn smollm2_template() {
-        let t = ChatTemplate::new(SMOLLM2_TEMPLATE, Some("<|im_start|>".into()), Some("<|im_end|>".into())).unwrap();
+        let t = ChatTemplate::new(
+            SMOLLM2_TEMPLATE,
+            Some("<|im_start|>".into()),
+            Some("<|im_end|>".into()),
+        )
+        .unwrap();
         // No system message: the template inserts its default one.
         assert_eq!(
             t.render(&[user("Hi")], true).unwrap(),
@@ -364,7 +404,12 @@ mod tests {
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         );
         // An explicit system message replaces the default.
-        let chat = [system("Be brief."), user("Hi"), assistant("Hello!"), user("Bye")];
+        let chat = [
+            system("Be brief."),
+            user("Hi"),
+            assistant("Hello!"),
+            user("Bye"),
+        ];
         assert_eq!(
             t.render(&chat, true).unwrap(),
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
@@ -389,16 +434,25 @@ mod tests {
             "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
         let ids = tok.encode(&prompt, true).unwrap();
-        assert_eq!(ids.iter().filter(|&&id| id == 1).count(), 3, "three <|im_start|>");
-        assert_eq!(ids.iter().filter(|&&id| id == 2).count(), 2, "two <|im_end|>");
+        assert_eq!(
+            ids.iter().filter(|&&id| id == 1).count(),
+            3,
+            "three <|im_start|>"
+        );
+        assert_eq!(
+            ids.iter().filter(|&&id| id == 2).count(),
+            2,
+            "two <|im_end|>"
+        );
         assert_eq!(tok.decode(&ids).unwrap(), prompt);
     }
 
     #[test]
     fn qwen25_template() {
-        if let Some(src) = gguf_template(PathBuf::from(std::env::var("LIFT_TEST_QWEN_GGUF").unwrap_or_else(|_| {
-            concat!(env!("CARGO_MANIFEST_DIR"), "/models/qwen2.5-coder-0.5b-instruct.gguf").into()
-        }))) {
+        if let Some(src) = gguf_template(PathBuf::from(
+            std::env::var("LIFT_TEST_QWEN_GGUF")
+                .unwrap_or_else(|_| concat!(env!("CARGO_MANIFEST_DIR"), "/models/qwen2.5-coder-0.5b-instruct.gguf").into()),
+        )) {
             assert_eq!(src, QWEN25_TEMPLATE);
         }
         let t = ChatTemplate::new(QWEN25_TEMPLATE, None, Some("<|im_end|>".into())).unwrap();
@@ -406,7 +460,12 @@ mod tests {
             t.render(&[user("Hi")], true).unwrap(),
             "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
         );
-        let chat = [system("Be brief."), user("Hi"), assistant("Hello!"), user("Bye")];
+        let chat = [
+            system("Be brief."),
+            user("Hi"),
+            assistant("Hello!"),
+            user("Bye"),
+        ];
         assert_eq!(
             t.render(&chat, true).unwrap(),
             "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\nHello!<|im_end|>\n<|im_start|>user\nBye<|im_end|>\n<|im_start|>assistant\n"
@@ -415,25 +474,37 @@ mod tests {
 
     #[test]
     fn llama3_template_uses_bos() {
-        let t =
-            ChatTemplate::new(LLAMA3_TEMPLATE, Some("<|begin_of_text|>".into()), Some("<|eot_id|>".into())).unwrap();
+        let t = ChatTemplate::new(
+            LLAMA3_TEMPLATE,
+            Some("<|begin_of_text|>".into()),
+            Some("<|eot_id|>".into()),
+        )
+        .unwrap();
         assert_eq!(
             t.render(&[system("You are a bot."), user("  Hi  ")], true).unwrap(),
             "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a bot.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n"
         );
         // Without a BOS token the variable is an empty string.
         let t = ChatTemplate::new(LLAMA3_TEMPLATE, None, None).unwrap();
-        assert!(t.render(&[user("Hi")], false).unwrap().starts_with("<|start_header_id|>user"));
+        assert!(t
+            .render(&[user("Hi")], false)
+            .unwrap()
+            .starts_with("<|start_header_id|>user"));
     }
 
     #[test]
     fn raise_exception_becomes_an_error() {
-        let t = ChatTemplate::new(MISTRAL_TEMPLATE, Some("<s>".into()), Some("</s>".into())).unwrap();
+        let t =
+            ChatTemplate::new(MISTRAL_TEMPLATE, Some("<s>".into()), Some("</s>".into())).unwrap();
         assert_eq!(
-            t.render(&[user("Hi"), assistant("Hello"), user("Bye")], true).unwrap(),
+            t.render(&[user("Hi"), assistant("Hello"), user("Bye")], true)
+                .unwrap(),
             "<s>[INST] Hi [/INST]Hello</s> [INST] Bye [/INST]"
         );
-        let err = t.render(&[assistant("Hello")], true).unwrap_err().to_string();
+        let err = t
+            .render(&[assistant("Hello")], true)
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("Conversation roles must alternate"), "{err}");
     }
 
@@ -452,17 +523,29 @@ mod tests {
         let src = "{% for m in messages %}\n  {% if m.content.strip().startswith('x') %}\n{{ m.role.upper() }}:{{ m.content.strip() }}\n  {% endif %}\n{% endfor %}";
         let t = ChatTemplate::new(src, None, None).unwrap();
         // trim_blocks eats the newline after a tag, lstrip_blocks the indent before it.
-        assert_eq!(t.render(&[user("  xy "), user("no")], false).unwrap(), "USER:xy\n");
-        let t = ChatTemplate::new("{{ tools is none }}/{{ add_generation_prompt }}", None, None).unwrap();
+        assert_eq!(
+            t.render(&[user("  xy "), user("no")], false).unwrap(),
+            "USER:xy\n"
+        );
+        let t = ChatTemplate::new(
+            "{{ tools is none }}/{{ add_generation_prompt }}",
+            None,
+            None,
+        )
+        .unwrap();
         // Booleans print the Python way, as jinja2 does.
         assert_eq!(t.render(&[], true).unwrap(), "True/True");
     }
 
     #[test]
     fn syntax_errors_are_reported() {
-        let err = ChatTemplate::new("{% for m in messages %}{{ m.content }}", None, None).unwrap_err();
+        let err =
+            ChatTemplate::new("{% for m in messages %}{{ m.content }}", None, None).unwrap_err();
         let msg = format!("{err:#}");
-        assert!(msg.contains("invalid chat template") && msg.contains("syntax error"), "{msg}");
+        assert!(
+            msg.contains("invalid chat template") && msg.contains("syntax error"),
+            "{msg}"
+        );
     }
 
     #[test]
@@ -475,7 +558,10 @@ mod tests {
             "Friday July 208 01PM 2024-07-26 13:01:02 %"
         );
         assert_eq!(strftime("%Y-%m-%d", 0).unwrap(), "1970-01-01");
-        assert_eq!(strftime("%Y-%m-%d %a", 951_782_400).unwrap(), "2000-02-29 Tue");
+        assert_eq!(
+            strftime("%Y-%m-%d %a", 951_782_400).unwrap(),
+            "2000-02-29 Tue"
+        );
         assert!(strftime("%Q", t).is_err());
         for days in [-1000, 0, 59, 11_016, 20_000, 50_000] {
             let (y, m, d) = civil_from_days(days);
@@ -493,11 +579,7 @@ mod tests {
         let cfg = dir.join("tokenizer_config.json");
         std::fs::write(&cfg, r#"{"chat_template": "A{{ 1 }}"}"#).unwrap();
         assert_eq!(hf_chat_template(&dir).unwrap().as_deref(), Some("A{{ 1 }}"));
-        std::fs::write(
-            &cfg,
-            r#"{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}"#,
-        )
-        .unwrap();
+        std::fs::write(&cfg, r#"{"chat_template": [{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D"}]}"#).unwrap();
         assert_eq!(hf_chat_template(&dir).unwrap().as_deref(), Some("D"));
         std::fs::write(dir.join("chat_template.jinja"), "J").unwrap();
         assert_eq!(hf_chat_template(&dir).unwrap().as_deref(), Some("J"));

@@ -19,7 +19,10 @@ impl Architecture {
             "llama" | "llamaforcausallm" => Ok(Self::Llama),
             "qwen2" | "qwen2forcausallm" => Ok(Self::Qwen2),
             "mistral" | "mistralforcausallm" => Ok(Self::Mistral),
-            other => bail!("{}: unknown architecture '{other}' (supported: llama, qwen2, mistral)", source.display()),
+            other => bail!(
+                "{}: unknown architecture '{other}' (supported: llama, qwen2, mistral)",
+                source.display()
+            ),
         }
     }
 }
@@ -29,7 +32,12 @@ impl Architecture {
 #[serde(tag = "type", rename_all = "lowercase")]
 pub enum RopeScaling {
     /// Llama 3.x: low frequencies divided by `factor`, high ones kept, smooth in between.
-    Llama3 { factor: f32, low_freq_factor: f32, high_freq_factor: f32, original_max_position_embeddings: usize },
+    Llama3 {
+        factor: f32,
+        low_freq_factor: f32,
+        high_freq_factor: f32,
+        original_max_position_embeddings: usize,
+    },
     /// Positions divided by `factor`.
     Linear { factor: f32 },
     /// Per-frequency divisors shipped with the weights (GGUF `rope_freqs.weight`).
@@ -72,7 +80,8 @@ impl ModelConfig {
             .with_context(ctx);
         }
         if self.head_dim % 2 != 0 {
-            return Err(anyhow::anyhow!("head_dim {} must be even for RoPE", self.head_dim)).with_context(ctx);
+            return Err(anyhow::anyhow!("head_dim {} must be even for RoPE", self.head_dim))
+                .with_context(ctx);
         }
         Ok(())
     }
@@ -85,12 +94,17 @@ impl ModelConfig {
     /// Inverse RoPE frequencies, one per rotated pair, after any scaling.
     pub fn rope_inv_freq(&self) -> Vec<f32> {
         let d = self.head_dim;
-        let base: Vec<f32> = (0..d).step_by(2).map(|i| 1.0 / self.rope_theta.powf(i as f32 / d as f32)).collect();
+        let base: Vec<f32> = (0..d)
+            .step_by(2)
+            .map(|i| 1.0 / self.rope_theta.powf(i as f32 / d as f32))
+            .collect();
         match &self.rope_scaling {
             None | Some(RopeScaling::Linear { .. }) => base,
-            Some(RopeScaling::Factors { factors }) => {
-                base.iter().enumerate().map(|(i, f)| f / factors.get(i).copied().unwrap_or(1.0)).collect()
-            }
+            Some(RopeScaling::Factors { factors }) => base
+                .iter()
+                .enumerate()
+                .map(|(i, f)| f / factors.get(i).copied().unwrap_or(1.0))
+                .collect(),
             Some(RopeScaling::Llama3 {
                 factor,
                 low_freq_factor,
@@ -108,7 +122,8 @@ impl ModelConfig {
                         } else if wavelen > low_wavelen {
                             f / factor
                         } else {
-                            let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
+                            let smooth =
+                                (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                             (1.0 - smooth) * f / factor + smooth * f
                         }
                     })
@@ -127,10 +142,10 @@ impl ModelConfig {
 
     /// Reads a Hugging Face `config.json`.
     pub fn from_hf_json(path: &Path) -> Result<Self> {
-        let text =
-            std::fs::read_to_string(path).with_context(|| format!("{}: cannot read model config", path.display()))?;
-        let raw: HfConfig =
-            serde_json::from_str(&text).with_context(|| format!("{}: not a valid model config", path.display()))?;
+        let text = std::fs::read_to_string(path)
+            .with_context(|| format!("{}: cannot read model config", path.display()))?;
+        let raw: HfConfig = serde_json::from_str(&text)
+            .with_context(|| format!("{}: not a valid model config", path.display()))?;
         let arch_name = raw
             .architectures
             .as_ref()
@@ -157,7 +172,9 @@ impl ModelConfig {
             rope_scaling,
             max_position_embeddings: raw.max_position_embeddings.unwrap_or(4096),
             tie_word_embeddings: raw.tie_word_embeddings.unwrap_or(false),
-            attention_bias: raw.attention_bias.unwrap_or(architecture == Architecture::Qwen2),
+            attention_bias: raw
+                .attention_bias
+                .unwrap_or(architecture == Architecture::Qwen2),
             sliding_window: match architecture {
                 Architecture::Mistral => raw.sliding_window,
                 // Qwen2 configs carry a window but only apply it with use_sliding_window.
@@ -171,16 +188,23 @@ impl ModelConfig {
 }
 
 fn parse_hf_rope_scaling(v: &serde_json::Value, path: &Path) -> Result<Option<RopeScaling>> {
-    let kind = v.get("rope_type").or_else(|| v.get("type")).and_then(|t| t.as_str()).unwrap_or("default");
+    let kind = v
+        .get("rope_type")
+        .or_else(|| v.get("type"))
+        .and_then(|t| t.as_str())
+        .unwrap_or("default");
     let num = |k: &str| v.get(k).and_then(|x| x.as_f64()).map(|x| x as f32);
     match kind {
         "default" => Ok(None),
-        "linear" => Ok(Some(RopeScaling::Linear { factor: num("factor").unwrap_or(1.0) })),
+        "linear" => Ok(Some(RopeScaling::Linear {
+            factor: num("factor").unwrap_or(1.0),
+        })),
         "llama3" => Ok(Some(RopeScaling::Llama3 {
             factor: num("factor").unwrap_or(8.0),
             low_freq_factor: num("low_freq_factor").unwrap_or(1.0),
             high_freq_factor: num("high_freq_factor").unwrap_or(4.0),
-            original_max_position_embeddings: num("original_max_position_embeddings").unwrap_or(8192.0) as usize,
+            original_max_position_embeddings: num("original_max_position_embeddings")
+                .unwrap_or(8192.0) as usize,
         })),
         other => bail!("{}: unsupported rope_scaling type '{other}'", path.display()),
     }

@@ -232,8 +232,7 @@ impl<'a> FilterHooks<'a> {
 
     /// Scores `[n]` of every chunk (all markers must have been seen).
     pub fn scores(&self) -> Result<Tensor> {
-        let s: Vec<Tensor> =
-            self.scores.iter().map(|s| s.clone().context("a chunk marker was not run")).collect::<Result<_>>()?;
+        let s: Vec<Tensor> = self.scores.iter().map(|s| s.clone().context("a chunk marker was not run")).collect::<Result<_>>()?;
         anyhow::ensure!(!s.is_empty(), "no chunks");
         Ok(Tensor::cat(&s, 0)?)
     }
@@ -309,13 +308,7 @@ impl ForwardHooks for FilterHooks<'_> {
         (!self.filter.vars().is_empty()).then_some(self.filter.layer + 1)
     }
 
-    fn attention_bias(
-        &self,
-        layer: usize,
-        q_start: usize,
-        q_len: usize,
-        k_len: usize,
-    ) -> candle_core::Result<Option<Tensor>> {
+    fn attention_bias(&self, layer: usize, q_start: usize, q_len: usize, k_len: usize) -> candle_core::Result<Option<Tensor>> {
         if layer <= self.filter.layer {
             return Ok(None);
         }

@@ -2,8 +2,8 @@
 //! EOS, and streaming of decoded text through a callback.
 
 use super::hooks::{Adapter, ForwardHooks};
-use super::Model;
 use super::{KvCache, SeqInput};
+use super::Model;
 use anyhow::Result;
 use candle_core::Tensor;
 use rand::{rngs::StdRng, Rng, SeedableRng};
@@ -79,11 +79,7 @@ pub struct Generation {
 
 impl Generation {
     pub fn tokens_per_second(&self) -> f64 {
-        if self.generate_ms > 0.0 {
-            self.tokens.len() as f64 / (self.generate_ms / 1000.0)
-        } else {
-            0.0
-        }
+        if self.generate_ms > 0.0 { self.tokens.len() as f64 / (self.generate_ms / 1000.0) } else { 0.0 }
     }
 }
 
@@ -303,8 +299,7 @@ impl<'m, H: ForwardHooks> Sequence<'m, H> {
 
     /// Tokens its cache holds at the end at most (what is there, the prompt, the answer).
     pub fn cache_tokens(&self) -> usize {
-        (self.cache.len() + self.prompt_left() + self.params.max_tokens.saturating_sub(self.tokens.len()))
-            .min(self.window)
+        (self.cache.len() + self.prompt_left() + self.params.max_tokens.saturating_sub(self.tokens.len())).min(self.window)
     }
 
     /// Prompt tokens still to feed.
@@ -492,14 +487,8 @@ mod tests {
         let mut g = Sampler::new(&SamplingParams::default());
         assert_eq!(g.sample(&logits), 1);
         let p = SamplingParams { temperature: 1.0, seed: 7, ..Default::default() };
-        let a: Vec<u32> = {
-            let mut s = Sampler::new(&p);
-            (0..20).map(|_| s.sample(&logits)).collect()
-        };
-        let b: Vec<u32> = {
-            let mut s = Sampler::new(&p);
-            (0..20).map(|_| s.sample(&logits)).collect()
-        };
+        let a: Vec<u32> = { let mut s = Sampler::new(&p); (0..20).map(|_| s.sample(&logits)).collect() };
+        let b: Vec<u32> = { let mut s = Sampler::new(&p); (0..20).map(|_| s.sample(&logits)).collect() };
         assert_eq!(a, b);
         assert!(a.iter().any(|&x| x != a[0]), "temperature 1 should not always pick one token");
         // top_p small keeps only the most likely token.

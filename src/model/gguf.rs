@@ -48,11 +48,7 @@ pub fn load(path: &Path, device: &Device) -> Result<GgufParts> {
         let p = format!("blk.{i}");
         let bias = |read: &mut dyn FnMut(&str) -> Result<QTensor>, n: &str| -> Result<Option<candle_core::Tensor>> {
             let name = format!("{p}.{n}.bias");
-            if has(&name) {
-                Ok(Some(dequantize(&read(&name)?)?))
-            } else {
-                Ok(None)
-            }
+            if has(&name) { Ok(Some(dequantize(&read(&name)?)?)) } else { Ok(None) }
         };
         // llama-architecture files keep llama.cpp's permuted q/k rows: the decoder then uses
         // interleaved RoPE (`Decoder::rope_interleaved`), exactly as llama.cpp does.
@@ -87,9 +83,12 @@ pub fn load(path: &Path, device: &Device) -> Result<GgufParts> {
     }
 
     let tokenizer = TextTokenizer::from_gguf(&content, path)?;
-    let chat_template =
-        ChatTemplate::from_gguf(&content, &tokenizer).with_context(|| format!("{}: chat template", path.display()))?;
-    let name = content.metadata.get("general.name").and_then(|v| v.to_string().ok().cloned());
+    let chat_template = ChatTemplate::from_gguf(&content, &tokenizer)
+        .with_context(|| format!("{}: chat template", path.display()))?;
+    let name = content
+        .metadata
+        .get("general.name")
+        .and_then(|v| v.to_string().ok().cloned());
     let mut decoder = Decoder::new(config, embed, layers, norm, lm_head, device)?;
     decoder.rope_interleaved = architecture != Architecture::Qwen2;
     Ok(GgufParts { decoder, tokenizer, chat_template, name })
@@ -108,7 +107,12 @@ fn check_complete(content: &gguf_file::Content, file_len: u64, path: &Path) -> R
         needed = needed.max(end);
     }
     if file_len < needed {
-        bail!("{}: truncated GGUF file: {} bytes, its tensors need {} bytes", path.display(), file_len, needed);
+        bail!(
+            "{}: truncated GGUF file: {} bytes, its tensors need {} bytes",
+            path.display(),
+            file_len,
+            needed
+        );
     }
     Ok(())
 }
@@ -137,7 +141,10 @@ struct Metadata<'a> {
 
 impl Metadata<'_> {
     fn get(&self, key: &str) -> Result<&gguf_file::Value> {
-        self.content.metadata.get(key).with_context(|| format!("{}: missing metadata key '{key}'", self.path.display()))
+        self.content
+            .metadata
+            .get(key)
+            .with_context(|| format!("{}: missing metadata key '{key}'", self.path.display()))
     }
     fn string(&self, key: &str) -> Result<String> {
         Ok(self.get(key)?.to_string().map_err(|e| anyhow::anyhow!("{}: {key}: {e}", self.path.display()))?.clone())
@@ -166,11 +173,13 @@ impl Metadata<'_> {
             Some(info) => info.shape.dims()[0],
             None => bail!("{}: missing tensor 'token_embd.weight'", self.path.display()),
         };
-        let head_dim = self.usize(&format!("{a}.attention.key_length")).unwrap_or(hidden / heads.max(1));
+        let head_dim = self
+            .usize(&format!("{a}.attention.key_length"))
+            .unwrap_or(hidden / heads.max(1));
         let rope_scaling = match self.string(&format!("{a}.rope.scaling.type")).ok().as_deref() {
-            Some("linear") => {
-                Some(RopeScaling::Linear { factor: self.f32(&format!("{a}.rope.scaling.factor")).unwrap_or(1.0) })
-            }
+            Some("linear") => Some(RopeScaling::Linear {
+                factor: self.f32(&format!("{a}.rope.scaling.factor")).unwrap_or(1.0),
+            }),
             _ => None,
         };
         let cfg = ModelConfig {

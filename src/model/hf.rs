@@ -29,11 +29,7 @@ pub fn load(dir: &Path, device: &Device) -> Result<HfParts> {
 
     let get = |name: &str| weights.get(name, device);
     let opt = |name: &str| -> Result<Option<Tensor>> {
-        if weights.has(name) {
-            Ok(Some(weights.get(name, device)?))
-        } else {
-            Ok(None)
-        }
+        if weights.has(name) { Ok(Some(weights.get(name, device)?)) } else { Ok(None) }
     };
     let embed = get("model.embed_tokens.weight")?.to_dtype(DType::F32)?;
     let mut layers = Vec::with_capacity(config.num_layers);
@@ -77,8 +73,8 @@ impl Weights {
         let paths: Vec<PathBuf> = if index_path.exists() {
             let text = std::fs::read_to_string(&index_path)
                 .with_context(|| format!("{}: cannot read", index_path.display()))?;
-            let v: serde_json::Value =
-                serde_json::from_str(&text).with_context(|| format!("{}: not valid JSON", index_path.display()))?;
+            let v: serde_json::Value = serde_json::from_str(&text)
+                .with_context(|| format!("{}: not valid JSON", index_path.display()))?;
             let map = v
                 .get("weight_map")
                 .and_then(|m| m.as_object())
@@ -121,6 +117,7 @@ impl Weights {
             bail!("{}: missing tensor '{name}'", shown.join(", "));
         };
         let (path, st) = &self.files[i];
-        st.load(name, device).map_err(|e| anyhow::anyhow!("{}: tensor '{name}': {e}", path.display()))
+        st.load(name, device)
+            .map_err(|e| anyhow::anyhow!("{}: tensor '{name}': {e}", path.display()))
     }
 }

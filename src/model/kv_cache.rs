@@ -25,10 +25,7 @@ pub(super) enum LayerKv {
     F16(HostKv<f16>),
     F32(HostKv<f32>),
     /// `[b, kv_heads, capacity, d]` tensors.
-    Device {
-        k: Tensor,
-        v: Tensor,
-    },
+    Device { k: Tensor, v: Tensor },
 }
 
 /// CPU buffers `[rows, capacity, d]`, `rows` = batch × KV heads.
@@ -140,19 +137,11 @@ impl HostElem for f16 {
     }
 
     fn host(layer: &LayerKv) -> Option<&HostKv<f16>> {
-        if let LayerKv::F16(h) = layer {
-            Some(h)
-        } else {
-            None
-        }
+        if let LayerKv::F16(h) = layer { Some(h) } else { None }
     }
 
     fn host_mut(layer: &mut LayerKv) -> Option<&mut HostKv<f16>> {
-        if let LayerKv::F16(h) = layer {
-            Some(h)
-        } else {
-            None
-        }
+        if let LayerKv::F16(h) = layer { Some(h) } else { None }
     }
 }
 
@@ -162,19 +151,11 @@ impl HostElem for f32 {
     }
 
     fn host(layer: &LayerKv) -> Option<&HostKv<f32>> {
-        if let LayerKv::F32(h) = layer {
-            Some(h)
-        } else {
-            None
-        }
+        if let LayerKv::F32(h) = layer { Some(h) } else { None }
     }
 
     fn host_mut(layer: &mut LayerKv) -> Option<&mut HostKv<f32>> {
-        if let LayerKv::F32(h) = layer {
-            Some(h)
-        } else {
-            None
-        }
+        if let LayerKv::F32(h) = layer { Some(h) } else { None }
     }
 }
 
@@ -268,14 +249,7 @@ impl KvCache {
 
     /// Appends one position of a one-sequence CPU cache (the decode kernel's path): `k`, `v`
     /// `[kv_heads, d]` in f32, stored as `append` stores them.
-    pub(super) fn append_row<T: HostElem>(
-        &mut self,
-        layer: usize,
-        k: &[f32],
-        v: &[f32],
-        heads: usize,
-        d: usize,
-    ) -> Result<()> {
+    pub(super) fn append_row<T: HostElem>(&mut self, layer: usize, k: &[f32], v: &[f32], heads: usize, d: usize) -> Result<()> {
         self.reserve(layer, 1)?;
         let (len, cap) = (self.len, self.capacity);
         let entry = match &mut self.layers[layer] {

@@ -154,10 +154,7 @@ impl Decoder {
             rope_interleaved: false,
             // `LIFT_FLOAT_MIN_ROWS=1` (a diagnostic) runs decode rows through the float weights
             // too, as on CUDA, to tell the int8 kernel's arithmetic from a device's.
-            float_prefill_min_rows: std::env::var("LIFT_FLOAT_MIN_ROWS")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(16),
+            float_prefill_min_rows: std::env::var("LIFT_FLOAT_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(16),
             float_batch_min_rows: if packed { usize::MAX } else { 6 },
             base_adapter: None,
             base_merged: false,
@@ -201,7 +198,11 @@ impl Decoder {
     pub(super) fn rope_slice(&self, start: usize, len: usize) -> Result<(Tensor, Tensor)> {
         let max = self.cos.dim(0)?;
         if start + len > max {
-            candle_core::bail!("sequence of {} tokens exceeds the model's {} positions", start + len, max);
+            candle_core::bail!(
+                "sequence of {} tokens exceeds the model's {} positions",
+                start + len,
+                max
+            );
         }
         Ok((self.cos.narrow(0, start, len)?, self.sin.narrow(0, start, len)?))
     }
@@ -305,8 +306,7 @@ impl Decoder {
         let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         let mut x = x.to_dtype(self.dtype)?;
         for (li, layer) in self.layers.iter().enumerate().take(layers) {
-            let ctx =
-                LayerCtx { li, adapter, base: self.unmerged_base(float), float, bf16: self.float_in_bf16(), start };
+            let ctx = LayerCtx { li, adapter, base: self.unmerged_base(float), float, bf16: self.float_in_bf16(), start };
             let h = self.prompt_norm(&x, &layer.attn_norm, self.config.rms_norm_eps as f32)?;
             let positions = Positions { cos: &cos, sin: &sin, mask: mask.as_ref(), causal_only };
             let attn = self.attention_infer(&ctx, layer, &h, positions, Some(&mut *cache), hooks)?;
@@ -576,7 +576,9 @@ pub fn repeat_kv(x: &Tensor, groups: usize) -> Result<Tensor> {
         return Ok(x.clone());
     }
     let (b, h, t, d) = x.dims4()?;
-    x.unsqueeze(2)?.expand((b, h, groups, t, d))?.reshape((b, h * groups, t, d))
+    x.unsqueeze(2)?
+        .expand((b, h, groups, t, d))?
+        .reshape((b, h * groups, t, d))
 }
 
 /// Whether a sliding window of `window` positions hides some key from a query among the first
@@ -620,5 +622,8 @@ fn rope_tables(cfg: &ModelConfig, device: &Device) -> Result<(Tensor, Tensor)> {
             sin.push(a.sin());
         }
     }
-    Ok((Tensor::from_vec(cos, (n, half), device)?, Tensor::from_vec(sin, (n, half), device)?))
+    Ok((
+        Tensor::from_vec(cos, (n, half), device)?,
+        Tensor::from_vec(sin, (n, half), device)?,
+    ))
 }

@@ -53,8 +53,7 @@ const END_OF_TURN_TOKENS: &[&str] = &[
 /// Llama 3 `tokenizer.json` split regex (digits grouped by up to three).
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Qwen2 `tokenizer.json` split regex (single digits).
-const QWEN2_PATTERN: &str =
-    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+const QWEN2_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 /// Mistral "tekken" split regex (as in llama.cpp).
 const TEKKEN_PATTERN: &str = r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)";
 
@@ -88,8 +87,8 @@ impl std::fmt::Debug for TextTokenizer {
 impl TextTokenizer {
     /// Reads the GGUF header at `path` and builds the tokenizer from it.
     pub fn from_gguf_file(path: &Path) -> Result<Self> {
-        let mut file =
-            std::fs::File::open(path).with_context(|| format!("cannot open GGUF file {}", path.display()))?;
+        let mut file = std::fs::File::open(path)
+            .with_context(|| format!("cannot open GGUF file {}", path.display()))?;
         let content = gguf_file::Content::read(&mut file)
             .map_err(|e| anyhow!("cannot read GGUF file {}: {e}", path.display()))?;
         Self::from_gguf(&content, path)
@@ -105,14 +104,18 @@ impl TextTokenizer {
     /// tokens from `tokenizer_config.json` and stop ids from
     /// `generation_config.json` / `config.json` when present.
     pub fn from_hf_dir(dir: &Path) -> Result<Self> {
-        build_from_hf_dir(dir).with_context(|| format!("cannot load tokenizer from {}", dir.display()))
+        build_from_hf_dir(dir)
+            .with_context(|| format!("cannot load tokenizer from {}", dir.display()))
     }
 
     /// Encodes `text`; special tokens written in it map to their ids. BOS is
     /// prepended only if `add_bos`, the model uses one, and the text does not
     /// already start with it (chat templates often render it themselves).
     pub fn encode(&self, text: &str, add_bos: bool) -> Result<Vec<u32>> {
-        let encoding = self.inner.encode_fast(text, false).map_err(|e| anyhow!("tokenization failed: {e}"))?;
+        let encoding = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| anyhow!("tokenization failed: {e}"))?;
         let mut ids = encoding.get_ids().to_vec();
         if let Some((_, bos)) = self.bos.as_ref().filter(|_| add_bos && self.add_bos) {
             if ids.first() != Some(bos) {
@@ -155,7 +158,9 @@ impl TextTokenizer {
 
     /// Decodes ids to text, optionally dropping special tokens.
     pub fn decode_opts(&self, ids: &[u32], skip_special_tokens: bool) -> Result<String> {
-        self.inner.decode(ids, skip_special_tokens).map_err(|e| anyhow!("detokenization failed: {e}"))
+        self.inner
+            .decode(ids, skip_special_tokens)
+            .map_err(|e| anyhow!("detokenization failed: {e}"))
     }
 
     pub fn token_to_id(&self, s: &str) -> Option<u32> {
@@ -220,7 +225,12 @@ pub struct DecodeStream<'a> {
 
 impl<'a> DecodeStream<'a> {
     fn new(tokenizer: &'a TextTokenizer) -> Self {
-        Self { tokenizer, skip_special_tokens: false, window: Vec::new(), read: 0 }
+        Self {
+            tokenizer,
+            skip_special_tokens: false,
+            window: Vec::new(),
+            read: 0,
+        }
     }
 
     /// Drops special tokens from the streamed text (default: keep them).
@@ -284,12 +294,14 @@ fn new_suffix<'t>(prefix: &str, text: &'t str) -> &'t str {
 // GGUF
 
 fn build_from_gguf(md: &HashMap<String, gguf_file::Value>) -> Result<TextTokenizer> {
-    let model =
-        meta_str(md, "tokenizer.ggml.model")?.ok_or_else(|| anyhow!("no tokenizer.ggml.model in the metadata"))?;
+    let model = meta_str(md, "tokenizer.ggml.model")?
+        .ok_or_else(|| anyhow!("no tokenizer.ggml.model in the metadata"))?;
     let vocab = GgufVocab::read(md)?;
     let pre = meta_str(md, "tokenizer.ggml.pre")?.unwrap_or("default");
     let (mut inner, default_add_bos) = build_gguf_model(md, model, pre, &vocab)?;
-    inner.add_special_tokens(vocab.added_tokens()).map_err(|e| anyhow!("special tokens: {e}"))?;
+    inner
+        .add_special_tokens(vocab.added_tokens())
+        .map_err(|e| anyhow!("special tokens: {e}"))?;
 
     let GgufVocab { tokens, types } = &vocab;
     let token_at = |key: &str| -> Result<Option<(String, u32)>> {
@@ -335,7 +347,11 @@ impl GgufVocab {
         }
         let types = match meta_int_array(md, "tokenizer.ggml.token_type")? {
             Some(t) if t.len() == tokens.len() => t,
-            Some(t) => bail!("tokenizer.ggml.token_type has {} entries for {} tokens", t.len(), tokens.len()),
+            Some(t) => bail!(
+                "tokenizer.ggml.token_type has {} entries for {} tokens",
+                t.len(),
+                tokens.len()
+            ),
             None => vec![TOKEN_NORMAL; tokens.len()],
         };
         Ok(Self { tokens, types })
@@ -385,10 +401,17 @@ fn build_gguf_model(
         "llama" => {
             let tokens = &vocab.tokens;
             let scores = meta_f32_array(md, "tokenizer.ggml.scores")?;
-            let add_space_prefix = meta_bool(md, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
-            let unk = meta_u32(md, "tokenizer.ggml.unknown_token_id")?.and_then(|id| tokens.get(id as usize).cloned());
-            let spm =
-                SentencePieceVocab { tokens, types: &vocab.types, scores: scores.as_deref(), unk, add_space_prefix };
+            let add_space_prefix =
+                meta_bool(md, "tokenizer.ggml.add_space_prefix")?.unwrap_or(true);
+            let unk = meta_u32(md, "tokenizer.ggml.unknown_token_id")?
+                .and_then(|id| tokens.get(id as usize).cloned());
+            let spm = SentencePieceVocab {
+                tokens,
+                types: &vocab.types,
+                scores: scores.as_deref(),
+                unk,
+                add_space_prefix,
+            };
             Ok((build_sentencepiece_bpe(spm, ids)?, true))
         }
         other => bail!(
@@ -421,15 +444,25 @@ fn dedup(ids: Vec<u32>) -> Vec<u32> {
 
 /// Byte-level BPE as in GPT-2 / Llama 3 / Qwen2 `tokenizer.json` files.
 /// Returns the tokenizer and the default for `add_bos_token`.
-fn build_byte_level_bpe(vocab: HashMap<String, u32>, merges: &[String], pre: &str) -> Result<(Tokenizer, bool)> {
+fn build_byte_level_bpe(
+    vocab: HashMap<String, u32>,
+    merges: &[String],
+    pre: &str,
+) -> Result<(Tokenizer, bool)> {
     let mut seen = HashSet::new();
     let mut pairs = Vec::with_capacity(merges.len());
     for m in merges {
-        let (a, b) = m.split_once(' ').ok_or_else(|| anyhow!("malformed merge {m:?} in tokenizer.ggml.merges"))?;
+        let (a, b) = m
+            .split_once(' ')
+            .ok_or_else(|| anyhow!("malformed merge {m:?} in tokenizer.ggml.merges"))?;
         // The BPE builder rejects merges outside the vocab; llama.cpp just never
         // applies them, so skipping is equivalent. Keep the first rank of a pair.
         let merged = format!("{a}{b}");
-        if vocab.contains_key(a) && vocab.contains_key(b) && vocab.contains_key(&merged) && seen.insert((a, b)) {
+        if vocab.contains_key(a)
+            && vocab.contains_key(b)
+            && vocab.contains_key(&merged)
+            && seen.insert((a, b))
+        {
             pairs.push((a.to_string(), b.to_string()));
         }
     }
@@ -438,8 +471,12 @@ fn build_byte_level_bpe(vocab: HashMap<String, u32>, merges: &[String], pre: &st
     // of each family; unknown values fall back to GPT-2.
     let byte_level = |use_regex| ByteLevel::new(false, true, use_regex);
     let split = |pattern: &str| -> Result<PreTokenizerWrapper> {
-        let s = Split::new(SplitPattern::Regex(pattern.to_string()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| anyhow!("invalid pre-tokenizer regex: {e}"))?;
+        let s = Split::new(
+            SplitPattern::Regex(pattern.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| anyhow!("invalid pre-tokenizer regex: {e}"))?;
         Ok(s.into())
     };
     let regex_then_bytes = |pattern: &str| -> Result<PreTokenizerWrapper> {
@@ -461,7 +498,8 @@ fn build_byte_level_bpe(vocab: HashMap<String, u32>, merges: &[String], pre: &st
         "tekken" => regex_then_bytes(TEKKEN_PATTERN)?,
         // StarCoder family: every digit is its own piece, then GPT-2 regex.
         "smollm" | "starcoder" | "refact" | "codeshell" | "command-r" => {
-            PreTokenizerSequence::new(vec![Digits::new(true).into(), byte_level(true).into()]).into()
+            PreTokenizerSequence::new(vec![Digits::new(true).into(), byte_level(true).into()])
+                .into()
         }
         // "gpt-2", "default" and anything unknown: ByteLevel's built-in GPT-2 regex.
         _ => byte_level(true).into(),
@@ -492,10 +530,17 @@ struct SentencePieceVocab<'a> {
 /// SentencePiece-style BPE (Llama 2, Mistral): merges are derived from the
 /// piece scores the way HF's `SentencePieceExtractor` does, spaces become `▁`,
 /// and characters outside the vocab fall back to `<0xNN>` byte tokens.
-fn build_sentencepiece_bpe(spm: SentencePieceVocab<'_>, vocab: HashMap<String, u32>) -> Result<Tokenizer> {
+fn build_sentencepiece_bpe(
+    spm: SentencePieceVocab<'_>,
+    vocab: HashMap<String, u32>,
+) -> Result<Tokenizer> {
     if let Some(s) = spm.scores {
         if s.len() != spm.tokens.len() {
-            bail!("tokenizer.ggml.scores has {} entries for {} tokens", s.len(), spm.tokens.len());
+            bail!(
+                "tokenizer.ggml.scores has {} entries for {} tokens",
+                s.len(),
+                spm.tokens.len()
+            );
         }
     }
     let merges = sentencepiece_merges(&spm);
@@ -508,7 +553,9 @@ fn build_sentencepiece_bpe(spm: SentencePieceVocab<'_>, vocab: HashMap<String, u
     if let Some(unk) = spm.unk {
         builder = builder.unk_token(unk);
     }
-    let bpe = builder.build().map_err(|e| anyhow!("invalid BPE vocabulary: {e}"))?;
+    let bpe = builder
+        .build()
+        .map_err(|e| anyhow!("invalid BPE vocabulary: {e}"))?;
 
     let (normalizer, decoder) = sentencepiece_spaces(spm.add_space_prefix)?;
     let mut tok = Tokenizer::new(bpe);
@@ -550,13 +597,18 @@ fn sentencepiece_merges(spm: &SentencePieceVocab<'_>) -> Vec<(String, String)> {
     }
     // Stable sort: equal scores keep vocab order, as in HF's extractor.
     merges.sort_by(|a, b| b.2.total_cmp(&a.2));
-    merges.into_iter().map(|(l, r, _)| (tokens[l].clone(), tokens[r].clone())).collect()
+    merges
+        .into_iter()
+        .map(|(l, r, _)| (tokens[l].clone(), tokens[r].clone()))
+        .collect()
 }
 
 /// SentencePiece's spaces: `▁` for a space (and a `▁` prefix with `add_space_prefix`) when
 /// encoding, undone with the byte fallback when decoding.
 fn sentencepiece_spaces(add_space_prefix: bool) -> Result<(NormalizerSequence, DecoderSequence)> {
-    let replace = |from: &str, to: &str| Replace::new(from, to).map_err(|e| anyhow!("invalid replace pattern: {e}"));
+    let replace = |from: &str, to: &str| {
+        Replace::new(from, to).map_err(|e| anyhow!("invalid replace pattern: {e}"))
+    };
     let mut normalizers: Vec<NormalizerWrapper> = Vec::new();
     if add_space_prefix {
         normalizers.push(Prepend::new("▁".to_string()).into());
@@ -579,7 +631,8 @@ fn sentencepiece_spaces(add_space_prefix: bool) -> Result<(NormalizerSequence, D
 
 fn build_from_hf_dir(dir: &Path) -> Result<TextTokenizer> {
     let tok_path = dir.join("tokenizer.json");
-    let inner = Tokenizer::from_file(&tok_path).map_err(|e| anyhow!("cannot read {}: {e}", tok_path.display()))?;
+    let inner = Tokenizer::from_file(&tok_path)
+        .map_err(|e| anyhow!("cannot read {}: {e}", tok_path.display()))?;
     let config = read_json_opt(&dir.join("tokenizer_config.json"))?;
     let gen_config = read_json_opt(&dir.join("generation_config.json"))?;
     let model_config = read_json_opt(&dir.join("config.json"))?;
@@ -603,15 +656,22 @@ fn build_from_hf_dir(dir: &Path) -> Result<TextTokenizer> {
     };
     let bos = by_name("bos_token").or_else(|| by_id("bos_token_id"));
     let eos = by_name("eos_token").or_else(|| by_id("eos_token_id"));
-    let pad = by_name("pad_token").map(|(_, id)| id).or_else(|| by_id("pad_token_id").map(|(_, id)| id));
+    let pad = by_name("pad_token")
+        .map(|(_, id)| id)
+        .or_else(|| by_id("pad_token_id").map(|(_, id)| id));
 
-    let add_bos = match config.as_ref().and_then(|c| c.get("add_bos_token")).and_then(|v| v.as_bool()) {
+    let add_bos = match config
+        .as_ref()
+        .and_then(|c| c.get("add_bos_token"))
+        .and_then(|v| v.as_bool())
+    {
         Some(b) => b,
         // No flag: the post-processor decides (e.g. Llama 3's TemplateProcessing).
         None => match &bos {
-            Some((_, bos_id)) => {
-                inner.encode_fast("", true).map(|e| e.get_ids().first() == Some(bos_id)).unwrap_or(false)
-            }
+            Some((_, bos_id)) => inner
+                .encode_fast("", true)
+                .map(|e| e.get_ids().first() == Some(bos_id))
+                .unwrap_or(false),
             None => false,
         },
     };
@@ -620,19 +680,39 @@ fn build_from_hf_dir(dir: &Path) -> Result<TextTokenizer> {
     stop_ids.extend(config_ids("eos_token_id"));
     let added = inner.get_added_tokens_decoder();
     for name in END_OF_TURN_TOKENS {
-        stop_ids.extend(added.iter().filter(|(_, t)| t.special && t.content == *name).map(|(id, _)| *id));
+        stop_ids.extend(
+            added
+                .iter()
+                .filter(|(_, t)| t.special && t.content == *name)
+                .map(|(id, _)| *id),
+        );
     }
 
-    let vocab_size = inner.get_vocab(true).values().max().map_or(0, |&max| max as usize + 1);
-    Ok(TextTokenizer { plain: plain_text(&inner), inner, bos, eos, pad, eos_ids: dedup(stop_ids), add_bos, vocab_size })
+    let vocab_size = inner
+        .get_vocab(true)
+        .values()
+        .max()
+        .map_or(0, |&max| max as usize + 1);
+    Ok(TextTokenizer {
+        plain: plain_text(&inner),
+        inner,
+        bos,
+        eos,
+        pad,
+        eos_ids: dedup(stop_ids),
+        add_bos,
+        vocab_size,
+    })
 }
 
 fn read_json_opt(path: &Path) -> Result<Option<serde_json::Value>> {
     if !path.exists() {
         return Ok(None);
     }
-    let text = std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
-    let value = serde_json::from_str(&text).with_context(|| format!("invalid JSON in {}", path.display()))?;
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("cannot read {}", path.display()))?;
+    let value = serde_json::from_str(&text)
+        .with_context(|| format!("invalid JSON in {}", path.display()))?;
     Ok(Some(value))
 }
 
@@ -699,7 +779,10 @@ fn meta_u32(md: &HashMap<String, gguf_file::Value>, key: &str) -> Result<Option<
     }
 }
 
-fn meta_array<'m>(md: &'m HashMap<String, gguf_file::Value>, key: &str) -> Result<Option<&'m Vec<gguf_file::Value>>> {
+fn meta_array<'m>(
+    md: &'m HashMap<String, gguf_file::Value>,
+    key: &str,
+) -> Result<Option<&'m Vec<gguf_file::Value>>> {
     match md.get(key) {
         None => Ok(None),
         Some(gguf_file::Value::Array(a)) => Ok(Some(a)),
@@ -707,7 +790,10 @@ fn meta_array<'m>(md: &'m HashMap<String, gguf_file::Value>, key: &str) -> Resul
     }
 }
 
-fn meta_str_array(md: &HashMap<String, gguf_file::Value>, key: &str) -> Result<Option<Vec<String>>> {
+fn meta_str_array(
+    md: &HashMap<String, gguf_file::Value>,
+    key: &str,
+) -> Result<Option<Vec<String>>> {
     let Some(arr) = meta_array(md, key)? else {
         return Ok(None);
     };
@@ -757,9 +843,9 @@ mod tests {
     /// The real SmolLM2 GGUF: `LIFT_TEST_GGUF` or the default location.
     /// Tests that need it are skipped (with a note) when it is missing.
     fn real_gguf_path() -> PathBuf {
-        std::env::var_os("LIFT_TEST_GGUF").map(PathBuf::from).unwrap_or_else(|| {
-            PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
-        })
+        std::env::var_os("LIFT_TEST_GGUF")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/models/SmolLM2-135M-Instruct.Q4_1.gguf")))
     }
 
     fn smollm2() -> Option<&'static TextTokenizer> {
@@ -777,11 +863,14 @@ mod tests {
     fn qwen() -> Option<&'static TextTokenizer> {
         static TOK: OnceLock<Option<TextTokenizer>> = OnceLock::new();
         TOK.get_or_init(|| {
-            let path = std::env::var_os("LIFT_TEST_QWEN_GGUF").map(PathBuf::from).unwrap_or_else(|| {
-                PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/models/qwen2.5-coder-0.5b-instruct.gguf"))
-            });
+            let path = std::env::var_os("LIFT_TEST_QWEN_GGUF")
+                .map(PathBuf::from)
+                .unwrap_or_else(|| PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/models/qwen2.5-coder-0.5b-instruct.gguf")));
             if !path.exists() {
-                eprintln!("skipping: {} not found (set LIFT_TEST_QWEN_GGUF)", path.display());
+                eprintln!(
+                    "skipping: {} not found (set LIFT_TEST_QWEN_GGUF)",
+                    path.display()
+                );
                 return None;
             }
             Some(TextTokenizer::from_gguf_file(&path).unwrap())
@@ -812,7 +901,8 @@ mod tests {
 
     /// GPT-2's byte -> printable char table.
     fn byte_to_char(b: u8) -> char {
-        let printable = |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
+        let printable =
+            |b: u8| (b'!'..=b'~').contains(&b) || (0xA1..=0xAC).contains(&b) || b >= 0xAE;
         if printable(b) {
             return b as char;
         }
@@ -823,7 +913,10 @@ mod tests {
     /// Tiny byte-level BPE: 256 byte tokens, a few merges, two control tokens.
     fn tiny_gpt2_metadata(pre: &str) -> Vec<(&'static str, V)> {
         let mut tokens: Vec<String> = (0..=255u8).map(|b| byte_to_char(b).to_string()).collect();
-        let merges = ["h e", "l l", "ll o", "he llo", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2", "3 1", "12 3"];
+        let merges = [
+            "h e", "l l", "ll o", "he llo", "Ġ w", "o r", "Ġw or", "l d", "Ġwor ld", "1 2", "3 1",
+            "12 3",
+        ];
         for m in merges {
             tokens.push(m.replace(' ', ""));
         }
@@ -896,7 +989,10 @@ mod tests {
 
     fn stream_all(tok: &TextTokenizer, ids: &[u32]) -> Vec<String> {
         let mut stream = tok.decode_stream();
-        let mut chunks: Vec<String> = ids.iter().filter_map(|&id| stream.push(id).unwrap()).collect();
+        let mut chunks: Vec<String> = ids
+            .iter()
+            .filter_map(|&id| stream.push(id).unwrap())
+            .collect();
         chunks.extend(stream.flush().unwrap());
         chunks
     }
@@ -920,19 +1016,54 @@ mod tests {
     const SMOLLM2_IDS: &[(&str, &[u32])] = &[
         ("Hello world", &[19556, 905]),
         ("Hello, world!", &[19556, 28, 905, 17]),
-        ("The year 2024 had 366 days.", &[504, 713, 216, 34, 32, 34, 36, 761, 216, 35, 38, 38, 2009, 30]),
+        (
+            "The year 2024 had 366 days.",
+            &[
+                504, 713, 216, 34, 32, 34, 36, 761, 216, 35, 38, 38, 2009, 30,
+            ],
+        ),
         ("  multiple   spaces  ", &[216, 2701, 256, 5600, 256]),
-        ("line one\nline two\n\n\tTabbed", &[1311, 582, 198, 1311, 827, 1116, 197, 30064, 5776]),
-        ("I'm sure it's fine, we'll see.", &[57, 5248, 2090, 357, 506, 4979, 28, 392, 3060, 963, 30]),
-        ("Emoji 🦀🚀 and café naïve", &[10809, 33777, 15107, 116, 218, 10813, 244, 218, 284, 37366, 15486, 46494]),
+        (
+            "line one\nline two\n\n\tTabbed",
+            &[1311, 582, 198, 1311, 827, 1116, 197, 30064, 5776],
+        ),
+        (
+            "I'm sure it's fine, we'll see.",
+            &[57, 5248, 2090, 357, 506, 4979, 28, 392, 3060, 963, 30],
+        ),
+        (
+            "Emoji 🦀🚀 and café naïve",
+            &[
+                10809, 33777, 15107, 116, 218, 10813, 244, 218, 284, 37366, 15486, 46494,
+            ],
+        ),
         (
             "日本語のテキスト",
-            &[23274, 115, 40993, 179, 120, 248, 26453, 11100, 224, 10391, 251, 10391, 134, 11100, 226],
+            &[
+                23274, 115, 40993, 179, 120, 248, 26453, 11100, 224, 10391, 251, 10391, 134, 11100,
+                226,
+            ],
         ),
-        ("Привет, мир!", &[155, 249, 46879, 16464, 32547, 28, 41337, 7872, 9175, 17]),
-        ("fn main() { println!(\"hi\"); }", &[7853, 1085, 1000, 1662, 1628, 34115, 17, 1470, 6004, 21646, 4029]),
-        ("<|im_start|>user\nHi<|im_end|>\n", &[1, 4093, 198, 26843, 2, 198]),
-        ("3.14159 + 1e10 = x", &[35, 30, 33, 36, 33, 37, 41, 1232, 216, 33, 85, 33, 32, 446, 1792]),
+        (
+            "Привет, мир!",
+            &[155, 249, 46879, 16464, 32547, 28, 41337, 7872, 9175, 17],
+        ),
+        (
+            "fn main() { println!(\"hi\"); }",
+            &[
+                7853, 1085, 1000, 1662, 1628, 34115, 17, 1470, 6004, 21646, 4029,
+            ],
+        ),
+        (
+            "<|im_start|>user\nHi<|im_end|>\n",
+            &[1, 4093, 198, 26843, 2, 198],
+        ),
+        (
+            "3.14159 + 1e10 = x",
+            &[
+                35, 30, 33, 36, 33, 37, 41, 1232, 216, 33, 85, 33, 32, 446, 1792,
+            ],
+        ),
         ("   ", &[333]),
         ("\n\n\n", &[16506]),
     ];
@@ -941,7 +1072,11 @@ mod tests {
     fn smollm2_known_ids() {
         let Some(tok) = smollm2() else { return };
         for (text, expected) in SMOLLM2_IDS {
-            assert_eq!(tok.encode(text, false).unwrap(), *expected, "encoding {text:?}");
+            assert_eq!(
+                tok.encode(text, false).unwrap(),
+                *expected,
+                "encoding {text:?}"
+            );
         }
     }
 
@@ -958,7 +1093,11 @@ mod tests {
         ];
         for text in SMOLLM2_IDS.iter().map(|(t, _)| *t).chain(extra) {
             let ids = tok.encode(text, false).unwrap();
-            assert_eq!(tok.decode(&ids).unwrap(), text, "round trip of {text:?} via {ids:?}");
+            assert_eq!(
+                tok.decode(&ids).unwrap(),
+                text,
+                "round trip of {text:?} via {ids:?}"
+            );
         }
     }
 
@@ -984,7 +1123,10 @@ mod tests {
         let escaped = tok.escape_specials(text);
         assert!(tok.encode(&escaped, false).unwrap().iter().all(|&id| id > 2));
         assert!(matches!(tok.escape_specials("plain <| text |>"), std::borrow::Cow::Borrowed(_)));
-        assert_eq!(tok.decode_opts(&[1, 4093, 198, 26843, 2], true).unwrap(), "user\nHi");
+        assert_eq!(
+            tok.decode_opts(&[1, 4093, 198, 26843, 2], true).unwrap(),
+            "user\nHi"
+        );
     }
 
     #[test]
@@ -1010,8 +1152,15 @@ mod tests {
         assert_eq!(chunks.concat(), text);
         // Byte-level BPE splits the emoji over several tokens: no chunk may
         // carry a broken character, and some pushes must have yielded nothing.
-        assert!(chunks.iter().all(|c| !c.contains(char::REPLACEMENT_CHARACTER)));
-        assert!(chunks.len() < ids.len(), "{} chunks for {} ids", chunks.len(), ids.len());
+        assert!(chunks
+            .iter()
+            .all(|c| !c.contains(char::REPLACEMENT_CHARACTER)));
+        assert!(
+            chunks.len() < ids.len(),
+            "{} chunks for {} ids",
+            chunks.len(),
+            ids.len()
+        );
     }
 
     #[test]
@@ -1035,15 +1184,38 @@ mod tests {
     /// [9707, 1879] matches the published Qwen2 tokenizer.
     const QWEN_IDS: &[(&str, &[u32])] = &[
         ("Hello world", &[9707, 1879]),
-        ("The year 2024 had 366 days.", &[785, 1042, 220, 17, 15, 17, 19, 1030, 220, 18, 21, 21, 2849, 13]),
+        (
+            "The year 2024 had 366 days.",
+            &[
+                785, 1042, 220, 17, 15, 17, 19, 1030, 220, 18, 21, 21, 2849, 13,
+            ],
+        ),
         ("  multiple   spaces  ", &[220, 5248, 256, 12621, 256]),
-        ("line one\nline two\n\n\tTabbed", &[1056, 825, 198, 1056, 1378, 271, 197, 8582, 2721]),
-        ("I'm sure it's fine, we'll see.", &[40, 2776, 2704, 432, 594, 6915, 11, 582, 3278, 1490, 13]),
-        ("Emoji 🦀🚀 and café naïve", &[92731, 11162, 99, 222, 145836, 323, 51950, 94880, 586]),
-        ("日本語のテキスト", &[101059, 102819, 15767, 56833, 61803, 70534]),
+        (
+            "line one\nline two\n\n\tTabbed",
+            &[1056, 825, 198, 1056, 1378, 271, 197, 8582, 2721],
+        ),
+        (
+            "I'm sure it's fine, we'll see.",
+            &[40, 2776, 2704, 432, 594, 6915, 11, 582, 3278, 1490, 13],
+        ),
+        (
+            "Emoji 🦀🚀 and café naïve",
+            &[92731, 11162, 99, 222, 145836, 323, 51950, 94880, 586],
+        ),
+        (
+            "日本語のテキスト",
+            &[101059, 102819, 15767, 56833, 61803, 70534],
+        ),
         ("Привет, мир!", &[53645, 26991, 8178, 11, 137144, 0]),
-        ("fn main() { println!(\"hi\"); }", &[8822, 1887, 368, 314, 13751, 17223, 6023, 5038, 335]),
-        ("<|im_start|>user\nHi<|im_end|>\n", &[151644, 872, 198, 13048, 151645, 198]),
+        (
+            "fn main() { println!(\"hi\"); }",
+            &[8822, 1887, 368, 314, 13751, 17223, 6023, 5038, 335],
+        ),
+        (
+            "<|im_start|>user\nHi<|im_end|>\n",
+            &[151644, 872, 198, 13048, 151645, 198],
+        ),
         ("   ", &[262]),
         ("\n\n\n", &[1406]),
     ];
@@ -1071,7 +1243,10 @@ mod tests {
     fn tiny_gpt2_bpe() {
         let tok = build(tiny_gpt2_metadata("gpt-2")).unwrap();
         let id = |s: &str| tok.token_to_id(s).unwrap();
-        assert_eq!(tok.encode("hello world", false).unwrap(), vec![id("hello"), id("Ġworld")]);
+        assert_eq!(
+            tok.encode("hello world", false).unwrap(),
+            vec![id("hello"), id("Ġworld")]
+        );
         // add_bos_token = true: BOS is prepended once, not doubled.
         let with_bos = tok.encode("hello", true).unwrap();
         assert_eq!(with_bos, vec![id("<|start|>"), id("hello")]);
@@ -1092,13 +1267,22 @@ mod tests {
         let ids = |pre: &str| {
             let tok = build(tiny_gpt2_metadata(pre)).unwrap();
             let ids = tok.encode("1231", false).unwrap();
-            ids.iter().map(|&i| tok.id_to_token(i).unwrap()).collect::<Vec<_>>()
+            ids.iter()
+                .map(|&i| tok.id_to_token(i).unwrap())
+                .collect::<Vec<_>>()
         };
         assert_eq!(ids("gpt-2"), ["12", "31"]);
         assert_eq!(ids("llama-bpe"), ["123", "1"]);
         assert_eq!(ids("smollm"), ["1", "2", "3", "1"]);
         assert_eq!(ids("qwen2"), ["1", "2", "3", "1"]);
-        for pre in ["gpt-2", "smollm", "qwen2", "llama-bpe", "tekken", "something-new"] {
+        for pre in [
+            "gpt-2",
+            "smollm",
+            "qwen2",
+            "llama-bpe",
+            "tekken",
+            "something-new",
+        ] {
             let tok = build(tiny_gpt2_metadata(pre)).unwrap();
             let text = "hello world 12345 it's\n\n  x";
             let ids = tok.encode(text, false).unwrap();
@@ -1111,14 +1295,23 @@ mod tests {
         let tok = build(tiny_spm_metadata()).unwrap();
         let id = |s: &str| tok.token_to_id(s).unwrap();
         // The space prefix is added and merges follow the piece scores.
-        assert_eq!(tok.encode("Hello world", false).unwrap(), vec![id("▁Hello"), id("▁world")]);
-        assert_eq!(tok.decode(&[id("▁Hello"), id("▁world")]).unwrap(), "Hello world");
+        assert_eq!(
+            tok.encode("Hello world", false).unwrap(),
+            vec![id("▁Hello"), id("▁world")]
+        );
+        assert_eq!(
+            tok.decode(&[id("▁Hello"), id("▁world")]).unwrap(),
+            "Hello world"
+        );
         // SentencePiece models add BOS by default.
         assert!(tok.adds_bos());
         assert_eq!(tok.encode("Hello", true).unwrap(), vec![1, id("▁Hello")]);
         assert_eq!(tok.encode("<s>Hello", true).unwrap(), vec![1, id("▁Hello")]);
         // Unknown characters fall back to UTF-8 byte tokens: é = C3 A9.
-        assert_eq!(tok.encode("é", false).unwrap(), vec![id("▁"), 3 + 0xC3, 3 + 0xA9]);
+        assert_eq!(
+            tok.encode("é", false).unwrap(),
+            vec![id("▁"), 3 + 0xC3, 3 + 0xA9]
+        );
         for text in ["Hello world", "é", "Hello  wörld 🦀", " leading"] {
             let ids = tok.encode(text, false).unwrap();
             assert_eq!(tok.decode(&ids).unwrap(), text, "{ids:?}");
@@ -1131,7 +1324,10 @@ mod tests {
     fn hf_dir_matches_gguf_build() {
         let dir = temp_dir("hf");
         let gguf_tok = build(tiny_gpt2_metadata("llama-bpe")).unwrap();
-        gguf_tok.inner().save(dir.join("tokenizer.json"), false).unwrap();
+        gguf_tok
+            .inner()
+            .save(dir.join("tokenizer.json"), false)
+            .unwrap();
         let end = gguf_tok.token_to_id("<|end|>").unwrap();
         let start = gguf_tok.token_to_id("<|start|>").unwrap();
         std::fs::write(
@@ -1139,7 +1335,11 @@ mod tests {
             r#"{"add_bos_token": true, "bos_token": {"content": "<|start|>", "special": true}, "eos_token": "<|end|>", "pad_token": null}"#,
         )
         .unwrap();
-        std::fs::write(dir.join("generation_config.json"), format!(r#"{{"eos_token_id": [{end}, 7]}}"#)).unwrap();
+        std::fs::write(
+            dir.join("generation_config.json"),
+            format!(r#"{{"eos_token_id": [{end}, 7]}}"#),
+        )
+        .unwrap();
 
         let tok = TextTokenizer::from_hf_dir(&dir).unwrap();
         assert_eq!(tok.bos_token(), Some(("<|start|>".to_string(), start)));
@@ -1147,11 +1347,18 @@ mod tests {
         assert_eq!(tok.eos_token_ids(), &[end, 7]);
         assert_eq!(tok.vocab_size(), gguf_tok.vocab_size());
         for text in ["hello world", "<|start|>hello<|end|>", "ünïcode 🦀"] {
-            assert_eq!(tok.encode(text, true).unwrap(), gguf_tok.encode(text, true).unwrap());
+            assert_eq!(
+                tok.encode(text, true).unwrap(),
+                gguf_tok.encode(text, true).unwrap()
+            );
         }
 
         // Without add_bos_token the post-processor decides: none here.
-        std::fs::write(dir.join("tokenizer_config.json"), r#"{"bos_token": "<|start|>"}"#).unwrap();
+        std::fs::write(
+            dir.join("tokenizer_config.json"),
+            r#"{"bos_token": "<|start|>"}"#,
+        )
+        .unwrap();
         std::fs::remove_file(dir.join("generation_config.json")).unwrap();
         let tok = TextTokenizer::from_hf_dir(&dir).unwrap();
         assert!(!tok.adds_bos());
@@ -1186,9 +1393,15 @@ mod tests {
         assert!(err.to_string().contains("weird-tokenizer.gguf"), "{err}");
         assert!(format!("{err:#}").contains("\"bert\""), "{err:#}");
 
-        write_gguf(&path, &[("general.architecture", V::String("llama".into()))]);
+        write_gguf(
+            &path,
+            &[("general.architecture", V::String("llama".into()))],
+        );
         let err = format!("{:#}", TextTokenizer::from_gguf_file(&path).unwrap_err());
-        assert!(err.contains("weird-tokenizer.gguf") && err.contains("tokenizer.ggml.model"), "{err}");
+        assert!(
+            err.contains("weird-tokenizer.gguf") && err.contains("tokenizer.ggml.model"),
+            "{err}"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -91,14 +91,7 @@ impl Decoder {
         let mask = mask.map(|m| m.to_dtype(self.dtype)).transpose()?;
         let causal_only = packing.is_none() && !window_cuts(cfg.sliding_window, t);
         for (li, layer) in self.layers.iter().enumerate().take(upto) {
-            let ctx = LayerCtx {
-                li,
-                adapter: None,
-                base: self.unmerged_base(true),
-                float: true,
-                bf16: self.float_in_bf16(),
-                start: 0,
-            };
+            let ctx = LayerCtx { li, adapter: None, base: self.unmerged_base(true), float: true, bf16: self.float_in_bf16(), start: 0 };
             let h = candle_nn::ops::rms_norm(&x, &layer.attn_norm, eps)?;
             let positions = Positions { cos: &cos, sin: &sin, mask: mask.as_ref(), causal_only };
             let attn = self.attention_infer(&ctx, layer, &h, positions, None, hooks)?;

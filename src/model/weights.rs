@@ -64,17 +64,7 @@ impl Linear {
             Some(q) => pack_for_cpu(q)?,
             None => None,
         };
-        Ok(Self {
-            infer,
-            quantized,
-            packed,
-            float,
-            float_t: OnceLock::new(),
-            bf16: OnceLock::new(),
-            bias,
-            out_dim,
-            in_dim,
-        })
+        Ok(Self { infer, quantized, packed, float, float_t: OnceLock::new(), bf16: OnceLock::new(), bias, out_dim, in_dim })
     }
 
     /// Float weight `[out, in]` (any float dtype; kept in `base_dtype`).

@@ -4,12 +4,12 @@
 
 use super::error::{ApiError, ApiResult};
 use crate::adapters::AdapterKind;
-use crate::extraction::{Extractor, Failure};
-use crate::formats::{Extracted, Source};
 use crate::lift::answer::{ContextPolicy, Mode};
 use crate::lift::{AbsorbOptions, OptionError};
 use crate::model::generate::{FinishReason, SamplingParams};
 use crate::model::ChatMessage;
+use crate::extraction::{Extractor, Failure};
+use crate::formats::{Extracted, Source};
 use crate::service::{NewDocument, Question};
 use axum::body::Bytes;
 use axum::http::{header, HeaderMap, StatusCode};
@@ -146,9 +146,7 @@ impl<'de> serde::de::Visitor<'de> for UniqueSeed<'_> {
     }
     fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
         let mut out = Vec::new();
-        while let Some(v) =
-            seq.next_element_seed(UniqueSeed { path: format!("{}[{}]", self.path, out.len()), dup: self.dup })?
-        {
+        while let Some(v) = seq.next_element_seed(UniqueSeed { path: format!("{}[{}]", self.path, out.len()), dup: self.dup })? {
             out.push(v);
         }
         Ok(serde_json::Value::Array(out))
@@ -173,7 +171,11 @@ fn field_error(e: serde_path_to_error::Error<serde_json::Error>, body: Body) -> 
     let inner = e.into_inner();
     let message = inner.to_string();
     // serde's `Error::unknown_field` is the one data error told apart by its (fixed) wording.
-    let code = if message.starts_with("unknown field") { body.unknown_field_code(&path) } else { body.code(&path) };
+    let code = if message.starts_with("unknown field") {
+        body.unknown_field_code(&path)
+    } else {
+        body.code(&path)
+    };
     ApiError::bad_request(code, format!("'{path}': {message}")).param(&path)
 }
 
@@ -189,11 +191,7 @@ impl<S: Send + Sync> axum::extract::FromRequestParts<S> for PathParam {
     async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, ApiError> {
         match axum::extract::Path::<String>::from_request_parts(parts, state).await {
             Ok(axum::extract::Path(p)) => Ok(PathParam(p)),
-            Err(e) => Err(ApiError::new(
-                e.status(),
-                "invalid_path",
-                format!("the request path cannot be read: {}", e.body_text()),
-            )),
+            Err(e) => Err(ApiError::new(e.status(), "invalid_path", format!("the request path cannot be read: {}", e.body_text()))),
         }
     }
 }
@@ -281,12 +279,7 @@ fn invalid_option(e: OptionError) -> ApiError {
 
 impl PostDocument {
     /// The document and whether this is a dry run.
-    pub fn validate(
-        self,
-        defaults: &AbsorbOptions,
-        num_layers: usize,
-        max_window: usize,
-    ) -> ApiResult<(NewDocument, bool)> {
+    pub fn validate(self, defaults: &AbsorbOptions, num_layers: usize, max_window: usize) -> ApiResult<(NewDocument, bool)> {
         let text = self.text.ok_or_else(|| missing("text"))?;
         let options = self.options.unwrap_or_default().apply(defaults, num_layers, max_window)?;
         let source = Source::as_sent(&text, "application/json");
@@ -315,12 +308,7 @@ pub fn document(text: String, title: Option<String>, options: AbsorbOptions, sou
 pub fn is_document_media_type(media_type: &str) -> bool {
     matches!(
         media_type,
-        "text/markdown"
-            | "text/x-markdown"
-            | "text/html"
-            | "application/xhtml+xml"
-            | "application/pdf"
-            | "application/x-pdf"
+        "text/markdown" | "text/x-markdown" | "text/html" | "application/xhtml+xml" | "application/pdf" | "application/x-pdf"
             | "application/vnd.openxmlformats-officedocument.wordprocessingml.document"
             | "application/vnd.oasis.opendocument.text"
             | "application/epub+zip"
@@ -368,16 +356,13 @@ fn options_field(text: &str) -> ApiResult<DocumentOptions> {
     }
     let value = parse_unique(text).map_err(|e| match e {
         Ok(path) => duplicate(&format!("options.{path}")),
-        Err(e) => ApiError::bad_request("invalid_json", format!("the 'options' field is not valid JSON: {e}"))
-            .param("options"),
+        Err(e) => ApiError::bad_request("invalid_json", format!("the 'options' field is not valid JSON: {e}")).param("options"),
     })?;
     if !value.is_object() {
         return Err(ApiError::bad_request("invalid_type", "the 'options' field must be a JSON object").param("options"));
     }
     let wrapped = serde_json::json!({ "options": value });
-    serde_path_to_error::deserialize::<_, Wrapped>(wrapped)
-        .map(|w| w.options)
-        .map_err(|e| field_error(e, Body::Document))
+    serde_path_to_error::deserialize::<_, Wrapped>(wrapped).map(|w| w.options).map_err(|e| field_error(e, Body::Document))
 }
 
 /// A `multipart/form-data` upload: one `file` part (its name and type guide the extraction),
@@ -392,13 +377,11 @@ pub async fn multipart_document(
     max_window: usize,
 ) -> ApiResult<(NewDocument, bool)> {
     let content_type = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
-    let boundary = multer::parse_boundary(content_type).map_err(|e| {
-        ApiError::bad_request("invalid_multipart", format!("multipart/form-data needs a boundary: {e}"))
-    })?;
+    let boundary = multer::parse_boundary(content_type)
+        .map_err(|e| ApiError::bad_request("invalid_multipart", format!("multipart/form-data needs a boundary: {e}")))?;
     let body = futures_util::stream::once(async move { Ok::<_, std::convert::Infallible>(bytes) });
     let mut form = multer::Multipart::new(body, boundary);
-    let malformed =
-        |e: multer::Error| ApiError::bad_request("invalid_multipart", format!("malformed multipart body: {e}"));
+    let malformed = |e: multer::Error| ApiError::bad_request("invalid_multipart", format!("malformed multipart body: {e}"));
     let (mut file, mut title, mut options, mut dry_run) = (None, None, None, None);
     while let Some(field) = form.next_field().await.map_err(malformed)? {
         let name = field.name().unwrap_or("").to_string();
@@ -416,8 +399,7 @@ pub async fn multipart_document(
             }
         };
         if seen {
-            return Err(ApiError::bad_request("duplicate_field", format!("the form field '{name}' is given twice"))
-                .param(&name));
+            return Err(ApiError::bad_request("duplicate_field", format!("the form field '{name}' is given twice")).param(&name));
         }
         let filename = field.file_name().map(str::to_string);
         let media_type = field.content_type().map(|m| m.essence_str().to_ascii_lowercase());
@@ -441,8 +423,7 @@ fn bool_field(name: &str, text: &str) -> ApiResult<bool> {
     match text.trim() {
         "true" => Ok(true),
         "false" => Ok(false),
-        other => Err(ApiError::bad_request("invalid_type", format!("'{name}' must be true or false (got '{other}')"))
-            .param(name)),
+        other => Err(ApiError::bad_request("invalid_type", format!("'{name}' must be true or false (got '{other}')")).param(name)),
     }
 }
 
@@ -599,11 +580,8 @@ pub const MAX_CONTEXT_TOKENS: u64 = 1 << 20;
 fn context_tokens(v: Option<u64>, mode: Mode, context: Option<ContextPolicy>) -> ApiResult<Option<usize>> {
     if !mode.uses_context() && (v.is_some() || context.is_some()) {
         let param = if context.is_some() { "context" } else { "context_tokens" };
-        return Err(ApiError::bad_request(
-            "invalid_context",
-            "mode 'memory' shows no document text: leave out 'context' and 'context_tokens'",
-        )
-        .param(param));
+        return Err(ApiError::bad_request("invalid_context", "mode 'memory' shows no document text: leave out 'context' and 'context_tokens'")
+            .param(param));
     }
     match v {
         None => Ok(None),
@@ -867,10 +845,8 @@ impl ChatRequest {
         if messages.is_empty() {
             return Err(bad_messages("'messages' must not be empty"));
         }
-        let messages: Vec<ChatMessage> =
-            messages.into_iter().map(ChatMessageIn::into_message).collect::<ApiResult<_>>()?;
-        let (chars, limit) =
-            (messages.iter().map(|m| m.content.chars().count()).sum::<usize>(), limits.max_question_chars);
+        let messages: Vec<ChatMessage> = messages.into_iter().map(ChatMessageIn::into_message).collect::<ApiResult<_>>()?;
+        let (chars, limit) = (messages.iter().map(|m| m.content.chars().count()).sum::<usize>(), limits.max_question_chars);
         if chars > limit {
             return Err(ApiError::bad_request(
                 "messages_too_long",
@@ -909,14 +885,7 @@ impl ChatRequest {
             let history = messages.into_iter().filter(|m| m.role == "user" || m.role == "assistant").collect();
             let (mode, context) = (self.mode.unwrap_or_default(), self.context);
             let context_tokens = context_tokens(self.context_tokens, mode, context)?;
-            ChatTarget::Document(Question {
-                document_id: model.clone(),
-                question,
-                history,
-                mode,
-                context,
-                context_tokens,
-            })
+            ChatTarget::Document(Question { document_id: model.clone(), question, history, mode, context, context_tokens })
         } else {
             return Err(
                 ApiError::not_found("model_not_found", format!("the model '{model}' does not exist")).param("model")
@@ -932,9 +901,7 @@ fn top_p(v: Option<f64>) -> ApiResult<f64> {
     match v {
         None => Ok(1.0),
         Some(p) if p > 0.0 && p <= 1.0 => Ok(p),
-        Some(p) => {
-            Err(ApiError::bad_request("invalid_top_p", format!("'top_p' must be in (0, 1] (got {p})")).param("top_p"))
-        }
+        Some(p) => Err(ApiError::bad_request("invalid_top_p", format!("'top_p' must be in (0, 1] (got {p})")).param("top_p")),
     }
 }
 
@@ -1110,13 +1077,7 @@ mod tests {
                         b[i] ^= 1 << bit;
                     }
                     1 => b.truncate(at),
-                    2 => b.insert(
-                        at,
-                        [
-                            b'{', b'}', b'[', b']', b'"', b':', b',', b'0', b'e', b'-', b'\\', b'u', 0xff, b' ', b'n',
-                            b't',
-                        ][pick(16)],
-                    ),
+                    2 => b.insert(at, [b'{', b'}', b'[', b']', b'"', b':', b',', b'0', b'e', b'-', b'\\', b'u', 0xff, b' ', b'n', b't'][pick(16)]),
                     3 => {
                         let other = &seeds[pick(seeds.len())];
                         let from = pick(other.len());
@@ -1183,9 +1144,7 @@ mod tests {
         }
         let limits = GenerationLimits { max_question_chars: 60, max_tokens_limit: 8, default_max_tokens: 8 };
         let valid = |history: serde_json::Value| {
-            json_body::<AskRequest>(&HeaderMap::new(), ask(history).to_string().as_bytes(), Body::Ask)
-                .unwrap()
-                .validate(&limits)
+            json_body::<AskRequest>(&HeaderMap::new(), ask(history).to_string().as_bytes(), Body::Ask).unwrap().validate(&limits)
         };
         let turns = serde_json::json!([{"role": "user", "content": "Tell me about the museum."}, {"role": "assistant", "content": "Tools."}]);
         let (q, ..) = valid(turns).unwrap();
@@ -1195,8 +1154,7 @@ mod tests {
         let e = valid(serde_json::json!([{"role": "user", "content": "x".repeat(44)}])).err().unwrap();
         assert_eq!((e.status.as_u16(), e.code, e.param.as_deref()), (400, "history_too_long", Some("history")), "{e}");
         assert!(valid(serde_json::json!([{"role": "user", "content": "x".repeat(43)}])).is_ok());
-        let many: Vec<_> =
-            (0..=MAX_HISTORY_TURNS).map(|_| serde_json::json!({"role": "user", "content": ""})).collect();
+        let many: Vec<_> = (0..=MAX_HISTORY_TURNS).map(|_| serde_json::json!({"role": "user", "content": ""})).collect();
         let e = valid(serde_json::json!(many)).err().unwrap();
         assert_eq!((e.code, e.param.as_deref()), ("invalid_history", Some("history")), "{e}");
         // Without a history the question is on its own, as before.

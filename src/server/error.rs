@@ -97,12 +97,8 @@ impl ApiError {
             ServiceError::NotReady { .. } | ServiceError::NoAdapter(_) => {
                 ApiError::new(StatusCode::CONFLICT, "document_not_ready", e.to_string()).param(params.document)
             }
-            ServiceError::Untokenizable(_) => {
-                ApiError::unprocessable("untokenizable_document", e.to_string()).param("text")
-            }
-            ServiceError::DocumentTooLarge { .. } => {
-                ApiError::too_large("document_too_large", e.to_string()).param("text")
-            }
+            ServiceError::Untokenizable(_) => ApiError::unprocessable("untokenizable_document", e.to_string()).param("text"),
+            ServiceError::DocumentTooLarge { .. } => ApiError::too_large("document_too_large", e.to_string()).param("text"),
             ServiceError::TrainingTooLarge { .. } => {
                 ApiError::bad_request("training_too_large", e.to_string()).param("options")
             }
@@ -115,9 +111,7 @@ impl ApiError {
             ServiceError::QueueFull => ApiError::queue_full(),
             ServiceError::MemoryFull(msg) => ApiError::new(StatusCode::TOO_MANY_REQUESTS, "memory_full", msg),
             ServiceError::ShuttingDown => ApiError::shutting_down(),
-            ServiceError::Unavailable(msg) => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "database_unavailable", msg)
-            }
+            ServiceError::Unavailable(msg) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "database_unavailable", msg),
             ServiceError::NotServing => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_serving", e.to_string()),
             ServiceError::Internal(detail) => ApiError::internal(detail),
         }
@@ -170,8 +164,7 @@ mod tests {
 
     #[test]
     fn internal_errors_send_no_details() {
-        let e =
-            ApiError::internal("cannot read /srv/adapters/doc_ab/adapter.safetensors: No such file\n   0: backtrace");
+        let e = ApiError::internal("cannot read /srv/adapters/doc_ab/adapter.safetensors: No such file\n   0: backtrace");
         assert_eq!(e.status, StatusCode::INTERNAL_SERVER_ERROR);
         assert!(!e.message.contains("/srv") && !e.message.contains("backtrace"), "{}", e.message);
         assert!(e.message.contains("reference"), "{}", e.message);

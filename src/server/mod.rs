@@ -200,10 +200,8 @@ impl ServeConfig {
     /// How uploads are extracted: the worker binary, its budgets and limits.
     pub fn extraction(&self) -> Result<crate::extraction::WorkerConfig> {
         let limits = match &self.extract_limits {
-            Some(p) => serde_json::from_str(
-                &std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?,
-            )
-            .with_context(|| format!("{}: invalid extraction limits", p.display()))?,
+            Some(p) => serde_json::from_str(&std::fs::read_to_string(p).with_context(|| format!("{}: cannot read", p.display()))?)
+                .with_context(|| format!("{}: invalid extraction limits", p.display()))?,
             None => crate::formats::Limits::default(),
         };
         if !(self.extract_timeout_secs.is_finite() && self.extract_timeout_secs > 0.0) {
@@ -227,16 +225,12 @@ impl ServeConfig {
             }
             return Ok(None);
         };
-        let adapter_store = self
-            .adapter_store
-            .clone()
-            .context("--database-url needs --adapter-store (where the adapters are shared)")?;
+        let adapter_store = self.adapter_store.clone().context("--database-url needs --adapter-store (where the adapters are shared)")?;
         if !(self.lease_secs.is_finite() && self.lease_secs >= 1.0) {
             anyhow::bail!("--lease-secs must be at least 1 (got {})", self.lease_secs);
         }
         let replica = self.replica_id.clone().unwrap_or_else(|| {
-            let host =
-                std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
+            let host = std::fs::read_to_string("/proc/sys/kernel/hostname").map(|h| h.trim().to_string()).unwrap_or_default();
             format!("{}-{}", if host.is_empty() { "replica" } else { &host }, std::process::id())
         });
         Ok(Some(SharedConfig {
@@ -609,9 +603,7 @@ pub async fn start(state: AppState) -> Result<Running> {
     let (host, port) = (state.cfg.host.as_str(), state.cfg.port);
     let listener = tokio::net::TcpListener::bind((host, port)).await.map_err(|e| {
         let hint = match e.kind() {
-            std::io::ErrorKind::AddrInUse => {
-                format!(": another program listens on port {port} (pick another with --port)")
-            }
+            std::io::ErrorKind::AddrInUse => format!(": another program listens on port {port} (pick another with --port)"),
             std::io::ErrorKind::PermissionDenied => format!(": port {port} needs privileges (use a port above 1023)"),
             _ => String::new(),
         };

@@ -1,8 +1,8 @@
 //! OpenAI-compatible `/v1/models` and `/v1/chat/completions`.
 
 use super::api::{
-    self, finish_reason, AnsweredBy, Body as BodyKind, ChatChoice, ChatChunk, ChatCompletion, ChatLift, ChatMessageOut,
-    ChatRequest, ChatTarget, ChatUsage, ChunkChoice, Delta, List, ModelCard, ValidChat,
+    self, finish_reason, AnsweredBy, Body as BodyKind, ChatChoice, ChatLift, ChatChunk, ChatCompletion, ChatMessageOut, ChatRequest,
+    ChatTarget, ChatUsage, ChunkChoice, Delta, List, ModelCard, ValidChat,
 };
 use super::error::{ApiError, ApiResult, Params};
 use super::routes::read_body;
@@ -18,10 +18,7 @@ use axum::{Extension, Json};
 
 #[utoipa::path(get, path = "/v1/models", tag = "openai",
     responses((status = 200, description = "the base model, then the caller's ready documents", body = List<ModelCard>)))]
-pub async fn models(
-    State(st): State<AppState>,
-    Extension(tenant): Extension<Tenant>,
-) -> ApiResult<Json<List<ModelCard>>> {
+pub async fn models(State(st): State<AppState>, Extension(tenant): Extension<Tenant>) -> ApiResult<Json<List<ModelCard>>> {
     let base = ModelCard {
         id: st.base_id.clone(),
         object: "model",
@@ -71,11 +68,7 @@ pub async fn chat_completions(
     let chat = request.validate(&st.limits, &st.base_id, |_| is_document)?;
     let (ptx, prx) = tokio::sync::mpsc::unbounded_channel::<String>();
     let pending = submit(&st, owner, &chat, chat.stream.then_some(ptx)).await?;
-    let completion = Completion {
-        id: format!("chatcmpl-{}", crate::store::now_nanos_hex()),
-        created: crate::store::now(),
-        model: chat.model,
-    };
+    let completion = Completion { id: format!("chatcmpl-{}", crate::store::now_nanos_hex()), created: crate::store::now(), model: chat.model };
     if chat.stream {
         Ok(stream(&st, completion, pending, prx, chat.include_usage))
     } else {
@@ -84,12 +77,7 @@ pub async fn chat_completions(
     }
 }
 
-async fn submit(
-    st: &AppState,
-    owner: Option<&str>,
-    chat: &ValidChat,
-    pieces: Option<Pieces>,
-) -> ApiResult<PendingGeneration> {
+async fn submit(st: &AppState, owner: Option<&str>, chat: &ValidChat, pieces: Option<Pieces>) -> ApiResult<PendingGeneration> {
     let names = Params { document: "model", prompt: "messages" };
     let params = chat.params.clone();
     let pending = match &chat.target {

@@ -1,10 +1,7 @@
 //! Documents, asking, health and metrics: each handler reads its typed request, validates it
 //! (`api`), calls the service, and writes the typed response.
 
-use super::api::{
-    self, AbsorbEstimate, AnsweredBy, AskRequest, AskResponse, AskToken, AskUsage, Body as BodyKind, Context,
-    ContextChunk, Health, List, PostDocument, PostedDocument, Timings,
-};
+use super::api::{self, AbsorbEstimate, PostedDocument, AskRequest, AnsweredBy, AskResponse, AskToken, AskUsage, Body as BodyKind, Context, ContextChunk, Health, List, PostDocument, Timings};
 use super::error::{ApiError, ApiResult, Params};
 use super::{signalled, AppState, Inner, Tenant};
 use crate::lift::answer::Mode;
@@ -68,28 +65,18 @@ pub async fn post_document(
             let source = crate::formats::Source::as_sent(&text, "text/plain");
             (api::document(text, None, defaults, source)?, false)
         }
-        Some("multipart/form-data") => {
-            api::multipart_document(&st.extractor, &headers, bytes, &defaults, layers, window).await?
-        }
+        Some("multipart/form-data") => api::multipart_document(&st.extractor, &headers, bytes, &defaults, layers, window).await?,
         Some(m) if api::is_document_media_type(m) => {
             let extracted = api::extract_file(&st.extractor, bytes, None, Some(m.to_string()), None).await?;
             (api::file_document(extracted, None, defaults)?, false)
         }
-        _ => {
-            api::json_body::<PostDocument>(&headers, &bytes, BodyKind::Document)?.validate(&defaults, layers, window)?
-        }
+        _ => api::json_body::<PostDocument>(&headers, &bytes, BodyKind::Document)?.validate(&defaults, layers, window)?,
     };
     let params = Params { prompt: "text", document: "text" };
     if dry_run {
         let options = serde_json::to_value(&doc.options).map_err(ApiError::internal)?;
         let cost = st.service.estimate(doc).await.map_err(|e| ApiError::service(e, params))?;
-        let body = AbsorbEstimate {
-            object: "absorb_estimate",
-            tokens: cost.tokens,
-            options,
-            estimate: cost.estimate,
-            warnings: cost.warnings,
-        };
+        let body = AbsorbEstimate { object: "absorb_estimate", tokens: cost.tokens, options, estimate: cost.estimate, warnings: cost.warnings };
         return Ok(Json(body).into_response());
     }
     let (submitted, cost) = st.service.submit(tenant.0, doc).await.map_err(|e| ApiError::service(e, params))?;
@@ -181,12 +168,10 @@ pub async fn ask(
     body: Body,
 ) -> ApiResult<Response> {
     let bytes = read_body(&st, body).await?;
-    let (question, params, stream, with_context) =
-        api::json_body::<AskRequest>(&headers, &bytes, BodyKind::Ask)?.validate(&st.limits)?;
+    let (question, params, stream, with_context) = api::json_body::<AskRequest>(&headers, &bytes, BodyKind::Ask)?.validate(&st.limits)?;
     let (id, mode) = (question.document_id.clone(), question.mode);
     let (ptx, prx) = tokio::sync::mpsc::unbounded_channel::<String>();
-    let pending =
-        st.service.ask(tenant.0.as_deref(), question, params, stream.then_some(ptx)).await.map_err(ask_error)?;
+    let pending = st.service.ask(tenant.0.as_deref(), question, params, stream.then_some(ptx)).await.map_err(ask_error)?;
     if stream {
         return Ok(ask_stream(&st, pending, prx, id, mode, with_context));
     }
@@ -267,8 +252,7 @@ fn ask_stream(
     responses((status = 200, description = "the model is loaded", body = Health), (status = 503, description = "shutting down", body = Health)))]
 pub async fn health(State(st): State<AppState>) -> Response {
     use crate::service::Health as H;
-    let unavailable =
-        |status, error| (StatusCode::SERVICE_UNAVAILABLE, Json(Health { status, model: None, error })).into_response();
+    let unavailable = |status, error| (StatusCode::SERVICE_UNAVAILABLE, Json(Health { status, model: None, error })).into_response();
     match st.service.health().await {
         H::Ok => {
             let model = Some(st.base_id.clone());

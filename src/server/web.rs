@@ -41,8 +41,7 @@ fn prepared() -> &'static [Prepared] {
             .iter()
             .map(|a| {
                 let tag = hex::encode(&Sha256::digest(a.body)[..12]);
-                let gzip =
-                    gzip(a.body.as_bytes()).filter(|z| z.len() < a.body.len()).map(|z| (z, format!("\"{tag}-gz\"")));
+                let gzip = gzip(a.body.as_bytes()).filter(|z| z.len() < a.body.len()).map(|z| (z, format!("\"{tag}-gz\"")));
                 Prepared { etag: format!("\"{tag}\""), gzip }
             })
             .collect()

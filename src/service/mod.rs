@@ -21,14 +21,14 @@ pub mod records;
 mod registry;
 pub mod shared;
 
-pub use crate::engine::Generated;
 pub use error::ServiceError;
+pub use crate::engine::Generated;
 pub use records::{DocumentView, ErrorMessage};
 
 use crate::document::Document;
 use crate::engine::{Engine, EngineError, GenerateJob, GenerateLimits, Job, Prompt};
-use crate::formats::Source;
 use crate::lift::answer::{ContextPolicy, Mode};
+use crate::formats::Source;
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
 use crate::model::generate::SamplingParams;
@@ -185,13 +185,7 @@ impl Service {
             metrics,
             shutting_down: AtomicBool::new(false),
         });
-        let engine = Arc::new(Engine::start(
-            model.clone(),
-            store.clone(),
-            records.clone(),
-            cfg.train_queue,
-            cfg.generate_limits(&model),
-        )?);
+        let engine = Arc::new(Engine::start(model.clone(), store.clone(), records.clone(), cfg.train_queue, cfg.generate_limits(&model))?);
         for (id, text) in requeue {
             records.requeue(&engine, &id, text);
         }
@@ -201,22 +195,11 @@ impl Service {
     /// A replica on a shared database and adapter store: `adapters_dir` is its local cache of
     /// the shared archives. The schema and the trainer loop start in the background (on the
     /// current tokio runtime), so a replica may start before the database is up.
-    fn open_shared(
-        model: Arc<Model>,
-        cfg: ServiceConfig,
-        shared_cfg: shared::SharedConfig,
-        metrics: Arc<Metrics>,
-    ) -> Result<Self> {
+    fn open_shared(model: Arc<Model>, cfg: ServiceConfig, shared_cfg: shared::SharedConfig, metrics: Arc<Metrics>) -> Result<Self> {
         let blobs = Arc::new(store::blobs::Blobs::open(&shared_cfg.adapter_store)?);
         let store = Arc::new(Store::open(&cfg.adapters_dir, cfg.cache_bytes)?.with_blobs(blobs));
         let shared = Arc::new(shared::Shared::new(shared_cfg.clone(), store.clone(), metrics)?);
-        let engine = Arc::new(Engine::start(
-            model.clone(),
-            store.clone(),
-            shared.clone(),
-            cfg.train_queue,
-            cfg.generate_limits(&model),
-        )?);
+        let engine = Arc::new(Engine::start(model.clone(), store.clone(), shared.clone(), cfg.train_queue, cfg.generate_limits(&model))?);
         tokio::spawn(shared.clone().run(engine.clone()));
         tracing::info!(
             replica = %shared_cfg.replica, role = ?shared_cfg.role, adapter_store = %shared_cfg.adapter_store,
@@ -227,11 +210,7 @@ impl Service {
 
     /// Whether this process answers questions (a training-only replica does not).
     fn check_serves(&self) -> Result<(), ServiceError> {
-        if self.registry.answers() {
-            Ok(())
-        } else {
-            Err(ServiceError::NotServing)
-        }
+        if self.registry.answers() { Ok(()) } else { Err(ServiceError::NotServing) }
     }
 
     pub async fn health(&self) -> Health {
@@ -299,11 +278,7 @@ impl Service {
             };
             let one_per_row = engine.model.base_filter().is_some();
             let counts = crate::lift::estimate::plan_counts(tokens, pairs, o, one_per_row);
-            Cost {
-                tokens,
-                estimate: engine.rate.estimate(counts),
-                warnings: crate::lift::estimate::warnings(tokens, o),
-            }
+            Cost { tokens, estimate: engine.rate.estimate(counts), warnings: crate::lift::estimate::warnings(tokens, o) }
         })
         .await
         .map_err(ServiceError::internal)
@@ -369,11 +344,7 @@ impl Service {
     }
 
     /// Updates of the document's view, for event streams (closed when the document is deleted).
-    pub async fn watch(
-        &self,
-        owner: Option<&str>,
-        id: &str,
-    ) -> Result<tokio::sync::watch::Receiver<DocumentView>, ServiceError> {
+    pub async fn watch(&self, owner: Option<&str>, id: &str) -> Result<tokio::sync::watch::Receiver<DocumentView>, ServiceError> {
         known_shape(id)?;
         self.registry.clone().watch(owner, id).await
     }
@@ -431,8 +402,7 @@ impl Service {
         for t in &q.history {
             turns += model.tokenizer.encode_plain(&t.content).map_err(ServiceError::internal)?.len() + 4;
         }
-        let kv_tokens =
-            (context + markers + needed + turns + params.max_tokens).min(model.config().max_position_embeddings);
+        let kv_tokens = (context + markers + needed + turns + params.max_tokens).min(model.config().max_position_embeddings);
         let prompt = Prompt::Document {
             id: q.document_id,
             question: q.question,
@@ -496,8 +466,7 @@ impl Service {
         let (reply, result) = tokio::sync::oneshot::channel();
         let cancel = Arc::new(AtomicBool::new(false));
         let queued_at = Instant::now();
-        let job =
-            GenerateJob { prompt, params, cancel: cancel.clone(), pieces, reply, queued_at, kv_tokens, kv_hold: None };
+        let job = GenerateJob { prompt, params, cancel: cancel.clone(), pieces, reply, queued_at, kv_tokens, kv_hold: None };
         self.engine.submit(Job::Generate(job))?;
         Ok(PendingGeneration { result, _cancel: CancelOnDrop(cancel) })
     }
@@ -543,11 +512,7 @@ pub fn encode_answerable(model: &Model, text: String) -> anyhow::Result<Arc<Docu
 }
 
 fn known_shape(id: &str) -> Result<(), ServiceError> {
-    if store::valid_id(id) {
-        Ok(())
-    } else {
-        Err(ServiceError::UnknownDocument(id.to_string()))
-    }
+    if store::valid_id(id) { Ok(()) } else { Err(ServiceError::UnknownDocument(id.to_string())) }
 }
 
 /// Where a streaming generation sends its text pieces.

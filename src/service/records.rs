@@ -237,13 +237,7 @@ impl Records {
 
     /// Queues a tokenized document within the limits (the engine's training queue bounds the
     /// waiting jobs).
-    async fn queue(
-        &self,
-        engine: &Engine,
-        rec: JobRecord,
-        document: Arc<Document>,
-        options: AbsorbOptions,
-    ) -> Result<Submitted, ServiceError> {
+    async fn queue(&self, engine: &Engine, rec: JobRecord, document: Arc<Document>, options: AbsorbOptions) -> Result<Submitted, ServiceError> {
         let (id, tokens) = (rec.id.clone(), rec.tokens);
         if let Some(view) = existing_view(&*self.docs.read().map_err(ServiceError::poisoned)?, &id) {
             return Ok(Submitted::Existing(view));
@@ -252,11 +246,10 @@ impl Records {
         let slot = engine.reserve(Lane::Train)?;
         // The text is kept until the adapter is saved, so that a restart can train it again.
         let (store, id2) = (self.store.clone(), id.clone());
-        let document =
-            tokio::task::spawn_blocking(move || store.write_pending_text(&id2, &document.text).map(|()| document))
-                .await
-                .map_err(ServiceError::internal)?
-                .map_err(|e| ServiceError::internal(format!("cannot keep the document text: {e:#}")))?;
+        let document = tokio::task::spawn_blocking(move || store.write_pending_text(&id2, &document.text).map(|()| document))
+            .await
+            .map_err(ServiceError::internal)?
+            .map_err(|e| ServiceError::internal(format!("cannot keep the document text: {e:#}")))?;
 
         let mut docs = self.docs.write().map_err(ServiceError::poisoned)?;
         if let Some(view) = existing_view(&docs, &id) {
@@ -275,9 +268,7 @@ impl Records {
             cancel: entry.cancel.clone(),
         };
         slot.submit(Job::Absorb(job))?;
-        self.store
-            .write_record(&entry.rec)
-            .map_err(|e| ServiceError::internal(format!("cannot write the job record: {e}")))?;
+        self.store.write_record(&entry.rec).map_err(|e| ServiceError::internal(format!("cannot write the job record: {e}")))?;
         let view = entry.view();
         docs.insert(id.clone(), entry);
         tracing::info!(id, tokens, "document queued");
@@ -332,11 +323,7 @@ impl Registry for Records {
         self.queue(engine, rec, document, options).boxed()
     }
 
-    fn document<'a>(
-        &'a self,
-        owner: Option<&'a str>,
-        id: &'a str,
-    ) -> BoxFuture<'a, Result<(DocumentView, Option<BlobRef>), ServiceError>> {
+    fn document<'a>(&'a self, owner: Option<&'a str>, id: &'a str) -> BoxFuture<'a, Result<(DocumentView, Option<BlobRef>), ServiceError>> {
         async move { Ok((with_doc(self, owner, id, DocEntry::view)?, None)) }.boxed()
     }
 
@@ -365,10 +352,7 @@ impl Registry for Records {
     /// A document that failed (in this process or an earlier one) answers from its kept text.
     fn kept_text<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<String>, ServiceError>> {
         let (store, id) = (self.store.clone(), id.to_string());
-        async move {
-            tokio::task::spawn_blocking(move || store.read_pending_text(&id)).await.map_err(ServiceError::internal)
-        }
-        .boxed()
+        async move { tokio::task::spawn_blocking(move || store.read_pending_text(&id)).await.map_err(ServiceError::internal) }.boxed()
     }
 
     fn stats(&self) -> BoxFuture<'_, RegistryStats> {
@@ -382,12 +366,7 @@ impl Registry for Records {
     }
 }
 
-fn with_doc<T>(
-    records: &Records,
-    owner: Option<&str>,
-    id: &str,
-    f: impl FnOnce(&DocEntry) -> T,
-) -> Result<T, ServiceError> {
+fn with_doc<T>(records: &Records, owner: Option<&str>, id: &str, f: impl FnOnce(&DocEntry) -> T) -> Result<T, ServiceError> {
     let docs = records.docs.read().map_err(ServiceError::poisoned)?;
     match docs.get(id) {
         Some(d) if d.rec.owner.as_deref() == owner => Ok(f(d)),
@@ -396,7 +375,5 @@ fn with_doc<T>(
 }
 
 fn existing_view(docs: &HashMap<String, DocEntry>, id: &str) -> Option<DocumentView> {
-    docs.get(id)
-        .filter(|d| matches!(d.rec.status, Status::Queued | Status::Training | Status::Ready))
-        .map(DocEntry::view)
+    docs.get(id).filter(|d| matches!(d.rec.status, Status::Queued | Status::Training | Status::Ready)).map(DocEntry::view)
 }

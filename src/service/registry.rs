@@ -58,11 +58,7 @@ pub(crate) trait Registry: Send + Sync {
     ) -> BoxFuture<'a, Result<Submitted, ServiceError>>;
 
     /// The document `id` as `owner` sees it and, with shared blobs, the archive of its adapter.
-    fn document<'a>(
-        &'a self,
-        owner: Option<&'a str>,
-        id: &'a str,
-    ) -> BoxFuture<'a, Result<(DocumentView, Option<BlobRef>), ServiceError>>;
+    fn document<'a>(&'a self, owner: Option<&'a str>, id: &'a str) -> BoxFuture<'a, Result<(DocumentView, Option<BlobRef>), ServiceError>>;
 
     /// `owner`'s documents in posting order.
     fn documents<'a>(&'a self, owner: Option<&'a str>) -> BoxFuture<'a, Result<Vec<DocumentView>, ServiceError>>;

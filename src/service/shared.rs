@@ -181,8 +181,7 @@ impl Row {
     fn read(r: &tokio_postgres::Row) -> Result<Self, ServiceError> {
         let get_json = |i: usize| -> Option<serde_json::Value> { r.get::<_, Option<serde_json::Value>>(i) };
         let status: String = r.get(3);
-        let status: Status =
-            serde_json::from_value(serde_json::Value::String(status)).map_err(ServiceError::internal)?;
+        let status: Status = serde_json::from_value(serde_json::Value::String(status)).map_err(ServiceError::internal)?;
         let rec = JobRecord {
             id: r.get(0),
             owner: r.get(1),
@@ -360,11 +359,7 @@ impl Shared {
     }
 
     /// The document and the archive of its adapter (when ready).
-    pub async fn document(
-        &self,
-        owner: Option<&str>,
-        id: &str,
-    ) -> Result<(DocumentView, Option<BlobRef>), ServiceError> {
+    pub async fn document(&self, owner: Option<&str>, id: &str) -> Result<(DocumentView, Option<BlobRef>), ServiceError> {
         let row = self.row(owner, id).await?.ok_or_else(|| ServiceError::UnknownDocument(id.to_string()))?;
         Ok((row.view(), row.blob))
     }
@@ -373,8 +368,7 @@ impl Shared {
     /// from its passages before its adapter is published; None once the job has ended.
     pub async fn job_text(&self, id: &str) -> Result<Option<String>, ServiceError> {
         let c = self.client().await?;
-        let row =
-            timed(async { c.query_opt("SELECT text FROM jobs WHERE id = $1", &[&id]).await.map_err(db_error) }).await?;
+        let row = timed(async { c.query_opt("SELECT text FROM jobs WHERE id = $1", &[&id]).await.map_err(db_error) }).await?;
         Ok(row.map(|r| r.get(0)))
     }
 
@@ -425,12 +419,9 @@ impl Shared {
     pub async fn delete(&self, owner: Option<&str>, id: &str) -> Result<(), ServiceError> {
         let c = self.client().await?;
         let row = timed(async {
-            c.query_opt(
-                "DELETE FROM documents WHERE id = $1 AND owner IS NOT DISTINCT FROM $2 RETURNING blob_sha256",
-                &[&id, &owner],
-            )
-            .await
-            .map_err(db_error)
+            c.query_opt("DELETE FROM documents WHERE id = $1 AND owner IS NOT DISTINCT FROM $2 RETURNING blob_sha256", &[&id, &owner])
+                .await
+                .map_err(db_error)
         })
         .await?
         .ok_or_else(|| ServiceError::UnknownDocument(id.to_string()))?;
@@ -439,9 +430,7 @@ impl Shared {
         }
         if let Some(sha256) = row.get::<_, Option<String>>(0) {
             let still_used = timed(async {
-                c.query_opt("SELECT 1 FROM documents WHERE blob_sha256 = $1 LIMIT 1", &[&sha256])
-                    .await
-                    .map_err(db_error)
+                c.query_opt("SELECT 1 FROM documents WHERE blob_sha256 = $1 LIMIT 1", &[&sha256]).await.map_err(db_error)
             })
             .await?
             .is_some();
@@ -462,10 +451,7 @@ impl Shared {
     /// Documents by status, and jobs waiting for a trainer (all replicas).
     pub async fn counts(&self) -> Result<(HashMap<Status, usize>, usize), ServiceError> {
         let c = self.client().await?;
-        let rows = timed(async {
-            c.query("SELECT status, count(*) FROM documents GROUP BY status", &[]).await.map_err(db_error)
-        })
-        .await?;
+        let rows = timed(async { c.query("SELECT status, count(*) FROM documents GROUP BY status", &[]).await.map_err(db_error) }).await?;
         let mut by_status = HashMap::new();
         for r in rows {
             let status: String = r.get(0);
@@ -473,7 +459,11 @@ impl Shared {
                 by_status.insert(s, r.get::<_, i64>(1).max(0) as usize);
             }
         }
-        let waiting: i64 = timed(async { c.query_one(WAITING_JOBS, &[]).await.map_err(db_error) }).await?.get(0);
+        let waiting: i64 = timed(async {
+            c.query_one(WAITING_JOBS, &[]).await.map_err(db_error)
+        })
+        .await?
+        .get(0);
         Ok((by_status, waiting.max(0) as usize))
     }
 
@@ -557,12 +547,7 @@ impl Shared {
             .map_err(db_error)
         })
         .await?;
-        Ok(row.map(|r| Claimed {
-            id: r.get(0),
-            text: r.get(1),
-            attempt: r.get(2),
-            stolen: r.get::<_, Option<String>>(3).is_some(),
-        }))
+        Ok(row.map(|r| Claimed { id: r.get(0), text: r.get(1), attempt: r.get(2), stolen: r.get::<_, Option<String>>(3).is_some() }))
     }
 
     /// Starts a claimed job on the training lane, with its lease renewer.
@@ -610,15 +595,11 @@ impl Shared {
     async fn prepare(&self, id: &str, text: String, model: Arc<Model>, running: &Running) -> Result<AbsorbJob, String> {
         let c = self.client().await.map_err(|e| e.to_string())?;
         let sql = format!("SELECT {DOC_COLUMNS} FROM documents WHERE id = $1");
-        let row =
-            timed(async { c.query_opt(&sql, &[&id]).await.map_err(db_error) }).await.map_err(|e| e.to_string())?;
+        let row = timed(async { c.query_opt(&sql, &[&id]).await.map_err(db_error) }).await.map_err(|e| e.to_string())?;
         let rec = Row::read(&row.ok_or("the document was deleted")?).map_err(|e| e.to_string())?.rec;
-        let options = serde_json::from_value::<AbsorbOptions>(rec.options.clone())
-            .map_err(|e| format!("its options no longer parse ({e})"))?;
+        let options = serde_json::from_value::<AbsorbOptions>(rec.options.clone()).map_err(|e| format!("its options no longer parse ({e})"))?;
         if store::document_id(&model.info.fingerprint, rec.owner.as_deref(), &text, &rec.options) != rec.id {
-            return Err(
-                "its text, options or base model do not match its id (a replica with another base model?)".into()
-            );
+            return Err("its text, options or base model do not match its id (a replica with another base model?)".into());
         }
         let document = tokio::task::spawn_blocking(move || super::encode_answerable(&model, text))
             .await
@@ -650,11 +631,7 @@ impl Shared {
             match self.renew(&id, running.attempt, progress.as_ref()).await {
                 Ok(true) => self.metrics.lease_renewed(),
                 Ok(false) => {
-                    tracing::warn!(
-                        id,
-                        attempt = running.attempt,
-                        "lease lost (deleted, or taken over): stopping the job"
-                    );
+                    tracing::warn!(id, attempt = running.attempt, "lease lost (deleted, or taken over): stopping the job");
                     running.lost.store(true, Ordering::SeqCst);
                     running.cancel.store(true, Ordering::SeqCst);
                     self.metrics.lease_lost();
@@ -794,20 +771,10 @@ impl Shared {
     }
 
     /// Packs the saved adapter, writes its archive and publishes it in the database.
-    fn publish(
-        &self,
-        id: &str,
-        running: &Running,
-        adapter: AdapterInfo,
-        training: serde_json::Value,
-    ) -> anyhow::Result<bool> {
+    fn publish(&self, id: &str, running: &Running, adapter: AdapterInfo, training: serde_json::Value) -> anyhow::Result<bool> {
         let archive = blobs::pack(&self.store.adapter_dir(id))?;
         let blob = self.runtime.block_on(self.blobs.put(archive.into()))?;
-        let done = self.runtime.block_on(self.end_with_retries(
-            id,
-            running,
-            Ending::Ready { blob: blob.clone(), adapter, training },
-        ));
+        let done = self.runtime.block_on(self.end_with_retries(id, running, Ending::Ready { blob: blob.clone(), adapter, training }));
         if done {
             self.store.note_blob(id, &blob)?;
         }
@@ -879,11 +846,7 @@ impl Registry for Shared {
         .boxed()
     }
 
-    fn document<'a>(
-        &'a self,
-        owner: Option<&'a str>,
-        id: &'a str,
-    ) -> BoxFuture<'a, Result<(DocumentView, Option<BlobRef>), ServiceError>> {
+    fn document<'a>(&'a self, owner: Option<&'a str>, id: &'a str) -> BoxFuture<'a, Result<(DocumentView, Option<BlobRef>), ServiceError>> {
         Shared::document(self, owner, id).boxed()
     }
 

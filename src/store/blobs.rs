@@ -55,14 +55,13 @@ impl Blobs {
         let parsed = url::Url::parse(url).with_context(|| format!("--adapter-store {url}: not a URL"))?;
         if parsed.scheme() == "file" {
             let dir = parsed.to_file_path().map_err(|()| anyhow::anyhow!("--adapter-store {url}: not a local path"))?;
-            std::fs::create_dir_all(&dir)
-                .with_context(|| format!("{}: cannot create the adapter store", dir.display()))?;
+            std::fs::create_dir_all(&dir).with_context(|| format!("{}: cannot create the adapter store", dir.display()))?;
         }
         // The builders read their settings (keys, region, endpoint) from options named like the
         // environment variables, lower-cased.
         let env = std::env::vars().map(|(k, v)| (k.to_ascii_lowercase(), v));
-        let (store, prefix) = object_store::parse_url_opts(&parsed, env)
-            .with_context(|| format!("--adapter-store {url}: cannot open"))?;
+        let (store, prefix) =
+            object_store::parse_url_opts(&parsed, env).with_context(|| format!("--adapter-store {url}: cannot open"))?;
         Ok(Self { store: Arc::from(store), prefix, url: url.to_string(), runtime, stats: BlobStats::default() })
     }
 
@@ -88,10 +87,7 @@ impl Blobs {
             Ok(_) => {}
             Err(object_store::Error::AlreadyExists { .. }) => return Ok(blob),
             Err(object_store::Error::NotImplemented) => {
-                self.store
-                    .put(&path, PutPayload::from_bytes(archive))
-                    .await
-                    .with_context(|| format!("{path}: cannot write"))?;
+                self.store.put(&path, PutPayload::from_bytes(archive)).await.with_context(|| format!("{path}: cannot write"))?;
             }
             Err(e) => return Err(e).with_context(|| format!("{path}: cannot write")),
         }

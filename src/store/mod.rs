@@ -17,10 +17,10 @@
 pub mod blobs;
 
 use crate::adapters::{manifest, AdapterBundle, Manifest};
+use blobs::{BlobRef, Blobs};
 use crate::document::{tokens_from_bytes, Document};
 use crate::model::Model;
 use anyhow::{Context, Result};
-use blobs::{BlobRef, Blobs};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -223,9 +223,7 @@ pub fn now() -> u64 {
 /// JSON of the effective options (serde_json maps are sorted, so `to_string` is canonical).
 pub fn document_id(fingerprint: &str, owner: Option<&str>, text: &str, options: &serde_json::Value) -> String {
     let mut h = Sha256::new();
-    for part in
-        [fingerprint.as_bytes(), owner.unwrap_or("").as_bytes(), text.as_bytes(), options.to_string().as_bytes()]
-    {
+    for part in [fingerprint.as_bytes(), owner.unwrap_or("").as_bytes(), text.as_bytes(), options.to_string().as_bytes()] {
         h.update((part.len() as u64).to_le_bytes());
         h.update(part);
     }
@@ -234,9 +232,7 @@ pub fn document_id(fingerprint: &str, owner: Option<&str>, text: &str, options: 
 
 /// A well-formed document id (also keeps ids from naming paths outside the store).
 pub fn valid_id(id: &str) -> bool {
-    id.len() == 36
-        && id.starts_with("doc_")
-        && id[4..].bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+    id.len() == 36 && id.starts_with("doc_") && id[4..].bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
 }
 
 /// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename.
@@ -253,8 +249,7 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
 impl Store {
     /// Opens (creating) the store; `cache_bytes` bounds the loaded adapters held in memory.
     pub fn open(root: &Path, cache_bytes: u64) -> Result<Self> {
-        std::fs::create_dir_all(root)
-            .with_context(|| format!("{}: cannot create adapters directory", root.display()))?;
+        std::fs::create_dir_all(root).with_context(|| format!("{}: cannot create adapters directory", root.display()))?;
         let _ = manifest::remove_stale_saves(root, std::time::Duration::from_secs(0));
         let stats = Arc::new(CacheStats::default());
         let s2 = stats.clone();
@@ -357,22 +352,20 @@ impl Store {
             if !valid_id(id) {
                 continue;
             }
-            let mut rec: JobRecord =
-                match std::fs::read(&path).map_err(anyhow::Error::from).and_then(|b| Ok(serde_json::from_slice(&b)?)) {
-                    Ok(r) => r,
-                    Err(e) => {
-                        tracing::warn!(path = %path.display(), error = %e, "unreadable job record skipped");
-                        continue;
-                    }
-                };
+            let mut rec: JobRecord = match std::fs::read(&path).map_err(anyhow::Error::from).and_then(|b| Ok(serde_json::from_slice(&b)?)) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(path = %path.display(), error = %e, "unreadable job record skipped");
+                    continue;
+                }
+            };
             let mut requeue_text = None;
             if !rec.status.is_terminal() {
                 let was = rec.status.name();
                 if let Ok(m) = Manifest::read(&self.adapter_dir(id)) {
                     rec.status = Status::Ready;
                     rec.ready_at = Some(m.created_at);
-                    rec.adapter =
-                        Some(AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes });
+                    rec.adapter = Some(AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes });
                 } else {
                     match std::fs::read_to_string(self.pending_path(id)) {
                         Ok(text) => {
@@ -416,11 +409,7 @@ impl Store {
         let mut out: Vec<PathBuf> = entries
             .filter_map(|e| e.ok().map(|e| e.path()))
             .filter(|p| p.join(manifest::MANIFEST_FILE).is_file())
-            .filter(|p| {
-                p.file_name()
-                    .and_then(|n| n.to_str())
-                    .is_some_and(|n| !self.record_path(n).exists() && !self.blob_note_path(n).exists())
-            })
+            .filter(|p| p.file_name().and_then(|n| n.to_str()).is_some_and(|n| !self.record_path(n).exists() && !self.blob_note_path(n).exists()))
             .collect();
         out.sort();
         out
@@ -431,8 +420,7 @@ impl Store {
     /// the server would give its text and options, with a record. Importing it again returns
     /// the record already there. `src` itself is left as it is.
     pub fn import(&self, src: &Path, model: &Model, owner: Option<String>, title: Option<String>) -> Result<JobRecord> {
-        let loaded = load_dir(src, model)
-            .with_context(|| format!("{}: not an adapter directory for this model", src.display()))?;
+        let loaded = load_dir(src, model).with_context(|| format!("{}: not an adapter directory for this model", src.display()))?;
         let options = loaded.manifest.options.clone();
         let id = document_id(&model.info.fingerprint, owner.as_deref(), &loaded.document.text, &options);
         if let Ok(bytes) = std::fs::read(self.record_path(&id)) {
@@ -446,10 +434,7 @@ impl Store {
         let m = loaded.manifest.clone();
         let title = title.or_else(|| src.file_name().map(|n| n.to_string_lossy().into_owned()));
         let tokens = loaded.document.len();
-        save_dir(
-            &self.adapter_dir(&id),
-            NewAdapter { bundle: loaded.bundle, manifest: loaded.manifest, document: loaded.document, qa_json },
-        )?;
+        save_dir(&self.adapter_dir(&id), NewAdapter { bundle: loaded.bundle, manifest: loaded.manifest, document: loaded.document, qa_json })?;
         let rec = JobRecord {
             id,
             owner,
@@ -512,8 +497,7 @@ impl Store {
     /// after a failed or cancelled job).
     pub fn put_live(&self, id: &str, document: Arc<Document>) {
         if let Ok(mut live) = self.live.write() {
-            live.entry(id.to_string())
-                .or_insert_with(|| Arc::new(LiveDocument { document, snapshot: Default::default() }));
+            live.entry(id.to_string()).or_insert_with(|| Arc::new(LiveDocument { document, snapshot: Default::default() }));
         }
     }
 
@@ -525,12 +509,7 @@ impl Store {
     /// The latest snapshot of `id`'s training replaces the one before.
     pub fn publish_snapshot(&self, id: &str, snapshot: Snapshot) {
         if let Some(live) = self.live(id) {
-            tracing::info!(
-                id,
-                step = snapshot.step,
-                planned_steps = snapshot.planned_steps,
-                "adapter snapshot published"
-            );
+            tracing::info!(id, step = snapshot.step, planned_steps = snapshot.planned_steps, "adapter snapshot published");
             if let Ok(mut s) = live.snapshot.write() {
                 *s = Some(Arc::new(snapshot));
             }

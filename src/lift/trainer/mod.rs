@@ -21,8 +21,8 @@ use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
 pub use optim::AdamW;
-use optim::Optimizers;
 pub use until_learned::{CooldownCause, Probes, UntilLearned};
+use optim::Optimizers;
 use until_learned::{Focus, UntilLearnedRun};
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]

@@ -41,9 +41,7 @@ impl AdamW {
     /// On CUDA both in two kernel launches (kernels/adamw.cu) where the variables are f32.
     pub fn clip_and_step(&mut self, grads: Vec<Tensor>, max_norm: f64, lr: f64) -> Result<()> {
         #[cfg(feature = "cuda")]
-        if self.vars.first().is_some_and(|v| v.device().is_cuda())
-            && self.vars.iter().all(|v| v.dtype() == candle_core::DType::F32)
-        {
+        if self.vars.first().is_some_and(|v| v.device().is_cuda()) && self.vars.iter().all(|v| v.dtype() == candle_core::DType::F32) {
             return self.cuda_step(&grads, max_norm, lr);
         }
         self.step(&clip(grads, max_norm)?, lr)
@@ -101,12 +99,7 @@ pub(super) struct Optimizers {
 }
 
 impl Optimizers {
-    pub(super) fn new(
-        adapter_vars: &[Var],
-        filter_vars: &[Var],
-        filter_lr_scale: f64,
-        opts: &TrainOptions,
-    ) -> Result<Self> {
+    pub(super) fn new(adapter_vars: &[Var], filter_vars: &[Var], filter_lr_scale: f64, opts: &TrainOptions) -> Result<Self> {
         Ok(Self {
             adapter: AdamW::new(adapter_vars.to_vec(), opts)?,
             filter: AdamW::new(filter_vars.to_vec(), opts)?,
@@ -117,13 +110,7 @@ impl Optimizers {
 
     /// Optimizer step `step` with `grads` (the adapter's, then the filter's), the learning rate
     /// scaled by `lr_scale`.
-    pub(super) fn step(
-        &mut self,
-        mut grads: Vec<Tensor>,
-        opts: &TrainOptions,
-        step: usize,
-        lr_scale: f64,
-    ) -> Result<()> {
+    pub(super) fn step(&mut self, mut grads: Vec<Tensor>, opts: &TrainOptions, step: usize, lr_scale: f64) -> Result<()> {
         let filter_grads = grads.split_off(self.n_adapter_vars.min(grads.len()));
         let lr = current_lr(opts, step) * lr_scale;
         self.adapter.clip_and_step(grads, opts.max_grad_norm, lr)?;

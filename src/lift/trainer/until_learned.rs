@@ -295,8 +295,9 @@ impl<'a> UntilLearnedRun<'a> {
             // questions, which the QA stage teaches to answer; a plateau over segments
             // alone says nothing about that (counted through the first stage, a long one
             // stopped a 2K document at the QA stage's first probe).
-            plateau =
-                last_stage && self.probed.exhausted(Some(&rule_as_patience), avg) && report.steps >= rule.min_steps;
+            plateau = last_stage
+                && self.probed.exhausted(Some(&rule_as_patience), avg)
+                && report.steps >= rule.min_steps;
         }
         // The budget too only in the last stage: a run cut inside the first would never
         // see a question.

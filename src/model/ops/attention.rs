@@ -11,11 +11,11 @@
 //! P is the only saved activation (the composite keeps the raw scores, scaled scores, masked
 //! scores and P).
 
-use super::softmax::softmax_composite;
-use super::{cpu_tensor, fused_f32, softmax_bwd_row, softmax_row_inplace, with_f32};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp2, CustomOp3, DType, Device, Layout, Result, Shape, Storage, Tensor};
 use rayon::prelude::*;
+use super::softmax::softmax_composite;
+use super::{fused_f32, with_f32, cpu_tensor, softmax_row_inplace, softmax_bwd_row};
 
 /// Query/key block size for the causal attention kernels.
 const ATTN_BLOCK: usize = 128;
@@ -34,7 +34,9 @@ fn first_query_seeing(j: usize, tq: usize, tk: usize) -> usize {
 
 /// `[start, end)` blocks of `ATTN_BLOCK` rows covering `0..n`.
 fn blocks(n: usize) -> impl Iterator<Item = (usize, usize)> {
-    (0..n).step_by(ATTN_BLOCK).map(move |s| (s, (s + ATTN_BLOCK).min(n)))
+    (0..n)
+        .step_by(ATTN_BLOCK)
+        .map(move |s| (s, (s + ATTN_BLOCK).min(n)))
 }
 
 /// A batch of strided matrices inside a CPU storage: element (b, r, c) lives at
@@ -49,11 +51,21 @@ struct MatView {
 
 impl MatView {
     fn rows(offset: usize, bs: usize, rs: usize) -> Self {
-        Self { offset, bs, rs, cs: 1 }
+        Self {
+            offset,
+            bs,
+            rs,
+            cs: 1,
+        }
     }
     /// The transpose of a row-major view.
     fn cols(offset: usize, bs: usize, cs: usize) -> Self {
-        Self { offset, bs, rs: 1, cs }
+        Self {
+            offset,
+            bs,
+            rs: 1,
+            cs,
+        }
     }
 }
 
@@ -84,8 +96,16 @@ fn bgemm(a: &CpuStorage, av: MatView, b: &CpuStorage, bv: MatView, shape: GemmSh
     if !fits(&av, a, m, k)? || !fits(&bv, b, k, n)? {
         bail!("fused-attention: internal error, gemm view out of bounds");
     }
-    let al = Layout::new(Shape::from((batch, m, k)), vec![av.bs, av.rs, av.cs], av.offset);
-    let bl = Layout::new(Shape::from((batch, k, n)), vec![bv.bs, bv.rs, bv.cs], bv.offset);
+    let al = Layout::new(
+        Shape::from((batch, m, k)),
+        vec![av.bs, av.rs, av.cs],
+        av.offset,
+    );
+    let bl = Layout::new(
+        Shape::from((batch, k, n)),
+        vec![bv.bs, bv.rs, bv.cs],
+        bv.offset,
+    );
     match a.matmul(b, (batch, m, n, k), &al, &bl)? {
         CpuStorage::F32(v) => Ok(v),
         _ => bail!("fused-attention: expected an f32 gemm result"),
@@ -112,22 +132,28 @@ fn assemble(
     row_width: impl Fn(usize) -> usize + Sync,
 ) -> Vec<f32> {
     let mut out = vec![0f32; batch * t * w];
-    out.par_chunks_mut(w.max(1)).enumerate().for_each(|(idx, row)| {
-        let (bi, r) = (idx / t, idx % t);
-        if let Some(Some(blk)) = blocks.get(r / ATTN_BLOCK) {
-            let rows = blk.data.len() / (batch * blk.width).max(1);
-            let src = (bi * rows + (r - blk.start)) * blk.width;
-            let n = row_width(r).min(blk.width);
-            for (o, &s) in row[..n].iter_mut().zip(&blk.data[src..src + n]) {
-                *o = s * mul;
+    out.par_chunks_mut(w.max(1))
+        .enumerate()
+        .for_each(|(idx, row)| {
+            let (bi, r) = (idx / t, idx % t);
+            if let Some(Some(blk)) = blocks.get(r / ATTN_BLOCK) {
+                let rows = blk.data.len() / (batch * blk.width).max(1);
+                let src = (bi * rows + (r - blk.start)) * blk.width;
+                let n = row_width(r).min(blk.width);
+                for (o, &s) in row[..n].iter_mut().zip(&blk.data[src..src + n]) {
+                    *o = s * mul;
+                }
             }
-        }
-    });
+        });
     out
 }
 
 /// Runs `f` on the CPU storage and layout of a tensor.
-fn with_cpu<R>(t: &Tensor, op: &'static str, f: impl FnOnce(&CpuStorage, &Layout) -> Result<R>) -> Result<R> {
+fn with_cpu<R>(
+    t: &Tensor,
+    op: &'static str,
+    f: impl FnOnce(&CpuStorage, &Layout) -> Result<R>,
+) -> Result<R> {
     let (storage, layout) = t.storage_and_layout();
     match &*storage {
         Storage::Cpu(s) => f(s, layout),
@@ -168,7 +194,11 @@ impl CausalProbs {
                 MatView::cols(kl.start_offset(), tk * d, d),
                 GemmShape { batch: bh, m: i1 - i0, n: lim, k: d },
             )?;
-            scores.push(RowBlock { start: i0, width: lim, data });
+            scores.push(RowBlock {
+                start: i0,
+                width: lim,
+                data,
+            });
         }
         let bias = match bias {
             Some((s, l)) => Some((s.as_slice::<f32>()?, l.stride().to_vec(), l.start_offset())),
@@ -180,7 +210,8 @@ impl CausalProbs {
             let (bhi, i) = (idx / tq, idx % tq);
             let lim = visible_keys(i, tq, tk);
             let blk = &scores[i / ATTN_BLOCK];
-            let src = (bhi * (blk.data.len() / (bh * blk.width).max(1)) + i - blk.start) * blk.width;
+            let src =
+                (bhi * (blk.data.len() / (bh * blk.width).max(1)) + i - blk.start) * blk.width;
             let (vis, src) = (&mut row[..lim], &blk.data[src..src + lim]);
             match &bias {
                 None => {
@@ -334,11 +365,23 @@ impl CustomOp2 for CausalProbs {
         "fused-attention-probs"
     }
 
-    fn cpu_fwd(&self, qs: &CpuStorage, ql: &Layout, ks: &CpuStorage, kl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        qs: &CpuStorage,
+        ql: &Layout,
+        ks: &CpuStorage,
+        kl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         self.fwd(qs, ql, ks, kl, None)
     }
 
-    fn bwd(&self, q: &Tensor, k: &Tensor, res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (dq, dk, _) = self.bwd_impl(q, k, false, res, grad)?;
         Ok((dq, dk))
     }
@@ -384,7 +427,13 @@ impl CustomOp2 for CausalPv {
         "fused-attention-pv"
     }
 
-    fn cpu_fwd(&self, ps: &CpuStorage, pl: &Layout, vs: &CpuStorage, vl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        ps: &CpuStorage,
+        pl: &Layout,
+        vs: &CpuStorage,
+        vl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let (b, h, tq, tk) = pl.shape().dims4()?;
         let d = vl.dim(3)?;
         if !pl.is_contiguous() || !vl.is_contiguous() {
@@ -395,7 +444,13 @@ impl CustomOp2 for CausalPv {
         Ok((CpuStorage::F32(out), Shape::from((b, h, tq, d))))
     }
 
-    fn bwd(&self, p: &Tensor, v: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        p: &Tensor,
+        v: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (b, h, tq, tk) = p.dims4()?;
         let d = v.dim(3)?;
         let bh = b * h;
@@ -414,7 +469,11 @@ impl CustomOp2 for CausalPv {
                                     MatView::cols(vl.start_offset(), tk * d, d),
                                     GemmShape { batch: bh, m: i1 - i0, n: lim, k: d },
                                 )?;
-                                Ok(Some(RowBlock { start: i0, width: lim, data }))
+                                Ok(Some(RowBlock {
+                                    start: i0,
+                                    width: lim,
+                                    data,
+                                }))
                             })
                             .collect::<Result<Vec<_>>>()?;
                         let dp = assemble(bh, tq, tk, &blks, 1.0, |i| visible_keys(i, tq, tk));
@@ -448,7 +507,13 @@ pub(super) fn causal_mask(tq: usize, tk: usize, dtype: DType, device: &Device) -
     Tensor::from_vec(mask, (tq, tk), device)?.to_dtype(dtype)
 }
 
-fn causal_attention_composite(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, bias: Option<&Tensor>) -> Result<Tensor> {
+fn causal_attention_composite(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
     let (_, _, tq, _) = q.dims4()?;
     let (_, _, tk, _) = k.dims4()?;
     let scores = (q.contiguous()?.matmul(&k.contiguous()?.t()?)? * scale)?;
@@ -473,11 +538,22 @@ fn causal_attention_composite(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, bi
 /// skip fully masked key ranges, one rayon pass for scale + bias + mask + softmax, only P
 /// saved for the backward, one pass for the softmax backward. Otherwise the composite
 /// (matmul, mask, bias, softmax, matmul).
-pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, bias: Option<&Tensor>) -> Result<Tensor> {
+pub fn causal_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    bias: Option<&Tensor>,
+) -> Result<Tensor> {
     let (b, h, tq, d) = q.dims4()?;
     let (kb, kh, tk, kd) = k.dims4()?;
     if (kb, kh, kd) != (b, h, d) || v.dims4()? != (b, h, tk, d) {
-        bail!("causal_attention: q {:?}, k {:?}, v {:?} disagree", q.shape(), k.shape(), v.shape());
+        bail!(
+            "causal_attention: q {:?}, k {:?}, v {:?} disagree",
+            q.shape(),
+            k.shape(),
+            v.shape()
+        );
     }
     let mut all = vec![q, k, v];
     all.extend(bias);
@@ -491,7 +567,9 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, bias: Op
     if !fused_f32(&all) || tq == 0 || tk == 0 || d == 0 {
         return causal_attention_composite(q, k, v, scale, bias);
     }
-    let op = CausalProbs { scale: scale as f32 };
+    let op = CausalProbs {
+        scale: scale as f32,
+    };
     let (q, k) = (q.contiguous()?, k.contiguous()?);
     let probs = match bias {
         None => q.apply_op2(&k, op)?,
@@ -502,8 +580,8 @@ pub fn causal_attention(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, bias: Op
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{assert_close, grad, loss_of, rand_t, var, BWD_TOL, FWD_TOL};
     use super::*;
+    use super::super::tests::{rand_t, var, assert_close, loss_of, grad, FWD_TOL, BWD_TOL};
 
     fn attn_ref(q: &Tensor, k: &Tensor, v: &Tensor, scale: f64, bias: Option<&Tensor>) -> Tensor {
         causal_attention_composite(q, k, v, scale, bias).unwrap()
@@ -532,13 +610,19 @@ mod tests {
                 let bias = bshape.map(|s| var(s, seed + 4, 1.0));
                 let bt = bias.as_ref().map(|b| b.as_tensor());
                 let what = format!("attn tq={tq} tk={tk} bias#{bi}");
-                let y = causal_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, bt).unwrap();
+                let y = causal_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, bt)
+                    .unwrap();
                 let y_ref = attn_ref(q.as_tensor(), k.as_tensor(), v.as_tensor(), scale, bt);
                 assert_close(&y, &y_ref, FWD_TOL, &format!("{what} fwd"));
                 let g = loss_of(&y, 7).backward().unwrap();
                 let g_ref = loss_of(&y_ref, 7).backward().unwrap();
                 for (n, t) in [("q", &q), ("k", &k), ("v", &v)] {
-                    assert_close(&grad(&g, t), &grad(&g_ref, t), BWD_TOL, &format!("{what} d{n}"));
+                    assert_close(
+                        &grad(&g, t),
+                        &grad(&g_ref, t),
+                        BWD_TOL,
+                        &format!("{what} d{n}"),
+                    );
                 }
                 if let Some(bias) = &bias {
                     let gb = grad(&g, bias);
@@ -567,7 +651,12 @@ mod tests {
         let g = loss_of(&y, 5).backward().unwrap();
         let g_ref = loss_of(&y_ref, 5).backward().unwrap();
         for (n, t) in [("q", &qs), ("k", &ks), ("v", &vs)] {
-            assert_close(&grad(&g, t), &grad(&g_ref, t), BWD_TOL, &format!("attn d{n} (transposed)"));
+            assert_close(
+                &grad(&g, t),
+                &grad(&g_ref, t),
+                BWD_TOL,
+                &format!("attn d{n} (transposed)"),
+            );
         }
         assert!(g.get(&bias).is_none());
     }
@@ -586,7 +675,12 @@ mod tests {
         let g = loss_of(&y, 4).backward().unwrap();
         let g_ref = loss_of(&y_ref, 4).backward().unwrap();
         for (n, t) in [("q", &q), ("k", &k), ("v", &v)] {
-            assert_close(&grad(&g, t), &grad(&g_ref, t), BWD_TOL, &format!("attn d{n} (tq > tk)"));
+            assert_close(
+                &grad(&g, t),
+                &grad(&g_ref, t),
+                BWD_TOL,
+                &format!("attn d{n} (tq > tk)"),
+            );
         }
     }
 }

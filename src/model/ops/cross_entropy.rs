@@ -1,9 +1,9 @@
 //! `cross_entropy_masked`: the weighted mean token cross-entropy of the training loss.
 
-use super::{cpu_tensor, f32_data, fused_f32, max_f32, sum_exp_shifted, with_f32};
-use crate::kernels::math::exp_f32;
 use candle_core::{bail, CpuStorage, CustomOp3, DType, Layout, Result, Shape, Tensor, D};
+use crate::kernels::math::exp_f32;
 use rayon::prelude::*;
+use super::{fused_f32, f32_data, with_f32, cpu_tensor, max_f32, sum_exp_shifted};
 
 /// Output layout: `[1 + n]` = `[loss, lse_0, …, lse_{n-1}]`. The per-row log-sum-exp rides
 /// along in the op's result so the backward can rebuild softmax in one pass
@@ -36,7 +36,9 @@ impl CustomOp3 for CrossEntropy {
         let (n, vocab) = ll.shape().dims2()?;
         for (i, (&t, &w)) in targets.iter().zip(w).enumerate() {
             if w != 0.0 && t as usize >= vocab {
-                bail!("cross_entropy_masked: target {t} at row {i} is out of range for vocab {vocab}");
+                bail!(
+                    "cross_entropy_masked: target {t} at row {i} is out of range for vocab {vocab}"
+                );
             }
         }
         let mut out = vec![0f32; 1 + n];
@@ -83,7 +85,11 @@ impl CustomOp3 for CrossEntropy {
                     let mut dx = vec![0f32; x.len()];
                     dx.par_chunks_mut(vocab.max(1))
                         .zip(x.par_chunks(vocab.max(1)))
-                        .zip(res[1..].par_iter().zip(targets.par_iter().zip(w.par_iter())))
+                        .zip(
+                            res[1..]
+                                .par_iter()
+                                .zip(targets.par_iter().zip(w.par_iter())),
+                        )
                         .for_each(|((dx, x), (&lse, (&t, &w)))| {
                             if w == 0.0 {
                                 return; // already zero
@@ -130,19 +136,27 @@ pub fn cross_entropy_masked(logits: &Tensor, targets: &Tensor, weights: &Tensor)
             weights.shape()
         );
     }
-    let targets = if targets.dtype() == DType::U32 { targets.clone() } else { targets.to_dtype(DType::U32)? };
+    let targets = if targets.dtype() == DType::U32 {
+        targets.clone()
+    } else {
+        targets.to_dtype(DType::U32)?
+    };
     if !fused_f32(&[logits, weights]) || !targets.device().is_cpu() {
         return cross_entropy_composite(logits, &targets, weights);
     }
-    let res = logits.contiguous()?.apply_op3(&targets.contiguous()?, &weights.detach().contiguous()?, CrossEntropy)?;
+    let res = logits.contiguous()?.apply_op3(
+        &targets.contiguous()?,
+        &weights.detach().contiguous()?,
+        CrossEntropy,
+    )?;
     res.narrow(0, 0, 1)?.squeeze(0)
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{assert_close, grad, var, BWD_TOL, FWD_TOL};
     use super::*;
     use candle_core::Device;
+    use super::super::tests::{var, assert_close, grad, FWD_TOL, BWD_TOL};
 
     // Weighted loss and dlogits vs composite log_softmax + gather, with masked and
     // fractional weights; all-ones weights vs candle_nn::loss::cross_entropy; all-zero
@@ -151,16 +165,24 @@ mod tests {
     fn cross_entropy_matches_composite() {
         let (n, vocab) = (9, 1000);
         let logits = var((n, vocab), 1, 8.0);
-        let tv: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % vocab as u32).collect();
+        let tv: Vec<u32> = (0..n as u32)
+            .map(|i| (i * 7919 + 13) % vocab as u32)
+            .collect();
         let targets = Tensor::from_vec(tv, n, &Device::Cpu).unwrap();
-        let w = Tensor::from_vec(vec![1f32, 0., 1., 1., 0.5, 0., 1., 2., 1.], n, &Device::Cpu).unwrap();
+        let w =
+            Tensor::from_vec(vec![1f32, 0., 1., 1., 0.5, 0., 1., 2., 1.], n, &Device::Cpu).unwrap();
         let l = cross_entropy_masked(logits.as_tensor(), &targets, &w).unwrap();
         assert_eq!(l.rank(), 0);
         let l_ref = cross_entropy_composite(logits.as_tensor(), &targets, &w).unwrap();
         assert_close(&l, &l_ref, FWD_TOL, "ce loss");
         let g = (&l * 1.7).unwrap().backward().unwrap();
         let g_ref = (&l_ref * 1.7).unwrap().backward().unwrap();
-        assert_close(&grad(&g, &logits), &grad(&g_ref, &logits), BWD_TOL, "ce dlogits");
+        assert_close(
+            &grad(&g, &logits),
+            &grad(&g_ref, &logits),
+            BWD_TOL,
+            "ce dlogits",
+        );
         assert!(g.get(&w).is_none());
         let masked_rows = grad(&g, &logits).to_vec2::<f32>().unwrap();
         assert!(masked_rows[1].iter().all(|&v| v == 0.0));

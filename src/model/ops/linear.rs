@@ -1,11 +1,11 @@
 //! `frozen_linear` and its variants: `y = x · wᵀ` through a weight that never receives a
 //! gradient (the backward computes dL/dx only), pretransposed, and in bf16.
 
-use super::{f32_data, fused_f32};
-use crate::kernels::bf16_matmul::{self, PackedBf16};
 use candle_core::backend::BackendStorage;
 use candle_core::{bail, CpuStorage, CustomOp1, CustomOp2, CustomOp3, DType, Layout, Result, Shape, Tensor};
+use crate::kernels::bf16_matmul::{self, PackedBf16};
 use std::sync::Arc;
+use super::{fused_f32, f32_data};
 
 /// y = x · wᵀ where the weight never receives a gradient. The forward is the exact gemm
 /// call `x.matmul(&w.t())` makes; the backward only computes dL/dx = g · w, skipping the
@@ -17,7 +17,13 @@ impl CustomOp2 for FrozenLinear {
         "frozen-linear"
     }
 
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         frozen_linear_fwd(xs, xl, ws, wl)
     }
 
@@ -33,7 +39,13 @@ impl CustomOp2 for FrozenLinear {
         frozen_linear_fwd(xs, xl, ws, wl)
     }
 
-    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         Ok((Some(frozen_linear_dx(x, w, grad)?), None))
     }
 }
@@ -124,10 +136,18 @@ pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (n, k) = w.dims2()?;
     let dims = x.dims();
     if dims.last() != Some(&k) {
-        bail!("frozen_linear: x {:?} does not end in the weight's in-features {k} (w {:?})", x.shape(), w.shape());
+        bail!(
+            "frozen_linear: x {:?} does not end in the weight's in-features {k} (w {:?})",
+            x.shape(),
+            w.shape()
+        );
     }
     if x.dtype() != w.dtype() {
-        bail!("frozen_linear: dtype mismatch {:?} vs {:?}", x.dtype(), w.dtype());
+        bail!(
+            "frozen_linear: dtype mismatch {:?} vs {:?}",
+            x.dtype(),
+            w.dtype()
+        );
     }
     let mut out_dims = dims.to_vec();
     if let Some(last) = out_dims.last_mut() {
@@ -135,7 +155,10 @@ pub fn frozen_linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     }
     if x.elem_count() == 0 || n == 0 || k == 0 || !(x.device().is_cpu() || x.device().is_cuda()) {
         let m = x.elem_count() / k.max(1);
-        return x.reshape((m, k))?.matmul(&w.detach().t()?)?.reshape(out_dims);
+        return x
+            .reshape((m, k))?
+            .matmul(&w.detach().t()?)?
+            .reshape(out_dims);
     }
     x.contiguous()?.apply_op2(&w.detach(), FrozenLinear)
 }
@@ -211,8 +234,8 @@ pub fn frozen_linear_bf16(x: &Tensor, w: &Tensor, packed: &Arc<Bf16Weight>) -> R
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{assert_close, grad, loss_of, var, BWD_TOL, FWD_TOL};
     use super::*;
+    use super::super::tests::{var, assert_close, loss_of, grad, FWD_TOL, BWD_TOL};
 
     // Checks forward + x-gradient against x·wᵀ for ranks 2, 3, 4 and a transposed x, and
     // that the (Var) weight gets no gradient entry.
@@ -239,12 +262,23 @@ mod tests {
         for (si, shape) in shapes.into_iter().enumerate() {
             let x = var(shape.clone(), 10 + si as u32, 1.0);
             let y = frozen_linear(x.as_tensor(), w.as_tensor()).unwrap();
-            let y_ref = x.as_tensor().broadcast_matmul(&w.as_tensor().t().unwrap()).unwrap();
+            let y_ref = x
+                .as_tensor()
+                .broadcast_matmul(&w.as_tensor().t().unwrap())
+                .unwrap();
             assert_close(&y, &y_ref, FWD_TOL, "frozen_linear fwd");
             let g = loss_of(&y, 3).backward().unwrap();
             let g_ref = loss_of(&y_ref, 3).backward().unwrap();
-            assert_close(&grad(&g, &x), &grad(&g_ref, &x), BWD_TOL, "frozen_linear dx");
-            assert!(g.get(w.as_tensor()).is_none(), "weight must not get a gradient");
+            assert_close(
+                &grad(&g, &x),
+                &grad(&g_ref, &x),
+                BWD_TOL,
+                "frozen_linear dx",
+            );
+            assert!(
+                g.get(w.as_tensor()).is_none(),
+                "weight must not get a gradient"
+            );
             assert!(g_ref.get(w.as_tensor()).is_some());
         }
         // Non-contiguous x: [40, 6] transposed to [6, 40].
@@ -256,7 +290,12 @@ mod tests {
         assert_close(&y, &y_ref, FWD_TOL, "frozen_linear fwd (transposed x)");
         let g = loss_of(&y, 4).backward().unwrap();
         let g_ref = loss_of(&y_ref, 4).backward().unwrap();
-        assert_close(&grad(&g, &xt), &grad(&g_ref, &xt), BWD_TOL, "frozen_linear dx (transposed)");
+        assert_close(
+            &grad(&g, &xt),
+            &grad(&g_ref, &xt),
+            BWD_TOL,
+            "frozen_linear dx (transposed)",
+        );
         assert!(g.get(w.as_tensor()).is_none());
     }
 }

@@ -40,8 +40,8 @@ pub use rope::{rope, rope_interleaved};
 pub use silu_mul::silu_mul;
 pub use softmax::softmax_last_dim;
 
-use crate::kernels::math::exp_f32;
 use candle_core::{bail, CpuStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
+use crate::kernels::math::exp_f32;
 
 // ---------------------------------------------------------------------------------------
 // Small helpers shared by the kernels.
@@ -50,7 +50,8 @@ use candle_core::{bail, CpuStorage, DType, Device, Layout, Result, Shape, Storag
 /// The fused kernels are written for f32 on the CPU; everything else takes the composite
 /// path.
 fn fused_f32(ts: &[&Tensor]) -> bool {
-    ts.iter().all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
+    ts.iter()
+        .all(|t| t.device().is_cpu() && t.dtype() == DType::F32)
 }
 
 /// The contiguous f32 data of a custom-op input. The public wrappers make inputs
@@ -94,7 +95,9 @@ fn max_f32(x: &[f32]) -> f32 {
             acc[i] = if c[i] > acc[i] { c[i] } else { acc[i] };
         }
     }
-    acc.iter().chain(rem).fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
+    acc.iter()
+        .chain(rem)
+        .fold(f32::NEG_INFINITY, |m, &v| if v > m { v } else { m })
 }
 
 #[inline]
@@ -154,7 +157,11 @@ fn softmax_row_inplace(row: &mut [f32]) {
     let m = max_f32(row);
     if m == f32::NEG_INFINITY {
         // max_f32 skips NaNs, so an all-NaN row also lands here: keep it NaN.
-        let fill = if row.iter().any(|v| v.is_nan()) { f32::NAN } else { 0.0 };
+        let fill = if row.iter().any(|v| v.is_nan()) {
+            f32::NAN
+        } else {
+            0.0
+        };
         row.fill(fill);
         return;
     }
@@ -216,13 +223,17 @@ mod tests {
         let b = b.flatten_all().unwrap().to_vec1::<f32>().unwrap();
         let scale = b.iter().fold(1f32, |m, v| m.max(v.abs()));
         // Equal values (including matching infinities) count as 0; any NaN poisons.
-        let diff = a.iter().zip(&b).map(|(x, y)| if x == y { 0.0 } else { (x - y).abs() }).fold(0f32, |m, v| {
-            if v.is_nan() || m.is_nan() {
-                f32::NAN
-            } else {
-                m.max(v)
-            }
-        });
+        let diff = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| if x == y { 0.0 } else { (x - y).abs() })
+            .fold(0f32, |m, v| {
+                if v.is_nan() || m.is_nan() {
+                    f32::NAN
+                } else {
+                    m.max(v)
+                }
+            });
         diff / scale
     }
 

@@ -1,8 +1,8 @@
 //! `rms_norm`: RMSNorm over the last dim with a frozen weight.
 
-use super::{cpu_tensor, dot_f32, f32_data, fused_f32, with_f32, SERIAL_ELEMWISE};
 use candle_core::{bail, CpuStorage, CustomOp2, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
+use super::{fused_f32, f32_data, with_f32, cpu_tensor, dot_f32, SERIAL_ELEMWISE};
 
 struct RmsNorm {
     eps: f32,
@@ -18,7 +18,13 @@ impl CustomOp2 for RmsNorm {
         "fused-rms-norm"
     }
 
-    fn cpu_fwd(&self, xs: &CpuStorage, xl: &Layout, ws: &CpuStorage, wl: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        xs: &CpuStorage,
+        xl: &Layout,
+        ws: &CpuStorage,
+        wl: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let x = f32_data(xs, xl, self.name())?;
         let w = f32_data(ws, wl, self.name())?;
         let dim = w.len();
@@ -40,7 +46,13 @@ impl CustomOp2 for RmsNorm {
 
     /// With r = (mean(x²) + eps)^(-1/2) and gw = g ⊙ w:
     /// dx = r·gw − x · r³ · (Σ gw⊙x) / D. The weight is frozen: no gradient.
-    fn bwd(&self, x: &Tensor, w: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let grad = grad.contiguous()?;
         let name = self.name();
         let eps = self.eps;
@@ -49,16 +61,18 @@ impl CustomOp2 for RmsNorm {
                 with_f32(&grad, name, |g| {
                     let dim = w.len();
                     let mut dx = vec![0f32; x.len()];
-                    dx.par_chunks_mut(dim).zip(x.par_chunks(dim).zip(g.par_chunks(dim))).for_each(|(dx, (x, g))| {
-                        let r = rms_inv(x, eps);
-                        for ((o, &g), &w) in dx.iter_mut().zip(g).zip(w) {
-                            *o = g * w;
-                        }
-                        let c = dot_f32(dx, x) * r * r * r / dim as f32;
-                        for (o, &x) in dx.iter_mut().zip(x) {
-                            *o = *o * r - x * c;
-                        }
-                    });
+                    dx.par_chunks_mut(dim)
+                        .zip(x.par_chunks(dim).zip(g.par_chunks(dim)))
+                        .for_each(|(dx, (x, g))| {
+                            let r = rms_inv(x, eps);
+                            for ((o, &g), &w) in dx.iter_mut().zip(g).zip(w) {
+                                *o = g * w;
+                            }
+                            let c = dot_f32(dx, x) * r * r * r / dim as f32;
+                            for (o, &x) in dx.iter_mut().zip(x) {
+                                *o = *o * r - x * c;
+                            }
+                        });
                     Ok(dx)
                 })
             })
@@ -83,19 +97,23 @@ fn rms_norm_composite(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f32) -> Result<Tensor> {
     let dim = weight.dims1()?;
     if x.dims().last() != Some(&dim) {
-        bail!("rms_norm: x {:?} does not end in the weight's size {dim}", x.shape());
+        bail!(
+            "rms_norm: x {:?} does not end in the weight's size {dim}",
+            x.shape()
+        );
     }
     if !fused_f32(&[x, weight]) || dim == 0 {
         return rms_norm_composite(x, weight, eps);
     }
-    x.contiguous()?.apply_op2(&weight.detach().contiguous()?, RmsNorm { eps })
+    x.contiguous()?
+        .apply_op2(&weight.detach().contiguous()?, RmsNorm { eps })
 }
 
 #[cfg(test)]
 mod tests {
-    use super::super::softmax_last_dim;
-    use super::super::tests::{assert_close, grad, loss_of, plain_softmax, var, BWD_TOL, FWD_TOL};
     use super::*;
+    use super::super::softmax_last_dim;
+    use super::super::tests::{var, assert_close, loss_of, grad, FWD_TOL, BWD_TOL, plain_softmax};
 
     fn rms_ref(x: &Tensor, w: &Tensor, eps: f32) -> Tensor {
         let ms = x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
@@ -118,7 +136,10 @@ mod tests {
         let g = loss_of(&y, 5).backward().unwrap();
         let g_ref = loss_of(&y_ref, 5).backward().unwrap();
         assert_close(&grad(&g, &x), &grad(&g_ref, &x), BWD_TOL, "rms dx");
-        assert!(g.get(w.as_tensor()).is_none(), "weight must not get a gradient");
+        assert!(
+            g.get(w.as_tensor()).is_none(),
+            "weight must not get a gradient"
+        );
         assert!(g_ref.get(w.as_tensor()).is_some());
 
         // Narrowed along the last dim → strided rows.
@@ -130,7 +151,12 @@ mod tests {
         assert_close(&y, &y_ref, FWD_TOL, "rms fwd (narrowed)");
         let g = loss_of(&y, 6).backward().unwrap();
         let g_ref = loss_of(&y_ref, 6).backward().unwrap();
-        assert_close(&grad(&g, &xb), &grad(&g_ref, &xb), BWD_TOL, "rms dx (narrowed)");
+        assert_close(
+            &grad(&g, &xb),
+            &grad(&g_ref, &xb),
+            BWD_TOL,
+            "rms dx (narrowed)",
+        );
     }
 
     // x used twice (residual): gradients from both consumers must be summed.
@@ -138,10 +164,12 @@ mod tests {
     fn gradients_accumulate_across_consumers() {
         let w = var(32, 2, 1.0);
         let x = var((4, 32), 3, 1.0);
-        let y =
-            (rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap() + softmax_last_dim(x.as_tensor()).unwrap()).unwrap();
+        let y = (rms_norm(x.as_tensor(), w.as_tensor(), 1e-6).unwrap()
+            + softmax_last_dim(x.as_tensor()).unwrap())
+        .unwrap();
         let y = (y + x.as_tensor()).unwrap();
-        let y_ref = (rms_ref(x.as_tensor(), w.as_tensor(), 1e-6) + plain_softmax(x.as_tensor())).unwrap();
+        let y_ref =
+            (rms_ref(x.as_tensor(), w.as_tensor(), 1e-6) + plain_softmax(x.as_tensor())).unwrap();
         let y_ref = (y_ref + x.as_tensor()).unwrap();
         let g = loss_of(&y, 9).backward().unwrap();
         let g_ref = loss_of(&y_ref, 9).backward().unwrap();

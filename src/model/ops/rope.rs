@@ -1,8 +1,8 @@
 //! `rope` and `rope_interleaved`: rotary position embeddings (rotate-half and interleaved pairs).
 
-use super::{f32_data, fused_f32};
 use candle_core::{bail, CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
+use super::{fused_f32, f32_data};
 
 /// RoPE over contiguous x [b, h, t, d] with cos/sin [t, d/2]: rotate-half (pairs j, j + d/2)
 /// or interleaved (pairs 2j, 2j + 1). The backward is the same kernel with sin negated (the
@@ -32,29 +32,31 @@ impl CustomOp3 for Rope {
         let hd = d / 2;
         let mut out = vec![0f32; x.len()];
         let interleaved = self.interleaved;
-        out.par_chunks_mut(t * d).zip(x.par_chunks(t * d)).for_each(|(o, x)| {
-            for ti in 0..t {
-                let (c, s) = (&cos[ti * hd..(ti + 1) * hd], &sin[ti * hd..(ti + 1) * hd]);
-                if interleaved {
-                    // Same expressions as candle_nn::rotary_emb::rope_i.
-                    let (xr, or) = (&x[ti * d..(ti + 1) * d], &mut o[ti * d..(ti + 1) * d]);
-                    for j in 0..hd {
-                        let (x0, x1) = (xr[2 * j], xr[2 * j + 1]);
-                        or[2 * j] = x0 * c[j] - x1 * s[j];
-                        or[2 * j + 1] = x0 * s[j] + x1 * c[j];
+        out.par_chunks_mut(t * d)
+            .zip(x.par_chunks(t * d))
+            .for_each(|(o, x)| {
+                for ti in 0..t {
+                    let (c, s) = (&cos[ti * hd..(ti + 1) * hd], &sin[ti * hd..(ti + 1) * hd]);
+                    if interleaved {
+                        // Same expressions as candle_nn::rotary_emb::rope_i.
+                        let (xr, or) = (&x[ti * d..(ti + 1) * d], &mut o[ti * d..(ti + 1) * d]);
+                        for j in 0..hd {
+                            let (x0, x1) = (xr[2 * j], xr[2 * j + 1]);
+                            or[2 * j] = x0 * c[j] - x1 * s[j];
+                            or[2 * j + 1] = x0 * s[j] + x1 * c[j];
+                        }
+                        continue;
                     }
-                    continue;
+                    let (x1, x2) = x[ti * d..(ti + 1) * d].split_at(hd);
+                    let (o1, o2) = o[ti * d..(ti + 1) * d].split_at_mut(hd);
+                    // Same expressions as candle_nn::rotary_emb::rope, so the result is
+                    // bit-identical.
+                    for j in 0..hd {
+                        o1[j] = x1[j] * c[j] - x2[j] * s[j];
+                        o2[j] = x1[j] * s[j] + x2[j] * c[j];
+                    }
                 }
-                let (x1, x2) = x[ti * d..(ti + 1) * d].split_at(hd);
-                let (o1, o2) = o[ti * d..(ti + 1) * d].split_at_mut(hd);
-                // Same expressions as candle_nn::rotary_emb::rope, so the result is
-                // bit-identical.
-                for j in 0..hd {
-                    o1[j] = x1[j] * c[j] - x2[j] * s[j];
-                    o2[j] = x1[j] * s[j] + x2[j] * c[j];
-                }
-            }
-        });
+            });
         Ok((CpuStorage::F32(out), xl.shape().clone()))
     }
 
@@ -66,7 +68,9 @@ impl CustomOp3 for Rope {
         _res: &Tensor,
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let dx = grad.contiguous()?.apply_op3_no_bwd(cos, &sin.neg()?, &Rope { interleaved: self.interleaved })?;
+        let dx = grad
+            .contiguous()?
+            .apply_op3_no_bwd(cos, &sin.neg()?, &Rope { interleaved: self.interleaved })?;
         Ok((Some(dx), None, None))
     }
 }
@@ -96,7 +100,12 @@ fn rope_fused(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Resu
     let (tc, hc) = cos.dims2()?;
     let (ts, hs) = sin.dims2()?;
     if d % 2 != 0 || hc * 2 != d || hs * 2 != d || tc < t || ts < t {
-        bail!("rope: inconsistent shapes x {:?} cos {:?} sin {:?}", x.shape(), cos.shape(), sin.shape());
+        bail!(
+            "rope: inconsistent shapes x {:?} cos {:?} sin {:?}",
+            x.shape(),
+            cos.shape(),
+            sin.shape()
+        );
     }
     let cos = cos.detach().narrow(0, 0, t)?;
     let sin = sin.detach().narrow(0, 0, t)?;
@@ -106,7 +115,8 @@ fn rope_fused(x: &Tensor, cos: &Tensor, sin: &Tensor, interleaved: bool) -> Resu
             true => rope_interleaved_composite(x, &cos, &sin),
         };
     }
-    x.contiguous()?.apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { interleaved })
+    x.contiguous()?
+        .apply_op3(&cos.contiguous()?, &sin.contiguous()?, Rope { interleaved })
 }
 
 /// Interleaved RoPE (pairs 2i, 2i+1; llama.cpp's layout for llama-architecture GGUF files):
@@ -133,13 +143,14 @@ fn rope_interleaved_composite(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{assert_close, grad, loss_of, rel_diff, var, BWD_TOL, FWD_TOL};
     use super::*;
     use candle_core::Device;
+    use super::super::tests::{var, rel_diff, assert_close, loss_of, grad, FWD_TOL, BWD_TOL};
 
     fn rope_tables(t: usize, hd: usize) -> (Tensor, Tensor) {
-        let ang: Vec<f32> =
-            (0..t).flat_map(|p| (0..hd).map(move |i| p as f32 / 10000f32.powf(i as f32 / hd as f32))).collect();
+        let ang: Vec<f32> = (0..t)
+            .flat_map(|p| (0..hd).map(move |i| p as f32 / 10000f32.powf(i as f32 / hd as f32)))
+            .collect();
         let a = Tensor::from_vec(ang, (t, hd), &Device::Cpu).unwrap();
         (a.cos().unwrap(), a.sin().unwrap())
     }
@@ -155,7 +166,11 @@ mod tests {
         let c = cos.narrow(0, 0, t).unwrap();
         let s = sin.narrow(0, 0, t).unwrap();
         let y_nn = candle_nn::rotary_emb::rope(x.as_tensor(), &c, &s).unwrap();
-        assert_eq!(rel_diff(&y, &y_nn), 0.0, "rope must match candle_nn exactly");
+        assert_eq!(
+            rel_diff(&y, &y_nn),
+            0.0,
+            "rope must match candle_nn exactly"
+        );
         let y_ref = rope_composite(x.as_tensor(), &c, &s).unwrap();
         assert_close(&y, &y_ref, FWD_TOL, "rope fwd vs composite");
         let y_slow = candle_nn::rotary_emb::rope_slow(x.as_tensor(), &c, &s).unwrap();
@@ -172,7 +187,12 @@ mod tests {
         assert_close(&y, &y_ref, FWD_TOL, "rope fwd (transposed)");
         let g = loss_of(&y, 4).backward().unwrap();
         let g_ref = loss_of(&y_ref, 4).backward().unwrap();
-        assert_close(&grad(&g, &xt), &grad(&g_ref, &xt), BWD_TOL, "rope dx (transposed)");
+        assert_close(
+            &grad(&g, &xt),
+            &grad(&g_ref, &xt),
+            BWD_TOL,
+            "rope dx (transposed)",
+        );
     }
 
     // Interleaved: forward bit-identical to candle_nn's rope_i; forward and dx vs the

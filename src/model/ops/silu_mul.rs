@@ -1,9 +1,9 @@
 //! `silu_mul`: the SwiGLU activation `silu(gate) ⊙ up`, fused.
 
-use super::{cpu_tensor, f32_data, fused_f32, with_f32, ELEMWISE_CHUNK, SERIAL_ELEMWISE};
-use crate::kernels::math::sigmoid_fast;
 use candle_core::{bail, CpuStorage, CustomOp2, Layout, Result, Shape, Tensor};
+use crate::kernels::math::sigmoid_fast;
 use rayon::prelude::*;
+use super::{fused_f32, f32_data, with_f32, cpu_tensor, ELEMWISE_CHUNK, SERIAL_ELEMWISE};
 
 struct SiluMul;
 
@@ -12,7 +12,13 @@ impl CustomOp2 for SiluMul {
         "fused-silu-mul"
     }
 
-    fn cpu_fwd(&self, gs: &CpuStorage, gl: &Layout, us: &CpuStorage, ul: &Layout) -> Result<(CpuStorage, Shape)> {
+    fn cpu_fwd(
+        &self,
+        gs: &CpuStorage,
+        gl: &Layout,
+        us: &CpuStorage,
+        ul: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
         let g = f32_data(gs, gl, self.name())?;
         let u = f32_data(us, ul, self.name())?;
         let mut out = vec![0f32; g.len()];
@@ -55,36 +61,56 @@ impl CustomOp2 for SiluMul {
                     let c = ELEMWISE_CHUNK;
                     let inputs = g.par_chunks(c).zip(u.par_chunks(c)).zip(gr.par_chunks(c));
                     match (want_gate, want_up) {
-                        (true, true) => dg.par_chunks_mut(c).zip(du.par_chunks_mut(c)).zip(inputs).for_each(
-                            |((dg, du), ((g, u), gr))| {
+                        (true, true) => dg
+                            .par_chunks_mut(c)
+                            .zip(du.par_chunks_mut(c))
+                            .zip(inputs)
+                            .for_each(|((dg, du), ((g, u), gr))| {
                                 // Zipped iterators (no indexing) so the loop has no bounds
                                 // checks and vectorises.
                                 let outs = dg.iter_mut().zip(du.iter_mut());
-                                for ((dg, du), ((&g, &u), &gr)) in outs.zip(g.iter().zip(u).zip(gr)) {
+                                for ((dg, du), ((&g, &u), &gr)) in outs.zip(g.iter().zip(u).zip(gr))
+                                {
                                     let s = sigmoid_fast(g);
                                     *du = gr * g * s;
                                     *dg = gr * u * s * (1.0 + g * (1.0 - s));
                                 }
-                            },
-                        ),
-                        (true, false) => dg.par_chunks_mut(c).zip(inputs).for_each(|(dg, ((g, u), gr))| {
-                            for (dg, ((&g, &u), &gr)) in dg.iter_mut().zip(g.iter().zip(u).zip(gr)) {
-                                let s = sigmoid_fast(g);
-                                *dg = gr * u * s * (1.0 + g * (1.0 - s));
-                            }
-                        }),
-                        _ => du.par_chunks_mut(c).zip(inputs).for_each(|(du, ((g, _u), gr))| {
-                            for (du, (&g, &gr)) in du.iter_mut().zip(g.iter().zip(gr)) {
-                                *du = gr * g * sigmoid_fast(g);
-                            }
-                        }),
+                            }),
+                        (true, false) => {
+                            dg.par_chunks_mut(c)
+                                .zip(inputs)
+                                .for_each(|(dg, ((g, u), gr))| {
+                                    for (dg, ((&g, &u), &gr)) in
+                                        dg.iter_mut().zip(g.iter().zip(u).zip(gr))
+                                    {
+                                        let s = sigmoid_fast(g);
+                                        *dg = gr * u * s * (1.0 + g * (1.0 - s));
+                                    }
+                                })
+                        }
+                        _ => du
+                            .par_chunks_mut(c)
+                            .zip(inputs)
+                            .for_each(|(du, ((g, _u), gr))| {
+                                for (du, (&g, &gr)) in du.iter_mut().zip(g.iter().zip(gr)) {
+                                    *du = gr * g * sigmoid_fast(g);
+                                }
+                            }),
                     }
                     Ok((dg, du))
                 })
             })
         })?;
-        let dg = if want_gate { Some(cpu_tensor(dg, gate.shape())?) } else { None };
-        let du = if want_up { Some(cpu_tensor(du, up.shape())?) } else { None };
+        let dg = if want_gate {
+            Some(cpu_tensor(dg, gate.shape())?)
+        } else {
+            None
+        };
+        let du = if want_up {
+            Some(cpu_tensor(du, up.shape())?)
+        } else {
+            None
+        };
         Ok((dg, du))
     }
 }
@@ -92,7 +118,11 @@ impl CustomOp2 for SiluMul {
 /// SwiGLU activation `silu(gate) ⊙ up` (same shapes), fused; gradients flow to both inputs.
 pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     if gate.shape() != up.shape() {
-        bail!("silu_mul: shape mismatch {:?} vs {:?}", gate.shape(), up.shape());
+        bail!(
+            "silu_mul: shape mismatch {:?} vs {:?}",
+            gate.shape(),
+            up.shape()
+        );
     }
     if !fused_f32(&[gate, up]) {
         return gate.silu()? * up;
@@ -102,8 +132,8 @@ pub fn silu_mul(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::tests::{assert_close, grad, loss_of, var, BWD_TOL, FWD_TOL};
     use super::*;
+    use super::super::tests::{var, assert_close, loss_of, grad, FWD_TOL, BWD_TOL};
 
     // Forward/backward to both inputs vs silu(gate)·up, including large |gate| and a
     // transposed gate.
@@ -116,7 +146,12 @@ mod tests {
         assert_close(&y, &y_ref, FWD_TOL, "silu_mul fwd");
         let g = loss_of(&y, 3).backward().unwrap();
         let g_ref = loss_of(&y_ref, 3).backward().unwrap();
-        assert_close(&grad(&g, &gate), &grad(&g_ref, &gate), BWD_TOL, "silu_mul dgate");
+        assert_close(
+            &grad(&g, &gate),
+            &grad(&g_ref, &gate),
+            BWD_TOL,
+            "silu_mul dgate",
+        );
         assert_close(&grad(&g, &up), &grad(&g_ref, &up), BWD_TOL, "silu_mul dup");
 
         let gt = var((50, 6), 4, 4.0);
@@ -126,7 +161,17 @@ mod tests {
         assert_close(&y, &y_ref, FWD_TOL, "silu_mul fwd (transposed)");
         let g = loss_of(&y, 5).backward().unwrap();
         let g_ref = loss_of(&y_ref, 5).backward().unwrap();
-        assert_close(&grad(&g, &gt), &grad(&g_ref, &gt), BWD_TOL, "silu_mul dgate (transposed)");
-        assert_close(&grad(&g, &up), &grad(&g_ref, &up), BWD_TOL, "silu_mul dup (transposed)");
+        assert_close(
+            &grad(&g, &gt),
+            &grad(&g_ref, &gt),
+            BWD_TOL,
+            "silu_mul dgate (transposed)",
+        );
+        assert_close(
+            &grad(&g, &up),
+            &grad(&g_ref, &up),
+            BWD_TOL,
+            "silu_mul dup (transposed)",
+        );
     }
 }

@@ -1,8 +1,8 @@
 //! `softmax_last_dim`: a numerically stable softmax whose fully masked rows are zeros, not NaN.
 
-use super::{cpu_tensor, f32_data, fused_f32, softmax_bwd_row, softmax_row_inplace, with_f32};
 use candle_core::{CpuStorage, CustomOp1, DType, Layout, Result, Shape, Tensor, D};
 use rayon::prelude::*;
+use super::{fused_f32, f32_data, with_f32, cpu_tensor, softmax_row_inplace, softmax_bwd_row};
 
 /// Smallest finite value of a float dtype, used by the composite softmax to keep the row
 /// max finite.
@@ -50,7 +50,10 @@ impl CustomOp1 for Softmax {
 /// kernel (zeros, not NaN). The max is detached: softmax is shift invariant, so this is
 /// exact and skips the max's backward.
 pub(super) fn softmax_composite(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?.detach().maximum(dtype_lowest(x.dtype()))?;
+    let max = x
+        .max_keepdim(D::Minus1)?
+        .detach()
+        .maximum(dtype_lowest(x.dtype()))?;
     let num = x.broadcast_sub(&max)?.exp()?;
     // den ≥ 1 whenever the row max is finite (the max entry contributes exp(0) = 1), so
     // den == 0 only for a fully masked row. Adding a constant 1 there turns 0/0 into 0/1
@@ -76,10 +79,10 @@ pub fn softmax_last_dim(x: &Tensor) -> Result<Tensor> {
 
 #[cfg(test)]
 mod tests {
-    use super::super::attention::causal_mask;
-    use super::super::tests::{assert_close, grad, loss_of, plain_softmax, var, BWD_TOL, FWD_TOL};
     use super::*;
     use candle_core::Device;
+    use super::super::attention::causal_mask;
+    use super::super::tests::{var, assert_close, loss_of, grad, FWD_TOL, BWD_TOL, plain_softmax};
 
     // Forward/backward vs candle_nn::ops::softmax on a wide row set, on rows with some
     // -inf entries, and on a transposed (non-contiguous) input.
@@ -97,13 +100,21 @@ mod tests {
 
         // Partially masked rows (causal pattern): identical to the composite.
         let x = var((5, 5), 3, 2.0);
-        let xm = x.as_tensor().broadcast_add(&causal_mask(5, 5, DType::F32, &Device::Cpu).unwrap()).unwrap();
+        let xm = x
+            .as_tensor()
+            .broadcast_add(&causal_mask(5, 5, DType::F32, &Device::Cpu).unwrap())
+            .unwrap();
         let y = softmax_last_dim(&xm).unwrap();
         let y_ref = plain_softmax(&xm);
         assert_close(&y, &y_ref, FWD_TOL, "softmax fwd (masked)");
         let g = loss_of(&y, 4).backward().unwrap();
         let g_ref = loss_of(&y_ref, 4).backward().unwrap();
-        assert_close(&grad(&g, &x), &grad(&g_ref, &x), BWD_TOL, "softmax dx (masked)");
+        assert_close(
+            &grad(&g, &x),
+            &grad(&g_ref, &x),
+            BWD_TOL,
+            "softmax dx (masked)",
+        );
 
         // Transposed input.
         let xt = var((33, 6), 8, 3.0);
@@ -113,7 +124,12 @@ mod tests {
         assert_close(&y, &y_ref, FWD_TOL, "softmax fwd (transposed)");
         let g = loss_of(&y, 6).backward().unwrap();
         let g_ref = loss_of(&y_ref, 6).backward().unwrap();
-        assert_close(&grad(&g, &xt), &grad(&g_ref, &xt), BWD_TOL, "softmax dx (transposed)");
+        assert_close(
+            &grad(&g, &xt),
+            &grad(&g_ref, &xt),
+            BWD_TOL,
+            "softmax dx (transposed)",
+        );
     }
 
     // A row that is entirely -inf gives zeros (no NaN), zero gradient, and leaves the other
@@ -127,25 +143,43 @@ mod tests {
         m[3] = f32::NEG_INFINITY; // row 0 partially masked
         let mask = Tensor::from_vec(m, (3, 8), &Device::Cpu).unwrap();
         let xm = (x.as_tensor() + &mask).unwrap();
-        for (name, y) in
-            [("fused", softmax_last_dim(&xm).unwrap()), ("composite fallback", softmax_composite(&xm).unwrap())]
-        {
+        for (name, y) in [
+            ("fused", softmax_last_dim(&xm).unwrap()),
+            ("composite fallback", softmax_composite(&xm).unwrap()),
+        ] {
             let yv = y.to_vec2::<f32>().unwrap();
-            assert!(yv[1].iter().all(|&v| v == 0.0), "{name}: masked row must be zeros");
+            assert!(
+                yv[1].iter().all(|&v| v == 0.0),
+                "{name}: masked row must be zeros"
+            );
             assert_eq!(yv[0][3], 0.0);
             let g = loss_of(&y, 3).backward().unwrap();
             let dx = grad(&g, &x).to_vec2::<f32>().unwrap();
-            assert!(dx.iter().flatten().all(|v| v.is_finite()), "{name}: NaN in grads");
-            assert!(dx[1].iter().all(|&v| v == 0.0), "{name}: masked row grad must be 0");
+            assert!(
+                dx.iter().flatten().all(|v| v.is_finite()),
+                "{name}: NaN in grads"
+            );
+            assert!(
+                dx[1].iter().all(|&v| v == 0.0),
+                "{name}: masked row grad must be 0"
+            );
             // Unmasked rows agree with candle's composite softmax.
-            let rows = Tensor::cat(&[xm.narrow(0, 0, 1).unwrap(), xm.narrow(0, 2, 1).unwrap()], 0).unwrap();
+            let rows = Tensor::cat(
+                &[xm.narrow(0, 0, 1).unwrap(), xm.narrow(0, 2, 1).unwrap()],
+                0,
+            )
+            .unwrap();
             let y_ref = plain_softmax(&rows);
-            let y_ours = Tensor::cat(&[y.narrow(0, 0, 1).unwrap(), y.narrow(0, 2, 1).unwrap()], 0).unwrap();
+            let y_ours =
+                Tensor::cat(&[y.narrow(0, 0, 1).unwrap(), y.narrow(0, 2, 1).unwrap()], 0).unwrap();
             assert_close(&y_ours, &y_ref, FWD_TOL, name);
         }
         // An all-NaN row is not mistaken for a fully masked one: it stays NaN.
         let nan_row = Tensor::from_vec(vec![f32::NAN; 4], (1, 4), &Device::Cpu).unwrap();
-        let y = softmax_last_dim(&nan_row).unwrap().to_vec2::<f32>().unwrap();
+        let y = softmax_last_dim(&nan_row)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
         assert!(y[0].iter().all(|v| v.is_nan()));
         // For contrast: candle's composite produces NaN on that row.
         let y_plain = plain_softmax(&xm).to_vec2::<f32>().unwrap();
