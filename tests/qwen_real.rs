@@ -84,6 +84,15 @@ fn the_architecture_loads_and_greedy_chat_answers_paris() {
     let c = m.config();
     assert_eq!((c.num_layers, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim), (24, 896, 14, 2, 64));
     assert!(c.attention_bias, "qwen2 has q/k/v biases");
+    // Its Q5_0, Q8_0, Q4_K and Q6_K matrices all run on our int8 kernel where the CPU has one
+    // (the greedy answer below then comes from it).
+    if lift_serve::kernels::quant_matmul::available() && std::env::var("LIFT_CPU_QMATMUL").as_deref() != Ok("candle") {
+        for (i, l) in m.decoder.layers.iter().enumerate() {
+            let all = [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down];
+            assert!(all.iter().all(|p| p.is_packed()), "layer {i} has a projection on candle's kernels");
+        }
+        assert!(m.decoder.lm_head.is_packed(), "the LM head runs on candle's kernels");
+    }
     let t0 = Instant::now();
     let prompt = m.encode_chat(&[ChatMessage::new("user", "What is the capital of France?")]).unwrap();
     // Qwen's template puts its own system turn before a conversation without one.

@@ -20,58 +20,172 @@
 
 use half::f16;
 
-/// Weights per quantization block (all supported formats).
+/// Weights per quantization block of the kernel (all supported formats; a K-quant super-block
+/// of 256 is read as 8 of them).
 pub const BLOCK: usize = 32;
 /// Output rows per panel: one 512-bit register of i32 lanes.
 const PANEL: usize = 16;
 /// Activation rows that share one unpacking of a panel's block.
 const TILE: usize = 4;
+/// Q6_K's integer offset: `w = d·(u − 32)` with `u` the 6-bit quant.
+const Q6K_OFFSET: i32 = 32;
 
 /// The GGUF block formats this kernel reads.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum BlockFormat {
     Q4_0,
     Q4_1,
+    Q5_0,
     Q8_0,
+    /// 256-weight super-blocks: 8 sub-blocks of 32 with 6-bit scales and mins.
+    Q4K,
+    /// 256-weight super-blocks: 16 sub-blocks of 16 with int8 scales, 6-bit quants.
+    Q6K,
+}
+
+/// One 32-weight block of the kernel: `w[i] = d[i / 16]·(u[i] − offset) + m`, where `offset` is
+/// 0 (and `d[0] = d[1]`) for the affine formats and [`Q6K_OFFSET`] (and `m = 0`) for Q6_K,
+/// whose scale changes every 16 weights.
+#[derive(Clone, Copy, Debug)]
+struct Block {
+    d: [f32; 2],
+    m: f32,
+    u: [u8; BLOCK],
+}
+
+impl Block {
+    fn affine(d: f32, m: f32, u: [u8; BLOCK]) -> Self {
+        Self { d: [d, d], m, u }
+    }
+
+    /// Weight `i` as the format's dequantization computes it (bit for bit).
+    #[cfg(test)]
+    fn weight(&self, i: usize, offset: i32) -> f32 {
+        if offset == 0 {
+            self.d[i / 16] * self.u[i] as f32 + self.m
+        } else {
+            self.d[i / 16] * (self.u[i] as i32 - offset) as f32
+        }
+    }
+}
+
+/// ggml's 6-bit scale and min `j` (0..8) of a Q4_K super-block's 12 packed bytes.
+fn q4k_scale_min(j: usize, s: &[u8]) -> (u8, u8) {
+    if j < 4 {
+        (s[j] & 63, s[j + 4] & 63)
+    } else {
+        ((s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4), (s[j + 4] >> 4) | ((s[j] >> 6) << 4))
+    }
+}
+
+fn f16_at(b: &[u8], at: usize) -> f32 {
+    f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
 impl BlockFormat {
+    /// Weights per GGUF block: 32, or 256 for the K-quants' super-blocks. A matrix's columns
+    /// must be a multiple of it.
+    pub fn block_weights(self) -> usize {
+        match self {
+            BlockFormat::Q4K | BlockFormat::Q6K => 256,
+            _ => BLOCK,
+        }
+    }
+
     fn block_bytes(self) -> usize {
         match self {
             BlockFormat::Q4_0 => 18,
             BlockFormat::Q4_1 => 20,
+            BlockFormat::Q5_0 => 22,
             BlockFormat::Q8_0 => 34,
+            BlockFormat::Q4K => 144,
+            BlockFormat::Q6K => 210,
         }
     }
 
+    /// Bits per weight in the packed panels: 4 (nibbles) or 8 (bytes; 5- and 6-bit quants too).
     fn bits(self) -> usize {
         match self {
-            BlockFormat::Q8_0 => 8,
-            _ => 4,
+            BlockFormat::Q4_0 | BlockFormat::Q4_1 | BlockFormat::Q4K => 4,
+            BlockFormat::Q5_0 | BlockFormat::Q8_0 | BlockFormat::Q6K => 8,
         }
     }
 
-    /// One block as `(d, m, u[32])` with `w[i] = d·u[i] + m`.
-    fn decode(self, b: &[u8]) -> (f32, f32, [u8; BLOCK]) {
-        let d = f16::from_le_bytes([b[0], b[1]]).to_f32();
+    /// The integer offset of [`Block`]: nonzero for the two-scale blocks (Q6_K).
+    fn offset(self) -> i32 {
+        if self == BlockFormat::Q6K {
+            Q6K_OFFSET
+        } else {
+            0
+        }
+    }
+
+    /// One GGUF block (`block_bytes`) as its `block_weights / 32` blocks of 32, in order.
+    fn decode(self, b: &[u8]) -> Vec<Block> {
         let mut u = [0u8; BLOCK];
         match self {
             BlockFormat::Q4_0 | BlockFormat::Q4_1 => {
+                let d = f16_at(b, 0);
                 let (m, qs) = match self {
                     BlockFormat::Q4_0 => (-8.0 * d, &b[2..18]),
-                    _ => (f16::from_le_bytes([b[2], b[3]]).to_f32(), &b[4..20]),
+                    _ => (f16_at(b, 2), &b[4..20]),
                 };
                 for (j, &q) in qs.iter().enumerate() {
                     u[j] = q & 0x0F;
                     u[j + 16] = q >> 4;
                 }
-                (d, m, u)
+                vec![Block::affine(d, m, u)]
+            }
+            BlockFormat::Q5_0 => {
+                // qh's bit j is weight j's fifth bit; qs holds weights j (low) and j + 16 (high).
+                let d = f16_at(b, 0);
+                let qh = u32::from_le_bytes([b[2], b[3], b[4], b[5]]);
+                for (j, &q) in b[6..22].iter().enumerate() {
+                    u[j] = (q & 0x0F) | (((qh >> j) & 1) << 4) as u8;
+                    u[j + 16] = (q >> 4) | (((qh >> (j + 16)) & 1) << 4) as u8;
+                }
+                vec![Block::affine(d, -16.0 * d, u)]
             }
             BlockFormat::Q8_0 => {
+                let d = f16_at(b, 0);
                 for (j, &q) in b[2..34].iter().enumerate() {
                     u[j] = (q as i8 as i16 + 128) as u8;
                 }
-                (d, -128.0 * d, u)
+                vec![Block::affine(d, -128.0 * d, u)]
+            }
+            BlockFormat::Q4K => {
+                // d, dmin, 12 bytes of scales and mins, then 4 chunks of 32 bytes: chunk c's low
+                // nibbles are sub-block 2c, its high nibbles sub-block 2c + 1.
+                let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+                let (scales, qs) = (&b[4..16], &b[16..144]);
+                (0..8)
+                    .map(|j| {
+                        let (sc, mn) = q4k_scale_min(j, scales);
+                        let chunk = &qs[32 * (j / 2)..32 * (j / 2) + 32];
+                        let u = std::array::from_fn(|i| if j % 2 == 0 { chunk[i] & 0x0F } else { chunk[i] >> 4 });
+                        // ggml: `(d·sc)·u − dmin·mn`; adding the negated min is the same rounding.
+                        Block::affine(d * sc as f32, -(dmin * mn as f32), u)
+                    })
+                    .collect()
+            }
+            BlockFormat::Q6K => {
+                // ql (128 bytes), qh (64), 16 int8 scales, d. Per half of 128 weights (ql 64
+                // bytes, qh 32): sub-block k (0..4) of 32 is weight l of ql[l + 32·(k % 2)]'s low
+                // (k < 2) or high nibble and bits 2k..2k+2 of qh[l]; its halves of 16 take
+                // scales 2j and 2j + 1 (j = 4·half + k).
+                let (ql, qh, sc, d) = (&b[0..128], &b[128..192], &b[192..208], f16_at(b, 208));
+                (0..8)
+                    .map(|j| {
+                        let (half, k) = (j / 4, j % 4);
+                        let u = std::array::from_fn(|l| {
+                            let lo = ql[64 * half + l + 32 * (k % 2)];
+                            let lo = if k < 2 { lo & 0x0F } else { lo >> 4 };
+                            lo | ((qh[32 * half + l] >> (2 * k)) & 3) << 4
+                        });
+                        let scale = |s: usize| d * sc[s] as i8 as f32;
+                        Block { d: [scale(2 * j), scale(2 * j + 1)], m: 0.0, u }
+                    })
+                    .collect()
             }
         }
     }
@@ -128,42 +242,54 @@ pub struct PackedWeights {
     rows: usize,
     cols: usize,
     bits: usize,
+    /// Q6_K's integer offset (0 for the affine formats): blocks with two scales, one per 16
+    /// weights (`d` for the first, `d2` for the second), and no `m`.
+    offset: i32,
     /// Per panel, per block: `bits · 64` bytes (4 bits: chunk `c` holds groups `c` (low
     /// nibbles) and `c + 4` (high); 8 bits: chunk `g` holds group `g`). A chunk's byte
     /// `r·4 + j` is weight `4g + j` of the block in the panel's row `r`.
     qs: Vec<u8>,
     /// Per panel, per block: `d` of the panel's 16 rows.
     d: Vec<f32>,
-    /// Per panel, per block: `m` of the panel's 16 rows.
+    /// Per panel, per block: `m` of the panel's 16 rows (empty for Q6_K).
     m: Vec<f32>,
+    /// Per panel, per block: the second half's `d` of the panel's 16 rows (Q6_K only).
+    d2: Vec<f32>,
 }
 
 impl PackedWeights {
-    /// Repacks GGUF blocks (`raw`: `rows × cols / 32` blocks, row-major). Rows past the last
-    /// full panel are padded with zero weights.
+    /// Repacks GGUF blocks (`raw`: `rows × cols / block_weights` blocks, row-major). Rows past
+    /// the last full panel are padded with zero weights.
     pub fn pack(format: BlockFormat, raw: &[u8], rows: usize, cols: usize) -> Result<Self, String> {
-        if cols % BLOCK != 0 {
-            return Err(format!("{cols} columns is not a multiple of the {BLOCK}-weight block"));
+        let bw = format.block_weights();
+        if cols % bw != 0 {
+            return Err(format!("{cols} columns is not a multiple of {format:?}'s {bw}-weight block"));
         }
         let nb = cols / BLOCK;
         let bb = format.block_bytes();
-        if raw.len() != rows * nb * bb {
-            return Err(format!("{} bytes for a {rows}×{cols} {format:?} matrix, expected {}", raw.len(), rows * nb * bb));
+        if raw.len() != rows * (cols / bw) * bb {
+            let expected = rows * (cols / bw) * bb;
+            return Err(format!("{} bytes for a {rows}×{cols} {format:?} matrix, expected {expected}", raw.len()));
         }
-        let bits = format.bits();
+        let (bits, offset) = (format.bits(), format.offset());
         let block_bytes = panel_block_bytes(bits);
         let panels = rows.div_ceil(PANEL);
+        let scales = panels * nb * PANEL;
         let mut qs = vec![0u8; panels * nb * block_bytes];
-        let mut d = vec![0f32; panels * nb * PANEL];
-        let mut m = vec![0f32; panels * nb * PANEL];
+        let mut d = vec![0f32; scales];
+        let mut m = vec![0f32; if offset == 0 { scales } else { 0 }];
+        let mut d2 = vec![0f32; if offset == 0 { 0 } else { scales }];
         for row in 0..rows {
             let (p, r) = (row / PANEL, row % PANEL);
-            for b in 0..nb {
-                let src = &raw[(row * nb + b) * bb..(row * nb + b + 1) * bb];
-                let (bd, bm, u) = format.decode(src);
-                let pb = p * nb + b;
-                d[pb * PANEL + r] = bd;
-                m[pb * PANEL + r] = bm;
+            let blocks = raw[row * (cols / bw) * bb..(row + 1) * (cols / bw) * bb].chunks_exact(bb);
+            for (b, blk) in blocks.flat_map(|src| format.decode(src)).enumerate() {
+                let (pb, u) = (p * nb + b, blk.u);
+                d[pb * PANEL + r] = blk.d[0];
+                if offset == 0 {
+                    m[pb * PANEL + r] = blk.m;
+                } else {
+                    d2[pb * PANEL + r] = blk.d[1];
+                }
                 let dst = &mut qs[pb * block_bytes..(pb + 1) * block_bytes];
                 for g in 0..BLOCK / 4 {
                     for j in 0..4 {
@@ -179,7 +305,7 @@ impl PackedWeights {
                 }
             }
         }
-        Ok(Self { rows, cols, bits, qs, d, m })
+        Ok(Self { rows, cols, bits, offset, qs, d, m, d2 })
     }
 
     pub fn rows(&self) -> usize {
@@ -257,7 +383,9 @@ impl PackedWeights {
         let args = PanelArgs {
             qs: self.qs.as_ptr().add(p * self.panel_bytes()),
             d: self.d.as_ptr().add(p * nb * PANEL),
-            m: self.m.as_ptr().add(p * nb * PANEL),
+            // The one of `m` and `d2` that a format has.
+            m: if self.offset == 0 { self.m.as_ptr() } else { self.d2.as_ptr() }.add(p * nb * PANEL),
+            offset: self.offset,
             nb,
             out_stride: self.rows,
             valid,
@@ -267,22 +395,27 @@ impl PackedWeights {
             let t = (xq.n - row).min(TILE);
             let o = out.add(row * self.rows + p * PANEL);
             #[cfg(target_arch = "x86_64")]
-            match (isa, self.bits, t) {
-                (Isa::Avx512Vnni, 4, TILE) => avx512::panel::<4, TILE>(&args, xq, row, o),
-                (Isa::Avx512Vnni, 4, _) => avx512::panel::<4, 1>(&args, xq, row, o),
-                (Isa::Avx512Vnni, _, TILE) => avx512::panel::<8, TILE>(&args, xq, row, o),
-                (Isa::Avx512Vnni, _, _) => avx512::panel::<8, 1>(&args, xq, row, o),
-                (Isa::Avx2, 4, TILE) => avx2::panel::<4, TILE>(&args, xq, row, o),
-                (Isa::Avx2, 4, _) => avx2::panel::<4, 1>(&args, xq, row, o),
-                (Isa::Avx2, _, TILE) => avx2::panel::<8, TILE>(&args, xq, row, o),
-                (Isa::Avx2, _, _) => avx2::panel::<8, 1>(&args, xq, row, o),
+            match (isa, self.bits, self.offset != 0, t) {
+                (Isa::Avx512Vnni, 4, _, TILE) => avx512::panel::<4, TILE, false>(&args, xq, row, o),
+                (Isa::Avx512Vnni, 4, _, _) => avx512::panel::<4, 1, false>(&args, xq, row, o),
+                (Isa::Avx512Vnni, _, false, TILE) => avx512::panel::<8, TILE, false>(&args, xq, row, o),
+                (Isa::Avx512Vnni, _, false, _) => avx512::panel::<8, 1, false>(&args, xq, row, o),
+                (Isa::Avx512Vnni, _, true, TILE) => avx512::panel::<8, TILE, true>(&args, xq, row, o),
+                (Isa::Avx512Vnni, _, true, _) => avx512::panel::<8, 1, true>(&args, xq, row, o),
+                (Isa::Avx2, 4, _, TILE) => avx2::panel::<4, TILE, false>(&args, xq, row, o),
+                (Isa::Avx2, 4, _, _) => avx2::panel::<4, 1, false>(&args, xq, row, o),
+                (Isa::Avx2, _, false, TILE) => avx2::panel::<8, TILE, false>(&args, xq, row, o),
+                (Isa::Avx2, _, false, _) => avx2::panel::<8, 1, false>(&args, xq, row, o),
+                (Isa::Avx2, _, true, TILE) => avx2::panel::<8, TILE, true>(&args, xq, row, o),
+                (Isa::Avx2, _, true, _) => avx2::panel::<8, 1, true>(&args, xq, row, o),
             }
             row += if t == TILE { TILE } else { 1 };
         }
     }
 
     /// The same product in plain scalar code, operation for operation the kernel's arithmetic
-    /// order (per block: `acc += (d·dx)·dot + m·sx`); for tests.
+    /// order (per block: `acc += (d·dx)·dot + m·sx`; Q6_K per half of 16:
+    /// `acc += (d·dx)·(dot − 32·Σq)`); for tests.
     pub fn matmul_reference(&self, x: &[f32], n: usize) -> Vec<f32> {
         let xq = QuantizedRows::new(x, n, self.cols);
         let nb = self.cols / BLOCK;
@@ -294,7 +427,7 @@ impl PackedWeights {
                 for b in 0..nb {
                     let pb = p * nb + b;
                     let blk = &self.qs[pb * panel_block_bytes(self.bits)..];
-                    let mut dot = 0i32;
+                    let mut dot = [0i32; 2];
                     for e in 0..BLOCK {
                         let (g, j) = (e / 4, e % 4);
                         let u = if self.bits == 8 {
@@ -304,11 +437,18 @@ impl PackedWeights {
                         } else {
                             blk[(g - 4) * 64 + r * 4 + j] >> 4
                         };
-                        dot += u as i32 * xq.q[i * self.cols + b * BLOCK + e] as i32;
+                        dot[e / 16] += u as i32 * xq.q[i * self.cols + b * BLOCK + e] as i32;
                     }
-                    let scale = self.d[pb * PANEL + r] * xq.dx[i * nb + b];
-                    acc = (dot as f32).mul_add(scale, acc);
-                    acc = self.m[pb * PANEL + r].mul_add(xq.sx[i * nb + b], acc);
+                    let (s, dx) = (pb * PANEL + r, xq.dx[i * nb + b]);
+                    if self.offset == 0 {
+                        acc = ((dot[0] + dot[1]) as f32).mul_add(self.d[s] * dx, acc);
+                        acc = self.m[s].mul_add(xq.sx[i * nb + b], acc);
+                    } else {
+                        for (h, (dot, d)) in dot.into_iter().zip([self.d[s], self.d2[s]]).enumerate() {
+                            let centred = dot - self.offset * xq.hsum[(i * nb + b) * 2 + h];
+                            acc = (centred as f32).mul_add(d * dx, acc);
+                        }
+                    }
                 }
                 out[i * self.rows + row] = acc;
             }
@@ -330,13 +470,15 @@ struct SharedOut(*mut f32);
 unsafe impl Sync for SharedOut {}
 unsafe impl Send for SharedOut {}
 
-/// Activations quantized per block of 32 to int8: `x ≈ dx·q`, and `sx = dx·Σq` per block.
+/// Activations quantized per block of 32 to int8: `x ≈ dx·q`, and `sx = dx·Σq` per block;
+/// `hsum`: `Σq` of each half of 16 (Q6_K's offset term).
 struct QuantizedRows {
     n: usize,
     cols: usize,
     q: Vec<i8>,
     dx: Vec<f32>,
     sx: Vec<f32>,
+    hsum: Vec<i32>,
 }
 
 impl QuantizedRows {
@@ -345,6 +487,7 @@ impl QuantizedRows {
         let mut q = vec![0i8; n * cols];
         let mut dx = vec![0f32; n * nb];
         let mut sx = vec![0f32; n * nb];
+        let mut hsum = vec![0i32; n * nb * 2];
         for (bi, (xb, qb)) in x.chunks_exact(BLOCK).zip(q.chunks_exact_mut(BLOCK)).enumerate() {
             // Written lane by lane so the loops vectorise: a max over 16 lanes, then rounding
             // half to even (`vroundps`; `f32::round` is a libm call per element).
@@ -357,24 +500,28 @@ impl QuantizedRows {
             let amax = lanes.iter().fold(0f32, |a, &v| a.max(v));
             let d = amax / 127.0;
             let inv = if d > 0.0 { 1.0 / d } else { 0.0 };
-            let mut sum = 0i32;
-            for (v, qv) in xb.iter().zip(qb.iter_mut()) {
-                let r = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
-                *qv = r;
-                sum += r as i32;
+            for (h, (xh, qh)) in xb.chunks_exact(16).zip(qb.chunks_exact_mut(16)).enumerate() {
+                let mut sum = 0i32;
+                for (v, qv) in xh.iter().zip(qh.iter_mut()) {
+                    let r = (v * inv).round_ties_even().clamp(-127.0, 127.0) as i8;
+                    *qv = r;
+                    sum += r as i32;
+                }
+                hsum[bi * 2 + h] = sum;
             }
             dx[bi] = d;
-            sx[bi] = d * sum as f32;
+            sx[bi] = d * (hsum[bi * 2] + hsum[bi * 2 + 1]) as f32;
         }
-        Self { n, cols, q, dx, sx }
+        Self { n, cols, q, dx, sx, hsum }
     }
 }
 
-/// A panel's pointers into `PackedWeights`.
+/// A panel's pointers into `PackedWeights` (`m` points at `d2` where `offset` is not 0).
 struct PanelArgs {
     qs: *const u8,
     d: *const f32,
     m: *const f32,
+    offset: i32,
     nb: usize,
     out_stride: usize,
     valid: usize,
@@ -385,10 +532,11 @@ mod avx512 {
     use super::{PanelArgs, QuantizedRows, BLOCK, PANEL};
     use std::arch::x86_64::*;
 
-    /// `T` activation rows from `row` against one panel; `BITS` 4 or 8. Writes the panel's
-    /// `valid` output columns of each row at `out + t·out_stride`.
+    /// `T` activation rows from `row` against one panel; `BITS` 4 or 8; `SPLIT`: two scales
+    /// per block (Q6_K, `a.offset`). Writes the panel's `valid` output columns of each row at
+    /// `out + t·out_stride`.
     #[target_feature(enable = "avx512f,avx512bw,avx512vnni")]
-    pub(super) unsafe fn panel<const BITS: usize, const T: usize>(
+    pub(super) unsafe fn panel<const BITS: usize, const T: usize, const SPLIT: bool>(
         a: &PanelArgs,
         xq: &QuantizedRows,
         row: usize,
@@ -417,18 +565,28 @@ mod avx512 {
             for (t, acc_t) in acc.iter_mut().enumerate() {
                 let i = row + t;
                 let xb = xq.q.as_ptr().add(i * xq.cols + b * BLOCK) as *const i32;
-                // Two independent chains halve the dependency on vpdpbusd's latency.
+                // Two independent chains halve the dependency on vpdpbusd's latency; they are
+                // also the block's two halves of 16 weights.
                 let mut s0 = _mm512_setzero_si512();
                 let mut s1 = _mm512_setzero_si512();
                 for g in 0..4 {
                     s0 = _mm512_dpbusd_epi32(s0, w[g], _mm512_set1_epi32(xb.add(g).read_unaligned()));
                     s1 = _mm512_dpbusd_epi32(s1, w[g + 4], _mm512_set1_epi32(xb.add(g + 4).read_unaligned()));
                 }
-                let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
                 let nbi = i * nb + b;
-                let scale = _mm512_mul_ps(dw, _mm512_set1_ps(*xq.dx.get_unchecked(nbi)));
-                *acc_t = _mm512_fmadd_ps(s, scale, *acc_t);
-                *acc_t = _mm512_fmadd_ps(mw, _mm512_set1_ps(*xq.sx.get_unchecked(nbi)), *acc_t);
+                let dx = _mm512_set1_ps(*xq.dx.get_unchecked(nbi));
+                if SPLIT {
+                    // mw holds the second half's scales: Σ (u − offset)·q per half, exact in i32.
+                    let h = xq.hsum.as_ptr().add(nbi * 2);
+                    let c0 = _mm512_sub_epi32(s0, _mm512_set1_epi32(a.offset * *h));
+                    let c1 = _mm512_sub_epi32(s1, _mm512_set1_epi32(a.offset * *h.add(1)));
+                    *acc_t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c0), _mm512_mul_ps(dw, dx), *acc_t);
+                    *acc_t = _mm512_fmadd_ps(_mm512_cvtepi32_ps(c1), _mm512_mul_ps(mw, dx), *acc_t);
+                } else {
+                    let s = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
+                    *acc_t = _mm512_fmadd_ps(s, _mm512_mul_ps(dw, dx), *acc_t);
+                    *acc_t = _mm512_fmadd_ps(mw, _mm512_set1_ps(*xq.sx.get_unchecked(nbi)), *acc_t);
+                }
             }
         }
         let mask: __mmask16 = if a.valid >= 16 { 0xFFFF } else { (1u16 << a.valid) - 1 };
@@ -450,9 +608,10 @@ mod avx2 {
     use super::{PanelArgs, QuantizedRows, BLOCK, PANEL};
     use std::arch::x86_64::*;
 
-    /// `T` activation rows from `row` against one panel; `BITS` 4 or 8.
+    /// `T` activation rows from `row` against one panel; `BITS` 4 or 8; `SPLIT` (8 bits only):
+    /// two scales per block, as in the AVX-512 kernel.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn panel<const BITS: usize, const T: usize>(
+    pub(super) unsafe fn panel<const BITS: usize, const T: usize, const SPLIT: bool>(
         a: &PanelArgs,
         xq: &QuantizedRows,
         row: usize,
@@ -491,24 +650,38 @@ mod avx2 {
                 for (t, acc_t) in acc.iter_mut().enumerate() {
                     let i = row + t;
                     let xb = xq.q.as_ptr().add(i * xq.cols + b * BLOCK) as *const i32;
-                    let mut s_lo = _mm256_setzero_si256();
-                    let mut s_hi = _mm256_setzero_si256();
+                    // Per half of 16 weights where SPLIT, else all in the first.
+                    let mut s_lo = [_mm256_setzero_si256(); 2];
+                    let mut s_hi = [_mm256_setzero_si256(); 2];
                     for g in 0..8 {
+                        let h = if SPLIT { g / 4 } else { 0 };
                         let x4 = _mm256_set1_epi32(xb.add(g).read_unaligned());
-                        s_lo = _mm256_add_epi16(s_lo, _mm256_maddubs_epi16(lo[g], x4));
+                        s_lo[h] = _mm256_add_epi16(s_lo[h], _mm256_maddubs_epi16(lo[g], x4));
                         if BITS == 8 {
-                            s_hi = _mm256_add_epi16(s_hi, _mm256_maddubs_epi16(hi[g], x4));
+                            s_hi[h] = _mm256_add_epi16(s_hi[h], _mm256_maddubs_epi16(hi[g], x4));
                         }
                     }
-                    let mut dot = _mm256_madd_epi16(s_lo, ones);
-                    if BITS == 8 {
-                        dot = _mm256_add_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(s_hi, ones), 4));
-                    }
-                    let s = _mm256_cvtepi32_ps(dot);
+                    let dot = |h: usize| {
+                        let dot = _mm256_madd_epi16(s_lo[h], ones);
+                        if BITS == 8 {
+                            _mm256_add_epi32(dot, _mm256_slli_epi32(_mm256_madd_epi16(s_hi[h], ones), 4))
+                        } else {
+                            dot
+                        }
+                    };
                     let nbi = i * nb + b;
-                    let scale = _mm256_mul_ps(dw, _mm256_set1_ps(*xq.dx.get_unchecked(nbi)));
-                    *acc_t = _mm256_fmadd_ps(s, scale, *acc_t);
-                    *acc_t = _mm256_fmadd_ps(mw, _mm256_set1_ps(*xq.sx.get_unchecked(nbi)), *acc_t);
+                    let dx = _mm256_set1_ps(*xq.dx.get_unchecked(nbi));
+                    if SPLIT {
+                        let hs = xq.hsum.as_ptr().add(nbi * 2);
+                        let c0 = _mm256_sub_epi32(dot(0), _mm256_set1_epi32(a.offset * *hs));
+                        let c1 = _mm256_sub_epi32(dot(1), _mm256_set1_epi32(a.offset * *hs.add(1)));
+                        *acc_t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c0), _mm256_mul_ps(dw, dx), *acc_t);
+                        *acc_t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(c1), _mm256_mul_ps(mw, dx), *acc_t);
+                    } else {
+                        let s = _mm256_cvtepi32_ps(dot(0));
+                        *acc_t = _mm256_fmadd_ps(s, _mm256_mul_ps(dw, dx), *acc_t);
+                        *acc_t = _mm256_fmadd_ps(mw, _mm256_set1_ps(*xq.sx.get_unchecked(nbi)), *acc_t);
+                    }
                 }
             }
             let valid = a.valid.saturating_sub(half * 8).min(8);
@@ -529,38 +702,70 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::quantized::{ggml_file::qtensor_from_ggml, GgmlDType};
+
+    const FORMATS: [BlockFormat; 6] = [
+        BlockFormat::Q4_1,
+        BlockFormat::Q4_0,
+        BlockFormat::Q5_0,
+        BlockFormat::Q8_0,
+        BlockFormat::Q4K,
+        BlockFormat::Q6K,
+    ];
 
     fn lcg(seed: &mut u64) -> u64 {
         *seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
         *seed >> 33
     }
 
-    /// Random blocks of `format`: scales around 0.01–0.05, random quants.
+    fn ggml_dtype(format: BlockFormat) -> GgmlDType {
+        match format {
+            BlockFormat::Q4_0 => GgmlDType::Q4_0,
+            BlockFormat::Q4_1 => GgmlDType::Q4_1,
+            BlockFormat::Q5_0 => GgmlDType::Q5_0,
+            BlockFormat::Q8_0 => GgmlDType::Q8_0,
+            BlockFormat::Q4K => GgmlDType::Q4K,
+            BlockFormat::Q6K => GgmlDType::Q6K,
+        }
+    }
+
+    /// Random blocks of `format`: random quants, scales and (K-quant) sub-block scales, with the
+    /// f16 scales set so weights come out around ±0.5 (mins and offsets either sign).
     fn random_blocks(format: BlockFormat, rows: usize, cols: usize, seed: &mut u64) -> Vec<u8> {
-        let mut raw = Vec::new();
-        for _ in 0..rows * cols / BLOCK {
-            let d = f16::from_f32(0.01 + (lcg(seed) % 1000) as f32 * 4e-5);
-            raw.extend_from_slice(&d.to_le_bytes());
-            if format == BlockFormat::Q4_1 {
-                let m = f16::from_f32(-0.1 + (lcg(seed) % 1000) as f32 * 2e-4);
-                raw.extend_from_slice(&m.to_le_bytes());
-            }
-            let n = if format == BlockFormat::Q8_0 { 32 } else { 16 };
-            for _ in 0..n {
-                raw.push(lcg(seed) as u8);
+        let bb = format.block_bytes();
+        let mut raw: Vec<u8> = (0..rows * cols / format.block_weights() * bb).map(|_| lcg(seed) as u8).collect();
+        // (byte offset, base, spread) of each f16 field.
+        let fields: &[(usize, f32, f32)] = match format {
+            BlockFormat::Q4_1 => &[(0, 0.01, 0.04), (2, -0.1, 0.2)],
+            BlockFormat::Q4K => &[(0, 0.0002, 0.001), (2, 0.0002, 0.001)],
+            BlockFormat::Q6K => &[(208, 0.0001, 0.0002)],
+            _ => &[(0, 0.01, 0.04)],
+        };
+        for blk in raw.chunks_exact_mut(bb) {
+            for &(at, base, spread) in fields {
+                let v = f16::from_f32(base + (lcg(seed) % 1000) as f32 * spread / 1000.0);
+                blk[at..at + 2].copy_from_slice(&v.to_le_bytes());
             }
         }
         raw
     }
 
-    fn dequantize(format: BlockFormat, raw: &[u8], rows: usize, cols: usize) -> Vec<f32> {
-        let bb = format.block_bytes();
-        let mut w = Vec::with_capacity(rows * cols);
-        for b in raw.chunks_exact(bb) {
-            let (d, m, u) = format.decode(b);
-            w.extend(u.iter().map(|&u| d * u as f32 + m));
-        }
-        w
+    /// Our decoding of every block, as floats.
+    fn dequantize(format: BlockFormat, raw: &[u8]) -> Vec<f32> {
+        let blocks = raw.chunks_exact(format.block_bytes()).flat_map(|b| format.decode(b));
+        blocks.flat_map(|b| (0..BLOCK).map(move |i| b.weight(i, format.offset()))).collect()
+    }
+
+    /// candle's dequantization of the same bytes (ggml's reference code).
+    fn candle_dequantize(format: BlockFormat, raw: &[u8], rows: usize, cols: usize) -> Vec<f32> {
+        let cpu = candle_core::Device::Cpu;
+        let q = qtensor_from_ggml(ggml_dtype(format), raw, vec![rows, cols], &cpu).unwrap();
+        q.dequantize(&cpu).unwrap().flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    /// Columns for a test matrix of `format`: `blocks` of 32, at least one GGUF block.
+    fn test_cols(format: BlockFormat, blocks: usize) -> usize {
+        (blocks * BLOCK).max(format.block_weights())
     }
 
     #[test]
@@ -569,33 +774,54 @@ mod tests {
         let d = f16::from_f32(0.5).to_le_bytes();
         let mut q8 = d.to_vec();
         q8.extend((0..32).map(|i| (i as i8 - 16) as u8));
-        let (dd, m, u) = BlockFormat::Q8_0.decode(&q8);
-        assert_eq!(dd * u[3] as f32 + m, 0.5 * (3.0 - 16.0));
+        assert_eq!(BlockFormat::Q8_0.decode(&q8)[0].weight(3, 0), 0.5 * (3.0 - 16.0));
         let mut q4 = d.to_vec();
         q4.extend((0..16).map(|i| (i as u8) | (15 - i as u8) << 4));
-        let (dd, m, u) = BlockFormat::Q4_0.decode(&q4);
-        assert_eq!(dd * u[2] as f32 + m, 0.5 * (2.0 - 8.0));
-        assert_eq!(dd * u[18] as f32 + m, 0.5 * (13.0 - 8.0));
+        let b = BlockFormat::Q4_0.decode(&q4)[0];
+        assert_eq!(b.weight(2, 0), 0.5 * (2.0 - 8.0));
+        assert_eq!(b.weight(18, 0), 0.5 * (13.0 - 8.0));
         let mut q41 = d.to_vec();
         q41.extend(f16::from_f32(-1.0).to_le_bytes());
         q41.extend((0..16).map(|i| (i as u8) | (15 - i as u8) << 4));
-        let (dd, m, u) = BlockFormat::Q4_1.decode(&q41);
-        assert_eq!(dd * u[17] as f32 + m, 0.5 * 14.0 - 1.0);
+        assert_eq!(BlockFormat::Q4_1.decode(&q41)[0].weight(17, 0), 0.5 * 14.0 - 1.0);
+        // Q5_0: the fifth bit of weight j is bit j of qh; d·(q − 16).
+        let mut q5 = d.to_vec();
+        q5.extend(0x8000_0001u32.to_le_bytes());
+        q5.extend((0..16).map(|i| (i as u8) | (15 - i as u8) << 4));
+        let b = BlockFormat::Q5_0.decode(&q5)[0];
+        assert_eq!((b.weight(0, 0), b.weight(1, 0)), (0.5 * (16.0 - 16.0), 0.5 * (1.0 - 16.0)));
+        assert_eq!(b.weight(31, 0), 0.5 * (16.0 + 0.0 - 16.0));
+    }
+
+    #[test]
+    fn decoding_equals_candles_dequantization() {
+        let mut seed = 3;
+        for format in FORMATS {
+            let (rows, cols) = (3, 512);
+            let raw = random_blocks(format, rows, cols, &mut seed);
+            let ours = dequantize(format, &raw);
+            let theirs = candle_dequantize(format, &raw, rows, cols);
+            assert_eq!(ours.len(), theirs.len());
+            for (i, (a, b)) in ours.iter().zip(&theirs).enumerate() {
+                assert!(a == b, "{format:?} weight {i}: {a} decoded, candle {b}");
+            }
+        }
     }
 
     #[test]
     fn kernel_matches_reference_and_dequantized_product() {
         let mut seed = 7;
-        for format in [BlockFormat::Q4_1, BlockFormat::Q4_0, BlockFormat::Q8_0] {
+        for format in FORMATS {
             // 45 rows: two full panels and a partial one (both halves of 8 rows in use, the
             // second partly); 5 activation rows: a tile and one more.
-            let (rows, cols, n) = (45, 96, 5);
+            let (rows, cols, n) = (45, test_cols(format, 3), 5);
             let raw = random_blocks(format, rows, cols, &mut seed);
             let packed = PackedWeights::pack(format, &raw, rows, cols).unwrap();
             let x: Vec<f32> = (0..n * cols).map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0).collect();
             let reference = packed.matmul_reference(&x, n);
-            // Against the float product: the only error is the activations' int8 rounding.
-            let w = dequantize(format, &raw, rows, cols);
+            // Against the float product of candle's dequantized weights: the only error is the
+            // activations' int8 rounding.
+            let w = candle_dequantize(format, &raw, rows, cols);
             for i in 0..n {
                 for r in 0..rows {
                     let exact: f32 = (0..cols).map(|c| x[i * cols + c] * w[r * cols + c]).sum();
@@ -617,8 +843,15 @@ mod tests {
             return;
         }
         let mut seed = 5;
-        let cols = 64;
-        let shapes = [(40, BlockFormat::Q4_1), (16, BlockFormat::Q8_0), (33, BlockFormat::Q4_0)];
+        let cols = 256;
+        let shapes = [
+            (40, BlockFormat::Q4_1),
+            (16, BlockFormat::Q8_0),
+            (33, BlockFormat::Q4_0),
+            (20, BlockFormat::Q6K),
+            (17, BlockFormat::Q4K),
+            (24, BlockFormat::Q5_0),
+        ];
         let packed: Vec<PackedWeights> = shapes
             .iter()
             .map(|&(rows, f)| PackedWeights::pack(f, &random_blocks(f, rows, cols, &mut seed), rows, cols).unwrap())
@@ -636,15 +869,17 @@ mod tests {
             return;
         }
         let mut seed = 11;
-        let (rows, cols) = (48, 64);
-        let raw = random_blocks(BlockFormat::Q4_1, rows, cols, &mut seed);
-        let packed = PackedWeights::pack(BlockFormat::Q4_1, &raw, rows, cols).unwrap();
-        let x: Vec<f32> = (0..9 * cols).map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0).collect();
-        for isa in [Isa::Avx512Vnni, Isa::Avx2].into_iter().filter(|&i| cpu_has(i)) {
-            let batch = packed.matmul_on(isa, &x, 9);
-            for i in 0..9 {
-                let alone = packed.matmul_on(isa, &x[i * cols..(i + 1) * cols], 1);
-                assert_eq!(alone, batch[i * rows..(i + 1) * rows], "{isa:?}, row {i}");
+        for format in FORMATS {
+            let (rows, cols) = (48, test_cols(format, 2));
+            let raw = random_blocks(format, rows, cols, &mut seed);
+            let packed = PackedWeights::pack(format, &raw, rows, cols).unwrap();
+            let x: Vec<f32> = (0..9 * cols).map(|_| (lcg(&mut seed) % 2001) as f32 / 1000.0 - 1.0).collect();
+            for isa in [Isa::Avx512Vnni, Isa::Avx2].into_iter().filter(|&i| cpu_has(i)) {
+                let batch = packed.matmul_on(isa, &x, 9);
+                for i in 0..9 {
+                    let alone = packed.matmul_on(isa, &x[i * cols..(i + 1) * cols], 1);
+                    assert_eq!(alone, batch[i * rows..(i + 1) * rows], "{format:?}, {isa:?}, row {i}");
+                }
             }
         }
     }

@@ -231,7 +231,10 @@ fn pack_for_cpu(q: &QTensor) -> Result<Option<PackedWeights>> {
     let format = match q.dtype() {
         GgmlDType::Q4_0 => BlockFormat::Q4_0,
         GgmlDType::Q4_1 => BlockFormat::Q4_1,
+        GgmlDType::Q5_0 => BlockFormat::Q5_0,
         GgmlDType::Q8_0 => BlockFormat::Q8_0,
+        GgmlDType::Q4K => BlockFormat::Q4K,
+        GgmlDType::Q6K => BlockFormat::Q6K,
         _ => return Ok(None),
     };
     let use_candle = std::env::var("LIFT_CPU_QMATMUL").is_ok_and(|v| v == "candle");
@@ -239,7 +242,7 @@ fn pack_for_cpu(q: &QTensor) -> Result<Option<PackedWeights>> {
         return Ok(None);
     }
     let (rows, cols) = q.shape().dims2()?;
-    if cols % quant_matmul::BLOCK != 0 {
+    if cols % format.block_weights() != 0 {
         return Ok(None);
     }
     let packed = PackedWeights::pack(format, &q.data()?, rows, cols).map_err(candle_core::Error::Msg)?;
