@@ -271,12 +271,13 @@ fn local_backend_absorbs_and_answers_through_the_prepared_bases_filter() {
     let tokens = Document::encode(&model, doc.text.clone()).unwrap();
     let q = &doc.questions[0].question;
     let q_len = model.tokenizer.encode(q, false).unwrap().len();
+    let head_tail = |q, mode| Ask { context: Some(ContextPolicy::HeadTail), context_tokens: Some(200), ..Ask::new(q, mode) };
     let mut lens = Vec::new();
     for m in [&plain, &model] {
         let mut local = Local::new(m, 4);
         let (_, handle) = local.absorb(&doc, &tokens, &o, &mut |_, _, _| {}).unwrap();
-        let (_, lift_len) = local.ask(&doc, &tokens, Some(handle), q, Mode::Lift, Some(ContextPolicy::HeadTail), Some(200)).unwrap();
-        let (_, icl_len) = local.ask(&doc, &tokens, None, q, Mode::Icl, Some(ContextPolicy::HeadTail), Some(200)).unwrap();
+        let (_, lift_len) = local.ask(&doc, &tokens, Some(handle), &head_tail(q, Mode::Lift)).unwrap();
+        let (_, icl_len) = local.ask(&doc, &tokens, None, &head_tail(q, Mode::Icl)).unwrap();
         lens.push((lift_len, icl_len));
     }
     // Without a base, `lift` has exactly the `icl` prompt; the base's filter layout repeats the

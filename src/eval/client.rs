@@ -10,7 +10,7 @@
 
 use super::{AbsorbRecord, Backend, EvalDocument};
 use crate::adapters::AdapterKind;
-use crate::lift::answer::{ContextPolicy, Mode};
+use crate::lift::answer::Ask;
 use crate::lift::AbsorbOptions;
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
@@ -138,27 +138,18 @@ impl Backend for Server {
         Ok((rec, self.ids.len() - 1))
     }
 
-    fn ask(
-        &mut self,
-        doc: &EvalDocument,
-        _document: &crate::document::Document,
-        handle: Option<usize>,
-        question: &str,
-        mode: Mode,
-        context: Option<ContextPolicy>,
-        context_tokens: Option<usize>,
-    ) -> Result<(String, usize)> {
+    fn ask(&mut self, doc: &EvalDocument, _document: &crate::document::Document, handle: Option<usize>, ask: &Ask) -> Result<(String, usize)> {
         // `icl` and `rag` need no adapter, but the API asks about a document by id: any of its adapters.
         let id = match handle.or(self.ids.len().checked_sub(1)) {
             Some(h) => self.ids[h].clone(),
             None => bail!("{}: through the server, `icl` needs another method that absorbs the document", doc.id),
         };
-        let mut body = json!({"document_id": id, "question": question, "mode": mode.name(), "max_tokens": self.max_tokens, "temperature": 0});
-        if let Some(c) = context {
+        let mut body = json!({"document_id": id, "question": ask.question, "mode": ask.mode.name(), "max_tokens": self.max_tokens, "temperature": 0});
+        if let Some(c) = ask.context {
             body["context"] = json!(c.name());
         }
         // The run's budget, not the server's default, so the labels match what was shown.
-        if let Some(n) = context_tokens.filter(|_| mode.uses_context()) {
+        if let Some(n) = ask.context_tokens.filter(|_| ask.mode.uses_context()) {
             body["context_tokens"] = json!(n);
         }
         let r = self.send(self.http.post(format!("{}/ask", self.base)).json(&body))?;

@@ -374,19 +374,9 @@ pub trait Backend {
         opts: &AbsorbOptions,
         on_step: &mut dyn FnMut(usize, usize, f64),
     ) -> Result<(AbsorbRecord, usize)>;
-    /// Answers greedily with at most `context_tokens` of the document in context (`None`: what
-    /// fits the window); returns the answer and the prompt's length in tokens.
-    #[allow(clippy::too_many_arguments)]
-    fn ask(
-        &mut self,
-        doc: &EvalDocument,
-        document: &Document,
-        handle: Option<usize>,
-        question: &str,
-        mode: Mode,
-        context: Option<ContextPolicy>,
-        context_tokens: Option<usize>,
-    ) -> Result<(String, usize)>;
+    /// Answers `ask` greedily (with adapter `handle`, if any); returns the answer and the
+    /// prompt's length in tokens.
+    fn ask(&mut self, doc: &EvalDocument, document: &Document, handle: Option<usize>, ask: &Ask) -> Result<(String, usize)>;
     /// Forgets the adapters of the current document.
     fn release(&mut self) {}
 }
@@ -446,21 +436,11 @@ impl Backend for Local<'_> {
         Ok((rec, self.adapters.len() - 1))
     }
 
-    fn ask(
-        &mut self,
-        _doc: &EvalDocument,
-        document: &Document,
-        handle: Option<usize>,
-        question: &str,
-        mode: Mode,
-        context: Option<ContextPolicy>,
-        context_tokens: Option<usize>,
-    ) -> Result<(String, usize)> {
+    fn ask(&mut self, _doc: &EvalDocument, document: &Document, handle: Option<usize>, ask: &Ask) -> Result<(String, usize)> {
         let bundle = handle.map(|h| &self.adapters[h].bundle);
         let adapter = bundle.map(|b| &b.adapter as &dyn crate::model::Adapter);
         let params = SamplingParams { max_tokens: self.max_tokens, temperature: 0.0, ..Default::default() };
-        let ask = Ask { history: &[], question, mode, context, context_tokens };
-        let a = answer(self.model, document, adapter, &ask, &params, &mut |_| true)?;
+        let a = answer(self.model, document, adapter, ask, &params, &mut |_| true)?;
         Ok((a.generation.text, a.prompt.tokens.len()))
     }
 
@@ -617,22 +597,17 @@ impl Runner<'_> {
             let label = match labels.get(&window_budget) {
                 Some(l) => *l,
                 None => {
-                    let head_tail = Ask {
-                        history: &[],
-                        question: &q.question,
-                        mode: Mode::Icl,
-                        context: Some(ContextPolicy::HeadTail),
-                        context_tokens: window_budget,
-                    };
+                    let head_tail =
+                        Ask { context: Some(ContextPolicy::HeadTail), context_tokens: window_budget, ..Ask::new(&q.question, Mode::Icl) };
                     let l = in_window(&build_prompt(model, document, &head_tail, cfg.max_tokens)?, q);
-                    *labels.entry(window_budget).or_insert(l)
+                    labels.insert(window_budget, l);
+                    l
                 }
             };
             let t = Instant::now();
-            let budget = budget(m, cfg);
-            let handle = handles.get(&m.name).copied();
-            let (prediction, prompt_tokens) = self.backend.ask(doc, document, handle, &q.question, m.mode, m.context, budget)?;
-            let expected = build_prompt(model, document, &ask(&q.question, m, cfg), cfg.max_tokens)?;
+            let asked = ask(&q.question, m, cfg);
+            let (prediction, prompt_tokens) = self.backend.ask(doc, document, handles.get(&m.name).copied(), &asked)?;
+            let expected = build_prompt(model, document, &asked, cfg.max_tokens)?;
             if prompt_tokens != expected.tokens.len() {
                 bail!(
                     "{} {}: the {} prompt has {prompt_tokens} tokens, the labels assume {}: the answering side uses \
