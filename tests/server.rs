@@ -1965,6 +1965,13 @@ async fn hostile_uploads_are_refused_in_bounded_time() {
     // Nothing was written for the refused uploads; the server still absorbs and answers.
     let (_, list) = get_json(&c, &format!("{base}/documents"), None).await;
     assert_eq!(list["data"].as_array().unwrap().len(), 1, "{list}");
+    // A page drawing a 3 GiB picture is read, not refused: its text is kept and the picture,
+    // which the PDF text extractor would inflate whole (past the worker's 2 GiB), is skipped.
+    let (s, d, secs) = post_raw(&c, &base, "application/pdf", hostile::image_bomb_pdf(3 << 30)).await;
+    assert_eq!(s, 202, "{d}");
+    assert!(secs < 10.0, "the picture page was read only after {secs:.1} s");
+    assert_eq!((d["source"]["format"].as_str(), d["source"]["pages"].as_u64()), (Some("pdf"), Some(1)), "{d}");
+    assert!(d["tokens"].as_u64().unwrap() >= 2, "the page's words are kept: {d}");
     let (s, d) = upload(&c, &base, Some(("after.html", "text/html", format!("<p>{DOC} After.</p>").into_bytes())), &[]).await;
     assert_eq!(s, 202, "{d}");
     let after = d["id"].as_str().unwrap().to_string();

@@ -201,8 +201,8 @@ impl ExtractError {
 
 /// Budgets every extraction runs under, enforced where the work happens: the input is measured
 /// before parsing, nesting is measured by a cheap scan before a parser sees the bytes, every
-/// compressed PDF stream is inflated through a bounded reader before the text extractor touches
-/// it, and the output is counted as it grows. (Wall time and memory are the extraction worker's:
+/// encoded PDF stream is decoded through a bounded reader before the text extractor touches it
+/// (which then finds it plain), and the output is counted as it grows. (Wall time and memory are the extraction worker's:
 /// `crate::extraction`.)
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(default)]
@@ -705,6 +705,73 @@ mod budget_tests {
         // A slow unit (15 s under the fuzzer's sanitizers): a page nested 15,000 deep behind `<!-->`.
         let slow = include_bytes!("../../fuzz/regressions/extract_html/slow-unit-b4b2d85f7e602bd23bc0b42129cf1b3b23d44e03");
         assert_eq!(refused(slow, "slow.html").code(), "document_too_complex");
+    }
+
+    /// Found by the fuzzer (extract_pdf, a 20 s timeout): a page that is its own `Parent` sent
+    /// the text extractor up its page tree forever. Forms that draw themselves would overflow its
+    /// stack (an abort, which no `catch_unwind` contains), and forms each drawing the next twice
+    /// double its work at every level: all are refused before it runs.
+    #[test]
+    fn looping_page_trees_and_runaway_forms_are_refused() {
+        use crate::testing::hostile::{form_pdf, self_parent_pdf};
+        let timeout = include_bytes!("../../fuzz/regressions/extract_pdf/timeout-22a4a1ceef104214a1fcdbed3f6395361f9970f9");
+        for (name, pdf) in [("timeout.pdf", timeout.to_vec()), ("parent.pdf", self_parent_pdf())] {
+            let e = extract(&pdf, Some(name), None).unwrap_err();
+            assert_eq!(e.code(), "unreadable_pdf", "{e}");
+            assert!(e.to_string().contains("page tree loops"), "{e}");
+        }
+        let itself = refused(&form_pdf(1, 1, Some), "itself.pdf");
+        assert!(itself.to_string().contains("form XObject nesting"), "{itself}");
+        let each_other = refused(&form_pdf(2, 1, |k| Some(1 - k)), "pair.pdf");
+        assert!(each_other.to_string().contains("form XObject nesting"), "{each_other}");
+        let doubling = refused(&form_pdf(30, 2, |k| (k + 1 < 30).then_some(k + 1)), "doubling.pdf");
+        assert!(doubling.to_string().contains("drawn content operations"), "{doubling}");
+        // Forms nested within the budget are read, each time drawn.
+        let nested = extract(&form_pdf(3, 2, |k| (k + 1 < 3).then_some(k + 1)), Some("forms.pdf"), None).unwrap();
+        assert!(nested.text.contains("plain words"), "{}", nested.text);
+        assert_eq!(nested.text.matches("form words").count(), 1 + 2 + 4, "{}", nested.text);
+    }
+
+    /// Every filter lopdf decodes, alone and chained, is decoded here under the budget: text
+    /// through each reads, and a bomb through each is refused (before, only a stream whose
+    /// first filter was Flate was measured, and the extractor inflated the rest unbounded).
+    #[test]
+    fn lzw_and_ascii85_streams_are_decoded_under_the_budget() {
+        use crate::testing::hostile::encoded_pdf;
+        let line = b"BT /F1 12 Tf 72 720 Td (chained words) Tj ET\n";
+        for filters in [&["LZWDecode"][..], &["ASCII85Decode"], &["ASCII85Decode", "FlateDecode"], &["FlateDecode", "LZWDecode"]] {
+            let pdf = encoded_pdf(filters, line, line.len());
+            let e = extract(&pdf, Some("chained.pdf"), None).unwrap_or_else(|e| panic!("{filters:?}: {e}"));
+            assert!(e.text.contains("chained words"), "{filters:?}: {}", e.text);
+        }
+        for filters in [&["LZWDecode"][..], &["ASCII85Decode", "FlateDecode"], &["ASCII85Decode", "LZWDecode"]] {
+            let pdf = encoded_pdf(filters, b"BT /F1 12 Tf (A) Tj ET\n", 64 << 20);
+            assert!(pdf.len() < 8 << 20, "{filters:?}: {}", pdf.len());
+            let e = refused(&pdf, "bomb.pdf");
+            assert_eq!(e.code(), "decompression_limit", "{filters:?}: {e}");
+            assert!(e.to_string().contains("one stream"), "{filters:?}: {e}");
+        }
+    }
+
+    /// An object stream is inflated by the PDF parser itself, before any budget of ours could
+    /// meet it: it is measured in the raw bytes first.
+    #[test]
+    fn object_stream_bombs_are_refused_before_parsing() {
+        let pdf = crate::testing::hostile::object_stream_bomb_pdf(1 << 30);
+        assert!(pdf.len() < 4 << 20, "{}", pdf.len());
+        let e = refused(&pdf, "objstm.pdf");
+        assert_eq!(e.code(), "decompression_limit", "{e}");
+    }
+
+    /// The extractor draws an image (`Do`) as if it were a content stream, inflating its data
+    /// with no bound: images are blanked before it runs, so an image bomb costs nothing and a
+    /// page with a picture keeps its text.
+    #[test]
+    fn drawn_images_are_not_inflated() {
+        let pdf = crate::testing::hostile::image_bomb_pdf(1 << 30);
+        assert!(pdf.len() < 2 << 20, "{}", pdf.len());
+        let e = extract(&pdf, Some("picture.pdf"), None).unwrap();
+        assert!(e.text.contains("plain words"), "{}", e.text);
     }
 
     #[test]
