@@ -1,9 +1,11 @@
 #!/usr/bin/env python3
 """Writes the seed corpus of the fuzz targets (fuzz/corpus/<target>/): ordinary files of each
-format and the hostile ones of issue 44 — nested HTML, a PDF whose FlateDecode page stream
-inflates to 1 GiB of text operators, one inflating to 1 GiB of zeros, a nested-array PDF, a
-100k-deep Markdown list — plus Word, OpenDocument and EPUB packages (one a ZIP bomb), multipart and JSON bodies (one with a duplicate key).
+format and the hostile ones — nested HTML, a PDF whose FlateDecode page stream
+inflates to 1 GiB of text operators, one inflating to 1 GiB of zeros, a nested-array PDF,
+forms drawing forms, a drawn image, an object stream, chained stream filters, a 100k-deep
+Markdown list — plus Word, OpenDocument and EPUB packages (one a ZIP bomb), multipart and JSON bodies (one with a duplicate key).
 Usage: scripts/fuzz_corpus.py [out_dir] (default fuzz/corpus)."""
+import base64
 import io
 import os
 import sys
@@ -20,19 +22,24 @@ def put(target, name, data):
         f.write(data if isinstance(data, bytes) else data.encode())
 
 
-def pdf(catalog, stream=None):
-    """Catalog, pages, page, content (FlateDecode `stream`, or a line of text), font; with xref."""
+def plain_stream(dict_entries, data):
+    return b"<< %s /Length %d >>\nstream\n" % (dict_entries, len(data)) + data + b"\nendstream"
+
+
+def pdf(catalog, stream=None, text=b"BT /F1 12 Tf 72 720 Td (plain words) Tj ET", xobjects=b"", extra=()):
+    """Catalog, pages, page (drawing `xobjects`), content (FlateDecode `stream`, or `text`),
+    font, then the `extra` objects (6, 7, ...); with xref."""
     if stream is None:
-        text = b"BT /F1 12 Tf 72 720 Td (plain words) Tj ET"
-        content = b"<< /Length %d >>\nstream\n" % len(text) + text + b"\nendstream"
+        content = plain_stream(b"", text)
     else:
         content = b"<< /Length %d /Filter /FlateDecode >>\nstream\n" % len(stream) + stream + b"\nendstream"
     objects = [
         catalog,
         b"<< /Type /Pages /Kids [3 0 R] /Count 1 /MediaBox [0 0 612 792] >>",
-        b"<< /Type /Page /Parent 2 0 R /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> >> >>",
+        b"<< /Type /Page /Parent 2 0 R /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> %s >> >>" % xobjects,
         content,
         b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>",
+        *extra,
     ]
     body, offsets = b"%PDF-1.5\n", []
     for i, o in enumerate(objects):
@@ -69,6 +76,20 @@ put("extract_pdf", "bomb_text_ops.pdf", pdf(catalog, bomb(b"BT /F1 12 Tf (A) Tj 
 put("extract_pdf", "bomb_zeros.pdf", pdf(catalog, bomb(b"\0", 1 << 30)))
 put("extract_pdf", "nested_array.pdf", pdf(b"<< /Type /Catalog /Pages 2 0 R /Nest " + b"[" * 100_000 + b"]" * 100_000 + b" >>"))
 put("extract_pdf", "quote_operators.pdf", pdf(catalog, b"BT /F1 12 Tf 14 TL 72 720 Td (a) Tj (b) ' 1 0 (c) \" ET"))
+# Forms drawing forms (6 draws 7 twice, 7 draws 8 twice), a drawn image, an object stream, an
+# LZW-and-ASCII85 chain: the shapes the extractor follows or decodes with no guard of its own.
+form = lambda nxt: plain_stream(
+    b"/Type /XObject /Subtype /Form /BBox [0 0 612 792] /Resources << /Font << /F1 5 0 R >>%s >>" % (b" /XObject << /X %d 0 R >>" % nxt if nxt else b""),
+    b"BT /F1 12 Tf 72 700 Td (form words) Tj ET" + (b" /X Do /X Do" if nxt else b""))
+put("extract_pdf", "forms.pdf", pdf(catalog, text=b"BT /F1 12 Tf 72 720 Td (plain words) Tj ET /X Do", xobjects=b"/XObject << /X 6 0 R >>", extra=(form(7), form(8), form(None))))
+image = zlib.compress(b"\0" * 4096)
+put("extract_pdf", "image.pdf", pdf(catalog, text=b"BT /F1 12 Tf 72 720 Td (plain words) Tj ET q 64 0 0 64 0 0 cm /Im Do Q", xobjects=b"/XObject << /Im 6 0 R >>",
+    extra=(b"<< /Type /XObject /Subtype /Image /Width 64 /Height 64 /ColorSpace /DeviceGray /BitsPerComponent 8 /Filter /FlateDecode /Length %d >>\nstream\n" % len(image) + image + b"\nendstream",)))
+objstm = zlib.compress(b"7 0 << /Kind /Packed >>")
+put("extract_pdf", "object_stream.pdf", pdf(catalog, extra=(b"<< /Type /ObjStm /N 1 /First 4 /Filter /FlateDecode /Length %d >>\nstream\n" % len(objstm) + objstm + b"\nendstream",)))
+a85 = base64.a85encode(zlib.compress(b"BT /F1 12 Tf 72 720 Td (chained words) Tj ET"), adobe=False) + b"~>"
+put("extract_pdf", "chained_filters.pdf", pdf(catalog, text=b"/X Do", xobjects=b"/XObject << /X 6 0 R >>",
+    extra=(plain_stream(b"/Type /XObject /Subtype /Form /BBox [0 0 612 792] /Resources << /Font << /F1 5 0 R >> >> /Filter [ /ASCII85Decode /FlateDecode ]", a85),)))
 
 
 def package(members):
