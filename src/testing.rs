@@ -325,6 +325,16 @@ pub enum PdfPages<'a> {
 /// information dictionary, and, with `user_password`, encrypted (RC4, 128-bit; an empty user
 /// password with an owner password makes an "owner-locked" PDF that opens without one).
 pub fn write_pdf(pages: PdfPages, title: &str, user_password: Option<&str>) -> Result<Vec<u8>> {
+    pdf_document(pages, title, user_password, false)
+}
+
+/// As [`write_pdf`] (unencrypted), saved as PDF 1.5 writers do: its objects packed into object
+/// streams behind a cross-reference stream.
+pub fn write_pdf_with_object_streams(pages: PdfPages, title: &str) -> Result<Vec<u8>> {
+    pdf_document(pages, title, None, true)
+}
+
+fn pdf_document(pages: PdfPages, title: &str, user_password: Option<&str>, object_streams: bool) -> Result<Vec<u8>> {
     use lopdf::content::{Content, Operation};
     use lopdf::{dictionary, Document, Object, Stream};
     let mut doc = Document::with_version("1.5");
@@ -422,7 +432,11 @@ pub fn write_pdf(pages: PdfPages, title: &str, user_password: Option<&str>) -> R
         doc.encrypt(&state)?;
     }
     let mut out = Vec::new();
-    doc.save_to(&mut out)?;
+    if object_streams {
+        doc.save_modern(&mut out)?;
+    } else {
+        doc.save_to(&mut out)?;
+    }
     Ok(out)
 }
 
@@ -724,8 +738,10 @@ pub mod hostile {
     }
 
     /// A one-page PDF with an object stream (`/Type /ObjStm`, read while the file is parsed)
-    /// whose FlateDecode data inflates to `inflated` bytes of spaces.
-    pub fn object_stream_bomb_pdf(inflated: usize) -> Vec<u8> {
+    /// whose FlateDecode data inflates to `inflated` bytes of spaces; `disguised`: with strings
+    /// that look like syntax to a byte scan (`(stream)` in the catalog, `(obj)` between the
+    /// stream's `/Type` and its data).
+    pub fn object_stream_bomb_pdf(inflated: usize, disguised: bool) -> Vec<u8> {
         let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
         let spaces = vec![b' '; 1 << 20];
         let mut left = inflated;
@@ -735,10 +751,12 @@ pub mod hostile {
             left -= n;
         }
         let data = z.finish().unwrap_or_default();
-        let mut o = format!("<< /Type /ObjStm /N 1 /First 4 /Filter /FlateDecode /Length {} >>\nstream\n", data.len()).into_bytes();
+        let note = if disguised { "/Note (obj) " } else { "" };
+        let mut o = format!("<< /Type /ObjStm {note}/N 1 /First 4 /Filter /FlateDecode /Length {} >>\nstream\n", data.len()).into_bytes();
         o.extend_from_slice(&data);
         o.extend_from_slice(b"\nendstream");
-        let mut objects = standard_objects(b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(), None);
+        let catalog: &[u8] = if disguised { b"<< /Type /Catalog /Pages 2 0 R /Note (stream) >>" } else { b"<< /Type /Catalog /Pages 2 0 R >>" };
+        let mut objects = standard_objects(catalog.to_vec(), None);
         objects.push(o);
         write_objects(&objects)
     }

@@ -511,6 +511,17 @@ mod pdf_tests {
         assert_eq!(e.text, "abcd efgh\nzy", "{:?}", e.text);
     }
 
+    /// Object streams are measured as the parser reads them; the objects inside them (here the
+    /// pages, fonts and title) must come through that unchanged.
+    #[test]
+    fn a_pdf_with_object_streams_is_read() {
+        let pdf = crate::testing::write_pdf_with_object_streams(PdfPages::Text(&["The harbor of Velmora was built in 1843.", "The lighthouse is blue."]), "Packed").unwrap();
+        assert!(pdf.windows(7).any(|w| w == b"/ObjStm"), "the objects are packed");
+        let e = extract(&pdf, Some("packed.pdf"), None).unwrap();
+        assert!(e.text.contains("built in 1843") && e.text.contains("lighthouse is blue"), "{}", e.text);
+        assert_eq!((e.title.as_deref(), e.source.pages), (Some("Packed"), Some(2)));
+    }
+
     #[test]
     fn locked_scanned_and_broken_pdfs_are_refused_with_their_reason() {
         let locked = write_pdf(PdfPages::Text(&["secret plans"]), "Locked", Some("user-secret")).unwrap();
@@ -757,9 +768,14 @@ mod budget_tests {
     /// meet it: it is measured in the raw bytes first.
     #[test]
     fn object_stream_bombs_are_refused_before_parsing() {
-        let pdf = crate::testing::hostile::object_stream_bomb_pdf(1 << 30);
+        use crate::testing::hostile::object_stream_bomb_pdf;
+        let pdf = object_stream_bomb_pdf(1 << 30, false);
         assert!(pdf.len() < 4 << 20, "{}", pdf.len());
         let e = refused(&pdf, "objstm.pdf");
+        assert_eq!(e.code(), "decompression_limit", "{e}");
+        // Disguised from the raw scan (a string holding `stream` in the catalog, one holding
+        // `obj` between the object's header and its type): measured as the parser reads it.
+        let e = refused(&object_stream_bomb_pdf(1 << 30, true), "disguised.pdf");
         assert_eq!(e.code(), "decompression_limit", "{e}");
     }
 

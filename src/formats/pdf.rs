@@ -24,7 +24,15 @@ pub(super) fn pdf_to_text(bytes: &[u8], what: &str, limits: &Limits) -> Result<P
     pdf_parse_time_streams(bytes, what, limits)?;
     let caught = std::panic::catch_unwind(|| -> Result<PdfText, ExtractError> {
         // Opening decrypts with the empty user password when that is the password.
-        let mut doc = lopdf::Document::load_mem(bytes).map_err(|e| unreadable(e.to_string()))?;
+        let mut doc = load_measuring_object_streams(bytes, limits).map_err(|e| match e {
+            LoadError::Parse(e) => unreadable(e.to_string()),
+            LoadError::ObjectStream(n) => ExtractError::Decompression {
+                what: what.to_string(),
+                limit: "one stream",
+                value: n,
+                max: limits.max_stream_bytes,
+            },
+        })?;
         if doc.is_encrypted() && doc.authenticate_password("").is_err() {
             return Err(ExtractError::EncryptedPdf { what: what.to_string() });
         }
@@ -304,11 +312,61 @@ fn spell_out_cid_width_ranges(doc: &mut lopdf::Document) {
     }
 }
 
+enum LoadError {
+    Parse(lopdf::Error),
+    /// An object stream decoded past `max_stream_bytes` (its size, as far as it was decoded).
+    ObjectStream(u64),
+}
+
+thread_local! {
+    /// `(max_stream_bytes, the largest object stream seen)` of the PDF being parsed on this
+    /// thread: lopdf takes its object filter as a plain `fn`, with nowhere else to keep them.
+    static OBJECT_STREAMS: std::cell::Cell<(u64, u64)> = const { std::cell::Cell::new((0, 0)) };
+}
+
+/// Parses the PDF with each object stream (`/Type /ObjStm`, which lopdf inflates while it parses,
+/// with no bound) decoded first under `max_stream_bytes`: one past it is emptied before lopdf
+/// sees it, and refuses the file. This reads the parser's own dictionaries, so it holds where the
+/// raw scan ([`pdf_parse_time_streams`]) could be misled by a string that looks like syntax.
+fn load_measuring_object_streams(bytes: &[u8], limits: &Limits) -> Result<lopdf::Document, LoadError> {
+    fn measure(id: lopdf::ObjectId, object: &mut lopdf::Object) -> Option<(lopdf::ObjectId, lopdf::Object)> {
+        if let lopdf::Object::Stream(stream) = object {
+            if stream.dict.has_type(b"ObjStm") {
+                let (max, largest) = OBJECT_STREAMS.get();
+                let filters: Vec<Vec<u8>> = stream.filters().map(|f| f.into_iter().map(<[u8]>::to_vec).collect()).unwrap_or_default();
+                let n = decode_bounded(&stream.content, &filters, true, max).map_or(0, |plain| plain.len() as u64);
+                OBJECT_STREAMS.set((max, largest.max(n)));
+                if n > max {
+                    stream.set_plain_content(Vec::new());
+                }
+            }
+        }
+        // lopdf keeps the object it passed (a file's own objects, the streams among them) or
+        // the one returned (the objects inside an object stream, which are never streams);
+        // `None` would drop it.
+        match object {
+            lopdf::Object::Stream(_) => Some((id, lopdf::Object::Null)),
+            other => Some((id, other.clone())),
+        }
+    }
+    OBJECT_STREAMS.set((limits.max_stream_bytes, 0));
+    let doc = lopdf::Document::load_mem_with_options(bytes, lopdf::LoadOptions::with_filter(measure));
+    let (max, largest) = OBJECT_STREAMS.get();
+    if largest > max {
+        return Err(LoadError::ObjectStream(largest));
+    }
+    doc.map_err(LoadError::Parse)
+}
+
 /// Measures the streams the PDF parser decodes while it reads the file, before any budget of
-/// ours could meet them and with none of its own: object streams (`/Type /ObjStm`) and
-/// cross-reference streams (`/Type /XRef`). One linear scan of the raw bytes finds each stream
-/// and the dictionary before it (from its object's `obj` keyword, names' `#xx` escapes undone)
-/// and decodes it under the same budget as every other stream.
+/// ours could meet them and with none of its own: cross-reference streams (`/Type /XRef`) and
+/// object streams (`/Type /ObjStm`; those are also measured exactly as they are parsed,
+/// [`load_measuring_object_streams`]). One linear scan of the raw bytes finds each `stream`
+/// keyword and the dictionary before it (from the last `obj` keyword, names' `#xx` escapes undone)
+/// and decodes it under the same budget as every other stream. Stream data is scanned too, not
+/// skipped, so that a string holding `stream` cannot hide the objects after it; a dictionary that
+/// hides its `/Type` behind a string holding `obj` is not caught here (the worker's memory limit
+/// still ends it).
 fn pdf_parse_time_streams(pdf: &[u8], what: &str, limits: &Limits) -> Result<(), ExtractError> {
     let (mut total, mut object_start, mut i) = (0u64, 0usize, 0usize);
     while i < pdf.len() {
@@ -328,8 +386,6 @@ fn pdf_parse_time_streams(pdf: &[u8], what: &str, limits: &Limits) -> Result<(),
                     total = count_decoded(plain.len() as u64, total, budget, what, limits)?;
                 }
             }
-            i = end + 9;
-            continue;
         }
         i += 1;
     }
