@@ -610,16 +610,7 @@ pub mod hostile {
     /// repeated (`b"\0"` for a bomb of zeros, `b"BT /F1 12 Tf (A) Tj ET\n"` for one of text
     /// operators).
     pub fn flate_bomb_pdf(unit: &[u8], inflated: usize) -> Vec<u8> {
-        let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
-        let chunk = unit.repeat((1 << 20) / unit.len().max(1) + 1);
-        let mut left = inflated;
-        while left > 0 {
-            let n = left.min(chunk.len());
-            let _ = z.write_all(&chunk[..n]);
-            left -= n;
-        }
-        let stream = z.finish().unwrap_or_default();
-        pdf(b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(), Some(&stream))
+        pdf(b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(), Some(&zlib_of_repeated(unit, inflated)))
     }
 
     /// A PDF whose catalog holds an array nested `depth` deep.
@@ -645,21 +636,15 @@ pub mod hostile {
     pub fn form_pdf(forms: usize, draws: usize, next: impl Fn(usize) -> Option<usize>) -> Vec<u8> {
         let mut objects = standard_objects(b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(), None);
         objects[2] = b"<< /Type /Page /Parent 2 0 R /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> /XObject << /X 6 0 R >> >> >>".to_vec();
-        objects[3] = stream_object(b"BT /F1 12 Tf 72 720 Td (plain words) Tj ET /X Do");
+        objects[3] = stream_object_with("", b"BT /F1 12 Tf 72 720 Td (plain words) Tj ET /X Do");
         for k in 0..forms {
             let (draw, xobjects) = match next(k) {
                 Some(n) => ("/X Do ".repeat(draws), format!("/XObject << /X {} 0 R >>", 6 + n)),
                 None => (String::new(), String::new()),
             };
             let content = format!("BT /F1 12 Tf 72 700 Td (form words) Tj ET {draw}");
-            let mut o = format!(
-                "<< /Type /XObject /Subtype /Form /BBox [0 0 612 792] /Resources << /Font << /F1 5 0 R >> {xobjects} >> /Length {} >>\nstream\n",
-                content.len()
-            )
-            .into_bytes();
-            o.extend_from_slice(content.as_bytes());
-            o.extend_from_slice(b"\nendstream");
-            objects.push(o);
+            let form = format!("/Type /XObject /Subtype /Form /BBox [0 0 612 792] /Resources << /Font << /F1 5 0 R >> {xobjects} >>");
+            objects.push(stream_object_with(&form, content.as_bytes()));
         }
         write_objects(&objects)
     }
@@ -668,25 +653,9 @@ pub mod hostile {
     pub fn image_bomb_pdf(inflated: usize) -> Vec<u8> {
         let mut objects = standard_objects(b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(), None);
         objects[2] = b"<< /Type /Page /Parent 2 0 R /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> /XObject << /Im 6 0 R >> >> >>".to_vec();
-        objects[3] = stream_object(b"BT /F1 12 Tf 72 720 Td (plain words) Tj ET q 612 0 0 792 0 0 cm /Im Do Q");
-        let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
-        let zeros = vec![0u8; 1 << 20];
-        let mut left = inflated;
-        while left > 0 {
-            let n = left.min(zeros.len());
-            let _ = z.write_all(&zeros[..n]);
-            left -= n;
-        }
-        let data = z.finish().unwrap_or_default();
-        let mut o = format!(
-            "<< /Type /XObject /Subtype /Image /Width 1024 /Height {} /ColorSpace /DeviceGray /BitsPerComponent 8 /Filter /FlateDecode /Length {} >>\nstream\n",
-            inflated / 1024,
-            data.len()
-        )
-        .into_bytes();
-        o.extend_from_slice(&data);
-        o.extend_from_slice(b"\nendstream");
-        objects.push(o);
+        objects[3] = stream_object_with("", b"BT /F1 12 Tf 72 720 Td (plain words) Tj ET q 612 0 0 792 0 0 cm /Im Do Q");
+        let image = format!("/Type /XObject /Subtype /Image /Width 1024 /Height {} /ColorSpace /DeviceGray /BitsPerComponent 8 /Filter /FlateDecode", inflated / 1024);
+        objects.push(stream_object_with(&image, &zlib_of_repeated(b"\0", inflated)));
         write_objects(&objects)
     }
 
@@ -707,11 +676,8 @@ pub mod hostile {
             };
         }
         let names: String = filters.iter().map(|f| format!("/{f} ")).collect();
-        let mut o = format!("<< /Length {} /Filter [ {names}] >>\nstream\n", data.len()).into_bytes();
-        o.extend_from_slice(&data);
-        o.extend_from_slice(b"\nendstream");
         let mut objects = standard_objects(b"<< /Type /Catalog /Pages 2 0 R >>".to_vec(), None);
-        objects[3] = o;
+        objects[3] = stream_object_with(&format!("/Filter [ {names}]"), &data);
         write_objects(&objects)
     }
 
@@ -742,19 +708,8 @@ pub mod hostile {
     /// that look like syntax to a byte scan (`(stream)` in the catalog, `(obj)` between the
     /// stream's `/Type` and its data).
     pub fn object_stream_bomb_pdf(inflated: usize, disguised: bool) -> Vec<u8> {
-        let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
-        let spaces = vec![b' '; 1 << 20];
-        let mut left = inflated;
-        while left > 0 {
-            let n = left.min(spaces.len());
-            let _ = z.write_all(&spaces[..n]);
-            left -= n;
-        }
-        let data = z.finish().unwrap_or_default();
         let note = if disguised { "/Note (obj) " } else { "" };
-        let mut o = format!("<< /Type /ObjStm {note}/N 1 /First 4 /Filter /FlateDecode /Length {} >>\nstream\n", data.len()).into_bytes();
-        o.extend_from_slice(&data);
-        o.extend_from_slice(b"\nendstream");
+        let o = stream_object_with(&format!("/Type /ObjStm {note}/N 1 /First 4 /Filter /FlateDecode"), &zlib_of_repeated(b" ", inflated));
         let catalog: &[u8] = if disguised { b"<< /Type /Catalog /Pages 2 0 R /Note (stream) >>" } else { b"<< /Type /Catalog /Pages 2 0 R >>" };
         let mut objects = standard_objects(catalog.to_vec(), None);
         objects.push(o);
@@ -772,24 +727,32 @@ pub mod hostile {
         objects.push(b"<< /Type /Pages /Kids [3 0 R] /Count 1 /MediaBox [0 0 612 792] >>".to_vec());
         objects.push(b"<< /Type /Page /Parent 2 0 R /Contents 4 0 R /Resources << /Font << /F1 5 0 R >> >> >>".to_vec());
         objects.push(match stream {
-            Some(s) => {
-                let mut o = format!("<< /Length {} /Filter /FlateDecode >>\nstream\n", s.len()).into_bytes();
-                o.extend_from_slice(s);
-                o.extend_from_slice(b"\nendstream");
-                o
-            }
-            None => stream_object(b"BT /F1 12 Tf 72 720 Td (plain words) Tj ET"),
+            Some(s) => stream_object_with("/Filter /FlateDecode", s),
+            None => stream_object_with("", b"BT /F1 12 Tf 72 720 Td (plain words) Tj ET"),
         });
         objects.push(b"<< /Type /Font /Subtype /Type1 /BaseFont /Helvetica >>".to_vec());
         objects
     }
 
-    /// An uncompressed stream object holding `content`.
-    fn stream_object(content: &[u8]) -> Vec<u8> {
-        let mut o = format!("<< /Length {} >>\nstream\n", content.len()).into_bytes();
-        o.extend_from_slice(content);
+    /// A stream object holding `data` as it is, its dictionary `entries` and its `/Length`.
+    fn stream_object_with(entries: &str, data: &[u8]) -> Vec<u8> {
+        let mut o = format!("<< {entries} /Length {} >>\nstream\n", data.len()).into_bytes();
+        o.extend_from_slice(data);
         o.extend_from_slice(b"\nendstream");
         o
+    }
+
+    /// `unit` repeated to `len` bytes, zlib-compressed (default level) a MiB at a time.
+    fn zlib_of_repeated(unit: &[u8], len: usize) -> Vec<u8> {
+        let mut z = flate2::write::ZlibEncoder::new(Vec::new(), flate2::Compression::default());
+        let chunk = unit.repeat((1 << 20) / unit.len().max(1) + 1);
+        let mut left = len;
+        while left > 0 {
+            let n = left.min(chunk.len());
+            let _ = z.write_all(&chunk[..n]);
+            left -= n;
+        }
+        z.finish().unwrap_or_default()
     }
 
     /// Objects numbered from 1 in order, a correct cross-reference table, catalog 1.

@@ -160,16 +160,10 @@ fn pdf_drawing_work(doc: &lopdf::Document, pages: &[lopdf::ObjectId], what: &str
                 if depth + 1 > MAX_FORM_NESTING {
                     return Err(("form XObject nesting", depth + 1, MAX_FORM_NESTING));
                 }
+                let read_form = || std::rc::Rc::new(read(&form.decompressed_content().unwrap_or_else(|_| form.content.clone())));
                 let inner = match entry {
-                    Object::Reference(id) => {
-                        let cached = self.forms.get(id).cloned();
-                        cached.unwrap_or_else(|| {
-                            let drawn = std::rc::Rc::new(read(&form.decompressed_content().unwrap_or_else(|_| form.content.clone())));
-                            self.forms.insert(*id, drawn.clone());
-                            drawn
-                        })
-                    }
-                    _ => std::rc::Rc::new(read(&form.decompressed_content().unwrap_or_else(|_| form.content.clone()))),
+                    Object::Reference(id) => self.forms.entry(*id).or_insert_with(read_form).clone(),
+                    _ => read_form(),
                 };
                 let own = form.dict.get(b"Resources").ok().and_then(|r| deref(doc, r)).and_then(|r| r.as_dict().ok());
                 self.draw(&inner, own.or(resources), depth + 1)?;
