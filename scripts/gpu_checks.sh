@@ -104,10 +104,11 @@ if want real; then
         echo "=== real: model joined, sha256 ok"
         export LIFT_MODEL="$MODEL" LIFT_DATA_DIR=data RUST_LOG=info
         Q=(--depths 0.1,0.3,0.5,0.7,0.9 --needles-per-depth 2 --ask-context-tokens 128 --device cuda --quiet)
-        run real-rag "${GPU_REAL_RAG_LIMIT:-80}" "$BIN/lift-serve" eval --split eval --methods rag,icl \
+        # The filter's re-rank (`retrieved`), as the CPU figures these are compared with were measured.
+        run real-rag "${GPU_REAL_RAG_LIMIT:-80}" "$BIN/lift-serve" eval --split eval --methods rag:retrieved,icl \
             --lengths 1024,2048,4096,8192 --docs-per-length 4 "${Q[@]}" --out /tmp/real-rag
         run real-lift "${GPU_REAL_LIFT_LIMIT:-140}" "$BIN/lift-serve" eval --split eval \
-            --methods rag,lift,lift:head_tail,icl --lengths 1024 --docs-per-length 1 "${Q[@]}" --out /tmp/real-lift
+            --methods rag:retrieved,lift:retrieved,lift:head_tail,icl --lengths 1024 --docs-per-length 1 "${Q[@]}" --out /tmp/real-lift
         for r in real-rag real-lift; do
             for f in results.json results.md; do [ -f "/tmp/$r/$f" ] && cp "/tmp/$r/$f" "$LOGS/$r-$f"; done
         done

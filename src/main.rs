@@ -162,9 +162,9 @@ struct AskArgs {
     /// Default: lift with --adapter, icl with --document (rag reads its retrieved passages).
     #[arg(long, value_enum)]
     mode: Option<Mode>,
-    /// Which document text the prompt shows: the passages retrieved for the question
-    /// (default; icl: head_tail), the head and tail (the LIFT paper's truncation), or what fits
-    /// the model's window.
+    /// Which document text the prompt shows: the passages BM25 retrieves for the question
+    /// (bm25, the default; icl: head_tail), the same re-ranked by the prepared base's filter
+    /// (retrieved), the head and tail (the LIFT paper's truncation), or what fits the window.
     #[arg(long, value_enum)]
     context: Option<ContextPolicy>,
     /// In-context document budget (default 128; with --context full, what fits the model's

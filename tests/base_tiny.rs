@@ -304,7 +304,7 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     // a budget past it: the re-rank's candidates and the answer's passages stay within the window.
     let long = Document::encode(&m1, DOC.repeat(20)).unwrap();
     assert!(long.len() > 2 * 2048, "{}", long.len());
-    let ask = Ask { history: &[], question: "Who keeps the lighthouse?", mode: Mode::Rag, context: None, context_tokens: Some(1 << 20) };
+    let ask = Ask { history: &[], question: "Who keeps the lighthouse?", mode: Mode::Rag, context: Some(ContextPolicy::Retrieved), context_tokens: Some(1 << 20) };
     let a = answer(&m1, &long, None, &ask, &params, &mut |_| true).unwrap();
     assert!(a.prompt.tokens.len() + params.max_tokens <= 2048, "{}", a.prompt.tokens.len());
     assert!(a.prompt.context_tokens > 1000 && !a.chunks.is_empty(), "{} document tokens", a.prompt.context_tokens);

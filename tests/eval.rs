@@ -37,7 +37,8 @@ fn spec(lengths: Vec<usize>, depths: Vec<f64>, per_depth: usize, seed: u64) -> n
 
 /// Retrieval (`rag`, 256 tokens of a 4K-token document) shows the sentence that holds each
 /// planted fact, wherever it is, where the head and tail of the same budget miss most of them;
-/// with the shipped prepared base too, whose filter's chunks the passages are.
+/// with the shipped prepared base too, whose filter's chunks the passages are, by BM25 (the
+/// default) and re-ranked by its filter.
 #[test]
 fn retrieval_shows_the_planted_fact_in_a_small_context() {
     let plain = real_model();
@@ -49,7 +50,9 @@ fn retrieval_shows_the_planted_fact_in_a_small_context() {
     // Questions that share words with their fact's sentence; those worded apart (paraphrases,
     // two hops) are what word matching cannot find, measured by the eval, not asserted here.
     let worded_apart = |q: &eval::EvalQuestion| matches!(q.kind, Some(needles::FactKind::Paraphrase | needles::FactKind::TwoHop));
-    for (name, model) in [("plain", plain), ("prepared base", &based)] {
+    // The default context (BM25's passages), and the filter's re-rank of them (`retrieved`).
+    let runs = [("plain", plain, None), ("prepared base", &based, None), ("prepared base, re-ranked", &based, Some(ContextPolicy::Retrieved))];
+    for (name, model, policy) in runs {
         let (mut found, mut head_tail, mut total) = (0, 0, 0);
         // Two-hop facts: the question names the first hop's words only; the feedback step follows
         // the person's name from it to the second.
@@ -58,7 +61,7 @@ fn retrieval_shows_the_planted_fact_in_a_small_context() {
             let ids = Document::encode(model, doc.text.clone()).unwrap();
             for q in &doc.questions {
                 let ask = |context| Ask { history: &[], question: &q.question, mode: Mode::Rag, context, context_tokens: Some(256) };
-                let p = build_prompt(model, &ids, &ask(None), 32).unwrap();
+                let p = build_prompt(model, &ids, &ask(policy), 32).unwrap();
                 let shown = model.tokenizer.decode(&p.tokens).unwrap();
                 if q.kind == Some(needles::FactKind::TwoHop) {
                     both += q.evidence.iter().all(|&(s, e)| shown.contains(&doc.text[s..e])) as usize;

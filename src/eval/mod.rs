@@ -183,7 +183,7 @@ pub fn method(name: &str, base: &AbsorbOptions, num_layers: usize) -> Result<Met
             context_tokens = Some(n);
         } else {
             let policy = ContextPolicy::parse(p).with_context(|| {
-                format!("unknown context policy '{p}' in method '{name}' (retrieved, head_tail, full, or a budget in tokens)")
+                format!("unknown context policy '{p}' in method '{name}' (bm25, retrieved, head_tail, full, or a budget in tokens)")
             })?;
             anyhow::ensure!(context.is_none(), "method '{name}': one context policy");
             context = Some(policy);

@@ -467,10 +467,11 @@ pub struct AskRequest {
     /// Before a document's adapter exists, `lift` answers as `rag` (or with the latest snapshot).
     #[schema(value_type = Option<String>, example = "lift")]
     pub mode: Option<Mode>,
-    /// Which document text is shown: `retrieved` (the passages most relevant to the question;
-    /// the default except in `icl`), `head_tail` (the LIFT paper's truncation; `icl`'s
-    /// default), `full` (what fits the model's window).
-    #[schema(value_type = Option<String>, example = "retrieved")]
+    /// Which document text is shown: `bm25` (the passages BM25 ranks first for the question;
+    /// the default except in `icl`), `retrieved` (BM25's candidates re-ranked by the prepared
+    /// base's FltLM filter), `head_tail` (the LIFT paper's truncation; `icl`'s default), `full`
+    /// (what fits the model's window).
+    #[schema(value_type = Option<String>, example = "bm25")]
     pub context: Option<ContextPolicy>,
     /// In-context document budget in tokens (default: the server's `--context-tokens`, 128).
     pub context_tokens: Option<u64>,
