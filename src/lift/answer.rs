@@ -36,7 +36,7 @@ impl Mode {
     }
     /// The context policy when the request names none: BM25's passages, except `icl`, the
     /// paper's truncated baseline. Not the filter's re-rank (`retrieved`): it runs a forward pass
-    /// of its own (a quarter of a 4K answer on 2 cores) and has answered within two questions of
+    /// of its own (a quarter to a third of a 4K answer on 2 cores) and has answered within two questions of
     /// BM25 alone in every paired comparison (docs/retrieval.md, "The default").
     pub fn default_context(self) -> ContextPolicy {
         match self {
