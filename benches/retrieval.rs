@@ -82,18 +82,16 @@ fn costs(model: &Model, eval: &[data::Essay], all: &[data::Essay], runs: usize, 
                 }
             }
         }
-        let rerank = (median(&retrieved_prompt) - median(&bm25_prompt)).max(0.0);
         println!(
-            "{label}: {} tokens, {} passages; tokenize {}, index build {}; per question: BM25 search {}, BM25 prompt {}, \
-             retrieved prompt (BM25 + filter re-rank) {} (re-rank ≈ {})",
+            "{label}: {} tokens, {} passages; tokenize {}, index build {}; per question (medians): BM25 search {}, \
+             BM25 prompt {}, retrieved prompt (BM25 + filter re-rank where it runs) {}",
             doc.len(),
             index.len(),
             ms(encode),
             ms(build),
             ms(median(&search)),
             ms(median(&bm25_prompt)),
-            ms(median(&retrieved_prompt)),
-            ms(rerank)
+            ms(median(&retrieved_prompt))
         );
         // The re-rank is skipped where every passage BM25 found fits the budget: its cost where it
         // runs, against the answer it precedes.
