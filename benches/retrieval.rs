@@ -95,10 +95,11 @@ fn costs(model: &Model, eval: &[data::Essay], all: &[data::Essay], runs: usize, 
         );
         // The re-rank is skipped where every passage BM25 found fits the budget: its cost where it
         // runs, against the answer it precedes.
-        let ran: Vec<usize> = (0..retrieved_prompt.len()).filter(|&i| retrieved_prompt[i] - bm25_prompt[i] > 1e-3).collect();
+        let rerank: Vec<f64> = retrieved_prompt.iter().zip(&bm25_prompt).map(|(r, b)| r - b).collect();
+        let ran: Vec<usize> = (0..rerank.len()).filter(|&i| rerank[i] > 1e-3).collect();
         if !ran.is_empty() && !retrieved_answers.is_empty() {
-            let cost: Vec<f64> = ran.iter().map(|&i| retrieved_prompt[i] - bm25_prompt[i]).collect();
-            let share: Vec<f64> = ran.iter().map(|&i| (retrieved_prompt[i] - bm25_prompt[i]) / retrieved_answers[i]).collect();
+            let cost: Vec<f64> = ran.iter().map(|&i| rerank[i]).collect();
+            let share: Vec<f64> = ran.iter().map(|&i| rerank[i] / retrieved_answers[i]).collect();
             println!(
                 "{label}: the re-rank ran for {} of {} questions; where it ran: re-rank {}, the retrieved answer {}, the re-rank {:.1}% of it (medians)",
                 ran.len(),
