@@ -135,8 +135,13 @@ struct AbsorbArgs {
     /// The document: a text, Markdown, HTML or PDF file (told by its name, else its contents).
     file: PathBuf,
     /// Output adapter directory (created; an existing adapter there is replaced atomically).
+    /// While it trains, a checkpoint beside it (`<output>.checkpoint.safetensors`) lets a run of
+    /// the same command that was stopped continue where it was.
     #[arg(short, long)]
     output: PathBuf,
+    /// Seconds between checkpoints (0: none).
+    #[arg(long, default_value_t = lift::checkpoint::DEFAULT_INTERVAL.as_secs_f64())]
+    checkpoint_secs: f64,
     #[command(flatten)]
     model: ModelArgs,
     #[command(flatten)]
@@ -301,6 +306,10 @@ struct TrainArgs {
     /// improving (the --epochs schedule is the ceiling). Default: the paper's fixed schedule.
     #[arg(long)]
     until_learned: bool,
+    /// Seconds the absorb may take: the plan is fitted to it (fewer epochs, no segment overlap,
+    /// fewer QA pairs; said before training starts) and training stops at it.
+    #[arg(long)]
+    budget: Option<f64>,
     #[arg(long)]
     seed: Option<u64>,
     #[arg(long)]
@@ -361,6 +370,9 @@ impl TrainArgs {
             o.train.seed = s;
             o.qa.seed = s;
         }
+        if self.budget.is_some() {
+            o.budget_seconds = self.budget;
+        }
         // The same bounds as the server's; the window is the model's (checked by the caller).
         o.validate(num_layers, usize::MAX)?;
         Ok(o)
@@ -401,13 +413,40 @@ impl AbsorbArgs {
         tracing::info!(format = ?source.format, characters = source.characters, pages = ?source.pages, "document read");
         let document = Document::encode(&model, extracted.text)?;
         let title = self.train.title.clone().or(extracted.title).or_else(|| source.filename.clone());
+        // A budget is fitted at the prior rate (this process has measured none).
+        let opts = match opts.budget_seconds {
+            None => opts,
+            Some(budget) => {
+                let pairs = lift::estimate::qa_pairs_planned(&document.text, &opts);
+                let rate = lift::estimate::AbsorbRate::default();
+                let fit = lift::budget::fit(&opts, document.len(), pairs, model.base_filter().is_some(), &rate);
+                match lift::budget::warning(&fit, budget) {
+                    Some(w) => eprintln!("{}", w.message),
+                    None => eprintln!("the options fit the budget of {budget:.0} s (estimated {:.0} s)", fit.seconds),
+                }
+                fit.options
+            }
+        };
         let bar = progress_bar();
-        let mut absorbed =
-            lift::absorb(&model, &document, title.as_deref(), &opts, &mut |e| show_absorb(&bar, e), &|| false)?;
+        let mut name = self.output.file_name().context("--output names no directory")?.to_os_string();
+        name.push(".checkpoint.safetensors");
+        let checkpoint = self.output.with_file_name(name);
+        let resumable = (self.checkpoint_secs > 0.0).then(|| lift::checkpoint::Resumable {
+            store: Box::new(lift::checkpoint::FileCheckpoint(checkpoint.clone())),
+            interval: std::time::Duration::from_secs_f64(self.checkpoint_secs),
+        });
+        if let Some(parent) = checkpoint.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).with_context(|| format!("{}: cannot create", parent.display()))?;
+        }
+        let on_event = &mut |e: AbsorbEvent| show_absorb(&bar, e);
+        let mut absorbed = lift::absorb_resumable(&model, &document, title.as_deref(), &opts, on_event, &|| false, resumable)?;
         absorbed.manifest.document.source = Some(source);
         bar.finish_and_clear();
         let (qa_pairs, r) = (absorbed.qa.len(), absorbed.report.clone());
         let saved = store::save_dir(&self.output, absorbed.into_new_adapter(std::sync::Arc::new(document))?)?;
+        if let Err(e) = std::fs::remove_file(&checkpoint) {
+            anyhow::ensure!(e.kind() == std::io::ErrorKind::NotFound, "{}: cannot remove the checkpoint: {e}", checkpoint.display());
+        }
         println!(
             "absorbed {} tokens into {} ({} parameters, {} bytes): {} QA pairs, {} steps in {:.1} s ({:.0} tok/s), final loss {:.3}",
             saved.document.len(),
@@ -440,7 +479,8 @@ fn show_absorb(bar: &ProgressBar, event: AbsorbEvent) {
         AbsorbEvent::Train(p) => {
             bar.set_length(p.steps as u64);
             bar.set_position(p.step as u64);
-            bar.set_message(format!("epoch {}/{} loss {:.3} {:.0} tok/s", p.epoch, p.epochs, p.loss, p.tokens_per_s));
+            let resumed = p.resumed_from.map(|s| format!(" (resumed from step {s})")).unwrap_or_default();
+            bar.set_message(format!("epoch {}/{} loss {:.3} {:.0} tok/s{resumed}", p.epoch, p.epochs, p.loss, p.tokens_per_s));
             if bar.is_hidden() && (p.step * 20 / p.steps.max(1)) != ((p.step.saturating_sub(1)) * 20 / p.steps.max(1)) {
                 tracing::info!(step = p.step, steps = p.steps, epoch = p.epoch, loss = p.loss, "training");
             }

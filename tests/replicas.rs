@@ -236,33 +236,43 @@ async fn a_document_posted_to_one_replica_is_trained_by_another_and_answered_by_
 
 /// A replica killed (SIGKILL) while it trains: once its lease runs out another replica claims
 /// the job and the document becomes ready; one archive is written; a restarted replica reads it.
+/// The step of the absorb checkpoint of `id` in the shared store (None: none there).
+fn checkpoint_step(e: &Env, id: &str) -> Option<usize> {
+    let bytes = std::fs::read(e.blobs.join("checkpoints").join(format!("{id}.safetensors"))).ok()?;
+    Some(lift_serve::lift::checkpoint::Checkpoint::decode(&bytes, &candle_core::Device::Cpu).unwrap().train.cursor.step)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_killed_replicas_job_is_taken_over_after_its_lease() {
     let e = env();
-    let mut a = Replica::start(&e, "a", "all", &["--metrics-key", "metrics"]).await;
+    let flags = ["--metrics-key", "metrics", "--checkpoint-secs", "0.3"];
+    let mut a = Replica::start(&e, "a", "all", &flags).await;
     let body = json!({"text": DOC.repeat(4), "title": "long", "options": {"epochs": [30, 30]}});
     let (s, d) = post(&a.url("/documents"), body, "key-one").await;
     assert_eq!(s, 202, "{d}");
     let id = d["id"].as_str().unwrap().to_string();
-    // Training on A, past its first steps.
+    // Training on A, past its first steps and a checkpoint in the shared store.
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
         let (_, d) = get(&a.url(&format!("/documents/{id}")), "key-one").await;
-        if d["status"] == "training" && d["progress"]["step"].as_u64() >= Some(2) {
+        if d["status"] == "training" && d["progress"]["step"].as_u64() >= Some(2) && checkpoint_step(&e, &id).is_some_and(|s| s >= 1) {
             break;
         }
         assert!(d["status"] == "queued" || d["status"] == "training", "A must still be training when it is killed: {d}");
         assert!(Instant::now() < deadline, "training never started: {d}");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let b = Replica::start(&e, "b", "all", &["--metrics-key", "metrics"]).await;
+    let b = Replica::start(&e, "b", "all", &flags).await;
     a.child.kill().unwrap(); // SIGKILL: no shutdown handler runs
     a.child.wait().unwrap();
     let killed_at = Instant::now();
+    let kept = checkpoint_step(&e, &id).expect("A's checkpoint is in the shared store");
 
     let ready = wait_status(&b, &id, "key-one", "ready", 300).await;
     assert!(killed_at.elapsed() >= Duration::from_millis(1500), "B waited for A's lease to run out");
     assert_eq!(ready["adapter"]["kind"], "gated_memory", "{ready}");
+    assert_eq!(ready["training"]["resumed_from_step"], kept, "B continued from A's checkpoint: {ready}");
+    assert_eq!(checkpoint_step(&e, &id), None, "the checkpoint is removed once the adapter is published");
     let m = b.metrics().await;
     assert_eq!(metric(&m, "lift_jobs_claimed_total{how=\"stolen\"}"), 1.0, "B took over A's job: {m}");
     assert_eq!(metric(&m, "lift_blob_puts"), 1.0, "{m}");

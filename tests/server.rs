@@ -524,10 +524,15 @@ impl Drop for Child {
 
 /// The real `lift-serve serve` command on the tiny model; stderr goes to `log`.
 fn server_command(e: &Env, port: u16, log: &Path) -> std::process::Command {
+    server_command_in(e, &e.adapters, port, log)
+}
+
+/// [`server_command`] with its documents in `adapters`.
+fn server_command_in(e: &Env, adapters: &Path, port: u16, log: &Path) -> std::process::Command {
     let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"));
     cmd.args(["serve", "--port", &port.to_string()])
         .arg("--model").arg(&e.model)
-        .arg("--adapters-dir").arg(&e.adapters)
+        .arg("--adapters-dir").arg(adapters)
         .arg("--absorb-options").arg(&e.options)
         // A `base/` in the working directory would belong to the default model, not the tiny one.
         .args(["--prepared-base", "none"])
@@ -613,6 +618,101 @@ async fn killed_mid_training_requeues_on_restart() {
     drop(child);
     let pending: Vec<_> = std::fs::read_dir(&e.adapters).unwrap().filter_map(|f| f.ok()).filter(|f| f.file_name().to_string_lossy().ends_with(".pending.txt")).collect();
     assert!(pending.is_empty(), "the kept text is dropped once the adapter is saved");
+}
+
+/// The step of the checkpoint in `path` (None: no checkpoint there).
+fn checkpoint_step(path: &Path) -> Option<usize> {
+    let bytes = std::fs::read(path).ok()?;
+    let ckpt = lift_serve::lift::checkpoint::Checkpoint::decode(&bytes, &candle_core::Device::Cpu).unwrap();
+    Some(ckpt.train.cursor.step)
+}
+
+/// The largest difference between two adapter files' tensors (same names).
+fn adapter_difference(a: &Path, b: &Path) -> f32 {
+    let a = candle_core::safetensors::load(a, &candle_core::Device::Cpu).unwrap();
+    let b = candle_core::safetensors::load(b, &candle_core::Device::Cpu).unwrap();
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .map(|(k, x)| (x - &b[k]).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f32>().unwrap())
+        .fold(0.0, f32::max)
+}
+
+/// A server killed with SIGKILL mid-absorb continues the absorb from its last checkpoint when it
+/// starts again (not from step 0), and ends with the adapter an uninterrupted run makes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_absorb_resumes_from_its_checkpoint_to_the_uninterrupted_adapter() {
+    let e = env();
+    let c = client();
+    let logs = e.adapters.parent().unwrap().to_path_buf();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let start = |log: &str| {
+        let mut cmd = server_command(&e, port, &logs.join(log));
+        Child(cmd.args(["--checkpoint-secs", "0.3"]).spawn().unwrap())
+    };
+    let mut child = start("first.log");
+    wait_health(&c, &base, &mut child).await;
+    let body = json!({"text": DOC.repeat(2), "options": {"epochs": [15, 15]}});
+    let (s, d) = post_json(&c, &format!("{base}/documents"), body.clone(), None).await;
+    assert_eq!(s, 202, "{d}");
+    let id = d["id"].as_str().unwrap().to_string();
+    let checkpoint = e.adapters.join(format!("{id}.checkpoint.safetensors"));
+    // Killed once a checkpoint is written and training has gone on past it.
+    let mut seen = 0;
+    for _ in 0..3000 {
+        let (_, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+        assert!(matches!(d["status"].as_str(), Some("queued") | Some("training")), "the job must still be running when the process is killed: {d}");
+        seen = d["progress"]["step"].as_u64().unwrap_or(0) as usize;
+        if checkpoint_step(&checkpoint).is_some_and(|c| c >= 2 && seen > c) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    child.0.kill().unwrap(); // SIGKILL: no shutdown handler runs
+    child.0.wait().unwrap();
+    let kept = checkpoint_step(&checkpoint).expect("a checkpoint was written before the kill");
+    assert!(kept >= 2 && seen >= 2, "checkpoint at step {kept}, progress seen at {seen}");
+
+    let mut child = start("second.log");
+    wait_health(&c, &base, &mut child).await;
+    // The progress says where it resumed, and its steps never go back past the checkpoint.
+    let mut resumed = None;
+    let mut d = Value::Null;
+    for _ in 0..3000 {
+        (_, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+        if let Some(step) = d["progress"]["step"].as_u64().filter(|_| d["progress"]["stage"] == "training") {
+            assert!(step as usize > kept, "training went back to step {step} (checkpoint at {kept}): {d}");
+            resumed = d["progress"]["resumed_from_step"].as_u64();
+            if resumed.is_some() {
+                break;
+            }
+        }
+        if d["status"] == "ready" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    if d["status"] != "ready" {
+        assert_eq!(resumed, Some(kept as u64), "{d}");
+    }
+    let d = wait_ready(&c, &base, &id, None).await;
+    assert_eq!(d["training"]["resumed_from_step"], kept, "{d}");
+    assert!(!checkpoint.exists(), "the checkpoint is removed once the adapter is saved");
+    drop(child);
+
+    // The same document absorbed without a stop, by another server with its own store.
+    let other = logs.join("uninterrupted");
+    let port2 = free_port();
+    let base2 = format!("http://127.0.0.1:{port2}");
+    let mut child = Child(server_command_in(&e, &other, port2, &logs.join("third.log")).spawn().unwrap());
+    wait_health(&c, &base2, &mut child).await;
+    let (s, d2) = post_json(&c, &format!("{base2}/documents"), body, None).await;
+    assert_eq!((s, d2["id"].as_str()), (StatusCode::ACCEPTED, Some(id.as_str())), "{d2}");
+    let d2 = wait_ready(&c, &base2, &id, None).await;
+    assert!(d2["training"].get("resumed_from_step").is_none(), "{d2}");
+    assert_eq!(d["training"]["steps"], d2["training"]["steps"]);
+    let diff = adapter_difference(&e.adapters.join(&id).join("adapter.safetensors"), &other.join(&id).join("adapter.safetensors"));
+    assert!(diff < 1e-4, "the resumed adapter differs from the uninterrupted one by {diff}");
 }
 
 /// Asking a ready document while another trains: the answer comes back while the training job
@@ -2273,6 +2373,53 @@ async fn dry_run_says_the_cost_before_paying() {
         json!({"document_id": id, "question": "Who built the harbor?", "include_context": "yes"}), None).await;
     assert_eq!(s, 400, "{v}");
     assert_eq!((v["error"]["code"].as_str(), v["error"]["param"].as_str()), (Some("invalid_type"), Some("include_context")), "{v}");
+    running.shutdown().await;
+}
+
+/// `budget_seconds`: the plan is fitted to the budget at the server's rate, the dry run and the
+/// post say what was given up, the document's options are the fitted ones; a bad budget is a 400
+/// naming the option.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_time_budget_fits_the_plan_and_says_what_it_gave_up() {
+    let e = env();
+    let (running, base) = start(config(&e, &[])).await;
+    let c = client();
+    let url = format!("{base}/documents");
+    let text = DOC.repeat(3);
+    let dry = |options: Value| json!({"text": text, "dry_run": true, "options": options});
+    let (s, asked) = post_json(&c, &url, dry(json!({"epochs": [6, 6]})), None).await;
+    assert_eq!(s, 200, "{asked}");
+    let asked_secs = asked["estimate"]["seconds"].as_f64().unwrap();
+    assert!(!asked["warnings"].as_array().unwrap().iter().any(|w| w["code"] == "budget"), "{asked}");
+    let budget = asked_secs / 3.0;
+    let (s, fitted) = post_json(&c, &url, dry(json!({"epochs": [6, 6], "budget_seconds": budget})), None).await;
+    assert_eq!(s, 200, "{fitted}");
+    let secs = fitted["estimate"]["seconds"].as_f64().unwrap();
+    assert!(secs <= budget, "the fitted plan's estimate {secs} s is within the budget {budget} s: {fitted}");
+    assert!(fitted["estimate"]["planned_steps"].as_u64() < asked["estimate"]["planned_steps"].as_u64(), "{fitted}");
+    let w = fitted["warnings"].as_array().unwrap().iter().find(|w| w["code"] == "budget").cloned().expect("a budget warning");
+    assert_eq!(w["param"], "options.budget_seconds");
+    assert!(w["message"].as_str().unwrap().contains("epochs [6, 6] → ["), "{w}");
+    // A roomy budget changes nothing.
+    let (s, roomy) = post_json(&c, &url, dry(json!({"epochs": [6, 6], "budget_seconds": asked_secs * 2.0})), None).await;
+    assert_eq!(s, 200, "{roomy}");
+    assert_eq!(roomy["estimate"]["planned_steps"], asked["estimate"]["planned_steps"], "{roomy}");
+    // The real post trains the fitted plan, and its options say so.
+    let (s, d) = post_json(&c, &url, json!({"text": text, "options": {"epochs": [6, 6], "budget_seconds": budget}}), None).await;
+    assert_eq!(s, 202, "{d}");
+    assert_eq!(d["estimate"], fitted["estimate"], "{d}");
+    let ready = wait_ready(&c, &base, d["id"].as_str().unwrap(), None).await;
+    assert_ne!(ready["options"]["train"]["epochs"], json!([6, 6]), "{ready}");
+    assert!((ready["options"]["budget_seconds"].as_f64().unwrap() - budget).abs() < 1e-6 * budget, "{ready}");
+    assert_eq!(ready["training"]["planned_steps"], fitted["estimate"]["planned_steps"], "{ready}");
+    // Bad budgets.
+    for bad in [json!(0), json!(-5), json!(1e12)] {
+        let (s, v) = post_json(&c, &url, dry(json!({"budget_seconds": bad})), None).await;
+        assert_eq!(s, 400, "{bad}: {v}");
+        assert_eq!((v["error"]["code"].as_str(), v["error"]["param"].as_str()), (Some("invalid_option"), Some("options.budget_seconds")), "{v}");
+    }
+    let (s, v) = post_json(&c, &url, dry(json!({"budget_seconds": "soon"})), None).await;
+    assert_eq!(s, 400, "{v}");
     running.shutdown().await;
 }
 

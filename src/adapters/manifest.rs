@@ -532,10 +532,6 @@ fn exchange(_a: &Path, _b: &Path) -> Result<bool> {
 
 /// `adapter.safetensors` bytes: every tensor of the bundle, on the CPU, little-endian.
 fn serialize(bundle: &AdapterBundle, kind: AdapterKind) -> Result<Vec<u8>> {
-    let mut views = Vec::new();
-    for (name, t) in bundle.named_tensors() {
-        views.push((name, RawView::of(&t)?));
-    }
     let meta: HashMap<String, String> = [
         ("format".to_string(), "lift-serve-adapter".to_string()),
         ("format_version".to_string(), FORMAT_VERSION.to_string()),
@@ -543,6 +539,15 @@ fn serialize(bundle: &AdapterBundle, kind: AdapterKind) -> Result<Vec<u8>> {
     ]
     .into_iter()
     .collect();
+    safetensors_bytes(bundle.named_tensors(), meta)
+}
+
+/// Safetensors bytes of `tensors` (copied to the CPU, little-endian) with `meta` in the header.
+pub fn safetensors_bytes(tensors: impl IntoIterator<Item = (String, Tensor)>, meta: HashMap<String, String>) -> Result<Vec<u8>> {
+    let mut views = Vec::new();
+    for (name, t) in tensors {
+        views.push((name, RawView::of(&t)?));
+    }
     Ok(safetensors::serialize(views, Some(meta))?)
 }
 

@@ -19,6 +19,7 @@ use crate::lift::trainer::{self, AdamW, FilterTraining, QaPositions, RunControl,
 use crate::model::Model;
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
+#[cfg(test)]
 use rand::rngs::StdRng;
 use rand::seq::SliceRandom;
 use rand::Rng;
@@ -144,7 +145,7 @@ pub struct View {
 /// elided distractor with probability ½, move into kept slots that hold no fact, so the answer is
 /// always in the context and confusable facts stay in it. `None` when the whole example fits, or
 /// its supporting passages do not fit the kept slots.
-pub fn truncated_view(ex: &BaseExample, lens: &[usize], budget: usize, rng: &mut StdRng) -> Option<View> {
+pub fn truncated_view(ex: &BaseExample, lens: &[usize], budget: usize, rng: &mut impl rand::Rng) -> Option<View> {
     let n = lens.len();
     // How many passages, taken in `order`, fit `room` tokens (at least one).
     let fit = |order: &mut dyn Iterator<Item = usize>, room: usize| {
@@ -437,12 +438,7 @@ impl<'a> BaseRun<'a> {
         std::fs::create_dir_all(dir).with_context(|| format!("{}: cannot create", dir.display()))?;
         let mut tensors = self.base.named_tensors()?;
         for (name, opt) in [("lora", &self.lora_opt), ("filter", &self.filter_opt)] {
-            let (m, v, t) = opt.state();
-            for (i, (m, v)) in m.iter().zip(v).enumerate() {
-                tensors.insert(format!("optimizer.{name}.{i}.m"), m.clone());
-                tensors.insert(format!("optimizer.{name}.{i}.v"), v.clone());
-            }
-            tensors.insert(format!("optimizer.{name}.t"), Tensor::new(&[t as u32], self.base.filter.w.device())?);
+            tensors.extend(opt.named_state(&format!("optimizer.{name}"))?);
         }
         let tmp = dir.join(format!(".{TENSORS_FILE}.tmp"));
         candle_core::safetensors::save(&tensors, &tmp)?;
@@ -492,24 +488,14 @@ fn read_checkpoint(
     )
     .with_context(|| format!("{}: invalid checkpoint", path.display()))?;
     let mut tensors: HashMap<String, Tensor> = candle_core::safetensors::load(dir.join(TENSORS_FILE), model.device())?;
-    let mut moments = Vec::new();
-    for name in ["lora", "filter"] {
-        let mut take = |k: String| tensors.remove(&k).with_context(|| format!("checkpoint lacks {k}"));
-        let t = take(format!("optimizer.{name}.t"))?.to_vec1::<u32>()?[0] as usize;
-        let (mut m, mut v) = (Vec::new(), Vec::new());
-        let mut i = 0;
-        while let (Ok(a), Ok(b)) = (take(format!("optimizer.{name}.{i}.m")), take(format!("optimizer.{name}.{i}.v"))) {
-            m.push(a);
-            v.push(b);
-            i += 1;
-        }
-        moments.push((m, v, t));
-    }
+    // The optimizers' entries out first: the rest are the base's weights.
+    let optimizer: HashMap<String, Tensor> = tensors.extract_if(|k, _| k.starts_with("optimizer.")).collect();
     let (lora, filter) = PreparedBase::from_tensors(model, &base.manifest.lora, tensors, true)?;
     let train_opts = state.options.train_options();
     let mut opts = [AdamW::new(lora.vars().to_vec(), &train_opts)?, AdamW::new(filter.vars().to_vec(), &train_opts)?];
-    for (opt, (m, v, t)) in opts.iter_mut().zip(moments) {
-        opt.restore(m, v, t)?;
+    let mut optimizer = optimizer;
+    for (opt, name) in opts.iter_mut().zip(["lora", "filter"]) {
+        opt.restore_named(&format!("optimizer.{name}"), &mut optimizer)?;
     }
     Ok((state, PreparedBase { lora, filter, manifest: base.manifest.clone() }, opts))
 }

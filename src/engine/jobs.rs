@@ -63,6 +63,10 @@ pub enum JobProgress {
         /// Absorbing until learned: the latest loss of the held-aside probe questions.
         #[serde(default, skip_serializing_if = "Option::is_none")]
         probe_loss: Option<f64>,
+        /// The step this training continued from: it resumed the checkpoint of a run that
+        /// stopped (a restart, a replica that died).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        resumed_from_step: Option<usize>,
     },
     Qa {
         stage: AbsorbStage,
@@ -90,6 +94,7 @@ impl From<AbsorbEvent<'_>> for JobProgress {
                 loss: p.loss,
                 tokens_per_s: p.tokens_per_s,
                 probe_loss: p.probe_loss,
+                resumed_from_step: p.resumed_from,
             },
         }
     }
@@ -121,14 +126,21 @@ pub(super) fn absorb(model: &Model, store: &Store, events: &dyn JobEvents, rate:
         ),
         ev => events.absorb(&id, &cancel, JobUpdate::Progress(ev.into())),
     };
-    let result = crate::lift::absorb(model, &document, title.as_deref(), &options, on_event, &cancelled);
+    let resumable = store.checkpoint(&id);
+    let result = crate::lift::absorb_resumable(model, &document, title.as_deref(), &options, on_event, &cancelled, resumable);
     if !matches!(result, Ok(_)) || cancelled() {
         // No adapter: the document answers from its passages alone.
         store.drop_snapshot(&id);
     }
     let outcome = match result {
+        // Stopped by a shutdown (the checkpoint stays for the next start) or a delete (which
+        // removes it).
         _ if cancelled() => AbsorbOutcome::Cancelled { started: true },
-        Err(e) => AbsorbOutcome::Failed(format!("{e:#}")),
+        Err(e) => {
+            // A failed job is not resumed: posting it again trains it from the start.
+            store.drop_checkpoint(&id);
+            AbsorbOutcome::Failed(format!("{e:#}"))
+        }
         Ok(mut absorbed) => {
             absorbed.manifest.document.source = source;
             let tokens_per_s = absorbed.report.tokens_per_s;
@@ -139,6 +151,8 @@ pub(super) fn absorb(model: &Model, store: &Store, events: &dyn JobEvents, rate:
             let planned_tokens = counts.3;
             match absorbed.into_new_adapter(document).and_then(|a| store.save(&id, a)) {
                 Ok(loaded) => {
+                    // The adapter is saved: nothing is left to resume.
+                    store.drop_checkpoint(&id);
                     let m = &loaded.manifest;
                     let adapter = AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes };
                     let training = m.training.clone();

@@ -76,6 +76,17 @@ pub fn plan_counts(doc_tokens: usize, qa_pairs: usize, o: &AbsorbOptions, one_qu
     (segments, trained, steps, tokens)
 }
 
+/// The QA pairs an absorb with `o` will train on for `text`: counted by running the extractive
+/// generator (deterministic, fast); model-written pairs are only known once written, so with them
+/// the cap.
+pub fn qa_pairs_planned(text: &str, o: &AbsorbOptions) -> usize {
+    if o.qa.use_model {
+        o.qa.max_pairs
+    } else {
+        super::qa::extractive_qa(text, &super::text::split_sentences(text), &o.qa).len()
+    }
+}
+
 /// Seconds per training token and per absorb measured on this server, over its last
 /// [`RATE_WINDOW`] finished absorbs (whole absorbs: QA generation and saving included, so that the
 /// estimate is of the wait a user sees): `seconds = overhead + tokens × rate`, fitted by least

@@ -5,7 +5,9 @@
 //! it ([`answer::answer`]).
 
 pub mod answer;
+pub mod budget;
 pub mod cdt;
+pub mod checkpoint;
 pub mod estimate;
 pub mod filter;
 pub mod plan;
@@ -53,6 +55,10 @@ pub struct AbsorbOptions {
     pub plan: PlanOptions,
     pub qa: QaOptions,
     pub train: TrainOptions,
+    /// Seconds the whole absorb may take: the plan is fitted to it before the absorb starts
+    /// ([`budget::fit`]) and training stops at it. None: the options as they are.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub budget_seconds: Option<f64>,
 }
 
 impl Default for AbsorbOptions {
@@ -65,6 +71,7 @@ impl Default for AbsorbOptions {
             plan: PlanOptions::default(),
             qa: QaOptions::default(),
             train: TrainOptions::default(),
+            budget_seconds: None,
         }
     }
 }
@@ -106,7 +113,7 @@ impl AbsorbOptions {
 
 /// The flat option names of a request's `options` (`POST /documents`), also accepted in options
 /// files beside the nested ones.
-pub const FLAT_OPTIONS: &[&str] = &["window", "stride", "epochs", "aux_qa", "until_learned"];
+pub const FLAT_OPTIONS: &[&str] = &["window", "stride", "epochs", "aux_qa", "until_learned", "budget_seconds"];
 
 impl AbsorbOptions {
     /// Options given as JSON over `self`, in either spelling: nested as this struct is saved
@@ -123,6 +130,9 @@ impl AbsorbOptions {
                 "stride" => nested["plan"]["stride"] = value.clone(),
                 "epochs" => nested["train"]["epochs"] = value.clone(),
                 "aux_qa" => aux_qa = Some(value.clone()),
+                "budget_seconds" => {
+                    nested.as_object_mut().map(|o| o.insert(key.clone(), value.clone()));
+                }
                 "until_learned" if value.is_boolean() => {
                     let on = value.as_bool() == Some(true);
                     if !on {
@@ -192,6 +202,8 @@ fn merge_json(target: &mut serde_json::Value, value: &serde_json::Value) {
 pub const MIN_WINDOW: usize = 32;
 pub const MAX_EPOCHS: usize = 100;
 pub const MAX_AUX_QA: usize = 1000;
+/// The longest budget: a week.
+pub const MAX_BUDGET_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
 
 /// Absorb options out of their bounds; each names the option, the bound and the value given.
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
@@ -208,6 +220,8 @@ pub enum OptionError {
     AuxQa { value: usize, max: usize },
     #[error("adapter layers must be below {num_layers} (got {layer})")]
     Layer { layer: usize, num_layers: usize },
+    #[error("'budget_seconds' must be a number of seconds above 0 and at most {max} (got {value})")]
+    Budget { value: f64, max: f64 },
 }
 
 impl OptionError {
@@ -219,6 +233,7 @@ impl OptionError {
             OptionError::Epochs { .. } => "epochs",
             OptionError::AuxQa { .. } => "aux_qa",
             OptionError::Layer { .. } => "layers",
+            OptionError::Budget { .. } => "budget_seconds",
         }
     }
 }
@@ -248,6 +263,9 @@ impl AbsorbOptions {
         }
         if let Some(&layer) = self.layers.iter().flatten().find(|&&l| l >= num_layers) {
             return Err(OptionError::Layer { layer, num_layers });
+        }
+        if let Some(b) = self.budget_seconds.filter(|b| !(b.is_finite() && *b > 0.0 && *b <= MAX_BUDGET_SECONDS)) {
+            return Err(OptionError::Budget { value: b, max: MAX_BUDGET_SECONDS });
         }
         Ok(())
     }
@@ -295,6 +313,9 @@ impl Absorbed {
     }
 }
 
+/// Seconds of a time budget kept for saving the adapter after training.
+const SAVE_RESERVE_SECONDS: f64 = 2.0;
+
 /// Absorbs `document` into a new adapter. `cancel` is polled between steps.
 pub fn absorb(
     model: &Model,
@@ -304,16 +325,57 @@ pub fn absorb(
     on_event: &mut dyn FnMut(AbsorbEvent),
     cancel: &dyn Fn() -> bool,
 ) -> Result<Absorbed> {
+    absorb_resumable(model, document, title, opts, on_event, cancel, None)
+}
+
+/// [`absorb`], checkpointed into `resumable` and continuing from the checkpoint it holds for the
+/// same run (see [`checkpoint`]). The caller deletes the checkpoint once the adapter is saved.
+pub fn absorb_resumable(
+    model: &Model,
+    document: &Document,
+    title: Option<&str>,
+    opts: &AbsorbOptions,
+    on_event: &mut dyn FnMut(AbsorbEvent),
+    cancel: &dyn Fn() -> bool,
+    resumable: Option<checkpoint::Resumable>,
+) -> Result<Absorbed> {
     let t0 = Instant::now();
     on_event(AbsorbEvent::Stage(AbsorbStage::Tokenizing));
     let (text, doc) = (document.text.as_str(), document.tokens());
     anyhow::ensure!(!doc.is_empty(), "the document is empty");
 
-    on_event(AbsorbEvent::Stage(AbsorbStage::GeneratingQa));
-    let qa_start = Instant::now();
-    let pairs = qa::generate_qa(model, text, &opts.qa, &mut |p| on_event(AbsorbEvent::Qa(p)), cancel)?;
-    let qa_seconds = qa_start.elapsed().as_secs_f64();
+    let identity = resumable.as_ref().map(|_| checkpoint::Identity::of(model, document, opts)).transpose()?;
+    let mut resume_refused = None;
+    let found = match (&resumable, &identity) {
+        (Some(r), Some(identity)) => match checkpoint::Checkpoint::find(&*r.store, identity, model.device()) {
+            Ok(found) => found,
+            Err(why) => {
+                tracing::warn!(%why, "the absorb's checkpoint is not resumed: training starts from step 0");
+                resume_refused = Some(why);
+                None
+            }
+        },
+        _ => None,
+    };
+    let (pairs, qa_seconds, resume) = match found {
+        // The pairs the checkpointed run trained on, not generated again.
+        Some(c) => (c.qa, c.qa_seconds, Some(c.train)),
+        None => {
+            on_event(AbsorbEvent::Stage(AbsorbStage::GeneratingQa));
+            let qa_start = Instant::now();
+            let pairs = qa::generate_qa(model, text, &opts.qa, &mut |p| on_event(AbsorbEvent::Qa(p)), cancel)?;
+            (pairs, qa_start.elapsed().as_secs_f64(), None)
+        }
+    };
     tracing::info!(pairs = pairs.len(), seconds = qa_seconds, "auxiliary QA ready");
+    let resumed_from_step = resume.as_ref().map(|t| t.cursor.step);
+    // The budget counts the whole absorb, across stops: QA, training before a resume, this run,
+    // and the save after it.
+    let deadline = opts.budget_seconds.map(|budget| {
+        let before = qa_seconds + resume.as_ref().map_or(0.0, |t| t.cursor.report.seconds);
+        let left = (budget - before - t0.elapsed().as_secs_f64() - SAVE_RESERVE_SECONDS).max(0.0);
+        Instant::now() + std::time::Duration::from_secs_f64(left)
+    });
 
     on_event(AbsorbEvent::Stage(AbsorbStage::Training));
     let adapter = new_adapter(model, opts)?;
@@ -345,12 +407,31 @@ pub fn absorb(
         }
     };
     let control = RunControl { on_progress, cancel };
-    let report = trainer::train_with(model, inputs, &train_opts, base_filter.as_ref(), probes.as_ref(), control)?;
+    // A checkpoint that cannot be written is logged; training goes on without it.
+    let save = &mut |t: trainer::TrainCheckpoint| {
+        if let (Some(r), Some(identity)) = (&resumable, &identity) {
+            let step = t.cursor.step;
+            match checkpoint::Checkpoint::encode(identity, &pairs, qa_seconds, t).and_then(|b| r.store.save(b)) {
+                Ok(()) => tracing::info!(step, "absorb checkpoint written"),
+                Err(e) => tracing::warn!(step, error = %format!("{e:#}"), "cannot write the absorb's checkpoint"),
+            }
+        }
+        Ok(())
+    };
+    let checkpoints = resumable.as_ref().map(|r| trainer::Checkpointing { interval: r.interval, resume, save });
+    let long = trainer::LongRun { checkpoints, deadline };
+    let report = trainer::train_long(model, inputs, &train_opts, base_filter.as_ref(), probes.as_ref(), control, long)?;
 
     on_event(AbsorbEvent::Stage(AbsorbStage::Saving));
     let bundle = AdapterBundle::new(adapter.detached());
     let mut figures = training_figures(&report, pairs.len(), qa_seconds, plan.segments.len(), t0);
     figures["probe_pairs"] = held.len().into();
+    if let Some(step) = resumed_from_step {
+        figures["resumed_from_step"] = step.into();
+    }
+    if let Some(why) = resume_refused {
+        figures["resume_refused"] = why.into();
+    }
     // What the frozen base's matmuls computed in while training (bf16 on CUDA and on CPUs with
     // AVX-512 BF16, f32 elsewhere): part of how the adapter was made.
     let matmul = if model.decoder.float_in_bf16() || !model.device().is_cpu() { "bf16" } else { "f32" };
@@ -476,6 +557,7 @@ fn training_figures(r: &TrainReport, qa_pairs: usize, qa_seconds: f64, segments:
         "cooldown_from": r.cooldown_from,
         "cooldown_cause": r.cooldown_cause,
         "skipped_examples": r.skipped_examples,
+        "out_of_time": r.out_of_time,
         "qa_pairs": qa_pairs,
         "qa_seconds": qa_seconds,
         "segments": segments,

@@ -6,7 +6,12 @@ use super::prompt::{chat_with_context, elision_tokens, end_of_turn, head_tail, R
 use super::qa::QaPair;
 use crate::model::{Model, Packing};
 use anyhow::Result;
-use rand::{rngs::StdRng, Rng, SeedableRng};
+use rand::{Rng, SeedableRng};
+
+/// The plan's and the trainer's seeded stream: ChaCha12, the same stream `rand`'s `StdRng` gives
+/// for a seed, but one whose position can be read and set, so a checkpointed run resumes where
+/// its draws left off.
+pub type PlanRng = rand_chacha::ChaCha12Rng;
 use serde::{Deserialize, Serialize};
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
@@ -206,13 +211,13 @@ impl Plan {
     /// The CT example of segment `i` with a head/tail split drawn from `rng`: the document's
     /// head and tail (a random split of the context budget), the recite prompt, then the segment,
     /// which alone is in the loss.
-    pub fn segment_example(&self, model: &Model, doc: &[u32], i: usize, rng: &mut StdRng) -> Result<Example> {
+    pub fn segment_example(&self, model: &Model, doc: &[u32], i: usize, rng: &mut PlanRng) -> Result<Example> {
         self.segments_example(model, doc, &[i], rng)
     }
 
     /// One CT row of the segments `idx` behind a single context (one split drawn from `rng`);
     /// one index is a plain example.
-    pub fn segments_example(&self, model: &Model, doc: &[u32], idx: &[usize], rng: &mut StdRng) -> Result<Example> {
+    pub fn segments_example(&self, model: &Model, doc: &[u32], idx: &[usize], rng: &mut PlanRng) -> Result<Example> {
         let budget = self.opts.context_tokens;
         let ctx = if budget == 0 {
             Vec::new()
@@ -227,8 +232,8 @@ impl Plan {
     }
 
     /// Deterministic generator for the plan's random choices.
-    pub fn rng(seed: u64) -> StdRng {
-        StdRng::seed_from_u64(seed)
+    pub fn rng(seed: u64) -> PlanRng {
+        PlanRng::seed_from_u64(seed)
     }
 
     pub fn options(&self) -> &PlanOptions {

@@ -228,6 +228,10 @@ pub struct DocumentOptions {
     /// Absorb until learned: stop once held-aside probe questions stop improving (`epochs` is then
     /// the ceiling); false: the fixed schedule. Default: the server's options.
     pub until_learned: Option<bool>,
+    /// Seconds the absorb may take: the plan is fitted to it at the server's measured rate (fewer
+    /// epochs, no segment overlap, fewer QA pairs, said in `warnings`) and training stops at it.
+    /// Default: the server's `--absorb-budget`, else none.
+    pub budget_seconds: Option<f64>,
     /// Removed: FltLM's filter belongs to the server's prepared base (400 `removed_option`).
     #[schema(value_type = Option<Object>)]
     pub filter: Option<serde_json::Value>,
@@ -262,6 +266,9 @@ impl DocumentOptions {
         if let Some(n) = self.aux_qa {
             o.qa.max_pairs = n;
             o.qa.min_pairs = o.qa.min_pairs.min(n);
+        }
+        if self.budget_seconds.is_some() {
+            o.budget_seconds = self.budget_seconds;
         }
         match self.until_learned {
             Some(true) if o.train.until_learned.is_none() => o.train.until_learned = Some(Default::default()),

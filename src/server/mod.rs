@@ -151,6 +151,15 @@ pub struct ServeConfig {
     /// Resident memory above which `/health` says `degraded` (bytes; default: no budget).
     #[arg(long, env = "LIFT_MEMORY_BUDGET_BYTES")]
     pub memory_budget_bytes: Option<u64>,
+    /// Seconds an absorb may take when its request sets no `budget_seconds` (the plan is fitted
+    /// to it; default: the options as they are, however long they take).
+    #[arg(long, env = "LIFT_ABSORB_BUDGET")]
+    pub absorb_budget: Option<f64>,
+    /// Seconds between an absorb's checkpoints (also written where its segment stage ends): a
+    /// restart, a crash or a replica taken over continues the absorb from the last one (0: no
+    /// checkpoints).
+    #[arg(long, env = "LIFT_CHECKPOINT_SECS", default_value_t = crate::lift::checkpoint::DEFAULT_INTERVAL.as_secs_f64())]
+    pub checkpoint_secs: f64,
 }
 
 impl ServeConfig {
@@ -194,6 +203,8 @@ impl ServeConfig {
             extract_limits: None,
             extract_worker: None,
             memory_budget_bytes: None,
+            checkpoint_secs: crate::lift::checkpoint::DEFAULT_INTERVAL.as_secs_f64(),
+            absorb_budget: None,
         }
     }
 
@@ -263,7 +274,7 @@ impl ServeConfig {
              train_queue={} generate_queue={} max_batch={} kv_cache_bytes={} cache_bytes={} context_tokens={} max_training_tokens={} metrics_key={} \
              header_timeout_secs={} body_timeout_secs={} max_connections={} drain_secs={} database_url={} \
              adapter_store={} role={:?} replica_id={} lease_secs={} extract_workers={} extract_timeout_secs={} \
-             extract_memory_bytes={} extract_limits={} extract_worker={} memory_budget_bytes={}",
+             extract_memory_bytes={} extract_limits={} extract_worker={} memory_budget_bytes={} checkpoint_secs={} absorb_budget={}",
             self.host,
             self.port,
             self.model.as_ref().map_or("(default)".into(), |p| p.display().to_string()),
@@ -298,6 +309,8 @@ impl ServeConfig {
             self.extract_limits.as_ref().map_or("(built-in)".into(), |p| p.display().to_string()),
             self.extract_worker.as_ref().map_or("(this binary)".into(), |p| p.display().to_string()),
             self.memory_budget_bytes.map_or("(none)".into(), |b| b.to_string()),
+            self.checkpoint_secs,
+            self.absorb_budget.map_or("(none)".into(), |b| b.to_string()),
         )
     }
 }
@@ -466,6 +479,12 @@ pub fn router(state: AppState) -> axum::Router {
         .with_state(state)
 }
 
+/// `--checkpoint-secs` as a duration (zero: no checkpoints).
+fn checkpoint_interval(secs: f64) -> Result<Duration> {
+    anyhow::ensure!(secs.is_finite() && secs >= 0.0, "--checkpoint-secs must be 0 or more (got {secs})");
+    Ok(Duration::from_secs_f64(secs))
+}
+
 /// Loads the model, opens the service (store, engine, recovered jobs) and builds the shared
 /// state (blocking; within a tokio runtime's context: a replica starts its background work).
 pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<AppState> {
@@ -489,6 +508,7 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
         context_tokens: cfg.context_tokens,
         default_options: default_options.clone(),
         shared: cfg.shared()?,
+        checkpoint_interval: checkpoint_interval(cfg.checkpoint_secs)?,
     };
     // Before the service opens (a replica starts its background work there): a missing worker
     // binary fails the start at once.
@@ -517,10 +537,13 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
 /// The absorb options of documents that set none (`--absorb-options`, else built in), checked
 /// against their bounds like a request's.
 fn default_options(cfg: &ServeConfig, model: &Model) -> Result<AbsorbOptions> {
-    let o = match &cfg.absorb_options {
+    let mut o = match &cfg.absorb_options {
         Some(p) => AbsorbOptions::from_file(p)?,
         None => AbsorbOptions::default(),
     };
+    if cfg.absorb_budget.is_some() {
+        o.budget_seconds = cfg.absorb_budget;
+    }
     let c = model.config();
     o.validate(c.num_layers, c.max_position_embeddings).context("invalid default absorb options")?;
     let planned =

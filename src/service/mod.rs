@@ -68,6 +68,8 @@ pub struct ServiceConfig {
     pub default_options: AbsorbOptions,
     /// Replicas sharing a database and an adapter store (None: this process's files).
     pub shared: Option<shared::SharedConfig>,
+    /// Time between an absorb's checkpoints.
+    pub checkpoint_interval: std::time::Duration,
 }
 
 impl ServiceConfig {
@@ -160,7 +162,7 @@ impl Service {
         if let Some(shared_cfg) = cfg.shared.clone() {
             return Self::open_shared(model, cfg, shared_cfg, metrics);
         }
-        let store = Arc::new(Store::open(&cfg.adapters_dir, cfg.cache_bytes)?);
+        let store = Arc::new(Store::open(&cfg.adapters_dir, cfg.cache_bytes)?.with_checkpoint_interval(cfg.checkpoint_interval));
         let mut docs = HashMap::new();
         let mut requeue = Vec::new();
         for r in store.recover()? {
@@ -197,7 +199,9 @@ impl Service {
     /// current tokio runtime), so a replica may start before the database is up.
     fn open_shared(model: Arc<Model>, cfg: ServiceConfig, shared_cfg: shared::SharedConfig, metrics: Arc<Metrics>) -> Result<Self> {
         let blobs = Arc::new(store::blobs::Blobs::open(&shared_cfg.adapter_store)?);
-        let store = Arc::new(Store::open(&cfg.adapters_dir, cfg.cache_bytes)?.with_blobs(blobs));
+        let store = Arc::new(
+            Store::open(&cfg.adapters_dir, cfg.cache_bytes)?.with_blobs(blobs).with_checkpoint_interval(cfg.checkpoint_interval),
+        );
         let shared = Arc::new(shared::Shared::new(shared_cfg.clone(), store.clone(), metrics)?);
         let engine = Arc::new(Engine::start(model.clone(), store.clone(), shared.clone(), cfg.train_queue, cfg.generate_limits(&model))?);
         tokio::spawn(shared.clone().run(engine.clone()));
@@ -240,15 +244,16 @@ impl Service {
             .await
             .map_err(ServiceError::internal)?
             .map_err(|e| ServiceError::Untokenizable(format!("{e:#}")))?;
-        let cost = self.cost(document.clone(), &options).await?;
+        // With a time budget, what is queued is the plan fitted to it.
+        let (cost, options) = self.cost(document.clone(), &options).await?;
         let submitted = self.queue(owner, title, options, source, document).await?;
         Ok((submitted, cost))
     }
 
     /// What absorbing `doc` would cost (planned steps, training tokens, time at the measured rate)
     /// and the options known to under-train it; refused as `submit` would refuse it (too large, too
-    /// much training). Nothing is stored.
-    pub async fn estimate(&self, doc: NewDocument) -> Result<Cost, ServiceError> {
+    /// much training), with the options fitted to their time budget. Nothing is stored.
+    pub async fn estimate(&self, doc: NewDocument) -> Result<(Cost, AbsorbOptions), ServiceError> {
         let NewDocument { text, options, .. } = doc;
         let model = self.engine.model.clone();
         // Tokens only: the passages an answer needs are not built for a dry run.
@@ -259,29 +264,28 @@ impl Service {
         self.cost(Arc::new(document), &options).await
     }
 
-    /// The limits checked, then the cost (extractive QA generation counts the pairs: blocking).
-    async fn cost(&self, document: Arc<Document>, options: &AbsorbOptions) -> Result<Cost, ServiceError> {
+    /// The limits checked, then the cost (extractive QA generation counts the pairs: blocking),
+    /// and the options fitted to their time budget (unchanged without one).
+    async fn cost(&self, document: Arc<Document>, options: &AbsorbOptions) -> Result<(Cost, AbsorbOptions), ServiceError> {
         let (tokens, limit) = (document.len(), self.cfg.max_document_tokens);
         if tokens > limit {
             return Err(ServiceError::DocumentTooLarge { tokens, limit });
         }
-        self.check_training_cost(options, tokens)?;
         let (engine, o) = (self.engine.clone(), options.clone());
-        tokio::task::spawn_blocking(move || {
-            let o = &o;
-            let pairs = if o.qa.use_model {
-                // Model-written pairs are only known once written: the cap bounds them.
-                o.qa.max_pairs
-            } else {
-                let text = &document.text;
-                crate::lift::qa::extractive_qa(text, &crate::lift::text::split_sentences(text), &o.qa).len()
-            };
+        let (cost, fitted) = tokio::task::spawn_blocking(move || {
+            let pairs = crate::lift::estimate::qa_pairs_planned(&document.text, &o);
             let one_per_row = engine.model.base_filter().is_some();
-            let counts = crate::lift::estimate::plan_counts(tokens, pairs, o, one_per_row);
-            Cost { tokens, estimate: engine.rate.estimate(counts), warnings: crate::lift::estimate::warnings(tokens, o) }
+            let fit = crate::lift::budget::fit(&o, tokens, pairs, one_per_row, &engine.rate);
+            let f = &fit.options;
+            let counts = crate::lift::estimate::plan_counts(tokens, pairs.min(f.qa.max_pairs), f, one_per_row);
+            let mut warnings = crate::lift::estimate::warnings(tokens, f);
+            warnings.extend(o.budget_seconds.and_then(|b| crate::lift::budget::warning(&fit, b)));
+            (Cost { tokens, estimate: engine.rate.estimate(counts), warnings }, fit.options)
         })
         .await
-        .map_err(ServiceError::internal)
+        .map_err(ServiceError::internal)?;
+        self.check_training_cost(&fitted, tokens)?;
+        Ok((cost, fitted))
     }
 
     /// Queues a tokenized document within the limits.

@@ -440,6 +440,9 @@ impl Shared {
                 }
             }
         }
+        if let Err(e) = self.blobs.delete_checkpoint(id).await {
+            tracing::warn!(id, error = %e, "cannot delete the absorb's checkpoint; it stays in the store");
+        }
         let (store, id2) = (self.store.clone(), id.to_string());
         tokio::task::spawn_blocking(move || store.delete(&id2))
             .await

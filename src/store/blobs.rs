@@ -17,6 +17,9 @@ use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+/// The folder of absorb checkpoints under the store's prefix.
+const CHECKPOINTS: &str = "checkpoints";
+
 /// Where one adapter's archive lies and the hash its bytes must have.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct BlobRef {
@@ -114,11 +117,45 @@ impl Blobs {
         }
     }
 
-    /// Archives in the store (tests and operations).
+    /// Archives in the store (tests and operations); checkpoints are not archives.
     pub async fn list(&self) -> Result<Vec<String>> {
         use futures_util::TryStreamExt;
         let metas: Vec<_> = self.store.list(Some(&self.prefix)).try_collect().await?;
-        Ok(metas.into_iter().filter_map(|m| m.location.filename().map(str::to_string)).collect())
+        let checkpoints = self.prefix.child(CHECKPOINTS);
+        Ok(metas
+            .into_iter()
+            .filter(|m| !m.location.prefix_matches(&checkpoints))
+            .filter_map(|m| m.location.filename().map(str::to_string))
+            .collect())
+    }
+
+    /// Where the absorb of `id` keeps its checkpoint: one object, replaced by each new one (a
+    /// put is atomic in every backend). Any replica that takes the job over reads it.
+    fn checkpoint_path(&self, id: &str) -> ObjectPath {
+        self.prefix.child(CHECKPOINTS).child(format!("{id}.safetensors"))
+    }
+
+    pub async fn put_checkpoint(&self, id: &str, bytes: Bytes) -> Result<()> {
+        let path = self.checkpoint_path(id);
+        self.store.put(&path, PutPayload::from_bytes(bytes)).await.with_context(|| format!("{path}: cannot write"))?;
+        Ok(())
+    }
+
+    /// The checkpoint of `id`, if there is one.
+    pub async fn get_checkpoint(&self, id: &str) -> Result<Option<Bytes>> {
+        let path = self.checkpoint_path(id);
+        match self.store.get(&path).await {
+            Ok(r) => Ok(Some(r.bytes().await.with_context(|| format!("{path}: cannot read"))?)),
+            Err(object_store::Error::NotFound { .. }) => Ok(None),
+            Err(e) => Err(e).with_context(|| format!("{path}: cannot read")),
+        }
+    }
+
+    pub async fn delete_checkpoint(&self, id: &str) -> Result<()> {
+        match self.store.delete(&self.checkpoint_path(id)).await {
+            Ok(()) | Err(object_store::Error::NotFound { .. }) => Ok(()),
+            Err(e) => Err(e.into()),
+        }
     }
 
     /// Runs one of the store's futures from a thread outside the runtime (the engine's threads,

@@ -213,6 +213,8 @@ pub struct Store {
     blobs: Option<Arc<Blobs>>,
     /// Documents without a saved adapter that this process can answer about.
     live: std::sync::RwLock<std::collections::HashMap<String, Arc<LiveDocument>>>,
+    /// Seconds between an absorb's checkpoints.
+    checkpoint_interval: std::time::Duration,
 }
 
 pub fn now() -> u64 {
@@ -233,6 +235,28 @@ pub fn document_id(fingerprint: &str, owner: Option<&str>, text: &str, options: 
 /// A well-formed document id (also keeps ids from naming paths outside the store).
 pub fn valid_id(id: &str) -> bool {
     id.len() == 36 && id.starts_with("doc_") && id[4..].bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+}
+
+/// Where one absorb's checkpoint lives: a file of this store, or a blob of the shared store.
+enum StoreCheckpoint<'a> {
+    File(crate::lift::checkpoint::FileCheckpoint),
+    Blob(&'a Blobs, String),
+}
+
+impl crate::lift::checkpoint::CheckpointStore for StoreCheckpoint<'_> {
+    fn load(&self) -> Result<Option<Vec<u8>>> {
+        match self {
+            StoreCheckpoint::File(f) => f.load(),
+            StoreCheckpoint::Blob(b, id) => Ok(b.block_on(b.get_checkpoint(id))?.map(|bytes| bytes.to_vec())),
+        }
+    }
+
+    fn save(&self, bytes: Vec<u8>) -> Result<()> {
+        match self {
+            StoreCheckpoint::File(f) => f.save(bytes),
+            StoreCheckpoint::Blob(b, id) => b.block_on(b.put_checkpoint(id, bytes.into())),
+        }
+    }
 }
 
 /// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename.
@@ -265,7 +289,8 @@ impl Store {
                 }
             })
             .build();
-        Ok(Self { root: root.to_path_buf(), cache, stats, blobs: None, live: Default::default() })
+        let checkpoint_interval = crate::lift::checkpoint::DEFAULT_INTERVAL;
+        Ok(Self { root: root.to_path_buf(), cache, stats, blobs: None, live: Default::default(), checkpoint_interval })
     }
 
     /// Serves adapters from a shared blob store (this directory becomes its local cache).
@@ -276,6 +301,45 @@ impl Store {
 
     pub fn blobs(&self) -> Option<&Arc<Blobs>> {
         self.blobs.as_ref()
+    }
+
+    /// Absorbs write a checkpoint every `interval` (and where their segment stage ends; zero: no
+    /// checkpoints).
+    pub fn with_checkpoint_interval(mut self, interval: std::time::Duration) -> Self {
+        self.checkpoint_interval = interval;
+        self
+    }
+
+    /// Where the absorb of `id` keeps its checkpoint: with a shared blob store, a blob beside
+    /// the adapters (any replica can take the job over); else `<id>.checkpoint.safetensors` in
+    /// the store's directory.
+    pub fn checkpoint(&self, id: &str) -> Option<crate::lift::checkpoint::Resumable<'_>> {
+        if self.checkpoint_interval.is_zero() {
+            return None;
+        }
+        let place = match &self.blobs {
+            Some(b) => StoreCheckpoint::Blob(b, id.to_string()),
+            None => StoreCheckpoint::File(crate::lift::checkpoint::FileCheckpoint(self.checkpoint_path(id))),
+        };
+        Some(crate::lift::checkpoint::Resumable { store: Box::new(place), interval: self.checkpoint_interval })
+    }
+
+    fn checkpoint_path(&self, id: &str) -> PathBuf {
+        self.root.join(format!("{id}.checkpoint.safetensors"))
+    }
+
+    /// Removes the checkpoint of `id` (its adapter is saved, or the document deleted).
+    pub fn drop_checkpoint(&self, id: &str) {
+        let removed = match &self.blobs {
+            Some(b) => b.block_on(b.delete_checkpoint(id)),
+            None => match std::fs::remove_file(self.checkpoint_path(id)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
+                _ => Ok(()),
+            },
+        };
+        if let Err(e) = removed {
+            tracing::warn!(id, error = %format!("{e:#}"), "cannot remove the absorb's checkpoint");
+        }
     }
 
     fn blob_note_path(&self, id: &str) -> PathBuf {
@@ -340,12 +404,16 @@ impl Store {
     /// are rewritten; kept texts of ended jobs are removed.
     pub fn recover(&self) -> Result<Vec<Recovered>> {
         let mut out = Vec::new();
-        let mut pending = Vec::new();
+        let (mut pending, mut checkpoints) = (Vec::new(), Vec::new());
         for entry in std::fs::read_dir(&self.root)? {
             let path = entry?.path();
             let Some(name) = path.file_name().and_then(|n| n.to_str()) else { continue };
             if let Some(id) = name.strip_suffix(".pending.txt") {
                 pending.push(id.to_string());
+                continue;
+            }
+            if let Some(id) = name.strip_suffix(".checkpoint.safetensors") {
+                checkpoints.push(id.to_string());
                 continue;
             }
             let Some(id) = name.strip_suffix(".job.json") else { continue };
@@ -389,6 +457,12 @@ impl Store {
                 self.write_record(&rec)?;
             }
             out.push(Recovered { rec, requeue_text });
+        }
+        for id in checkpoints {
+            // Only a job that trains again resumes its checkpoint.
+            if !out.iter().any(|r| r.rec.id == id && r.requeue_text.is_some()) {
+                let _ = std::fs::remove_file(self.checkpoint_path(&id));
+            }
         }
         for id in pending {
             // Kept for the jobs to re-queue and for failed documents, which still answer from
@@ -550,6 +624,9 @@ impl Store {
             std::fs::remove_file(&rec)?;
         }
         self.remove_pending_text(id);
+        if self.blobs.is_none() {
+            self.drop_checkpoint(id);
+        }
         Ok(())
     }
 

@@ -15,7 +15,7 @@ use super::plan::{Example, Plan};
 use crate::model::{ops, Adapter, ForwardHooks, Model, NoHooks, Packing};
 use anyhow::{bail, Result};
 use candle_core::{Tensor, Var};
-use rand::rngs::StdRng;
+use super::plan::PlanRng;
 use rand::seq::SliceRandom;
 use serde::{Deserialize, Serialize};
 use std::time::Instant;
@@ -100,6 +100,8 @@ pub struct Progress {
     pub probe_loss: Option<f64>,
     /// This step ended its epoch (the adapter is as the epoch left it: a snapshot point).
     pub epoch_end: bool,
+    /// The step this run continued from, when it resumed a checkpoint.
+    pub resumed_from: Option<usize>,
 }
 
 #[derive(Clone, Debug, Default, Serialize, Deserialize)]
@@ -129,6 +131,9 @@ pub struct TrainReport {
     /// Examples (segments and QA pairs) skipped as learned, summed over epochs (absorb until
     /// learned).
     pub skipped_examples: usize,
+    /// Training stopped at the absorb's time budget, before its planned steps.
+    #[serde(default)]
+    pub out_of_time: bool,
 }
 
 /// A FltLM filter in training: the filter, the QA examples in its layout (they replace
@@ -372,6 +377,52 @@ pub struct RunControl<'a, P> {
     pub cancel: &'a dyn Fn() -> bool,
 }
 
+/// Where a run stands after an optimizer step: what, with the parameters and the optimizers'
+/// moments, continues it exactly as if it had never stopped.
+#[derive(Clone, Debug, Serialize, Deserialize)]
+pub struct Cursor {
+    /// Optimizer steps done.
+    pub step: usize,
+    /// The epoch in progress (1-based over both stages) and its batches done.
+    pub epoch: usize,
+    pub batch: usize,
+    /// The seeded stream's position before this epoch's draw, and now (ChaCha word positions,
+    /// as decimal strings: JSON numbers stop at 2⁵³).
+    pub epoch_rng: String,
+    pub rng: String,
+    /// The epoch's loss sum so far and `report.examples` when it began.
+    pub epoch_loss: f64,
+    pub epoch_examples: usize,
+    /// Early stopping's count (no best yet: None; JSON has no infinity).
+    pub best_epoch_loss: Option<f64>,
+    pub epochs_since_best: usize,
+    /// The report so far (its `seconds`: training time before this point).
+    pub report: TrainReport,
+}
+
+/// A checkpoint of a run: its [`Cursor`] and named tensors (`param.{i}`: the trained parameters
+/// in `TrainInputs::vars` order; `optimizer.*`: the moments and step counts).
+pub struct TrainCheckpoint {
+    pub cursor: Cursor,
+    pub tensors: std::collections::HashMap<String, Tensor>,
+}
+
+/// A run's checkpoints: written every `interval` and when the segment stage ends (at a step
+/// boundary; never part-way through a step), and the one it resumes from.
+pub struct Checkpointing<'a> {
+    pub interval: std::time::Duration,
+    pub resume: Option<TrainCheckpoint>,
+    pub save: &'a mut dyn FnMut(TrainCheckpoint) -> Result<()>,
+}
+
+/// What a long run adds to [`train_with`]: checkpoints, and a deadline at which it stops at the
+/// next step boundary and keeps what it has trained (an absorb's time budget).
+#[derive(Default)]
+pub struct LongRun<'a> {
+    pub checkpoints: Option<Checkpointing<'a>>,
+    pub deadline: Option<Instant>,
+}
+
 /// Trains `inputs.vars` (the parameters behind `inputs.adapter`) on `inputs.plan`: plain LIFT.
 pub fn train(
     model: &Model,
@@ -395,7 +446,28 @@ pub fn train_with(
     probes: Option<&Probes>,
     control: RunControl<Progress>,
 ) -> Result<TrainReport> {
+    train_long(model, inputs, opts, filter, probes, control, LongRun::default())
+}
+
+/// [`train_with`], checkpointed and resumable through `long.checkpoints`, stopped at
+/// `long.deadline`. A run that resumes takes the same path as one that never stopped: the same
+/// draws, the same optimizer state, the same remaining steps. Runs until learned are not
+/// checkpointed (their probe and skip bookkeeping is not part of a checkpoint): they train from
+/// step 0 after a stop.
+pub fn train_long(
+    model: &Model,
+    inputs: TrainInputs,
+    opts: &TrainOptions,
+    filter: Option<&FilterTraining>,
+    probes: Option<&Probes>,
+    control: RunControl<Progress>,
+    long: LongRun,
+) -> Result<TrainReport> {
     let RunControl { on_progress, cancel } = control;
+    let LongRun { mut checkpoints, deadline } = long;
+    if opts.until_learned.is_some() && checkpoints.take().is_some() {
+        tracing::info!("absorbing until learned: no checkpoints (a stop trains again from step 0)");
+    }
     if let Some(ft) = filter {
         anyhow::ensure!(ft.examples.len() == inputs.plan.qa.len(), "one filter example per QA example");
     }
@@ -415,6 +487,31 @@ pub fn train_with(
     let mut report = TrainReport { planned_steps: steps_total, ..Default::default() };
     let start = Instant::now();
     let mut patience = Patience { best: f64::INFINITY, since_best: 0 };
+    // Where a resumed run picks up; its parameters and moments are restored here.
+    let resume = match checkpoints.as_mut().and_then(|c| c.resume.take()) {
+        None => None,
+        Some(mut ckpt) => {
+            let c = ckpt.cursor;
+            anyhow::ensure!(
+                c.report.planned_steps == steps_total && c.step <= steps_total,
+                "the checkpoint plans {} steps, this run {steps_total}",
+                c.report.planned_steps
+            );
+            for (i, var) in run.vars.iter().enumerate() {
+                let t = ckpt.tensors.remove(&format!("param.{i}")).ok_or_else(|| anyhow::anyhow!("the checkpoint lacks param.{i}"))?;
+                anyhow::ensure!(t.dims() == var.dims(), "the checkpoint's param.{i} is {:?}, the adapter's {:?}", t.dims(), var.dims());
+                var.set(&t.to_device(var.device())?.to_dtype(var.dtype())?)?;
+            }
+            optimizers.restore_named(&mut ckpt.tensors)?;
+            report = c.report.clone();
+            patience = Patience { best: c.best_epoch_loss.unwrap_or(f64::INFINITY), since_best: c.epochs_since_best };
+            tracing::info!(step = c.step, planned = steps_total, "training resumes from a checkpoint");
+            Some(c)
+        }
+    };
+    let resumed_from = resume.as_ref().map(|c| c.step);
+    let seconds_before = report.seconds;
+    let mut last_checkpoint = Instant::now();
     let mut focus = Focus::new(opts.until_learned.as_ref(), rows.n_seg, rows.n_qa);
     let mut until_learned = UntilLearnedRun::new(opts.until_learned.as_ref(), probes, steps_total);
     let final_stage = if opts.epochs[1] > 0 { Stage::SegmentsAndQa } else { Stage::Segments };
@@ -422,12 +519,29 @@ pub fn train_with(
     'stages: for (stage, epochs) in [(Stage::Segments, opts.epochs[0]), (Stage::SegmentsAndQa, opts.epochs[1])] {
         for _ in 0..epochs {
             epoch += 1;
+            // A resumed run skips the epochs its checkpoint had finished, and redraws the one in
+            // progress from the stream's position before its draw.
+            let resuming = resume.as_ref().filter(|c| c.epoch >= epoch);
+            if resuming.is_some_and(|c| c.epoch > epoch) {
+                continue;
+            }
+            if let Some(c) = resuming {
+                run.rng.set_word_pos(word_pos(&c.epoch_rng)?);
+            }
+            let epoch_rng = run.rng.get_word_pos();
             let (seg_members, order, skipped) = rows.draw(stage, &mut run.rng, |is_qa, i| focus.wants(is_qa, i, epoch));
-            report.skipped_examples += skipped;
             let mut epoch_loss = 0.0;
-            let epoch_start = report.examples;
+            let mut epoch_start = report.examples;
+            let mut done_batches = 0;
+            match resuming {
+                Some(c) => {
+                    run.rng.set_word_pos(word_pos(&c.rng)?);
+                    (epoch_loss, epoch_start, done_batches) = (c.epoch_loss, c.epoch_examples, c.batch);
+                }
+                None => report.skipped_examples += skipped,
+            }
             let batches = order.len().div_ceil(rows.accumulation.max(1));
-            for (bi, batch) in order.chunks(rows.accumulation).enumerate() {
+            for (bi, batch) in order.chunks(rows.accumulation).enumerate().skip(done_batches) {
                 if cancel() {
                     return Err(super::Cancelled("training").into());
                 }
@@ -447,7 +561,12 @@ pub fn train_with(
                 epoch_loss += b.loss * batch.len() as f64;
                 let secs = t0.elapsed().as_secs_f64();
                 until_learned.after_step(model, inputs.adapter, stage == final_stage, epoch, b.loss, &mut report)?;
-                let learned = until_learned.is_over(report.steps);
+                let out_of_time = deadline.is_some_and(|d| Instant::now() >= d) && report.steps < steps_total;
+                if out_of_time {
+                    tracing::warn!(step = report.steps, planned = steps_total, "the absorb's time budget is spent: training stops here");
+                    report.out_of_time = true;
+                }
+                let learned = until_learned.is_over(report.steps) || out_of_time;
                 on_progress(&Progress {
                     stage,
                     epoch,
@@ -458,9 +577,35 @@ pub fn train_with(
                     tokens_per_s: b.tokens as f64 / secs.max(1e-9),
                     probe_loss: until_learned.probe_loss(),
                     epoch_end: bi + 1 == batches || learned,
+                    resumed_from,
                 });
+                // Checkpoints: every interval, and where the segment stage ends.
+                let stage_end = bi + 1 == batches && epoch == opts.epochs[0] && opts.epochs[1] > 0;
+                if let Some(c) = checkpoints.as_mut().filter(|_| !learned && report.steps < steps_total) {
+                    if stage_end || last_checkpoint.elapsed() >= c.interval {
+                        let cursor = Cursor {
+                            step: report.steps,
+                            epoch,
+                            batch: bi + 1,
+                            epoch_rng: epoch_rng.to_string(),
+                            rng: run.rng.get_word_pos().to_string(),
+                            epoch_loss,
+                            epoch_examples: epoch_start,
+                            best_epoch_loss: patience.best.is_finite().then_some(patience.best),
+                            epochs_since_best: patience.since_best,
+                            report: TrainReport { seconds: seconds_before + start.elapsed().as_secs_f64(), ..report.clone() },
+                        };
+                        let mut tensors: std::collections::HashMap<String, Tensor> =
+                            run.vars.iter().enumerate().map(|(i, v)| (format!("param.{i}"), v.as_tensor().detach())).collect();
+                        tensors.extend(optimizers.named_state()?);
+                        (c.save)(TrainCheckpoint { cursor, tensors })?;
+                        last_checkpoint = Instant::now();
+                    }
+                }
                 if learned {
-                    tracing::info!(step = report.steps, planned = steps_total, probe_loss = until_learned.probe_loss(), cause = ?report.cooldown_cause, "training stops: the cool-down is over");
+                    if !report.out_of_time {
+                        tracing::info!(step = report.steps, planned = steps_total, probe_loss = until_learned.probe_loss(), cause = ?report.cooldown_cause, "training stops: the cool-down is over");
+                    }
                     report.epoch_losses.push(epoch_loss / (report.examples - epoch_start).max(1) as f64);
                     report.stopped_early = true;
                     break 'stages;
@@ -471,7 +616,7 @@ pub fn train_with(
                 tracing::debug!(epoch, ?stage, "epoch skipped: every example is learned");
                 continue;
             }
-            let mean = epoch_loss / order.len() as f64;
+            let mean = epoch_loss / (report.examples - epoch_start).max(1) as f64;
             report.epoch_losses.push(mean);
             tracing::debug!(epoch, ?stage, loss = mean, skipped, "epoch done");
             if patience.exhausted(opts.early_stop.as_ref(), mean) {
@@ -480,10 +625,15 @@ pub fn train_with(
             }
         }
     }
-    report.seconds = start.elapsed().as_secs_f64();
+    report.seconds = seconds_before + start.elapsed().as_secs_f64();
     report.tokens_per_s = report.tokens as f64 / report.seconds.max(1e-9);
     report.final_loss = report.epoch_losses.last().copied().unwrap_or(f64::NAN);
     Ok(report)
+}
+
+/// A [`Cursor`]'s stream position.
+fn word_pos(s: &str) -> Result<u128> {
+    s.parse().map_err(|_| anyhow::anyhow!("the checkpoint's stream position '{s}' is not a number"))
 }
 
 /// How a run's epochs are laid out: segments packed `segment_pack` to a CT row, QA examples
@@ -517,7 +667,7 @@ impl EpochRows {
     fn draw(
         &self,
         stage: Stage,
-        rng: &mut StdRng,
+        rng: &mut PlanRng,
         wants: impl Fn(bool, usize) -> bool,
     ) -> (Vec<Vec<usize>>, Vec<(bool, usize)>, usize) {
         let live: Vec<usize> = (0..self.n_seg).filter(|&i| wants(false, i)).collect();
@@ -549,7 +699,7 @@ struct LiftRun<'a> {
     vars: Vec<Var>,
     frozen: FrozenCache,
     no_cdt: CdtStats,
-    rng: StdRng,
+    rng: PlanRng,
 }
 
 /// One batch: its gradients summed (in `LiftRun::vars` order), mean loss, each example's loss

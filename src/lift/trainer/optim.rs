@@ -37,6 +37,32 @@ impl AdamW {
         Ok(())
     }
 
+    /// The moments and step count as named tensors (`{prefix}.{i}.m`, `{prefix}.{i}.v`,
+    /// `{prefix}.t`), to write in a checkpoint beside the parameters.
+    pub fn named_state(&self, prefix: &str) -> Result<Vec<(String, Tensor)>> {
+        let mut out = Vec::with_capacity(2 * self.m.len() + 1);
+        for (i, (m, v)) in self.m.iter().zip(&self.v).enumerate() {
+            out.push((format!("{prefix}.{i}.m"), m.clone()));
+            out.push((format!("{prefix}.{i}.v"), v.clone()));
+        }
+        let device = self.vars.first().map_or(candle_core::Device::Cpu, |v| v.device().clone());
+        out.push((format!("{prefix}.t"), Tensor::new(&[self.t as u32], &device)?));
+        Ok(out)
+    }
+
+    /// Restores [`Self::named_state`] from `tensors` (taking them out of the map).
+    pub fn restore_named(&mut self, prefix: &str, tensors: &mut std::collections::HashMap<String, Tensor>) -> Result<()> {
+        let mut take = |k: String| tensors.remove(&k).ok_or_else(|| anyhow::anyhow!("the checkpoint lacks {k}"));
+        let t = take(format!("{prefix}.t"))?.to_vec1::<u32>()?[0] as usize;
+        let (mut m, mut v) = (Vec::new(), Vec::new());
+        for i in 0..self.vars.len() {
+            let device = self.vars[i].device();
+            m.push(take(format!("{prefix}.{i}.m"))?.to_device(device)?);
+            v.push(take(format!("{prefix}.{i}.v"))?.to_device(device)?);
+        }
+        self.restore(m, v, t)
+    }
+
     /// [`clip`] the gradients to global norm `max_norm` (≤ 0: no clipping), then [`Self::step`].
     /// On CUDA both in two kernel launches (kernels/adamw.cu) where the variables are f32.
     pub fn clip_and_step(&mut self, grads: Vec<Tensor>, max_norm: f64, lr: f64) -> Result<()> {
@@ -118,6 +144,21 @@ impl Optimizers {
             self.filter.clip_and_step(filter_grads, opts.max_grad_norm, lr * self.filter_lr_scale)?;
         }
         Ok(())
+    }
+}
+
+impl Optimizers {
+    /// Both optimizers' state as named tensors (`optimizer.adapter.*`, `optimizer.filter.*`).
+    pub(super) fn named_state(&self) -> Result<Vec<(String, Tensor)>> {
+        let mut out = self.adapter.named_state("optimizer.adapter")?;
+        out.extend(self.filter.named_state("optimizer.filter")?);
+        Ok(out)
+    }
+
+    /// Restores [`Self::named_state`].
+    pub(super) fn restore_named(&mut self, tensors: &mut std::collections::HashMap<String, Tensor>) -> Result<()> {
+        self.adapter.restore_named("optimizer.adapter", tensors)?;
+        self.filter.restore_named("optimizer.filter", tensors)
     }
 }
 

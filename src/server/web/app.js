@@ -283,6 +283,9 @@ function absorbOptions() {
   if (q !== null) o.aux_qa = q;
   const schedule = $('opt-schedule').value;
   if (schedule) o.until_learned = schedule === 'until_learned';
+  // The plan is fitted to the budget; the cost line's warnings say what was given up.
+  const minutes = int('opt-budget');
+  if (minutes !== null) o.budget_seconds = minutes * 60;
   return Object.keys(o).length ? o : null;
 }
 
@@ -404,7 +407,7 @@ function initUpload() {
   window.addEventListener('dragover', (ev) => ev.preventDefault());
   window.addEventListener('drop', (ev) => ev.preventDefault());
   $('upload-form').addEventListener('submit', submitDoc);
-  for (const id of ['paste-text', 'opt-adapter', 'opt-window', 'opt-epochs-seg', 'opt-epochs-qa', 'opt-aux-qa', 'opt-schedule']) {
+  for (const id of ['paste-text', 'opt-adapter', 'opt-window', 'opt-epochs-seg', 'opt-epochs-qa', 'opt-aux-qa', 'opt-budget', 'opt-schedule']) {
     $(id).addEventListener('input', scheduleCost);
     $(id).addEventListener('change', scheduleCost);
   }

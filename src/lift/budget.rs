@@ -1,0 +1,186 @@
+//! Absorbs within a time budget (`budget_seconds`): the plan is fitted to the budget before the
+//! absorb starts, at the rate the server measured on its finished absorbs, by giving up the least
+//! useful training first; the choices are said. While it trains, the budget is also a deadline:
+//! should the rate prove optimistic, training stops at the budget and keeps what it has learned.
+//!
+//! What is given up, in order (each on top of the ones before; the first plan within the budget
+//! is taken): epochs over the segments alone, down to one; epochs over segments + QA, down to two;
+//! the segments' overlap (stride = window: each token trained once per epoch, not 8/3 times);
+//! the last QA epochs, down to one; the segment-only stage; then QA pairs, halved, down to the
+//! options' floor. The QA stage is kept longest: questions about the document are what the answers
+//! are measured on (docs/evaluation.md).
+
+use super::estimate::{plan_counts, AbsorbRate};
+use super::AbsorbOptions;
+
+/// The options fitted to a budget, and what was given up for it.
+#[derive(Clone, Debug)]
+pub struct Fit {
+    pub options: AbsorbOptions,
+    /// What was changed, in words (`"segment-only epochs 3 → 1"`), in the order it was given up.
+    pub dropped: Vec<String>,
+    /// The estimate of the fitted plan, in seconds.
+    pub seconds: f64,
+    /// The estimate of the plan as asked, in seconds.
+    pub asked_seconds: f64,
+    /// Whether the fitted plan's estimate is within the budget (false: even the least plan is
+    /// over it; training then stops at the budget).
+    pub met: bool,
+}
+
+/// `opts` fitted to its own `budget_seconds` (unchanged without one) for a document of
+/// `doc_tokens` tokens and `qa_pairs` QA pairs at most, at `rate`. `one_question_per_row`: the
+/// prepared base's filter lays out QA rows one question each.
+pub fn fit(opts: &AbsorbOptions, doc_tokens: usize, qa_pairs: usize, one_question_per_row: bool, rate: &AbsorbRate) -> Fit {
+    let seconds_of = |o: &AbsorbOptions| {
+        let counts = plan_counts(doc_tokens, qa_pairs.min(o.qa.max_pairs), o, one_question_per_row);
+        rate.estimate(counts).seconds
+    };
+    let asked_seconds = seconds_of(opts);
+    let mut fit = Fit { options: opts.clone(), dropped: Vec::new(), seconds: asked_seconds, asked_seconds, met: true };
+    let Some(budget) = opts.budget_seconds else { return fit };
+    for step in ladder(opts, doc_tokens, qa_pairs) {
+        if fit.seconds <= budget {
+            break;
+        }
+        fit.seconds = seconds_of(&step);
+        fit.options = step;
+    }
+    fit.dropped = given_up(opts, &fit.options, qa_pairs);
+    fit.met = fit.seconds <= budget;
+    fit
+}
+
+/// The plans from `opts` down to the least, each cheaper than the one before.
+fn ladder(opts: &AbsorbOptions, doc_tokens: usize, qa_pairs: usize) -> Vec<AbsorbOptions> {
+    let mut out = Vec::new();
+    let mut o = opts.clone();
+    let [e0, e1] = o.train.epochs;
+    let has_qa = e1 > 0;
+    // Segment-only epochs down to one (the only stage, when there is no QA stage).
+    for e in (1..e0).rev() {
+        o.train.epochs[0] = e;
+        out.push(o.clone());
+    }
+    for e in (2..e1).rev() {
+        o.train.epochs[1] = e;
+        out.push(o.clone());
+    }
+    if o.plan.stride() < o.plan.window && doc_tokens > o.plan.window {
+        o.plan.stride = Some(o.plan.window);
+        out.push(o.clone());
+    }
+    if o.train.epochs[1] > 1 {
+        o.train.epochs[1] = 1;
+        out.push(o.clone());
+    }
+    if has_qa && o.train.epochs[0] > 0 {
+        o.train.epochs[0] = 0;
+        out.push(o.clone());
+    }
+    let floor = o.qa.min_pairs.max(1);
+    let mut cap = o.qa.max_pairs.min(qa_pairs);
+    while has_qa && cap / 2 >= floor {
+        cap /= 2;
+        o.qa.max_pairs = cap;
+        o.qa.min_pairs = o.qa.min_pairs.min(cap);
+        out.push(o.clone());
+    }
+    out
+}
+
+/// What `fitted` gives up of `asked`, in words.
+fn given_up(asked: &AbsorbOptions, fitted: &AbsorbOptions, qa_pairs: usize) -> Vec<String> {
+    let mut out = Vec::new();
+    if asked.train.epochs != fitted.train.epochs {
+        out.push(format!("epochs {:?} → {:?}", asked.train.epochs, fitted.train.epochs));
+    }
+    if asked.plan.stride() != fitted.plan.stride() {
+        out.push(format!("segment overlap dropped (stride {} → {} tokens)", asked.plan.stride(), fitted.plan.stride()));
+    }
+    let pairs = |o: &AbsorbOptions| o.qa.max_pairs.min(qa_pairs);
+    if pairs(asked) != pairs(fitted) {
+        out.push(format!("QA pairs {} → {}", pairs(asked), pairs(fitted)));
+    }
+    out
+}
+
+/// The budget's warning: what was given up, or that the budget cannot be met.
+pub fn warning(fit: &Fit, budget: f64) -> Option<super::estimate::OptionWarning> {
+    if fit.dropped.is_empty() && fit.met {
+        return None;
+    }
+    let message = if fit.met {
+        format!(
+            "fitted to the budget of {budget:.0} s (the options asked for ~{:.0} s): {}; estimated {:.0} s",
+            fit.asked_seconds,
+            fit.dropped.join(", "),
+            fit.seconds
+        )
+    } else {
+        format!(
+            "the budget of {budget:.0} s cannot be met: the least plan ({}) is estimated at {:.0} s; training stops at the \
+             budget with what it has learned",
+            fit.dropped.join(", "),
+            fit.seconds
+        )
+    };
+    Some(super::estimate::OptionWarning { code: "budget", param: "options.budget_seconds", message })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn options(budget: Option<f64>) -> AbsorbOptions {
+        let mut o = AbsorbOptions::default();
+        o.train.epochs = [3, 5];
+        o.budget_seconds = budget;
+        o
+    }
+
+    #[test]
+    fn a_budget_gives_up_epochs_then_overlap_then_qa_and_says_so() {
+        let rate = AbsorbRate::default();
+        let (tokens, pairs) = (16_000, 256);
+        let asked = fit(&options(None), tokens, pairs, true, &rate);
+        assert!(asked.dropped.is_empty() && asked.met);
+        // Every budget below the asked plan's estimate gets a plan within it, until the least plan.
+        let least = fit(&options(Some(1.0)), tokens, pairs, true, &rate);
+        assert!(!least.met && least.seconds > 1.0);
+        assert_eq!(least.options.train.epochs, [0, 1]);
+        assert_eq!(least.options.plan.stride, Some(least.options.plan.window));
+        for frac in [0.9, 0.6, 0.4, 0.25, 0.1] {
+            let budget = asked.seconds * frac;
+            let f = fit(&options(Some(budget)), tokens, pairs, true, &rate);
+            if budget >= least.seconds {
+                assert!(f.met && f.seconds <= budget, "{frac}: {f:?}");
+            }
+            assert!(!f.dropped.is_empty(), "{frac}: something was given up");
+            // Epochs go first: the segment-only ones.
+            assert!(f.dropped[0].starts_with("epochs [3, 5] → ["), "{:?}", f.dropped);
+            assert!(f.options.train.epochs[0] < 3, "{:?}", f.options.train.epochs);
+            let w = warning(&f, budget).unwrap();
+            assert_eq!(w.param, "options.budget_seconds");
+        }
+        // A budget the asked plan fits changes nothing.
+        let roomy = fit(&options(Some(asked.seconds * 1.01)), tokens, pairs, true, &rate);
+        assert!(roomy.dropped.is_empty() && roomy.met);
+        assert_eq!(roomy.options.train.epochs, [3, 5]);
+        assert!(warning(&roomy, asked.seconds * 1.01).is_none());
+    }
+
+    #[test]
+    fn each_rung_costs_less_than_the_one_before() {
+        let rate = AbsorbRate::default();
+        let o = options(Some(1.0));
+        let mut last = f64::INFINITY;
+        let steps = ladder(&o, 16_000, 256);
+        assert!(steps.len() >= 8, "{}", steps.len());
+        for step in steps {
+            let s = rate.estimate(plan_counts(16_000, 256.min(step.qa.max_pairs), &step, true)).seconds;
+            assert!(s < last, "{:?}: {s} s is not below {last} s", given_up(&o, &step, 256));
+            last = s;
+        }
+    }
+}

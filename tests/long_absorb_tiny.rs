@@ -1,0 +1,195 @@
+//! Long absorbs on the tiny random model: an absorb stopped at any step and continued from its
+//! checkpoint ends with the adapter an uninterrupted run makes; a checkpoint of another run is
+//! refused with the reason (the same through real server processes killed with SIGKILL:
+//! `tests/server.rs` and `tests/replicas.rs`); a time budget stops training at it.
+
+use candle_core::{Device, Tensor};
+use lift_serve::document::Document;
+use lift_serve::lift::checkpoint::{Checkpoint, CheckpointStore, Resumable};
+use lift_serve::lift::{absorb, absorb_resumable, AbsorbEvent, AbsorbOptions, AbsorbStage, Absorbed, Cancelled};
+use lift_serve::model::Model;
+use lift_serve::testing::{write_hf, TinySpec};
+use std::cell::{Cell, RefCell};
+use std::rc::Rc;
+use std::time::Duration;
+
+fn tiny() -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_hf(&dir.path().join("tiny"), &TinySpec::default()).unwrap();
+    let model = Model::load(&path, &Device::Cpu).unwrap();
+    (dir, model)
+}
+
+/// A checkpoint kept in memory.
+#[derive(Clone, Default)]
+struct Mem(Rc<RefCell<Option<Vec<u8>>>>);
+
+impl CheckpointStore for Mem {
+    fn load(&self) -> anyhow::Result<Option<Vec<u8>>> {
+        Ok(self.0.borrow().clone())
+    }
+    fn save(&self, bytes: Vec<u8>) -> anyhow::Result<()> {
+        *self.0.borrow_mut() = Some(bytes);
+        Ok(())
+    }
+}
+
+fn document(model: &Model) -> Document {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt")).unwrap();
+    Document::encode(model, text.chars().take(700).collect::<String>()).unwrap()
+}
+
+fn options(epochs: [usize; 2]) -> AbsorbOptions {
+    let mut o = AbsorbOptions::default();
+    o.plan.window = 48;
+    o.plan.context_tokens = 24;
+    o.qa.use_model = false;
+    o.qa.max_pairs = 6;
+    o.train.epochs = epochs;
+    o
+}
+
+/// The absorb with a checkpoint after every step, stopped (cancelled) once `stop_after` steps are
+/// done (None: run to the end); the stages it went through.
+fn run(
+    model: &Model,
+    doc: &Document,
+    opts: &AbsorbOptions,
+    store: &Mem,
+    stop_after: Option<usize>,
+) -> (anyhow::Result<Absorbed>, Vec<AbsorbStage>) {
+    let steps = Cell::new(0);
+    let mut stages = Vec::new();
+    let on_event = &mut |e: AbsorbEvent| match e {
+        AbsorbEvent::Train(p) => steps.set(p.step),
+        AbsorbEvent::Stage(s) => stages.push(s),
+        _ => {}
+    };
+    let cancel = || stop_after.is_some_and(|n| steps.get() >= n);
+    let resumable = Resumable { store: Box::new(store.clone()), interval: Duration::ZERO };
+    (absorb_resumable(model, doc, None, opts, on_event, &cancel, Some(resumable)), stages)
+}
+
+fn max_diff(a: &Absorbed, b: &Absorbed) -> f32 {
+    let (ta, tb) = (a.bundle.named_tensors(), b.bundle.named_tensors());
+    assert_eq!(ta.len(), tb.len());
+    ta.iter()
+        .zip(&tb)
+        .map(|((na, x), (nb, y)): (&(String, Tensor), &(String, Tensor))| {
+            assert_eq!(na, nb);
+            (x - y).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+        })
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn a_stopped_absorb_resumes_from_its_checkpoint_to_the_adapter_of_an_uninterrupted_run() {
+    let (_d, model) = tiny();
+    let doc = document(&model);
+    let opts = options([2, 2]);
+    let mut epoch_ends = Vec::new();
+    let on_event = &mut |e: AbsorbEvent| {
+        if let AbsorbEvent::Train(p) = e {
+            if p.epoch_end {
+                epoch_ends.push(p.step);
+            }
+        }
+    };
+    let whole = absorb(&model, &doc, None, &opts, on_event, &|| false).unwrap();
+    let steps = whole.report.steps;
+    assert_eq!(epoch_ends.len(), 4);
+    assert!(epoch_ends[0] >= 4 && steps >= 12, "a plan long enough to stop mid-epoch: {epoch_ends:?}");
+    // Part-way through the first epoch, at its end, where the segment stage ends, and part-way
+    // through the last epoch.
+    for stop in [2, epoch_ends[0], epoch_ends[1], steps - 3] {
+        let store = Mem::default();
+        let (stopped, _) = run(&model, &doc, &opts, &store, Some(stop));
+        let err = stopped.err().expect("the run was stopped");
+        assert!(err.downcast_ref::<Cancelled>().is_some(), "{err:#}");
+        let ckpt = Checkpoint::decode(store.0.borrow().as_ref().expect("a checkpoint was written"), &Device::Cpu).unwrap();
+        assert_eq!(ckpt.train.cursor.step, stop, "a checkpoint after every step: the last one is where it stopped");
+        assert_eq!(ckpt.qa.len(), whole.qa.len(), "the checkpoint keeps the QA pairs");
+
+        let (resumed, stages) = run(&model, &doc, &opts, &store, None);
+        let resumed = resumed.unwrap();
+        assert!(!stages.contains(&AbsorbStage::GeneratingQa), "the QA pairs come from the checkpoint: {stages:?}");
+        assert_eq!(resumed.report.steps, steps);
+        assert_eq!(resumed.manifest.training["resumed_from_step"], stop);
+        assert_eq!(resumed.report.step_losses.len(), steps);
+        assert_eq!(resumed.report.epoch_losses.len(), whole.report.epoch_losses.len());
+        for (i, (a, b)) in resumed.report.step_losses.iter().zip(&whole.report.step_losses).enumerate() {
+            assert!((a - b).abs() < 1e-4, "stop {stop}: step {i}'s loss {a} vs {b} uninterrupted");
+        }
+        let d = max_diff(&resumed, &whole);
+        assert!(d < 1e-5, "stop {stop}: the resumed adapter differs from the uninterrupted one by {d}");
+    }
+    // Without the checkpoint the stopped run's steps are lost: a fresh run (control) starts at 0.
+    let (fresh, _) = run(&model, &doc, &opts, &Mem::default(), None);
+    assert!(fresh.unwrap().manifest.training.get("resumed_from_step").is_none());
+}
+
+#[test]
+fn a_checkpoint_of_other_options_or_another_document_is_refused_with_the_reason() {
+    let (_d, model) = tiny();
+    let doc = document(&model);
+    let store = Mem::default();
+    let (stopped, _) = run(&model, &doc, &options([2, 2]), &store, Some(3));
+    assert!(stopped.is_err());
+    // Other options: the run starts from step 0 and says why.
+    let other = options([1, 2]);
+    let (r, stages) = run(&model, &doc, &other, &store, None);
+    let r = r.unwrap();
+    assert!(stages.contains(&AbsorbStage::GeneratingQa));
+    assert!(r.manifest.training.get("resumed_from_step").is_none());
+    let why = r.manifest.training["resume_refused"].as_str().unwrap().to_string();
+    assert!(why.contains("other absorb options"), "{why}");
+    let plain = absorb(&model, &doc, None, &other, &mut |_| {}, &|| false).unwrap();
+    assert!(max_diff(&r, &plain) < 1e-5, "the refused checkpoint left no trace in the adapter");
+
+    // Another document under the same options.
+    let store = Mem::default();
+    let (_, _) = run(&model, &doc, &other, &store, Some(3));
+    let shorter = Document::encode(&model, doc.text.chars().take(500).collect::<String>()).unwrap();
+    let (r, _) = run(&model, &shorter, &other, &store, None);
+    let why = r.unwrap().manifest.training["resume_refused"].as_str().unwrap().to_string();
+    assert!(why.contains("another document"), "{why}");
+
+    // Bytes that are not a checkpoint.
+    *store.0.borrow_mut() = Some(b"not a checkpoint".to_vec());
+    let (r, _) = run(&model, &doc, &other, &store, None);
+    assert!(r.unwrap().manifest.training["resume_refused"].as_str().is_some());
+}
+
+#[test]
+fn absorbing_until_learned_writes_no_checkpoint() {
+    let (_d, model) = tiny();
+    let doc = document(&model);
+    let mut opts = options([1, 2]);
+    opts.train.until_learned = Some(Default::default());
+    let store = Mem::default();
+    let (r, _) = run(&model, &doc, &opts, &store, None);
+    r.unwrap();
+    assert!(store.0.borrow().is_none(), "its probe bookkeeping is not part of a checkpoint: no checkpoint to resume wrongly");
+}
+
+#[test]
+fn training_stops_at_the_time_budget_and_keeps_what_it_learned() {
+    let (_d, model) = tiny();
+    let doc = document(&model);
+    let mut opts = options([40, 40]);
+    let unbounded_steps = {
+        let o = &opts;
+        let pairs = lift_serve::lift::estimate::qa_pairs_planned(&doc.text, o);
+        lift_serve::lift::estimate::plan_counts(doc.len(), pairs, o, false).2
+    };
+    opts.budget_seconds = Some(1.0);
+    let t0 = std::time::Instant::now();
+    let a = absorb(&model, &doc, None, &opts, &mut |_| {}, &|| false).unwrap();
+    let took = t0.elapsed().as_secs_f64();
+    assert!(a.report.out_of_time && a.report.stopped_early, "{:?}", a.report);
+    assert_eq!(a.manifest.training["out_of_time"], true);
+    assert!(a.report.steps >= 1 && a.report.steps < unbounded_steps, "{} of {unbounded_steps} steps", a.report.steps);
+    assert_eq!(a.report.planned_steps, unbounded_steps);
+    // One step past the deadline at most: the tiny model's steps are milliseconds.
+    assert!(took < 1.0 + 1.0, "the absorb took {took} s for a budget of 1 s");
+}
