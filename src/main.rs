@@ -292,7 +292,7 @@ struct TrainArgs {
     /// Segments packed into one contextualized-training row behind one context (1: none).
     #[arg(long)]
     segment_pack: Option<usize>,
-    /// Most auxiliary QA pairs.
+    /// Most auxiliary QA pairs, a fixed cap (default: at most 64 per 1,000 document tokens).
     #[arg(long)]
     max_qa: Option<usize>,
     /// Only extractive QA (the default; kept for scripts that pass it).
@@ -355,7 +355,9 @@ impl TrainArgs {
             o.plan.segment_pack = p;
         }
         if let Some(m) = self.max_qa {
+            // A fixed cap, in place of the length-scaled one.
             o.qa.max_pairs = m;
+            o.qa.pairs_per_1k_tokens = 0;
         }
         if self.no_model_qa {
             o.qa.use_model = false;
@@ -417,7 +419,7 @@ impl AbsorbArgs {
         let opts = match opts.budget_seconds {
             None => opts,
             Some(budget) => {
-                let pairs = lift::estimate::qa_pairs_planned(&document.text, &opts);
+                let pairs = lift::estimate::qa_pairs_planned(&document.text, document.len(), &opts);
                 let rate = lift::estimate::AbsorbRate::default();
                 let fit = lift::budget::fit(&opts, document.len(), pairs, model.base_filter().is_some(), &rate);
                 match lift::budget::warning(&fit, budget) {

@@ -41,6 +41,8 @@ fn config(e: &Env, keys: &[&str]) -> ServeConfig {
     c.max_question_chars = 1000;
     c.max_tokens_limit = 64;
     c.default_max_tokens = 8;
+    // The refusal tests name this cap.
+    c.max_training_tokens = 10_000_000;
     c.extract_worker = Some(env!("CARGO_BIN_EXE_lift-serve").into());
     c
 }

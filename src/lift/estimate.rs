@@ -30,6 +30,10 @@ pub struct Estimate {
     /// Auxiliary QA pairs trained on (extractive generation is counted exactly before training;
     /// with model-written pairs, the cap).
     pub qa_pairs: usize,
+    /// Coverage: document tokens per QA pair (the pairs grow with the document; fewer than one
+    /// per ~20 tokens under-trains). None without QA pairs.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tokens_per_qa_pair: Option<f64>,
     /// Optimizer steps (with `until_learned`, the budget's ceiling: a run may stop earlier).
     pub planned_steps: usize,
     /// Tokens through the model over all epochs (unpacked rows: an upper bound with packing).
@@ -79,11 +83,12 @@ pub fn plan_counts(doc_tokens: usize, qa_pairs: usize, o: &AbsorbOptions, one_qu
 /// The QA pairs an absorb with `o` will train on for `text`: counted by running the extractive
 /// generator (deterministic, fast); model-written pairs are only known once written, so with them
 /// the cap.
-pub fn qa_pairs_planned(text: &str, o: &AbsorbOptions) -> usize {
-    if o.qa.use_model {
-        o.qa.max_pairs
+pub fn qa_pairs_planned(text: &str, doc_tokens: usize, o: &AbsorbOptions) -> usize {
+    let qa = o.qa.for_document(doc_tokens);
+    if qa.use_model {
+        qa.max_pairs
     } else {
-        super::qa::extractive_qa(text, &super::text::split_sentences(text), &o.qa).len()
+        super::qa::extractive_qa(text, &super::text::split_sentences(text), &qa).len()
     }
 }
 
@@ -141,6 +146,7 @@ impl AbsorbRate {
         Estimate {
             segments,
             qa_pairs,
+            tokens_per_qa_pair: None,
             planned_steps,
             training_tokens,
             seconds: overhead + training_tokens as f64 * rate,
@@ -158,8 +164,6 @@ pub const MIN_EPOCHS: [usize; 2] = [2, 3];
 /// Document tokens per QA pair at the lowest density measured: the fact test trained 80 pairs
 /// on 1,453 tokens (one per 18), the default options' 4K absorb 229 on 4,098 (one per 18).
 pub const TOKENS_PER_QA_PAIR: usize = 20;
-/// The default cap on QA pairs (`QaOptions::max_pairs`): a cap at or above it is never flagged.
-const DEFAULT_MAX_PAIRS: usize = 256;
 
 /// The options' values known to under-train a document of `doc_tokens`: an adapter trained so
 /// can answer worse than the passages alone (mode `rag`).
@@ -176,15 +180,15 @@ pub fn warnings(doc_tokens: usize, o: &AbsorbOptions) -> Vec<OptionWarning> {
             ),
         });
     }
-    let wanted = doc_tokens.div_ceil(TOKENS_PER_QA_PAIR).min(DEFAULT_MAX_PAIRS);
-    if o.qa.max_pairs < wanted {
+    let wanted = doc_tokens.div_ceil(TOKENS_PER_QA_PAIR);
+    let cap = o.qa.for_document(doc_tokens).max_pairs;
+    if cap < wanted {
         out.push(OptionWarning {
             code: "few_qa_pairs",
             param: "options.aux_qa",
             message: format!(
-                "{} QA pairs for {doc_tokens} tokens is fewer than one per {TOKENS_PER_QA_PAIR} tokens ({wanted}), below the \
-                 densities measured to recall facts (one per 18 tokens): the adapter may answer worse than the passages alone",
-                o.qa.max_pairs
+                "{cap} QA pairs for {doc_tokens} tokens is fewer than one per {TOKENS_PER_QA_PAIR} tokens ({wanted}), below the \
+                 densities measured to recall facts (one per 18 tokens): the adapter may answer worse than the passages alone"
             ),
         });
     }

@@ -152,7 +152,9 @@ impl AbsorbOptions {
             }
         }
         if let Some(n) = aux_qa {
+            // A count asked for is a fixed cap, in place of the length-scaled one.
             nested["qa"]["max_pairs"] = n.clone();
+            nested["qa"]["pairs_per_1k_tokens"] = 0.into();
             let n = n.as_u64().ok_or_else(|| anyhow::anyhow!("'aux_qa' must be a count of QA pairs (got {n})"))?;
             let min = nested["qa"]["min_pairs"].as_u64().unwrap_or(0).min(n);
             nested["qa"]["min_pairs"] = min.into();
@@ -201,7 +203,9 @@ fn merge_json(target: &mut serde_json::Value, value: &serde_json::Value) {
 /// Below `MIN_WINDOW` tokens a step costs more in template and context tokens than it trains.
 pub const MIN_WINDOW: usize = 32;
 pub const MAX_EPOCHS: usize = 100;
-pub const MAX_AUX_QA: usize = 1000;
+/// The most auxiliary QA pairs a document may ask for (a 64K-token document's prose yields ~3,500;
+/// the training-token cap bounds what they cost).
+pub const MAX_AUX_QA: usize = 20_000;
 /// The longest budget: a week.
 pub const MAX_BUDGET_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
 
@@ -363,7 +367,8 @@ pub fn absorb_resumable(
         None => {
             on_event(AbsorbEvent::Stage(AbsorbStage::GeneratingQa));
             let qa_start = Instant::now();
-            let pairs = qa::generate_qa(model, text, &opts.qa, &mut |p| on_event(AbsorbEvent::Qa(p)), cancel)?;
+            let qa_opts = opts.qa.for_document(doc.len());
+            let pairs = qa::generate_qa(model, text, &qa_opts, &mut |p| on_event(AbsorbEvent::Qa(p)), cancel)?;
             (pairs, qa_start.elapsed().as_secs_f64(), None)
         }
     };
@@ -575,7 +580,7 @@ mod tests {
         let flat = d.with_json(&serde_json::json!({"window": 64, "stride": 24, "epochs": [1, 2], "aux_qa": 3, "until_learned": true})).unwrap();
         let nested = d
             .with_json(&serde_json::json!({"plan": {"window": 64, "stride": 24}, "train": {"epochs": [1, 2], "until_learned": {}},
-                                           "qa": {"max_pairs": 3, "min_pairs": 3}}))
+                                           "qa": {"max_pairs": 3, "min_pairs": 3, "pairs_per_1k_tokens": 0}}))
             .unwrap();
         assert_eq!(serde_json::to_value(&flat).unwrap(), serde_json::to_value(&nested).unwrap());
         assert_eq!((flat.plan.window, flat.plan.stride, flat.train.epochs, flat.qa.max_pairs), (64, Some(24), [1, 2], 3));

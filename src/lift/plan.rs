@@ -255,8 +255,9 @@ mod tests {
         }
         // The defaults on a document of the server's largest size stay under its default cap.
         let defaults = crate::lift::AbsorbOptions::default();
-        let max_doc = planned_training_tokens(200_000, &defaults.plan, defaults.train.epochs, defaults.qa.max_pairs);
-        assert!(max_doc < 10_000_000, "{max_doc}");
+        let pairs = defaults.qa.for_document(200_000).max_pairs;
+        let max_doc = planned_training_tokens(200_000, &defaults.plan, defaults.train.epochs, pairs);
+        assert!(max_doc < 25_000_000, "{max_doc}");
         // The request on a 162-token document: stride 1 and 100 + 100 epochs.
         let absurd = PlanOptions { window: 32, stride: Some(1), ..PlanOptions::default() };
         assert!(

@@ -223,7 +223,7 @@ pub struct DocumentOptions {
     pub stride: Option<usize>,
     /// [segment-only epochs, segment + QA epochs].
     pub epochs: Option<[usize; 2]>,
-    /// Most auxiliary QA pairs.
+    /// Most auxiliary QA pairs, a fixed cap (default: at most 64 per 1,000 document tokens).
     pub aux_qa: Option<usize>,
     /// Absorb until learned: stop once held-aside probe questions stop improving (`epochs` is then
     /// the ceiling); false: the fixed schedule. Default: the server's options.
@@ -264,7 +264,9 @@ impl DocumentOptions {
         o.plan.stride = self.stride.or(o.plan.stride);
         o.train.epochs = self.epochs.unwrap_or(o.train.epochs);
         if let Some(n) = self.aux_qa {
+            // A count asked for is a fixed cap, in place of the length-scaled one.
             o.qa.max_pairs = n;
+            o.qa.pairs_per_1k_tokens = 0;
             o.qa.min_pairs = o.qa.min_pairs.min(n);
         }
         if self.budget_seconds.is_some() {

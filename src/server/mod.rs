@@ -91,8 +91,9 @@ pub struct ServeConfig {
     #[arg(long, env = "LIFT_PREPARED_BASE")]
     pub prepared_base: Option<String>,
     /// Cap on the training one document may plan (tokens through the model, all epochs): the
-    /// default options on a document of `max_document_tokens` plan about 7.2M.
-    #[arg(long, env = "LIFT_MAX_TRAINING_TOKENS", default_value_t = 10_000_000)]
+    /// default options on a document of `max_document_tokens` plan about 18.6M (their QA pairs
+    /// grow with the document).
+    #[arg(long, env = "LIFT_MAX_TRAINING_TOKENS", default_value_t = 25_000_000)]
     pub max_training_tokens: u64,
     /// Key for `/metrics` (server-wide counts). With API keys configured, `/metrics` answers only
     /// to this key (404 when none is set).
@@ -186,7 +187,7 @@ impl ServeConfig {
             context_tokens: None,
             // Explicit: a `base/` in the working directory belongs to the default model.
             prepared_base: Some("none".into()),
-            max_training_tokens: 10_000_000,
+            max_training_tokens: 25_000_000,
             metrics_key: None,
             header_timeout_secs: 30.0,
             body_timeout_secs: 60.0,
@@ -547,7 +548,7 @@ fn default_options(cfg: &ServeConfig, model: &Model) -> Result<AbsorbOptions> {
     let c = model.config();
     o.validate(c.num_layers, c.max_position_embeddings).context("invalid default absorb options")?;
     let planned =
-        crate::lift::plan::planned_training_tokens(cfg.max_document_tokens, &o.plan, o.train.epochs, o.qa.max_pairs);
+        crate::lift::plan::planned_training_tokens(cfg.max_document_tokens, &o.plan, o.train.epochs, o.qa.for_document(cfg.max_document_tokens).max_pairs);
     if planned > cfg.max_training_tokens {
         tracing::warn!(
             planned,

@@ -273,14 +273,16 @@ impl Service {
         }
         let (engine, o) = (self.engine.clone(), options.clone());
         let (cost, fitted) = tokio::task::spawn_blocking(move || {
-            let pairs = crate::lift::estimate::qa_pairs_planned(&document.text, &o);
+            let pairs = crate::lift::estimate::qa_pairs_planned(&document.text, tokens, &o);
             let one_per_row = engine.model.base_filter().is_some();
             let fit = crate::lift::budget::fit(&o, tokens, pairs, one_per_row, &engine.rate);
             let f = &fit.options;
             let counts = crate::lift::estimate::plan_counts(tokens, pairs.min(f.qa.max_pairs), f, one_per_row);
             let mut warnings = crate::lift::estimate::warnings(tokens, f);
             warnings.extend(o.budget_seconds.and_then(|b| crate::lift::budget::warning(&fit, b)));
-            (Cost { tokens, estimate: engine.rate.estimate(counts), warnings }, fit.options)
+            let mut estimate = engine.rate.estimate(counts);
+            estimate.tokens_per_qa_pair = (counts.1 > 0).then(|| tokens as f64 / counts.1 as f64);
+            (Cost { tokens, estimate, warnings }, fit.options)
         })
         .await
         .map_err(ServiceError::internal)?;
@@ -322,7 +324,8 @@ impl Service {
     /// The training the options plan for a document of `tokens` must stay within the cap (each
     /// option is bounded alone; this bounds their product).
     fn check_training_cost(&self, o: &AbsorbOptions, tokens: usize) -> Result<(), ServiceError> {
-        let planned = crate::lift::plan::planned_training_tokens(tokens, &o.plan, o.train.epochs, o.qa.max_pairs);
+        let pairs = o.qa.for_document(tokens).max_pairs;
+        let planned = crate::lift::plan::planned_training_tokens(tokens, &o.plan, o.train.epochs, pairs);
         let limit = self.cfg.max_training_tokens;
         if planned > limit {
             return Err(ServiceError::TrainingTooLarge { planned, tokens, limit });

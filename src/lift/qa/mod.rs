@@ -60,6 +60,11 @@ pub struct QaOptions {
     pub sentences_per_pair: usize,
     /// Cap on all pairs (model + extractive); extractive pairs are thinned evenly to fit.
     pub max_pairs: usize,
+    /// A cap that grows with the document: at most this many pairs per 1,000 document tokens
+    /// (0: none), so that a long document is asked about all through, not in a fixed number of
+    /// pairs ([`QaOptions::for_document`]). The extractive generator finds about one fact per 18
+    /// tokens of prose, so on prose this cap rarely binds.
+    pub pairs_per_1k_tokens: usize,
     /// Floor: the extractive generator (and, failing that, plain cloze questions) fills up to it.
     pub min_pairs: usize,
     /// Consecutive sentences shown to the model (the paper's 16).
@@ -79,7 +84,10 @@ impl Default for QaOptions {
     fn default() -> Self {
         Self {
             sentences_per_pair: 8,
-            max_pairs: 256,
+            // The length-scaled cap below is what bounds a long document's pairs; this one is
+            // the user's `aux_qa`.
+            max_pairs: crate::lift::MAX_AUX_QA,
+            pairs_per_1k_tokens: 64,
             min_pairs: 10,
             window_sentences: 16,
             retries: 5,
@@ -90,6 +98,19 @@ impl Default for QaOptions {
             wordings_per_fact: 4,
             seed: 0,
         }
+    }
+}
+
+impl QaOptions {
+    /// These options for a document of `tokens` tokens: `max_pairs` lowered to the length-scaled
+    /// cap (`pairs_per_1k_tokens`, never below `min_pairs`).
+    pub fn for_document(&self, tokens: usize) -> QaOptions {
+        let mut o = self.clone();
+        if self.pairs_per_1k_tokens > 0 {
+            let scaled = (tokens.saturating_mul(self.pairs_per_1k_tokens)).div_ceil(1000).max(self.min_pairs).max(1);
+            o.max_pairs = o.max_pairs.min(scaled);
+        }
+        o
     }
 }
 
@@ -288,6 +309,29 @@ Visitors can reach the museum from Central Station in ten minutes.";
             assert_eq!(&doc[s..e], p.evidence, "evidence not at its span: {p:?}");
             assert!(!p.question.trim().is_empty() && !p.answer.trim().is_empty(), "{p:?}");
         }
+    }
+
+    #[test]
+    fn the_pair_cap_grows_with_the_document_and_the_users_cap_still_holds() {
+        let o = QaOptions::default();
+        // 64 per 1,000 tokens: today's 256 at 4K tokens, 4,096 at 64K.
+        assert_eq!(o.for_document(4_000).max_pairs, 256);
+        assert_eq!(o.for_document(64_000).max_pairs, 4_096);
+        assert_eq!(o.for_document(10).max_pairs, o.min_pairs, "never below the floor");
+        let asked = QaOptions { max_pairs: 52, ..Default::default() };
+        assert_eq!(asked.for_document(64_000).max_pairs, 52, "the user's aux_qa is a cap");
+        let unscaled = QaOptions { pairs_per_1k_tokens: 0, max_pairs: 300, ..Default::default() };
+        assert_eq!(unscaled.for_document(64_000).max_pairs, 300);
+        // On long prose the generator finds more facts than the old fixed cap of 256 kept.
+        let long: String = (0..400)
+            .map(|i| format!("In {}, the guild of weaver number {i} moved to the harbor town of Port {i}. ", 1700 + i))
+            .collect();
+        let tokens = long.len() / 4;
+        let pairs = extractive_qa(&long, &crate::lift::text::split_sentences(&long), &o.for_document(tokens));
+        assert!(pairs.len() > 256, "{} pairs for ~{tokens} tokens", pairs.len());
+        let (head, tail) = (long.len() / 20, long.len() - long.len() / 20);
+        assert!(pairs.iter().any(|p| p.evidence_span.0 < head) && pairs.iter().any(|p| p.evidence_span.0 > tail),
+            "the pairs cover the document from its first twentieth to its last");
     }
 
     #[test]
