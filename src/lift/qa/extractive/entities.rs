@@ -415,6 +415,9 @@ pub(super) fn predicate_entity(s: &Sent, copula: Option<usize>, ents: &[Entity])
     let c = copula?;
     let n = s.words.len();
     let p0 = s.predicate_start(c);
+    if p0 >= n {
+        return None; // the copula ends the sentence ("That is what it is."): no predicate
+    }
     let pred_words = n - p0;
     let passive = is_participle(s.words[p0].text)
         && s.words.get(p0 + 1).is_none_or(|w| PREPOSITIONS.contains(&w.lower().as_str()) || s.breaks_after(p0));

@@ -267,6 +267,17 @@ mod tests {
     }
 
     #[test]
+    fn a_copula_with_nothing_after_it_has_no_predicate_fact() {
+        // From a real essay: the predicate's words after "were about" are none (a number), and the
+        // predicate was read past the sentence's last word.
+        let doc = "I left Yahoo in 1999, so I don't know exactly how many users they have now, but the last I heard \
+                   there were about 20,000. The harbor master is Ilse Moreau.";
+        let pairs = extract(doc, &opts());
+        assert_verbatim(doc, &pairs);
+        assert!(pairs.iter().any(|p| p.answer == "Ilse Moreau"), "{pairs:#?}");
+    }
+
+    #[test]
     fn extractive_wordings_short_and_full_answers() {
         let pairs = extract(PARAGRAPH, &opts());
         assert_verbatim(PARAGRAPH, &pairs);
