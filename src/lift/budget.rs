@@ -39,12 +39,33 @@ pub fn fit(opts: &AbsorbOptions, doc_tokens: usize, qa_pairs: usize, one_questio
     let asked_seconds = seconds_of(opts);
     let mut fit = Fit { options: opts.clone(), dropped: Vec::new(), seconds: asked_seconds, asked_seconds, met: true };
     let Some(budget) = opts.budget_seconds else { return fit };
+    let mut over = None;
     for step in ladder(opts, doc_tokens, qa_pairs) {
         if fit.seconds <= budget {
             break;
         }
-        fit.seconds = seconds_of(&step);
-        fit.options = step;
+        over = Some(std::mem::replace(&mut fit.options, step));
+        fit.seconds = seconds_of(&fit.options);
+    }
+    // QA pairs are halved on the way down: take back as many as the budget holds (the last
+    // rung over it differs from the one taken in the pairs alone).
+    let only_pairs = |o: &AbsorbOptions| {
+        o.train.epochs == fit.options.train.epochs && o.plan.stride == fit.options.plan.stride
+    };
+    if let Some(over) = over.filter(|o| fit.seconds <= budget && only_pairs(o)) {
+        let (mut fits, mut too_many) = (fit.options.qa.max_pairs, over.qa.max_pairs.min(qa_pairs));
+        while too_many > fits + 1 {
+            let mid = (fits + too_many) / 2;
+            let mut o = fit.options.clone();
+            o.qa.max_pairs = mid;
+            if seconds_of(&o) <= budget {
+                fits = mid;
+            } else {
+                too_many = mid;
+            }
+        }
+        fit.options.qa.max_pairs = fits;
+        fit.seconds = seconds_of(&fit.options);
     }
     fit.dropped = given_up(opts, &fit.options, qa_pairs);
     fit.met = fit.seconds <= budget;
@@ -168,6 +189,20 @@ mod tests {
         assert!(roomy.dropped.is_empty() && roomy.met);
         assert_eq!(roomy.options.train.epochs, [3, 5]);
         assert!(warning(&roomy, asked.seconds * 1.01).is_none());
+    }
+
+    #[test]
+    fn pairs_given_up_are_taken_back_up_to_the_budget() {
+        // A 64K-token document (4,199 pairs) in 30 minutes at the prior rate: the halving alone
+        // left a third of the budget unused (1,049 pairs, ~1,195 s).
+        let rate = AbsorbRate::default();
+        let f = fit(&options(Some(1800.0)), 65_596, 4_199, true, &rate);
+        assert!(f.met && f.seconds <= 1800.0 && f.seconds > 0.97 * 1800.0, "{f:?}");
+        assert!(f.options.qa.max_pairs > 1_049 && f.options.qa.max_pairs < 4_199, "{}", f.options.qa.max_pairs);
+        // One more pair is over the budget.
+        let mut more = f.options.clone();
+        more.qa.max_pairs += 1;
+        assert!(rate.estimate(plan_counts(65_596, more.qa.max_pairs, &more, true)).seconds > 1800.0);
     }
 
     #[test]

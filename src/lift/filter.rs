@@ -219,12 +219,18 @@ pub fn qa_examples(
     let (text, doc) = (document.text.as_str(), document.tokens());
     let breaks = document.breaks(model)?;
     let eot = end_of_turn(model);
+    // A fact's wordings share its evidence, and finding a span's tokens tokenizes the text up
+    // to it (twice): once per evidence, not per pair.
+    let mut spans: std::collections::HashMap<(usize, usize), (usize, usize)> = Default::default();
     pairs
         .iter()
         .enumerate()
         .map(|(i, pair)| {
             let p = build_prompt(model, doc, breaks, &pair.question, budget, filter.chunk_tokens)?;
-            let span = evidence_tokens(model, text, pair)?;
+            let span = match spans.get(&pair.evidence_span) {
+                Some(&s) => s,
+                None => *spans.entry(pair.evidence_span).or_insert(evidence_tokens(model, text, pair)?),
+            };
             let evidence = (span.0..span.1).filter_map(|d| p.position_of(d)).collect();
             let mut answer = model.tokenizer.encode(pair.answer.trim(), false)?;
             answer.extend_from_slice(&eot);
