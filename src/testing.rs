@@ -490,6 +490,20 @@ fn pg_cluster(command: &str, dir: &Path) -> Result<String> {
     Ok(String::from_utf8_lossy(&out.stdout).trim().to_string())
 }
 
+/// An absorb checkpoint kept in memory (tests of resumable absorbs); clones share it.
+#[derive(Clone, Default)]
+pub struct MemoryCheckpoint(pub std::rc::Rc<std::cell::RefCell<Option<Vec<u8>>>>);
+
+impl crate::lift::checkpoint::CheckpointStore for MemoryCheckpoint {
+    fn load(&self) -> Result<Option<Vec<u8>>> {
+        Ok(self.0.borrow().clone())
+    }
+    fn save(&self, bytes: Vec<u8>) -> Result<()> {
+        *self.0.borrow_mut() = Some(bytes);
+        Ok(())
+    }
+}
+
 /// The tiny model and absorb options of the server tests in `dir`: `(model directory, options
 /// file)`. The options train in a fraction of a second (window 32, one epoch each, 2–4 extractive
 /// QA pairs).

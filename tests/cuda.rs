@@ -6,7 +6,8 @@
 //! within bf16 tolerances — inference logits, KV-cache decode, quantized GGUF, Gated Memory and
 //! LoRA inference and training steps, packed training rows, the FltLM filter (scores and soft
 //! mask), CDT's embedding gradients, the prepared base (LoRA + filter) under a document's Gated
-//! Memory while answering and while training, and a whole short absorb.
+//! Memory while answering and while training, a whole short absorb, and an absorb stopped and
+//! resumed from its checkpoint.
 //! `scripts/cuda_compile_check.sh` (run by CI) keeps this file compiling without a GPU.
 #![cfg(feature = "cuda")]
 
@@ -539,11 +540,8 @@ fn fused_ops_on_cuda_match_cpu() {
     both("cross_entropy_masked", &ce, &x2, 1e-4);
 }
 
-#[test]
-fn short_absorb_on_cuda_follows_the_cpu() {
-    // The whole LIFT pipeline (plan, extractive QA, contextualized training, QA training) on the
-    // GPU: same plan and QA pairs, and a first-step loss close to the CPU's.
-    let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
+/// A short absorb's options: windows of 32 tokens, one epoch each, 2–4 extractive QA pairs.
+fn short_absorb_options() -> AbsorbOptions {
     let mut opts = AbsorbOptions::default();
     opts.plan.window = 32;
     opts.plan.context_tokens = 16;
@@ -551,8 +549,19 @@ fn short_absorb_on_cuda_follows_the_cpu() {
     opts.qa.use_model = false;
     opts.qa.max_pairs = 4;
     opts.qa.min_pairs = 2;
-    let text = "The harbor of Velmora was built in 1843 by the engineer Ada Quill. It has three piers. \
+    opts
+}
+
+const SHORT_ABSORB_TEXT: &str = "The harbor of Velmora was built in 1843 by the engineer Ada Quill. It has three piers. \
 The lighthouse keeper, Tomas Brell, painted the tower blue in 1901. The harbor master keeps a brass bell.";
+
+#[test]
+fn short_absorb_on_cuda_follows_the_cpu() {
+    // The whole LIFT pipeline (plan, extractive QA, contextualized training, QA training) on the
+    // GPU: same plan and QA pairs, and a first-step loss close to the CPU's.
+    let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
+    let opts = short_absorb_options();
+    let text = SHORT_ABSORB_TEXT;
     let run = |m: &Model| absorb(m, &Document::encode(m, text).unwrap(), None, &opts, &mut |_| {}, &|| false).unwrap();
     let (c, g) = (run(&cpu), run(&gpu));
     assert_eq!(c.report.steps, g.report.steps, "same plan on both devices");
@@ -850,4 +859,43 @@ fn fused_adamw_with_clipping_on_cuda_matches_cpu() {
             assert!(d < 1e-4, "tensor {i} {:?}: {what} CUDA vs CPU {d}", shapes[i]);
         }
     }
+}
+
+#[test]
+fn an_absorb_stopped_and_resumed_on_cuda_ends_as_an_uninterrupted_one() {
+    // A checkpoint holds the adapter and AdamW's moments (which the fused CUDA AdamW updates in
+    // place): written from the GPU, read back onto it, the run goes on as if it had never
+    // stopped; and the CPU plans the same steps.
+    use lift_serve::lift::checkpoint::Resumable;
+    use lift_serve::lift::{absorb_resumable, AbsorbEvent};
+    use lift_serve::testing::MemoryCheckpoint as Mem;
+    use std::cell::Cell;
+
+    let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
+    let mut opts = short_absorb_options();
+    opts.train.epochs = [2, 2];
+    let text = SHORT_ABSORB_TEXT;
+    let run = |m: &Model, store: Option<&Mem>, stop: Option<usize>| {
+        let document = Document::encode(m, text).unwrap();
+        let steps = Cell::new(0);
+        let on_event = &mut |e: AbsorbEvent| {
+            if let AbsorbEvent::Train(p) = e {
+                steps.set(p.step);
+            }
+        };
+        let cancel = || stop.is_some_and(|n| steps.get() >= n);
+        let resumable = store.map(|s| Resumable { store: Box::new(s.clone()), interval: std::time::Duration::ZERO });
+        absorb_resumable(m, &document, None, &opts, on_event, &cancel, resumable)
+    };
+    let whole = run(&gpu, None, None).unwrap();
+    let store = Mem::default();
+    assert!(run(&gpu, Some(&store), Some(3)).is_err(), "the first run was stopped");
+    let resumed = run(&gpu, Some(&store), None).unwrap();
+    assert_eq!(resumed.manifest.training["resumed_from_step"], 3);
+    assert_eq!(resumed.report.steps, whole.report.steps);
+    for ((name, a), (_, b)) in resumed.bundle.named_tensors().iter().zip(whole.bundle.named_tensors().iter()) {
+        let d = rel_diff(a, b);
+        assert!(d < 1e-3, "{name}: the resumed adapter differs from the uninterrupted one by {d} (relative)");
+    }
+    assert_eq!(run(&cpu, None, None).unwrap().report.steps, whole.report.steps, "the CPU plans the same steps");
 }

@@ -5,12 +5,11 @@
 
 use candle_core::{Device, Tensor};
 use lift_serve::document::Document;
-use lift_serve::lift::checkpoint::{Checkpoint, CheckpointStore, Resumable};
+use lift_serve::lift::checkpoint::{Checkpoint, Resumable};
 use lift_serve::lift::{absorb, absorb_resumable, AbsorbEvent, AbsorbOptions, AbsorbStage, Absorbed, Cancelled};
 use lift_serve::model::Model;
 use lift_serve::testing::{write_hf, TinySpec};
-use std::cell::{Cell, RefCell};
-use std::rc::Rc;
+use std::cell::Cell;
 use std::time::Duration;
 
 fn tiny() -> (tempfile::TempDir, Model) {
@@ -20,19 +19,7 @@ fn tiny() -> (tempfile::TempDir, Model) {
     (dir, model)
 }
 
-/// A checkpoint kept in memory.
-#[derive(Clone, Default)]
-struct Mem(Rc<RefCell<Option<Vec<u8>>>>);
-
-impl CheckpointStore for Mem {
-    fn load(&self) -> anyhow::Result<Option<Vec<u8>>> {
-        Ok(self.0.borrow().clone())
-    }
-    fn save(&self, bytes: Vec<u8>) -> anyhow::Result<()> {
-        *self.0.borrow_mut() = Some(bytes);
-        Ok(())
-    }
-}
+type Mem = lift_serve::testing::MemoryCheckpoint;
 
 fn document(model: &Model) -> Document {
     let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt")).unwrap();
