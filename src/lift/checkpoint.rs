@@ -26,14 +26,7 @@ use std::time::Duration;
 const META_KEY: &str = "lift_checkpoint";
 const FORMAT: u32 = 1;
 
-/// Seconds between checkpoints by default: a stop costs at most this much training.
-pub const DEFAULT_INTERVAL: Duration = Duration::from_secs(120);
-
-/// Where one absorb's checkpoint is kept. `load` answers the last one saved (none: start afresh).
-pub trait CheckpointStore {
-    fn load(&self) -> Result<Option<Vec<u8>>>;
-    fn save(&self, bytes: Vec<u8>) -> Result<()>;
-}
+pub use crate::store::checkpoints::{CheckpointStore, FileCheckpoint, DEFAULT_INTERVAL};
 
 /// An absorb's checkpoints: where they go and how often.
 pub struct Resumable<'a> {
@@ -138,22 +131,5 @@ impl Checkpoint {
             Some(why) => Err(why),
             None => Ok(Some(ckpt)),
         }
-    }
-}
-
-/// A checkpoint kept as one file, replaced atomically (temporary file, then rename).
-pub struct FileCheckpoint(pub std::path::PathBuf);
-
-impl CheckpointStore for FileCheckpoint {
-    fn load(&self) -> Result<Option<Vec<u8>>> {
-        match std::fs::read(&self.0) {
-            Ok(b) => Ok(Some(b)),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-            Err(e) => Err(e).with_context(|| format!("{}: cannot read", self.0.display())),
-        }
-    }
-
-    fn save(&self, bytes: Vec<u8>) -> Result<()> {
-        crate::store::write_atomic(&self.0, &bytes)
     }
 }

@@ -15,6 +15,7 @@
 //! are marked `failed` with the reason otherwise: never silently lost.
 
 pub mod blobs;
+pub mod checkpoints;
 
 use crate::adapters::{manifest, AdapterBundle, Manifest};
 use blobs::{BlobRef, Blobs};
@@ -237,28 +238,6 @@ pub fn valid_id(id: &str) -> bool {
     id.len() == 36 && id.starts_with("doc_") && id[4..].bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
 }
 
-/// Where one absorb's checkpoint lives: a file of this store, or a blob of the shared store.
-enum StoreCheckpoint<'a> {
-    File(crate::lift::checkpoint::FileCheckpoint),
-    Blob(&'a Blobs, String),
-}
-
-impl crate::lift::checkpoint::CheckpointStore for StoreCheckpoint<'_> {
-    fn load(&self) -> Result<Option<Vec<u8>>> {
-        match self {
-            StoreCheckpoint::File(f) => f.load(),
-            StoreCheckpoint::Blob(b, id) => Ok(b.block_on(b.get_checkpoint(id))?.map(|bytes| bytes.to_vec())),
-        }
-    }
-
-    fn save(&self, bytes: Vec<u8>) -> Result<()> {
-        match self {
-            StoreCheckpoint::File(f) => f.save(bytes),
-            StoreCheckpoint::Blob(b, id) => b.block_on(b.put_checkpoint(id, bytes.into())),
-        }
-    }
-}
-
 /// Writes `bytes` to `path` atomically: temp file in the same directory, fsync, rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     use std::io::Write;
@@ -289,7 +268,7 @@ impl Store {
                 }
             })
             .build();
-        let checkpoint_interval = crate::lift::checkpoint::DEFAULT_INTERVAL;
+        let checkpoint_interval = checkpoints::DEFAULT_INTERVAL;
         Ok(Self { root: root.to_path_buf(), cache, stats, blobs: None, live: Default::default(), checkpoint_interval })
     }
 
@@ -301,45 +280,6 @@ impl Store {
 
     pub fn blobs(&self) -> Option<&Arc<Blobs>> {
         self.blobs.as_ref()
-    }
-
-    /// Absorbs write a checkpoint every `interval` (and where their segment stage ends; zero: no
-    /// checkpoints).
-    pub fn with_checkpoint_interval(mut self, interval: std::time::Duration) -> Self {
-        self.checkpoint_interval = interval;
-        self
-    }
-
-    /// Where the absorb of `id` keeps its checkpoint: with a shared blob store, a blob beside
-    /// the adapters (any replica can take the job over); else `<id>.checkpoint.safetensors` in
-    /// the store's directory.
-    pub fn checkpoint(&self, id: &str) -> Option<crate::lift::checkpoint::Resumable<'_>> {
-        if self.checkpoint_interval.is_zero() {
-            return None;
-        }
-        let place = match &self.blobs {
-            Some(b) => StoreCheckpoint::Blob(b, id.to_string()),
-            None => StoreCheckpoint::File(crate::lift::checkpoint::FileCheckpoint(self.checkpoint_path(id))),
-        };
-        Some(crate::lift::checkpoint::Resumable { store: Box::new(place), interval: self.checkpoint_interval })
-    }
-
-    fn checkpoint_path(&self, id: &str) -> PathBuf {
-        self.root.join(format!("{id}.checkpoint.safetensors"))
-    }
-
-    /// Removes the checkpoint of `id` (its adapter is saved, or the document deleted).
-    pub fn drop_checkpoint(&self, id: &str) {
-        let removed = match &self.blobs {
-            Some(b) => b.block_on(b.delete_checkpoint(id)),
-            None => match std::fs::remove_file(self.checkpoint_path(id)) {
-                Err(e) if e.kind() != std::io::ErrorKind::NotFound => Err(e.into()),
-                _ => Ok(()),
-            },
-        };
-        if let Err(e) = removed {
-            tracing::warn!(id, error = %format!("{e:#}"), "cannot remove the absorb's checkpoint");
-        }
     }
 
     fn blob_note_path(&self, id: &str) -> PathBuf {
