@@ -3,9 +3,9 @@
 //! response bodies. The OpenAPI document (`openapi.rs`) is generated from these types.
 
 use super::error::{ApiError, ApiResult};
-use crate::adapters::AdapterKind;
+pub use super::document_options::DocumentOptions;
 use crate::lift::answer::{ContextPolicy, Mode};
-use crate::lift::{AbsorbOptions, OptionError};
+use crate::lift::AbsorbOptions;
 use crate::model::generate::{FinishReason, SamplingParams};
 use crate::model::ChatMessage;
 use crate::extraction::{Extractor, Failure};
@@ -211,80 +211,8 @@ pub struct PostDocument {
     pub dry_run: Option<bool>,
 }
 
-/// Absorb options a request may set; the others are the server's `--absorb-options`.
-#[derive(Debug, Default, Deserialize, ToSchema)]
-#[serde(deny_unknown_fields)]
-pub struct DocumentOptions {
-    #[schema(value_type = Option<String>, example = "gated_memory")]
-    pub adapter: Option<AdapterKind>,
-    /// Tokens per training segment.
-    pub window: Option<usize>,
-    /// Tokens between segment starts (at most `window`).
-    pub stride: Option<usize>,
-    /// [segment-only epochs, segment + QA epochs].
-    pub epochs: Option<[usize; 2]>,
-    /// Most auxiliary QA pairs, a fixed cap (default: at most 64 per 1,000 document tokens).
-    pub aux_qa: Option<usize>,
-    /// Absorb until learned: stop once held-aside probe questions stop improving (`epochs` is then
-    /// the ceiling); false: the fixed schedule. Default: the server's options.
-    pub until_learned: Option<bool>,
-    /// Seconds the absorb may take: the plan is fitted to it at the server's measured rate (fewer
-    /// epochs, no segment overlap, fewer QA pairs, said in `warnings`) and training stops at it.
-    /// Default: the server's `--absorb-budget`, else none.
-    pub budget_seconds: Option<f64>,
-    /// Removed: FltLM's filter belongs to the server's prepared base (400 `removed_option`).
-    #[schema(value_type = Option<Object>)]
-    pub filter: Option<serde_json::Value>,
-    /// Removed: CDT belongs to the server's prepared base (400 `removed_option`).
-    #[schema(value_type = Option<Object>)]
-    pub cdt: Option<serde_json::Value>,
-}
-
 /// Longest title, in characters.
 pub const MAX_TITLE_CHARS: usize = 1000;
-
-impl DocumentOptions {
-    /// `defaults` with these options applied, checked against their bounds.
-    pub fn apply(self, defaults: &AbsorbOptions, num_layers: usize, max_window: usize) -> ApiResult<AbsorbOptions> {
-        for (name, v) in [("filter", &self.filter), ("cdt", &self.cdt)] {
-            if v.is_some() {
-                return Err(ApiError::bad_request(
-                    "removed_option",
-                    format!(
-                        "'options.{name}' is no longer a per-document option: FltLM's filter and CDT are part of the \
-                         server's prepared base, active for every document (the server's --prepared-base chooses it)"
-                    ),
-                )
-                .param(&format!("options.{name}")));
-            }
-        }
-        let mut o = defaults.clone();
-        o.adapter = self.adapter.unwrap_or(o.adapter);
-        o.plan.window = self.window.unwrap_or(o.plan.window);
-        o.plan.stride = self.stride.or(o.plan.stride);
-        o.train.epochs = self.epochs.unwrap_or(o.train.epochs);
-        if let Some(n) = self.aux_qa {
-            // A count asked for is a fixed cap, in place of the length-scaled one.
-            o.qa.max_pairs = n;
-            o.qa.pairs_per_1k_tokens = 0;
-            o.qa.min_pairs = o.qa.min_pairs.min(n);
-        }
-        if self.budget_seconds.is_some() {
-            o.budget_seconds = self.budget_seconds;
-        }
-        match self.until_learned {
-            Some(true) if o.train.until_learned.is_none() => o.train.until_learned = Some(Default::default()),
-            Some(false) => o.train.until_learned = None,
-            _ => {}
-        }
-        o.validate(num_layers, max_window).map_err(invalid_option)?;
-        Ok(o)
-    }
-}
-
-fn invalid_option(e: OptionError) -> ApiError {
-    ApiError::bad_request("invalid_option", e.to_string()).param(&format!("options.{}", e.option()))
-}
 
 impl PostDocument {
     /// The document and whether this is a dry run.

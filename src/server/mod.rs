@@ -4,6 +4,7 @@
 //! errors are mapped to the API's error shape once (`error`).
 
 pub mod api;
+mod document_options;
 pub mod error;
 pub mod openai;
 pub mod openapi;
