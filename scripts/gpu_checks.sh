@@ -103,7 +103,7 @@ if want real; then
     else
         echo "=== real: model joined, sha256 ok"
         export LIFT_MODEL="$MODEL" LIFT_DATA_DIR=data RUST_LOG=info
-        Q=(--depths 0.1,0.3,0.5,0.7,0.9 --needles-per-depth 2 --ask-context-tokens 128 --device cuda --quiet)
+        Q=(--depths 0.1,0.3,0.5,0.7,0.9 --needles-per-depth 2 --context-tokens 128 --device cuda --quiet)
         # The filter's re-rank (`retrieved`), as the CPU figures these are compared with were measured.
         run real-rag "${GPU_REAL_RAG_LIMIT:-80}" "$BIN/lift-serve" eval --split eval --methods rag:retrieved,icl \
             --lengths 1024,2048,4096,8192 --docs-per-length 4 "${Q[@]}" --out /tmp/real-rag

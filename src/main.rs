@@ -146,6 +146,10 @@ struct AbsorbArgs {
     model: ModelArgs,
     #[command(flatten)]
     train: TrainArgs,
+    /// The training budget's older name, refused with its new one: `--context-tokens` is the
+    /// answering budget everywhere else.
+    #[arg(long = "context-tokens", hide = true)]
+    old_context_tokens: Option<usize>,
 }
 
 #[derive(clap::Args)]
@@ -275,9 +279,10 @@ struct TrainArgs {
     window: Option<usize>,
     #[arg(long)]
     stride: Option<usize>,
-    /// Head+tail document tokens before each training segment and question.
+    /// Head+tail document tokens before each training segment and question (training only; the
+    /// answering budget is `ask`'s and `eval`'s `--context-tokens`).
     #[arg(long)]
-    context_tokens: Option<usize>,
+    training_context_tokens: Option<usize>,
     /// Epochs: segments only, then segments + QA (e.g. "3,5").
     #[arg(long)]
     epochs: Option<String>,
@@ -293,8 +298,8 @@ struct TrainArgs {
     #[arg(long)]
     segment_pack: Option<usize>,
     /// Most auxiliary QA pairs, a fixed cap (default: at most 64 per 1,000 document tokens).
-    #[arg(long)]
-    max_qa: Option<usize>,
+    #[arg(long, alias = "max-qa")]
+    aux_qa: Option<usize>,
     /// Only extractive QA (the default; kept for scripts that pass it).
     #[arg(long)]
     no_model_qa: bool,
@@ -308,8 +313,8 @@ struct TrainArgs {
     until_learned: bool,
     /// Seconds the absorb may take: the plan is fitted to it (fewer epochs, no segment overlap,
     /// fewer QA pairs; said before training starts) and training stops at it.
-    #[arg(long)]
-    budget: Option<f64>,
+    #[arg(long, alias = "budget")]
+    budget_seconds: Option<f64>,
     #[arg(long)]
     seed: Option<u64>,
     #[arg(long)]
@@ -317,65 +322,48 @@ struct TrainArgs {
 }
 
 impl TrainArgs {
+    /// The options file (or the defaults) with these flags laid over it by the one overlay every
+    /// path uses ([`lift::OptionOverlay`]), checked against the same bounds as the server's.
     fn options(&self, num_layers: usize) -> Result<AbsorbOptions> {
-        let mut o = match &self.options {
+        let base = match &self.options {
             Some(p) => AbsorbOptions::from_file(p)?,
             None => AbsorbOptions::default(),
         };
-        if let Some(a) = self.adapter {
-            o.adapter = a;
-        }
-        if let Some(l) = &self.layers {
-            o.layers = parse_layers(l, num_layers)?;
-        }
-        if let Some(w) = self.window {
-            o.plan.window = w;
-        }
-        if self.stride.is_some() {
-            o.plan.stride = self.stride;
-        }
-        if let Some(c) = self.context_tokens {
-            o.plan.context_tokens = c;
-        }
-        if let Some(e) = &self.epochs {
-            let v: Vec<usize> = e.split(',').map(|x| x.trim().parse()).collect::<Result<_, _>>()?;
-            anyhow::ensure!(v.len() == 2, "--epochs takes two numbers, e.g. 3,5");
-            o.train.epochs = [v[0], v[1]];
-        }
-        if self.lr.is_some() {
-            o.lr = self.lr;
-        }
-        if let Some(a) = self.accumulation {
-            o.train.accumulation = a;
-        }
-        if let Some(p) = self.qa_pack {
-            o.plan.qa_pack = p;
-        }
-        if let Some(p) = self.segment_pack {
-            o.plan.segment_pack = p;
-        }
-        if let Some(m) = self.max_qa {
-            // A fixed cap, in place of the length-scaled one.
-            o.qa.max_pairs = m;
-            o.qa.pairs_per_1k_tokens = 0;
-        }
-        if self.no_model_qa {
-            o.qa.use_model = false;
-        }
-        if self.model_qa {
-            o.qa.use_model = true;
-        }
-        if self.until_learned {
-            o.train.until_learned = Some(Default::default());
-        }
-        if let Some(s) = self.seed {
-            o.train.seed = s;
-            o.qa.seed = s;
-        }
-        if self.budget.is_some() {
-            o.budget_seconds = self.budget;
-        }
-        // The same bounds as the server's; the window is the model's (checked by the caller).
+        let epochs = match &self.epochs {
+            Some(e) => {
+                let v: Vec<usize> = e.split(',').map(|x| x.trim().parse()).collect::<Result<_, _>>()?;
+                anyhow::ensure!(v.len() == 2, "--epochs takes two numbers, e.g. 3,5");
+                Some([v[0], v[1]])
+            }
+            None => None,
+        };
+        let model_qa = match (self.model_qa, self.no_model_qa) {
+            (true, _) => Some(true),
+            (_, true) => Some(false),
+            _ => None,
+        };
+        let overlay = lift::OptionOverlay {
+            adapter: self.adapter,
+            layers: match &self.layers {
+                Some(l) => parse_layers(l, num_layers)?,
+                None => None,
+            },
+            window: self.window,
+            stride: self.stride,
+            training_context_tokens: self.training_context_tokens,
+            epochs,
+            lr: self.lr,
+            accumulation: self.accumulation,
+            qa_pack: self.qa_pack,
+            segment_pack: self.segment_pack,
+            aux_qa: self.aux_qa,
+            model_qa,
+            until_learned: self.until_learned.then_some(true),
+            seed: self.seed,
+            budget_seconds: self.budget_seconds,
+        };
+        let o = overlay.apply(&base);
+        // The window is the model's (checked by the caller).
         o.validate(num_layers, usize::MAX)?;
         Ok(o)
     }
@@ -401,6 +389,11 @@ fn parse_layers(spec: &str, n: usize) -> Result<Option<Vec<usize>>> {
 impl AbsorbArgs {
     /// `absorb`: trains the adapter with a progress bar and writes the adapter directory.
     fn run(&self, device: &Device) -> Result<()> {
+        anyhow::ensure!(
+            self.old_context_tokens.is_none(),
+            "absorb: --context-tokens is now --training-context-tokens (the head+tail tokens before each training \
+             segment and question); --context-tokens is the answering budget of `ask` and `serve`"
+        );
         let file = &self.file;
         let extracted = lift_serve::formats::read_file(file)?;
         let model = self.model.load(device)?;

@@ -258,7 +258,7 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     let (m1, base1) = over(d1.path());
     let mut o = AbsorbOptions::default();
     o.plan.window = 32;
-    o.plan.context_tokens = 1000;
+    o.plan.training_context_tokens = 1000;
     o.qa.use_model = false;
     o.qa.max_pairs = 3;
     o.train.epochs = [1, 3];
@@ -353,8 +353,8 @@ fn absorb_reads_a_pdf_and_refuses_a_locked_one() {
     std::fs::write(&locked, write_pdf(PdfPages::Text(&[DOC]), "Locked", Some("pw")).unwrap()).unwrap();
     let absorb = |file: &Path, out: &Path| {
         std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
-            .args(["absorb", "--prepared-base", "none", "--window", "32", "--context-tokens", "16", "--epochs", "1,1"])
-            .args(["--no-model-qa", "--max-qa", "2", "--model"])
+            .args(["absorb", "--prepared-base", "none", "--window", "32", "--training-context-tokens", "16", "--epochs", "1,1"])
+            .args(["--no-model-qa", "--aux-qa", "2", "--model"])
             .arg(&path)
             .arg(file)
             .arg("-o")

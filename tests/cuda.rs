@@ -544,7 +544,7 @@ fn fused_ops_on_cuda_match_cpu() {
 fn short_absorb_options() -> AbsorbOptions {
     let mut opts = AbsorbOptions::default();
     opts.plan.window = 32;
-    opts.plan.context_tokens = 16;
+    opts.plan.training_context_tokens = 16;
     opts.train.epochs = [1, 1];
     opts.qa.use_model = false;
     opts.qa.max_pairs = 4;
@@ -582,7 +582,7 @@ fn absorbing_until_learned_on_cuda_probes_like_the_cpu() {
     let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
     let mut opts = AbsorbOptions::default();
     opts.plan.window = 32;
-    opts.plan.context_tokens = 16;
+    opts.plan.training_context_tokens = 16;
     opts.train.epochs = [0, 6];
     opts.qa.use_model = false;
     opts.qa.max_pairs = 8;

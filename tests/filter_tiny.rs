@@ -222,7 +222,7 @@ fn absorb_over_a_prepared_base_trains_qa_in_its_filter_layout_and_leaves_the_fil
 
     let mut o = AbsorbOptions::default();
     o.plan.window = 32;
-    o.plan.context_tokens = 1000; // the whole document is in the window: every evidence has a chunk
+    o.plan.training_context_tokens = 1000; // the whole document is in the window: every evidence has a chunk
     o.qa.use_model = false;
     o.qa.max_pairs = 4;
     o.train.epochs = [0, 2];

@@ -216,7 +216,7 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     let run_with = |epochs: [usize; 2], rule: Option<UntilLearned>| {
         let mut o = AbsorbOptions::default();
         o.plan.window = 64;
-        o.plan.context_tokens = 32;
+        o.plan.training_context_tokens = 32;
         o.qa.use_model = false;
         o.qa.max_pairs = 12;
         o.train.epochs = epochs;
@@ -368,7 +368,7 @@ fn absorbing_until_learned_skips_learned_examples_and_revisits_them() {
     let run = |epochs: [usize; 2], rule: Option<UntilLearned>| {
         let mut o = AbsorbOptions::default();
         o.plan.window = 64;
-        o.plan.context_tokens = 32;
+        o.plan.training_context_tokens = 32;
         o.qa.use_model = false;
         o.qa.max_pairs = 12;
         o.train.epochs = epochs;

@@ -29,7 +29,7 @@ fn document(model: &Model) -> Document {
 fn options(epochs: [usize; 2]) -> AbsorbOptions {
     let mut o = AbsorbOptions::default();
     o.plan.window = 48;
-    o.plan.context_tokens = 24;
+    o.plan.training_context_tokens = 24;
     o.qa.use_model = false;
     o.qa.max_pairs = 6;
     o.train.epochs = epochs;

@@ -172,7 +172,7 @@ fn a_lora_absorb_trains_and_answers() {
     o.lora.alpha = 16.0;
     o.lr = Some(1e-4);
     o.plan.window = 64;
-    o.plan.context_tokens = 32;
+    o.plan.training_context_tokens = 32;
     o.qa.use_model = false;
     o.qa.max_pairs = 2;
     o.train.epochs = [1, 1];

@@ -150,7 +150,7 @@ pub struct Method {
     pub mode: Mode,
     /// The context policy it answers with (`None`: the mode's default).
     pub context: Option<ContextPolicy>,
-    /// Its in-context budget in tokens (`None`: the run's `--ask-context-tokens`).
+    /// Its in-context budget in tokens (`None`: the run's `--context-tokens`).
     pub context_tokens: Option<usize>,
     pub absorb: Option<AbsorbOptions>,
 }
@@ -198,7 +198,7 @@ pub fn method(name: &str, base: &AbsorbOptions, num_layers: usize) -> Result<Met
             // The paper trains with the same truncated document it answers with: the context
             // budget stays the run's.
             let mut o = AbsorbOptions::paper_faithful(num_layers);
-            o.plan.context_tokens = base.plan.context_tokens;
+            o.plan.training_context_tokens = base.plan.training_context_tokens;
             (Mode::Lift, Some(o))
         }
         "lift-fixed" => {
@@ -668,9 +668,11 @@ pub struct EvalArgs {
     /// tuning options; never the figures reported). The prepared base trained on neither.
     #[arg(long, value_enum, default_value_t = EssaySplit::Eval)]
     pub split: EssaySplit,
-    /// In-context document budget when answering (default: the training context budget).
-    #[arg(long)]
-    pub ask_context_tokens: Option<usize>,
+    /// In-context document budget when answering, as `ask --context-tokens` (default: the
+    /// training head+tail budget, `--training-context-tokens`). `--ask-context-tokens` is its
+    /// older name.
+    #[arg(long, alias = "ask-context-tokens")]
+    pub context_tokens: Option<usize>,
     /// Most tokens per answer.
     #[arg(long, default_value_t = 32)]
     pub max_tokens: usize,
@@ -753,7 +755,7 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
     };
     let cfg = RunConfig {
         methods: args.methods.clone(),
-        context_tokens: Some(args.ask_context_tokens.unwrap_or(absorb.plan.context_tokens)),
+        context_tokens: Some(args.context_tokens.unwrap_or(absorb.plan.training_context_tokens)),
         max_tokens: args.max_tokens,
         absorb,
         needles: spec,

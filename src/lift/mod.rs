@@ -10,6 +10,7 @@ pub mod cdt;
 pub mod checkpoint;
 pub mod estimate;
 pub mod filter;
+pub mod options;
 pub mod plan;
 pub mod prompt;
 pub mod qa;
@@ -17,13 +18,14 @@ pub mod text;
 pub mod trainer;
 
 use crate::adapters::manifest::{BaseModelRef, DocumentRef, Manifest};
-use crate::adapters::{AdapterBundle, AdapterKind, AnyAdapter, GatedMemory, Lora, LoraConfig};
+use crate::adapters::{AdapterBundle, AdapterKind, AnyAdapter, GatedMemory, Lora};
 use crate::document::Document;
 use crate::model::Model;
 use crate::store::NewAdapter;
 use anyhow::Result;
-use plan::{Plan, PlanOptions};
-use qa::{QaOptions, QaPair, QaProgress};
+pub use options::{AbsorbOptions, OptionError, OptionOverlay, MAX_AUX_QA, MAX_BUDGET_SECONDS, MAX_EPOCHS, MIN_WINDOW};
+use plan::Plan;
+use qa::{QaPair, QaProgress};
 use serde::{Deserialize, Serialize};
 
 /// Returned (inside `anyhow::Error`) when a `cancel` callback stopped long work (QA generation,
@@ -32,248 +34,7 @@ use serde::{Deserialize, Serialize};
 #[error("{0} cancelled")]
 pub struct Cancelled(pub &'static str);
 use std::time::Instant;
-use trainer::{FilterTraining, Progress, RunControl, TrainInputs, TrainOptions, TrainReport};
-
-/// Everything that shapes an adapter. Part of a document's content address: the same text with
-/// the same options on the same base model is the same adapter. FltLM's filter and CDT are not
-/// here: they are properties of the prepared base (`crate::base`), trained once and active under
-/// every document's adapter, not per-document choices.
-#[derive(Clone, Debug, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct AbsorbOptions {
-    pub adapter: AdapterKind,
-    /// Layers with a Gated Memory adapter (default: all, as in the paper). The upper half
-    /// (`15-29` on the 30-layer default model, where the retrieval heads sit:
-    /// "(Long-) Context Modeling and Beyond", Tang, ICML 2025 tutorial) absorbs in ~60% of the time because layers below the lowest
-    /// adapted one need no autograd graph, but recalled fewer out-of-window facts on the eval
-    /// (README, "Absorb speed").
-    pub layers: Option<Vec<usize>>,
-    pub lora: LoraConfig,
-    /// Learning rate; default per adapter kind (Gated Memory 1e-3 as in the paper's Table 9,
-    /// LoRA 5e-5 as in the authors' later version).
-    pub lr: Option<f64>,
-    pub plan: PlanOptions,
-    pub qa: QaOptions,
-    pub train: TrainOptions,
-    /// Seconds the whole absorb may take: the plan is fitted to it before the absorb starts
-    /// ([`budget::fit`]) and training stops at it. None: the options as they are.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub budget_seconds: Option<f64>,
-}
-
-impl Default for AbsorbOptions {
-    fn default() -> Self {
-        Self {
-            adapter: AdapterKind::GatedMemory,
-            layers: None,
-            lora: LoraConfig::default(),
-            lr: None,
-            plan: PlanOptions::default(),
-            qa: QaOptions::default(),
-            train: TrainOptions::default(),
-            budget_seconds: None,
-        }
-    }
-}
-
-impl AbsorbOptions {
-    /// The LIFT paper's recipe (App. A.2; the authors' code),
-    /// scaled to a small model's context: Gated Memory on every layer, windows of 256 tokens with
-    /// a 3/8 stride and 256 head+tail tokens of context, 3 epochs on segments then 5 on segments +
-    /// QA, one example per optimizer step (no packing), QA pairs written by the model itself (the
-    /// extractive generator fills up to the cap).
-    /// The defaults keep its adapter and schedule but put 128 context tokens before segments and
-    /// questions and use extractive QA only (the default 135M model writes almost no valid pairs).
-    pub fn paper_faithful(num_layers: usize) -> Self {
-        let mut o = Self { layers: Some((0..num_layers).collect()), ..Self::default() };
-        o.plan.window = 256;
-        o.plan.context_tokens = 256;
-        o.plan.qa_pack = 1;
-        o.plan.segment_pack = 1;
-        o.qa.use_model = true;
-        o.train.epochs = [3, 5];
-        o
-    }
-
-    /// Adapted layers for a model of `num_layers` layers: `layers`, or all of them.
-    pub fn gated_memory_layers(&self, num_layers: usize) -> Vec<usize> {
-        self.layers.clone().unwrap_or_else(|| (0..num_layers).collect())
-    }
-
-    /// Training options with the learning rate resolved for the adapter kind.
-    pub fn effective_train(&self) -> TrainOptions {
-        let mut t = self.train.clone();
-        t.lr = self.lr.unwrap_or(match self.adapter {
-            AdapterKind::GatedMemory => 1e-3,
-            AdapterKind::Lora => 5e-5,
-        });
-        t
-    }
-}
-
-/// The flat option names of a request's `options` (`POST /documents`), also accepted in options
-/// files beside the nested ones.
-pub const FLAT_OPTIONS: &[&str] = &["window", "stride", "epochs", "aux_qa", "until_learned", "budget_seconds"];
-
-impl AbsorbOptions {
-    /// Options given as JSON over `self`, in either spelling: nested as this struct is saved
-    /// (`{"plan": {"window": 128}, "train": {"epochs": [1, 2]}}`) or flat as a request's
-    /// `options` (`{"window": 128, "epochs": [1, 2], "aux_qa": 8}`), or both. An unknown name is
-    /// refused with the names that exist.
-    pub fn with_json(&self, v: &serde_json::Value) -> Result<AbsorbOptions> {
-        let given = v.as_object().ok_or_else(|| anyhow::anyhow!("absorb options must be a JSON object"))?;
-        let mut nested = serde_json::to_value(self)?;
-        let mut aux_qa = None;
-        for (key, value) in given {
-            match key.as_str() {
-                "window" => nested["plan"]["window"] = value.clone(),
-                "stride" => nested["plan"]["stride"] = value.clone(),
-                "epochs" => nested["train"]["epochs"] = value.clone(),
-                "aux_qa" => aux_qa = Some(value.clone()),
-                "budget_seconds" => {
-                    nested.as_object_mut().map(|o| o.insert(key.clone(), value.clone()));
-                }
-                "until_learned" if value.is_boolean() => {
-                    let on = value.as_bool() == Some(true);
-                    if !on {
-                        nested["train"]["until_learned"] = serde_json::Value::Null;
-                    } else if nested["train"]["until_learned"].is_null() {
-                        nested["train"]["until_learned"] = serde_json::json!({});
-                    }
-                }
-                k if nested.get(k).is_some() => merge_json(&mut nested[k], value),
-                k => {
-                    let mut known: Vec<&str> = nested.as_object().map(|o| o.keys().map(String::as_str).collect()).unwrap_or_default();
-                    known.extend(FLAT_OPTIONS);
-                    known.sort_unstable();
-                    known.dedup();
-                    anyhow::bail!("unknown option '{k}' (options: {})", known.join(", "));
-                }
-            }
-        }
-        if let Some(n) = aux_qa {
-            // A count asked for is a fixed cap, in place of the length-scaled one.
-            nested["qa"]["max_pairs"] = n.clone();
-            nested["qa"]["pairs_per_1k_tokens"] = 0.into();
-            let n = n.as_u64().ok_or_else(|| anyhow::anyhow!("'aux_qa' must be a count of QA pairs (got {n})"))?;
-            let min = nested["qa"]["min_pairs"].as_u64().unwrap_or(0).min(n);
-            nested["qa"]["min_pairs"] = min.into();
-        }
-        // The nested option structs accept unknown keys (records of older options must still
-        // read): any key set here that no option reads is refused by name.
-        let mut ignored = Vec::new();
-        let o = serde_ignored::deserialize(nested, |path| ignored.push(path.to_string()))?;
-        if let Some(path) = ignored.first() {
-            // The names beside it: those of the same object in these options.
-            let defaults = serde_json::to_value(self)?;
-            let parent = path.rsplit_once('.').map(|(p, _)| p);
-            let siblings = parent.and_then(|p| p.split('.').try_fold(&defaults, |v, k| v.get(k))).and_then(|v| v.as_object());
-            let known: Vec<&str> = siblings.map(|o| o.keys().map(String::as_str).collect()).unwrap_or_default();
-            anyhow::bail!("unknown option '{path}' (options in '{}': {})", parent.unwrap_or(""), known.join(", "));
-        }
-        Ok(o)
-    }
-
-    /// Options read from a JSON file over the defaults (see [`AbsorbOptions::with_json`]).
-    pub fn from_file(path: &std::path::Path) -> Result<AbsorbOptions> {
-        let text = std::fs::read_to_string(path).map_err(|e| anyhow::anyhow!("{}: cannot read: {e}", path.display()))?;
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
-        Self::default().with_json(&v).map_err(|e| anyhow::anyhow!("{}: invalid absorb options: {e}", path.display()))
-    }
-}
-
-/// `value` merged into `target`: objects key by key, anything else replaced.
-fn merge_json(target: &mut serde_json::Value, value: &serde_json::Value) {
-    match (target.as_object_mut(), value.as_object()) {
-        (Some(t), Some(v)) => {
-            for (k, x) in v {
-                match t.get_mut(k) {
-                    Some(slot) => merge_json(slot, x),
-                    None => {
-                        t.insert(k.clone(), x.clone());
-                    }
-                }
-            }
-        }
-        _ => *target = value.clone(),
-    }
-}
-
-/// Bounds on absorb options that every path checks (HTTP requests, CLI flags, options files).
-/// Below `MIN_WINDOW` tokens a step costs more in template and context tokens than it trains.
-pub const MIN_WINDOW: usize = 32;
-pub const MAX_EPOCHS: usize = 100;
-/// The most auxiliary QA pairs a document may ask for (a 64K-token document's prose yields ~3,500;
-/// the training-token cap bounds what they cost).
-pub const MAX_AUX_QA: usize = 20_000;
-/// The longest budget: a week.
-pub const MAX_BUDGET_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
-
-/// Absorb options out of their bounds; each names the option, the bound and the value given.
-#[derive(Debug, Clone, PartialEq, thiserror::Error)]
-pub enum OptionError {
-    #[error("'window' must be between {min} and {max} (got {value})")]
-    Window { value: usize, min: usize, max: usize },
-    #[error("'stride' must be at least 1")]
-    StrideZero,
-    #[error("'stride' ({stride}) must not exceed the window ({window}): the text between windows would be skipped")]
-    StrideOverWindow { stride: usize, window: usize },
-    #[error("'epochs' must be two integers [segment_only, with_qa], each at most {max}, not both 0 (got {value:?})")]
-    Epochs { value: [usize; 2], max: usize },
-    #[error("'aux_qa' must be at most {max} (got {value})")]
-    AuxQa { value: usize, max: usize },
-    #[error("adapter layers must be below {num_layers} (got {layer})")]
-    Layer { layer: usize, num_layers: usize },
-    #[error("'budget_seconds' must be a number of seconds above 0 and at most {max} (got {value})")]
-    Budget { value: f64, max: f64 },
-}
-
-impl OptionError {
-    /// The option's name as clients write it.
-    pub fn option(&self) -> &'static str {
-        match self {
-            OptionError::Window { .. } => "window",
-            OptionError::StrideZero | OptionError::StrideOverWindow { .. } => "stride",
-            OptionError::Epochs { .. } => "epochs",
-            OptionError::AuxQa { .. } => "aux_qa",
-            OptionError::Layer { .. } => "layers",
-            OptionError::Budget { .. } => "budget_seconds",
-        }
-    }
-}
-
-impl AbsorbOptions {
-    /// Checks the options against their bounds for a model of `num_layers` layers and a window
-    /// of `max_window` tokens.
-    pub fn validate(&self, num_layers: usize, max_window: usize) -> Result<(), OptionError> {
-        let window = self.plan.window;
-        if !(MIN_WINDOW..=max_window).contains(&window) {
-            return Err(OptionError::Window { value: window, min: MIN_WINDOW, max: max_window });
-        }
-        match self.plan.stride {
-            Some(0) => return Err(OptionError::StrideZero),
-            // Windows that skip text between them would silently leave part of the document out.
-            _ if self.plan.stride() > window => {
-                return Err(OptionError::StrideOverWindow { stride: self.plan.stride(), window })
-            }
-            _ => {}
-        }
-        let e = self.train.epochs;
-        if e[0] + e[1] == 0 || e[0] > MAX_EPOCHS || e[1] > MAX_EPOCHS {
-            return Err(OptionError::Epochs { value: e, max: MAX_EPOCHS });
-        }
-        if self.qa.max_pairs > MAX_AUX_QA {
-            return Err(OptionError::AuxQa { value: self.qa.max_pairs, max: MAX_AUX_QA });
-        }
-        if let Some(&layer) = self.layers.iter().flatten().find(|&&l| l >= num_layers) {
-            return Err(OptionError::Layer { layer, num_layers });
-        }
-        if let Some(b) = self.budget_seconds.filter(|b| !(b.is_finite() && *b > 0.0 && *b <= MAX_BUDGET_SECONDS)) {
-            return Err(OptionError::Budget { value: b, max: MAX_BUDGET_SECONDS });
-        }
-        Ok(())
-    }
-}
+use trainer::{FilterTraining, Progress, RunControl, TrainInputs, TrainReport};
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize, utoipa::ToSchema)]
 #[serde(rename_all = "snake_case")]
@@ -574,25 +335,6 @@ fn training_figures(r: &TrainReport, qa_pairs: usize, qa_seconds: f64, segments:
 mod tests {
     use super::*;
 
-    #[test]
-    fn options_files_take_either_spelling_and_name_the_known_options() {
-        let d = AbsorbOptions::default();
-        let flat = d.with_json(&serde_json::json!({"window": 64, "stride": 24, "epochs": [1, 2], "aux_qa": 3, "until_learned": true})).unwrap();
-        let nested = d
-            .with_json(&serde_json::json!({"plan": {"window": 64, "stride": 24}, "train": {"epochs": [1, 2], "until_learned": {}},
-                                           "qa": {"max_pairs": 3, "min_pairs": 3, "pairs_per_1k_tokens": 0}}))
-            .unwrap();
-        assert_eq!(serde_json::to_value(&flat).unwrap(), serde_json::to_value(&nested).unwrap());
-        assert_eq!((flat.plan.window, flat.plan.stride, flat.train.epochs, flat.qa.max_pairs), (64, Some(24), [1, 2], 3));
-        assert!(flat.qa.min_pairs <= 3 && flat.train.until_learned.is_some());
-        // Nested keys keep the defaults they do not name.
-        let one = d.with_json(&serde_json::json!({"plan": {"window": 96}})).unwrap();
-        assert_eq!((one.plan.window, one.plan.context_tokens), (96, d.plan.context_tokens));
-        let e = d.with_json(&serde_json::json!({"windw": 64})).unwrap_err().to_string();
-        assert!(e.contains("'windw'") && e.contains("window") && e.contains("plan") && !e.contains("windw,"), "{e}");
-        let e = d.with_json(&serde_json::json!({"plan": {"windw": 64}})).unwrap_err().to_string();
-        assert!(e.contains("windw") && e.contains("window"), "{e}");
-    }
     use qa::QaSource;
 
     fn pair(q: &str, span: (usize, usize)) -> QaPair {

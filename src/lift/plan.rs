@@ -22,9 +22,11 @@ pub struct PlanOptions {
     /// Tokens between segment starts (default ⌊3ℓ/8⌋).
     pub stride: Option<usize>,
     /// Head+tail document tokens placed before each segment (and each question, unless
-    /// `qa_context_tokens` says otherwise) during training.
-    pub context_tokens: usize,
-    /// Head+tail document tokens before each auxiliary question (default: `context_tokens`).
+    /// `qa_context_tokens` says otherwise) during training. Not the answering budget (`/ask`'s
+    /// `context_tokens`); read under that older name from files and records.
+    #[serde(alias = "context_tokens")]
+    pub training_context_tokens: usize,
+    /// Head+tail document tokens before each auxiliary question (default: `training_context_tokens`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub qa_context_tokens: Option<usize>,
     /// Auxiliary questions packed into one training row behind their shared head+tail context
@@ -46,7 +48,7 @@ fn is_unpacked(pack: &usize) -> bool {
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        Self { window: 256, stride: None, context_tokens: 128, qa_context_tokens: None, qa_pack: 1, segment_pack: 1 }
+        Self { window: 256, stride: None, training_context_tokens: 128, qa_context_tokens: None, qa_pack: 1, segment_pack: 1 }
     }
 }
 
@@ -56,7 +58,7 @@ impl PlanOptions {
     }
 
     pub fn qa_context(&self) -> usize {
-        self.qa_context_tokens.unwrap_or(self.context_tokens)
+        self.qa_context_tokens.unwrap_or(self.training_context_tokens)
     }
 }
 
@@ -98,7 +100,7 @@ const QA_PAIR_TOKENS: usize = 64;
 pub fn planned_training_tokens(doc_tokens: usize, opts: &PlanOptions, epochs: [usize; 2], qa_pairs: usize) -> u64 {
     let window = opts.window.max(1);
     let segments = if doc_tokens <= window { 1 } else { (doc_tokens - window).div_ceil(opts.stride()) + 1 };
-    let segment_row = (opts.context_tokens + ROW_OVERHEAD_TOKENS + window.min(doc_tokens.max(1))) as u64;
+    let segment_row = (opts.training_context_tokens + ROW_OVERHEAD_TOKENS + window.min(doc_tokens.max(1))) as u64;
     let qa_row = (opts.qa_context() + ROW_OVERHEAD_TOKENS + QA_PAIR_TOKENS) as u64;
     let ct = segments as u64 * segment_row * (epochs[0] + epochs[1]) as u64;
     ct + qa_pairs as u64 * qa_row * epochs[1] as u64
@@ -218,7 +220,7 @@ impl Plan {
     /// One CT row of the segments `idx` behind a single context (one split drawn from `rng`);
     /// one index is a plain example.
     pub fn segments_example(&self, model: &Model, doc: &[u32], idx: &[usize], rng: &mut PlanRng) -> Result<Example> {
-        let budget = self.opts.context_tokens;
+        let budget = self.opts.training_context_tokens;
         let ctx = if budget == 0 {
             Vec::new()
         } else {
@@ -251,7 +253,7 @@ mod tests {
         for n in [10, 256, 257, 1000, 200_000] {
             let planned = planned_training_tokens(n, &o, [1, 0], 0);
             let rows = segments(n, o.window, o.stride()).len() as u64;
-            assert_eq!(planned, rows * (o.context_tokens + ROW_OVERHEAD_TOKENS + o.window.min(n)) as u64, "n = {n}");
+            assert_eq!(planned, rows * (o.training_context_tokens + ROW_OVERHEAD_TOKENS + o.window.min(n)) as u64, "n = {n}");
         }
         // The defaults on a document of the server's largest size stay under its default cap.
         let defaults = crate::lift::AbsorbOptions::default();

@@ -1,9 +1,9 @@
-//! The absorb options a `POST /documents` may set, laid over the server's defaults and checked
-//! against their bounds.
+//! The absorb options a `POST /documents` may set (the API's subset of [`OptionOverlay`]'s names),
+//! laid over the server's defaults by that one overlay and checked against their bounds.
 
 use super::error::{ApiError, ApiResult};
 use crate::adapters::AdapterKind;
-use crate::lift::{AbsorbOptions, OptionError};
+use crate::lift::{AbsorbOptions, OptionError, OptionOverlay};
 use serde::Deserialize;
 use utoipa::ToSchema;
 
@@ -51,27 +51,23 @@ impl DocumentOptions {
                 .param(&format!("options.{name}")));
             }
         }
-        let mut o = defaults.clone();
-        o.adapter = self.adapter.unwrap_or(o.adapter);
-        o.plan.window = self.window.unwrap_or(o.plan.window);
-        o.plan.stride = self.stride.or(o.plan.stride);
-        o.train.epochs = self.epochs.unwrap_or(o.train.epochs);
-        if let Some(n) = self.aux_qa {
-            // A count asked for is a fixed cap, in place of the length-scaled one.
-            o.qa.max_pairs = n;
-            o.qa.pairs_per_1k_tokens = 0;
-            o.qa.min_pairs = o.qa.min_pairs.min(n);
-        }
-        if self.budget_seconds.is_some() {
-            o.budget_seconds = self.budget_seconds;
-        }
-        match self.until_learned {
-            Some(true) if o.train.until_learned.is_none() => o.train.until_learned = Some(Default::default()),
-            Some(false) => o.train.until_learned = None,
-            _ => {}
-        }
+        let o = self.overlay().apply(defaults);
         o.validate(num_layers, max_window).map_err(invalid_option)?;
         Ok(o)
+    }
+
+    /// The settings given, by the names every path uses.
+    fn overlay(&self) -> OptionOverlay {
+        OptionOverlay {
+            adapter: self.adapter,
+            window: self.window,
+            stride: self.stride,
+            epochs: self.epochs,
+            aux_qa: self.aux_qa,
+            until_learned: self.until_learned,
+            budget_seconds: self.budget_seconds,
+            ..Default::default()
+        }
     }
 }
 

@@ -58,7 +58,9 @@ pub struct QaPair {
 pub struct QaOptions {
     /// Coverage: one model-generated pair per this many sentences (windows spread evenly).
     pub sentences_per_pair: usize,
-    /// Cap on all pairs (model + extractive); extractive pairs are thinned evenly to fit.
+    /// Cap on all pairs (model + extractive); extractive pairs are thinned evenly to fit. Named
+    /// `aux_qa` wherever it is set (read under its older name `max_pairs` too).
+    #[serde(rename = "aux_qa", alias = "max_pairs")]
     pub max_pairs: usize,
     /// A cap that grows with the document: at most this many pairs per 1,000 document tokens
     /// (0: none), so that a long document is asked about all through, not in a fixed number of
