@@ -21,7 +21,7 @@ fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
 
 /// The essays in file order, joined, cut at a paragraph once past `tokens` tokens.
 fn essays(model: &lift_serve::model::Model, tokens: usize) -> anyhow::Result<String> {
-    let dir = lift_serve::eval::data::data_dir().join(lift_serve::eval::data::ESSAYS_DIR);
+    let dir = lift_serve::corpus::data_dir().join(lift_serve::corpus::ESSAYS_DIR);
     let mut files: Vec<_> = std::fs::read_dir(&dir)
         .map_err(|e| anyhow::anyhow!("{}: {e} (run `lift-serve fetch-data`)", dir.display()))?
         .filter_map(|e| e.ok().map(|e| e.path()))

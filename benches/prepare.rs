@@ -9,7 +9,8 @@
 //! same run.
 
 use candle_core::Device;
-use lift_serve::base::data::{self, BuildOptions, Split};
+use lift_serve::base::data::{self, BuildOptions};
+use lift_serve::corpus::Split;
 use lift_serve::base::train::{self, PrepareOptions};
 use lift_serve::lift::trainer::RunControl;
 use lift_serve::model::Model;
@@ -30,7 +31,7 @@ fn main() -> anyhow::Result<()> {
     let tokens: usize = env_or("BENCH_TOKENS", 1024);
     let arms = std::env::var("BENCH_ARMS").unwrap_or_else(|_| "lora,filter,cdt,both".into());
     let model = Model::load(&lift_serve::fetch::resolve_model(None)?, &Device::Cpu)?;
-    let essays = lift_serve::eval::data::data_dir().join("pg-essays");
+    let essays = lift_serve::corpus::data_dir().join("pg-essays");
     let build = BuildOptions { min_tokens: tokens, max_tokens: tokens, ..Default::default() };
     let examples = data::build_examples_with(&essays, Split::Train, steps, 0, &build)?;
     let lens: Vec<usize> =

@@ -18,7 +18,8 @@ mod stats;
 use anyhow::{Context, Result};
 use candle_core::Device;
 use lift_serve::document::Document;
-use lift_serve::eval::{data, needles, EvalDocument};
+use lift_serve::corpus as data;
+use lift_serve::eval::{needles, EvalDocument};
 use lift_serve::lift::answer::{answer, build_prompt, passage_tokens, Ask, ContextPolicy, Mode};
 use lift_serve::model::generate::SamplingParams;
 use lift_serve::model::Model;
@@ -187,7 +188,7 @@ fn main() -> Result<()> {
     lift_serve::base::install_from_arg(&mut model, Some(concat!(env!("CARGO_MANIFEST_DIR"), "/base")))?;
     let dir = data::fetch_essays(&data::data_dir())?;
     let all = data::load_essays(&dir)?;
-    let essays = lift_serve::base::data::essays_in(&all, lift_serve::base::data::Split::Eval);
+    let essays = lift_serve::corpus::essays_in(&all, lift_serve::corpus::Split::Eval);
     println!("threads: {}  runs: {runs}  answer: {max_tokens} tokens", rayon::current_num_threads());
     costs(&model, &essays, &all, runs, max_tokens)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;

@@ -129,7 +129,7 @@ if [ "${GPU_TESTS:-0}" = 1 ]; then
     start=$(date +%s)
     mkdir -p "$CARGO_TARGET_DIR-portable"
     CARGO_TARGET_DIR="$CARGO_TARGET_DIR-portable" RUSTFLAGS="-C target-cpu=x86-64-v3" \
-        cargo build --release --features cuda --test cuda \
+        cargo build --release --features cuda,research --test cuda \
         --bench runtime --bench absorb --bench batch_steps --bin lift-serve --message-format=json |
         python3 -c 'import json,sys
 for l in sys.stdin:

@@ -6,7 +6,7 @@
 # for the seed on the same machine type. About 25 minutes on 2 CPU cores.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --release --bins
+cargo build --release --bins --features research
 bin=./target/release/lift-serve
 $bin fetch-model >/dev/null
 $bin fetch-data >/dev/null

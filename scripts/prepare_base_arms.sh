@@ -15,7 +15,7 @@ ARMS="${ARMS:-lora filter cdt both trunc}"
 EXAMPLES="${EXAMPLES:-150}"
 PER_LENGTH="${PER_LENGTH:-100}"
 # BIN: a copy of the binary to run, so that rebuilding the tree meanwhile does not change it.
-if [ -z "${BIN:-}" ]; then cargo build --release --bins; fi
+if [ -z "${BIN:-}" ]; then cargo build --release --bins --features research; fi
 bin="${BIN:-./target/release/lift-serve}"
 $bin fetch-model >/dev/null
 $bin fetch-data >/dev/null

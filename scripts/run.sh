@@ -6,8 +6,18 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 # LIFT_NO_BUILD=1 runs the binary already built (scripts/test.sh's Quickstart check: its build has
 # the tests' `testing` feature, and building again without it would compile the library twice).
+# The research commands (eval, prepare-base, eval-base) are built with the `research` feature; the
+# server and the other commands without it.
+features=()
+for arg in "$@"; do
+  case "$arg" in
+    -*) ;;
+    eval|prepare-base|eval-base) features=(--features research); break ;;
+    *) break ;;
+  esac
+done
 if [ "${LIFT_NO_BUILD:-0}" != 1 ] || [ ! -x target/release/lift-serve ]; then
-  cargo build --release --bins
+  cargo build --release --bins "${features[@]}"
 fi
 ./target/release/lift-serve fetch-model >/dev/null
 if [ "$#" -eq 0 ]; then

@@ -3,12 +3,16 @@
 //! Data flows one way: document → plan → train → store → serve. This crate is the library behind
 //! the `lift-serve` binary (CLI and HTTP server): `server` (HTTP) → `service` (documents and jobs)
 //! → `engine` (model work on its threads) → `lift` (absorb, answer) and `store` (adapters on disk)
-//! → `adapters`, `model`, `kernels`.
+//! → `adapters`, `model`, `kernels`. Research code (`eval`, the prepared base's training and
+//! reading evaluation in `base`) is compiled with the `research` feature only; `corpus` holds the
+//! texts both read.
 
 pub mod adapters;
 pub mod base;
+pub mod corpus;
 pub mod document;
 pub mod engine;
+#[cfg(feature = "research")]
 pub mod eval;
 pub mod extraction;
 pub mod fetch;

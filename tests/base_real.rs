@@ -23,7 +23,7 @@ fn prepare_base_steps_on_the_default_model() {
     // OS and the kernel spends ~22% of the step clearing fresh pages (perf).
     lift_serve::runtime::tune_allocator();
     let model = Model::load(&lift_serve::fetch::resolve_model(None).unwrap(), &Device::Cpu).unwrap();
-    let dir = lift_serve::eval::data::data_dir().join("pg-essays");
+    let dir = lift_serve::corpus::data_dir().join("pg-essays");
     let essay = std::fs::read_to_string(dir.join("apple.txt")).unwrap().replace('\n', " ");
     let examples = vec![
         example(

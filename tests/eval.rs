@@ -5,7 +5,8 @@
 //! `lift-serve fetch-data`, which these tests run themselves when the essays are missing).
 
 use candle_core::Device;
-use lift_serve::eval::{self, data, needles, report, Backend, EvalDocument, Local, RunConfig};
+use lift_serve::corpus as data;
+use lift_serve::eval::{self, needles, report, Backend, EvalDocument, Local, RunConfig};
 use lift_serve::document::Document;
 use lift_serve::lift::answer::{build_prompt, Ask, ContextPolicy, Mode};
 use lift_serve::base::{BaseShape, PreparedBase};
@@ -235,7 +236,7 @@ fn check_results(results: &eval::Results, docs: usize, questions: usize) {
         assert!(a.step_losses.iter().all(|l| l.is_finite() && *l > 0.0), "{:?}", a.step_losses);
     }
     for a in &results.answers {
-        let s = eval::metrics::score(
+        let s = lift_serve::corpus::scoring::score(
             &a.prediction,
             &results
                 .documents

@@ -15,11 +15,10 @@
 //!   the question's own subject.
 //!
 //! Kept apart from evaluation, three ways:
-//! - **Essays**, split by essay name ([`split_of`], a salted sha256 of the name): about 70% train,
-//!   10% validation, 20% eval. `lift-serve eval` today draws its haystacks from every essay; its
-//!   essays are defined to be this module's [`Split::Eval`], and [`essays_in`] is the function eval
-//!   calls to draw only from them (eval does not call it yet).
-//! - **Templates**: none shared with the eval's needles (`crate::eval::needles::TEMPLATES`), and
+//! - **Essays**, split by essay name ([`crate::corpus::split_of`], a salted sha256 of the name):
+//!   about 70% train, 10% validation, 20% eval; `lift-serve eval` draws only from the eval split.
+//! - **Templates**: none shared with the eval's needles (checked against `eval::needles` by
+//!   `tests/splits.rs`), and
 //!   the train templates are disjoint from the held-out ones used by validation and eval.
 //! - **Values**: names, places, years and number ranges disjoint from the eval's pools, and the
 //!   train pools disjoint from the held-out pools. Every value is also absent from the essay text
@@ -29,7 +28,7 @@
 //! needs no tokenizer (on these documents the default model's tokenizer gives 0.95–1.17 real tokens
 //! per approximate one, mean 1.0; `approx_tokens_track_the_default_tokenizer`).
 
-use crate::eval::data::{load_essays, Essay};
+use crate::corpus::{essays_in, load_essays, Essay, Split};
 use crate::lift::text::split_sentences;
 use anyhow::{bail, ensure, Result};
 use rand::rngs::StdRng;
@@ -38,14 +37,6 @@ use rand::{Rng, SeedableRng};
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 use std::path::Path;
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Split {
-    Train,
-    Validation,
-    Eval,
-}
 
 /// One long-context QA example.
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
@@ -126,23 +117,6 @@ pub fn approx_tokens(text: &str) -> usize {
 
 fn words_to_tokens(words: usize) -> usize {
     (words * 5).div_ceil(4)
-}
-
-/// The split an essay belongs to, from its name alone (stable as essays are added or removed).
-pub fn split_of(essay_name: &str) -> Split {
-    let digest = Sha256::digest(format!("lift-serve/prepared-base/split/v1{essay_name}").as_bytes());
-    let bucket = u64::from_be_bytes(digest[..8].try_into().expect("8 bytes")) % 100;
-    match bucket {
-        0..70 => Split::Train,
-        70..80 => Split::Validation,
-        _ => Split::Eval,
-    }
-}
-
-/// The essays of one split, in their given order. `lift-serve eval` draws its haystacks from
-/// `essays_in(essays, Split::Eval)`, so the prepared base never trains on them.
-pub fn essays_in(essays: &[Essay], split: Split) -> Vec<Essay> {
-    essays.iter().filter(|e| split_of(&e.name) == split).cloned().collect()
 }
 
 /// `count` examples from the essays of `split` in `essays_dir`, deterministic for `seed`, with the
@@ -275,6 +249,26 @@ const HELDOUT_TEMPLATES: &[Template] = &[
         "{S}'s oldest school friend",
     ),
 ];
+
+/// What the examples of `split` are written from: every template text (facts, questions, roles),
+/// every pool word, and the number ranges (quantities, years). `tests/splits.rs` checks that none
+/// of it meets the eval's needles.
+pub struct Vocabulary {
+    pub texts: Vec<&'static str>,
+    pub words: Vec<&'static str>,
+    pub quantities: std::ops::RangeInclusive<u32>,
+    pub years: std::ops::RangeInclusive<u32>,
+}
+
+pub fn vocabulary(split: Split) -> Vocabulary {
+    let pools = pools_for(split);
+    Vocabulary {
+        texts: templates_for(split).iter().flat_map(|t| [t.sentence, t.question].into_iter().chain(t.role)).collect(),
+        words: [pools.first, pools.last, pools.places, pools.colours, pools.objects].concat(),
+        quantities: pools.quantities.clone(),
+        years: pools.years.clone(),
+    }
+}
 
 /// Value pools of one side (train or held-out); all disjoint from the eval's and each other's.
 struct Pools {
@@ -737,9 +731,8 @@ fn plant_and_pack(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::eval::data::{data_dir, fetch_essays};
-    use crate::eval::metrics::normalize;
-    use crate::eval::needles;
+    use crate::corpus::scoring::normalize;
+    use crate::corpus::{data_dir, fetch_essays};
     use std::collections::HashSet;
 
     fn essays_dir() -> std::path::PathBuf {
@@ -765,14 +758,6 @@ mod tests {
                 .map(str::to_string)
                 .collect();
         w.windows(3).map(|g| g.join(" ")).collect()
-    }
-
-    fn texts(templates: &[Template]) -> Vec<&'static str> {
-        templates.iter().flat_map(|t| [t.sentence, t.question].into_iter().chain(t.role)).collect()
-    }
-
-    fn eval_texts() -> Vec<&'static str> {
-        needles::TEMPLATES.iter().flat_map(|t| [t.sentence, t.question].into_iter().chain(t.distractor).chain(t.bridge)).collect()
     }
 
     fn pool_words(p: &Pools) -> Vec<&'static str> {
@@ -866,40 +851,16 @@ mod tests {
     }
 
     #[test]
-    fn templates_and_values_are_disjoint_from_the_eval_and_across_splits() {
-        let eval: HashSet<String> = eval_texts().iter().flat_map(|s| trigrams(s)).collect();
-        let train: HashSet<String> = texts(TRAIN_TEMPLATES).iter().flat_map(|s| trigrams(s)).collect();
-        let held: HashSet<String> = texts(HELDOUT_TEMPLATES).iter().flat_map(|s| trigrams(s)).collect();
-        assert!(train.is_disjoint(&eval), "train shares {:?} with eval", train.intersection(&eval).collect::<Vec<_>>());
-        assert!(
-            held.is_disjoint(&eval),
-            "held-out shares {:?} with eval",
-            held.intersection(&eval).collect::<Vec<_>>()
-        );
+    fn templates_and_values_are_disjoint_across_splits() {
         let sentences = |ts: &[Template]| -> HashSet<String> { ts.iter().flat_map(|t| trigrams(t.sentence)).collect() };
         let (ts, hs) = (sentences(TRAIN_TEMPLATES), sentences(HELDOUT_TEMPLATES));
         assert!(ts.is_disjoint(&hs), "train and held-out facts share {:?}", ts.intersection(&hs).collect::<Vec<_>>());
         let questions: HashSet<String> = TRAIN_TEMPLATES.iter().map(|t| normalize(t.question)).collect();
         assert!(HELDOUT_TEMPLATES.iter().all(|t| !questions.contains(&normalize(t.question))));
-
-        let eval_pool: HashSet<String> =
-            [needles::FIRST, needles::LAST, needles::PLACES].concat().iter().map(|s| s.to_lowercase()).collect();
         let (tp, hp) = (pool_words(&TRAIN_POOLS), pool_words(&HELDOUT_POOLS));
-        for w in tp.iter().chain(&hp) {
-            assert!(!eval_pool.contains(&w.to_lowercase()), "{w} is an eval value");
-        }
         let tp: HashSet<&str> = tp.into_iter().collect();
         assert!(hp.iter().all(|w| !tp.contains(w)), "train and held-out pools overlap");
         assert!(TRAIN_POOLS.code_letters.iter().all(|c| !HELDOUT_POOLS.code_letters.contains(c)));
-        // Numbers: quantities have 3 digits, the eval's 2 or 4; years on either side of the eval's.
-        for p in [&TRAIN_POOLS, &HELDOUT_POOLS] {
-            let (q0, q1) = (*p.quantities.start() as i32, *p.quantities.end() as i32);
-            for r in [needles::NUMBERS, needles::SMALL_NUMBERS] {
-                assert!(q1 < r.start || q0 >= r.end, "quantities {q0}..={q1} meet the eval's {r:?}");
-            }
-            let (y0, y1) = (*p.years.start() as i32, *p.years.end() as i32);
-            assert!(y1 < needles::YEARS.start || y0 >= needles::YEARS.end);
-        }
         assert!(TRAIN_POOLS.quantities.end() < HELDOUT_POOLS.quantities.start());
         assert!(TRAIN_POOLS.years.end() < HELDOUT_POOLS.years.start());
     }

@@ -9,8 +9,9 @@
 //! perplexity of held-out essay text. Arms are compared with the first one question by question
 //! (McNemar's exact test on the discordant pairs).
 
-use super::data::{self, BaseExample, BuildOptions, Split};
-use crate::eval::metrics;
+use super::data::{self, BaseExample, BuildOptions};
+use crate::corpus::{essays_in, Split};
+use crate::corpus::scoring;
 use crate::document::Document;
 use crate::lift::answer::{answer, Ask, ContextPolicy, Mode};
 use crate::model::generate::SamplingParams;
@@ -108,7 +109,7 @@ pub fn read(model: &Model, items: &[ReadingItem], on_done: &mut dyn FnMut(usize)
 /// Perplexity of `model` on the first `tokens` tokens of each eval-split essay (plain language
 /// modelling, no document layout: what a prepared base must not spoil).
 pub fn perplexity(model: &Model, essays_dir: &Path, tokens: usize) -> Result<f64> {
-    let essays = data::essays_in(&crate::eval::data::load_essays(essays_dir)?, Split::Eval);
+    let essays = essays_in(&crate::corpus::load_essays(essays_dir)?, Split::Eval);
     let (mut nll, mut count) = (0.0f64, 0usize);
     for essay in &essays {
         let mut ids = model.encode_document(&essay.text)?;

@@ -13,8 +13,12 @@
 //! ([`PreparedBase::install`]), so document ids and adapters record which base they were trained
 //! over, and an adapter refuses to load over another.
 
+// Making and measuring a prepared base: research, not serving (the `research` feature).
+#[cfg(feature = "research")]
 pub mod data;
+#[cfg(feature = "research")]
 pub mod eval;
+#[cfg(feature = "research")]
 pub mod train;
 
 use crate::adapters::manifest::BaseModelRef;

@@ -9,8 +9,6 @@
 //! ([`metrics`]). [`report`] writes the JSON results, a markdown table and PNG plots.
 
 pub mod client;
-pub mod data;
-pub mod metrics;
 pub mod needles;
 pub mod report;
 
@@ -21,7 +19,8 @@ use crate::model::generate::SamplingParams;
 use crate::model::Model;
 use anyhow::{bail, Context, Result};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
-use metrics::Scores;
+use crate::corpus::scoring::{self as metrics, Scores};
+use crate::corpus as data;
 use needles::FactKind;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -739,10 +738,10 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
             // Only the essays of the prepared base's Eval (or Validation) split: the base never
             // trained on them.
             let split = match args.split {
-                EssaySplit::Eval => crate::base::data::Split::Eval,
-                EssaySplit::Validation => crate::base::data::Split::Validation,
+                EssaySplit::Eval => crate::corpus::Split::Eval,
+                EssaySplit::Validation => crate::corpus::Split::Validation,
             };
-            let essays = crate::base::data::essays_in(&data::load_essays(&dir)?, split);
+            let essays = crate::corpus::essays_in(&data::load_essays(&dir)?, split);
             let spec = needles::NeedleSpec {
                 lengths: args.lengths.clone(),
                 depths: args.depths.clone(),

