@@ -61,6 +61,7 @@ async fn stream_chat(c: &reqwest::Client, base: &str, doc: &str, question: &str,
 async fn start(adapters: &Path, max_batch: usize, context_tokens: usize, options: &Path) -> Result<(server::Running, String)> {
     let model = lift_serve::fetch::resolve_model(None)?;
     let mut cfg = ServeConfig::new(model, adapters.to_path_buf());
+    cfg.runtime = lift_serve::runtime::RuntimeConfig::from_env()?;
     cfg.absorb_options = Some(options.to_path_buf());
     cfg.context_tokens = Some(context_tokens);
     cfg.max_batch = max_batch;

@@ -34,6 +34,7 @@ async fn main() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let model = lift_serve::fetch::resolve_model(None)?;
     let mut cfg = ServeConfig::new(model, tmp.path().join("adapters"));
+    cfg.runtime = lift_serve::runtime::RuntimeConfig::from_env()?;
     if std::path::Path::new("base/manifest.json").exists() {
         cfg.prepared_base = Some("base".into());
     }

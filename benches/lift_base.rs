@@ -82,9 +82,10 @@ fn main() -> anyhow::Result<()> {
     let path = lift_serve::fetch::resolve_model(None)?;
     let bases = std::env::var("LIFT_BASES").unwrap_or_else(|_| "none,base".into());
     let o = absorb_options()?;
+    let runtime = lift_serve::runtime::RuntimeConfig::from_env()?;
     let mut lines = Vec::new();
     for name in bases.split(',').map(str::trim).filter(|v| !v.is_empty()) {
-        let mut model = Model::load(&path, &Device::Cpu)?;
+        let mut model = Model::load_with(&path, &Device::Cpu, &runtime)?;
         lift_serve::base::install_from_arg(&mut model, Some(name))?;
         let t0 = Instant::now();
         let mut on_event = |e: AbsorbEvent| {

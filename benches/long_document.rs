@@ -68,6 +68,7 @@ async fn main() -> anyhow::Result<()> {
     let tmp = tempfile::tempdir()?;
     let model = lift_serve::fetch::resolve_model(None)?;
     let mut cfg = lift_serve::server::ServeConfig::new(model, tmp.path().join("adapters"));
+    cfg.runtime = lift_serve::runtime::RuntimeConfig::from_env()?;
     cfg.max_body_bytes = 64 << 20;
     if std::path::Path::new("base/manifest.json").exists() {
         cfg.prepared_base = Some("base".into());

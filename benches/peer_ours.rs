@@ -25,7 +25,7 @@ fn main() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let path = lift_serve::fetch::resolve_model(None)?;
     let t_load = Instant::now();
-    let model = Model::load(&path, &dev)?;
+    let model = Model::load_with(&path, &dev, &lift_serve::runtime::RuntimeConfig::from_env()?)?;
     model.decoder.prepare_float_weights()?;
     let load_s = t_load.elapsed().as_secs_f64();
     let layers = model.config().num_layers;

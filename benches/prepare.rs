@@ -30,7 +30,8 @@ fn main() -> anyhow::Result<()> {
     let steps: usize = env_or("BENCH_STEPS", 3);
     let tokens: usize = env_or("BENCH_TOKENS", 1024);
     let arms = std::env::var("BENCH_ARMS").unwrap_or_else(|_| "lora,filter,cdt,both".into());
-    let model = Model::load(&lift_serve::fetch::resolve_model(None)?, &Device::Cpu)?;
+    let runtime = lift_serve::runtime::RuntimeConfig::from_env()?;
+    let model = Model::load_with(&lift_serve::fetch::resolve_model(None)?, &Device::Cpu, &runtime)?;
     let essays = lift_serve::corpus::data_dir().join("pg-essays");
     let build = BuildOptions { min_tokens: tokens, max_tokens: tokens, ..Default::default() };
     let examples = data::build_examples_with(&essays, Split::Train, steps, 0, &build)?;

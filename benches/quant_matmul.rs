@@ -14,7 +14,7 @@
 mod stats;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
 use candle_core::{Device, Module, Tensor};
-use lift_serve::kernels::quant_matmul::{self, BlockFormat, PackedWeights};
+use lift_serve::kernels::quant_matmul::{BlockFormat, PackedWeights};
 
 use stats::{median_s, percentile};
 
@@ -50,8 +50,9 @@ const QWEN: [Shape; 6] = [
 ];
 
 fn main() -> anyhow::Result<()> {
-    let isa = quant_matmul::isa()
-        .ok_or_else(|| anyhow::anyhow!("this CPU has neither AVX-512 VNNI nor AVX2: the kernel does not run here"))?;
+    let isa = lift_serve::runtime::RuntimeConfig::from_env()?.quant_matmul_isa().ok_or_else(|| {
+        anyhow::anyhow!("the kernel does not run: LIFT_CPU_QMATMUL=candle, or a CPU with neither AVX-512 VNNI nor AVX2")
+    })?;
     let runs: usize = std::env::var("BENCH_RUNS").ok().and_then(|s| s.parse().ok()).unwrap_or(20);
     let which = std::env::var("BENCH_SHAPES").unwrap_or_default();
     let dev = Device::Cpu;
@@ -68,7 +69,7 @@ fn main() -> anyhow::Result<()> {
     for (name, out, inp, gg, fmt, row_counts) in shapes {
         let w = Tensor::randn(0f32, 0.05, (out, inp), &dev)?;
         let q = QTensor::quantize(&w, gg)?;
-        let packed = PackedWeights::pack(fmt, &q.data()?, out, inp).map_err(anyhow::Error::msg)?;
+        let packed = PackedWeights::pack(fmt, &q.data()?, out, inp).map_err(anyhow::Error::msg)?.run_on(isa);
         let candle = QMatMul::from_qtensor(q)?;
         let wf = candle.dequantize_f16()?.to_dtype(candle_core::DType::F32)?.t()?.contiguous()?;
         for &n in row_counts {
@@ -109,7 +110,7 @@ fn main() -> anyhow::Result<()> {
         .map(|_| -> anyhow::Result<PackedWeights> {
             let w = Tensor::randn(0f32, 0.05, (1536, 576), &dev)?;
             let q = QTensor::quantize(&w, GgmlDType::Q4_1)?;
-            PackedWeights::pack(BlockFormat::Q4_1, &q.data()?, 1536, 576).map_err(anyhow::Error::msg)
+            Ok(PackedWeights::pack(BlockFormat::Q4_1, &q.data()?, 1536, 576).map_err(anyhow::Error::msg)?.run_on(isa))
         })
         .collect::<anyhow::Result<_>>()?;
     for n in [1usize, 4, 16] {

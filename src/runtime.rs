@@ -1,7 +1,9 @@
-//! Process-wide settings for fast CPU work: allocator behaviour and device choice.
+//! Process-wide settings for fast CPU work: allocator behaviour, device choice, and the
+//! numeric knobs the model is loaded with (`RuntimeConfig`).
 
+use crate::kernels::{bf16_matmul, quant_matmul};
 use anyhow::Result;
-use candle_core::Device;
+use candle_core::{DType, Device};
 
 /// Keeps glibc from returning large buffers to the OS after every training step (measured: a
 /// 15–20% slowdown from repeated mmap/munmap of multi-megabyte activations).
@@ -65,5 +67,142 @@ pub fn device(spec: &str) -> Result<Device> {
             Ok(Device::new_cuda(ordinal)?)
         }
         other => anyhow::bail!("unknown device '{other}' (cpu, cuda, cuda:N)"),
+    }
+}
+
+/// Prompt chunks of at least this many tokens run through the float weights by default
+/// (`RuntimeConfig::float_prefill_min_rows`).
+pub const DEFAULT_FLOAT_PREFILL_MIN_ROWS: usize = 16;
+
+/// A float dtype a knob can ask for.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum FloatDtype {
+    #[default]
+    Bf16,
+    F32,
+}
+
+/// Which kernel runs block-quantized matmuls on the CPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, clap::ValueEnum)]
+pub enum CpuQuantMatmul {
+    /// Our int8 kernel (`kernels::quant_matmul`) in the best version this CPU runs, else candle's.
+    #[default]
+    Auto,
+    /// Our kernel's AVX2 version even on an AVX-512 CPU, to compare the two.
+    Avx2,
+    /// candle's quantized matmul, the reference benchmarks compare ours with.
+    Candle,
+}
+
+/// How the model computes on this machine: dtypes and kernels chosen at load. Every command
+/// takes these as global flags (with `LIFT_*` variables); the defaults are the measured best.
+/// Built once in `main` and handed to `Model::load_with`, which stores what each layer needs.
+#[derive(Clone, Debug, PartialEq, Eq, clap::Args)]
+pub struct RuntimeConfig {
+    /// Frozen base weights and activations on CUDA: bf16, or f32 (a diagnostic: tells bf16's
+    /// arithmetic from a bug in a CUDA path when the GPU's answers differ from the CPU's).
+    #[arg(long, global = true, env = "LIFT_CUDA_DTYPE", value_enum, ignore_case = true, default_value_t)]
+    pub cuda_dtype: FloatDtype,
+    /// Frozen float matmuls on the CPU (training, prompt chunks): bf16 inputs with f32 sums where
+    /// the CPU has AVX-512 BF16 (else f32), or f32 throughout.
+    #[arg(long, global = true, env = "LIFT_CPU_FLOAT_DTYPE", value_enum, ignore_case = true, default_value_t)]
+    pub cpu_float_dtype: FloatDtype,
+    /// Kernel of the quantized matmuls on the CPU (decode rows of a quantized file).
+    #[arg(long, global = true, env = "LIFT_CPU_QMATMUL", value_enum, ignore_case = true, default_value_t)]
+    pub cpu_qmatmul: CpuQuantMatmul,
+    /// Prompt chunks of at least this many tokens run through the float weights, shorter ones
+    /// (decode) through the quantized ones; 1 sends decode rows to the float weights too, as on
+    /// CUDA (a diagnostic that tells the int8 kernel's arithmetic from a device's).
+    #[arg(long, global = true, env = "LIFT_FLOAT_MIN_ROWS", default_value_t = DEFAULT_FLOAT_PREFILL_MIN_ROWS)]
+    pub float_prefill_min_rows: usize,
+}
+
+impl Default for RuntimeConfig {
+    fn default() -> Self {
+        Self {
+            cuda_dtype: FloatDtype::default(),
+            cpu_float_dtype: FloatDtype::default(),
+            cpu_qmatmul: CpuQuantMatmul::default(),
+            float_prefill_min_rows: DEFAULT_FLOAT_PREFILL_MIN_ROWS,
+        }
+    }
+}
+
+impl RuntimeConfig {
+    /// The configuration the `LIFT_*` variables give, defaults elsewhere: for programs that take
+    /// no flags (benches, and the tests whose documented diagnostics switch a knob this way).
+    pub fn from_env() -> Result<Self> {
+        #[derive(clap::Parser)]
+        struct EnvOnly {
+            #[command(flatten)]
+            runtime: RuntimeConfig,
+        }
+        Ok(<EnvOnly as clap::Parser>::try_parse_from(["lift-serve"])?.runtime)
+    }
+
+    /// Dtype of the frozen float weights and the decoder's activations on `device`: f32 on the
+    /// CPU (our fused ops are f32), bf16 on CUDA unless `cuda_dtype` is f32.
+    pub fn base_dtype(&self, device: &Device) -> DType {
+        if device.is_cuda() && self.cuda_dtype == FloatDtype::Bf16 {
+            DType::BF16
+        } else {
+            DType::F32
+        }
+    }
+
+    /// What the frozen float matmuls compute in on the CPU: bf16 only where the kernel runs.
+    pub fn cpu_float_matmul_dtype(&self) -> DType {
+        if self.cpu_float_dtype == FloatDtype::Bf16 && bf16_matmul::available() {
+            DType::BF16
+        } else {
+            DType::F32
+        }
+    }
+
+    /// The version of our int8 kernel quantized layers are packed for on the CPU; `None`: they
+    /// stay on candle's quantized matmul (asked for, or a CPU without AVX2).
+    pub fn quant_matmul_isa(&self) -> Option<quant_matmul::Isa> {
+        match self.cpu_qmatmul {
+            CpuQuantMatmul::Candle => None,
+            CpuQuantMatmul::Avx2 if quant_matmul::cpu_has(quant_matmul::Isa::Avx2) => Some(quant_matmul::Isa::Avx2),
+            CpuQuantMatmul::Avx2 | CpuQuantMatmul::Auto => quant_matmul::isa(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(Parser)]
+    struct Flags {
+        #[command(flatten)]
+        runtime: RuntimeConfig,
+    }
+
+    #[test]
+    fn flag_defaults_are_the_default_config() {
+        let names = ["LIFT_CUDA_DTYPE", "LIFT_CPU_FLOAT_DTYPE", "LIFT_CPU_QMATMUL", "LIFT_FLOAT_MIN_ROWS"];
+        if names.iter().any(|n| std::env::var_os(n).is_some()) {
+            return; // a knob set in this environment would rightly differ from the defaults
+        }
+        assert_eq!(Flags::try_parse_from(["x"]).unwrap().runtime, RuntimeConfig::default());
+    }
+
+    #[test]
+    fn flags_set_every_knob() {
+        let args = ["x", "--cuda-dtype", "F32", "--cpu-float-dtype", "f32", "--cpu-qmatmul", "candle"];
+        let flags = Flags::try_parse_from(args.into_iter().chain(["--float-prefill-min-rows", "1"])).unwrap();
+        let expected = RuntimeConfig {
+            cuda_dtype: FloatDtype::F32,
+            cpu_float_dtype: FloatDtype::F32,
+            cpu_qmatmul: CpuQuantMatmul::Candle,
+            float_prefill_min_rows: 1,
+        };
+        assert_eq!(flags.runtime, expected);
+        assert_eq!(expected.cpu_float_matmul_dtype(), DType::F32);
+        assert_eq!(expected.quant_matmul_isa(), None);
+        assert_eq!(expected.base_dtype(&Device::Cpu), DType::F32);
     }
 }

@@ -44,7 +44,9 @@ fn out_of_window_facts_are_recalled_in_lift_mode() {
         .with_test_writer()
         .try_init();
     let path = lift_serve::fetch::resolve_model(None).expect("default model (run `lift-serve fetch-model`)");
-    let mut model = Model::load(&path, &Device::Cpu).expect("default model loads");
+    // `LIFT_CPU_FLOAT_DTYPE=f32` runs it in f32, as the commands would (docs/absorb-speed.md).
+    let runtime = lift_serve::runtime::RuntimeConfig::from_env().expect("LIFT_* runtime variables");
+    let mut model = Model::load_with(&path, &Device::Cpu, &runtime).expect("default model loads");
     let base = concat!(env!("CARGO_MANIFEST_DIR"), "/base");
     lift_serve::base::install_from_arg(&mut model, Some(base)).expect("the shipped prepared base installs");
     assert!(model.base_filter().is_some());

@@ -23,6 +23,7 @@ use lift_serve::lift::answer::{answer, Ask, Mode};
 use lift_serve::lift::{absorb, AbsorbOptions};
 use lift_serve::model::generate::{generate, SamplingParams};
 use lift_serve::model::{Adapter, ChatMessage, KvCache, Logits, Model, NoHooks};
+use lift_serve::runtime::RuntimeConfig;
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -57,7 +58,10 @@ fn qwen_path() -> Option<PathBuf> {
 fn model() -> Option<&'static Model> {
     static MODEL: OnceLock<Model> = OnceLock::new();
     let path = qwen_path()?;
-    Some(MODEL.get_or_init(|| Model::load(&path, &Device::Cpu).expect("the Qwen model loads")))
+    // The `LIFT_*` runtime variables apply, as to the commands (`LIFT_CPU_QMATMUL=candle` runs
+    // these tests on candle's kernels).
+    let runtime = RuntimeConfig::from_env().expect("LIFT_* runtime variables");
+    Some(MODEL.get_or_init(|| Model::load_with(&path, &Device::Cpu, &runtime).expect("the Qwen model loads")))
 }
 
 fn ids(m: &Model, text: &str) -> Tensor {
@@ -86,7 +90,7 @@ fn the_architecture_loads_and_greedy_chat_answers_paris() {
     assert!(c.attention_bias, "qwen2 has q/k/v biases");
     // Its Q5_0, Q8_0, Q4_K and Q6_K matrices all run on our int8 kernel where the CPU has one
     // (the greedy answer below then comes from it).
-    if lift_serve::kernels::quant_matmul::available() && std::env::var("LIFT_CPU_QMATMUL").as_deref() != Ok("candle") {
+    if RuntimeConfig::from_env().unwrap().quant_matmul_isa().is_some() {
         for (i, l) in m.decoder.layers.iter().enumerate() {
             let all = [&l.q, &l.k, &l.v, &l.o, &l.gate, &l.up, &l.down];
             assert!(all.iter().all(|p| p.is_packed()), "layer {i} has a projection on candle's kernels");
@@ -215,6 +219,7 @@ async fn absorb_and_ask_through_the_server() {
                       "qa": {"use_model": false, "max_pairs": 4, "min_pairs": 2}});
     std::fs::write(&options, opts.to_string()).unwrap();
     let mut cfg = lift_serve::server::ServeConfig::new(path, tmp.path().join("adapters"));
+    cfg.runtime = RuntimeConfig::from_env().unwrap();
     cfg.prepared_base = Some(base_dir.to_string_lossy().into_owned());
     cfg.absorb_options = Some(options);
     cfg.default_max_tokens = ANSWER_TOKENS;

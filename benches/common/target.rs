@@ -7,9 +7,11 @@
 //! LM head for timing on a machine the weights file cannot reach (the GPU machine), with a
 //! byte-level tokenizer (one token per byte of text). A path (a `.gguf` file or a Hugging Face
 //! directory) loads that model. Otherwise the default model (or `LIFT_MODELS_DIR`), as everywhere.
+//! The `LIFT_*` runtime variables (`RuntimeConfig`) apply as they do to the commands.
 
 use candle_core::Device;
 use lift_serve::model::Model;
+use lift_serve::runtime::RuntimeConfig;
 
 pub struct Target {
     pub model: Model,
@@ -22,7 +24,10 @@ pub fn device() -> anyhow::Result<Device> {
     lift_serve::runtime::device(&std::env::var("BENCH_DEVICE").unwrap_or_else(|_| "cpu".into()))
 }
 
+/// Loads the bench's model with the dtypes and kernels the `LIFT_*` variables choose
+/// (`LIFT_CPU_QMATMUL=candle`, `LIFT_CPU_FLOAT_DTYPE=f32`, ...: the comparisons benches make).
 pub fn load(dev: &Device) -> anyhow::Result<Target> {
+    let runtime = RuntimeConfig::from_env()?;
     match std::env::var("BENCH_MODEL").ok().as_deref() {
         Some(name @ ("random-smollm2" | "random-qwen2.5-0.5b" | "random-llama-3.2-1b")) => {
             use lift_serve::testing::TinySpec;
@@ -33,11 +38,11 @@ pub fn load(dev: &Device) -> anyhow::Result<Target> {
             };
             let dir = tempfile::tempdir()?;
             let path = lift_serve::testing::write_hf(&dir.path().join(name), &spec)?;
-            let model = Model::load(&path, dev)?;
+            let model = Model::load_with(&path, dev, &runtime)?;
             Ok(Target { model, label: format!("random weights of {shapes}'s shapes"), _dir: Some(dir) })
         }
         Some(file) if std::path::Path::new(file).exists() => {
-            let model = Model::load(std::path::Path::new(file), dev)?;
+            let model = Model::load_with(std::path::Path::new(file), dev, &runtime)?;
             Ok(Target { model, label: file.to_string(), _dir: None })
         }
         Some(other) => anyhow::bail!(
@@ -45,7 +50,7 @@ pub fn load(dev: &Device) -> anyhow::Result<Target> {
         ),
         None => {
             let path = lift_serve::fetch::resolve_model(None)?;
-            let model = Model::load(&path, dev)?;
+            let model = Model::load_with(&path, dev, &runtime)?;
             Ok(Target { model, label: path.display().to_string(), _dir: None })
         }
     }

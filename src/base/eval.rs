@@ -96,8 +96,8 @@ pub fn read(model: &Model, items: &[ReadingItem], on_done: &mut dyn FnMut(usize)
             document_tokens: doc.len(),
             question: ex.question.clone(),
             answer: ex.answer.clone(),
-            correct: metrics::contains(&prediction, &ex.answer) > 0.0,
-            f1: metrics::f1(&prediction, &ex.answer),
+            correct: scoring::contains(&prediction, &ex.answer) > 0.0,
+            f1: scoring::f1(&prediction, &ex.answer),
             prediction,
             filter_counts,
         });
@@ -218,7 +218,7 @@ pub fn summarize(arms: &[(String, Vec<ReadingRecord>, f64)]) -> Vec<ArmSummary> 
                     only_this,
                     only_that,
                     points: 100.0 * (only_this as f64 - only_that as f64) / recs.len().max(1) as f64,
-                    p_value: metrics::mcnemar_exact(only_this, only_that),
+                    p_value: scoring::mcnemar_exact(only_this, only_that),
                 }
             });
             ArmSummary {
@@ -265,14 +265,14 @@ mod tests {
 
     #[test]
     fn mcnemar_matches_the_binomial_tail() {
-        assert_eq!(metrics::mcnemar_exact(0, 0), 1.0);
+        assert_eq!(scoring::mcnemar_exact(0, 0), 1.0);
         // 0 of 5 discordant pairs the other way: 2 · (1/32).
-        assert!((metrics::mcnemar_exact(5, 0) - 0.0625).abs() < 1e-12);
+        assert!((scoring::mcnemar_exact(5, 0) - 0.0625).abs() < 1e-12);
         // 1 vs 9: 2 · (1 + 10) / 1024.
-        assert!((metrics::mcnemar_exact(9, 1) - 22.0 / 1024.0).abs() < 1e-12);
-        assert_eq!(metrics::mcnemar_exact(4, 4), 1.0);
+        assert!((scoring::mcnemar_exact(9, 1) - 22.0 / 1024.0).abs() < 1e-12);
+        assert_eq!(scoring::mcnemar_exact(4, 4), 1.0);
         // Large n stays finite: 60 vs 140 is far beyond chance.
-        let p = metrics::mcnemar_exact(140, 60);
+        let p = scoring::mcnemar_exact(140, 60);
         assert!(p > 0.0 && p < 1e-7, "{p}");
     }
 }

@@ -200,19 +200,12 @@ pub enum Isa {
     Avx2,
 }
 
-/// Which version runs on this CPU (detected once): AVX-512 VNNI where the CPU has it, else AVX2
-/// with FMA, else none (callers keep candle's quantized matmul). `LIFT_CPU_QMATMUL=avx2` picks
-/// the AVX2 version on an AVX-512 CPU, to compare the two.
+/// The best version this CPU runs (detected once): AVX-512 VNNI where the CPU has it, else AVX2
+/// with FMA, else none (callers keep candle's quantized matmul). Packed weights run on it unless
+/// the loader picked another (`PackedWeights::run_on`; `RuntimeConfig::cpu_qmatmul`).
 pub fn isa() -> Option<Isa> {
     static ISA: std::sync::OnceLock<Option<Isa>> = std::sync::OnceLock::new();
-    *ISA.get_or_init(|| {
-        let want_avx2 = std::env::var("LIFT_CPU_QMATMUL").is_ok_and(|v| v == "avx2");
-        match (cpu_has(Isa::Avx512Vnni), cpu_has(Isa::Avx2)) {
-            (true, avx2) if !(want_avx2 && avx2) => Some(Isa::Avx512Vnni),
-            (_, true) => Some(Isa::Avx2),
-            _ => None,
-        }
-    })
+    *ISA.get_or_init(|| [Isa::Avx512Vnni, Isa::Avx2].into_iter().find(|&isa| cpu_has(isa)))
 }
 
 /// Whether this CPU has the instructions of `isa`.
@@ -255,6 +248,9 @@ pub struct PackedWeights {
     m: Vec<f32>,
     /// Per panel, per block: the second half's `d` of the panel's 16 rows (Q6_K only).
     d2: Vec<f32>,
+    /// The kernel version `matmul` runs: [`isa`] unless set by `run_on`; `None` on a CPU
+    /// without one (only `matmul_reference` runs then).
+    isa: Option<Isa>,
 }
 
 impl PackedWeights {
@@ -305,7 +301,19 @@ impl PackedWeights {
                 }
             }
         }
-        Ok(Self { rows, cols, bits, offset, qs, d, m, d2 })
+        Ok(Self { rows, cols, bits, offset, qs, d, m, d2, isa: isa() })
+    }
+
+    /// The same weights run by the `isa` version of the kernel (chosen at load, so that one
+    /// model's layers all run the same arithmetic).
+    pub fn run_on(self, isa: Isa) -> Self {
+        assert!(cpu_has(isa), "this CPU cannot run the {isa:?} kernel");
+        Self { isa: Some(isa), ..self }
+    }
+
+    /// The kernel version `matmul` runs.
+    pub fn isa(&self) -> Option<Isa> {
+        self.isa
     }
 
     pub fn rows(&self) -> usize {
@@ -328,9 +336,10 @@ impl PackedWeights {
 
     /// Several matrices over the same input (a layer's q, k, v; gate and up): the activations
     /// quantized once and every matrix's panels in one pass of the thread pool. Each output is
-    /// bit for bit what `matmul` gives.
+    /// bit for bit what `matmul` gives. All run the first matrix's kernel version.
     pub fn matmul_group(ws: &[&PackedWeights], x: &[f32], n: usize) -> Vec<Vec<f32>> {
-        let isa = isa().expect("weights are packed only where a kernel runs");
+        let Some(first) = ws.first() else { return Vec::new() };
+        let isa = first.isa.expect("weights are packed only where a kernel runs");
         Self::matmul_group_on(isa, ws, x, n)
     }
 

@@ -7,6 +7,7 @@ use super::config::{Architecture, ModelConfig, RopeScaling};
 use super::llama::{Decoder, DecoderLayer};
 use super::tokenizer::TextTokenizer;
 use super::weights::{dequantize, Linear};
+use crate::runtime::RuntimeConfig;
 use anyhow::{bail, Context, Result};
 use candle_core::quantized::{gguf_file, QTensor};
 use candle_core::Device;
@@ -21,7 +22,7 @@ pub struct GgufParts {
     pub name: Option<String>,
 }
 
-pub fn load(path: &Path, device: &Device) -> Result<GgufParts> {
+pub fn load(path: &Path, device: &Device, runtime: &RuntimeConfig) -> Result<GgufParts> {
     let file = File::open(path).with_context(|| format!("{}: cannot open model file", path.display()))?;
     let file_len = file.metadata()?.len();
     let mut reader = BufReader::new(file);
@@ -59,21 +60,21 @@ pub fn load(path: &Path, device: &Device) -> Result<GgufParts> {
         let bv = bias(&mut read, "attn_v")?;
         layers.push(DecoderLayer {
             attn_norm: dequantize(&read(&format!("{p}.attn_norm.weight"))?)?,
-            q: Linear::from_qtensor(wq, bq)?,
-            k: Linear::from_qtensor(wk, bk)?,
-            v: Linear::from_qtensor(read(&format!("{p}.attn_v.weight"))?, bv)?,
-            o: Linear::from_qtensor(read(&format!("{p}.attn_output.weight"))?, None)?,
+            q: Linear::from_qtensor(wq, bq, runtime)?,
+            k: Linear::from_qtensor(wk, bk, runtime)?,
+            v: Linear::from_qtensor(read(&format!("{p}.attn_v.weight"))?, bv, runtime)?,
+            o: Linear::from_qtensor(read(&format!("{p}.attn_output.weight"))?, None, runtime)?,
             ffn_norm: dequantize(&read(&format!("{p}.ffn_norm.weight"))?)?,
-            gate: Linear::from_qtensor(read(&format!("{p}.ffn_gate.weight"))?, None)?,
-            up: Linear::from_qtensor(read(&format!("{p}.ffn_up.weight"))?, None)?,
-            down: Linear::from_qtensor(read(&format!("{p}.ffn_down.weight"))?, None)?,
+            gate: Linear::from_qtensor(read(&format!("{p}.ffn_gate.weight"))?, None, runtime)?,
+            up: Linear::from_qtensor(read(&format!("{p}.ffn_up.weight"))?, None, runtime)?,
+            down: Linear::from_qtensor(read(&format!("{p}.ffn_down.weight"))?, None, runtime)?,
         });
     }
     let norm = dequantize(&read("output_norm.weight")?)?;
     let (lm_head, tied) = if has("output.weight") {
-        (Linear::from_qtensor(read("output.weight")?, None)?, false)
+        (Linear::from_qtensor(read("output.weight")?, None, runtime)?, false)
     } else {
-        (Linear::from_qtensor(embed_q, None)?, true)
+        (Linear::from_qtensor(embed_q, None, runtime)?, true)
     };
     let mut config = config;
     config.tie_word_embeddings = tied;
@@ -89,7 +90,7 @@ pub fn load(path: &Path, device: &Device) -> Result<GgufParts> {
         .metadata
         .get("general.name")
         .and_then(|v| v.to_string().ok().cloned());
-    let mut decoder = Decoder::new(config, embed, layers, norm, lm_head, device)?;
+    let mut decoder = Decoder::new(config, embed, layers, norm, lm_head, device, runtime)?;
     decoder.rope_interleaved = architecture != Architecture::Qwen2;
     Ok(GgufParts { decoder, tokenizer, chat_template, name })
 }

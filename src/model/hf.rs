@@ -6,6 +6,7 @@ use super::config::ModelConfig;
 use super::llama::{Decoder, DecoderLayer};
 use super::tokenizer::TextTokenizer;
 use super::weights::Linear;
+use crate::runtime::RuntimeConfig;
 use anyhow::{bail, Context, Result};
 use candle_core::{DType, Device, Tensor};
 use std::collections::HashMap;
@@ -17,7 +18,7 @@ pub struct HfParts {
     pub chat_template: ChatTemplate,
 }
 
-pub fn load(dir: &Path, device: &Device) -> Result<HfParts> {
+pub fn load(dir: &Path, device: &Device, runtime: &RuntimeConfig) -> Result<HfParts> {
     let config_path = dir.join("config.json");
     if !config_path.exists() {
         bail!("{}: missing model config (config.json)", config_path.display());
@@ -38,7 +39,7 @@ pub fn load(dir: &Path, device: &Device) -> Result<HfParts> {
         let lin = |n: &str, bias: bool| -> Result<Linear> {
             let w = get(&format!("{p}.{n}.weight"))?;
             let b = if bias { opt(&format!("{p}.{n}.bias"))? } else { None };
-            Ok(Linear::from_tensor(w, b)?)
+            Ok(Linear::from_tensor(w, b, runtime)?)
         };
         layers.push(DecoderLayer {
             attn_norm: get(&format!("{p}.input_layernorm.weight"))?.to_dtype(DType::F32)?,
@@ -54,10 +55,10 @@ pub fn load(dir: &Path, device: &Device) -> Result<HfParts> {
     }
     let norm = get("model.norm.weight")?.to_dtype(DType::F32)?;
     let lm_head = match opt("lm_head.weight")? {
-        Some(w) if !config.tie_word_embeddings => Linear::from_tensor(w, None)?,
-        _ => Linear::from_tensor(embed.clone(), None)?,
+        Some(w) if !config.tie_word_embeddings => Linear::from_tensor(w, None, runtime)?,
+        _ => Linear::from_tensor(embed.clone(), None, runtime)?,
     };
-    let decoder = Decoder::new(config, embed, layers, norm, lm_head, device)?;
+    let decoder = Decoder::new(config, embed, layers, norm, lm_head, device, runtime)?;
     Ok(HfParts { decoder, tokenizer, chat_template })
 }
 

@@ -13,7 +13,8 @@ use super::config::ModelConfig;
 use super::hooks::{Adapter, ForwardHooks, Projection};
 use super::kv_cache::KvCache;
 use super::ops;
-use super::weights::{base_dtype, Linear};
+use super::weights::Linear;
+use crate::runtime::RuntimeConfig;
 use candle_core::{DType, Device, IndexOp, Result, Tensor};
 use std::sync::Arc;
 
@@ -66,7 +67,8 @@ pub struct Decoder {
     pub(super) cos: Tensor,
     pub(super) sin: Tensor,
     pub(super) device: Device,
-    /// Dtype of the float weights and activations: f32 on the CPU, bf16 on CUDA (`base_dtype`).
+    /// Dtype of the float weights and activations: f32 on the CPU, bf16 on CUDA
+    /// (`RuntimeConfig::base_dtype`).
     /// Adapters stay f32: their inputs are cast at the hook, their outputs cast back; logits are
     /// returned as f32.
     pub(super) dtype: DType,
@@ -97,7 +99,7 @@ pub struct Decoder {
     /// chunks' (at least `float_prefill_min_rows` tokens; decode rows run the int8 kernel):
     /// BF16 (default where the CPU has AVX-512 BF16: bf16 inputs, f32 sums, ~2× the f32 gemm;
     /// `kernels::bf16_matmul`) or F32 (what the f32 reference computes with;
-    /// `LIFT_CPU_FLOAT_DTYPE=f32` sets it at load). Activations, adapters, the adapter's
+    /// `RuntimeConfig::cpu_float_dtype` sets it at load). Activations, adapters, the adapter's
     /// gradients and the optimizer stay f32.
     pub cpu_float_dtype: DType,
     /// candle's ops for RMSNorm, SwiGLU and prompt attention instead of the fused CPU ones
@@ -131,8 +133,9 @@ impl Decoder {
         norm: Tensor,
         lm_head: Linear,
         device: &Device,
+        runtime: &RuntimeConfig,
     ) -> Result<Self> {
-        let dtype = base_dtype(device);
+        let dtype = runtime.base_dtype(device);
         let packed = !layers.is_empty() && layers.iter().all(|l| l.q.is_packed());
         let (cos, sin) = rope_tables(&config, device)?;
         let (cos, sin) = (cos.to_dtype(dtype)?, sin.to_dtype(dtype)?);
@@ -152,15 +155,13 @@ impl Decoder {
             device: device.clone(),
             dtype,
             rope_interleaved: false,
-            // `LIFT_FLOAT_MIN_ROWS=1` (a diagnostic) runs decode rows through the float weights
-            // too, as on CUDA, to tell the int8 kernel's arithmetic from a device's.
-            float_prefill_min_rows: std::env::var("LIFT_FLOAT_MIN_ROWS").ok().and_then(|v| v.parse().ok()).unwrap_or(16),
+            float_prefill_min_rows: runtime.float_prefill_min_rows,
             float_batch_min_rows: if packed { usize::MAX } else { 6 },
             base_adapter: None,
             base_merged: false,
             reference_ops: false,
             cpu_kv_dtype: DType::F16,
-            cpu_float_dtype: default_cpu_float_dtype(),
+            cpu_float_dtype: runtime.cpu_float_matmul_dtype(),
         })
     }
 
@@ -547,16 +548,6 @@ pub(super) fn add_deltas(
         }
     }
     Ok(y)
-}
-
-/// BF16 where the CPU runs the bf16 kernel, unless `LIFT_CPU_FLOAT_DTYPE=f32`.
-fn default_cpu_float_dtype() -> DType {
-    let f32_asked = std::env::var("LIFT_CPU_FLOAT_DTYPE").is_ok_and(|v| v.eq_ignore_ascii_case("f32"));
-    if crate::kernels::bf16_matmul::available() && !f32_asked {
-        DType::BF16
-    } else {
-        DType::F32
-    }
 }
 
 /// Causal (and sliding-window) attention of a prompt chunk through flash-attn: `q`

@@ -26,6 +26,7 @@ pub use llama::{Decoder, Logits};
 pub use packing::Packing;
 pub use tokenizer::TextTokenizer;
 
+use crate::runtime::RuntimeConfig;
 use anyhow::{Context, Result};
 use candle_core::Device;
 use sha2::{Digest, Sha256};
@@ -59,13 +60,20 @@ pub struct Model {
 }
 
 impl Model {
-    /// Loads a `.gguf` file or a Hugging Face model directory.
+    /// Loads a `.gguf` file or a Hugging Face model directory with the default
+    /// [`RuntimeConfig`] (tests; the commands pass theirs to `load_with`).
     pub fn load(path: &Path, device: &Device) -> Result<Self> {
+        Self::load_with(path, device, &RuntimeConfig::default())
+    }
+
+    /// Loads a `.gguf` file or a Hugging Face model directory, its dtypes and kernels as
+    /// `runtime` says.
+    pub fn load_with(path: &Path, device: &Device, runtime: &RuntimeConfig) -> Result<Self> {
         if !path.exists() {
             anyhow::bail!("{}: model not found (run `lift-serve fetch-model` for the default model)", path.display());
         }
         let (decoder, tokenizer, chat_template, format, files, name) = if path.is_dir() {
-            let parts = hf::load(path, device)?;
+            let parts = hf::load(path, device, runtime)?;
             let mut files: Vec<PathBuf> = std::fs::read_dir(path)?
                 .filter_map(|e| e.ok().map(|e| e.path()))
                 .filter(|p| {
@@ -76,7 +84,7 @@ impl Model {
             files.sort();
             (parts.decoder, parts.tokenizer, parts.chat_template, "hf", files, None)
         } else {
-            let parts = gguf::load(path, device)?;
+            let parts = gguf::load(path, device, runtime)?;
             (parts.decoder, parts.tokenizer, parts.chat_template, "gguf", vec![path.to_path_buf()], parts.name)
         };
         let stem = if path.is_dir() {
@@ -88,9 +96,9 @@ impl Model {
         let fingerprint = fingerprint(&files)?;
         // Which CPU kernels run says most about speed on a given machine (an AVX2-only CPU
         // trains in f32, an AVX-512 one in bf16; quantized layers on our int8 kernel or candle's).
-        let quantized_kernel = match (decoder.layers.first().map(|l| &l.q), crate::kernels::quant_matmul::isa()) {
-            (Some(q), Some(isa)) if q.is_packed() => format!("int8 {isa:?}"),
-            (Some(q), _) if q.is_quantized() => "candle".to_string(),
+        let quantized_kernel = match decoder.layers.first().map(|l| (&l.q, l.q.packed_isa())) {
+            Some((_, Some(isa))) => format!("int8 {isa:?}"),
+            Some((q, None)) if q.is_quantized() => "candle".to_string(),
             _ => "none (float weights)".to_string(),
         };
         tracing::info!(

@@ -1,26 +1,15 @@
 //! Frozen base-model weights. Each linear layer keeps the file's representation for inference
 //! (quantized blocks stay quantized) and a float copy for the trainable path, made on first use.
-//! Float weights are f32 on the CPU and bf16 on CUDA (`base_dtype`); adapters stay f32.
+//! Float weights are f32 on the CPU and bf16 on CUDA (`RuntimeConfig::base_dtype`); adapters
+//! stay f32.
 
 use super::ops;
 use crate::kernels::bf16_matmul;
-use crate::kernels::quant_matmul::{self, BlockFormat, PackedWeights};
+use crate::kernels::quant_matmul::{BlockFormat, Isa, PackedWeights};
+use crate::runtime::RuntimeConfig;
 use candle_core::quantized::{GgmlDType, QMatMul, QTensor};
-use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_core::{DType, Module, Result, Tensor};
 use std::sync::{Arc, OnceLock};
-
-/// The dtype of the frozen float weights and of the decoder's activations on `device`: f32 on
-/// the CPU (our fused ops are f32), bf16 on CUDA.
-pub fn base_dtype(device: &Device) -> DType {
-    // `LIFT_CUDA_DTYPE=f32` (a diagnostic) keeps the frozen base in f32 on CUDA too, to tell
-    // bf16's arithmetic from a bug in a CUDA path when the GPU answers differ from the CPU's.
-    let f32_asked = std::env::var("LIFT_CUDA_DTYPE").is_ok_and(|v| v.eq_ignore_ascii_case("f32"));
-    if device.is_cuda() && !f32_asked {
-        DType::BF16
-    } else {
-        DType::F32
-    }
-}
 
 pub struct Linear {
     /// Inference weight: quantized matmul, or a float matmul for float files.
@@ -30,8 +19,10 @@ pub struct Linear {
     /// The quantized weight repacked for our int8 kernel (`kernels::quant_matmul`), on CPUs
     /// that run it; replaces `infer` for f32 activations on the CPU.
     packed: Option<PackedWeights>,
-    /// `[out, in]` in `base_dtype`, frozen: never a `Var`, never receives a gradient.
+    /// `[out, in]` in `dtype`, frozen: never a `Var`, never receives a gradient.
     float: OnceLock<Tensor>,
+    /// The float weights' dtype (`RuntimeConfig::base_dtype`), kept for the copy made on first use.
+    dtype: DType,
     /// The float weight transposed, `[in, out]` contiguous, on the CPU only: the forward gemm runs
     /// faster on it than on a transposed view (the backward uses `float`). Costs one more float
     /// copy of the weights (~0.5 GB on the 135M model), made on first use.
@@ -46,9 +37,9 @@ pub struct Linear {
 
 impl Linear {
     /// Weight `[out, in]` as stored in a GGUF file; float types are dequantized right away.
-    pub fn from_qtensor(q: QTensor, bias: Option<Tensor>) -> Result<Self> {
+    pub fn from_qtensor(q: QTensor, bias: Option<Tensor>, runtime: &RuntimeConfig) -> Result<Self> {
         let (out_dim, in_dim) = q.shape().dims2()?;
-        let dtype = base_dtype(&q.device());
+        let dtype = runtime.base_dtype(&q.device());
         let bias = bias.map(|b| b.to_dtype(dtype)).transpose()?;
         let q = Arc::new(q);
         let infer = QMatMul::from_arc(q.clone())?;
@@ -61,15 +52,16 @@ impl Linear {
             _ => Some(q),
         };
         let packed = match &quantized {
-            Some(q) => pack_for_cpu(q)?,
+            Some(q) => pack_for_cpu(q, runtime.quant_matmul_isa())?,
             None => None,
         };
-        Ok(Self { infer, quantized, packed, float, float_t: OnceLock::new(), bf16: OnceLock::new(), bias, out_dim, in_dim })
+        let (float_t, bf16) = (OnceLock::new(), OnceLock::new());
+        Ok(Self { infer, quantized, packed, float, dtype, float_t, bf16, bias, out_dim, in_dim })
     }
 
-    /// Float weight `[out, in]` (any float dtype; kept in `base_dtype`).
-    pub fn from_tensor(w: Tensor, bias: Option<Tensor>) -> Result<Self> {
-        let dtype = base_dtype(w.device());
+    /// Float weight `[out, in]` (any float dtype; kept in `RuntimeConfig::base_dtype`).
+    pub fn from_tensor(w: Tensor, bias: Option<Tensor>, runtime: &RuntimeConfig) -> Result<Self> {
+        let dtype = runtime.base_dtype(w.device());
         let w = w.to_dtype(dtype)?;
         let (out_dim, in_dim) = w.dims2()?;
         let float = OnceLock::new();
@@ -80,6 +72,7 @@ impl Linear {
             quantized: None,
             packed: None,
             float,
+            dtype,
             float_t: OnceLock::new(),
             bf16: OnceLock::new(),
             bias,
@@ -112,12 +105,17 @@ impl Linear {
         self.packed.is_some()
     }
 
+    /// The version of our int8 kernel inference runs, if it runs on it.
+    pub fn packed_isa(&self) -> Option<Isa> {
+        self.packed.as_ref().and_then(PackedWeights::isa)
+    }
+
     /// Goes back to candle's quantized matmul for inference (drops the repacked copy).
     pub fn drop_packed(&mut self) {
         self.packed = None;
     }
 
-    /// The float copy (`base_dtype`), dequantized once on first call.
+    /// The float copy (in `dtype`), dequantized once on first call.
     pub fn float_weight(&self) -> Result<&Tensor> {
         if let Some(w) = self.float.get() {
             return Ok(w);
@@ -125,7 +123,7 @@ impl Linear {
         let q =
             self.quantized.as_ref().ok_or_else(|| candle_core::Error::Msg("linear layer without weights".into()))?;
         let device = q.device();
-        let w = q.dequantize(&device)?.to_dtype(base_dtype(&device))?;
+        let w = q.dequantize(&device)?.to_dtype(self.dtype)?;
         Ok(self.float.get_or_init(|| w))
     }
 
@@ -136,7 +134,7 @@ impl Linear {
         // 13: 98–102% off the CPU for every shape tried, Q8_0 and Q4_1, 1–40 rows), while
         // dequantization is exact: on CUDA a quantized layer runs through its bf16 float copy.
         if x.device().is_cuda() && self.quantized.is_some() {
-            let float = self.forward_float(&x.to_dtype(base_dtype(x.device()))?, false)?;
+            let float = self.forward_float(&x.to_dtype(self.dtype)?, false)?;
             return float.to_dtype(x.dtype());
         }
         if x.dtype() != DType::F32 {
@@ -224,10 +222,10 @@ impl Linear {
     }
 }
 
-/// `q` repacked for `kernels::quant_matmul` when it is on the CPU, in a block format the kernel
-/// reads, the CPU runs it, and `LIFT_CPU_QMATMUL` is not `candle` (the switch benchmarks use to
-/// compare with candle's kernels).
-fn pack_for_cpu(q: &QTensor) -> Result<Option<PackedWeights>> {
+/// `q` repacked for `kernels::quant_matmul`'s `isa` version when it is on the CPU and in a block
+/// format the kernel reads; `isa` is `None` where candle's kernels run instead
+/// (`RuntimeConfig::quant_matmul_isa`).
+fn pack_for_cpu(q: &QTensor, isa: Option<Isa>) -> Result<Option<PackedWeights>> {
     let format = match q.dtype() {
         GgmlDType::Q4_0 => BlockFormat::Q4_0,
         GgmlDType::Q4_1 => BlockFormat::Q4_1,
@@ -237,16 +235,13 @@ fn pack_for_cpu(q: &QTensor) -> Result<Option<PackedWeights>> {
         GgmlDType::Q6K => BlockFormat::Q6K,
         _ => return Ok(None),
     };
-    let use_candle = std::env::var("LIFT_CPU_QMATMUL").is_ok_and(|v| v == "candle");
-    if !q.device().is_cpu() || use_candle || !quant_matmul::available() {
-        return Ok(None);
-    }
+    let Some(isa) = isa.filter(|_| q.device().is_cpu()) else { return Ok(None) };
     let (rows, cols) = q.shape().dims2()?;
     if cols % format.block_weights() != 0 {
         return Ok(None);
     }
     let packed = PackedWeights::pack(format, &q.data()?, rows, cols).map_err(candle_core::Error::Msg)?;
-    Ok(Some(packed))
+    Ok(Some(packed.run_on(isa)))
 }
 
 /// `x` `[…, in]` (f32, CPU) through the packed kernel: `[…, out]`.

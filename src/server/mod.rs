@@ -14,6 +14,7 @@ pub mod web;
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
 use crate::model::Model;
+use crate::runtime::RuntimeConfig;
 use crate::service::shared::{Role, SharedConfig};
 use crate::service::{Service, ServiceConfig};
 use anyhow::{Context, Result};
@@ -162,6 +163,10 @@ pub struct ServeConfig {
     /// checkpoints).
     #[arg(long, env = "LIFT_CHECKPOINT_SECS", default_value_t = crate::lift::checkpoint::DEFAULT_INTERVAL.as_secs_f64())]
     pub checkpoint_secs: f64,
+    /// Dtypes and kernels the model is loaded with: the command line's global flags
+    /// (`--cpu-qmatmul`, ...), which `main` puts here; the defaults elsewhere.
+    #[arg(skip)]
+    pub runtime: RuntimeConfig,
 }
 
 impl ServeConfig {
@@ -207,6 +212,7 @@ impl ServeConfig {
             memory_budget_bytes: None,
             checkpoint_secs: crate::lift::checkpoint::DEFAULT_INTERVAL.as_secs_f64(),
             absorb_budget: None,
+            runtime: RuntimeConfig::default(),
         }
     }
 
@@ -276,7 +282,8 @@ impl ServeConfig {
              train_queue={} generate_queue={} max_batch={} kv_cache_bytes={} cache_bytes={} context_tokens={} max_training_tokens={} metrics_key={} \
              header_timeout_secs={} body_timeout_secs={} max_connections={} drain_secs={} database_url={} \
              adapter_store={} role={:?} replica_id={} lease_secs={} extract_workers={} extract_timeout_secs={} \
-             extract_memory_bytes={} extract_limits={} extract_worker={} memory_budget_bytes={} checkpoint_secs={} absorb_budget={}",
+             extract_memory_bytes={} extract_limits={} extract_worker={} memory_budget_bytes={} checkpoint_secs={} absorb_budget={} \
+             runtime={:?}",
             self.host,
             self.port,
             self.model.as_ref().map_or("(default)".into(), |p| p.display().to_string()),
@@ -313,6 +320,7 @@ impl ServeConfig {
             self.memory_budget_bytes.map_or("(none)".into(), |b| b.to_string()),
             self.checkpoint_secs,
             self.absorb_budget.map_or("(none)".into(), |b| b.to_string()),
+            self.runtime,
         )
     }
 }
@@ -493,7 +501,7 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
     let keys = cfg.keys()?;
     tracing::info!(config = %cfg.describe(keys.len()), "lift-serve starting");
     let model_path = crate::fetch::resolve_model(cfg.model.as_deref())?;
-    let mut model = Model::load(&model_path, device)?;
+    let mut model = Model::load_with(&model_path, device, &cfg.runtime)?;
     crate::base::install_from_arg(&mut model, cfg.prepared_base.as_deref())?;
     let model = Arc::new(model);
     let default_options = default_options(&cfg, &model)?;
