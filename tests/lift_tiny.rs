@@ -28,7 +28,7 @@ logs every departure in a green ledger. Passengers pay eleven coins for the cros
 fn ct_and_qa_examples_put_the_loss_exactly_on_segment_and_answer_tokens() {
     let (_d, model) = tiny();
     let doc = model.tokenizer.encode(DOC, false).unwrap();
-    let opts = PlanOptions { window: 48, context_tokens: 32, ..Default::default() };
+    let opts = PlanOptions { window: 48, training_context_tokens: 32, ..Default::default() };
     let pair = QaPair {
         question: "Who keeps the lighthouse?".into(),
         answer: "Anselm Varga".into(),
@@ -80,7 +80,7 @@ fn a_packed_qa_row_has_the_mean_loss_and_gradients_of_its_questions() {
         pair("Where do the ferries leave from?", "the north pier"),
         pair("What does a crossing cost?", "eleven coins"),
     ];
-    let opts = |qa_pack| PlanOptions { window: 48, context_tokens: 32, qa_pack, ..Default::default() };
+    let opts = |qa_pack| PlanOptions { window: 48, training_context_tokens: 32, qa_pack, ..Default::default() };
     let single = Plan::new(&model, &doc, &pairs, &opts(1)).unwrap();
     let packed = Plan::new(&model, &doc, &pairs, &opts(3)).unwrap();
     assert_eq!((single.qa.len(), packed.qa.len()), (3, 1));
@@ -162,7 +162,7 @@ fn memorize_and_recite(model: &Model, adapter: &dyn Adapter, vars: &[candle_core
     let text = &DOC[..DOC.find(" Passengers").unwrap()];
     let doc = model.tokenizer.encode(text, false).unwrap();
     // No document context at all: whatever is recalled comes from the adapter.
-    let opts = PlanOptions { window: 64, context_tokens: 0, ..Default::default() };
+    let opts = PlanOptions { window: 64, training_context_tokens: 0, ..Default::default() };
     let plan = Plan::new(model, &doc, &[], &opts).unwrap();
     let train_opts = TrainOptions { epochs: [epochs, 0], lr, seed: 3, ..Default::default() };
     let inputs = TrainInputs { doc: &doc, plan: &plan, adapter, vars };
