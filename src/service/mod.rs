@@ -26,7 +26,7 @@ pub use crate::engine::Generated;
 pub use records::{DocumentView, ErrorMessage};
 
 use crate::document::Document;
-use crate::engine::{Engine, EngineError, GenerateJob, GenerateLimits, Job, Prompt};
+use crate::engine::{Engine, EngineError, GenerateJob, GenerateLimits, Prompt};
 use crate::lift::answer::{ContextPolicy, Mode};
 use crate::formats::Source;
 use crate::lift::AbsorbOptions;
@@ -474,7 +474,7 @@ impl Service {
         let cancel = Arc::new(AtomicBool::new(false));
         let queued_at = Instant::now();
         let job = GenerateJob { prompt, params, cancel: cancel.clone(), pieces, reply, queued_at, kv_tokens, kv_hold: None };
-        self.engine.submit(Job::Generate(job))?;
+        self.engine.queue_generation(job)?;
         Ok(PendingGeneration { result, _cancel: CancelOnDrop(cancel) })
     }
 
