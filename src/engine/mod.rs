@@ -32,13 +32,14 @@ use std::sync::{Arc, Mutex};
 /// What a lane's queue carries: that lane's kind of job (so a job cannot reach the wrong thread).
 enum Queued<J> {
     Job(J),
-    /// Test support ([`crate::testing`]): runs on the lane's thread between jobs, counted as a
-    /// running job; tests hold a lane with it to fill its queue deterministically.
+    /// Test support (`Engine::hold_training` in `testing`): runs on the lane's thread between
+    /// jobs, counted as a running job; tests hold a lane with it to fill its queue deterministically.
     #[cfg(any(test, feature = "testing"))]
     Call(Box<dyn FnOnce() + Send>),
 }
 
-/// What the engine refuses or fails with: queueing (`submit`) and generating (a job's reply).
+/// What the engine refuses or fails with: queueing (`queue_absorb`, `queue_generation`) and
+/// generating (a job's reply).
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     /// The queue is full: try again later (429).
