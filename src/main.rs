@@ -421,14 +421,12 @@ impl AbsorbArgs {
         let opts = match opts.budget_seconds {
             None => opts,
             Some(budget) => {
-                let pairs = lift::estimate::qa_pairs_planned(&document.text, document.len(), &opts);
-                let rate = lift::estimate::AbsorbRate::default();
-                let fit = lift::budget::fit(&opts, document.len(), pairs, model.base_filter().is_some(), &rate);
-                match lift::budget::warning(&fit, budget) {
+                let cost = lift::estimate::estimate(&model, &document, &opts, &lift::estimate::AbsorbRate::default());
+                match cost.warnings.iter().find(|w| w.param == "options.budget_seconds") {
                     Some(w) => eprintln!("{}", w.message),
-                    None => eprintln!("the options fit the budget of {budget:.0} s (estimated {:.0} s)", fit.seconds),
+                    None => eprintln!("the options fit the budget of {budget:.0} s (estimated {:.0} s)", cost.estimate.seconds),
                 }
-                fit.options
+                cost.options
             }
         };
         let bar = progress_bar();

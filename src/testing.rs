@@ -504,6 +504,19 @@ impl crate::lift::checkpoint::CheckpointStore for MemoryCheckpoint {
     }
 }
 
+/// Holding an engine thread with the model idle: what a test posts meanwhile stays queued, so a
+/// queue fills (or a document stays unstarted) deterministically. The hold takes a place in the
+/// lane's queue like a job, then counts as the lane's running job until `until`'s sender is dropped.
+impl crate::engine::Engine {
+    pub fn hold_training(&self, until: std::sync::mpsc::Receiver<()>) -> Result<(), crate::engine::EngineError> {
+        self.train.call(move || while until.recv().is_ok() {})
+    }
+
+    pub fn hold_generation(&self, until: std::sync::mpsc::Receiver<()>) -> Result<(), crate::engine::EngineError> {
+        self.gen.call(move || while until.recv().is_ok() {})
+    }
+}
+
 /// The tiny model and absorb options of the server tests in `dir`: `(model directory, options
 /// file)`. The options train in a fraction of a second (window 32, one epoch each, 2–4 extractive
 /// QA pairs).

@@ -953,9 +953,8 @@ async fn a_server_over_a_prepared_base_answers_through_its_filter_and_reports_ch
 /// dropped; returns once the thread runs it.
 async fn hold_thread(running: &Running, train: bool) -> std::sync::mpsc::Sender<()> {
     let (tx, rx) = std::sync::mpsc::channel::<()>();
-    let lane = if train { lift_serve::engine::Lane::Train } else { lift_serve::engine::Lane::Generate };
     let engine = &running.state.service.engine;
-    engine.submit(lift_serve::engine::Job::Hold { lane, until: rx }).unwrap();
+    if train { engine.hold_training(rx) } else { engine.hold_generation(rx) }.unwrap();
     for _ in 0..500 {
         let (waiting, busy) = if train { engine.train_queue() } else { engine.generate_queue() };
         if (waiting, busy) == (0, 1) {

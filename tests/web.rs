@@ -131,7 +131,7 @@ async fn answered_by(b: &Browser, mode: &str) -> (String, String, String) {
 async fn hold_training(running: &Running) -> std::sync::mpsc::Sender<()> {
     let (tx, rx) = std::sync::mpsc::channel::<()>();
     let engine = &running.state.service.engine;
-    engine.submit(lift_serve::engine::Job::Hold { lane: lift_serve::engine::Lane::Train, until: rx }).unwrap();
+    engine.hold_training(rx).unwrap();
     for _ in 0..500 {
         if engine.train_queue() == (0, 1) {
             return tx;

@@ -145,11 +145,7 @@ pub(super) fn absorb(model: &Model, store: &Store, events: &dyn JobEvents, rate:
         Ok(mut absorbed) => {
             absorbed.manifest.document.source = source;
             let tokens_per_s = absorbed.report.tokens_per_s;
-            // The measured rate: the whole absorb's seconds over the tokens its estimate planned
-            // (counted as `POST /documents` counts them before the absorb, so the two agree).
-            let one_per_row = model.base_filter().is_some();
-            let counts = crate::lift::estimate::plan_counts(document.len(), absorbed.qa.len(), &options, one_per_row);
-            let planned_tokens = counts.3;
+            let (doc_tokens, qa_pairs) = (document.len(), absorbed.qa.len());
             match absorbed.into_new_adapter(document).and_then(|a| store.save(&id, a)) {
                 Ok(loaded) => {
                     // The adapter is saved: nothing is left to resume.
@@ -158,7 +154,8 @@ pub(super) fn absorb(model: &Model, store: &Store, events: &dyn JobEvents, rate:
                     let adapter = AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes };
                     let training = m.training.clone();
                     let seconds = t0.elapsed().as_secs_f64();
-                    rate.record(planned_tokens, seconds);
+                    // The measured rate: the whole absorb against what its estimate planned.
+                    rate.record_absorb(model, doc_tokens, qa_pairs, &options, seconds);
                     AbsorbOutcome::Ready { adapter, training, tokens_per_s, seconds }
                 }
                 Err(e) => AbsorbOutcome::Failed(format!("{e:#}")),

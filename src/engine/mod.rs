@@ -1,5 +1,5 @@
 //! The engine owns the base model and runs all model work on two dedicated OS threads, each fed
-//! by a bounded queue of typed [`Job`]s:
+//! by a bounded queue of its own kind of job:
 //! - the **training** thread absorbs one document at a time ([`AbsorbJob`]: train, save to the
 //!   store) — training a second document concurrently would only oversubscribe the cores;
 //! - the **generation** thread answers many requests at once ([`GenerateJob`]: a question about
@@ -29,33 +29,17 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
 use std::sync::{Arc, Mutex};
 
-/// Model work the engine runs.
-pub enum Job {
-    Absorb(AbsorbJob),
-    Generate(GenerateJob),
-    /// Holds its thread until the paired sender is dropped: pauses a lane with the model idle
-    /// (maintenance; tests use it to fill a queue deterministically).
-    Hold { lane: Lane, until: std::sync::mpsc::Receiver<()> },
+/// What a lane's queue carries: that lane's kind of job (so a job cannot reach the wrong thread).
+enum Queued<J> {
+    Job(J),
+    /// Test support (`Engine::hold_training` in `testing`): runs on the lane's thread between
+    /// jobs, counted as a running job; tests hold a lane with it to fill its queue deterministically.
+    #[cfg(any(test, feature = "testing"))]
+    Call(Box<dyn FnOnce() + Send>),
 }
 
-/// Which thread (and queue) a job runs on.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Lane {
-    Train,
-    Generate,
-}
-
-impl Job {
-    pub fn lane(&self) -> Lane {
-        match self {
-            Job::Absorb(_) => Lane::Train,
-            Job::Generate(_) => Lane::Generate,
-            Job::Hold { lane, .. } => *lane,
-        }
-    }
-}
-
-/// What the engine refuses or fails with: queueing (`submit`) and generating (a job's reply).
+/// What the engine refuses or fails with: queueing (`queue_absorb`, `queue_generation`) and
+/// generating (a job's reply).
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
     /// The queue is full: try again later (429).
@@ -67,9 +51,6 @@ pub enum EngineError {
     /// The engine is shutting down (503).
     #[error("the engine is shutting down")]
     Closed,
-    /// A job was given to the reservation of the other lane (a bug).
-    #[error("the job belongs to the other queue")]
-    WrongLane,
     /// The document was deleted while the request waited.
     #[error("no document '{0}'")]
     UnknownDocument(String),
@@ -109,9 +90,9 @@ struct Context {
     rate: Arc<AbsorbRate>,
 }
 
-struct Worker {
-    lane: Lane,
-    tx: Mutex<Option<SyncSender<Job>>>,
+/// One lane: its thread and the bounded queue of its jobs (`J`).
+pub(crate) struct Worker<J> {
+    tx: Mutex<Option<SyncSender<Queued<J>>>>,
     capacity: usize,
     /// Jobs waiting (not yet started), and places reserved for jobs about to be submitted.
     depth: Arc<AtomicUsize>,
@@ -120,27 +101,27 @@ struct Worker {
     handle: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
-impl Worker {
-    fn start(lane: Lane, ctx: Arc<Context>, capacity: usize) -> std::io::Result<Self> {
+impl<J: Send + 'static> Worker<J> {
+    /// Starts the thread `name`, which runs `run` over the queue until it closes.
+    fn start(
+        name: &str,
+        capacity: usize,
+        run: impl FnOnce(Receiver<Queued<J>>, &Counters) + Send + 'static,
+    ) -> std::io::Result<Self> {
         let capacity = capacity.max(1);
-        let (tx, rx) = sync_channel::<Job>(capacity);
+        let (tx, rx) = sync_channel::<Queued<J>>(capacity);
         let depth = Arc::new(AtomicUsize::new(0));
         let busy = Arc::new(AtomicUsize::new(0));
         let counters = Counters { depth: depth.clone(), busy: busy.clone() };
-        let name = match lane {
-            Lane::Train => "lift-train",
-            Lane::Generate => "lift-generate",
-        };
-        let handle = std::thread::Builder::new().name(name.to_string()).spawn(move || match lane {
-            Lane::Train => run_one_at_a_time(&ctx, rx, &counters),
-            Lane::Generate => run_batched(&ctx, rx, &counters),
-        })?;
-        Ok(Self { lane, tx: Mutex::new(Some(tx)), capacity, depth, busy, handle: Mutex::new(Some(handle)) })
+        let handle = std::thread::Builder::new().name(name.to_string()).spawn(move || run(rx, &counters))?;
+        Ok(Self { tx: Mutex::new(Some(tx)), capacity, depth, busy, handle: Mutex::new(Some(handle)) })
     }
+}
 
+impl<J> Worker<J> {
     /// Takes a place in the queue, or says why there is none. `depth` never exceeds the channel's
     /// capacity, so a reserved place can always be filled.
-    fn reserve(&self) -> Result<Reservation<'_>, EngineError> {
+    fn reserve(&self) -> Result<Reservation<'_, J>, EngineError> {
         if self.tx.lock().map_err(|_| EngineError::Closed)?.is_none() {
             return Err(EngineError::Closed);
         }
@@ -148,6 +129,12 @@ impl Worker {
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| (d < self.capacity).then_some(d + 1))
             .map_err(|_| EngineError::QueueFull)?;
         Ok(Reservation { worker: self, used: false })
+    }
+
+    /// Test support: queues `call` to run on this lane's thread (see [`Queued::Call`]).
+    #[cfg(any(test, feature = "testing"))]
+    pub(crate) fn call(&self, call: impl FnOnce() + Send + 'static) -> Result<(), EngineError> {
+        self.reserve()?.send(Queued::Call(Box::new(call)))
     }
 
     fn queue(&self) -> (usize, usize) {
@@ -171,17 +158,15 @@ struct Counters {
 }
 
 /// The training lane: one job at a time.
-fn run_one_at_a_time(ctx: &Context, rx: Receiver<Job>, counters: &Counters) {
-    while let Ok(job) = rx.recv() {
+fn run_one_at_a_time(ctx: &Context, rx: Receiver<Queued<AbsorbJob>>, counters: &Counters) {
+    while let Ok(queued) = rx.recv() {
         counters.depth.fetch_sub(1, Ordering::SeqCst);
         counters.busy.store(1, Ordering::SeqCst);
         // A panic in one job must not take the worker down.
-        let run = || match job {
-            Job::Absorb(job) => jobs::absorb(&ctx.model, &ctx.store, &*ctx.events, &ctx.rate, job),
-            Job::Generate(job) => {
-                let _ = job.reply.send(Err(EngineError::WrongLane));
-            }
-            Job::Hold { until, .. } => while until.recv().is_ok() {},
+        let run = || match queued {
+            Queued::Job(job) => jobs::absorb(&ctx.model, &ctx.store, &*ctx.events, &ctx.rate, job),
+            #[cfg(any(test, feature = "testing"))]
+            Queued::Call(call) => call(),
         };
         if std::panic::catch_unwind(std::panic::AssertUnwindSafe(run)).is_err() {
             tracing::error!("training job panicked");
@@ -192,7 +177,7 @@ fn run_one_at_a_time(ctx: &Context, rx: Receiver<Job>, counters: &Counters) {
 
 /// The generation lane: continuous batching. Waits for work when idle; otherwise takes what has
 /// arrived (up to the batch's room) before each step.
-fn run_batched(ctx: &Context, rx: Receiver<Job>, counters: &Counters) {
+fn run_batched(ctx: &Context, rx: Receiver<Queued<GenerateJob>>, counters: &Counters) {
     let model = &*ctx.model;
     let mut batch = jobs::GenerationBatch::new(ctx.max_batch, crate::model::generate::PREFILL_CHUNK);
     let mut open = true;
@@ -213,7 +198,7 @@ fn run_batched(ctx: &Context, rx: Receiver<Job>, counters: &Counters) {
             };
             counters.depth.fetch_sub(1, Ordering::SeqCst);
             match job {
-                Job::Generate(job) => {
+                Queued::Job(job) => {
                     let admitted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
                         jobs::admit(model, &ctx.store, &mut batch, job)
                     }));
@@ -221,12 +206,10 @@ fn run_batched(ctx: &Context, rx: Receiver<Job>, counters: &Counters) {
                         tracing::error!("starting a generation panicked");
                     }
                 }
-                Job::Hold { until, .. } => {
+                #[cfg(any(test, feature = "testing"))]
+                Queued::Call(call) => {
                     counters.busy.store(batch.len() + 1, Ordering::SeqCst);
-                    while until.recv().is_ok() {}
-                }
-                Job::Absorb(job) => {
-                    tracing::error!(id = %job.id, "an absorb job reached the generation lane");
+                    call();
                 }
             }
             counters.busy.store(batch.len(), Ordering::SeqCst);
@@ -269,20 +252,22 @@ impl Drop for KvHold {
     }
 }
 
-/// A place held in a queue (see [`Engine::reserve`]); given back when dropped unused.
-pub struct Reservation<'a> {
-    worker: &'a Worker,
+/// A place held in a lane's queue for a job `J` (see [`Engine::reserve_absorb`]); given back
+/// when dropped unused.
+pub struct Reservation<'a, J> {
+    worker: &'a Worker<J>,
     used: bool,
 }
 
-impl Reservation<'_> {
-    pub fn submit(mut self, job: Job) -> Result<(), EngineError> {
-        if job.lane() != self.worker.lane {
-            return Err(EngineError::WrongLane);
-        }
+impl<J> Reservation<'_, J> {
+    pub fn submit(self, job: J) -> Result<(), EngineError> {
+        self.send(Queued::Job(job))
+    }
+
+    fn send(mut self, queued: Queued<J>) -> Result<(), EngineError> {
         let guard = self.worker.tx.lock().map_err(|_| EngineError::Closed)?;
         let tx = guard.as_ref().ok_or(EngineError::Closed)?;
-        match tx.try_send(job) {
+        match tx.try_send(queued) {
             Ok(()) => {
                 self.used = true;
                 Ok(())
@@ -293,7 +278,7 @@ impl Reservation<'_> {
     }
 }
 
-impl Drop for Reservation<'_> {
+impl<J> Drop for Reservation<'_, J> {
     fn drop(&mut self) {
         if !self.used {
             self.worker.depth.fetch_sub(1, Ordering::SeqCst);
@@ -314,8 +299,8 @@ pub struct GenerateLimits {
 
 pub struct Engine {
     pub model: Arc<Model>,
-    train: Worker,
-    gen: Worker,
+    pub(crate) train: Worker<AbsorbJob>,
+    pub(crate) gen: Worker<GenerateJob>,
     limits: GenerateLimits,
     /// KV cache tokens held by admitted generations (waiting or running).
     kv_reserved: Arc<AtomicUsize>,
@@ -335,9 +320,10 @@ impl Engine {
     ) -> std::io::Result<Self> {
         let rate = Arc::new(AbsorbRate::default());
         let ctx = Arc::new(Context { model: model.clone(), store, events, max_batch: limits.max_batch, rate: rate.clone() });
+        let train_ctx = ctx.clone();
         Ok(Self {
-            train: Worker::start(Lane::Train, ctx.clone(), train_capacity)?,
-            gen: Worker::start(Lane::Generate, ctx, limits.queue)?,
+            train: Worker::start("lift-train", train_capacity, move |rx, c| run_one_at_a_time(&train_ctx, rx, c))?,
+            gen: Worker::start("lift-generate", limits.queue, move |rx, c| run_batched(&ctx, rx, c))?,
             model,
             limits,
             kv_reserved: Arc::new(AtomicUsize::new(0)),
@@ -345,19 +331,15 @@ impl Engine {
         })
     }
 
-    fn worker(&self, lane: Lane) -> &Worker {
-        match lane {
-            Lane::Train => &self.train,
-            Lane::Generate => &self.gen,
-        }
+    /// Queues an absorb on the training lane.
+    pub fn queue_absorb(&self, job: AbsorbJob) -> Result<(), EngineError> {
+        self.train.reserve()?.submit(job)
     }
 
-    /// Queues `job` on its lane; a generation first takes its KV tokens from the budget.
-    pub fn submit(&self, mut job: Job) -> Result<(), EngineError> {
-        let place = self.worker(job.lane()).reserve()?;
-        if let Job::Generate(g) = &mut job {
-            g.kv_hold = Some(self.hold_kv(g.kv_tokens)?);
-        }
+    /// Queues a generation on the generation lane, once it has taken its KV tokens from the budget.
+    pub fn queue_generation(&self, mut job: GenerateJob) -> Result<(), EngineError> {
+        let place = self.gen.reserve()?;
+        job.kv_hold = Some(self.hold_kv(job.kv_tokens)?);
         place.submit(job)
     }
 
@@ -370,9 +352,10 @@ impl Engine {
         Ok(KvHold { reserved: self.kv_reserved.clone(), tokens })
     }
 
-    /// Holds a place in a queue, so that a request is refused (429) before it writes anything.
-    pub fn reserve(&self, lane: Lane) -> Result<Reservation<'_>, EngineError> {
-        self.worker(lane).reserve()
+    /// Holds a place in the training queue, so that a request is refused (429) before it writes
+    /// anything.
+    pub fn reserve_absorb(&self) -> Result<Reservation<'_, AbsorbJob>, EngineError> {
+        self.train.reserve()
     }
 
     /// (waiting, running) training jobs.

@@ -556,8 +556,7 @@ fn default_options(cfg: &ServeConfig, model: &Model) -> Result<AbsorbOptions> {
     }
     let c = model.config();
     o.validate(c.num_layers, c.max_position_embeddings).context("invalid default absorb options")?;
-    let planned =
-        crate::lift::plan::planned_training_tokens(cfg.max_document_tokens, &o.plan, o.train.epochs, o.qa.for_document(cfg.max_document_tokens).max_pairs);
+    let planned = crate::lift::estimate::most_training_tokens(cfg.max_document_tokens, &o);
     if planned > cfg.max_training_tokens {
         tracing::warn!(
             planned,

@@ -74,8 +74,8 @@ pub async fn post_document(
     };
     let params = Params { prompt: "text", document: "text" };
     if dry_run {
-        let (cost, fitted) = st.service.estimate(doc).await.map_err(|e| ApiError::service(e, params))?;
-        let options = serde_json::to_value(&fitted).map_err(ApiError::internal)?;
+        let cost = st.service.estimate(doc).await.map_err(|e| ApiError::service(e, params))?;
+        let options = serde_json::to_value(&cost.options).map_err(ApiError::internal)?;
         let body = AbsorbEstimate { object: "absorb_estimate", tokens: cost.tokens, options, estimate: cost.estimate, warnings: cost.warnings };
         return Ok(Json(body).into_response());
     }

@@ -74,7 +74,6 @@ impl From<EngineError> for ServiceError {
             EngineError::NoAdapter(id) => ServiceError::NoAdapter(id),
             EngineError::ContextLength(c) => ServiceError::PromptTooLong { prompt_tokens: c.prompt, window: c.window },
             EngineError::MemoryFull { .. } => ServiceError::MemoryFull(e.to_string()),
-            EngineError::WrongLane => ServiceError::internal(e),
             EngineError::WrongBase(detail) => ServiceError::WrongBase(detail),
             EngineError::Failed(detail) => ServiceError::Internal(detail),
         }

@@ -26,9 +26,10 @@ pub use crate::engine::Generated;
 pub use records::{DocumentView, ErrorMessage};
 
 use crate::document::Document;
-use crate::engine::{Engine, EngineError, GenerateJob, GenerateLimits, Job, Prompt};
+use crate::engine::{Engine, EngineError, GenerateJob, GenerateLimits, Prompt};
 use crate::lift::answer::{ContextPolicy, Mode};
 use crate::formats::Source;
+use crate::lift::estimate::Cost;
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
 use crate::model::generate::SamplingParams;
@@ -91,14 +92,6 @@ pub struct NewDocument {
     pub options: AbsorbOptions,
     /// How the text was made (format, file name, extractor).
     pub source: Source,
-}
-
-/// What absorbing a document will cost, said before it runs (`POST /documents`, also `dry_run`).
-#[derive(Clone, Debug)]
-pub struct Cost {
-    pub tokens: usize,
-    pub estimate: crate::lift::estimate::Estimate,
-    pub warnings: Vec<crate::lift::estimate::OptionWarning>,
 }
 
 /// [`Service::submit`]'s answer: a new job, or the document already known under this id.
@@ -245,15 +238,15 @@ impl Service {
             .map_err(ServiceError::internal)?
             .map_err(|e| ServiceError::Untokenizable(format!("{e:#}")))?;
         // With a time budget, what is queued is the plan fitted to it.
-        let (cost, options) = self.cost(document.clone(), &options).await?;
-        let submitted = self.queue(owner, title, options, source, document).await?;
+        let cost = self.cost(document.clone(), &options).await?;
+        let submitted = self.queue(owner, title, cost.options.clone(), source, document).await?;
         Ok((submitted, cost))
     }
 
     /// What absorbing `doc` would cost (planned steps, training tokens, time at the measured rate)
     /// and the options known to under-train it; refused as `submit` would refuse it (too large, too
     /// much training), with the options fitted to their time budget. Nothing is stored.
-    pub async fn estimate(&self, doc: NewDocument) -> Result<(Cost, AbsorbOptions), ServiceError> {
+    pub async fn estimate(&self, doc: NewDocument) -> Result<Cost, ServiceError> {
         let NewDocument { text, options, .. } = doc;
         let model = self.engine.model.clone();
         // Tokens only: the passages an answer needs are not built for a dry run.
@@ -265,29 +258,20 @@ impl Service {
     }
 
     /// The limits checked, then the cost (extractive QA generation counts the pairs: blocking),
-    /// and the options fitted to their time budget (unchanged without one).
-    async fn cost(&self, document: Arc<Document>, options: &AbsorbOptions) -> Result<(Cost, AbsorbOptions), ServiceError> {
+    /// with the options fitted to their time budget (unchanged without one).
+    async fn cost(&self, document: Arc<Document>, options: &AbsorbOptions) -> Result<Cost, ServiceError> {
         let (tokens, limit) = (document.len(), self.cfg.max_document_tokens);
         if tokens > limit {
             return Err(ServiceError::DocumentTooLarge { tokens, limit });
         }
         let (engine, o) = (self.engine.clone(), options.clone());
-        let (cost, fitted) = tokio::task::spawn_blocking(move || {
-            let pairs = crate::lift::estimate::qa_pairs_planned(&document.text, tokens, &o);
-            let one_per_row = engine.model.base_filter().is_some();
-            let fit = crate::lift::budget::fit(&o, tokens, pairs, one_per_row, &engine.rate);
-            let f = &fit.options;
-            let counts = crate::lift::estimate::plan_counts(tokens, pairs.min(f.qa.max_pairs), f, one_per_row);
-            let mut warnings = crate::lift::estimate::warnings(tokens, f);
-            warnings.extend(o.budget_seconds.and_then(|b| crate::lift::budget::warning(&fit, b)));
-            let mut estimate = engine.rate.estimate(counts);
-            estimate.tokens_per_qa_pair = (counts.1 > 0).then(|| tokens as f64 / counts.1 as f64);
-            (Cost { tokens, estimate, warnings }, fit.options)
+        let cost = tokio::task::spawn_blocking(move || {
+            crate::lift::estimate::estimate(&engine.model, &document, &o, &engine.rate)
         })
         .await
         .map_err(ServiceError::internal)?;
-        self.check_training_cost(&fitted, tokens)?;
-        Ok((cost, fitted))
+        self.check_training_cost(&cost.options, tokens)?;
+        Ok(cost)
     }
 
     /// Queues a tokenized document within the limits.
@@ -324,8 +308,7 @@ impl Service {
     /// The training the options plan for a document of `tokens` must stay within the cap (each
     /// option is bounded alone; this bounds their product).
     fn check_training_cost(&self, o: &AbsorbOptions, tokens: usize) -> Result<(), ServiceError> {
-        let pairs = o.qa.for_document(tokens).max_pairs;
-        let planned = crate::lift::plan::planned_training_tokens(tokens, &o.plan, o.train.epochs, pairs);
+        let planned = crate::lift::estimate::most_training_tokens(tokens, o);
         let limit = self.cfg.max_training_tokens;
         if planned > limit {
             return Err(ServiceError::TrainingTooLarge { planned, tokens, limit });
@@ -474,7 +457,7 @@ impl Service {
         let cancel = Arc::new(AtomicBool::new(false));
         let queued_at = Instant::now();
         let job = GenerateJob { prompt, params, cancel: cancel.clone(), pieces, reply, queued_at, kv_tokens, kv_hold: None };
-        self.engine.submit(Job::Generate(job))?;
+        self.engine.queue_generation(job)?;
         Ok(PendingGeneration { result, _cancel: CancelOnDrop(cancel) })
     }
 

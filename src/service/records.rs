@@ -7,7 +7,7 @@
 use super::registry::{Registry, RegistryStats};
 use super::{encode_answerable, Health, ServiceError, Submitted};
 use crate::document::Document;
-use crate::engine::{AbsorbJob, AbsorbOutcome, Engine, Job, JobEvents, JobProgress, JobUpdate, Lane};
+use crate::engine::{AbsorbJob, AbsorbOutcome, Engine, JobEvents, JobProgress, JobUpdate};
 use crate::formats::Source;
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
@@ -232,7 +232,7 @@ impl Records {
             options,
             cancel: entry.cancel.clone(),
         };
-        engine.submit(Job::Absorb(job)).map_err(|e| format!("the training queue refused it ({e})"))
+        engine.queue_absorb(job).map_err(|e| format!("the training queue refused it ({e})"))
     }
 
     /// Queues a tokenized document within the limits (the engine's training queue bounds the
@@ -243,7 +243,7 @@ impl Records {
             return Ok(Submitted::Existing(view));
         }
         // A place in the queue first: a refused request (429) writes nothing.
-        let slot = engine.reserve(Lane::Train)?;
+        let slot = engine.reserve_absorb()?;
         // The text is kept until the adapter is saved, so that a restart can train it again.
         let (store, id2) = (self.store.clone(), id.clone());
         let document = tokio::task::spawn_blocking(move || store.write_pending_text(&id2, &document.text).map(|()| document))
@@ -267,7 +267,7 @@ impl Records {
             options,
             cancel: entry.cancel.clone(),
         };
-        slot.submit(Job::Absorb(job))?;
+        slot.submit(job)?;
         self.store.write_record(&entry.rec).map_err(|e| ServiceError::internal(format!("cannot write the job record: {e}")))?;
         let view = entry.view();
         docs.insert(id.clone(), entry);

@@ -25,7 +25,7 @@ use super::records::view;
 use super::registry::{Registry, RegistryStats};
 use super::{DocumentView, Health, ServiceError, Submitted};
 use crate::document::Document;
-use crate::engine::{AbsorbJob, AbsorbOutcome, Engine, Job, JobEvents, JobProgress, JobUpdate};
+use crate::engine::{AbsorbJob, AbsorbOutcome, Engine, JobEvents, JobProgress, JobUpdate};
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
 use crate::model::generate::Generation;
@@ -582,7 +582,7 @@ impl Shared {
         if let Ok(mut r) = self.running.lock() {
             r.insert(id.clone(), running.clone());
         }
-        if let Err(e) = engine.submit(Job::Absorb(job)) {
+        if let Err(e) = engine.queue_absorb(job) {
             tracing::warn!(id, error = %e, "the training lane refused a claimed job; releasing it");
             if let Ok(mut r) = self.running.lock() {
                 r.remove(&id);
