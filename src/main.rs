@@ -421,7 +421,7 @@ impl AbsorbArgs {
         let opts = match opts.budget_seconds {
             None => opts,
             Some(budget) => {
-                let cost = lift::estimate::estimate(&model, &document, &opts, &lift::estimate::AbsorbRate::default());
+                let cost = lift::cost::estimate(&model, &document, &opts, &lift::estimate::AbsorbRate::default());
                 match cost.warnings.iter().find(|w| w.param == "options.budget_seconds") {
                     Some(w) => eprintln!("{}", w.message),
                     None => eprintln!("the options fit the budget of {budget:.0} s (estimated {:.0} s)", cost.estimate.seconds),

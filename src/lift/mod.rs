@@ -8,6 +8,7 @@ pub mod answer;
 pub mod budget;
 pub mod cdt;
 pub mod checkpoint;
+pub mod cost;
 pub mod estimate;
 pub mod filter;
 pub mod options;

@@ -15,7 +15,7 @@ use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
 use crate::model::Model;
 use crate::runtime::RuntimeConfig;
-use crate::service::shared::{Role, SharedConfig};
+use crate::service::postgres::{Role, SharedConfig};
 use crate::service::{Service, ServiceConfig};
 use anyhow::{Context, Result};
 use axum::extract::{MatchedPath, Request, State};

@@ -19,7 +19,7 @@
 mod error;
 pub mod records;
 mod registry;
-pub mod shared;
+pub mod postgres;
 
 pub use error::ServiceError;
 pub use crate::engine::Generated;
@@ -29,7 +29,7 @@ use crate::document::Document;
 use crate::engine::{Engine, EngineError, GenerateJob, GenerateLimits, Prompt};
 use crate::lift::answer::{ContextPolicy, Mode};
 use crate::formats::Source;
-use crate::lift::estimate::Cost;
+use crate::lift::cost::Cost;
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
 use crate::model::generate::SamplingParams;
@@ -68,7 +68,7 @@ pub struct ServiceConfig {
     /// Absorb options of a document that sets none.
     pub default_options: AbsorbOptions,
     /// Replicas sharing a database and an adapter store (None: this process's files).
-    pub shared: Option<shared::SharedConfig>,
+    pub shared: Option<postgres::SharedConfig>,
     /// Time between an absorb's checkpoints.
     pub checkpoint_interval: std::time::Duration,
 }
@@ -135,7 +135,7 @@ pub struct Service {
     store: Arc<Store>,
     /// Where the documents' records and the job queue live: this process's memory, written
     /// through to files beside the adapters ([`Records`], the default), or PostgreSQL, shared by
-    /// replicas ([`shared::Shared`]).
+    /// replicas ([`postgres::Shared`]).
     registry: Arc<dyn Registry>,
     cfg: ServiceConfig,
 }
@@ -190,12 +190,12 @@ impl Service {
     /// A replica on a shared database and adapter store: `adapters_dir` is its local cache of
     /// the shared archives. The schema and the trainer loop start in the background (on the
     /// current tokio runtime), so a replica may start before the database is up.
-    fn open_shared(model: Arc<Model>, cfg: ServiceConfig, shared_cfg: shared::SharedConfig, metrics: Arc<Metrics>) -> Result<Self> {
+    fn open_shared(model: Arc<Model>, cfg: ServiceConfig, shared_cfg: postgres::SharedConfig, metrics: Arc<Metrics>) -> Result<Self> {
         let blobs = Arc::new(store::blobs::Blobs::open(&shared_cfg.adapter_store)?);
         let store = Arc::new(
             Store::open(&cfg.adapters_dir, cfg.cache_bytes)?.with_blobs(blobs).with_checkpoint_interval(cfg.checkpoint_interval),
         );
-        let shared = Arc::new(shared::Shared::new(shared_cfg.clone(), store.clone(), metrics)?);
+        let shared = Arc::new(postgres::Shared::new(shared_cfg.clone(), store.clone(), metrics)?);
         let engine = Arc::new(Engine::start(model.clone(), store.clone(), shared.clone(), cfg.train_queue, cfg.generate_limits(&model))?);
         tokio::spawn(shared.clone().run(engine.clone()));
         tracing::info!(
@@ -266,7 +266,7 @@ impl Service {
         }
         let (engine, o) = (self.engine.clone(), options.clone());
         let cost = tokio::task::spawn_blocking(move || {
-            crate::lift::estimate::estimate(&engine.model, &document, &o, &engine.rate)
+            crate::lift::cost::estimate(&engine.model, &document, &o, &engine.rate)
         })
         .await
         .map_err(ServiceError::internal)?;

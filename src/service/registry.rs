@@ -1,6 +1,6 @@
 //! Where the documents' records and the job queue live: one trait, [`Registry`], and its two
 //! implementations, [`Records`](super::records::Records) (this process's memory, written through
-//! to files beside the adapters: the default) and [`Shared`](super::shared::Shared) (PostgreSQL,
+//! to files beside the adapters: the default) and [`Shared`](super::postgres::Shared) (PostgreSQL,
 //! shared by replicas). The service holds one as `Arc<dyn Registry>`; a new backend implements
 //! the trait (and gets a constructor in [`Service::open`](super::Service::open)).
 //!

@@ -1,0 +1,73 @@
+//! docs/architecture.md stays true to the tree: every path it names exists, every file it names
+//! beside a folder's row exists in that folder, and every `module::item` it names resolves to a
+//! module file that defines the item. A rename that forgets the map fails here.
+
+use std::path::{Path, PathBuf};
+
+const ROOTS: &[&str] = &["src/", "kernels/", "tests/", "benches/", "scripts/", "docs/", "deploy/", "fuzz/", "base/"];
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The backticked spans of one line.
+fn spans(line: &str) -> Vec<&str> {
+    line.split('`').skip(1).step_by(2).collect()
+}
+
+/// The file that holds the Rust module `path` (`["engine", "jobs"]` → src/engine/jobs.rs), if any.
+fn module_file(path: &[&str]) -> Option<PathBuf> {
+    let rel = path.join("/");
+    [format!("src/{rel}.rs"), format!("src/{rel}/mod.rs")].into_iter().map(|p| root().join(p)).find(|p| p.is_file())
+}
+
+/// Whether `file` (or the other files of its module folder) defines an item named `name`.
+fn defines(file: &Path, name: &str) -> bool {
+    let kinds = ["fn", "struct", "enum", "trait", "type", "const", "static", "mod", "macro_rules!"];
+    let mut files = vec![file.to_path_buf()];
+    if file.file_name().is_some_and(|f| f == "mod.rs") {
+        let dir = file.parent().expect("a folder");
+        files.extend(std::fs::read_dir(dir).unwrap().flatten().map(|e| e.path()).filter(|p| p.extension().is_some_and(|x| x == "rs")));
+    }
+    files.iter().filter_map(|f| std::fs::read_to_string(f).ok()).any(|text| {
+        kinds.iter().any(|k| {
+            text.contains(&format!("{k} {name}(")) || text.contains(&format!("{k} {name} "))
+                || text.contains(&format!("{k} {name}<")) || text.contains(&format!("{k} {name};"))
+                || text.contains(&format!("{k} {name}:"))
+        }) || text.contains(&format!("pub use {name}")) || text.contains(&format!("::{name};")) || text.contains(&format!("{name},"))
+    })
+}
+
+#[test]
+fn every_path_and_item_the_architecture_names_exists() {
+    let doc = std::fs::read_to_string(root().join("docs/architecture.md")).unwrap();
+    let mut missing = Vec::new();
+    for line in doc.lines() {
+        let spans = spans(line);
+        // A layout row: the folder its first cell names, for the bare file names beside it.
+        let folder = line.starts_with("| `").then(|| spans.first().copied()).flatten().filter(|p| p.ends_with('/'));
+        for span in &spans {
+            for word in span.split([',', ' ']).map(str::trim).filter(|w| !w.is_empty()) {
+                let word = word.trim_end_matches(['.', ':', ')']);
+                if ROOTS.iter().any(|r| word.starts_with(r)) && !word.contains(['*', '<', '{']) {
+                    if !root().join(word).exists() {
+                        missing.push(format!("path {word}"));
+                    }
+                } else if let (Some(folder), true) = (folder, word.ends_with(".rs") && !word.contains('/')) {
+                    if !root().join(folder).join(word).exists() && !root().join(folder).join(word.trim_end_matches(".rs")).exists() {
+                        missing.push(format!("file {word} in {folder}"));
+                    }
+                } else if word.contains("::") && !word.contains(['(', ' ', '<']) {
+                    let parts: Vec<&str> = word.split("::").collect();
+                    // The longest prefix that is one of our modules; the next part must be defined there.
+                    let Some(k) = (1..parts.len()).rev().find(|&k| module_file(&parts[..k]).is_some()) else { continue };
+                    let file = module_file(&parts[..k]).unwrap();
+                    if !defines(&file, parts[k]) {
+                        missing.push(format!("item {word} ({} defines no {})", file.display(), parts[k]));
+                    }
+                }
+            }
+        }
+    }
+    assert!(missing.is_empty(), "docs/architecture.md names what the tree does not have:\n{}", missing.join("\n"));
+}
