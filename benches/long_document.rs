@@ -113,9 +113,17 @@ async fn main() -> anyhow::Result<()> {
 
     let mut peak_rss: f64 = 0.0;
     let mut last_line = Instant::now();
+    let mut asked_while_training = false;
     let ready = loop {
         let v: Value = http.get(format!("{base}/documents/{id}")).send().await?.json().await?;
         peak_rss = peak_rss.max(memory_mb().0);
+        // An answer while training steps run (the first one above may fall in the QA stage).
+        if !asked_while_training && v["progress"]["stage"] == "training" && v["progress"]["step"].as_u64() >= Some(3) {
+            asked_while_training = true;
+            let t = Instant::now();
+            let a: Value = http.post(format!("{base}/ask")).json(&question).send().await?.json().await?;
+            println!("an answer while training (step {}): {:.2} s (mode {})", v["progress"]["step"], t.elapsed().as_secs_f64(), a["mode"]);
+        }
         match v["status"].as_str() {
             Some("ready") => break v,
             Some("failed" | "cancelled") => anyhow::bail!("absorb ended: {v}"),
