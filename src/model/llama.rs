@@ -222,6 +222,15 @@ impl Decoder {
         self.forward_embeds(&x, cache, adapter, hooks, which)
     }
 
+    /// Runs one prompt of the float-prefill size through the inference path, so that what a
+    /// first prompt makes on first use (the float and bf16 copies of the weights: about 2 s on
+    /// 2 cores for the default model) is made when the server starts, not inside its first answer.
+    pub fn warm_up(&self) -> Result<()> {
+        let ids = Tensor::zeros((1, self.float_prefill_min_rows.max(1)), DType::U32, self.cos.device())?;
+        let mut cache = KvCache::new(self.layers.len());
+        self.forward(&ids, &mut cache, None, &mut super::hooks::NoHooks, Logits::Last).map(|_| ())
+    }
+
     /// Runs inference through candle's quantized matmuls instead of our int8 kernel
     /// (`kernels::quant_matmul`), and through candle's ops where fused ones would round
     /// differently (`reference_ops`): the arithmetic of candle-transformers' quantized models,

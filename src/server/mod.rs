@@ -503,6 +503,9 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
     let model_path = crate::fetch::resolve_model(cfg.model.as_deref())?;
     let mut model = Model::load_with(&model_path, device, &cfg.runtime)?;
     crate::base::install_from_arg(&mut model, cfg.prepared_base.as_deref())?;
+    let warm = std::time::Instant::now();
+    model.decoder.warm_up()?;
+    tracing::info!(seconds = warm.elapsed().as_secs_f64(), "inference path warmed up (float weights made)");
     let model = Arc::new(model);
     let default_options = default_options(&cfg, &model)?;
     let metrics = Arc::new(Metrics::default());
