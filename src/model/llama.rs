@@ -223,8 +223,8 @@ impl Decoder {
     }
 
     /// Runs one prompt of the float-prefill size through the inference path, so that what a
-    /// first prompt makes on first use (the float and bf16 copies of the weights: about 2 s on
-    /// 2 cores for the default model) is made when the server starts, not inside its first answer.
+    /// first prompt makes on first use (the float and bf16 copies of the weights: 0.6 s on 2 cores
+    /// for the default model) is made when the server starts, not inside its first answer.
     pub fn warm_up(&self) -> Result<()> {
         let ids = Tensor::zeros((1, self.float_prefill_min_rows.max(1)), DType::U32, self.cos.device())?;
         let mut cache = KvCache::new(self.layers.len());
