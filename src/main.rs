@@ -306,6 +306,16 @@ struct TrainArgs {
     /// Segments packed into one contextualized-training row behind one context (1: none).
     #[arg(long)]
     segment_pack: Option<usize>,
+    /// The context before each auxiliary question in training: the document's head and tail, or
+    /// the passages an answer to it would show.
+    #[arg(long, value_enum)]
+    qa_layout: Option<lift::plan::QaLayout>,
+    /// Context distillation of the QA examples: the teacher's share of their loss, 0 to 1 (0: off).
+    #[arg(long)]
+    distill: Option<f64>,
+    /// With --distill, the student's passages leave out the fact's evidence.
+    #[arg(long)]
+    distill_hides_evidence: bool,
     /// Most auxiliary QA pairs, a fixed cap (default: at most 64 per 1,000 document tokens).
     #[arg(long, alias = "max-qa")]
     aux_qa: Option<usize>,
@@ -365,6 +375,9 @@ impl TrainArgs {
             accumulation: self.accumulation,
             qa_pack: self.qa_pack,
             segment_pack: self.segment_pack,
+            qa_layout: self.qa_layout,
+            distill: self.distill,
+            distill_hides_evidence: self.distill_hides_evidence.then_some(true),
             aux_qa: self.aux_qa,
             model_qa,
             until_learned: self.until_learned.then_some(true),

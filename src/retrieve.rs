@@ -197,11 +197,17 @@ impl PassageIndex {
     /// after it), returned in document order. When the ranking leaves room, the document's
     /// first passages fill it (what head-and-tail truncation would have shown first).
     pub fn select(&self, ranked: &[usize], budget: usize) -> Vec<usize> {
+        self.select_excluding(ranked, budget, &[])
+    }
+
+    /// [`select`](Self::select) never choosing a passage of `excluded` (a training row that
+    /// hides a fact's evidence).
+    pub fn select_excluding(&self, ranked: &[usize], budget: usize, excluded: &[usize]) -> Vec<usize> {
         let mut chosen = vec![false; self.passages.len()];
         let mut used = 0;
         let fill = ranked.iter().copied().chain(0..self.passages.len());
         for p in fill {
-            if chosen[p] {
+            if chosen[p] || excluded.contains(&p) {
                 continue;
             }
             let (a, b) = self.passages[p];

@@ -238,7 +238,7 @@ fn example_in_view(
         p.chunks.iter().enumerate().filter(|&(i, _)| keep(i)).flat_map(|(_, c)| c.start..c.end).collect()
     };
     let qp = QaPositions { context: positions(&|_| true), evidence: positions(&|i| positive[i]) };
-    let example = Example { kind: ExampleKind::Qa(index), tokens, target, packing: None };
+    let example = Example { kind: ExampleKind::Qa(index), tokens, target, packing: None, soft: None };
     Ok((FilterExample { example, chunks: p.chunks, positive, evidence: qp.evidence.clone() }, qp))
 }
 

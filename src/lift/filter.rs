@@ -216,8 +216,22 @@ pub fn qa_examples(
     budget: usize,
     filter: &Filter,
 ) -> Result<Vec<FilterExample>> {
-    let (text, doc) = (document.text.as_str(), document.tokens());
-    let breaks = document.breaks(model)?;
+    let (doc, breaks) = (document.tokens(), document.breaks(model)?);
+    qa_examples_laid_out(model, document, pairs, &|pair, _| {
+        build_prompt(model, doc, breaks, &pair.question, budget, filter.chunk_tokens)
+    })
+}
+
+/// The QA examples of `pairs`, each question's context laid out by `prompt_of(pair, evidence
+/// tokens)` (the head and tail of [`qa_examples`], or the passages an answer would show), with
+/// their chunk labels.
+pub fn qa_examples_laid_out(
+    model: &Model,
+    document: &Document,
+    pairs: &[QaPair],
+    prompt_of: &dyn Fn(&QaPair, (usize, usize)) -> Result<FilterPrompt>,
+) -> Result<Vec<FilterExample>> {
+    let text = document.text.as_str();
     let eot = end_of_turn(model);
     // A fact's wordings share its evidence, and finding a span's tokens tokenizes the text up
     // to it (twice): once per evidence, not per pair.
@@ -226,11 +240,11 @@ pub fn qa_examples(
         .iter()
         .enumerate()
         .map(|(i, pair)| {
-            let p = build_prompt(model, doc, breaks, &pair.question, budget, filter.chunk_tokens)?;
             let span = match spans.get(&pair.evidence_span) {
                 Some(&s) => s,
                 None => *spans.entry(pair.evidence_span).or_insert(evidence_tokens(model, text, pair)?),
             };
+            let p = prompt_of(pair, span)?;
             let evidence = (span.0..span.1).filter_map(|d| p.position_of(d)).collect();
             let mut answer = model.tokenizer.encode(pair.answer.trim(), false)?;
             answer.extend_from_slice(&eot);
@@ -239,7 +253,7 @@ pub fn qa_examples(
             let mut tokens = p.tokens.clone();
             tokens.extend_from_slice(&answer);
             let positive = p.labels(span);
-            Ok(FilterExample { example: Example { kind: ExampleKind::Qa(i), tokens, target, packing: None }, chunks: p.chunks, positive, evidence })
+            Ok(FilterExample { example: Example { kind: ExampleKind::Qa(i), tokens, target, packing: None, soft: None }, chunks: p.chunks, positive, evidence })
         })
         .collect()
 }

@@ -9,6 +9,7 @@ pub mod budget;
 pub mod cdt;
 pub mod checkpoint;
 pub mod cost;
+pub mod distill;
 pub mod estimate;
 pub mod filter;
 pub mod options;
@@ -238,24 +239,72 @@ fn new_adapter(model: &Model, opts: &AbsorbOptions) -> Result<AnyAdapter> {
 
 /// The training plan. With the prepared base's FltLM filter the QA examples are built once, in
 /// its layout (one question per row: its bookkeeping of chunks is per row), as the answer lays
-/// out the context; the filter then masks them, frozen (a detached copy, no filter loss).
+/// out the context; the filter then masks them, frozen (a detached copy, no filter loss). In the
+/// `passages` layout each question's context is what an answer to it would show.
 fn plan(
     model: &Model,
     document: &Document,
     pairs: &[QaPair],
     opts: &AbsorbOptions,
 ) -> Result<(Plan, Vec<filter::FilterExample>)> {
-    let Some(f) = model.base_filter() else {
-        return Ok((Plan::new(model, document.tokens(), pairs, &opts.plan)?, Vec::new()));
+    let budget = opts.plan.qa_context();
+    let distill = opts.train.distill.as_ref();
+    let n = document.tokens().len();
+    // A prompt of the answer layout (BM25's passages for the question) with the fact's evidence
+    // as answering finds it, shown first, or hidden.
+    let passages = |pair: &QaPair, span: (usize, usize), how: Option<answer::Evidence>| {
+        let p = match how {
+            Some(how) => answer::evidence_prompt(model, document, &pair.question, span, how, budget)?,
+            None => {
+                let ask = answer::Ask {
+                    context: Some(answer::ContextPolicy::Bm25),
+                    context_tokens: Some(budget),
+                    ..answer::Ask::new(&pair.question, answer::Mode::Lift)
+                };
+                answer::build_prompt(model, document, &ask, QA_ANSWER_TOKENS)?
+            }
+        };
+        Ok(filter::FilterPrompt { tokens: p.tokens, chunks: p.chunks, head_end: 0, tail_start: n })
+    };
+    // The teacher reads each question with its evidence in front of it.
+    let teacher_rows = |pairs: &[QaPair]| -> Result<Vec<plan::TeacherRow>> {
+        let rows = filter::qa_examples_laid_out(model, document, pairs, &|pair, span| {
+            passages(pair, span, Some(answer::Evidence::Shown))
+        })?;
+        Ok(rows.into_iter().map(|r| plan::TeacherRow { example: r.example, chunks: r.chunks }).collect())
+    };
+    let hidden = distill.is_some_and(|d| d.hide_evidence);
+    let examples = match (model.base_filter(), opts.plan.qa_layout, hidden) {
+        (None, plan::QaLayout::HeadTail, false) => {
+            let mut plan = Plan::new(model, document.tokens(), pairs, &opts.plan)?;
+            if distill.is_some() {
+                plan.teacher = teacher_rows(pairs)?;
+            }
+            return Ok((plan, Vec::new()));
+        }
+        (Some(f), plan::QaLayout::HeadTail, false) => filter::qa_examples(model, document, pairs, budget, f)?,
+        (_, _, true) => filter::qa_examples_laid_out(model, document, pairs, &|pair, span| {
+            passages(pair, span, Some(answer::Evidence::Hidden))
+        })?,
+        (_, plan::QaLayout::Passages, false) => {
+            filter::qa_examples_laid_out(model, document, pairs, &|pair, span| passages(pair, span, None))?
+        }
     };
     if opts.plan.qa_pack > 1 {
         // Each question's filter masks the context its own way; a packed row shares one context.
-        tracing::warn!(qa_pack = opts.plan.qa_pack, "qa_pack has no effect under the prepared base's filter: one question per row");
+        tracing::warn!(qa_pack = opts.plan.qa_pack, "qa_pack has no effect under the prepared base's filter, the passages layout or distillation: one question per row");
     }
-    let examples = filter::qa_examples(model, document, pairs, opts.plan.qa_context(), f)?;
     let qa = examples.iter().map(|e| e.example.clone()).collect();
-    Ok((Plan::with_qa(model, document.tokens(), qa, &opts.plan)?, examples))
+    let mut plan = Plan::with_qa(model, document.tokens(), qa, &opts.plan)?;
+    if distill.is_some() {
+        plan.teacher = teacher_rows(pairs)?;
+    }
+    Ok((plan, examples))
 }
+
+/// The answer length the passages layout leaves room for (it only matters where the model's
+/// window is shorter than the budget): an auxiliary answer is a few words.
+const QA_ANSWER_TOKENS: usize = 32;
 
 /// The QA pairs to train on and those held aside as probes (absorb until learned; none
 /// otherwise, or when there are too few pairs to spare: the fixed schedule then runs to its end).
@@ -340,6 +389,53 @@ mod tests {
 
     fn pair(q: &str, span: (usize, usize)) -> QaPair {
         QaPair { question: q.into(), answer: "a".into(), evidence: "e".into(), evidence_span: span, source: QaSource::Extractive }
+    }
+
+    #[test]
+    fn the_passages_layout_trains_each_question_on_the_prompt_its_answer_shows() {
+        use candle_core::Device;
+        let dir = tempfile::tempdir().unwrap();
+        let path = crate::testing::write_hf(&dir.path().join("tiny"), &crate::testing::TinySpec::default()).unwrap();
+        let model = Model::load(&path, &Device::Cpu).unwrap();
+        // A fact in the middle of a document much longer than the budget: out of the head and tail.
+        let filler = "Gulls circle the harbor while the tide turns slowly. ";
+        let fact = "The lighthouse keeper is Anselm Varga.";
+        let text = format!("{}{fact} {}", filler.repeat(6), filler.repeat(6));
+        let document = Document::encode(&model, text.clone()).unwrap();
+        let at = text.find(fact).unwrap();
+        let question = "Who is the lighthouse keeper?";
+        let pair = QaPair {
+            question: question.into(),
+            answer: "Anselm Varga".into(),
+            evidence: fact.into(),
+            evidence_span: (at, at + fact.len()),
+            source: QaSource::Extractive,
+        };
+        let mut opts = AbsorbOptions::default();
+        opts.plan.training_context_tokens = 48;
+        let answer_tokens = model.tokenizer.encode("Anselm Varga", false).unwrap();
+        let (head_tail, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts).unwrap();
+        opts.plan.qa_layout = plan::QaLayout::Passages;
+        let (passages, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts).unwrap();
+        let ask = answer::Ask {
+            context: Some(answer::ContextPolicy::Bm25),
+            context_tokens: Some(48),
+            ..answer::Ask::new(question, answer::Mode::Lift)
+        };
+        let shown = answer::build_prompt(&model, &document, &ask, 32).unwrap();
+        let fact_tokens = crate::document::token_span(&model, &text, pair.evidence_span).unwrap();
+        assert!(shown.shows(fact_tokens), "BM25 finds the fact's passage");
+        let ex = &passages.qa[0];
+        let k = shown.tokens.len();
+        assert_eq!(&ex.tokens[..k], shown.tokens.as_slice(), "the prompt is the answer's");
+        assert_eq!(&ex.tokens[k..k + answer_tokens.len()], answer_tokens.as_slice());
+        assert!(ex.target[..k].iter().all(|&t| !t) && ex.target[k..].iter().all(|&t| t), "the loss is on the answer alone");
+        // The head-and-tail layout of the same question shows another context, without the fact.
+        let ht = &head_tail.qa[0];
+        assert_ne!(ht.tokens, ex.tokens);
+        let fact_ids = &document.tokens()[fact_tokens.0..fact_tokens.1];
+        let contains = |hay: &[u32]| hay.windows(fact_ids.len()).any(|w| w == fact_ids);
+        assert!(contains(&ex.tokens) && !contains(&ht.tokens));
     }
 
     #[test]

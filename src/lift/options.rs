@@ -110,6 +110,13 @@ pub struct OptionOverlay {
     pub accumulation: Option<usize>,
     pub qa_pack: Option<usize>,
     pub segment_pack: Option<usize>,
+    /// The context before an auxiliary question in training: `head_tail` or `passages` (what an
+    /// answer to it shows).
+    pub qa_layout: Option<super::plan::QaLayout>,
+    /// Context distillation of the QA examples: the teacher's share α of their loss (0: off).
+    pub distill: Option<f64>,
+    /// With distillation, the student's passages leave out the fact's evidence.
+    pub distill_hides_evidence: Option<bool>,
     /// Most auxiliary QA pairs, a fixed cap in place of the length-scaled one.
     pub aux_qa: Option<usize>,
     /// Also have the model write QA pairs.
@@ -149,6 +156,16 @@ impl OptionOverlay {
         set(&mut o.train.accumulation, self.accumulation);
         set(&mut o.plan.qa_pack, self.qa_pack);
         set(&mut o.plan.segment_pack, self.segment_pack);
+        set(&mut o.plan.qa_layout, self.qa_layout);
+        match self.distill {
+            // 0 turns it off; any other value is checked by `validate`.
+            Some(w) if w == 0.0 => o.train.distill = None,
+            Some(w) => o.train.distill.get_or_insert_with(Default::default).weight = w,
+            None => {}
+        }
+        if let (Some(hide), Some(d)) = (self.distill_hides_evidence, o.train.distill.as_mut()) {
+            d.hide_evidence = hide;
+        }
         if let Some(n) = self.aux_qa {
             // A count asked for is a fixed cap, in place of the length-scaled one, and the floor
             // never above it.
@@ -284,7 +301,12 @@ pub enum OptionError {
     Layer { layer: usize, num_layers: usize },
     #[error("'budget_seconds' must be a number of seconds above 0 and at most {max} (got {value})")]
     Budget { value: f64, max: f64 },
+    #[error("'distill' must be between 0 and 1, with a top-k of 1 to {max_top_k} (got {value}, top-k {top_k})")]
+    Distill { value: f64, top_k: usize, max_top_k: usize },
 }
+
+/// Most teacher tokens kept per answer position in distillation.
+pub const MAX_TOP_K: usize = 256;
 
 impl OptionError {
     /// The option's name as clients write it.
@@ -296,6 +318,7 @@ impl OptionError {
             OptionError::AuxQa { .. } => "aux_qa",
             OptionError::Layer { .. } => "layers",
             OptionError::Budget { .. } => "budget_seconds",
+            OptionError::Distill { .. } => "distill",
         }
     }
 }
@@ -328,6 +351,9 @@ impl AbsorbOptions {
         }
         if let Some(b) = self.budget_seconds.filter(|b| !(b.is_finite() && *b > 0.0 && *b <= MAX_BUDGET_SECONDS)) {
             return Err(OptionError::Budget { value: b, max: MAX_BUDGET_SECONDS });
+        }
+        if let Some(d) = self.train.distill.as_ref().filter(|d| !((0.0..=1.0).contains(&d.weight) && (1..=MAX_TOP_K).contains(&d.top_k))) {
+            return Err(OptionError::Distill { value: d.weight, top_k: d.top_k, max_top_k: MAX_TOP_K });
         }
         Ok(())
     }

@@ -40,6 +40,31 @@ pub struct PlanOptions {
     /// `qa_pack`; the segments of a row share the context's head/tail split). 1: one per row.
     #[serde(skip_serializing_if = "is_unpacked")]
     pub segment_pack: usize,
+    /// How an auxiliary question's context is laid out in training: the document's head and tail
+    /// (the LIFT paper's layout, the default) or the passages an answer to that question would
+    /// show (`passages`: BM25's for the question, within `qa_context` tokens), so the adapter trains
+    /// in the layout it answers in. Left out of the JSON (and so of document ids) when the default.
+    #[serde(skip_serializing_if = "QaLayout::is_head_tail")]
+    pub qa_layout: QaLayout,
+}
+
+/// The context before an auxiliary question in training ([`PlanOptions::qa_layout`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum QaLayout {
+    /// The document's head and tail within the budget (the LIFT paper's truncation).
+    #[default]
+    #[value(name = "head_tail")]
+    HeadTail,
+    /// The passages BM25 retrieves for the question within the budget, in document order: the
+    /// layout of an answer under the default context policy (`answer::build_prompt`).
+    Passages,
+}
+
+impl QaLayout {
+    fn is_head_tail(&self) -> bool {
+        *self == QaLayout::HeadTail
+    }
 }
 
 fn is_unpacked(pack: &usize) -> bool {
@@ -48,7 +73,15 @@ fn is_unpacked(pack: &usize) -> bool {
 
 impl Default for PlanOptions {
     fn default() -> Self {
-        Self { window: 256, stride: None, training_context_tokens: 128, qa_context_tokens: None, qa_pack: 1, segment_pack: 1 }
+        Self {
+            window: 256,
+            stride: None,
+            training_context_tokens: 128,
+            qa_context_tokens: None,
+            qa_pack: 1,
+            segment_pack: 1,
+            qa_layout: QaLayout::HeadTail,
+        }
     }
 }
 
@@ -122,6 +155,27 @@ pub struct Example {
     pub tokens: Vec<u32>,
     pub target: Vec<bool>,
     pub packing: Option<Packing>,
+    /// A teacher's distribution at the target positions (context distillation, `lift::distill`):
+    /// the loss mixes it with the tokens themselves. None: the tokens alone.
+    pub soft: Option<std::sync::Arc<SoftTargets>>,
+}
+
+/// A teacher's top-k next-token distribution at each target position of a row, in order
+/// (`indices` `[n, k]` u32, `probs` `[n, k]` f32 renormalised over the k), and the weight α of its
+/// term in the loss: `(1 − α)·CE(tokens) + α·CE(teacher)` (`lift::distill::soft_loss`).
+#[derive(Clone, Debug)]
+pub struct SoftTargets {
+    pub indices: candle_core::Tensor,
+    pub probs: candle_core::Tensor,
+    pub weight: f64,
+}
+
+/// What a teacher reads for the QA example of the same index: its prompt and answer (the answer
+/// tokens are the student's) and the prompt's chunks in the prepared base's filter layout.
+#[derive(Clone, Debug)]
+pub struct TeacherRow {
+    pub example: Example,
+    pub chunks: Vec<crate::model::filter::Chunk>,
 }
 
 impl Example {
@@ -135,6 +189,8 @@ pub struct Plan {
     /// Auxiliary-QA examples, `qa_pack` questions per row (CT examples are drawn per epoch by
     /// `segment_example`).
     pub qa: Vec<Example>,
+    /// With context distillation, the teacher's row of each QA example (same index); else empty.
+    pub teacher: Vec<TeacherRow>,
     opts: PlanOptions,
     elision: Vec<u32>,
 }
@@ -144,7 +200,7 @@ impl Plan {
     /// question per row).
     pub fn with_qa(model: &Model, doc: &[u32], qa: Vec<Example>, opts: &PlanOptions) -> Result<Self> {
         let segments = segments(doc.len(), opts.window, opts.stride());
-        Ok(Self { segments, qa, opts: opts.clone(), elision: elision_tokens(model)? })
+        Ok(Self { segments, qa, teacher: Vec::new(), opts: opts.clone(), elision: elision_tokens(model)? })
     }
 
     /// The plan with QA examples in the plain layout, `qa_pack` questions per row.
@@ -177,7 +233,7 @@ impl Plan {
         target.extend(std::iter::repeat_n(true, answer.len()));
         let mut tokens = prompt;
         tokens.extend_from_slice(answer);
-        Example { kind, tokens, target, packing: None }
+        Example { kind, tokens, target, packing: None, soft: None }
     }
 
     /// One row of (prompt, answer) pairs: the prompts' common prefix once, then each pair's
@@ -207,7 +263,7 @@ impl Plan {
             target.extend(std::iter::repeat_n(true, answer.len()));
             lens.push(rest.len() + answer.len());
         }
-        Example { kind, tokens, target, packing: Some(Packing::new(prefix, &lens)) }
+        Example { kind, tokens, target, packing: Some(Packing::new(prefix, &lens)), soft: None }
     }
 
     /// The CT example of segment `i` with a head/tail split drawn from `rng`: the document's

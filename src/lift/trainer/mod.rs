@@ -10,6 +10,7 @@ mod optim;
 mod until_learned;
 
 use super::cdt::{self, CdtStats};
+use super::distill::{soft_loss, DistillOptions, TeacherCache};
 use super::filter::{filter_loss, Filter, FilterExample, FilterHooks, FromLayer};
 use super::plan::{Example, Plan};
 use crate::model::{ops, Adapter, ForwardHooks, Model, NoHooks, Packing};
@@ -48,6 +49,9 @@ pub struct TrainOptions {
     /// schedule, `epochs`, is then the ceiling). None: the paper's fixed schedule.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub until_learned: Option<UntilLearned>,
+    /// Context distillation of the QA examples (`lift::distill`); None: their answer tokens alone.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub distill: Option<DistillOptions>,
     pub seed: u64,
 }
 
@@ -71,6 +75,7 @@ impl Default for TrainOptions {
             warmup_steps: 0,
             early_stop: None,
             until_learned: None,
+            distill: None,
             seed: 0,
         }
     }
@@ -134,6 +139,11 @@ pub struct TrainReport {
     /// Training stopped at the absorb's time budget, before its planned steps.
     #[serde(default)]
     pub out_of_time: bool,
+    /// Context distillation's teacher passes and their tokens (also counted in `tokens`).
+    #[serde(default)]
+    pub teacher_passes: usize,
+    #[serde(default)]
+    pub teacher_tokens: usize,
 }
 
 /// A FltLM filter in training: the filter, the QA examples in its layout (they replace
@@ -232,6 +242,7 @@ struct Prepared {
     pos: Tensor,
     tgt: Tensor,
     weights: Tensor,
+    soft: Option<std::sync::Arc<super::plan::SoftTargets>>,
 }
 
 fn prepare(model: &Model, example: &Example) -> Result<Prepared> {
@@ -263,6 +274,7 @@ fn prepare(model: &Model, example: &Example) -> Result<Prepared> {
         pos: Tensor::new(pos.as_slice(), dev)?,
         tgt: Tensor::new(tgt.as_slice(), dev)?,
         weights: Tensor::new(weights.as_slice(), dev)?,
+        soft: example.soft.clone(),
     })
 }
 
@@ -281,7 +293,11 @@ fn lm_loss(
 /// The row's mean cross-entropy from final hidden states `[1, t, hidden]`.
 fn cross_entropy_at(model: &Model, hidden: &Tensor, p: &Prepared) -> Result<Tensor> {
     let logits = model.decoder.logits_train(&hidden.squeeze(0)?.index_select(&p.pos, 0)?)?;
-    Ok(ops::cross_entropy_masked(&logits, &p.tgt, &p.weights)?)
+    let hard = ops::cross_entropy_masked(&logits, &p.tgt, &p.weights)?;
+    match &p.soft {
+        None => Ok(hard),
+        Some(soft) => Ok(soft_loss(&logits, &hard, soft, &p.weights)?),
+    }
 }
 
 /// `(L_lm + λ·L_flt, L_lm, L_flt)` of one example from embeddings `emb`; without a filter
@@ -481,6 +497,10 @@ pub fn train_long(
         frozen: FrozenCache::new(FROZEN_CACHE_BYTES),
         no_cdt: CdtStats::default(),
         rng: Plan::rng(opts.seed),
+        teacher: match (&opts.distill, inputs.plan.teacher.is_empty()) {
+            (Some(d), false) => Some(TeacherCache::new(&inputs.plan.teacher, d.clone())),
+            _ => None,
+        },
     };
     let rows = EpochRows::of(inputs.plan, opts);
     let (epochs_total, steps_total) = (opts.epochs[0] + opts.epochs[1], rows.steps_total(opts));
@@ -626,6 +646,10 @@ pub fn train_long(
         }
     }
     report.seconds = seconds_before + start.elapsed().as_secs_f64();
+    if let Some(t) = &run.teacher {
+        report.teacher_passes = t.passes;
+        report.teacher_tokens = t.tokens;
+    }
     report.tokens_per_s = report.tokens as f64 / report.seconds.max(1e-9);
     report.final_loss = report.epoch_losses.last().copied().unwrap_or(f64::NAN);
     Ok(report)
@@ -700,6 +724,8 @@ struct LiftRun<'a> {
     frozen: FrozenCache,
     no_cdt: CdtStats,
     rng: PlanRng,
+    /// Context distillation's teacher targets of the QA examples.
+    teacher: Option<TeacherCache<'a>>,
 }
 
 /// One batch: its gradients summed (in `LiftRun::vars` order), mean loss, each example's loss
@@ -723,11 +749,23 @@ impl LiftRun<'_> {
         let mut batch_tokens = 0;
         for &(is_qa, i) in batch {
             let fx = self.filter.filter(|_| is_qa).map(|ft| (ft, &ft.examples[i]));
-            let example = match (fx, is_qa) {
+            let mut example = match (fx, is_qa) {
                 (Some((_, fx)), _) => fx.example.clone(),
                 (None, true) => plan.qa[i].clone(),
                 (None, false) => plan.segments_example(model, doc, &seg_members[i], &mut self.rng)?,
             };
+            if let (Some(teacher), true) = (self.teacher.as_mut(), is_qa) {
+                let before = teacher.tokens;
+                let soft = teacher.targets(model, i)?;
+                anyhow::ensure!(
+                    soft.indices.dim(0)? == example.target_count(),
+                    "QA example {i}: the teacher's row has {} answer positions, the student's {}",
+                    soft.indices.dim(0)?,
+                    example.target_count()
+                );
+                example.soft = Some(soft);
+                batch_tokens += teacher.tokens - before;
+            }
             // QA examples are the same tokens every epoch; segments get a new context each time.
             let cached = is_qa.then_some((&mut self.frozen, i));
             let (loss, _) = training_loss(model, adapter, &example, fx, None, &mut self.no_cdt, cached)?;

@@ -1,0 +1,88 @@
+//! Context distillation on the tiny random model, through `lift::absorb`: the teacher reads each
+//! QA example once for the whole run (its targets are cached across epochs), its passes count in
+//! the absorb's training tokens, and its distribution changes what the adapter learns. (The
+//! loss's gradient against finite differences: `lift::distill`'s unit tests.)
+
+use candle_core::{Device, Tensor};
+use lift_serve::document::Document;
+use lift_serve::lift::distill::DistillOptions;
+use lift_serve::lift::plan::QaLayout;
+use lift_serve::lift::{absorb, AbsorbOptions, Absorbed};
+use lift_serve::model::Model;
+use lift_serve::testing::{write_hf, TinySpec};
+
+fn tiny() -> (tempfile::TempDir, Model) {
+    let dir = tempfile::tempdir().unwrap();
+    let path = write_hf(&dir.path().join("tiny"), &TinySpec::default()).unwrap();
+    let model = Model::load(&path, &Device::Cpu).unwrap();
+    (dir, model)
+}
+
+fn document(model: &Model) -> Document {
+    let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/tests/fixtures/harbor_history.txt")).unwrap();
+    Document::encode(model, text.chars().take(700).collect::<String>()).unwrap()
+}
+
+fn options(distill: Option<DistillOptions>, layout: QaLayout) -> AbsorbOptions {
+    let mut o = AbsorbOptions::default();
+    o.plan.window = 48;
+    o.plan.training_context_tokens = 24;
+    o.plan.qa_layout = layout;
+    o.qa.use_model = false;
+    o.qa.max_pairs = 5;
+    o.train.epochs = [0, 3];
+    o.train.distill = distill;
+    o
+}
+
+fn run(model: &Model, doc: &Document, opts: &AbsorbOptions) -> Absorbed {
+    absorb(model, doc, None, opts, &mut |_| {}, &|| false).unwrap()
+}
+
+fn max_diff(a: &Absorbed, b: &Absorbed) -> f32 {
+    let (ta, tb) = (a.bundle.named_tensors(), b.bundle.named_tensors());
+    ta.iter()
+        .zip(&tb)
+        .map(|((_, x), (_, y)): (&(String, Tensor), &(String, Tensor))| {
+            (x - y).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+        })
+        .fold(0.0, f32::max)
+}
+
+#[test]
+fn the_teacher_reads_each_qa_example_once_and_its_distribution_is_learned() {
+    let (_d, model) = tiny();
+    let doc = document(&model);
+    for layout in [QaLayout::HeadTail, QaLayout::Passages] {
+        let plain = run(&model, &doc, &options(None, layout));
+        assert_eq!((plain.report.teacher_passes, plain.report.teacher_tokens), (0, 0));
+        for hide_evidence in [false, true] {
+            let d = DistillOptions { weight: 0.5, top_k: 8, hide_evidence };
+            let distilled = run(&model, &doc, &options(Some(d), layout));
+            let pairs = distilled.qa.len();
+            assert!(pairs >= 2, "{pairs} QA pairs");
+            let r = &distilled.report;
+            // Three epochs over the segments and QA examples, one teacher pass per QA example.
+            let segments = lift_serve::lift::plan::segments(doc.tokens().len(), 48, 18).len();
+            assert_eq!(r.examples, 3 * (segments + pairs), "{layout:?}");
+            assert_eq!(r.teacher_passes, pairs, "{layout:?}, hide {hide_evidence}: one pass per example, not per epoch");
+            assert!(r.teacher_tokens > 0 && r.tokens > r.teacher_tokens);
+            let d = max_diff(&plain, &distilled);
+            assert!(d > 1e-5, "{layout:?}, hide {hide_evidence}: the teacher changed nothing ({d})");
+        }
+    }
+}
+
+#[test]
+fn distillation_options_stay_out_of_the_saved_options_until_used() {
+    // Document ids hash the options' JSON: documents absorbed without distillation or the
+    // passages layout keep their ids.
+    let plain = serde_json::to_value(AbsorbOptions::default()).unwrap();
+    assert!(plain["train"].get("distill").is_none() && plain["plan"].get("qa_layout").is_none(), "{plain}");
+    let o = options(Some(DistillOptions::default()), QaLayout::Passages);
+    let json = serde_json::to_value(&o).unwrap();
+    assert_eq!(json["plan"]["qa_layout"], "passages");
+    assert_eq!(json["train"]["distill"]["top_k"], 16);
+    let back: AbsorbOptions = serde_json::from_value(json).unwrap();
+    assert_eq!(back.train.distill, o.train.distill);
+}
