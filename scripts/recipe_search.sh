@@ -3,7 +3,7 @@
 # planted-fact documents (1K tokens, 15 questions each: three per depth, every kind) and answers
 # them with the adapter on the retrieved passages (`lift`, the default context of 128 tokens);
 # `rag` (the passages alone) is answered in every run. The runs are merged into one report,
-# every recipe paired by question against the first.
+# every method paired by question against the first recipe's `lift`.
 #
 #   scripts/recipe_search.sh SPLIT SEED DOCS OUT RECIPE...
 #
@@ -17,13 +17,21 @@ bin=${LIFT_BIN:-./target/release/lift-serve}
 export RAYON_NUM_THREADS="${RAYON_NUM_THREADS:-2}"
 recipe_flags() {
   case $1 in
-    default) echo "" ;;                                              # today's default: [3, 5], head and tail
-    passages) echo "--qa-layout passages" ;;                          # the same, QA in the answer's layout
-    e12) echo "--epochs 1,2" ;;
-    e12-passages) echo "--epochs 1,2 --qa-layout passages" ;;
-    e02-passages) echo "--epochs 0,2 --qa-layout passages" ;;
-    e01-passages) echo "--epochs 0,1 --qa-layout passages" ;;
-    e12-passages-upper) echo "--epochs 1,2 --qa-layout passages --layers 15-29" ;;
+    # The first shipped schedule: 3 + 5 epochs, questions behind the head and tail, at most 64
+    # questions per 1,000 tokens (the default until the lean recipe).
+    paper) echo "--recipe paper" ;;
+    # The same with the fixed cap of 256 questions it was measured with before the questions grew
+    # with the length (~200 at 1K tokens: four wordings of every fact).
+    paper-q256) echo "--recipe paper --aux-qa 256" ;;
+    paper-q256-upper) echo "--recipe paper --aux-qa 256 --layers 15-29" ;;
+    lean) echo "--recipe lean" ;;
+    e12-passages) echo "--recipe paper --epochs 1,2 --qa-layout passages" ;;
+    e01-q256) echo "--recipe paper --epochs 0,1 --aux-qa 256" ;;
+    e01-q256-passages) echo "--recipe paper --epochs 0,1 --aux-qa 256 --qa-layout passages" ;;
+    e01-q256-recall-distill) echo "--recipe paper --epochs 0,1 --aux-qa 256 --qa-layout recall --distill 0.5" ;;
+    e02-q256-mixed) echo "--recipe paper --epochs 0,2 --aux-qa 256 --qa-layout mixed" ;;
+    e02-q256-mixed-distill) echo "--recipe paper --epochs 0,2 --aux-qa 256 --qa-layout mixed --distill 0.5" ;;
+    e02-q256-mixed-upper) echo "--recipe paper --epochs 0,2 --aux-qa 256 --qa-layout mixed --layers 15-29" ;;
     *) echo "unknown recipe '$1'" >&2; exit 2 ;;
   esac
 }
@@ -33,7 +41,7 @@ for r in "$@"; do
   mkdir -p "$out/$r"
   start=$(date +%s)
   # shellcheck disable=SC2086
-  "$bin" eval --split "$split" --seed "$seed" --methods rag,lift --lengths 1024 \
+  "$bin" eval --split "$split" --seed "$seed" --methods lift,rag --lengths 1024 \
     --depths 0.1,0.3,0.5,0.7,0.9 --needles-per-depth 3 --docs-per-length "$docs" \
     --context-tokens 128 --quiet --out "$out/$r" $flags > "$out/$r/log.txt" 2>&1
   echo "$r: $(($(date +%s) - start)) s"

@@ -53,32 +53,32 @@ fn max_diff(a: &Absorbed, b: &Absorbed) -> f32 {
 fn the_teacher_reads_each_qa_example_once_and_its_distribution_is_learned() {
     let (_d, model) = tiny();
     let doc = document(&model);
-    for layout in [QaLayout::HeadTail, QaLayout::Passages] {
+    for layout in [QaLayout::HeadTail, QaLayout::Passages, QaLayout::Recall] {
         let plain = run(&model, &doc, &options(None, layout));
         assert_eq!((plain.report.teacher_passes, plain.report.teacher_tokens), (0, 0));
-        for hide_evidence in [false, true] {
-            let d = DistillOptions { weight: 0.5, top_k: 8, hide_evidence };
-            let distilled = run(&model, &doc, &options(Some(d), layout));
-            let pairs = distilled.qa.len();
-            assert!(pairs >= 2, "{pairs} QA pairs");
-            let r = &distilled.report;
-            // Three epochs over the segments and QA examples, one teacher pass per QA example.
-            let segments = lift_serve::lift::plan::segments(doc.tokens().len(), 48, 18).len();
-            assert_eq!(r.examples, 3 * (segments + pairs), "{layout:?}");
-            assert_eq!(r.teacher_passes, pairs, "{layout:?}, hide {hide_evidence}: one pass per example, not per epoch");
-            assert!(r.teacher_tokens > 0 && r.tokens > r.teacher_tokens);
-            let d = max_diff(&plain, &distilled);
-            assert!(d > 1e-5, "{layout:?}, hide {hide_evidence}: the teacher changed nothing ({d})");
-        }
+        let distilled = run(&model, &doc, &options(Some(DistillOptions { weight: 0.5, top_k: 8 }), layout));
+        let pairs = distilled.qa.len();
+        assert!(pairs >= 2, "{pairs} QA pairs");
+        let r = &distilled.report;
+        // Three epochs over the segments and QA examples, one teacher pass per QA example.
+        let segments = lift_serve::lift::plan::segments(doc.tokens().len(), 48, 18).len();
+        assert_eq!(r.examples, 3 * (segments + pairs), "{layout:?}");
+        assert_eq!(r.teacher_passes, pairs, "{layout:?}: one pass per example, not per epoch");
+        assert!(r.teacher_tokens > 0 && r.tokens > r.teacher_tokens);
+        let d = max_diff(&plain, &distilled);
+        assert!(d > 1e-5, "{layout:?}: the teacher changed nothing ({d})");
     }
 }
 
 #[test]
 fn distillation_options_stay_out_of_the_saved_options_until_used() {
-    // Document ids hash the options' JSON: documents absorbed without distillation or the
-    // passages layout keep their ids.
+    // Document ids hash the options' JSON: the default (the `paper` recipe) saves neither.
     let plain = serde_json::to_value(AbsorbOptions::default()).unwrap();
     assert!(plain["train"].get("distill").is_none() && plain["plan"].get("qa_layout").is_none(), "{plain}");
+    let mut lean = AbsorbOptions::default();
+    lift_serve::lift::Recipe::Lean.set(&mut lean);
+    let lean = serde_json::to_value(&lean).unwrap();
+    assert_eq!((lean["train"]["epochs"].clone(), lean["plan"]["qa_layout"].clone()), (serde_json::json!([1, 2]), serde_json::json!("passages")));
     let o = options(Some(DistillOptions::default()), QaLayout::Passages);
     let json = serde_json::to_value(&o).unwrap();
     assert_eq!(json["plan"]["qa_layout"], "passages");

@@ -8,9 +8,9 @@
 //!   (`answer::evidence_prompt`, [`Evidence::Shown`](super::answer::Evidence)). One pass per QA
 //!   example, without a graph, cached for the whole run ([`TeacherCache`]): its top-k tokens at
 //!   each answer position.
-//! - **Student**: the model with the adapter, in the layout it will answer in (the question's own
-//!   passages), or with the evidence hidden (`hide_evidence`): the answer a retrieval miss needs,
-//!   which only the adapter can give.
+//! - **Student**: the model with the adapter, in the QA layout of the plan (`plan.qa_layout`): the
+//!   question's own passages as an answer shows them, or without the evidence (`recall`), where
+//!   the student must give from what it learned the answer the teacher reads.
 //! - **Loss** ([`soft_loss`]): `(1 − α)·CE(answer tokens) + α·CE(teacher's top-k)`.
 
 use super::plan::{SoftTargets, TeacherRow};
@@ -28,14 +28,11 @@ pub struct DistillOptions {
     pub weight: f64,
     /// Teacher tokens kept per answer position (renormalised over them).
     pub top_k: usize,
-    /// The student's passages leave out the fact's evidence: it learns to answer what retrieval
-    /// missed. False: the question's own passages, as an answer shows them.
-    pub hide_evidence: bool,
 }
 
 impl Default for DistillOptions {
     fn default() -> Self {
-        Self { weight: 0.5, top_k: 16, hide_evidence: false }
+        Self { weight: 0.5, top_k: 16 }
     }
 }
 

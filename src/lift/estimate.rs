@@ -66,7 +66,9 @@ pub struct OptionWarning {
 /// The most training tokens `o` can plan for a document of `doc_tokens`: QA pairs at the cap for
 /// that length (known before any pair is generated; what the server's training cap bounds).
 pub fn most_training_tokens(doc_tokens: usize, o: &AbsorbOptions) -> u64 {
-    planned_training_tokens(doc_tokens, &o.plan, o.train.epochs, o.qa.for_document(doc_tokens).max_pairs)
+    let pairs = o.qa.for_document(doc_tokens).max_pairs;
+    let teacher = if o.train.distill.is_some() { pairs as u64 * super::plan::qa_row_tokens(&o.plan) } else { 0 };
+    planned_training_tokens(doc_tokens, &o.plan, o.train.epochs, pairs) + teacher
 }
 
 /// Whether `model` trains one question per QA row: its prepared base's filter lays them out
@@ -92,7 +94,10 @@ pub fn plan_counts(doc_tokens: usize, qa_pairs: usize, o: &AbsorbOptions, one_qu
     let steps = o.train.until_learned.as_ref().map_or(full, |r| r.ceiling(full));
     let tokens = planned_training_tokens(doc_tokens, p, o.train.epochs, trained);
     let tokens = if full == 0 { tokens } else { (tokens as f64 * steps as f64 / full as f64).round() as u64 };
-    (segments, trained, steps, tokens)
+    // Context distillation's teacher reads each trained question once (counted as the trainer
+    // counts it, in the tokens).
+    let teacher = if o.train.distill.is_some() { trained as u64 * super::plan::qa_row_tokens(p) } else { 0 };
+    (segments, trained, steps, tokens + teacher)
 }
 
 /// The QA pairs an absorb with `o` will train on for `text`: counted by running the extractive

@@ -25,7 +25,7 @@ use crate::document::Document;
 use crate::model::Model;
 use crate::store::NewAdapter;
 use anyhow::Result;
-pub use options::{AbsorbOptions, OptionError, OptionOverlay, MAX_AUX_QA, MAX_BUDGET_SECONDS, MAX_EPOCHS, MIN_WINDOW};
+pub use options::{AbsorbOptions, OptionError, OptionOverlay, Recipe, MAX_AUX_QA, MAX_BUDGET_SECONDS, MAX_EPOCHS, MIN_WINDOW};
 use plan::Plan;
 use qa::{QaPair, QaProgress};
 use serde::{Deserialize, Serialize};
@@ -154,6 +154,8 @@ pub fn absorb_resumable(
     // Probes in the layout the QA examples train in, one question per row.
     let mut probe_opts = opts.clone();
     probe_opts.plan.qa_pack = 1;
+    // Probes are scored on their answers alone: no teacher reads them.
+    probe_opts.train.distill = None;
     let probe_plan = match held.is_empty() {
         true => None,
         false => Some(self::plan(model, document, &held, &probe_opts)?),
@@ -273,26 +275,31 @@ fn plan(
         })?;
         Ok(rows.into_iter().map(|r| plan::TeacherRow { example: r.example, chunks: r.chunks }).collect())
     };
-    let hidden = distill.is_some_and(|d| d.hide_evidence);
-    let examples = match (model.base_filter(), opts.plan.qa_layout, hidden) {
-        (None, plan::QaLayout::HeadTail, false) => {
+    use plan::QaLayout;
+    let examples = match (model.base_filter(), opts.plan.qa_layout) {
+        (None, QaLayout::HeadTail) => {
             let mut plan = Plan::new(model, document.tokens(), pairs, &opts.plan)?;
             if distill.is_some() {
                 plan.teacher = teacher_rows(pairs)?;
             }
             return Ok((plan, Vec::new()));
         }
-        (Some(f), plan::QaLayout::HeadTail, false) => filter::qa_examples(model, document, pairs, budget, f)?,
-        (_, _, true) => filter::qa_examples_laid_out(model, document, pairs, &|pair, span| {
-            passages(pair, span, Some(answer::Evidence::Hidden))
-        })?,
-        (_, plan::QaLayout::Passages, false) => {
-            filter::qa_examples_laid_out(model, document, pairs, &|pair, span| passages(pair, span, None))?
+        (Some(f), QaLayout::HeadTail) => filter::qa_examples(model, document, pairs, budget, f)?,
+        (_, layout) => {
+            // Which questions hide their evidence: all (`recall`), every other one (`mixed`).
+            let hides = |pair: &QaPair| match layout {
+                QaLayout::Recall => true,
+                QaLayout::Mixed => pairs.iter().position(|p| std::ptr::eq(p, pair)).is_some_and(|i| i % 2 == 1),
+                _ => false,
+            };
+            filter::qa_examples_laid_out(model, document, pairs, &|pair, span| {
+                passages(pair, span, hides(pair).then_some(answer::Evidence::Hidden))
+            })?
         }
     };
     if opts.plan.qa_pack > 1 {
         // Each question's filter masks the context its own way; a packed row shares one context.
-        tracing::warn!(qa_pack = opts.plan.qa_pack, "qa_pack has no effect under the prepared base's filter, the passages layout or distillation: one question per row");
+        tracing::warn!(qa_pack = opts.plan.qa_pack, "qa_pack has no effect under the prepared base's filter or the passages layouts: one question per row");
     }
     let qa = examples.iter().map(|e| e.example.clone()).collect();
     let mut plan = Plan::with_qa(model, document.tokens(), qa, &opts.plan)?;
@@ -413,6 +420,7 @@ mod tests {
         };
         let mut opts = AbsorbOptions::default();
         opts.plan.training_context_tokens = 48;
+        opts.plan.qa_layout = plan::QaLayout::HeadTail;
         let answer_tokens = model.tokenizer.encode("Anselm Varga", false).unwrap();
         let (head_tail, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts).unwrap();
         opts.plan.qa_layout = plan::QaLayout::Passages;
@@ -436,6 +444,15 @@ mod tests {
         let fact_ids = &document.tokens()[fact_tokens.0..fact_tokens.1];
         let contains = |hay: &[u32]| hay.windows(fact_ids.len()).any(|w| w == fact_ids);
         assert!(contains(&ex.tokens) && !contains(&ht.tokens));
+        // `recall` shows the question's passages without the fact's; `mixed` alternates.
+        opts.plan.qa_layout = plan::QaLayout::Recall;
+        let (recall, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts).unwrap();
+        assert!(!contains(&recall.qa[0].tokens), "the evidence is hidden");
+        assert!(recall.qa[0].tokens.ends_with(&ex.tokens[k..]), "the same answer");
+        opts.plan.qa_layout = plan::QaLayout::Mixed;
+        let two = [pair.clone(), QaPair { question: "Who keeps the light?".into(), ..pair.clone() }];
+        let (mixed, _) = plan(&model, &document, &two, &opts).unwrap();
+        assert!(contains(&mixed.qa[0].tokens) && !contains(&mixed.qa[1].tokens));
     }
 
     #[test]

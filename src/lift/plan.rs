@@ -59,6 +59,12 @@ pub enum QaLayout {
     /// The passages BM25 retrieves for the question within the budget, in document order: the
     /// layout of an answer under the default context policy (`answer::build_prompt`).
     Passages,
+    /// Those passages without the ones holding the fact's evidence: the answer a retrieval miss
+    /// needs (a question worded unlike its evidence), which only what the adapter learned gives.
+    Recall,
+    /// `passages` and `recall` in turn over the questions (a fact's wordings are consecutive, so
+    /// each fact is both read and recalled).
+    Mixed,
 }
 
 impl QaLayout {
@@ -134,9 +140,15 @@ pub fn planned_training_tokens(doc_tokens: usize, opts: &PlanOptions, epochs: [u
     let window = opts.window.max(1);
     let segments = if doc_tokens <= window { 1 } else { (doc_tokens - window).div_ceil(opts.stride()) + 1 };
     let segment_row = (opts.training_context_tokens + ROW_OVERHEAD_TOKENS + window.min(doc_tokens.max(1))) as u64;
-    let qa_row = (opts.qa_context() + ROW_OVERHEAD_TOKENS + QA_PAIR_TOKENS) as u64;
+    let qa_row = qa_row_tokens(opts);
     let ct = segments as u64 * segment_row * (epochs[0] + epochs[1]) as u64;
     ct + qa_pairs as u64 * qa_row * epochs[1] as u64
+}
+
+/// About how many tokens one auxiliary question's row takes (its context, template, question and
+/// answer): also a distillation teacher's pass over it.
+pub fn qa_row_tokens(opts: &PlanOptions) -> u64 {
+    (opts.qa_context() + ROW_OVERHEAD_TOKENS + QA_PAIR_TOKENS) as u64
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize, Deserialize)]

@@ -11,6 +11,11 @@ use utoipa::ToSchema;
 #[derive(Debug, Default, Deserialize, ToSchema)]
 #[serde(deny_unknown_fields)]
 pub struct DocumentOptions {
+    /// A named recipe laid over the server's defaults before the options below: `paper` (the
+    /// default: 3 + 5 epochs, the questions behind the document's head and tail) or `lean` (about
+    /// a seventh of its training: 1 + 2 epochs, the questions on their own passages).
+    #[schema(value_type = Option<String>, example = "lean")]
+    pub recipe: Option<crate::lift::Recipe>,
     #[schema(value_type = Option<String>, example = "gated_memory")]
     pub adapter: Option<AdapterKind>,
     /// Tokens per training segment.
@@ -19,7 +24,8 @@ pub struct DocumentOptions {
     pub stride: Option<usize>,
     /// [segment-only epochs, segment + QA epochs].
     pub epochs: Option<[usize; 2]>,
-    /// Most auxiliary QA pairs, a fixed cap (default: at most 64 per 1,000 document tokens).
+    /// Most auxiliary QA pairs, a fixed cap (default: at most 64 per 1,000 document tokens, and
+    /// never under 256).
     pub aux_qa: Option<usize>,
     /// Absorb until learned: stop once held-aside probe questions stop improving (`epochs` is then
     /// the ceiling); false: the fixed schedule. Default: the server's options.
@@ -59,6 +65,7 @@ impl DocumentOptions {
     /// The settings given, by the names every path uses.
     fn overlay(&self) -> OptionOverlay {
         OptionOverlay {
+            recipe: self.recipe,
             adapter: self.adapter,
             window: self.window,
             stride: self.stride,
