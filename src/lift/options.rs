@@ -449,7 +449,8 @@ mod tests {
         // Every flat name is read by the overlay, with the effect its flag or field has.
         let all = serde_json::json!({"adapter": "lora", "layers": [1, 2], "window": 64, "stride": 16,
             "training_context_tokens": 48, "epochs": [0, 2], "lr": 0.01, "accumulation": 2, "qa_pack": 3,
-            "segment_pack": 2, "aux_qa": 6, "model_qa": true, "until_learned": true, "seed": 9, "budget_seconds": 60.0});
+            "segment_pack": 2, "aux_qa": 6, "model_qa": true, "until_learned": true, "seed": 9, "budget_seconds": 60.0,
+            "recipe": "lean", "qa_layout": "mixed", "distill": 0.25});
         let names: Vec<&String> = all.as_object().unwrap().keys().collect();
         assert_eq!(names.len(), OptionOverlay::names().len(), "a flat name without a case here");
         let o = d.with_json(&all).unwrap();
@@ -458,6 +459,13 @@ mod tests {
         assert_eq!((o.plan.qa_pack, o.plan.segment_pack, o.qa.max_pairs, o.qa.pairs_per_1k_tokens), (3, 2, 6, 0));
         assert!(o.qa.use_model && o.train.until_learned.is_some() && o.qa.min_pairs <= 6);
         assert_eq!((o.train.seed, o.qa.seed, o.budget_seconds), (9, 9, Some(60.0)));
+        // The recipe first (lean: no floor under the questions' cap), the settings named over it.
+        assert_eq!((o.qa.cap_floor, o.plan.qa_layout), (0, QaLayout::Mixed));
+        assert_eq!(o.train.distill.as_ref().map(|d| d.weight), Some(0.25));
+        let off = d.with_json(&serde_json::json!({"distill": 0.5})).unwrap().with_json(&serde_json::json!({"distill": 0})).unwrap();
+        assert!(off.train.distill.is_none(), "0 turns distillation off");
+        let bad = d.with_json(&serde_json::json!({"distill": 1.5})).unwrap();
+        assert_eq!(bad.validate(30, 2048).unwrap_err().option(), "distill");
         // A flat name of the wrong type says which.
         let e = d.with_json(&serde_json::json!({"window": "wide"})).unwrap_err().to_string();
         assert!(e.contains("window"), "{e}");
