@@ -1,0 +1,56 @@
+#!/usr/bin/env python3
+"""The recipe search's front: `lift` answers right against training tokens per document, one
+point per recipe run of scripts/recipe_search.sh, and the passages alone (`rag`) as a line.
+
+    scripts/recipe_front.py OUT.png NAME=RUN/results.json ...
+"""
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def point(path):
+    r = json.load(open(path))
+    absorbs = r["absorbs"] if isinstance(r["absorbs"], list) else list(r["absorbs"].values())
+    tokens = sum(a["tokens_per_s"] * a["train_seconds"] for a in absorbs) / len(absorbs)
+    right = {m: 0 for m in ("lift", "rag")}
+    total = 0
+    for a in r["answers"]:
+        if a["method"] in right:
+            right[a["method"]] += a["scores"]["contains"] > 0
+            total += a["method"] == "lift"
+    return tokens, right["lift"], right["rag"], total
+
+
+def main():
+    out, runs = sys.argv[1], [a.split("=", 1) for a in sys.argv[2:]]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    rag, total = None, None
+    pts = []
+    for name, path in runs:
+        tokens, lift, rag, total = point(path)
+        pts.append((tokens, lift, name))
+        ax.scatter(tokens, lift, color="tab:blue")
+        ax.annotate(name, (tokens, lift), textcoords="offset points", xytext=(5, 4), fontsize=8)
+    # The front: the points no other point matches in answers at fewer or as many tokens.
+    front = sorted(
+        (t, l) for t, l, _ in pts
+        if not any((t2 <= t and l2 >= l) and (t2, l2) != (t, l) for t2, l2, _ in pts)
+    )
+    ax.plot([t for t, _ in front], [l for _, l in front], color="tab:blue", alpha=0.4)
+    ax.axhline(rag, color="tab:orange", linestyle="--", label=f"rag (the passages alone): {rag}")
+    ax.set_xscale("log")
+    ax.set_xlabel("training tokens per 1K-token document (teacher passes included)")
+    ax.set_ylabel(f"lift right of {total}")
+    ax.set_title("Absorb recipes: answers against training cost (validation split)")
+    ax.legend(loc="upper center", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
