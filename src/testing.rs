@@ -801,3 +801,17 @@ pub mod hostile {
         out
     }
 }
+
+/// The largest absolute difference between two adapters' tensors (the same names in the same
+/// order).
+pub fn max_adapter_diff(a: &crate::adapters::AdapterBundle, b: &crate::adapters::AdapterBundle) -> f32 {
+    let (ta, tb) = (a.named_tensors(), b.named_tensors());
+    assert_eq!(ta.len(), tb.len());
+    ta.iter()
+        .zip(&tb)
+        .map(|((na, x), (nb, y))| {
+            assert_eq!(na, nb);
+            (x - y).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+        })
+        .fold(0.0, f32::max)
+}

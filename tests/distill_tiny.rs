@@ -3,7 +3,7 @@
 //! the absorb's training tokens, and its distribution changes what the adapter learns. (The
 //! loss's gradient against finite differences: `lift::distill`'s unit tests.)
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use lift_serve::document::Document;
 use lift_serve::lift::distill::DistillOptions;
 use lift_serve::lift::plan::QaLayout;
@@ -40,13 +40,7 @@ fn run(model: &Model, doc: &Document, opts: &AbsorbOptions) -> Absorbed {
 }
 
 fn max_diff(a: &Absorbed, b: &Absorbed) -> f32 {
-    let (ta, tb) = (a.bundle.named_tensors(), b.bundle.named_tensors());
-    ta.iter()
-        .zip(&tb)
-        .map(|((_, x), (_, y)): (&(String, Tensor), &(String, Tensor))| {
-            (x - y).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
-        })
-        .fold(0.0, f32::max)
+    lift_serve::testing::max_adapter_diff(&a.bundle, &b.bundle)
 }
 
 #[test]

@@ -3,7 +3,7 @@
 //! refused with the reason (the same through real server processes killed with SIGKILL:
 //! `tests/server.rs` and `tests/replicas.rs`); a time budget stops training at it.
 
-use candle_core::{Device, Tensor};
+use candle_core::Device;
 use lift_serve::document::Document;
 use lift_serve::lift::checkpoint::{Checkpoint, Resumable};
 use lift_serve::lift::{absorb, absorb_resumable, AbsorbEvent, AbsorbOptions, AbsorbStage, Absorbed, Cancelled};
@@ -58,15 +58,7 @@ fn run(
 }
 
 fn max_diff(a: &Absorbed, b: &Absorbed) -> f32 {
-    let (ta, tb) = (a.bundle.named_tensors(), b.bundle.named_tensors());
-    assert_eq!(ta.len(), tb.len());
-    ta.iter()
-        .zip(&tb)
-        .map(|((na, x), (nb, y)): (&(String, Tensor), &(String, Tensor))| {
-            assert_eq!(na, nb);
-            (x - y).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
-        })
-        .fold(0.0, f32::max)
+    lift_serve::testing::max_adapter_diff(&a.bundle, &b.bundle)
 }
 
 #[test]

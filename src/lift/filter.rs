@@ -217,19 +217,19 @@ pub fn qa_examples(
     filter: &Filter,
 ) -> Result<Vec<FilterExample>> {
     let (doc, breaks) = (document.tokens(), document.breaks(model)?);
-    qa_examples_laid_out(model, document, pairs, &|pair, _| {
+    qa_examples_laid_out(model, document, pairs, &|_, pair, _| {
         build_prompt(model, doc, breaks, &pair.question, budget, filter.chunk_tokens)
     })
 }
 
-/// The QA examples of `pairs`, each question's context laid out by `prompt_of(pair, evidence
-/// tokens)` (the head and tail of [`qa_examples`], or the passages an answer would show), with
+/// The QA examples of `pairs`, each question's context laid out by `prompt_of(index, pair,
+/// evidence tokens)` (the head and tail of [`qa_examples`], or the passages an answer would show), with
 /// their chunk labels.
 pub fn qa_examples_laid_out(
     model: &Model,
     document: &Document,
     pairs: &[QaPair],
-    prompt_of: &dyn Fn(&QaPair, (usize, usize)) -> Result<FilterPrompt>,
+    prompt_of: &dyn Fn(usize, &QaPair, (usize, usize)) -> Result<FilterPrompt>,
 ) -> Result<Vec<FilterExample>> {
     let text = document.text.as_str();
     let eot = end_of_turn(model);
@@ -244,7 +244,7 @@ pub fn qa_examples_laid_out(
                 Some(&s) => s,
                 None => *spans.entry(pair.evidence_span).or_insert(evidence_tokens(model, text, pair)?),
             };
-            let p = prompt_of(pair, span)?;
+            let p = prompt_of(i, pair, span)?;
             let evidence = (span.0..span.1).filter_map(|d| p.position_of(d)).collect();
             let mut answer = model.tokenizer.encode(pair.answer.trim(), false)?;
             answer.extend_from_slice(&eot);

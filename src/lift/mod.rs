@@ -270,7 +270,7 @@ fn plan(
     };
     // The teacher reads each question with its evidence in front of it.
     let teacher_rows = |pairs: &[QaPair]| -> Result<Vec<plan::TeacherRow>> {
-        let rows = filter::qa_examples_laid_out(model, document, pairs, &|pair, span| {
+        let rows = filter::qa_examples_laid_out(model, document, pairs, &|_, pair, span| {
             passages(pair, span, Some(answer::Evidence::Shown))
         })?;
         Ok(rows.into_iter().map(|r| plan::TeacherRow { example: r.example, chunks: r.chunks }).collect())
@@ -287,13 +287,13 @@ fn plan(
         (Some(f), QaLayout::HeadTail) => filter::qa_examples(model, document, pairs, budget, f)?,
         (_, layout) => {
             // Which questions hide their evidence: all (`recall`), every other one (`mixed`).
-            let hides = |pair: &QaPair| match layout {
+            let hides = |i: usize| match layout {
                 QaLayout::Recall => true,
-                QaLayout::Mixed => pairs.iter().position(|p| std::ptr::eq(p, pair)).is_some_and(|i| i % 2 == 1),
+                QaLayout::Mixed => i % 2 == 1,
                 _ => false,
             };
-            filter::qa_examples_laid_out(model, document, pairs, &|pair, span| {
-                passages(pair, span, hides(pair).then_some(answer::Evidence::Hidden))
+            filter::qa_examples_laid_out(model, document, pairs, &|i, pair, span| {
+                passages(pair, span, hides(i).then_some(answer::Evidence::Hidden))
             })?
         }
     };
