@@ -223,6 +223,11 @@ struct PrepareBaseArgs {
     /// Continue from the checkpoint in the output directory.
     #[arg(long)]
     resume: bool,
+    /// No training: give the prepared base already in the output directory the options' mask
+    /// calibration (`mask_calibration`), recompute its held-out figures and save it. The same
+    /// file as training with those options, for a base trained before the option was set.
+    #[arg(long, conflicts_with = "resume")]
+    recalibrate: bool,
 }
 
 #[cfg(feature = "research")]
@@ -616,10 +621,27 @@ impl PrepareBaseArgs {
                 tracing::info!(step = p.step, steps = p.steps, loss = p.loss, filter_loss = p.filter_loss, "training");
             }
         };
+        let held_out = data::build_examples_with(&essays, lift_serve::corpus::Split::Validation, validation, opts.seed, &opts.data)?;
+        if self.recalibrate {
+            let mut base = lift_serve::base::PreparedBase::load(output, &model)?;
+            base.filter.calibration = opts.mask_calibration;
+            // The held-out figures made again under the new mask; figures added by hand (reading,
+            // lift) are kept.
+            let fresh = train::evaluate(&model, &base, &held_out)?;
+            if let (Some(eval), Some(fresh)) = (base.manifest.eval.as_object_mut(), fresh.as_object()) {
+                eval.extend(fresh.clone());
+            }
+            if let Some(training) = base.manifest.training.as_object_mut() {
+                training.insert("recalibrated".into(), serde_json::json!(std::env::args().collect::<Vec<_>>().join(" ")));
+            }
+            let m = base.save(output)?;
+            println!("prepared base {} in {}: mask {}", m.sha256, output.display(), opts.mask_calibration.name());
+            return Ok(());
+        }
         let control = lift_serve::lift::trainer::RunControl { on_progress, cancel: &|| false };
         let (mut base, report) = train::prepare(&model, training_set, &opts, output, self.resume, control)?;
         bar.finish_and_clear();
-        let held_out = data::build_examples_with(&essays, lift_serve::corpus::Split::Validation, validation, opts.seed, &opts.data)?;
+        base.filter.calibration = opts.mask_calibration;
         base.manifest.eval = train::evaluate(&model, &base, &held_out)?;
         base.manifest.command = std::env::args().collect::<Vec<_>>().join(" ");
         let m = base.save(output)?;
@@ -803,7 +825,8 @@ fn main() -> Result<()> {
         #[cfg(feature = "research")]
         Command::Eval { model, train, eval } => {
             let device = lift_serve::runtime::device(&cli.device)?;
-            let model = model.load(&device, &cli.runtime)?;
+            let mut model = model.load(&device, &cli.runtime)?;
+            lift_serve::eval::apply_filter_mask(&mut model, &eval)?;
             let opts = train.options(model.config().num_layers)?;
             lift_serve::eval::run_cli(&model, opts, train.seed.unwrap_or(0), &eval)?;
         }

@@ -17,7 +17,7 @@ use lift_serve::document::Document;
 use lift_serve::adapters::{GatedMemory, Lora, LoraConfig, LoraPair};
 use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::kernels::masked_softmax;
-use lift_serve::lift::filter::{self, Filter, FilterHooks, FilterOptions};
+use lift_serve::lift::filter::{self, Filter, FilterHooks, FilterOptions, MaskCalibration};
 use lift_serve::lift::{absorb, AbsorbOptions};
 use lift_serve::model::{ops, Adapter, ForwardHooks, KvCache, Logits, Model, NoHooks, Packing};
 use lift_serve::testing::{write_gguf, write_hf, Rng, TinySpec};
@@ -402,23 +402,27 @@ fn filter_scores_and_soft_mask_on_cuda_match_cpu() {
     let ends = filter::breaks(&cpu, &doc).unwrap();
     let p = filter::build_prompt(&cpu, &doc, &ends, "Who logs the departures?", 200, 12).unwrap();
     assert!(p.chunks.len() >= 3);
-    let run = |m: &Model| {
-        let f = filter_on(m);
-        let scores = filter::score_prompt(m, None, &f, &p).unwrap();
-        let ids = Tensor::new(p.tokens.as_slice(), m.device()).unwrap().unsqueeze(0).unwrap();
-        let mut hooks = FilterHooks::new(&f, &p.chunks, m.config().num_layers);
-        let logits = m.decoder.forward(&ids, &mut KvCache::new(2), None, &mut hooks, Logits::All).unwrap();
-        (scores, logits)
-    };
-    let (s_c, l_c) = run(&cpu);
-    let (s_g, l_g) = run(&gpu);
-    assert_eq!(s_c.len(), s_g.len());
-    for (a, b) in s_c.iter().zip(&s_g) {
-        assert!((a.score - b.score).abs() < 5e-2 * a.score.abs().max(1.0), "score {} vs {}", a.score, b.score);
-        assert!((a.mask - b.mask).abs() < 5e-2 * a.mask.abs().max(1.0), "mask {} vs {}", a.mask, b.mask);
+    // FltLM's absolute threshold and the calibration relative to the best chunk.
+    for calibration in [MaskCalibration::Absolute, MaskCalibration::Relative { margin: 0.5 }] {
+        let run = |m: &Model| {
+            let mut f = filter_on(m);
+            f.calibration = calibration;
+            let scores = filter::score_prompt(m, None, &f, &p).unwrap();
+            let ids = Tensor::new(p.tokens.as_slice(), m.device()).unwrap().unsqueeze(0).unwrap();
+            let mut hooks = FilterHooks::new(&f, &p.chunks, m.config().num_layers);
+            let logits = m.decoder.forward(&ids, &mut KvCache::new(2), None, &mut hooks, Logits::All).unwrap();
+            (scores, logits)
+        };
+        let (s_c, l_c) = run(&cpu);
+        let (s_g, l_g) = run(&gpu);
+        assert_eq!(s_c.len(), s_g.len());
+        for (a, b) in s_c.iter().zip(&s_g) {
+            assert!((a.score - b.score).abs() < 5e-2 * a.score.abs().max(1.0), "{calibration:?}: score {} vs {}", a.score, b.score);
+            assert!((a.mask - b.mask).abs() < 5e-2 * a.mask.abs().max(1.0), "{calibration:?}: mask {} vs {}", a.mask, b.mask);
+        }
+        assert!(s_c.iter().any(|c| c.mask < -0.1), "{calibration:?}: the test filter masks something: {s_c:?}");
+        assert!(rel_diff(&l_g, &l_c) < 5e-2, "{calibration:?}: logits under the soft mask");
     }
-    assert!(s_c.iter().any(|c| c.mask < -0.1), "the test filter masks something: {s_c:?}");
-    assert!(rel_diff(&l_g, &l_c) < 5e-2, "logits under the soft mask");
 }
 
 #[test]

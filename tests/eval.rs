@@ -86,6 +86,51 @@ fn retrieval_shows_the_planted_fact_in_a_small_context() {
     }
 }
 
+/// The shipped prepared base's FltLM mask on the passages answers read (BM25's, the default
+/// 128 tokens), on validation-split documents: the chunk that holds a planted fact is left open
+/// and the chunks around it (distractors) are masked, where FltLM's absolute threshold, learned
+/// in another layout, closed the evidence too. Facts whose question shares words with them (the
+/// ones BM25 shows); 2 × 15 questions.
+#[test]
+fn the_shipped_filter_leaves_the_evidence_open_and_masks_the_distractors() {
+    use lift_serve::lift::answer::answer;
+    use lift_serve::lift::filter::MaskCalibration;
+    use lift_serve::model::generate::SamplingParams;
+    let path = lift_serve::fetch::resolve_model(None).unwrap();
+    let mut model = Model::load(&path, &Device::Cpu).unwrap();
+    lift_serve::base::install_from_arg(&mut model, Some(concat!(env!("CARGO_MANIFEST_DIR"), "/base"))).unwrap();
+    let shipped = model.base_filter().unwrap().calibration;
+    assert!(matches!(shipped, MaskCalibration::Relative { .. }), "the shipped base calibrates its mask relative to the best chunk");
+    let essays = data::essays_in(essays(), data::Split::Validation);
+    let spec = needles::NeedleSpec { docs_per_length: 2, ..spec(vec![1024], vec![0.1, 0.3, 0.5, 0.7, 0.9], 3, 5) };
+    let docs = needles::build_set(&model, &essays, &spec).unwrap();
+    let params = SamplingParams { max_tokens: 1, temperature: 0.0, ..Default::default() };
+    // (evidence shown, open, distractors, masked) under a calibration.
+    let mut measure = |calibration: MaskCalibration| {
+        model.base_filter.as_mut().unwrap().calibration = calibration;
+        let mut counts = [0usize; 4];
+        for doc in &docs {
+            let ids = Document::encode(&model, doc.text.clone()).unwrap();
+            for q in doc.questions.iter().filter(|q| !matches!(q.kind, Some(needles::FactKind::Paraphrase | needles::FactKind::TwoHop))) {
+                let a = answer(&model, &ids, None, &Ask::new(&q.question, Mode::Rag), &params, &mut |_| true).unwrap();
+                let r = eval::mask::measure(q, &a.chunks).expect("the answer's context is scored in chunks");
+                counts[0] += usize::from(r.evidence_shown);
+                counts[1] += usize::from(r.evidence_open() == Some(true));
+                counts[2] += r.distractors;
+                counts[3] += r.distractors_masked;
+            }
+        }
+        counts
+    };
+    let [shown, open, distractors, masked] = measure(shipped);
+    let [_, open_absolute, _, _] = measure(MaskCalibration::Absolute);
+    eprintln!("evidence shown {shown}, open {open} (absolute threshold: {open_absolute}); distractors masked {masked}/{distractors}");
+    assert!(shown >= 10, "BM25 shows the evidence of most facts worded like their question: {shown}");
+    assert!(open * 5 >= shown * 4, "the evidence is open in at least 80% of the answers that show it: {open}/{shown}");
+    assert!(masked * 2 >= distractors, "at least half the distractors are masked: {masked}/{distractors}");
+    assert!(open > open_absolute, "the absolute threshold closed more evidence: {open_absolute} open against {open}");
+}
+
 #[test]
 fn planted_facts_occur_exactly_once_at_the_requested_depth() {
     let model = real_model();
@@ -222,6 +267,7 @@ fn config(methods: &[&str], server: Option<String>) -> RunConfig {
         needles: None,
         jsonl: None,
         server,
+        filter_mask: None,
     }
 }
 
@@ -280,8 +326,8 @@ fn local_backend_absorbs_and_answers_through_the_prepared_bases_filter() {
     for m in [&plain, &model] {
         let mut local = Local::new(m, 4);
         let (_, handle) = local.absorb(&doc, &tokens, &o, &mut |_, _, _| {}).unwrap();
-        let (_, lift_len) = local.ask(&doc, &tokens, Some(handle), &head_tail(q, Mode::Lift)).unwrap();
-        let (_, icl_len) = local.ask(&doc, &tokens, None, &head_tail(q, Mode::Icl)).unwrap();
+        let lift_len = local.ask(&doc, &tokens, Some(handle), &head_tail(q, Mode::Lift)).unwrap().prompt_tokens;
+        let icl_len = local.ask(&doc, &tokens, None, &head_tail(q, Mode::Icl)).unwrap().prompt_tokens;
         lens.push((lift_len, icl_len));
     }
     // Without a base, `lift` has exactly the `icl` prompt; the base's filter layout repeats the

@@ -12,11 +12,12 @@
 use super::data::{BaseExample, BuildOptions};
 use super::{BaseShape, PreparedBase};
 use crate::lift::cdt::{CdtOptions, CdtStats};
-use crate::lift::filter::{self, FilterEval, FilterExample, FilterHooks};
+use crate::lift::filter::{self, FilterEval, FilterExample, FilterHooks, MaskCalibration};
 use crate::lift::plan::{Example, ExampleKind, Plan};
 use crate::lift::prompt::end_of_turn;
 use crate::lift::trainer::{self, AdamW, FilterTraining, QaPositions, RunControl, TrainOptions};
 use crate::model::Model;
+use crate::retrieve::PassageIndex;
 use anyhow::{bail, Context, Result};
 use candle_core::Tensor;
 #[cfg(test)]
@@ -46,6 +47,11 @@ pub struct PrepareOptions {
     pub checkpoint_seconds: f64,
     /// A share of the training examples shown truncated, as the answer path shows a long document.
     pub truncate: TruncateOptions,
+    /// How the shipped filter turns scores into its mask when it answers. Training always runs
+    /// FltLM's absolute mask (eq. 8); this is set on the trained filter before its held-out
+    /// figures and saved with it (`relative` keeps the evidence open in the BM25 passages answers
+    /// read, where the absolute threshold learned here closed it: docs/prepared-base.md).
+    pub mask_calibration: MaskCalibration,
 }
 
 /// Training examples shown as LIFT's answer path shows a long document: a head and a tail around
@@ -56,6 +62,9 @@ pub struct PrepareOptions {
 pub struct TruncateOptions {
     /// Share of the training examples shown truncated (0: every example whole).
     pub fraction: f64,
+    /// Share of the truncated examples shown as the passages BM25 retrieves for their question
+    /// ([`retrieved_view`]: the layout `lift` and `rag` answer in) instead of head and tail.
+    pub retrieved: f64,
     /// The document budget in tokens (head budget/2, tail the rest), drawn per example.
     pub min_tokens: usize,
     pub max_tokens: usize,
@@ -63,7 +72,7 @@ pub struct TruncateOptions {
 
 impl Default for TruncateOptions {
     fn default() -> Self {
-        Self { fraction: 0.0, min_tokens: 128, max_tokens: 384 }
+        Self { fraction: 0.0, retrieved: 0.0, min_tokens: 128, max_tokens: 384 }
     }
 }
 
@@ -79,6 +88,7 @@ impl Default for PrepareOptions {
             seed: 0,
             checkpoint_seconds: 300.0,
             truncate: TruncateOptions::default(),
+            mask_calibration: MaskCalibration::Absolute,
         }
     }
 }
@@ -132,11 +142,33 @@ fn encode_passages(model: &Model, ex: &BaseExample) -> Result<Vec<Vec<u32>>> {
 }
 
 /// Which passages of an example a training prompt shows, in order, and where the elision marker
-/// goes (before `passages[elide_before]`).
+/// goes (before `passages[elide_before]`; none between retrieved passages, as answers show them).
 #[derive(Clone, Debug, PartialEq)]
 pub struct View {
     pub passages: Vec<usize>,
-    pub elide_before: usize,
+    pub elide_before: Option<usize>,
+}
+
+/// The view `lift` and `rag` answer from: the passages BM25 ranks first for the question, as
+/// many as fit `budget` tokens, in document order ([`PassageIndex::select`], as answers select
+/// them), with the supporting passages always among them: the evidence among the distractors
+/// retrieval finds for it, the layout FltLM's filter must score at answer time. `None` when the
+/// whole example fits, or its supporting passages alone do not.
+pub fn retrieved_view(ex: &BaseExample, lens: &[usize], budget: usize) -> Option<View> {
+    if lens.iter().sum::<usize>() <= budget || ex.positive.iter().map(|&i| lens[i]).sum::<usize>() > budget {
+        return None;
+    }
+    let mut at = 0;
+    let ranges: Vec<(usize, usize)> = lens
+        .iter()
+        .map(|&l| {
+            at += l;
+            (at - l, at)
+        })
+        .collect();
+    let index = PassageIndex::from_texts(ranges, &ex.passages);
+    let ranked: Vec<usize> = ex.positive.iter().copied().chain(index.search(&ex.question).into_iter().map(|h| h.passage)).collect();
+    Some(View { passages: index.select(&ranked, budget), elide_before: None })
 }
 
 /// The truncated view of `ex` (passage lengths `lens` in tokens) for a document budget of `budget`
@@ -176,7 +208,7 @@ pub fn truncated_view(ex: &BaseExample, lens: &[usize], budget: usize, rng: &mut
             shown[slot] = d;
         }
     }
-    Some(View { passages: shown, elide_before: head })
+    Some(View { passages: shown, elide_before: Some(head) })
 }
 
 /// The prepared training set: every example in the filter layout, a seeded share of them
@@ -188,7 +220,7 @@ pub fn training_examples(
 ) -> Result<(Vec<(FilterExample, QaPositions)>, usize)> {
     let t = &opts.truncate;
     anyhow::ensure!(
-        (0.0..=1.0).contains(&t.fraction) && 0 < t.min_tokens && t.min_tokens <= t.max_tokens,
+        (0.0..=1.0).contains(&t.fraction) && (0.0..=1.0).contains(&t.retrieved) && 0 < t.min_tokens && t.min_tokens <= t.max_tokens,
         "bad truncate options: {t:?}"
     );
     let mut truncated = 0;
@@ -200,7 +232,12 @@ pub fn training_examples(
         let view = if t.fraction > 0.0 && rng.random_bool(t.fraction) {
             let budget = rng.random_range(t.min_tokens..=t.max_tokens);
             let lens: Vec<usize> = passages.iter().map(Vec::len).collect();
-            truncated_view(ex, &lens, budget, &mut rng)
+            // No draw when no example is retrieved: the head-and-tail stream stays as it was.
+            if t.retrieved > 0.0 && rng.random_bool(t.retrieved) {
+                retrieved_view(ex, &lens, budget)
+            } else {
+                truncated_view(ex, &lens, budget, &mut rng)
+            }
         } else {
             None
         };
@@ -225,7 +262,7 @@ fn example_in_view(
     );
     let shown: Vec<usize> = view.map_or_else(|| (0..passages.len()).collect(), |v| v.passages.clone());
     let shown_tokens: Vec<Vec<u32>> = shown.iter().map(|&i| passages[i].clone()).collect();
-    let p = filter::passages_prompt(model, &shown_tokens, &ex.question, view.map(|v| v.elide_before))?;
+    let p = filter::passages_prompt(model, &shown_tokens, &ex.question, view.and_then(|v| v.elide_before))?;
     let positive: Vec<bool> = shown.iter().map(|i| ex.positive.contains(i)).collect();
     anyhow::ensure!(positive.iter().any(|&b| b), "a training view without its supporting passage");
     let mut answer = model.tokenizer.encode(ex.answer.trim(), false)?;
@@ -524,7 +561,7 @@ mod tests {
             let ex = example(40, vec![17, 25], vec![5, 30, 38]);
             let v = truncated_view(&ex, &lens, 200, &mut StdRng::seed_from_u64(seed)).unwrap();
             assert_eq!(v.passages.len(), 6);
-            assert_eq!(v.elide_before, 3);
+            assert_eq!(v.elide_before, Some(3));
             for p in [17, 25, 38] {
                 assert!(v.passages.contains(&p), "{p} missing from {v:?}");
             }
@@ -550,6 +587,26 @@ mod tests {
         assert!((60..=140).contains(&shown), "distractor moved in {shown} of 200");
         let a = truncated_view(&ex, &lens, 200, &mut StdRng::seed_from_u64(7));
         assert_eq!(a, truncated_view(&ex, &lens, 200, &mut StdRng::seed_from_u64(7)));
+    }
+
+    #[test]
+    fn a_retrieved_view_shows_what_bm25_finds_for_the_question_and_the_evidence() {
+        let mut ex = example(12, vec![9], vec![]);
+        ex.passages = (0..12).map(|i| format!("The essay goes on about topic {i} for a while.")).collect();
+        ex.passages[3] = "The lighthouse keeper of Varn counts gulls at dawn.".into();
+        ex.passages[9] = "Mirela Vasquez keeps the lighthouse of Varn.".into();
+        ex.question = "Who keeps the lighthouse of Varn?".into();
+        let v = retrieved_view(&ex, &[20; 12], 60).unwrap();
+        // The evidence, BM25's look-alike, then the best of the rest; in document order, no marker.
+        assert_eq!(v.passages.len(), 3);
+        assert!(v.passages.contains(&9) && v.passages.contains(&3), "{v:?}");
+        assert!(v.passages.windows(2).all(|w| w[0] < w[1]));
+        assert_eq!(v.elide_before, None);
+        // The evidence is shown even when BM25 ranks it low (a paraphrased question).
+        ex.question = "Who counts gulls at dawn in Varn, and who tends its light?".into();
+        assert!(retrieved_view(&ex, &[20; 12], 60).unwrap().passages.contains(&9));
+        assert_eq!(retrieved_view(&ex, &[20; 12], 240), None, "the whole example fits");
+        assert_eq!(retrieved_view(&ex, &[20; 12], 10), None, "the evidence alone does not fit");
     }
 
     #[test]

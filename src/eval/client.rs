@@ -8,7 +8,8 @@
 //! (`usage.prompt_tokens`) against the prompt it labelled questions with, so a server with another
 //! context budget is reported instead of mislabelled.
 
-use super::{AbsorbRecord, Backend, EvalDocument};
+use super::{AbsorbRecord, Asked, Backend, EvalDocument};
+use crate::model::filter::ChunkScore;
 use crate::adapters::AdapterKind;
 use crate::lift::answer::Ask;
 use crate::lift::AbsorbOptions;
@@ -138,13 +139,14 @@ impl Backend for Server {
         Ok((rec, self.ids.len() - 1))
     }
 
-    fn ask(&mut self, doc: &EvalDocument, _document: &crate::document::Document, handle: Option<usize>, ask: &Ask) -> Result<(String, usize)> {
+    fn ask(&mut self, doc: &EvalDocument, _document: &crate::document::Document, handle: Option<usize>, ask: &Ask) -> Result<Asked> {
         // `icl` and `rag` need no adapter, but the API asks about a document by id: any of its adapters.
         let id = match handle.or(self.ids.len().checked_sub(1)) {
             Some(h) => self.ids[h].clone(),
             None => bail!("{}: through the server, `icl` needs another method that absorbs the document", doc.id),
         };
-        let mut body = json!({"document_id": id, "question": ask.question, "mode": ask.mode.name(), "max_tokens": self.max_tokens, "temperature": 0});
+        let mut body = json!({"document_id": id, "question": ask.question, "mode": ask.mode.name(), "max_tokens": self.max_tokens,
+            "temperature": 0, "include_context": true});
         if let Some(c) = ask.context {
             body["context"] = json!(c.name());
         }
@@ -154,7 +156,15 @@ impl Backend for Server {
         }
         let r = self.send(self.http.post(format!("{}/ask", self.base)).json(&body))?;
         let answer = r["answer"].as_str().context("POST /ask answered no answer")?.to_string();
-        Ok((answer, r["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize))
+        let chunks = r["context"]["chunks"].as_array().map_or(Ok(Vec::new()), |cs| {
+            cs.iter()
+                .map(|c| {
+                    let n = |k: &str| c[k].as_f64().with_context(|| format!("POST /ask: a context chunk without `{k}`"));
+                    Ok(ChunkScore { start: n("start")? as usize, end: n("end")? as usize, score: n("score")? as f32, mask: n("mask")? as f32 })
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
+        Ok(Asked { text: answer, prompt_tokens: r["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize, chunks })
     }
 
     fn release(&mut self) {

@@ -9,12 +9,14 @@
 //! ([`metrics`]). [`report`] writes the JSON results, a markdown table and PNG plots.
 
 pub mod client;
+pub mod mask;
 pub mod needles;
 pub mod report;
 
 use crate::document::Document;
 use crate::lift::answer::{answer, build_prompt, AnswerPrompt, Ask, ContextPolicy, Mode};
 use crate::lift::{self, AbsorbEvent, AbsorbOptions};
+use crate::model::filter::ChunkScore;
 use crate::model::generate::SamplingParams;
 use crate::model::Model;
 use anyhow::{bail, Context, Result};
@@ -267,6 +269,9 @@ pub struct AnswerRecord {
     pub document_tokens: usize,
     pub prompt_tokens: usize,
     pub seconds: f64,
+    /// What the prepared base's FltLM mask did to the context (None without a base filter).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask: Option<mask::MaskRecord>,
 }
 
 /// Run settings shared by both backends.
@@ -280,6 +285,9 @@ pub struct RunConfig {
     pub needles: Option<needles::NeedleSpec>,
     pub jsonl: Option<PathBuf>,
     pub server: Option<String>,
+    /// The prepared base filter's mask calibration the run used (None: no base filter).
+    #[serde(default)]
+    pub filter_mask: Option<String>,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -363,6 +371,14 @@ impl Results {
     }
 }
 
+/// An answer as a backend gives it: the reply, the prompt's length in tokens, and each
+/// in-context chunk's FltLM score and mask (empty without a base filter).
+pub struct Asked {
+    pub text: String,
+    pub prompt_tokens: usize,
+    pub chunks: Vec<ChunkScore>,
+}
+
 /// Where absorbing and answering happen: in this process, or on a server ([`client::Server`]).
 pub trait Backend {
     /// Absorbs `doc` with `opts`; returns the record and a handle for [`Backend::ask`].
@@ -373,9 +389,8 @@ pub trait Backend {
         opts: &AbsorbOptions,
         on_step: &mut dyn FnMut(usize, usize, f64),
     ) -> Result<(AbsorbRecord, usize)>;
-    /// Answers `ask` greedily (with adapter `handle`, if any); returns the answer and the
-    /// prompt's length in tokens.
-    fn ask(&mut self, doc: &EvalDocument, document: &Document, handle: Option<usize>, ask: &Ask) -> Result<(String, usize)>;
+    /// Answers `ask` greedily (with adapter `handle`, if any).
+    fn ask(&mut self, doc: &EvalDocument, document: &Document, handle: Option<usize>, ask: &Ask) -> Result<Asked>;
     /// Forgets the adapters of the current document.
     fn release(&mut self) {}
 }
@@ -435,12 +450,12 @@ impl Backend for Local<'_> {
         Ok((rec, self.adapters.len() - 1))
     }
 
-    fn ask(&mut self, _doc: &EvalDocument, document: &Document, handle: Option<usize>, ask: &Ask) -> Result<(String, usize)> {
+    fn ask(&mut self, _doc: &EvalDocument, document: &Document, handle: Option<usize>, ask: &Ask) -> Result<Asked> {
         let bundle = handle.map(|h| &self.adapters[h].bundle);
         let adapter = bundle.map(|b| &b.adapter as &dyn crate::model::Adapter);
         let params = SamplingParams { max_tokens: self.max_tokens, temperature: 0.0, ..Default::default() };
         let a = answer(self.model, document, adapter, ask, &params, &mut |_| true)?;
-        Ok((a.generation.text, a.prompt.tokens.len()))
+        Ok(Asked { text: a.generation.text, prompt_tokens: a.prompt.tokens.len(), chunks: a.chunks })
     }
 
     fn release(&mut self) {
@@ -605,7 +620,8 @@ impl Runner<'_> {
             };
             let t = Instant::now();
             let asked = ask(&q.question, m, cfg);
-            let (prediction, prompt_tokens) = self.backend.ask(doc, document, handles.get(&m.name).copied(), &asked)?;
+            let Asked { text: prediction, prompt_tokens, chunks } =
+                self.backend.ask(doc, document, handles.get(&m.name).copied(), &asked)?;
             let expected = build_prompt(model, document, &asked, cfg.max_tokens)?;
             if prompt_tokens != expected.tokens.len() {
                 bail!(
@@ -630,6 +646,7 @@ impl Runner<'_> {
                 document_tokens: doc.tokens,
                 prompt_tokens,
                 seconds: t.elapsed().as_secs_f64(),
+                mask: mask::measure(q, &chunks),
             });
             self.bars.overall.inc(1);
         }
@@ -693,9 +710,24 @@ pub struct EvalArgs {
     /// answered).
     #[arg(long, value_delimiter = ',', conflicts_with = "merge")]
     pub pool: Vec<PathBuf>,
+    /// How the prepared base's FltLM filter turns scores into its soft mask for this run
+    /// (absorbs and answers): `absolute`, `relative[:MARGIN]` or `off` (default: the base's own).
+    /// In-process runs only.
+    #[arg(long)]
+    pub filter_mask: Option<String>,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
+}
+
+/// Sets the prepared base's mask calibration for the run (`--filter-mask`).
+pub fn apply_filter_mask(model: &mut Model, args: &EvalArgs) -> Result<()> {
+    let Some(name) = &args.filter_mask else { return Ok(()) };
+    anyhow::ensure!(args.server.is_none(), "--filter-mask sets this process's model: not with --server");
+    let calibration = crate::model::filter::MaskCalibration::parse(name)?;
+    let filter = model.base_filter.as_mut().context("--filter-mask: the model has no prepared base with a filter")?;
+    filter.calibration = calibration;
+    Ok(())
 }
 
 /// The essay split `eval` cuts its documents from.
@@ -760,6 +792,7 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
         needles: spec,
         jsonl: args.jsonl.clone(),
         server: args.server.clone(),
+        filter_mask: model.base_filter().map(|f| f.calibration.name()),
     };
     let results = match &args.server {
         Some(url) => {

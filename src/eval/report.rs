@@ -77,6 +77,7 @@ pub fn markdown(results: &Results) -> String {
          document the `lift`/`icl` prompt holds. absorb s: wall time of the absorption (QA + training)."
     );
     paired_tables(&mut s, results);
+    super::mask::table(&mut s, results);
     kind_table(&mut s, results);
     depth_tables(&mut s, results);
     s
@@ -414,7 +415,7 @@ mod tests {
     use super::super::{AbsorbRecord, Results, RunConfig};
 
     fn config(methods: Vec<String>) -> RunConfig {
-        RunConfig { methods, context_tokens: None, max_tokens: 8, absorb: Default::default(), needles: None, jsonl: None, server: None }
+        RunConfig { methods, context_tokens: None, max_tokens: 8, absorb: Default::default(), needles: None, jsonl: None, server: None, filter_mask: None }
     }
 
     #[test]
@@ -477,6 +478,7 @@ mod tests {
                     document_tokens: 1024,
                     prompt_tokens: 0,
                     seconds: 0.0,
+                    mask: None,
                 })
                 .collect(),
             seconds: 1.0,
@@ -529,6 +531,7 @@ mod tests {
                     document_tokens: 1024,
                     prompt_tokens: 0,
                     seconds: 0.0,
+                    mask: None,
                 })
                 .collect();
             Results {

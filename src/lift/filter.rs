@@ -20,7 +20,7 @@ use super::prompt::{chat_after_turns, elision_tokens, end_of_turn, kept_ranges};
 use super::qa::QaPair;
 use crate::document::Document;
 pub use crate::model::filter::{
-    Chunk, ChunkScore, Filter, FilterHooks, FilterOptions, CONFIG, HEAD_BIAS, HEAD_WEIGHT, LOG_TAU, MASK_B, MASK_W, W_INIT,
+    Chunk, ChunkScore, Filter, FilterHooks, FilterOptions, MaskCalibration, CONFIG, HEAD_BIAS, HEAD_WEIGHT, LOG_TAU, MASK_B, MASK_W, W_INIT,
 };
 use crate::model::{Adapter, ChatMessage, Model, Projection};
 use anyhow::{Context, Result};

@@ -60,6 +60,59 @@ pub const MASK_B: &str = "filter.mask.b";
 pub const LOG_TAU: &str = "filter.log_tau";
 /// `[layer, chunk_tokens]` as f32, so a loaded bundle lays prompts out as it was trained.
 pub const CONFIG: &str = "filter.config";
+/// `[margin]` when the mask is calibrated relative to the best chunk ([`MaskCalibration::Relative`]);
+/// absent: FltLM's absolute threshold.
+pub const RELATIVE_MARGIN: &str = "filter.mask.relative_margin";
+
+/// How chunk scores become mask intensities.
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MaskCalibration {
+    /// FltLM's eq. 8, `I = min(0, w·s + b)`: a threshold learned in the layout the filter
+    /// trained on (the prepared base's head-and-tail 32-token chunks). In another layout (the
+    /// BM25 passages answers read) the ranking holds but the threshold does not: it closed the
+    /// best-scored passage, the evidence, in 5 of 7 answers measured.
+    Absolute,
+    /// The same ranking, thresholded against the best-scored chunk in context:
+    /// `I = min(0, w·(s − max s + margin))`. The best chunk, and every chunk within `margin`
+    /// of it, is open; the rest are closed by how far they fall below it. Independent of the
+    /// layout's score level.
+    Relative { margin: f32 },
+    /// Scores only, no mask (to measure what the mask does).
+    Off,
+}
+
+impl MaskCalibration {
+    /// `absolute`, `relative` (margin [`DEFAULT_RELATIVE_MARGIN`]), `relative:M` or `off`.
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s.split_once(':') {
+            None if s == "absolute" => Self::Absolute,
+            None if s == "off" => Self::Off,
+            None if s == "relative" => Self::Relative { margin: DEFAULT_RELATIVE_MARGIN },
+            Some(("relative", m)) => {
+                let margin: f32 = m.parse().with_context(|| format!("mask calibration '{s}': the margin is a number"))?;
+                anyhow::ensure!(margin.is_finite() && margin >= 0.0, "mask calibration '{s}': the margin is at least 0");
+                Self::Relative { margin }
+            }
+            _ => anyhow::bail!("unknown mask calibration '{s}' (absolute, relative, relative:MARGIN, off)"),
+        })
+    }
+
+    pub fn name(&self) -> String {
+        match self {
+            Self::Absolute => "absolute".into(),
+            Self::Relative { margin } => format!("relative:{margin}"),
+            Self::Off => "off".into(),
+        }
+    }
+}
+
+/// The relative calibration's margin, in score units.
+pub const DEFAULT_RELATIVE_MARGIN: f32 = 2.0;
+
+/// A chunk whose intensity is above this is open ("unmasked": its keys keep over 90% of their
+/// attention weight); at or below it, masked. The one threshold every report and test uses.
+pub const UNMASKED_ABOVE: f32 = -0.1;
 
 /// The filter's parameters: a linear score head on layer N's hidden state, the soft-mask `w`, `b`
 /// and the loss temperature (as log τ).
@@ -72,6 +125,7 @@ pub struct Filter {
     pub w: Tensor,
     pub b: Tensor,
     pub log_tau: Tensor,
+    pub calibration: MaskCalibration,
     vars: Vec<Var>,
 }
 
@@ -93,6 +147,7 @@ impl Filter {
             w: Tensor::new(&[W_INIT], dev)?,
             b: zero,
             log_tau: Tensor::new(&[opts.tau.max(1e-3).ln() as f32], dev)?,
+            calibration: MaskCalibration::Absolute,
             vars: Vec::new(),
         };
         Ok(plain.trainable()?)
@@ -135,8 +190,9 @@ impl Filter {
 
     /// The bundle extras holding this filter.
     pub fn to_extras(&self) -> Result<BTreeMap<String, Tensor>> {
-        let config = Tensor::new(&[self.layer as f32, self.chunk_tokens as f32], self.head_w.device())?;
-        Ok([
+        let dev = self.head_w.device();
+        let config = Tensor::new(&[self.layer as f32, self.chunk_tokens as f32], dev)?;
+        let mut extras: BTreeMap<String, Tensor> = [
             (HEAD_WEIGHT, self.head_w.detach()),
             (HEAD_BIAS, self.head_b.detach()),
             (MASK_W, self.w.detach()),
@@ -146,7 +202,15 @@ impl Filter {
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v))
-        .collect())
+        .collect();
+        match self.calibration {
+            MaskCalibration::Absolute => {}
+            MaskCalibration::Relative { margin } => {
+                extras.insert(RELATIVE_MARGIN.into(), Tensor::new(&[margin], dev)?);
+            }
+            MaskCalibration::Off => anyhow::bail!("a filter without its mask is for measuring; it is not stored"),
+        }
+        Ok(extras)
     }
 
     /// The filter stored in a bundle's extras (None when it has none), checked against the model.
@@ -169,6 +233,10 @@ impl Filter {
             w: get(MASK_W, 1)?,
             b: get(MASK_B, 1)?,
             log_tau: get(LOG_TAU, 1)?,
+            calibration: match extras.get(RELATIVE_MARGIN) {
+                None => MaskCalibration::Absolute,
+                Some(_) => MaskCalibration::Relative { margin: get(RELATIVE_MARGIN, 1)?.to_vec1::<f32>()?[0] },
+            },
             vars: Vec::new(),
         }))
     }
@@ -183,14 +251,33 @@ impl Filter {
         h.matmul(&self.head_w.unsqueeze(1)?)?.squeeze(1)?.broadcast_add(&self.head_b)
     }
 
-    /// Mask intensities `I = min(0, w·s + b)` for scores `s`, with the left derivative (1) at
-    /// `w·s + b = 0`: at the zero start (`w = b = 0`) every chunk sits exactly there, and a
-    /// derivative of 0 there (what `x − relu(x)` gives, relu passing 1 at 0) would leave w and b
-    /// without gradient forever. The gate `x ≤ 0` is a constant of the graph.
+    /// Mask intensities of the chunks in context, from their scores `s` (every chunk the
+    /// queries can see), by the calibration: `I = min(0, w·s + b)` (absolute) or
+    /// `min(0, w·(s − max s + margin))` (relative; the max a constant of the graph). The left
+    /// derivative (1) is taken at 0: at the zero start (`w = b = 0`) every chunk sits exactly
+    /// there, and a derivative of 0 there (what `x − relu(x)` gives, relu passing 1 at 0) would
+    /// leave w and b without gradient forever. The gate `x ≤ 0` is a constant of the graph.
     pub fn intensities(&self, s: &Tensor) -> candle_core::Result<Tensor> {
-        let x = s.broadcast_mul(&self.w)?.broadcast_add(&self.b)?;
+        let x = match self.calibration {
+            MaskCalibration::Absolute => s.broadcast_mul(&self.w)?.broadcast_add(&self.b)?,
+            MaskCalibration::Relative { .. } => self.relevance(s)?.broadcast_mul(&self.w)?,
+            MaskCalibration::Off => return s.zeros_like(),
+        };
         let gate = x.le(0.0)?.to_dtype(x.dtype())?;
         x * gate
+    }
+
+    /// The relevance reported for each chunk (positive: relevant): the raw score under the
+    /// absolute calibration, the score above the open threshold under the relative one (so a
+    /// chunk reported relevant is one left open).
+    pub fn relevance(&self, s: &Tensor) -> candle_core::Result<Tensor> {
+        match self.calibration {
+            MaskCalibration::Relative { margin } => {
+                let best = s.max_keepdim(0)?.detach();
+                s.broadcast_sub(&best)? + margin as f64
+            }
+            MaskCalibration::Absolute | MaskCalibration::Off => Ok(s.clone()),
+        }
     }
 }
 
@@ -244,7 +331,7 @@ impl<'a> FilterHooks<'a> {
         }
         let s = self.scores()?.detach();
         let m = self.filter.intensities(&s)?.to_vec1::<f32>()?;
-        let s = s.to_vec1::<f32>()?;
+        let s = self.filter.relevance(&s)?.to_vec1::<f32>()?;
         Ok(self
             .chunks
             .iter()
