@@ -403,7 +403,7 @@ fn filter_scores_and_soft_mask_on_cuda_match_cpu() {
     let p = filter::build_prompt(&cpu, &doc, &ends, "Who logs the departures?", 200, 12).unwrap();
     assert!(p.chunks.len() >= 3);
     // FltLM's absolute threshold and the calibration relative to the best chunk.
-    for calibration in [MaskCalibration::Absolute, MaskCalibration::Relative { margin: 0.5 }] {
+    for calibration in [MaskCalibration::Absolute, MaskCalibration::Relative { margin: 0.5, strength: 2.0 }] {
         let run = |m: &Model| {
             let mut f = filter_on(m);
             f.calibration = calibration;

@@ -502,6 +502,36 @@ mod tests {
     }
 
     #[test]
+    fn the_relative_mask_opens_what_scores_near_the_best_and_round_trips() {
+        let dev = Device::Cpu;
+        let cfg = crate::testing::smollm2_135m_config();
+        let mut f = Filter::new(&cfg, &FilterOptions { enabled: true, ..Default::default() }, &dev).unwrap().detached();
+        f.w = Tensor::new(&[0.5f32], &dev).unwrap();
+        f.b = Tensor::new(&[-10.0f32], &dev).unwrap();
+        // Scores far below any absolute threshold: b closes every chunk.
+        let s = Tensor::new(&[-9.0f32, -10.5, -14.0, -20.0], &dev).unwrap();
+        assert!(f.intensities(&s).unwrap().to_vec1::<f32>().unwrap().iter().all(|&i| i < -10.0));
+        // Against the best: within the margin open, the rest by their distance below it, b unused.
+        f.calibration = MaskCalibration::parse("relative:2").unwrap();
+        assert_eq!(f.intensities(&s).unwrap().to_vec1::<f32>().unwrap(), vec![0.0, 0.0, -1.5, -4.5]);
+        assert_eq!(f.relevance(&s).unwrap().to_vec1::<f32>().unwrap(), vec![2.0, 0.5, -3.0, -9.0]);
+        f.calibration = MaskCalibration::parse("relative:2:2").unwrap();
+        assert_eq!(f.intensities(&s).unwrap().to_vec1::<f32>().unwrap(), vec![0.0, 0.0, -3.0, -9.0]);
+        f.calibration = MaskCalibration::Off;
+        assert_eq!(f.intensities(&s).unwrap().to_vec1::<f32>().unwrap(), vec![0.0; 4]);
+        assert!(f.to_extras().is_err(), "a filter without its mask is not stored");
+        for name in ["absolute", "relative:2", "relative:1.5:3"] {
+            f.calibration = MaskCalibration::parse(name).unwrap();
+            assert_eq!(f.calibration.name(), name);
+            let back = Filter::from_extras(&f.to_extras().unwrap(), &cfg).unwrap().unwrap();
+            assert_eq!(back.calibration, f.calibration);
+        }
+        for bad in ["relative:-1", "relative:x", "relative:1:2:3", "soft"] {
+            assert!(MaskCalibration::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
     fn relevance_is_a_positive_score_not_a_mask_above_minus_one() {
         let chunk = |score: f32, mask: f32| ChunkScore { start: 0, end: 1, score, mask };
         // At the zero start every mask is 0 (> −1), yet a negative score is not relevant.

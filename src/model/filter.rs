@@ -60,8 +60,8 @@ pub const MASK_B: &str = "filter.mask.b";
 pub const LOG_TAU: &str = "filter.log_tau";
 /// `[layer, chunk_tokens]` as f32, so a loaded bundle lays prompts out as it was trained.
 pub const CONFIG: &str = "filter.config";
-/// `[margin]` when the mask is calibrated relative to the best chunk ([`MaskCalibration::Relative`]);
-/// absent: FltLM's absolute threshold.
+/// `[margin]` or `[margin, strength]` when the mask is calibrated relative to the best chunk
+/// ([`MaskCalibration::Relative`]; strength 1 when left out); absent: FltLM's absolute threshold.
 pub const RELATIVE_MARGIN: &str = "filter.mask.relative_margin";
 
 /// How chunk scores become mask intensities.
@@ -74,34 +74,43 @@ pub enum MaskCalibration {
     /// best-scored passage, the evidence, in 5 of 7 answers measured.
     Absolute,
     /// The same ranking, thresholded against the best-scored chunk in context:
-    /// `I = min(0, w·(s − max s + margin))`. The best chunk, and every chunk within `margin`
-    /// of it, is open; the rest are closed by how far they fall below it. Independent of the
-    /// layout's score level.
-    Relative { margin: f32 },
+    /// `I = min(0, strength·w·(s − max s + margin))`. The best chunk, and every chunk within
+    /// `margin` of it, is open; the rest are closed by how far they fall below it. Independent
+    /// of the layout's score level.
+    Relative { margin: f32, strength: f32 },
     /// Scores only, no mask (to measure what the mask does).
     Off,
 }
 
 impl MaskCalibration {
-    /// `absolute`, `relative` (margin [`DEFAULT_RELATIVE_MARGIN`]), `relative:M` or `off`.
+    /// `absolute`, `relative` (margin [`DEFAULT_RELATIVE_MARGIN`], strength 1), `relative:M`,
+    /// `relative:M:S` or `off`.
     pub fn parse(s: &str) -> Result<Self> {
-        Ok(match s.split_once(':') {
-            None if s == "absolute" => Self::Absolute,
-            None if s == "off" => Self::Off,
-            None if s == "relative" => Self::Relative { margin: DEFAULT_RELATIVE_MARGIN },
-            Some(("relative", m)) => {
-                let margin: f32 = m.parse().with_context(|| format!("mask calibration '{s}': the margin is a number"))?;
-                anyhow::ensure!(margin.is_finite() && margin >= 0.0, "mask calibration '{s}': the margin is at least 0");
-                Self::Relative { margin }
-            }
-            _ => anyhow::bail!("unknown mask calibration '{s}' (absolute, relative, relative:MARGIN, off)"),
-        })
+        let mut parts = s.split(':');
+        let number = |p: Option<&str>, what: &str, default: f32| -> Result<f32> {
+            let Some(p) = p else { return Ok(default) };
+            let x: f32 = p.parse().with_context(|| format!("mask calibration '{s}': the {what} is a number"))?;
+            anyhow::ensure!(x.is_finite() && x >= 0.0, "mask calibration '{s}': the {what} is at least 0");
+            Ok(x)
+        };
+        let c = match parts.next() {
+            Some("absolute") => Self::Absolute,
+            Some("off") => Self::Off,
+            Some("relative") => Self::Relative {
+                margin: number(parts.next(), "margin", DEFAULT_RELATIVE_MARGIN)?,
+                strength: number(parts.next(), "strength", 1.0)?,
+            },
+            _ => anyhow::bail!("unknown mask calibration '{s}' (absolute, relative[:MARGIN[:STRENGTH]], off)"),
+        };
+        anyhow::ensure!(parts.next().is_none(), "mask calibration '{s}': too many parts");
+        Ok(c)
     }
 
     pub fn name(&self) -> String {
         match self {
             Self::Absolute => "absolute".into(),
-            Self::Relative { margin } => format!("relative:{margin}"),
+            Self::Relative { margin, strength } if *strength == 1.0 => format!("relative:{margin}"),
+            Self::Relative { margin, strength } => format!("relative:{margin}:{strength}"),
             Self::Off => "off".into(),
         }
     }
@@ -205,8 +214,9 @@ impl Filter {
         .collect();
         match self.calibration {
             MaskCalibration::Absolute => {}
-            MaskCalibration::Relative { margin } => {
-                extras.insert(RELATIVE_MARGIN.into(), Tensor::new(&[margin], dev)?);
+            MaskCalibration::Relative { margin, strength } => {
+                let v = if strength == 1.0 { vec![margin] } else { vec![margin, strength] };
+                extras.insert(RELATIVE_MARGIN.into(), Tensor::new(v, dev)?);
             }
             MaskCalibration::Off => anyhow::bail!("a filter without its mask is for measuring; it is not stored"),
         }
@@ -235,7 +245,12 @@ impl Filter {
             log_tau: get(LOG_TAU, 1)?,
             calibration: match extras.get(RELATIVE_MARGIN) {
                 None => MaskCalibration::Absolute,
-                Some(_) => MaskCalibration::Relative { margin: get(RELATIVE_MARGIN, 1)?.to_vec1::<f32>()?[0] },
+                // `[margin]` alone: strength 1.
+                Some(t) => {
+                    let v = t.to_dtype(DType::F32)?.to_vec1::<f32>()?;
+                    anyhow::ensure!(matches!(v.len(), 1 | 2), "{RELATIVE_MARGIN} must hold [margin] or [margin, strength]");
+                    MaskCalibration::Relative { margin: v[0], strength: v.get(1).copied().unwrap_or(1.0) }
+                }
             },
             vars: Vec::new(),
         }))
@@ -260,7 +275,7 @@ impl Filter {
     pub fn intensities(&self, s: &Tensor) -> candle_core::Result<Tensor> {
         let x = match self.calibration {
             MaskCalibration::Absolute => s.broadcast_mul(&self.w)?.broadcast_add(&self.b)?,
-            MaskCalibration::Relative { .. } => self.relevance(s)?.broadcast_mul(&self.w)?,
+            MaskCalibration::Relative { strength, .. } => (self.relevance(s)?.broadcast_mul(&self.w)? * strength as f64)?,
             MaskCalibration::Off => return s.zeros_like(),
         };
         let gate = x.le(0.0)?.to_dtype(x.dtype())?;
@@ -272,7 +287,7 @@ impl Filter {
     /// chunk reported relevant is one left open).
     pub fn relevance(&self, s: &Tensor) -> candle_core::Result<Tensor> {
         match self.calibration {
-            MaskCalibration::Relative { margin } => {
+            MaskCalibration::Relative { margin, .. } => {
                 let best = s.max_keepdim(0)?.detach();
                 s.broadcast_sub(&best)? + margin as f64
             }
