@@ -70,8 +70,8 @@ pub const RELATIVE_MARGIN: &str = "filter.mask.relative_margin";
 pub enum MaskCalibration {
     /// FltLM's eq. 8, `I = min(0, w·s + b)`: a threshold learned in the layout the filter
     /// trained on (the prepared base's head-and-tail 32-token chunks). In another layout (the
-    /// BM25 passages answers read) the ranking holds but the threshold does not: it closed the
-    /// best-scored passage, the evidence, in 5 of 7 answers measured.
+    /// BM25 passages answers read) the ranking holds but the threshold does not: it left the
+    /// evidence open in only 36–39% of the eval split's answers (docs/prepared-base.md).
     Absolute,
     /// The same ranking, thresholded against the best-scored chunk in context:
     /// `I = min(0, strength·w·(s − max s + margin))`. The best chunk, and every chunk within
@@ -268,7 +268,7 @@ impl Filter {
 
     /// Mask intensities of the chunks in context, from their scores `s` (every chunk the
     /// queries can see), by the calibration: `I = min(0, w·s + b)` (absolute) or
-    /// `min(0, w·(s − max s + margin))` (relative; the max a constant of the graph). The left
+    /// `min(0, strength·w·(s − max s + margin))` (relative; the max a constant of the graph). The left
     /// derivative (1) is taken at 0: at the zero start (`w = b = 0`) every chunk sits exactly
     /// there, and a derivative of 0 there (what `x − relu(x)` gives, relu passing 1 at 0) would
     /// leave w and b without gradient forever. The gate `x ≤ 0` is a constant of the graph.
