@@ -86,21 +86,22 @@ fn retrieval_shows_the_planted_fact_in_a_small_context() {
     }
 }
 
-/// The shipped prepared base's FltLM mask on the passages answers read (BM25's, the default
-/// 128 tokens), on validation-split documents: the chunk that holds a planted fact is left open
-/// and the chunks around it (distractors) are masked, where FltLM's absolute threshold, learned
-/// in another layout, closed the evidence too. Facts whose question shares words with them (the
-/// ones BM25 shows); 2 × 15 questions.
+/// The prepared base's FltLM mask calibrated against the best chunk (`relative:2`) on the
+/// passages answers read (BM25's, the default 128 tokens), on validation-split documents: the
+/// chunk that holds a planted fact is left open and the chunks around it (distractors) are
+/// masked, where FltLM's absolute threshold (the shipped base's: `relative` cost `lift` answers,
+/// docs/prepared-base.md), learned in another layout, closes the evidence too. Facts whose
+/// question shares words with them (the ones BM25 shows); 2 × 15 questions.
 #[test]
-fn the_shipped_filter_leaves_the_evidence_open_and_masks_the_distractors() {
+fn the_relative_mask_leaves_the_evidence_open_and_masks_the_distractors() {
     use lift_serve::lift::answer::answer;
     use lift_serve::lift::filter::MaskCalibration;
     use lift_serve::model::generate::SamplingParams;
     let path = lift_serve::fetch::resolve_model(None).unwrap();
     let mut model = Model::load(&path, &Device::Cpu).unwrap();
     lift_serve::base::install_from_arg(&mut model, Some(concat!(env!("CARGO_MANIFEST_DIR"), "/base"))).unwrap();
-    let shipped = model.base_filter().unwrap().calibration;
-    assert!(matches!(shipped, MaskCalibration::Relative { .. }), "the shipped base calibrates its mask relative to the best chunk");
+    assert_eq!(model.base_filter().unwrap().calibration, MaskCalibration::Absolute, "the shipped base keeps FltLM's threshold");
+    let relative = MaskCalibration::parse("relative:2").unwrap();
     let essays = data::essays_in(essays(), data::Split::Validation);
     let spec = needles::NeedleSpec { docs_per_length: 2, ..spec(vec![1024], vec![0.1, 0.3, 0.5, 0.7, 0.9], 3, 5) };
     let docs = needles::build_set(&model, &essays, &spec).unwrap();
@@ -122,7 +123,7 @@ fn the_shipped_filter_leaves_the_evidence_open_and_masks_the_distractors() {
         }
         counts
     };
-    let [shown, open, distractors, masked] = measure(shipped);
+    let [shown, open, distractors, masked] = measure(relative);
     let [_, open_absolute, _, _] = measure(MaskCalibration::Absolute);
     eprintln!("evidence shown {shown}, open {open} (absolute threshold: {open_absolute}); distractors masked {masked}/{distractors}");
     assert!(shown >= 10, "BM25 shows the evidence of most facts worded like their question: {shown}");

@@ -50,7 +50,8 @@ pub struct PrepareOptions {
     /// How the shipped filter turns scores into its mask when it answers. Training always runs
     /// FltLM's absolute mask (eq. 8); this is set on the trained filter before its held-out
     /// figures and saved with it (`relative` keeps the evidence open in the BM25 passages answers
-    /// read, where the absolute threshold learned here closed it: docs/prepared-base.md).
+    /// read, where the absolute threshold learned here closes it, but it cost `lift` answers: the
+    /// shipped base keeps the absolute mask, docs/prepared-base.md).
     pub mask_calibration: MaskCalibration,
 }
 
