@@ -68,9 +68,20 @@ mod tests {
         assert!(cost.warnings.iter().any(|w| w.code == "budget"), "{:?}", cost.warnings);
         assert!(most_training_tokens(tokens, &cost.options) >= cost.estimate.training_tokens);
         // A finished absorb of that plan is measured against the tokens the estimate counted.
-        rate.record_absorb(&model, tokens, counts.1, &cost.options, 2.0 * cost.estimate.seconds);
+        rate.record_absorb(&model, tokens, counts.1, &cost.options, counts.2, 2.0 * cost.estimate.seconds);
         let (per_token, overhead, n) = rate.rate();
         assert_eq!(n, 1);
         assert!((overhead + per_token * counts.3 as f64 - 2.0 * cost.estimate.seconds).abs() < 1e-6);
+        // An absorb that ran half its planned steps (stopped by its budget, or resumed half-way)
+        // in those seconds says the whole plan takes twice as long, not as long.
+        let half = AbsorbRate::default();
+        let ran = counts.2 / 2;
+        assert!(ran > 0, "a plan of {} steps", counts.2);
+        let secs = 2.0 * cost.estimate.seconds;
+        half.record_absorb(&model, tokens, counts.1, &cost.options, ran, secs);
+        let (per_token, overhead, _) = half.rate();
+        let whole = overhead + per_token * counts.3 as f64;
+        let expected = overhead + (secs - overhead) * counts.2 as f64 / ran as f64;
+        assert!((whole - expected).abs() < 1e-3 * expected, "the whole plan: {whole} s, expected {expected} s");
     }
 }

@@ -135,12 +135,16 @@ impl AbsorbRate {
         d.push_back((tokens, seconds));
     }
 
-    /// A finished absorb by `model` of `doc_tokens` with `o`, which trained on `qa_pairs` QA pairs
-    /// and took `seconds`: measured against the training tokens its plan counts (as [`estimate`]
-    /// counts them before the absorb, so that the two agree).
-    pub fn record_absorb(&self, model: &Model, doc_tokens: usize, qa_pairs: usize, o: &AbsorbOptions, seconds: f64) {
-        let (.., planned_tokens) = plan_counts(doc_tokens, qa_pairs, o, one_question_per_row(model));
-        self.record(planned_tokens, seconds);
+    /// A finished absorb by `model` of `doc_tokens` with `o`, which trained on `qa_pairs` QA pairs,
+    /// ran `steps_run` optimizer steps in this process and took `seconds`: measured against the
+    /// training tokens its plan counts (as [`estimate`] counts them before the absorb, so that the
+    /// two agree), in the share of the planned steps it ran. An absorb stopped by its time budget
+    /// or by a plateau, or resumed from another process's checkpoint, ran part of its plan in
+    /// those seconds; measured against the whole plan it would make the rate look faster than it is.
+    pub fn record_absorb(&self, model: &Model, doc_tokens: usize, qa_pairs: usize, o: &AbsorbOptions, steps_run: usize, seconds: f64) {
+        let (_, _, planned_steps, planned_tokens) = plan_counts(doc_tokens, qa_pairs, o, one_question_per_row(model));
+        let share = if planned_steps == 0 { 1.0 } else { (steps_run as f64 / planned_steps as f64).min(1.0) };
+        self.record((planned_tokens as f64 * share).round() as u64, seconds);
     }
 
     /// (seconds per token, seconds per absorb, finished absorbs measured; 0: the prior).

@@ -144,6 +144,10 @@ pub struct TrainReport {
     pub teacher_passes: usize,
     #[serde(default)]
     pub teacher_tokens: usize,
+    /// The step this run continued from, when it resumed a checkpoint: the steps before it were
+    /// trained (and timed) by an earlier process.
+    #[serde(default)]
+    pub resumed_from: Option<usize>,
 }
 
 /// A FltLM filter in training: the filter, the QA examples in its layout (they replace
@@ -523,7 +527,7 @@ pub fn train_long(
                 var.set(&t.to_device(var.device())?.to_dtype(var.dtype())?)?;
             }
             optimizers.restore_named(&mut ckpt.tensors)?;
-            report = c.report.clone();
+            report = TrainReport { resumed_from: Some(c.step), ..c.report.clone() };
             patience = Patience { best: c.best_epoch_loss.unwrap_or(f64::INFINITY), since_best: c.epochs_since_best };
             tracing::info!(step = c.step, planned = steps_total, "training resumes from a checkpoint");
             Some(c)
