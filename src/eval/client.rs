@@ -64,6 +64,9 @@ impl Server {
         if let Some(s) = opts.plan.stride {
             o["stride"] = json!(s);
         }
+        if let Some(b) = opts.budget_seconds {
+            o["budget_seconds"] = json!(b);
+        }
         o
     }
 }
@@ -133,6 +136,9 @@ impl Backend for Server {
             step_losses: losses,
             probe_curve: serde_json::from_value(doc_json["training"]["probe_curve"].clone()).unwrap_or_default(),
             planned_steps: doc_json["training"]["planned_steps"].as_u64().map(|n| n as usize),
+            estimated_seconds: created["estimate"]["seconds"].as_f64(),
+            estimated_tokens: created["estimate"]["training_tokens"].as_u64(),
+            out_of_time: doc_json["training"]["out_of_time"].as_bool().unwrap_or(false),
             ..Default::default()
         };
         self.ids.push(id);

@@ -253,6 +253,15 @@ pub struct AbsorbRecord {
     pub probe_curve: Vec<(usize, f64)>,
     #[serde(default)]
     pub planned_steps: Option<usize>,
+    /// What the absorb's estimate said before it ran (in-process runs: at this run's measured
+    /// rate, the prior before its first absorb), and the training tokens it counted.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimated_seconds: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimated_tokens: Option<u64>,
+    /// Training stopped at the absorb's time budget.
+    #[serde(default)]
+    pub out_of_time: bool,
 }
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
@@ -400,11 +409,13 @@ pub struct Local<'a> {
     pub model: &'a Model,
     pub max_tokens: usize,
     adapters: Vec<lift::Absorbed>,
+    /// This run's absorb rate, as a server keeps its own: the prior until an absorb has finished.
+    rate: lift::estimate::AbsorbRate,
 }
 
 impl<'a> Local<'a> {
     pub fn new(model: &'a Model, max_tokens: usize) -> Self {
-        Self { model, max_tokens, adapters: Vec::new() }
+        Self { model, max_tokens, adapters: Vec::new(), rate: Default::default() }
     }
 }
 
@@ -417,6 +428,10 @@ impl Backend for Local<'_> {
         on_step: &mut dyn FnMut(usize, usize, f64),
     ) -> Result<(AbsorbRecord, usize)> {
         let t0 = Instant::now();
+        // The price a server would say, and the options it would train: fitted to their time
+        // budget (as asked without one).
+        let cost = lift::cost::estimate(self.model, document, opts, &self.rate);
+        let opts = &cost.options;
         let absorbed = lift::absorb(
             self.model,
             document,
@@ -430,10 +445,15 @@ impl Backend for Local<'_> {
             &|| false,
         )?;
         let r = &absorbed.report;
+        let seconds = t0.elapsed().as_secs_f64();
+        self.rate.record_absorb(self.model, document.len(), absorbed.qa.len(), opts, r.steps, seconds);
         let rec = AbsorbRecord {
             document: doc.id.clone(),
             methods: Vec::new(),
-            seconds: t0.elapsed().as_secs_f64(),
+            seconds,
+            estimated_seconds: Some(cost.estimate.seconds),
+            estimated_tokens: Some(cost.estimate.training_tokens),
+            out_of_time: r.out_of_time,
             train_seconds: Some(r.seconds),
             tokens_per_s: Some(r.tokens_per_s),
             steps: r.steps,

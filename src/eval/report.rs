@@ -77,6 +77,7 @@ pub fn markdown(results: &Results) -> String {
          document the `lift`/`icl` prompt holds. absorb s: wall time of the absorption (QA + training)."
     );
     paired_tables(&mut s, results);
+    absorb_table(&mut s, results);
     super::mask::table(&mut s, results);
     kind_table(&mut s, results);
     depth_tables(&mut s, results);
@@ -126,6 +127,33 @@ fn paired_tables(s: &mut String, results: &Results) {
         let fmt = |c: [usize; 4]| format!("{} / {} / {} / {}", c[0], c[1], c[2], c[3]);
         let p = crate::corpus::scoring::mcnemar_exact(cells[0][1] + cells[1][1], cells[0][2] + cells[1][2]);
         let _ = writeln!(s, "| {m} | {} | {} | {share} | {secs:.0} | {} | {p:.3} |", fmt(cells[0]), fmt(cells[1]), per_doc.join(", "));
+    }
+}
+
+/// Each absorb's price said before it ran against what it took: the estimate's seconds and the
+/// wall time, the steps trained of those planned, and whether the time budget stopped it.
+fn absorb_table(s: &mut String, results: &Results) {
+    let said: Vec<_> = results.absorbs.iter().filter(|a| a.estimated_seconds.is_some()).collect();
+    if said.is_empty() {
+        return;
+    }
+    let _ = writeln!(s, "\nAbsorbs: the estimate said before each ran against its wall time\n");
+    let _ = writeln!(s, "| document | document tokens | training tokens (estimated) | steps / planned | estimate s | measured s | estimate / measured | stopped by the budget |");
+    let _ = writeln!(s, "|---|---|---|---|---|---|---|---|");
+    for a in said {
+        let tokens = results.documents.iter().find(|d| d.id == a.document).map_or("–".into(), |d| d.tokens.to_string());
+        let est = a.estimated_seconds.unwrap_or(f64::NAN);
+        let planned = a.planned_steps.map_or("–".into(), |p| p.to_string());
+        let _ = writeln!(
+            s,
+            "| {} | {tokens} | {} | {} / {planned} | {est:.0} | {:.0} | {:.2} | {} |",
+            a.document,
+            a.estimated_tokens.map_or("–".into(), |t| t.to_string()),
+            a.steps,
+            a.seconds,
+            est / a.seconds,
+            if a.out_of_time { "yes" } else { "no" }
+        );
     }
 }
 
@@ -416,6 +444,34 @@ mod tests {
 
     fn config(methods: Vec<String>) -> RunConfig {
         RunConfig { methods, context_tokens: None, max_tokens: 8, absorb: Default::default(), needles: None, jsonl: None, server: None, filter_mask: None }
+    }
+
+    #[test]
+    fn each_absorb_says_its_estimate_against_its_wall_time() {
+        let timed = AbsorbRecord {
+            document: "long".into(),
+            methods: vec!["lift".into()],
+            seconds: 600.0,
+            steps: 90,
+            planned_steps: Some(120),
+            estimated_seconds: Some(450.0),
+            estimated_tokens: Some(30_000),
+            out_of_time: true,
+            ..Default::default()
+        };
+        let results = |absorbs: Vec<AbsorbRecord>| Results {
+            model: "tiny".into(),
+            config: config(vec!["lift".into()]),
+            documents: Vec::new(),
+            absorbs,
+            answers: Vec::new(),
+            seconds: 0.0,
+        };
+        let md = super::markdown(&results(vec![timed.clone()]));
+        assert!(md.contains("| long | – | 30000 | 90 / 120 | 450 | 600 | 0.75 | yes |"), "{md}");
+        // Records without an estimate (older runs, merged reports) get no table.
+        let older = AbsorbRecord { estimated_seconds: None, ..timed };
+        assert!(!super::markdown(&results(vec![older])).contains("Absorbs: the estimate"));
     }
 
     #[test]
