@@ -8,9 +8,14 @@
 //! the segments' overlap (stride = window: each token trained once per epoch, not 8/3 times);
 //! the last QA epochs, down to one; the segment-only stage; then QA pairs, halved, down to the
 //! options' floor. The QA stage is kept longest: questions about the document are what the answers
-//! are measured on (docs/evaluation.md).
+//! are measured on (docs/evaluation.md). A plan cut below the epochs the head-and-tail layout of
+//! the questions needs ([`MIN_EPOCHS`]) trains them on their own passages instead: one epoch of
+//! questions behind the head and tail made adapters that answer worse than the passages alone (15
+//! against 22 of 45 validation questions at 1K tokens; 1 against 16 of 30 at 16K under a
+//! 15-minute budget), one epoch on their passages did not (26 against 22; 8 against 9 of 15).
 
-use super::estimate::{plan_counts, AbsorbRate};
+use super::estimate::{plan_counts, too_few_epochs, AbsorbRate, MIN_EPOCHS};
+use super::plan::QaLayout;
 use super::AbsorbOptions;
 
 /// The options fitted to a budget, and what was given up for it.
@@ -65,6 +70,12 @@ pub fn fit(opts: &AbsorbOptions, doc_tokens: usize, qa_pairs: usize, one_questio
             }
         }
         fit.options.qa.max_pairs = fits;
+        fit.seconds = seconds_of(&fit.options);
+    }
+    let cut = fit.options.train.epochs != opts.train.epochs;
+    if cut && fit.options.plan.qa_layout == QaLayout::HeadTail && too_few_epochs(fit.options.train.epochs, QaLayout::HeadTail) {
+        // Same rows, same tokens: only their context changes.
+        fit.options.plan.qa_layout = QaLayout::Passages;
         fit.seconds = seconds_of(&fit.options);
     }
     fit.dropped = given_up(opts, &fit.options, qa_pairs);
@@ -122,6 +133,11 @@ fn given_up(asked: &AbsorbOptions, fitted: &AbsorbOptions, qa_pairs: usize) -> V
     let pairs = |o: &AbsorbOptions| o.qa.max_pairs.min(qa_pairs);
     if pairs(asked) != pairs(fitted) {
         out.push(format!("QA pairs {} → {}", pairs(asked), pairs(fitted)));
+    }
+    if asked.plan.qa_layout != fitted.plan.qa_layout {
+        out.push(format!(
+            "the questions trained on their own passages (behind the head and tail they need epochs {MIN_EPOCHS:?} or more)"
+        ));
     }
     out
 }
@@ -184,6 +200,20 @@ mod tests {
             let w = warning(&f, budget).unwrap();
             assert_eq!(w.param, "options.budget_seconds");
         }
+        // Cut below [2, 3], the questions leave the head-and-tail layout for their own passages,
+        // at the same cost; a plan cut less keeps the layout.
+        assert_eq!(least.options.plan.qa_layout, QaLayout::Passages);
+        assert!(least.dropped.iter().any(|d| d.starts_with("the questions trained on their own passages")), "{:?}", least.dropped);
+        let mut same_epochs = least.options.clone();
+        same_epochs.plan.qa_layout = QaLayout::HeadTail;
+        assert_eq!(rate.estimate(plan_counts(tokens, pairs.min(same_epochs.qa.max_pairs), &same_epochs, true)).seconds, least.seconds);
+        let mild = fit(&options(Some(asked.seconds * 0.9)), tokens, pairs, true, &rate);
+        assert!(!too_few_epochs(mild.options.train.epochs, QaLayout::HeadTail), "{:?}", mild.options.train.epochs);
+        assert_eq!(mild.options.plan.qa_layout, QaLayout::HeadTail);
+        // A plan asked with too few epochs is not the budget's to change.
+        let mut short = options(Some(1.0));
+        short.train.epochs = [0, 1];
+        assert_eq!(fit(&short, tokens, pairs, true, &rate).options.plan.qa_layout, QaLayout::HeadTail);
         // A budget the asked plan fits changes nothing.
         let roomy = fit(&options(Some(asked.seconds * 1.01)), tokens, pairs, true, &rate);
         assert!(roomy.dropped.is_empty() && roomy.met);

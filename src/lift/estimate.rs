@@ -193,6 +193,14 @@ impl AbsorbRate {
 /// The least schedule measured to recall facts out of the answer's window: epochs [2, 3] recalled
 /// 5/5 on the out-of-window fact test, [1, 2] 2/5 and 0/2 in the window (docs/evaluation.md).
 pub const MIN_EPOCHS: [usize; 2] = [2, 3];
+/// Whether `epochs` are below the least measured to recall facts with the questions laid out as
+/// `layout`: [`MIN_EPOCHS`] behind the head and tail, [1, 2] on their own passages.
+pub fn too_few_epochs(epochs: [usize; 2], layout: super::plan::QaLayout) -> bool {
+    let [e0, e1] = epochs;
+    let fewest = if layout == super::plan::QaLayout::HeadTail { MIN_EPOCHS } else { [1, 2] };
+    e0 + e1 < fewest[0] + fewest[1] || e1 < fewest[1]
+}
+
 /// Document tokens per QA pair at the lowest density measured: the fact test trained 80 pairs
 /// on 1,453 tokens (one per 18), the default options' 4K absorb 229 on 4,098 (one per 18).
 pub const TOKENS_PER_QA_PAIR: usize = 20;
@@ -205,8 +213,7 @@ pub fn warnings(doc_tokens: usize, o: &AbsorbOptions) -> Vec<OptionWarning> {
     // Questions trained on their own passages were measured at [1, 2] above the passages alone
     // (docs/recipe-search.md, the `lean` recipe); the minimum is the head-and-tail layout's.
     let head_tail = o.plan.qa_layout == super::plan::QaLayout::HeadTail;
-    let fewest = if head_tail { MIN_EPOCHS } else { [1, 2] };
-    if e0 + e1 < fewest[0] + fewest[1] || e1 < fewest[1] {
+    if too_few_epochs(o.train.epochs, o.plan.qa_layout) {
         out.push(OptionWarning {
             code: "few_epochs",
             param: "options.epochs",
