@@ -12,7 +12,7 @@
 //! the questions needs ([`MIN_EPOCHS`]) trains them on their own passages instead: one epoch of
 //! questions behind the head and tail made adapters that answer worse than the passages alone (15
 //! against 22 of 45 validation questions at 1K tokens; 1 against 16 of 30 at 16K under a
-//! 15-minute budget), one epoch on their passages did not (26 against 22; 8 against 9 of 15).
+//! 15-minute budget), one epoch on their passages did not (26 against 22; 14 against 16 of 30).
 
 use super::estimate::{plan_counts, too_few_epochs, AbsorbRate, MIN_EPOCHS};
 use super::plan::QaLayout;
