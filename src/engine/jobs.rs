@@ -146,7 +146,7 @@ pub(super) fn absorb(model: &Model, store: &Store, events: &dyn JobEvents, rate:
             absorbed.manifest.document.source = source;
             let tokens_per_s = absorbed.report.tokens_per_s;
             let (doc_tokens, qa_pairs) = (document.len(), absorbed.qa.len());
-            let steps_run = absorbed.report.steps - absorbed.report.resumed_from.unwrap_or(0).min(absorbed.report.steps);
+            let steps_run = absorbed.report.steps_this_run();
             match absorbed.into_new_adapter(document).and_then(|a| store.save(&id, a)) {
                 Ok(loaded) => {
                     // The adapter is saved: nothing is left to resume.
@@ -155,7 +155,8 @@ pub(super) fn absorb(model: &Model, store: &Store, events: &dyn JobEvents, rate:
                     let adapter = AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes };
                     let training = m.training.clone();
                     let seconds = t0.elapsed().as_secs_f64();
-                    // The measured rate: the whole absorb against what its estimate planned.
+                    // The measured rate: this process's wall time against the share of the
+                    // planned training tokens it ran.
                     rate.record_absorb(model, doc_tokens, qa_pairs, &options, steps_run, seconds);
                     AbsorbOutcome::Ready { adapter, training, tokens_per_s, seconds }
                 }

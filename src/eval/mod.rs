@@ -446,7 +446,7 @@ impl Backend for Local<'_> {
         )?;
         let r = &absorbed.report;
         let seconds = t0.elapsed().as_secs_f64();
-        self.rate.record_absorb(self.model, document.len(), absorbed.qa.len(), opts, r.steps, seconds);
+        self.rate.record_absorb(self.model, document.len(), absorbed.qa.len(), opts, r.steps_this_run(), seconds);
         let rec = AbsorbRecord {
             document: doc.id.clone(),
             methods: Vec::new(),

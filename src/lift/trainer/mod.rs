@@ -150,6 +150,13 @@ pub struct TrainReport {
     pub resumed_from: Option<usize>,
 }
 
+impl TrainReport {
+    /// The optimizer steps this process ran: all of them, less those a resumed checkpoint had.
+    pub fn steps_this_run(&self) -> usize {
+        self.steps - self.resumed_from.unwrap_or(0).min(self.steps)
+    }
+}
+
 /// A FltLM filter in training: the filter, the QA examples in its layout (they replace
 /// `plan.qa`), the loss weight λ and margin m. Trainable when the filter has `Var`s (the prepared
 /// base's training); [`FilterTraining::frozen`] only lays out and masks (a document's absorb over
