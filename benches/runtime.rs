@@ -5,7 +5,8 @@
 //!   RAYON_NUM_THREADS=2 cargo bench --bench runtime            (BENCH_RUNS=5 by default)
 //! Compare with PyTorch eager in the same run: benches/train_vs_torch.sh (alternating rounds)
 //! or benches/torch_reference.sh. BENCH_ONLY=train,prefill,… picks parts; BENCH_TRAIN_SEQS=512
-//! picks the training-step lengths. BENCH_DEVICE=cuda and BENCH_MODEL=random-smollm2 (see
+//! picks the training-step lengths, BENCH_TRAIN_ROWS=N puts N rows of that length in one batched
+//! step. BENCH_DEVICE=cuda and BENCH_MODEL=random-smollm2 (see
 //! common/target.rs) run it on a GPU; there the CPU-only parts (the int8 prompt path, the linear
 //! and bf16-kernel comparisons) are skipped and every timed call ends with a device sync.
 
@@ -257,15 +258,19 @@ fn main() -> anyhow::Result<()> {
                 adapter.vars().to_vec(),
                 ParamsAdamW { lr: 1e-3, beta1: 0.9, beta2: 0.98, eps: 1e-8, weight_decay: 1e-4 },
             )?;
-            let toks = tokens(t + 1, cfg.vocab_size);
-            let input = Tensor::new(&toks[..t], &dev)?.unsqueeze(0)?;
-            let target = Tensor::new(&toks[1..], &dev)?;
-            let weights = Tensor::ones(t, DType::F32, &dev)?;
+            // BENCH_TRAIN_ROWS rows of `t` tokens as one batch `[rows, t]` (1: a single row).
+            let n_rows: usize = std::env::var("BENCH_TRAIN_ROWS").ok().and_then(|s| s.parse().ok()).unwrap_or(1);
+            let toks = tokens(t + n_rows, cfg.vocab_size);
+            let rows: Vec<Tensor> = (0..n_rows).map(|r| Tensor::new(&toks[r..r + t], &dev)).collect::<candle_core::Result<_>>()?;
+            let input = Tensor::stack(&rows, 0)?;
+            let target: Vec<u32> = (0..n_rows).flat_map(|r| toks[r + 1..r + t + 1].to_vec()).collect();
+            let target = Tensor::new(target.as_slice(), &dev)?;
+            let weights = Tensor::ones(t * n_rows, DType::F32, &dev)?;
             // The step's forward: embeddings, every layer with the adapter, logits, the loss.
             let forward = || {
                 let emb = model.decoder.embed(&input).unwrap();
                 let h = model.decoder.forward_train(&emb, Some(&adapter), &mut NoHooks).unwrap();
-                let logits = model.decoder.logits_train(&h.squeeze(0).unwrap()).unwrap();
+                let logits = model.decoder.logits_train(&h.reshape((n_rows * t, cfg.hidden_size)).unwrap()).unwrap();
                 ops::cross_entropy_masked(&logits, &target, &weights).unwrap()
             };
             let mut fwd = Vec::new();
@@ -283,9 +288,9 @@ fn main() -> anyhow::Result<()> {
             });
             let s = median(steps);
             println!(
-                "train step {t:>4} tokens (gated memory, {} params, all {layers} layers): {s:.3} s  {:.0} tok/s  (forward {:.3} s, backward {:.3} s)",
+                "train step {n_rows} × {t:>4} tokens (gated memory, {} params, all {layers} layers): {s:.3} s  {:.0} tok/s  (forward {:.3} s, backward {:.3} s)",
                 adapter.num_parameters(),
-                t as f64 / s,
+                (n_rows * t) as f64 / s,
                 median(fwd),
                 median(bwd)
             );

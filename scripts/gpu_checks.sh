@@ -8,7 +8,8 @@
 # ./gpu-logs, or with the device tool to one archive $OUT/gpu-logs.tgz (the tool returns at most 8
 # files).
 #
-#   scripts/gpu_checks.sh            # tests,runtime,absorb,batch
+#   scripts/gpu_checks.sh            # tests,runtime,absorb,batch,rows (rows: the runtime bench's
+#                                    # training step at 1 and 16 rows of 512 tokens per step)
 #   GPU_STEPS=tests,runtime scripts/gpu_checks.sh
 # More steps, named only:
 #   shapes  the runtime bench's training step on random models of deployment shapes
@@ -31,7 +32,7 @@ if [ -n "${OUT:-}" ]; then
     trap 'tar czf "$OUT/gpu-logs.tgz" -C "$LOGS" .' EXIT
     trap 'exit 124' TERM INT
 fi
-STEPS="${GPU_STEPS:-tests,runtime,absorb,batch}"
+STEPS="${GPU_STEPS:-tests,runtime,absorb,batch,rows}"
 want() { [[ ",$STEPS," == *",$1,"* ]]; }
 
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
@@ -81,6 +82,12 @@ export BENCH_DEVICE=cuda BENCH_MODEL=random-smollm2 RUST_LOG=warn
 want runtime && ab runtime 90 BENCH_RUNS=5 BENCH_ONLY="${GPU_RUNTIME_ONLY:-prefill,decode,decode_adapter,train}" BENCH_TRAIN_SEQS=512,2048
 want absorb && ab absorb 120 BENCH_LENGTHS="${GPU_ABSORB_LENGTHS:-1024,4096}" BENCH_PREPARED_BASE=none
 want batch && ab batch_steps 75 BENCH_GATED_MEMORY=1
+# Training rows batched into one step (`TrainOptions::batch_rows`): 1 and 16 rows of 512 tokens.
+if want rows; then
+    for n in 1 16; do
+        run "rows-$n" 60 env BENCH_RUNS=5 BENCH_ONLY=train BENCH_TRAIN_SEQS=512 BENCH_TRAIN_ROWS="$n" "$BIN/runtime"
+    done
+fi
 if want shapes; then
     for m in random-qwen2.5-0.5b random-llama-3.2-1b; do
         run "runtime-$m" 75 env BENCH_MODEL="$m" BENCH_RUNS=3 BENCH_ONLY=train BENCH_TRAIN_SEQS=512,2048 "$BIN/runtime"

@@ -903,3 +903,41 @@ fn an_absorb_stopped_and_resumed_on_cuda_ends_as_an_uninterrupted_one() {
     }
     assert_eq!(run(&cpu, None, None).unwrap().report.steps, whole.report.steps, "the CPU plans the same steps");
 }
+
+#[test]
+fn batched_training_rows_on_cuda_match_cpu_and_the_rows_one_by_one() {
+    use lift_serve::lift::plan::{Plan, PlanOptions};
+    use lift_serve::lift::qa::{QaPair, QaSource};
+    use lift_serve::lift::trainer::{train, RunControl, TrainInputs, TrainOptions};
+    let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
+    let pair = |question: &str, answer: &str| QaPair {
+        question: question.into(),
+        answer: answer.into(),
+        evidence: answer.into(),
+        evidence_span: (0, 0),
+        source: QaSource::Extractive,
+    };
+    let pairs = [pair("Who built the harbor?", "Ada Quill"), pair("How many piers?", "three"), pair("Who keeps the light?", "Tomas Brell")];
+    // Three rows a step, segments and questions of several lengths in one batched forward.
+    let run = |m: &Model, batch_rows: Option<f64>| {
+        let doc = tokens(m, SHORT_ABSORB_TEXT);
+        let plan = Plan::new(m, &doc, &pairs, &PlanOptions { window: 32, training_context_tokens: 16, ..Default::default() }).unwrap();
+        let gm = GatedMemory::new(m.config(), &[0, 1], false, 3, m.device()).unwrap();
+        let opts = TrainOptions { epochs: [1, 1], accumulation: 3, batch_rows, seed: 2, ..Default::default() };
+        let inputs = TrainInputs { doc: &doc, plan: &plan, adapter: &gm, vars: gm.vars() };
+        let report = train(m, inputs, &opts, RunControl { on_progress: &mut |_| {}, cancel: &|| false }).unwrap();
+        let params: Vec<Tensor> = gm.vars().iter().map(|v| v.as_tensor().detach()).collect();
+        (report.step_losses, params)
+    };
+    let (c, g, g1) = (run(&cpu, Some(10.0)), run(&gpu, Some(10.0)), run(&gpu, None));
+    assert!(c.0.len() >= 3, "{} steps", c.0.len());
+    for (what, other) in [("CPU", &c), ("one by one on CUDA", &g1)] {
+        let (lc, lg) = (other.0[0], g.0[0]);
+        assert!((lc - lg).abs() < 2e-2 * lc.abs().max(1.0), "first-step loss batched on CUDA {lg} vs {what} {lc}");
+        for (i, (a, b)) in g.1.iter().zip(&other.1).enumerate() {
+            assert!(a.device().is_cuda(), "parameter {i} left the GPU");
+            let d = rel_diff(a, b);
+            assert!(d < 0.1, "parameter {i} after training, batched on CUDA vs {what}: {d}");
+        }
+    }
+}

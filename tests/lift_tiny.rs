@@ -71,15 +71,21 @@ fn pair(question: &str, answer: &str) -> QaPair {
     }
 }
 
+/// Four questions about `DOC`.
+fn ferry_pairs() -> Vec<QaPair> {
+    vec![
+        pair("Who keeps the lighthouse?", "Anselm Varga"),
+        pair("Where do the ferries leave from?", "the north pier"),
+        pair("What does a crossing cost?", "eleven coins"),
+        pair("What colour is the ledger?", "green"),
+    ]
+}
+
 #[test]
 fn a_packed_qa_row_has_the_mean_loss_and_gradients_of_its_questions() {
     let (_d, model) = tiny();
     let doc = model.tokenizer.encode(DOC, false).unwrap();
-    let pairs = [
-        pair("Who keeps the lighthouse?", "Anselm Varga"),
-        pair("Where do the ferries leave from?", "the north pier"),
-        pair("What does a crossing cost?", "eleven coins"),
-    ];
+    let pairs = ferry_pairs()[..3].to_vec();
     let opts = |qa_pack| PlanOptions { window: 48, training_context_tokens: 32, qa_pack, ..Default::default() };
     let single = Plan::new(&model, &doc, &pairs, &opts(1)).unwrap();
     let packed = Plan::new(&model, &doc, &pairs, &opts(3)).unwrap();
@@ -130,6 +136,41 @@ fn assert_packed_row_is_the_mean(
             assert!(scale > 0.0, "layers {layers:?}: a parameter got no gradient");
             assert!(diff <= 1e-4 * scale, "layers {layers:?}: gradient differs by {diff} (scale {scale})");
         }
+    }
+}
+
+#[test]
+fn batched_rows_train_the_adapter_the_rows_one_by_one_train() {
+    let (_d, model) = tiny();
+    let doc = model.tokenizer.encode(DOC, false).unwrap();
+    let pairs = ferry_pairs();
+    let opts = PlanOptions { window: 48, training_context_tokens: 32, ..Default::default() };
+    let plan = Plan::new(&model, &doc, &pairs, &opts).unwrap();
+    assert!(plan.segments.len() >= 2 && plan.qa.len() == 4);
+    // Three rows a step, segments and questions mixed, rows of several lengths.
+    let train_once = |batch_rows: Option<f64>| {
+        let gm = GatedMemory::new(model.config(), &[0, 1], false, 7, &Device::Cpu).unwrap();
+        let train_opts = TrainOptions { epochs: [1, 2], accumulation: 3, batch_rows, seed: 5, ..Default::default() };
+        let inputs = TrainInputs { doc: &doc, plan: &plan, adapter: &gm, vars: gm.vars() };
+        let report = train(&model, inputs, &train_opts, RunControl { on_progress: &mut |_| {}, cancel: &|| false }).unwrap();
+        let params: Vec<Tensor> = gm.vars().iter().map(|v| v.as_tensor().detach()).collect();
+        (report, params)
+    };
+    // Every row of a step in one forward, whatever its padding.
+    let (batched, p_batched) = train_once(Some(10.0));
+    let (single, p_single) = train_once(None);
+    assert_eq!((batched.steps, batched.tokens), (single.steps, single.tokens));
+    assert!(batched.steps >= 4, "{} steps", batched.steps);
+    for (i, (a, b)) in batched.step_losses.iter().zip(&single.step_losses).enumerate() {
+        assert!((a - b).abs() <= 1e-4 * b.abs().max(1.0), "step {i}: loss {a} batched, {b} one by one");
+    }
+    let init = GatedMemory::new(model.config(), &[0, 1], false, 7, &Device::Cpu).unwrap();
+    for ((a, b), v0) in p_batched.iter().zip(&p_single).zip(init.vars()) {
+        let max = |t: Tensor| t.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let moved = max((b - v0.as_tensor()).unwrap());
+        let diff = max((a - b).unwrap());
+        assert!(moved > 0.0, "training moved every parameter");
+        assert!(diff <= 1e-3 * moved, "batched and one-by-one adapters differ by {diff} (training moved {moved})");
     }
 }
 

@@ -141,3 +141,53 @@ impl<H: ForwardHooks> ForwardHooks for Option<H> {
         self.as_ref().and_then(|h| h.first_trainable_layer())
     }
 }
+
+/// The hooks of a batched forward over rows `[b, t, hidden]`, one set per row (a trainer's rows
+/// of one optimizer step, each with its own filter layout): row `i`'s hooks see row `i`'s
+/// stream `[1, t, hidden]`, and the rows' biases are stacked to `[b, heads, q_len, k_len]` (a row
+/// without a bias gets zeros; no row with one: no bias at all).
+pub struct RowHooks<H: ForwardHooks> {
+    pub rows: Vec<H>,
+}
+
+impl<H: ForwardHooks> ForwardHooks for RowHooks<H> {
+    fn after_layer(&mut self, layer: usize, hidden: &Tensor) -> Result<()> {
+        if hidden.dim(0)? != self.rows.len() {
+            candle_core::bail!("{} rows of hooks for a batch of {}", self.rows.len(), hidden.dim(0)?);
+        }
+        for (i, h) in self.rows.iter_mut().enumerate() {
+            h.after_layer(layer, &hidden.narrow(0, i, 1)?)?;
+        }
+        Ok(())
+    }
+
+    fn attention_bias(&self, layer: usize, q_start: usize, q_len: usize, k_len: usize) -> Result<Option<Tensor>> {
+        let biases: Vec<Option<Tensor>> =
+            self.rows.iter().map(|h| h.attention_bias(layer, q_start, q_len, k_len)).collect::<Result<_>>()?;
+        let Some(first) = biases.iter().flatten().next() else { return Ok(None) };
+        // Each row's bias as [1, heads, q_len, k_len] (heads: the most any row has, 1 or all).
+        let as4 = |b: &Tensor| -> Result<Tensor> {
+            match b.rank() {
+                2 => b.unsqueeze(0)?.unsqueeze(0),
+                3 => b.unsqueeze(0),
+                4 if b.dim(0)? == 1 => Ok(b.clone()),
+                _ => candle_core::bail!("a row's attention bias of shape {:?}", b.shape()),
+            }
+        };
+        let heads = biases.iter().flatten().map(|b| as4(b).and_then(|b| b.dim(1))).collect::<Result<Vec<_>>>()?;
+        let heads = heads.into_iter().max().unwrap_or(1);
+        let zero = Tensor::zeros((1, heads, q_len, k_len), first.dtype(), first.device())?;
+        let rows: Vec<Tensor> = biases
+            .iter()
+            .map(|b| match b {
+                Some(b) => as4(b)?.broadcast_as((1, heads, q_len, k_len))?.contiguous(),
+                None => Ok(zero.clone()),
+            })
+            .collect::<Result<_>>()?;
+        Tensor::cat(&rows, 0).map(Some)
+    }
+
+    fn first_trainable_layer(&self) -> Option<usize> {
+        self.rows.iter().filter_map(|h| h.first_trainable_layer()).min()
+    }
+}

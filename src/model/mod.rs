@@ -20,7 +20,7 @@ pub mod weights;
 pub use batch::SeqInput;
 pub use chat::{ChatMessage, ChatTemplate};
 pub use config::{Architecture, ModelConfig};
-pub use hooks::{Adapter, DecodeMix, ForwardHooks, NoHooks, Projection};
+pub use hooks::{Adapter, DecodeMix, ForwardHooks, NoHooks, Projection, RowHooks};
 pub use kv_cache::KvCache;
 pub use llama::{Decoder, Logits};
 pub use packing::Packing;

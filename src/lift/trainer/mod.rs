@@ -7,6 +7,7 @@
 //! `optim`, the until-learned rule (probes, plateau, cool-down) in `until_learned`.
 
 mod optim;
+mod rows;
 mod until_learned;
 
 use super::cdt::{self, CdtStats};
@@ -41,6 +42,12 @@ pub struct TrainOptions {
     /// measured on this model that leaves the segment loss at 3.4, while per-example steps reach
     /// 0.44, so small batches are the default.
     pub accumulation: usize,
+    /// The rows of an optimizer step run as batched forwards/backwards (`rows`) when they can (no
+    /// packing, no trainable filter), grouped by length so that each group's padding stays within
+    /// this share of its tokens; None (the default): one by one. The same gradients either way.
+    /// Off by default because the 2-core CPU gains nothing from it (its gemms are as efficient at
+    /// one row as at four, docs/absorb-speed.md "Batched rows"); a GPU step is bound by launches.
+    pub batch_rows: Option<f64>,
     /// Linear warm-up of the learning rate over this many optimizer steps.
     pub warmup_steps: usize,
     /// Stop when the epoch's mean loss has not improved by `min_delta` for `patience` epochs.
@@ -72,6 +79,7 @@ impl Default for TrainOptions {
             eps: 1e-8,
             max_grad_norm: 1.0,
             accumulation: 1,
+            batch_rows: None,
             warmup_steps: 0,
             early_stop: None,
             until_learned: None,
@@ -250,6 +258,8 @@ pub fn example_loss_with(
 struct Prepared {
     input: Tensor,
     packing: Option<Packing>,
+    /// The target positions, on the host (`pos` on the device).
+    positions: Vec<u32>,
     pos: Tensor,
     tgt: Tensor,
     weights: Tensor,
@@ -283,6 +293,7 @@ fn prepare(model: &Model, example: &Example) -> Result<Prepared> {
         input,
         packing: example.packing.as_ref().map(|p| p.truncated(n - 1)),
         pos: Tensor::new(pos.as_slice(), dev)?,
+        positions: pos,
         tgt: Tensor::new(tgt.as_slice(), dev)?,
         weights: Tensor::new(weights.as_slice(), dev)?,
         soft: example.soft.clone(),
@@ -303,11 +314,15 @@ fn lm_loss(
 
 /// The row's mean cross-entropy from final hidden states `[1, t, hidden]`.
 fn cross_entropy_at(model: &Model, hidden: &Tensor, p: &Prepared) -> Result<Tensor> {
-    let logits = model.decoder.logits_train(&hidden.squeeze(0)?.index_select(&p.pos, 0)?)?;
-    let hard = ops::cross_entropy_masked(&logits, &p.tgt, &p.weights)?;
+    loss_of_logits(&model.decoder.logits_train(&hidden.squeeze(0)?.index_select(&p.pos, 0)?)?, p)
+}
+
+/// The row's loss from the vocabulary logits `[targets, vocab]` at its target positions.
+fn loss_of_logits(logits: &Tensor, p: &Prepared) -> Result<Tensor> {
+    let hard = ops::cross_entropy_masked(logits, &p.tgt, &p.weights)?;
     match &p.soft {
         None => Ok(hard),
-        Some(soft) => Ok(soft_loss(&logits, &hard, soft, &p.weights)?),
+        Some(soft) => Ok(soft_loss(logits, &hard, soft, &p.weights)?),
     }
 }
 
@@ -512,6 +527,7 @@ pub fn train_long(
             (Some(d), false) => Some(TeacherCache::new(&inputs.plan.teacher, d.clone())),
             _ => None,
         },
+        batch_rows: opts.batch_rows,
     };
     let rows = EpochRows::of(inputs.plan, opts);
     let (epochs_total, steps_total) = (opts.epochs[0] + opts.epochs[1], rows.steps_total(opts));
@@ -737,6 +753,8 @@ struct LiftRun<'a> {
     rng: PlanRng,
     /// Context distillation's teacher targets of the QA examples.
     teacher: Option<TeacherCache<'a>>,
+    /// `TrainOptions::batch_rows`.
+    batch_rows: Option<f64>,
 }
 
 /// One batch: its gradients summed (in `LiftRun::vars` order), mean loss, each example's loss
@@ -754,13 +772,13 @@ impl LiftRun<'_> {
     fn batch(&mut self, batch: &[(bool, usize)], seg_members: &[Vec<usize>]) -> Result<Batch> {
         let TrainInputs { doc, plan, adapter, .. } = self.inputs;
         let model = self.model;
-        let mut sum: Option<Vec<Tensor>> = None;
-        let mut batch_loss = 0.0;
-        let mut losses = Vec::with_capacity(batch.len());
+        let filter = self.filter;
+        let fx_of = |is_qa: bool, i: usize| filter.filter(|_| is_qa).map(|ft| (ft, &ft.examples[i]));
+        // The rows in order (segments draw their contexts from the seeded stream as they come).
+        let mut examples = Vec::with_capacity(batch.len());
         let mut batch_tokens = 0;
         for &(is_qa, i) in batch {
-            let fx = self.filter.filter(|_| is_qa).map(|ft| (ft, &ft.examples[i]));
-            let mut example = match (fx, is_qa) {
+            let mut example = match (fx_of(is_qa, i), is_qa) {
                 (Some((_, fx)), _) => fx.example.clone(),
                 (None, true) => plan.qa[i].clone(),
                 (None, false) => plan.segments_example(model, doc, &seg_members[i], &mut self.rng)?,
@@ -777,18 +795,55 @@ impl LiftRun<'_> {
                 example.soft = Some(soft);
                 batch_tokens += teacher.tokens - before;
             }
-            // QA examples are the same tokens every epoch; segments get a new context each time.
+            batch_tokens += example.tokens.len();
+            examples.push(example);
+        }
+        let scale = 1.0 / batch.len() as f64;
+        let batched = self.batch_rows.is_some() && batch.len() > 1 && examples.iter().all(|e| rows::batchable(e, filter));
+        if batched {
+            let rows: Vec<rows::Row> = batch
+                .iter()
+                .zip(&examples)
+                .map(|(&(is_qa, i), example)| rows::Row {
+                    example,
+                    filter: fx_of(is_qa, i).map(|(_, fx)| fx),
+                    // QA examples are the same tokens every epoch; segments get a new context each time.
+                    cache_key: is_qa.then_some(i),
+                })
+                .collect();
+            let lens: Vec<usize> = examples.iter().map(|e| e.tokens.len()).collect();
+            let mut grads: Option<Vec<Tensor>> = None;
+            let mut losses = vec![0.0; batch.len()];
+            for group in rows::groups(&lens, self.batch_rows.unwrap_or(0.0)) {
+                let members: Vec<&rows::Row> = group.iter().map(|&j| &rows[j]).collect();
+                let l = rows::row_losses(model, adapter, &members, filter.map(|ft| ft.filter), &mut self.frozen)?;
+                let l = Tensor::stack(&l, 0)?;
+                let g = gradients(&(l.sum_all()? * scale)?, &self.vars)?;
+                grads = Some(match grads {
+                    None => g,
+                    Some(acc) => acc.iter().zip(&g).map(|(a, b)| a + b).collect::<candle_core::Result<_>>()?,
+                });
+                for (&j, v) in group.iter().zip(l.to_vec1::<f32>()?) {
+                    losses[j] = f64::from(v);
+                }
+            }
+            let loss = losses.iter().sum::<f64>() * scale;
+            return Ok(Batch { grads: grads.unwrap_or_default(), loss, losses, tokens: batch_tokens });
+        }
+        let mut sum: Option<Vec<Tensor>> = None;
+        let mut batch_loss = 0.0;
+        let mut losses = Vec::with_capacity(batch.len());
+        for (&(is_qa, i), example) in batch.iter().zip(&examples) {
             let cached = is_qa.then_some((&mut self.frozen, i));
-            let (loss, _) = training_loss(model, adapter, &example, fx, None, &mut self.no_cdt, cached)?;
-            let g = gradients(&(loss.clone() / batch.len() as f64)?, &self.vars)?;
+            let (loss, _) = training_loss(model, adapter, example, fx_of(is_qa, i), None, &mut self.no_cdt, cached)?;
+            let g = gradients(&(loss.clone() * scale)?, &self.vars)?;
             sum = Some(match sum {
                 None => g,
                 Some(acc) => acc.iter().zip(&g).map(|(a, b)| a + b).collect::<candle_core::Result<_>>()?,
             });
             let loss = loss.to_scalar::<f32>()? as f64;
             losses.push(loss);
-            batch_loss += loss / batch.len() as f64;
-            batch_tokens += example.tokens.len();
+            batch_loss += loss * scale;
         }
         Ok(Batch { grads: sum.unwrap_or_default(), loss: batch_loss, losses, tokens: batch_tokens })
     }
@@ -832,11 +887,27 @@ mod tests {
     use super::*;
     use candle_core::Device;
 
-    #[test]
-    fn a_frozen_filter_gives_the_same_loss_and_gradients_over_cached_frozen_layers() {
-        use crate::adapters::GatedMemory;
-        use crate::lift::filter::{qa_examples, FilterOptions};
-        use crate::lift::qa::{QaPair, QaSource};
+    use crate::adapters::GatedMemory;
+    use crate::lift::filter::{qa_examples, FilterOptions};
+    use crate::lift::qa::{QaPair, QaSource};
+
+    const TEXT: &str = "The ferry leaves at dawn. The keeper is Anselm Varga. Tickets cost eleven coins. \
+                        The captain is Ilse Moreau. Gulls nest on the island all summer long.";
+
+    fn pair(question: &str, answer: &str, evidence: &str) -> QaPair {
+        let at = TEXT.find(evidence).unwrap();
+        QaPair {
+            question: question.into(),
+            answer: answer.into(),
+            evidence: evidence.into(),
+            evidence_span: (at, at + evidence.len()),
+            source: QaSource::Extractive,
+        }
+    }
+
+    /// The tiny model (4 layers, f32 float matmuls) over a prepared base whose filter scores at
+    /// layer 1 and masks (its head scores every chunk about 4.5, its bias −3).
+    fn tiny_with_filter() -> (tempfile::TempDir, Model) {
         let dir = tempfile::tempdir().unwrap();
         let spec = crate::testing::TinySpec { layers: 4, ..Default::default() };
         let path = crate::testing::write_hf(&dir.path().join("tiny"), &spec).unwrap();
@@ -854,18 +925,14 @@ mod tests {
         base.filter = f;
         base.save(&dir.path().join("base")).unwrap();
         base.install(&mut model).unwrap();
-        let text = "The ferry leaves at dawn. The keeper is Anselm Varga. Tickets cost eleven coins. \
-                    The captain is Ilse Moreau. Gulls nest on the island all summer long.";
-        let evidence = "The keeper is Anselm Varga.";
-        let at = text.find(evidence).unwrap();
-        let pair = QaPair {
-            question: "Who is the keeper?".into(),
-            answer: "Anselm Varga".into(),
-            evidence: evidence.into(),
-            evidence_span: (at, at + evidence.len()),
-            source: QaSource::Extractive,
-        };
-        let document = crate::document::Document::encode(&model, text).unwrap();
+        (dir, model)
+    }
+
+    #[test]
+    fn a_frozen_filter_gives_the_same_loss_and_gradients_over_cached_frozen_layers() {
+        let (_dir, model) = tiny_with_filter();
+        let pair = pair("Who is the keeper?", "Anselm Varga", "The keeper is Anselm Varga.");
+        let document = crate::document::Document::encode(&model, TEXT).unwrap();
         let filter = model.base_filter().unwrap();
         let examples = qa_examples(&model, &document, &[pair], 1000, filter).unwrap();
         assert!(examples[0].chunks.len() >= 2);
@@ -892,5 +959,85 @@ mod tests {
         let (unmasked, _) = training_loss(&model, &gm, ex, None, None, &mut stats, None).unwrap();
         let d = (unmasked.to_scalar::<f32>().unwrap() - plain.to_scalar::<f32>().unwrap()).abs();
         assert!(d > 1e-4, "the soft mask changed nothing ({d})");
+    }
+
+    /// The largest absolute difference between `a` and `b`, against `b`'s largest magnitude.
+    fn max_diff(a: &Tensor, b: &Tensor) -> (f32, f32) {
+        let max = |t: Tensor| t.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        (max((a - b).unwrap()), max(b.clone()))
+    }
+
+    #[test]
+    fn batched_rows_give_each_row_its_own_loss_and_the_step_the_rows_mean_gradients() {
+        let (_dir, model) = tiny_with_filter();
+        let pairs = [
+            pair("Who is the keeper?", "Anselm Varga", "The keeper is Anselm Varga."),
+            pair("What do tickets cost?", "eleven coins", "Tickets cost eleven coins."),
+            pair("Who captains the ferry that leaves at dawn?", "Ilse Moreau", "The captain is Ilse Moreau."),
+        ];
+        let document = crate::document::Document::encode(&model, TEXT).unwrap();
+        let filter = model.base_filter().unwrap();
+        let mut examples = qa_examples(&model, &document, &pairs, 1000, filter).unwrap();
+        // One row learns from a teacher's distribution as well (context distillation).
+        let k = 3;
+        let n = examples[1].example.target_count();
+        let vocab = model.config().vocab_size as u32;
+        let idx: Vec<u32> = (0..n * k).map(|i| (i as u32 * 7919) % vocab).collect();
+        let probs: Vec<f32> = (0..n).flat_map(|_| [0.6f32, 0.3, 0.1]).collect();
+        examples[1].example.soft = Some(std::sync::Arc::new(crate::lift::plan::SoftTargets {
+            indices: Tensor::from_vec(idx, (n, k), &Device::Cpu).unwrap(),
+            probs: Tensor::from_vec(probs, (n, k), &Device::Cpu).unwrap(),
+            weight: 0.5,
+        }));
+        // And one is a plain row of another length without the filter: the whole text recited.
+        let doc = document.tokens().to_vec();
+        let plain = Example {
+            kind: crate::lift::plan::ExampleKind::Segment(0),
+            target: (0..doc.len()).map(|i| i > 0).collect(),
+            tokens: doc,
+            packing: None,
+            soft: None,
+        };
+        let lens: Vec<usize> = examples.iter().map(|e| e.example.tokens.len()).chain([plain.tokens.len()]).collect();
+        assert!(lens.iter().min() < lens.iter().max(), "rows of different lengths are padded: {lens:?}");
+        let rows: Vec<rows::Row> = examples
+            .iter()
+            .enumerate()
+            .map(|(i, fx)| rows::Row { example: &fx.example, filter: Some(fx), cache_key: Some(i) })
+            .chain([rows::Row { example: &plain, filter: None, cache_key: None }])
+            .collect();
+        let ft = FilterTraining::frozen(filter, &examples);
+        assert!(rows.iter().all(|r| rows::batchable(r.example, Some(&ft))));
+        // The adapter on every layer (the whole stack on the graph), and above the filter's score
+        // layer (the layers below it frozen and cached).
+        for layers in [vec![0, 1, 2, 3], vec![2, 3]] {
+            let gm = GatedMemory::new(model.config(), &layers, false, 1, &Device::Cpu).unwrap();
+            let mut stats = CdtStats::default();
+            let alone: Vec<Tensor> = rows
+                .iter()
+                .map(|r| {
+                    let fx = r.filter.map(|fx| (&ft, fx));
+                    training_loss(&model, &gm, r.example, fx, None, &mut stats, None).unwrap().0
+                })
+                .collect();
+            let mean = (Tensor::stack(&alone, 0).unwrap().sum_all().unwrap() / rows.len() as f64).unwrap();
+            let want = gradients(&mean, gm.vars()).unwrap();
+            let mut cache = FrozenCache::new(1 << 30);
+            // Round 0 fills the frozen-layer cache of the QA rows, round 1 reads it.
+            for round in 0..2 {
+                let batched = rows::row_losses(&model, &gm, &rows.iter().collect::<Vec<_>>(), Some(filter), &mut cache).unwrap();
+                for (i, (a, b)) in batched.iter().zip(&alone).enumerate() {
+                    let (a, b) = (a.to_scalar::<f32>().unwrap(), b.to_scalar::<f32>().unwrap());
+                    assert!((a - b).abs() <= 1e-5 * b.abs().max(1.0), "{layers:?} round {round}: row {i}'s loss {a} alone {b}");
+                }
+                let mean = (Tensor::stack(&batched, 0).unwrap().sum_all().unwrap() / rows.len() as f64).unwrap();
+                for (g, w) in gradients(&mean, gm.vars()).unwrap().iter().zip(&want) {
+                    let (diff, scale) = max_diff(g, w);
+                    assert!(scale > 0.0, "{layers:?}: a parameter got no gradient");
+                    assert!(diff <= 1e-4 * scale, "{layers:?} round {round}: gradient differs by {diff} (scale {scale})");
+                }
+            }
+            assert_eq!(cache.bytes > 0, layers[0] > 0, "{layers:?}: the QA rows' frozen layers are cached");
+        }
     }
 }
