@@ -2,7 +2,9 @@
 """The recipe search's front: `lift` answers right against training tokens per document, one
 point per recipe run of scripts/recipe_search.sh, and the passages alone (`rag`) as a line.
 
-    scripts/recipe_front.py OUT.png NAME=RUN/results.json ...
+    scripts/recipe_front.py OUT.png [--split eval] NAME=RUN/results.json ...
+
+--split names the split the runs answered in the title (default: validation).
 """
 import json
 import sys
@@ -27,7 +29,11 @@ def point(path):
 
 
 def main():
-    out, runs = sys.argv[1], [a.split("=", 1) for a in sys.argv[2:]]
+    out, args = sys.argv[1], sys.argv[2:]
+    split = "validation"
+    if args[:1] == ["--split"]:
+        split, args = args[1], args[2:]
+    runs = [a.split("=", 1) for a in args]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     rag, total = None, None
     pts = []
@@ -46,7 +52,7 @@ def main():
     ax.set_xscale("log")
     ax.set_xlabel("training tokens per 1K-token document (teacher passes included)")
     ax.set_ylabel(f"lift right of {total}")
-    ax.set_title("Absorb recipes: answers against training cost (validation split)")
+    ax.set_title(f"Absorb recipes: answers against training cost ({split} split)")
     ax.legend(loc="upper center", fontsize=8)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
