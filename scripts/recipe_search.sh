@@ -25,6 +25,9 @@ recipe_flags() {
     paper-q256) echo "--recipe paper --aux-qa 256" ;;
     paper-q256-upper) echo "--recipe paper --aux-qa 256 --layers 15-29" ;;
     lean) echo "--recipe lean" ;;
+    # `paper` training the 30% of its questions whose evidence most changes the model's answer
+    # (`--qa-select`: LongRecipe's impactful-token analysis turned to the questions).
+    paper-select30) echo "--recipe paper --qa-select 0.3" ;;
     e12-passages) echo "--recipe paper --epochs 1,2 --qa-layout passages" ;;
     e01-q256) echo "--recipe paper --epochs 0,1 --aux-qa 256" ;;
     e01-q256-passages) echo "--recipe paper --epochs 0,1 --aux-qa 256 --qa-layout passages" ;;

@@ -65,10 +65,42 @@ fn the_teacher_reads_each_qa_example_once_and_its_distribution_is_learned() {
 }
 
 #[test]
+fn a_selection_trains_the_most_impactful_share_of_the_questions_and_counts_its_passes() {
+    let (_d, model) = tiny();
+    let doc = document(&model);
+    let mut o = options(None, QaLayout::Passages);
+    o.qa.max_pairs = 8;
+    let all = run(&model, &doc, &o);
+    o.plan.qa_select = Some(0.5);
+    let selected = run(&model, &doc, &o);
+    let pairs = all.qa.len();
+    assert!(pairs >= 4, "{pairs} QA pairs");
+    let segments = lift_serve::lift::plan::segments(doc.tokens().len(), 48, 18).len();
+    assert_eq!(all.report.examples, 3 * (segments + pairs));
+    assert_eq!(all.report.selection_passes, 0);
+    // Every question read twice (student and teacher), about half of them trained (facts whole).
+    let r = &selected.report;
+    assert_eq!(r.selection_passes, 2 * pairs);
+    let kept = r.examples / 3 - segments;
+    assert!(kept >= pairs.div_ceil(2) && kept < pairs, "{kept} of {pairs} questions trained");
+    assert!(r.selection_tokens > 0 && r.tokens > r.selection_tokens);
+    let json = &selected.manifest.options;
+    assert_eq!(json["plan"]["qa_select"], 0.5, "the selection is part of the saved options");
+    // The dry run's count follows: half the questions trained, every one read twice.
+    let count = |o: &AbsorbOptions| lift_serve::lift::estimate::plan_counts(doc.tokens().len(), pairs, o, false);
+    let (with, without) = (count(&o), count(&options(None, QaLayout::Passages)));
+    assert_eq!((with.1, without.1), (pairs.div_ceil(2), pairs));
+    let row = lift_serve::lift::plan::qa_row_tokens(&o.plan);
+    assert_eq!(with.3 + 3 * (pairs - pairs.div_ceil(2)) as u64 * row, without.3 + 2 * pairs as u64 * row);
+}
+
+#[test]
 fn distillation_options_stay_out_of_the_saved_options_until_used() {
     // Document ids hash the options' JSON: the default (the `paper` recipe) saves neither.
     let plain = serde_json::to_value(AbsorbOptions::default()).unwrap();
-    assert!(plain["train"].get("distill").is_none() && plain["plan"].get("qa_layout").is_none(), "{plain}");
+    for (part, key) in [("train", "distill"), ("train", "batch_rows"), ("plan", "qa_layout"), ("plan", "qa_select")] {
+        assert!(plain[part].get(key).is_none(), "{part}.{key} in {plain}");
+    }
     let mut lean = AbsorbOptions::default();
     lift_serve::lift::Recipe::Lean.set(&mut lean);
     let lean = serde_json::to_value(&lean).unwrap();

@@ -39,27 +39,32 @@ impl Default for DistillOptions {
 /// The teacher's targets for `row`'s answer positions: one pass of the model with the prepared
 /// base alone (its filter masking the row's chunks), no graph.
 pub fn teacher_targets(model: &Model, row: &TeacherRow, opts: &DistillOptions) -> Result<SoftTargets> {
-    let ex = &row.example;
-    let n = ex.tokens.len();
-    anyhow::ensure!(n >= 2, "teacher row of {n} tokens");
+    let logits = answer_logits(model, &row.example, &row.chunks)?;
+    top_k_distribution(&logits, opts.top_k.max(1), opts.weight)
+}
+
+/// The vocabulary logits `[answer positions, vocab]` of `example` under the frozen model with the
+/// prepared base alone (no document adapter; its filter masking `chunks`), without a graph.
+pub fn answer_logits(model: &Model, example: &super::plan::Example, chunks: &[crate::model::filter::Chunk]) -> Result<Tensor> {
+    let n = example.tokens.len();
+    anyhow::ensure!(n >= 2, "a row of {n} tokens");
     let dev = model.device();
-    let pos: Vec<u32> = (0..n - 1).filter(|&i| ex.target[i + 1]).map(|i| i as u32).collect();
-    anyhow::ensure!(!pos.is_empty(), "teacher row without answer tokens");
-    let input = Tensor::new(&ex.tokens[..n - 1], dev)?.unsqueeze(0)?;
+    let pos: Vec<u32> = (0..n - 1).filter(|&i| example.target[i + 1]).map(|i| i as u32).collect();
+    anyhow::ensure!(!pos.is_empty(), "a row without answer tokens");
+    let input = Tensor::new(&example.tokens[..n - 1], dev)?.unsqueeze(0)?;
     let emb = model.decoder.embed(&input)?;
     let layers = model.config().num_layers;
     let mut filter_hooks = model
         .base_filter()
-        .filter(|_| !row.chunks.is_empty())
-        .map(|f| crate::model::filter::FilterHooks::new(f, &row.chunks, layers));
+        .filter(|_| !chunks.is_empty())
+        .map(|f| crate::model::filter::FilterHooks::new(f, chunks, layers));
     let hooks: &mut dyn ForwardHooks = match filter_hooks.as_mut() {
         Some(h) => h,
         None => &mut NoHooks,
     };
     let hidden = model.decoder.forward_train_packed(&emb, None, None, hooks)?;
     let at = Tensor::new(pos.as_slice(), dev)?;
-    let logits = model.decoder.logits_train(&hidden.squeeze(0)?.index_select(&at, 0)?)?.detach();
-    top_k_distribution(&logits, opts.top_k.max(1), opts.weight)
+    Ok(model.decoder.logits_train(&hidden.squeeze(0)?.index_select(&at, 0)?)?.detach())
 }
 
 /// Each row's `k` most likely tokens under `logits` `[n, vocab]` and their probabilities

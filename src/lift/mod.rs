@@ -16,6 +16,7 @@ pub mod options;
 pub mod plan;
 pub mod prompt;
 pub mod qa;
+pub mod select;
 pub mod text;
 pub mod trainer;
 
@@ -148,6 +149,9 @@ pub fn absorb_resumable(
     on_event(AbsorbEvent::Stage(AbsorbStage::Training));
     let adapter = new_adapter(model, opts)?;
     let (trained, held) = hold_aside(&pairs, opts);
+    let select_start = Instant::now();
+    let (trained, selection) = select_questions(model, document, trained, opts, cancel)?;
+    let select_seconds = select_start.elapsed().as_secs_f64();
     let (plan, filter_examples) = plan(model, document, &trained, opts)?;
     let train_opts = opts.effective_train();
     let base_filter = model.base_filter().map(|f| FilterTraining::frozen(f, &filter_examples));
@@ -156,6 +160,7 @@ pub fn absorb_resumable(
     probe_opts.plan.qa_pack = 1;
     // Probes are scored on their answers alone: no teacher reads them.
     probe_opts.train.distill = None;
+    probe_opts.plan.qa_select = None;
     let probe_plan = match held.is_empty() {
         true => None,
         false => Some(self::plan(model, document, &held, &probe_opts)?),
@@ -190,7 +195,11 @@ pub fn absorb_resumable(
     };
     let checkpoints = resumable.as_ref().map(|r| trainer::Checkpointing { interval: r.interval, resume, save });
     let long = trainer::LongRun { checkpoints, deadline };
-    let report = trainer::train_long(model, inputs, &train_opts, base_filter.as_ref(), probes.as_ref(), control, long)?;
+    let mut report = trainer::train_long(model, inputs, &train_opts, base_filter.as_ref(), probes.as_ref(), control, long)?;
+    if let Some(s) = &selection {
+        // The selection's passes are part of what the absorb trained at.
+        report.add_selection(s.passes, s.tokens, select_seconds);
+    }
 
     on_event(AbsorbEvent::Stage(AbsorbStage::Saving));
     let bundle = AdapterBundle::new(adapter.detached());
@@ -250,7 +259,8 @@ fn plan(
     opts: &AbsorbOptions,
 ) -> Result<(Plan, Vec<filter::FilterExample>)> {
     let budget = opts.plan.qa_context();
-    let distill = opts.train.distill.as_ref();
+    // The teacher's rows serve distillation and the questions' selection.
+    let teacher = opts.train.distill.is_some() || opts.plan.qa_select.is_some();
     let n = document.tokens().len();
     // A prompt of the answer layout (BM25's passages for the question) with the fact's evidence
     // as answering finds it, shown first, or hidden.
@@ -279,7 +289,7 @@ fn plan(
     let examples = match (model.base_filter(), opts.plan.qa_layout) {
         (None, QaLayout::HeadTail) => {
             let mut plan = Plan::new(model, document.tokens(), pairs, &opts.plan)?;
-            if distill.is_some() {
+            if teacher {
                 plan.teacher = teacher_rows(pairs)?;
             }
             return Ok((plan, Vec::new()));
@@ -303,10 +313,30 @@ fn plan(
     }
     let qa = examples.iter().map(|e| e.example.clone()).collect();
     let mut plan = Plan::with_qa(model, document.tokens(), qa, &opts.plan)?;
-    if distill.is_some() {
+    if teacher {
         plan.teacher = teacher_rows(pairs)?;
     }
     Ok((plan, examples))
+}
+
+/// `pairs`, or the share `plan.qa_select` of them that the selection keeps (`lift::select`).
+fn select_questions(
+    model: &Model,
+    document: &Document,
+    pairs: Vec<QaPair>,
+    opts: &AbsorbOptions,
+    cancel: &dyn Fn() -> bool,
+) -> Result<(Vec<QaPair>, Option<select::Selection>)> {
+    let Some(keep) = opts.plan.qa_select.filter(|_| !pairs.is_empty()) else { return Ok((pairs, None)) };
+    // One question per row, each beside its teacher row.
+    let mut o = opts.clone();
+    o.plan.qa_pack = 1;
+    let (all, fx) = plan(model, document, &pairs, &o)?;
+    let student: Vec<(&plan::Example, &[crate::model::filter::Chunk])> =
+        all.qa.iter().enumerate().map(|(i, e)| (e, fx.get(i).map_or(&[][..], |f| f.chunks.as_slice()))).collect();
+    let s = select::impactful(model, &pairs, &student, &all.teacher, keep, cancel)?;
+    tracing::info!(kept = s.kept.len(), of = pairs.len(), passes = s.passes, "auxiliary questions selected by their impact");
+    Ok((s.kept.iter().map(|&i| pairs[i].clone()).collect(), Some(s)))
 }
 
 /// The answer length the passages layout leaves room for (it only matters where the model's
@@ -380,6 +410,8 @@ fn training_figures(r: &TrainReport, qa_pairs: usize, qa_seconds: f64, segments:
         "cooldown_from": r.cooldown_from,
         "cooldown_cause": r.cooldown_cause,
         "skipped_examples": r.skipped_examples,
+        "selection_passes": r.selection_passes,
+        "selection_tokens": r.selection_tokens,
         "out_of_time": r.out_of_time,
         "qa_pairs": qa_pairs,
         "qa_seconds": qa_seconds,

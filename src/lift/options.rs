@@ -167,6 +167,8 @@ pub struct OptionOverlay {
     pub qa_layout: Option<QaLayout>,
     /// Context distillation of the QA examples: the teacher's share α of their loss (0: off).
     pub distill: Option<f64>,
+    /// The share of the auxiliary questions trained on, the most impactful facts first (1: all).
+    pub qa_select: Option<f64>,
     /// Most auxiliary QA pairs, a fixed cap in place of the length-scaled one.
     pub aux_qa: Option<usize>,
     /// Also have the model write QA pairs.
@@ -210,6 +212,10 @@ impl OptionOverlay {
         set(&mut o.plan.qa_pack, self.qa_pack);
         set(&mut o.plan.segment_pack, self.segment_pack);
         set(&mut o.plan.qa_layout, self.qa_layout);
+        if let Some(f) = self.qa_select {
+            // 1 keeps every question: the plan without a selection.
+            o.plan.qa_select = (f != 1.0).then_some(f);
+        }
         match self.distill {
             // 0 turns it off; any other value is checked by `validate`.
             Some(w) if w == 0.0 => o.train.distill = None,
@@ -353,6 +359,8 @@ pub enum OptionError {
     Budget { value: f64, max: f64 },
     #[error("'distill' must be between 0 and 1, with a top-k of 1 to {max_top_k} (got {value}, top-k {top_k})")]
     Distill { value: f64, top_k: usize, max_top_k: usize },
+    #[error("'qa_select' must be a share of the questions above 0 and at most 1 (got {value})")]
+    QaSelect { value: f64 },
 }
 
 /// Most teacher tokens kept per answer position in distillation.
@@ -369,6 +377,7 @@ impl OptionError {
             OptionError::Layer { .. } => "layers",
             OptionError::Budget { .. } => "budget_seconds",
             OptionError::Distill { .. } => "distill",
+            OptionError::QaSelect { .. } => "qa_select",
         }
     }
 }
@@ -404,6 +413,9 @@ impl AbsorbOptions {
         }
         if let Some(d) = self.train.distill.as_ref().filter(|d| !((0.0..=1.0).contains(&d.weight) && (1..=MAX_TOP_K).contains(&d.top_k))) {
             return Err(OptionError::Distill { value: d.weight, top_k: d.top_k, max_top_k: MAX_TOP_K });
+        }
+        if let Some(f) = self.plan.qa_select.filter(|f| !(*f > 0.0 && *f <= 1.0)) {
+            return Err(OptionError::QaSelect { value: f });
         }
         Ok(())
     }
@@ -450,7 +462,7 @@ mod tests {
         let all = serde_json::json!({"adapter": "lora", "layers": [1, 2], "window": 64, "stride": 16,
             "training_context_tokens": 48, "epochs": [0, 2], "lr": 0.01, "accumulation": 2, "qa_pack": 3,
             "segment_pack": 2, "aux_qa": 6, "model_qa": true, "until_learned": true, "seed": 9, "budget_seconds": 60.0,
-            "recipe": "lean", "qa_layout": "mixed", "distill": 0.25});
+            "recipe": "lean", "qa_layout": "mixed", "distill": 0.25, "qa_select": 0.4});
         let names: Vec<&String> = all.as_object().unwrap().keys().collect();
         assert_eq!(names.len(), OptionOverlay::names().len(), "a flat name without a case here");
         let o = d.with_json(&all).unwrap();
@@ -462,6 +474,10 @@ mod tests {
         // The recipe first (lean: no floor under the questions' cap), the settings named over it.
         assert_eq!((o.qa.cap_floor, o.plan.qa_layout), (0, QaLayout::Mixed));
         assert_eq!(o.train.distill.as_ref().map(|d| d.weight), Some(0.25));
+        assert_eq!(o.plan.qa_select, Some(0.4));
+        assert_eq!(d.with_json(&serde_json::json!({"qa_select": 1})).unwrap().plan.qa_select, None, "1 keeps every question");
+        let bad = d.with_json(&serde_json::json!({"qa_select": 0})).unwrap();
+        assert_eq!(bad.validate(30, 2048).unwrap_err().option(), "qa_select");
         let off = d.with_json(&serde_json::json!({"distill": 0.5})).unwrap().with_json(&serde_json::json!({"distill": 0})).unwrap();
         assert!(off.train.distill.is_none(), "0 turns distillation off");
         let bad = d.with_json(&serde_json::json!({"distill": 1.5})).unwrap();

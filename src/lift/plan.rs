@@ -46,6 +46,11 @@ pub struct PlanOptions {
     /// in the layout it answers in. Left out of the JSON (and so of document ids) when the default.
     #[serde(skip_serializing_if = "QaLayout::is_head_tail")]
     pub qa_layout: QaLayout,
+    /// The share (0–1] of the auxiliary questions trained on: the facts whose evidence most changes
+    /// the model's answer, first (`lift::select`, after LongRecipe's impactful-token analysis).
+    /// None: every question. Left out of the JSON when None.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub qa_select: Option<f64>,
 }
 
 /// The context before an auxiliary question in training ([`PlanOptions::qa_layout`]).
@@ -87,6 +92,7 @@ impl Default for PlanOptions {
             qa_pack: 1,
             segment_pack: 1,
             qa_layout: QaLayout::HeadTail,
+            qa_select: None,
         }
     }
 }

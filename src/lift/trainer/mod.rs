@@ -47,6 +47,8 @@ pub struct TrainOptions {
     /// this share of its tokens; None (the default): one by one. The same gradients either way.
     /// Off by default because the 2-core CPU gains nothing from it (its gemms are as efficient at
     /// one row as at four, docs/absorb-speed.md "Batched rows"); a GPU step is bound by launches.
+    /// Left out of the JSON (and so of document ids) when off.
+    #[serde(skip_serializing_if = "Option::is_none")]
     pub batch_rows: Option<f64>,
     /// Linear warm-up of the learning rate over this many optimizer steps.
     pub warmup_steps: usize,
@@ -156,9 +158,24 @@ pub struct TrainReport {
     /// trained (and timed) by an earlier process.
     #[serde(default)]
     pub resumed_from: Option<usize>,
+    /// The questions' selection (`plan.qa_select`): its passes and their tokens (also counted in
+    /// `tokens` and its time in `seconds`).
+    #[serde(default)]
+    pub selection_passes: usize,
+    #[serde(default)]
+    pub selection_tokens: usize,
 }
 
 impl TrainReport {
+    /// Counts the questions' selection, run before training, in the run's tokens and seconds.
+    pub fn add_selection(&mut self, passes: usize, tokens: usize, seconds: f64) {
+        self.selection_passes += passes;
+        self.selection_tokens += tokens;
+        self.tokens += tokens;
+        self.seconds += seconds;
+        self.tokens_per_s = self.tokens as f64 / self.seconds.max(1e-9);
+    }
+
     /// The optimizer steps this process ran: all of them, less those a resumed checkpoint had.
     pub fn steps_this_run(&self) -> usize {
         self.steps - self.resumed_from.unwrap_or(0).min(self.steps)
