@@ -152,7 +152,7 @@ pub fn absorb_resumable(
     let select_start = Instant::now();
     let (trained, selection) = select_questions(model, document, trained, opts, cancel)?;
     let select_seconds = select_start.elapsed().as_secs_f64();
-    let (plan, filter_examples) = plan(model, document, &trained, opts)?;
+    let (plan, filter_examples) = plan(model, document, &trained, opts, opts.train.distill.is_some())?;
     let train_opts = opts.effective_train();
     let base_filter = model.base_filter().map(|f| FilterTraining::frozen(f, &filter_examples));
     // Probes in the layout the QA examples train in, one question per row.
@@ -163,7 +163,7 @@ pub fn absorb_resumable(
     probe_opts.plan.qa_select = None;
     let probe_plan = match held.is_empty() {
         true => None,
-        false => Some(self::plan(model, document, &held, &probe_opts)?),
+        false => Some(self::plan(model, document, &held, &probe_opts, false)?),
     };
     let probes = probe_plan.as_ref().map(|(p, fx)| trainer::Probes {
         examples: &p.qa,
@@ -251,16 +251,16 @@ fn new_adapter(model: &Model, opts: &AbsorbOptions) -> Result<AnyAdapter> {
 /// The training plan. With the prepared base's FltLM filter the QA examples are built once, in
 /// its layout (one question per row: its bookkeeping of chunks is per row), as the answer lays
 /// out the context; the filter then masks them, frozen (a detached copy, no filter loss). In the
-/// `passages` layout each question's context is what an answer to it would show.
+/// `passages` layout each question's context is what an answer to it would show. `teacher`: also the
+/// teacher's row of each question (its evidence shown first), for distillation or the selection.
 fn plan(
     model: &Model,
     document: &Document,
     pairs: &[QaPair],
     opts: &AbsorbOptions,
+    teacher: bool,
 ) -> Result<(Plan, Vec<filter::FilterExample>)> {
     let budget = opts.plan.qa_context();
-    // The teacher's rows serve distillation and the questions' selection.
-    let teacher = opts.train.distill.is_some() || opts.plan.qa_select.is_some();
     let n = document.tokens().len();
     // A prompt of the answer layout (BM25's passages for the question) with the fact's evidence
     // as answering finds it, shown first, or hidden.
@@ -331,7 +331,7 @@ fn select_questions(
     // One question per row, each beside its teacher row.
     let mut o = opts.clone();
     o.plan.qa_pack = 1;
-    let (all, fx) = plan(model, document, &pairs, &o)?;
+    let (all, fx) = plan(model, document, &pairs, &o, true)?;
     let student: Vec<(&plan::Example, &[crate::model::filter::Chunk])> =
         all.qa.iter().enumerate().map(|(i, e)| (e, fx.get(i).map_or(&[][..], |f| f.chunks.as_slice()))).collect();
     let s = select::impactful(model, &pairs, &student, &all.teacher, keep, cancel)?;
@@ -454,9 +454,9 @@ mod tests {
         opts.plan.training_context_tokens = 48;
         opts.plan.qa_layout = plan::QaLayout::HeadTail;
         let answer_tokens = model.tokenizer.encode("Anselm Varga", false).unwrap();
-        let (head_tail, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts).unwrap();
+        let (head_tail, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts, opts.train.distill.is_some()).unwrap();
         opts.plan.qa_layout = plan::QaLayout::Passages;
-        let (passages, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts).unwrap();
+        let (passages, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts, opts.train.distill.is_some()).unwrap();
         let ask = answer::Ask {
             context: Some(answer::ContextPolicy::Bm25),
             context_tokens: Some(48),
@@ -478,12 +478,12 @@ mod tests {
         assert!(contains(&ex.tokens) && !contains(&ht.tokens));
         // `recall` shows the question's passages without the fact's; `mixed` alternates.
         opts.plan.qa_layout = plan::QaLayout::Recall;
-        let (recall, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts).unwrap();
+        let (recall, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts, opts.train.distill.is_some()).unwrap();
         assert!(!contains(&recall.qa[0].tokens), "the evidence is hidden");
         assert!(recall.qa[0].tokens.ends_with(&ex.tokens[k..]), "the same answer");
         opts.plan.qa_layout = plan::QaLayout::Mixed;
         let two = [pair.clone(), QaPair { question: "Who keeps the light?".into(), ..pair.clone() }];
-        let (mixed, _) = plan(&model, &document, &two, &opts).unwrap();
+        let (mixed, _) = plan(&model, &document, &two, &opts, opts.train.distill.is_some()).unwrap();
         assert!(contains(&mixed.qa[0].tokens) && !contains(&mixed.qa[1].tokens));
     }
 

@@ -21,12 +21,10 @@ use anyhow::{ensure, Result};
 use candle_core::{DType, Tensor};
 use std::collections::HashMap;
 
-/// The questions kept, by index into the pairs, ascending; each question's impact (nats per
-/// answer token) and the passes run for them.
+/// The questions kept, by index into the pairs, ascending, and the passes run to choose them.
 #[derive(Clone, Debug)]
 pub struct Selection {
     pub kept: Vec<usize>,
-    pub impact: Vec<f64>,
     pub passes: usize,
     pub tokens: usize,
 }
@@ -67,7 +65,7 @@ pub fn impactful(
         tokens += example.tokens.len() + row.example.tokens.len();
     }
     let kept = keep_facts(pairs, &impact, keep);
-    Ok(Selection { kept, impact, passes: 2 * pairs.len(), tokens })
+    Ok(Selection { kept, passes: 2 * pairs.len(), tokens })
 }
 
 /// The indices of the facts (pairs grouped by evidence span) kept, the most impactful fact (its

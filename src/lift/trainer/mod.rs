@@ -836,10 +836,7 @@ impl LiftRun<'_> {
                 let l = rows::row_losses(model, adapter, &members, filter.map(|ft| ft.filter), &mut self.frozen)?;
                 let l = Tensor::stack(&l, 0)?;
                 let g = gradients(&(l.sum_all()? * scale)?, &self.vars)?;
-                grads = Some(match grads {
-                    None => g,
-                    Some(acc) => acc.iter().zip(&g).map(|(a, b)| a + b).collect::<candle_core::Result<_>>()?,
-                });
+                grads = Some(add_gradients(grads, g)?);
                 for (&j, v) in group.iter().zip(l.to_vec1::<f32>()?) {
                     losses[j] = f64::from(v);
                 }
@@ -854,16 +851,21 @@ impl LiftRun<'_> {
             let cached = is_qa.then_some((&mut self.frozen, i));
             let (loss, _) = training_loss(model, adapter, example, fx_of(is_qa, i), None, &mut self.no_cdt, cached)?;
             let g = gradients(&(loss.clone() * scale)?, &self.vars)?;
-            sum = Some(match sum {
-                None => g,
-                Some(acc) => acc.iter().zip(&g).map(|(a, b)| a + b).collect::<candle_core::Result<_>>()?,
-            });
+            sum = Some(add_gradients(sum, g)?);
             let loss = loss.to_scalar::<f32>()? as f64;
             losses.push(loss);
             batch_loss += loss * scale;
         }
         Ok(Batch { grads: sum.unwrap_or_default(), loss: batch_loss, losses, tokens: batch_tokens })
     }
+}
+
+/// `g` added to the gradients summed so far (`sum`, in the same `vars` order).
+fn add_gradients(sum: Option<Vec<Tensor>>, g: Vec<Tensor>) -> Result<Vec<Tensor>> {
+    Ok(match sum {
+        None => g,
+        Some(acc) => acc.iter().zip(&g).map(|(a, b)| a + b).collect::<candle_core::Result<_>>()?,
+    })
 }
 
 /// Early stopping's count: the best epoch mean so far and the epochs since it.
