@@ -28,6 +28,15 @@ recipe_flags() {
     # `paper` training the 30% of its questions whose evidence most changes the model's answer
     # (`--qa-select`: LongRecipe's impactful-token analysis turned to the questions).
     paper-select30) echo "--recipe paper --qa-select 0.3" ;;
+    # LoRA (r = 128 on all seven projections of every layer, lr 5e-5: the LIFT authors' later
+    # adapter) in place of Gated Memory.
+    lean-lora) echo "--recipe lean --adapter lora" ;;
+    paper-lora) echo "--recipe paper --adapter lora" ;;
+    # Four rows per optimizer step as one batched forward/backward (a quarter of the steps), at
+    # the same learning rate and at twice it with a warm-up (scripts/recipe-options/).
+    lean-rows4) echo "--recipe lean --options scripts/recipe-options/rows4.json" ;;
+    lean-rows4-lr2x) echo "--recipe lean --options scripts/recipe-options/rows4-lr2x.json" ;;
+    paper-rows4) echo "--recipe paper --options scripts/recipe-options/rows4.json" ;;
     e12-passages) echo "--recipe paper --epochs 1,2 --qa-layout passages" ;;
     e01-q256) echo "--recipe paper --epochs 0,1 --aux-qa 256" ;;
     e01-q256-passages) echo "--recipe paper --epochs 0,1 --aux-qa 256 --qa-layout passages" ;;
