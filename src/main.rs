@@ -442,11 +442,15 @@ impl AbsorbArgs {
         tracing::info!(format = ?source.format, characters = source.characters, pages = ?source.pages, "document read");
         let document = Document::encode(&model, extracted.text)?;
         let title = self.train.title.clone().or(extracted.title).or_else(|| source.filename.clone());
-        // A budget is fitted at the prior rate (this process has measured none).
+        // A budget is fitted at this machine's rate, timed on a few steps (else the prior).
         let opts = match opts.budget_seconds {
             None => opts,
             Some(budget) => {
-                let cost = lift::cost::estimate(&model, &document, &opts, &lift::estimate::AbsorbRate::default());
+                let rate = lift::estimate::AbsorbRate::default();
+                if let Some(r) = lift::calibrate::rate(&model, &opts) {
+                    rate.set_calibrated(r);
+                }
+                let cost = lift::cost::estimate(&model, &document, &opts, &rate);
                 match cost.warnings.iter().find(|w| w.param == "options.budget_seconds") {
                     Some(w) => eprintln!("{}", w.message),
                     None => eprintln!("the options fit the budget of {budget:.0} s (estimated {:.0} s)", cost.estimate.seconds),

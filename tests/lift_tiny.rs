@@ -434,3 +434,19 @@ fn absorbing_until_learned_skips_learned_examples_and_revisits_them() {
     assert_eq!(focused.manifest.training["skipped_examples"], focused.report.skipped_examples);
     assert!(!focused.report.stopped_early, "the probe rule never fired (min_steps is out of reach)");
 }
+
+/// The absorb-rate calibration trains real optimizer steps of the options it is given, past its
+/// warm-up, and times them (the server's estimates use the rate until an absorb finishes).
+#[test]
+fn the_absorb_rate_calibration_times_real_steps_past_its_warm_up() {
+    let (_d, model) = tiny();
+    let mut o = lift_serve::lift::AbsorbOptions::default();
+    o.plan.window = 48;
+    o.plan.training_context_tokens = 32;
+    o.budget_seconds = Some(1.0);
+    let c = lift_serve::lift::calibrate::calibrate(&model, &o).unwrap();
+    assert!(c.steps >= 4, "{c:?}");
+    assert!(c.seconds > 0.0 && c.seconds_per_token.is_finite() && c.seconds_per_token > 0.0, "{c:?}");
+    // Each timed step is a real row of tens of tokens at least: the rate is per token, not per step.
+    assert!(c.seconds_per_token * 16.0 < c.seconds / c.steps as f64, "{c:?}");
+}

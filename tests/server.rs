@@ -2319,11 +2319,23 @@ async fn dry_run_says_the_cost_before_paying() {
     let planned = est["estimate"]["planned_steps"].as_u64().unwrap();
     let tokens = est["estimate"]["training_tokens"].as_u64().unwrap();
     assert!(planned > 0 && tokens > 0 && est["tokens"].as_u64().unwrap() > 0, "{est}");
-    assert_eq!((est["estimate"]["rate"].as_str(), est["estimate"]["measured_absorbs"].as_u64()), (Some("prior"), Some(0)), "{est}");
+    // Before any absorb has finished, the rate is the few steps the server timed at start.
+    assert_eq!((est["estimate"]["rate"].as_str(), est["estimate"]["measured_absorbs"].as_u64()), (Some("calibrated"), Some(0)), "{est}");
     let secs = est["estimate"]["seconds"].as_f64().unwrap();
     let per_token = est["estimate"]["seconds_per_token"].as_f64().unwrap();
     let overhead = est["estimate"]["overhead_seconds"].as_f64().unwrap();
     assert!((secs - overhead - tokens as f64 * per_token).abs() < 1e-6 * secs.max(1.0), "{est}");
+    // Without the calibration, the documented prior (one 2-core CPU's rate, far slower than the
+    // tiny model's).
+    let mut uncalibrated = config(&e, &[]);
+    uncalibrated.absorb_calibration = false;
+    let (other, other_base) = start(uncalibrated).await;
+    let (s, prior) = post_json(&c, &format!("{other_base}/documents"), body(json!(true)), None).await;
+    assert_eq!(s, 200, "{prior}");
+    assert_eq!(prior["estimate"]["rate"], "prior", "{prior}");
+    assert_eq!(prior["estimate"]["seconds_per_token"].as_f64(), Some(lift_serve::lift::estimate::PRIOR_SECONDS_PER_TOKEN), "{prior}");
+    assert!(per_token < 0.5 * lift_serve::lift::estimate::PRIOR_SECONDS_PER_TOKEN, "the tiny model trains faster than the prior says: {est}");
+    other.shutdown().await;
     // The tiny server's options (epochs [1, 1], 4 QA pairs) are known to under-train.
     let codes: Vec<&str> = est["warnings"].as_array().unwrap().iter().map(|w| w["code"].as_str().unwrap()).collect();
     assert!(codes.contains(&"few_epochs"), "{est}");

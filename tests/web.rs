@@ -196,7 +196,7 @@ async fn real_model_document_chat() {
         .await;
     let steps: u64 = steps.as_str().unwrap().parse().unwrap();
     let cost = b.js("return document.getElementById('cost-text').textContent").await;
-    assert!(cost.as_str().unwrap().contains(&format!("{steps} training steps")) && cost.as_str().unwrap().contains("first guess"), "{cost}");
+    assert!(cost.as_str().unwrap().contains(&format!("{steps} training steps")) && cost.as_str().unwrap().contains("timed when the server started"), "{cost}");
     let warned = b.js("return [...document.querySelectorAll('#cost-warnings li')].map(l => l.dataset.code)").await;
     assert!(warned.as_array().unwrap().contains(&json!("few_epochs")), "the tiny options are flagged: {warned}");
     let list: Value = http().get(format!("{base}/documents")).send().await.unwrap().json().await.unwrap();

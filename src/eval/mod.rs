@@ -409,13 +409,15 @@ pub struct Local<'a> {
     pub model: &'a Model,
     pub max_tokens: usize,
     adapters: Vec<lift::Absorbed>,
-    /// This run's absorb rate, as a server keeps its own: the prior until an absorb has finished.
+    /// This run's absorb rate, as a server keeps its own: a few steps timed before the first
+    /// absorb ([`lift::calibrate`]) until an absorb has finished.
     rate: lift::estimate::AbsorbRate,
+    calibrated: bool,
 }
 
 impl<'a> Local<'a> {
     pub fn new(model: &'a Model, max_tokens: usize) -> Self {
-        Self { model, max_tokens, adapters: Vec::new(), rate: Default::default() }
+        Self { model, max_tokens, adapters: Vec::new(), rate: Default::default(), calibrated: false }
     }
 }
 
@@ -427,6 +429,11 @@ impl Backend for Local<'_> {
         opts: &AbsorbOptions,
         on_step: &mut dyn FnMut(usize, usize, f64),
     ) -> Result<(AbsorbRecord, usize)> {
+        if !std::mem::replace(&mut self.calibrated, true) {
+            if let Some(r) = lift::calibrate::rate(self.model, opts) {
+                self.rate.set_calibrated(r);
+            }
+        }
         let t0 = Instant::now();
         // The price a server would say, and the options it would train: fitted to their time
         // budget (as asked without one).

@@ -48,7 +48,8 @@ pub struct Estimate {
     pub seconds_per_token: f64,
     /// The rate used: seconds per absorb whatever its length.
     pub overhead_seconds: f64,
-    /// `measured` (the average of this server's finished absorbs) or `prior` (none finished yet).
+    /// `measured` (the average of this server's finished absorbs); before any has finished,
+    /// `calibrated` (a few steps timed on this machine when the server started) or `prior`.
     pub rate: &'static str,
     /// How many finished absorbs the measured rate averages.
     pub measured_absorbs: usize,
@@ -129,9 +130,27 @@ pub fn qa_pairs_planned(text: &str, doc_tokens: usize, o: &AbsorbOptions) -> usi
 #[derive(Default)]
 pub struct AbsorbRate {
     done: Mutex<VecDeque<(u64, f64)>>,
+    /// Seconds per token measured by a few steps on this machine ([`super::calibrate`]): the rate
+    /// before any absorb has finished, in place of the prior.
+    calibrated: Mutex<Option<f64>>,
 }
 
 impl AbsorbRate {
+    /// Before any absorb has finished, estimates use `seconds_per_token` (a calibration's).
+    pub fn set_calibrated(&self, seconds_per_token: f64) {
+        if seconds_per_token.is_finite() && seconds_per_token > 0.0 {
+            if let Ok(mut c) = self.calibrated.lock() {
+                *c = Some(seconds_per_token);
+            }
+        }
+    }
+
+    /// The rate before any absorb has finished: the calibration's, else the prior.
+    fn before_any(&self) -> (f64, f64, usize) {
+        let calibrated = self.calibrated.lock().ok().and_then(|c| *c);
+        (calibrated.unwrap_or(PRIOR_SECONDS_PER_TOKEN), PRIOR_OVERHEAD_SECONDS, 0)
+    }
+
     /// A finished absorb of `tokens` planned training tokens that took `seconds`.
     pub fn record(&self, tokens: u64, seconds: f64) {
         if tokens == 0 || !seconds.is_finite() || seconds <= 0.0 {
@@ -156,11 +175,12 @@ impl AbsorbRate {
         self.record((planned_tokens as f64 * share).round() as u64, seconds);
     }
 
-    /// (seconds per token, seconds per absorb, finished absorbs measured; 0: the prior).
+    /// (seconds per token, seconds per absorb, finished absorbs measured; 0: the calibration or
+    /// the prior).
     pub fn rate(&self) -> (f64, f64, usize) {
-        let Ok(d) = self.done.lock() else { return (PRIOR_SECONDS_PER_TOKEN, PRIOR_OVERHEAD_SECONDS, 0) };
+        let Ok(d) = self.done.lock() else { return self.before_any() };
         if d.is_empty() {
-            return (PRIOR_SECONDS_PER_TOKEN, PRIOR_OVERHEAD_SECONDS, 0);
+            return self.before_any();
         }
         let n = d.len() as f64;
         let (mt, ms) = (d.iter().map(|p| p.0 as f64).sum::<f64>() / n, d.iter().map(|p| p.1).sum::<f64>() / n);
@@ -180,6 +200,10 @@ impl AbsorbRate {
         (s / t as f64, overhead, d.len())
     }
 
+    fn is_calibrated(&self) -> bool {
+        self.calibrated.lock().is_ok_and(|c| c.is_some())
+    }
+
     /// The estimate of an absorb planning these counts.
     pub fn estimate(&self, counts: (usize, usize, usize, u64)) -> Estimate {
         let (segments, qa_pairs, planned_steps, training_tokens) = counts;
@@ -193,7 +217,11 @@ impl AbsorbRate {
             seconds: overhead + training_tokens as f64 * rate,
             seconds_per_token: rate,
             overhead_seconds: overhead,
-            rate: if n == 0 { "prior" } else { "measured" },
+            rate: match (n, self.is_calibrated()) {
+                (0, true) => "calibrated",
+                (0, false) => "prior",
+                _ => "measured",
+            },
             measured_absorbs: n,
         }
     }
@@ -265,7 +293,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn steps_follow_the_trainer_and_the_rate_replaces_the_prior() {
+    fn steps_follow_the_trainer_and_the_rate_replaces_the_calibration_and_the_prior() {
         let mut o = AbsorbOptions::default();
         o.train.epochs = [3, 5];
         o.train.accumulation = 1;
@@ -278,6 +306,13 @@ mod tests {
         let e = rate.estimate((segments, qa, steps, tokens));
         assert_eq!((e.rate, e.measured_absorbs), ("prior", 0));
         assert!((e.seconds - PRIOR_OVERHEAD_SECONDS - tokens as f64 * PRIOR_SECONDS_PER_TOKEN).abs() < 1e-9);
+        // A calibration replaces the prior's rate (not its overhead) until an absorb finishes.
+        rate.set_calibrated(0.0);
+        assert_eq!(rate.estimate((segments, qa, steps, tokens)).rate, "prior", "no rate is not a calibration");
+        rate.set_calibrated(1e-3);
+        let e = rate.estimate((segments, qa, steps, tokens));
+        assert_eq!((e.rate, e.measured_absorbs), ("calibrated", 0));
+        assert!((e.seconds - PRIOR_OVERHEAD_SECONDS - tokens as f64 * 1e-3).abs() < 1e-9, "{e:?}");
         // One length: the prior's overhead (at most half the shortest absorb), the rest per token.
         rate.record(1000, 30.0);
         let e = rate.estimate((segments, qa, steps, 2000));

@@ -6,6 +6,7 @@
 
 pub mod answer;
 pub mod budget;
+pub mod calibrate;
 pub mod cdt;
 pub mod checkpoint;
 pub mod cost;

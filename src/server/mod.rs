@@ -163,6 +163,11 @@ pub struct ServeConfig {
     /// checkpoints).
     #[arg(long, env = "LIFT_CHECKPOINT_SECS", default_value_t = crate::lift::checkpoint::DEFAULT_INTERVAL.as_secs_f64())]
     pub checkpoint_secs: f64,
+    /// Time a few training steps at start (a few seconds on a CPU) so that cost estimates and
+    /// time budgets use this machine's rate before its first absorb finishes; with
+    /// `--no-absorb-calibration`, the documented prior (one 2-core CPU's rate).
+    #[arg(long = "no-absorb-calibration", action = clap::ArgAction::SetFalse)]
+    pub absorb_calibration: bool,
     /// Dtypes and kernels the model is loaded with: the command line's global flags
     /// (`--cpu-qmatmul`, ...), which `main` puts here; the defaults elsewhere.
     #[arg(skip)]
@@ -212,6 +217,7 @@ impl ServeConfig {
             memory_budget_bytes: None,
             checkpoint_secs: crate::lift::checkpoint::DEFAULT_INTERVAL.as_secs_f64(),
             absorb_budget: None,
+            absorb_calibration: true,
             runtime: RuntimeConfig::default(),
         }
     }
@@ -283,7 +289,7 @@ impl ServeConfig {
              header_timeout_secs={} body_timeout_secs={} max_connections={} drain_secs={} database_url={} \
              adapter_store={} role={:?} replica_id={} lease_secs={} extract_workers={} extract_timeout_secs={} \
              extract_memory_bytes={} extract_limits={} extract_worker={} memory_budget_bytes={} checkpoint_secs={} absorb_budget={} \
-             runtime={:?}",
+             absorb_calibration={} runtime={:?}",
             self.host,
             self.port,
             self.model.as_ref().map_or("(default)".into(), |p| p.display().to_string()),
@@ -320,6 +326,7 @@ impl ServeConfig {
             self.memory_budget_bytes.map_or("(none)".into(), |b| b.to_string()),
             self.checkpoint_secs,
             self.absorb_budget.map_or("(none)".into(), |b| b.to_string()),
+            self.absorb_calibration,
             self.runtime,
         )
     }
@@ -508,6 +515,7 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
     tracing::info!(seconds = warm.elapsed().as_secs_f64(), "inference path warmed up (float weights made)");
     let model = Arc::new(model);
     let default_options = default_options(&cfg, &model)?;
+    let calibrated_rate = cfg.absorb_calibration.then(|| crate::lift::calibrate::rate(&model, &default_options)).flatten();
     let metrics = Arc::new(Metrics::default());
     let service_cfg = ServiceConfig {
         adapters_dir: cfg.adapters_dir.clone(),
@@ -522,6 +530,7 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
         default_options: default_options.clone(),
         shared: cfg.shared()?,
         checkpoint_interval: checkpoint_interval(cfg.checkpoint_secs)?,
+        calibrated_rate,
     };
     // Before the service opens (a replica starts its background work there): a missing worker
     // binary fails the start at once.

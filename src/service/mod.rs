@@ -71,6 +71,9 @@ pub struct ServiceConfig {
     pub shared: Option<postgres::SharedConfig>,
     /// Time between an absorb's checkpoints.
     pub checkpoint_interval: std::time::Duration,
+    /// Seconds per training token measured on this machine at start ([`crate::lift::calibrate`]):
+    /// the estimates' rate until an absorb finishes (None: the documented prior).
+    pub calibrated_rate: Option<f64>,
 }
 
 impl ServiceConfig {
@@ -181,6 +184,9 @@ impl Service {
             shutting_down: AtomicBool::new(false),
         });
         let engine = Arc::new(Engine::start(model.clone(), store.clone(), records.clone(), cfg.train_queue, cfg.generate_limits(&model))?);
+        if let Some(r) = cfg.calibrated_rate {
+            engine.rate.set_calibrated(r);
+        }
         for (id, text) in requeue {
             records.requeue(&engine, &id, text);
         }

@@ -336,7 +336,9 @@ function costSentence(est) {
   const e = est.estimate;
   const how = e.rate === 'measured'
     ? 'at this server’s measured speed (' + e.measured_absorbs + ' absorb' + (e.measured_absorbs === 1 ? '' : 's') + ')'
-    : 'a first guess: no absorb has finished on this server yet';
+    : e.rate === 'calibrated'
+      ? 'at the speed of a few training steps timed when the server started; no absorb has finished yet'
+      : 'a first guess: no absorb has finished on this server yet';
   return 'Absorbing takes about ' + fmtSecs(e.seconds) + ' — ' + fmtNum(e.planned_steps) + ' training steps over ' +
     fmtNum(est.tokens) + ' tokens, ' + e.qa_pairs + ' practice questions (' + how + '). You can ask at once: answers read the passages until then.';
 }
