@@ -47,7 +47,8 @@ fn main() -> anyhow::Result<()> {
         .map(|s| s.trim().parse())
         .collect::<Result<_, _>>()?;
     let mut opts: AbsorbOptions = match std::env::var("BENCH_OPTIONS") {
-        Ok(path) => serde_json::from_str(&std::fs::read_to_string(path)?)?,
+        // Laid over the defaults, flat or nested, as the server and the CLI read options files.
+        Ok(path) => AbsorbOptions::from_file(std::path::Path::new(&path))?,
         Err(_) => AbsorbOptions::default(),
     };
     if std::env::var("BENCH_MODEL_QA").is_err() {

@@ -9,7 +9,8 @@
 # files).
 #
 #   scripts/gpu_checks.sh            # tests,runtime,absorb,batch,rows (rows: the runtime bench's
-#                                    # training step at 1 and 16 rows of 512 tokens per step)
+#                                    # training step at 1 and 16 rows of 512 tokens per step, and
+#                                    # a 4K absorb at 8 rows a step)
 #   GPU_STEPS=tests,runtime scripts/gpu_checks.sh
 # More steps, named only:
 #   shapes  the runtime bench's training step on random models of deployment shapes
@@ -87,6 +88,10 @@ if want rows; then
     for n in 1 16; do
         run "rows-$n" 60 env BENCH_RUNS=5 BENCH_ONLY=train BENCH_TRAIN_SEQS=512 BENCH_TRAIN_ROWS="$n" "$BIN/runtime"
     done
+    # A whole 4K absorb at 8 rows a step, one batched forward/backward (the recipe search's
+    # `paper-rows8`: the default schedule in an eighth of the steps), beside the absorb step's
+    # one row a step.
+    run "absorb-rows8" 120 env BENCH_LENGTHS=4096 BENCH_PREPARED_BASE=none BENCH_OPTIONS=scripts/recipe-options/rows8.json "$BIN/absorb"
 fi
 if want shapes; then
     for m in random-qwen2.5-0.5b random-llama-3.2-1b; do
