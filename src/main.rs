@@ -447,9 +447,7 @@ impl AbsorbArgs {
             None => opts,
             Some(budget) => {
                 let rate = lift::estimate::AbsorbRate::default();
-                if let Some(r) = lift::calibrate::rate(&model, &opts) {
-                    rate.set_calibrated(r);
-                }
+                rate.set_calibrated(lift::calibrate::rate(&model, &opts));
                 let cost = lift::cost::estimate(&model, &document, &opts, &rate);
                 match cost.warnings.iter().find(|w| w.param == "options.budget_seconds") {
                     Some(w) => eprintln!("{}", w.message),

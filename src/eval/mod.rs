@@ -430,9 +430,7 @@ impl Backend for Local<'_> {
         on_step: &mut dyn FnMut(usize, usize, f64),
     ) -> Result<(AbsorbRecord, usize)> {
         if !std::mem::replace(&mut self.calibrated, true) {
-            if let Some(r) = lift::calibrate::rate(self.model, opts) {
-                self.rate.set_calibrated(r);
-            }
+            self.rate.set_calibrated(lift::calibrate::rate(self.model, opts));
         }
         let t0 = Instant::now();
         // The price a server would say, and the options it would train: fitted to their time

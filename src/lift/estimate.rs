@@ -9,7 +9,7 @@ use super::AbsorbOptions;
 use crate::model::Model;
 use serde::Serialize;
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::{Mutex, OnceLock};
 use utoipa::ToSchema;
 
 /// Seconds per planned training token before this server has finished an absorb: the default
@@ -131,24 +131,22 @@ pub fn qa_pairs_planned(text: &str, doc_tokens: usize, o: &AbsorbOptions) -> usi
 pub struct AbsorbRate {
     done: Mutex<VecDeque<(u64, f64)>>,
     /// Seconds per token measured by a few steps on this machine ([`super::calibrate`]): the rate
-    /// before any absorb has finished, in place of the prior.
-    calibrated: Mutex<Option<f64>>,
+    /// before any absorb has finished, in place of the prior. Set once.
+    calibrated: OnceLock<f64>,
 }
 
 impl AbsorbRate {
-    /// Before any absorb has finished, estimates use `seconds_per_token` (a calibration's).
-    pub fn set_calibrated(&self, seconds_per_token: f64) {
-        if seconds_per_token.is_finite() && seconds_per_token > 0.0 {
-            if let Ok(mut c) = self.calibrated.lock() {
-                *c = Some(seconds_per_token);
-            }
+    /// Before any absorb has finished, estimates use `seconds_per_token` (a calibration's; None,
+    /// or a rate that is not positive: the prior stays).
+    pub fn set_calibrated(&self, seconds_per_token: Option<f64>) {
+        if let Some(r) = seconds_per_token.filter(|r| r.is_finite() && *r > 0.0) {
+            let _ = self.calibrated.set(r);
         }
     }
 
     /// The rate before any absorb has finished: the calibration's, else the prior.
     fn before_any(&self) -> (f64, f64, usize) {
-        let calibrated = self.calibrated.lock().ok().and_then(|c| *c);
-        (calibrated.unwrap_or(PRIOR_SECONDS_PER_TOKEN), PRIOR_OVERHEAD_SECONDS, 0)
+        (self.calibrated.get().copied().unwrap_or(PRIOR_SECONDS_PER_TOKEN), PRIOR_OVERHEAD_SECONDS, 0)
     }
 
     /// A finished absorb of `tokens` planned training tokens that took `seconds`.
@@ -200,10 +198,6 @@ impl AbsorbRate {
         (s / t as f64, overhead, d.len())
     }
 
-    fn is_calibrated(&self) -> bool {
-        self.calibrated.lock().is_ok_and(|c| c.is_some())
-    }
-
     /// The estimate of an absorb planning these counts.
     pub fn estimate(&self, counts: (usize, usize, usize, u64)) -> Estimate {
         let (segments, qa_pairs, planned_steps, training_tokens) = counts;
@@ -217,7 +211,7 @@ impl AbsorbRate {
             seconds: overhead + training_tokens as f64 * rate,
             seconds_per_token: rate,
             overhead_seconds: overhead,
-            rate: match (n, self.is_calibrated()) {
+            rate: match (n, self.calibrated.get().is_some()) {
                 (0, true) => "calibrated",
                 (0, false) => "prior",
                 _ => "measured",
@@ -307,9 +301,9 @@ mod tests {
         assert_eq!((e.rate, e.measured_absorbs), ("prior", 0));
         assert!((e.seconds - PRIOR_OVERHEAD_SECONDS - tokens as f64 * PRIOR_SECONDS_PER_TOKEN).abs() < 1e-9);
         // A calibration replaces the prior's rate (not its overhead) until an absorb finishes.
-        rate.set_calibrated(0.0);
+        rate.set_calibrated(Some(0.0));
         assert_eq!(rate.estimate((segments, qa, steps, tokens)).rate, "prior", "no rate is not a calibration");
-        rate.set_calibrated(1e-3);
+        rate.set_calibrated(Some(1e-3));
         let e = rate.estimate((segments, qa, steps, tokens));
         assert_eq!((e.rate, e.measured_absorbs), ("calibrated", 0));
         assert!((e.seconds - PRIOR_OVERHEAD_SECONDS - tokens as f64 * 1e-3).abs() < 1e-9, "{e:?}");

@@ -184,9 +184,7 @@ impl Service {
             shutting_down: AtomicBool::new(false),
         });
         let engine = Arc::new(Engine::start(model.clone(), store.clone(), records.clone(), cfg.train_queue, cfg.generate_limits(&model))?);
-        if let Some(r) = cfg.calibrated_rate {
-            engine.rate.set_calibrated(r);
-        }
+        engine.rate.set_calibrated(cfg.calibrated_rate);
         for (id, text) in requeue {
             records.requeue(&engine, &id, text);
         }
