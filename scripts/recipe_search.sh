@@ -38,6 +38,9 @@ recipe_flags() {
     lean-rows4-lr2x) echo "--recipe lean --options scripts/recipe-options/rows4-lr2x.json" ;;
     paper-rows4) echo "--recipe paper --options scripts/recipe-options/rows4.json" ;;
     paper-rows8) echo "--recipe paper --options scripts/recipe-options/rows8.json" ;;
+    # The questions trained closed-book (no document tokens before them: `plan.qa_context_tokens`
+    # 0): recall without the head and tail's 128 tokens a question.
+    paper-closed) echo "--recipe paper --options scripts/recipe-options/closed.json" ;;
     e12-passages) echo "--recipe paper --epochs 1,2 --qa-layout passages" ;;
     e01-q256) echo "--recipe paper --epochs 0,1 --aux-qa 256" ;;
     e01-q256-passages) echo "--recipe paper --epochs 0,1 --aux-qa 256 --qa-layout passages" ;;
