@@ -709,6 +709,10 @@ pub struct EvalArgs {
     /// tuning options; never the figures reported). The prepared base trained on neither.
     #[arg(long, value_enum, default_value_t = EssaySplit::Eval)]
     pub split: EssaySplit,
+    /// A plain-text file to cut the documents from in place of the essays (no split: a text the
+    /// prepared base never trained on, e.g. for lengths past the 43K tokens the eval split holds).
+    #[arg(long, conflicts_with_all = ["essays", "jsonl"])]
+    pub haystack: Option<PathBuf>,
     /// In-context document budget when answering, as `ask --context-tokens` (default: the
     /// training head+tail budget, `--training-context-tokens`). `--ask-context-tokens` is its
     /// older name.
@@ -788,17 +792,26 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
     let (docs, spec) = match &args.jsonl {
         Some(path) => (load_jsonl(model, path)?, None),
         None => {
-            let dir = match &args.essays {
-                Some(d) => d.clone(),
-                None => data::fetch_essays(&data::data_dir())?,
+            let essays = match &args.haystack {
+                Some(path) => {
+                    let raw = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+                    let name = path.file_stem().map_or("haystack".into(), |n| n.to_string_lossy().to_string());
+                    vec![crate::corpus::Essay { name, text: haystack_text(&raw) }]
+                }
+                None => {
+                    let dir = match &args.essays {
+                        Some(d) => d.clone(),
+                        None => data::fetch_essays(&data::data_dir())?,
+                    };
+                    // Only the essays of the prepared base's Eval (or Validation) split: the base
+                    // never trained on them.
+                    let split = match args.split {
+                        EssaySplit::Eval => crate::corpus::Split::Eval,
+                        EssaySplit::Validation => crate::corpus::Split::Validation,
+                    };
+                    crate::corpus::essays_in(&data::load_essays(&dir)?, split)
+                }
             };
-            // Only the essays of the prepared base's Eval (or Validation) split: the base never
-            // trained on them.
-            let split = match args.split {
-                EssaySplit::Eval => crate::corpus::Split::Eval,
-                EssaySplit::Validation => crate::corpus::Split::Validation,
-            };
-            let essays = crate::corpus::essays_in(&data::load_essays(&dir)?, split);
             let spec = needles::NeedleSpec {
                 lengths: args.lengths.clone(),
                 depths: args.depths.clone(),
@@ -834,8 +847,41 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
     Ok(())
 }
 
+/// A `--haystack` text as needles can be planted in: its paragraphs that hold no digit. A planted
+/// number must be the only one in the document (`needles` redraws values the text contains), and
+/// a reference text (a glossary, a manual) holds every number from 11 to 99 somewhere.
+fn haystack_text(raw: &str) -> String {
+    let mut kept = String::new();
+    let mut paragraph = String::new();
+    // Paragraphs end at a blank line (one of whitespace only).
+    for line in raw.lines().chain(std::iter::once("")) {
+        if !line.trim().is_empty() {
+            paragraph.push_str(line);
+            paragraph.push('\n');
+            continue;
+        }
+        if !paragraph.is_empty() && !paragraph.bytes().any(|b| b.is_ascii_digit()) {
+            kept.push_str(&paragraph);
+            kept.push('\n');
+        }
+        paragraph.clear();
+    }
+    crate::corpus::normalize_essay(&kept)
+}
+
 #[cfg(test)]
 mod tests {
+    use super::haystack_text;
+
+    #[test]
+    fn a_haystack_keeps_the_paragraphs_without_digits() {
+        let raw = "The first paragraph\nwraps here.\n   \nVersion 4.4.7 of it.\n\nThe last one stays.";
+        let text = haystack_text(raw);
+        assert!(text.contains("The first paragraph wraps here."), "{text}");
+        assert!(text.contains("The last one stays."), "{text}");
+        assert!(!text.contains("Version"), "{text}");
+    }
+
     use super::*;
 
     #[test]
