@@ -168,6 +168,40 @@ fn a_short_run_lowers_the_loss_and_resume_continues_from_the_checkpoint() {
 }
 
 #[test]
+fn training_under_the_relative_mask_thresholds_against_the_best_chunk_not_b() {
+    use lift_serve::model::filter::MaskCalibration;
+    let (_d, path) = tiny();
+    let model = load(&path);
+    let train_set = examples();
+    let run = |with_calibration: bool| {
+        let out = tempfile::tempdir().unwrap();
+        let data = train::TrainingSet { examples: &train_set, hash: "test-data" };
+        let control = RunControl { on_progress: &mut |_| {}, cancel: &|| false };
+        let opts = PrepareOptions {
+            mask_calibration: MaskCalibration::Relative { margin: 0.0, strength: 1.0 },
+            train_with_calibration: with_calibration,
+            ..options(4)
+        };
+        train::prepare(&model, data, &opts, out.path(), false, control).unwrap().0
+    };
+    let (relative, absolute) = (run(true), run(false));
+    // Under the relative mask b is not in the graph: it stays at its zero start, while the
+    // absolute mask's training moves it.
+    let b = |base: &PreparedBase| base.filter.b.to_vec1::<f32>().unwrap()[0];
+    assert_eq!(b(&relative), 0.0);
+    assert!(b(&absolute) != 0.0, "b {}", b(&absolute));
+    assert_eq!(relative.filter.calibration, MaskCalibration::Relative { margin: 0.0, strength: 1.0 });
+    // The mask the LoRA trained under differs, so the LoRA does.
+    let (x, y) = (relative.named_tensors().unwrap(), absolute.named_tensors().unwrap());
+    let most = x
+        .iter()
+        .filter(|(k, _)| !k.starts_with("filter."))
+        .map(|(k, t)| (t - &y[k]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap())
+        .fold(0.0, f32::max);
+    assert!(most > 1e-5, "LoRA unchanged by the mask it trained under: {most}");
+}
+
+#[test]
 fn a_saved_base_loads_to_the_same_logits_and_changes_the_fingerprint() {
     let (_d, path) = tiny();
     let plain = load(&path);

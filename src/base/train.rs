@@ -47,12 +47,18 @@ pub struct PrepareOptions {
     pub checkpoint_seconds: f64,
     /// A share of the training examples shown truncated, as the answer path shows a long document.
     pub truncate: TruncateOptions,
-    /// How the shipped filter turns scores into its mask when it answers. Training always runs
-    /// FltLM's absolute mask (eq. 8); this is set on the trained filter before its held-out
+    /// How the shipped filter turns scores into its mask when it answers. Training runs FltLM's
+    /// absolute mask (eq. 8) unless `train_with_calibration`; this is set on the trained filter before its held-out
     /// figures and saved with it (`relative` keeps the evidence open in the BM25 passages answers
     /// read, where the absolute threshold learned here closes it, but it cost `lift` answers: the
     /// shipped base keeps the absolute mask, docs/prepared-base.md).
     pub mask_calibration: MaskCalibration,
+    /// Train under `mask_calibration` instead of FltLM's absolute mask, so the LoRA learns to read
+    /// with the mask it will answer under (under the relative mask `b` gets no gradient: the
+    /// threshold is the best chunk's score less the margin). Off: the paper's training, the
+    /// shipped base.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub train_with_calibration: bool,
 }
 
 /// Training examples shown as LIFT's answer path shows a long document: a head and a tail around
@@ -90,6 +96,7 @@ impl Default for PrepareOptions {
             checkpoint_seconds: 300.0,
             truncate: TruncateOptions::default(),
             mask_calibration: MaskCalibration::Absolute,
+            train_with_calibration: false,
         }
     }
 }
@@ -404,6 +411,9 @@ impl<'a> BaseRun<'a> {
             tracing::info!(step = run.step, "resumed from checkpoint");
         }
         run.cdt_stats = run.report.cdt.clone().unwrap_or_default();
+        if opts.train_with_calibration {
+            run.base.filter.calibration = opts.mask_calibration;
+        }
         Ok(run)
     }
 
