@@ -112,6 +112,11 @@ fn logits_with(model: &Model, tokens: &[u32], adapter: Option<&dyn Adapter>) -> 
     l.squeeze(0).unwrap().to_vec2::<f32>().unwrap()
 }
 
+/// The largest absolute difference between two tensors of one shape.
+fn tensor_diff(a: &Tensor, b: &Tensor) -> f32 {
+    (a - b).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap()
+}
+
 fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
@@ -154,7 +159,7 @@ fn a_short_run_lowers_the_loss_and_resume_continues_from_the_checkpoint() {
     }
     let (x, y) = (full.named_tensors().unwrap(), resumed.named_tensors().unwrap());
     for (k, t) in &x {
-        let d = (t - &y[k]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
+        let d = tensor_diff(t, &y[k]);
         assert!(d < 1e-4, "{k} differs by {d}");
     }
     // A checkpoint made with other options is refused.
@@ -196,7 +201,7 @@ fn training_under_the_relative_mask_thresholds_against_the_best_chunk_not_b() {
     let most = x
         .iter()
         .filter(|(k, _)| !k.starts_with("filter."))
-        .map(|(k, t)| (t - &y[k]).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap())
+        .map(|(k, t)| tensor_diff(t, &y[k]))
         .fold(0.0, f32::max);
     assert!(most > 1e-5, "LoRA unchanged by the mask it trained under: {most}");
 }

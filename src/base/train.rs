@@ -48,8 +48,8 @@ pub struct PrepareOptions {
     /// A share of the training examples shown truncated, as the answer path shows a long document.
     pub truncate: TruncateOptions,
     /// How the shipped filter turns scores into its mask when it answers. Training runs FltLM's
-    /// absolute mask (eq. 8) unless `train_with_calibration`; this is set on the trained filter before its held-out
-    /// figures and saved with it (`relative` keeps the evidence open in the BM25 passages answers
+    /// absolute mask (eq. 8) unless `train_with_calibration`; this is set on the trained filter
+    /// before its held-out figures and saved with it (`relative` keeps the evidence open in the BM25 passages answers
     /// read, where the absolute threshold learned here closes it, but it cost `lift` answers: the
     /// shipped base keeps the absolute mask, docs/prepared-base.md).
     pub mask_calibration: MaskCalibration,

@@ -792,26 +792,7 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
     let (docs, spec) = match &args.jsonl {
         Some(path) => (load_jsonl(model, path)?, None),
         None => {
-            let essays = match &args.haystack {
-                Some(path) => {
-                    let raw = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
-                    let name = path.file_stem().map_or("haystack".into(), |n| n.to_string_lossy().to_string());
-                    vec![crate::corpus::Essay { name, text: haystack_text(&raw) }]
-                }
-                None => {
-                    let dir = match &args.essays {
-                        Some(d) => d.clone(),
-                        None => data::fetch_essays(&data::data_dir())?,
-                    };
-                    // Only the essays of the prepared base's Eval (or Validation) split: the base
-                    // never trained on them.
-                    let split = match args.split {
-                        EssaySplit::Eval => crate::corpus::Split::Eval,
-                        EssaySplit::Validation => crate::corpus::Split::Validation,
-                    };
-                    crate::corpus::essays_in(&data::load_essays(&dir)?, split)
-                }
-            };
+            let essays = haystack_essays(args)?;
             let spec = needles::NeedleSpec {
                 lengths: args.lengths.clone(),
                 depths: args.depths.clone(),
@@ -847,6 +828,25 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
     Ok(())
 }
 
+/// The texts the needle documents are cut from: the `--haystack` file, else the essays of the
+/// prepared base's Eval (or Validation) split, which the base never trained on.
+fn haystack_essays(args: &EvalArgs) -> Result<Vec<crate::corpus::Essay>> {
+    if let Some(path) = &args.haystack {
+        let raw = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+        let name = path.file_stem().map_or("haystack".into(), |n| n.to_string_lossy().to_string());
+        return Ok(vec![crate::corpus::Essay { name, text: haystack_text(&raw) }]);
+    }
+    let dir = match &args.essays {
+        Some(d) => d.clone(),
+        None => data::fetch_essays(&data::data_dir())?,
+    };
+    let split = match args.split {
+        EssaySplit::Eval => crate::corpus::Split::Eval,
+        EssaySplit::Validation => crate::corpus::Split::Validation,
+    };
+    Ok(crate::corpus::essays_in(&data::load_essays(&dir)?, split))
+}
+
 /// A `--haystack` text as needles can be planted in: its paragraphs that hold no digit. A planted
 /// number must be the only one in the document (`needles` redraws values the text contains), and
 /// a reference text (a glossary, a manual) holds every number from 11 to 99 somewhere.
@@ -871,7 +871,7 @@ fn haystack_text(raw: &str) -> String {
 
 #[cfg(test)]
 mod tests {
-    use super::haystack_text;
+    use super::*;
 
     #[test]
     fn a_haystack_keeps_the_paragraphs_without_digits() {
@@ -881,8 +881,6 @@ mod tests {
         assert!(text.contains("The last one stays."), "{text}");
         assert!(!text.contains("Version"), "{text}");
     }
-
-    use super::*;
 
     #[test]
     fn method_presets_are_modes_and_absorb_options() {
