@@ -224,7 +224,7 @@ struct PrepareBaseArgs {
     #[arg(long)]
     resume: bool,
     /// No training: give the prepared base already in the output directory the options' mask
-    /// calibration (`mask_calibration`), recompute its held-out figures and save it. The same
+    /// calibration (`mask_calibration`, and `absorb_mask_calibration` for absorbs), recompute its held-out figures and save it. The same
     /// file as training with those options, for a base trained before the option was set.
     #[arg(long, conflicts_with = "resume")]
     recalibrate: bool,
@@ -619,6 +619,7 @@ impl PrepareBaseArgs {
         if self.recalibrate {
             let mut base = lift_serve::base::PreparedBase::load(output, &model)?;
             base.filter.calibration = opts.mask_calibration;
+            base.filter.absorb_mask = opts.absorb_mask_calibration;
             // The held-out figures made again under the new mask; figures added by hand (reading,
             // lift) are kept.
             let fresh = train::evaluate(&model, &base, &held_out)?;
@@ -629,7 +630,8 @@ impl PrepareBaseArgs {
                 training.insert("recalibrated".into(), serde_json::json!(std::env::args().collect::<Vec<_>>().join(" ")));
             }
             let m = base.save(output)?;
-            println!("prepared base {} in {}: mask {}", m.sha256, output.display(), opts.mask_calibration.name());
+            let absorbs = opts.absorb_mask_calibration.map_or(String::new(), |c| format!(", absorbs under {}", c.name()));
+            println!("prepared base {} in {}: mask {}{absorbs}", m.sha256, output.display(), opts.mask_calibration.name());
             return Ok(());
         }
         let train_set = data::build_examples_with(&essays, lift_serve::corpus::Split::Train, examples, opts.seed, &opts.data)?;
@@ -649,6 +651,7 @@ impl PrepareBaseArgs {
         let (mut base, report) = train::prepare(&model, training_set, &opts, output, self.resume, control)?;
         bar.finish_and_clear();
         base.filter.calibration = opts.mask_calibration;
+        base.filter.absorb_mask = opts.absorb_mask_calibration;
         base.manifest.eval = train::evaluate(&model, &base, &held_out)?;
         base.manifest.command = std::env::args().collect::<Vec<_>>().join(" ");
         let m = base.save(output)?;

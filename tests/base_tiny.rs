@@ -121,6 +121,18 @@ fn max_diff(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
     a.iter().flatten().zip(b.iter().flatten()).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
 }
 
+/// A document absorb small enough for the tiny model: 32-token windows, three extractive
+/// questions, `epochs` as given.
+fn small_absorb(epochs: [usize; 2]) -> AbsorbOptions {
+    let mut o = AbsorbOptions::default();
+    o.plan.window = 32;
+    o.plan.training_context_tokens = 1000;
+    o.qa.use_model = false;
+    o.qa.max_pairs = 3;
+    o.train.epochs = epochs;
+    o
+}
+
 /// A trained, saved prepared base in `dir`.
 fn saved_base(model: &Model, dir: &Path, epochs: usize) -> String {
     let (mut base, _) = train(model, dir, epochs, false, None);
@@ -295,12 +307,7 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
         (m, installed)
     };
     let (m1, base1) = over(d1.path());
-    let mut o = AbsorbOptions::default();
-    o.plan.window = 32;
-    o.plan.training_context_tokens = 1000;
-    o.qa.use_model = false;
-    o.qa.max_pairs = 3;
-    o.train.epochs = [1, 3];
+    let o = small_absorb([1, 3]);
     let document = Document::encode(&m1, DOC).unwrap();
     let a = absorb(&m1, &document, None, &o, &mut |_| {}, &|| false).unwrap();
     let e = &a.report.epoch_losses;
@@ -347,6 +354,42 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
     let a = answer(&m1, &long, None, &ask, &params, &mut |_| true).unwrap();
     assert!(a.prompt.tokens.len() + params.max_tokens <= 2048, "{}", a.prompt.tokens.len());
     assert!(a.prompt.context_tokens > 1000 && !a.chunks.is_empty(), "{} document tokens", a.prompt.context_tokens);
+}
+
+/// A base may answer under one mask calibration and have documents' absorbs train under another
+/// (`absorb_mask`): the absorb's QA rows are masked as under that calibration alone, and the
+/// answers keep theirs.
+#[test]
+fn an_absorb_trains_under_the_bases_absorb_mask_and_answers_keep_theirs() {
+    use lift_serve::lift::filter::MaskCalibration;
+    let (_d, path) = tiny();
+    let plain = load(&path);
+    let dir = tempfile::tempdir().unwrap();
+    saved_base(&plain, dir.path(), 2);
+    let relative = MaskCalibration::parse("relative:2").unwrap();
+    // The two calibrations stored with the base, read back from its files.
+    let mut base = PreparedBase::load(dir.path(), &plain).unwrap();
+    base.filter.calibration = relative;
+    base.filter.absorb_mask = Some(MaskCalibration::Absolute);
+    base.save(dir.path()).unwrap();
+    let mut model = load(&path);
+    PreparedBase::load(dir.path(), &model).unwrap().install(&mut model).unwrap();
+    let filter = model.base_filter().unwrap();
+    assert_eq!((filter.calibration, filter.absorb_mask), (relative, Some(MaskCalibration::Absolute)));
+    assert_eq!(filter.for_absorb().calibration, MaskCalibration::Absolute);
+
+    let o = small_absorb([0, 2]);
+    let document = Document::encode(&model, DOC).unwrap();
+    let mut losses = |calibration: MaskCalibration, absorb_mask: Option<MaskCalibration>| {
+        let f = model.base_filter.as_mut().unwrap();
+        (f.calibration, f.absorb_mask) = (calibration, absorb_mask);
+        absorb(&model, &document, None, &o, &mut |_| {}, &|| false).unwrap().report.step_losses
+    };
+    let split = losses(relative, Some(MaskCalibration::Absolute));
+    let absolute = losses(MaskCalibration::Absolute, None);
+    let relative_only = losses(relative, None);
+    assert_eq!(split, absolute, "the absorb trains under the absorb mask");
+    assert_ne!(split, relative_only, "the answers' calibration would mask the rows otherwise");
 }
 
 #[test]

@@ -59,6 +59,12 @@ pub struct PrepareOptions {
     /// shipped base.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub train_with_calibration: bool,
+    /// The calibration documents' absorbs train their adapters under, when it is to differ from
+    /// `mask_calibration`. Measured: adapters trained under the relative mask answered fewer
+    /// questions with it than adapters trained under the absolute one answered with either
+    /// (docs/prepared-base.md). None: absorbs train under `mask_calibration`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub absorb_mask_calibration: Option<MaskCalibration>,
 }
 
 /// Training examples shown as LIFT's answer path shows a long document: a head and a tail around
@@ -97,6 +103,7 @@ impl Default for PrepareOptions {
             truncate: TruncateOptions::default(),
             mask_calibration: MaskCalibration::Absolute,
             train_with_calibration: false,
+            absorb_mask_calibration: None,
         }
     }
 }

@@ -744,6 +744,10 @@ pub struct EvalArgs {
     /// In-process runs only.
     #[arg(long)]
     pub filter_mask: Option<String>,
+    /// The calibration absorbs train their adapters under, when it is to differ from the one
+    /// answers use (`--filter-mask`, or the base's own). In-process runs only.
+    #[arg(long)]
+    pub absorb_filter_mask: Option<String>,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -751,11 +755,18 @@ pub struct EvalArgs {
 
 /// Sets the prepared base's mask calibration for the run (`--filter-mask`).
 pub fn apply_filter_mask(model: &mut Model, args: &EvalArgs) -> Result<()> {
-    let Some(name) = &args.filter_mask else { return Ok(()) };
-    anyhow::ensure!(args.server.is_none(), "--filter-mask sets this process's model: not with --server");
-    let calibration = crate::model::filter::MaskCalibration::parse(name)?;
+    use crate::model::filter::MaskCalibration;
+    if args.filter_mask.is_none() && args.absorb_filter_mask.is_none() {
+        return Ok(());
+    }
+    anyhow::ensure!(args.server.is_none(), "--filter-mask and --absorb-filter-mask set this process's model: not with --server");
     let filter = model.base_filter.as_mut().context("--filter-mask: the model has no prepared base with a filter")?;
-    filter.calibration = calibration;
+    if let Some(name) = &args.filter_mask {
+        filter.calibration = MaskCalibration::parse(name)?;
+    }
+    if let Some(name) = &args.absorb_filter_mask {
+        filter.absorb_mask = Some(MaskCalibration::parse(name)?);
+    }
     Ok(())
 }
 
@@ -811,7 +822,10 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
         needles: spec,
         jsonl: args.jsonl.clone(),
         server: args.server.clone(),
-        filter_mask: model.base_filter().map(|f| f.calibration.name()),
+        filter_mask: model.base_filter().map(|f| match f.absorb_mask.filter(|c| *c != f.calibration) {
+            Some(absorb) => format!("{} (absorbs: {})", f.calibration.name(), absorb.name()),
+            None => f.calibration.name(),
+        }),
     };
     let results = match &args.server {
         Some(url) => {

@@ -526,6 +526,17 @@ mod tests {
             let back = Filter::from_extras(&f.to_extras().unwrap(), &cfg).unwrap().unwrap();
             assert_eq!(back.calibration, f.calibration);
         }
+        // Absorbs may train under another calibration than answers use; stored with the filter.
+        f.calibration = MaskCalibration::parse("relative:2").unwrap();
+        for absorb in [None, Some("absolute"), Some("relative:1:3"), Some("relative:2")] {
+            f.absorb_mask = absorb.map(|a| MaskCalibration::parse(a).unwrap());
+            let back = Filter::from_extras(&f.to_extras().unwrap(), &cfg).unwrap().unwrap();
+            assert_eq!(back.calibration, f.calibration, "{absorb:?}");
+            assert_eq!(back.for_absorb().calibration, f.absorb_mask.unwrap_or(f.calibration), "{absorb:?}");
+            assert_eq!(back.for_absorb().intensities(&s).unwrap().to_vec1::<f32>().unwrap(), f.for_absorb().intensities(&s).unwrap().to_vec1::<f32>().unwrap());
+        }
+        f.absorb_mask = Some(MaskCalibration::Off);
+        assert!(f.to_extras().is_err(), "absorbs train under a mask");
         for bad in ["relative:-1", "relative:x", "relative:1:2:3", "soft"] {
             assert!(MaskCalibration::parse(bad).is_err(), "{bad}");
         }

@@ -155,7 +155,9 @@ pub fn absorb_resumable(
     let select_seconds = select_start.elapsed().as_secs_f64();
     let (plan, filter_examples) = plan(model, document, &trained, opts, opts.train.distill.is_some())?;
     let train_opts = opts.effective_train();
-    let base_filter = model.base_filter().map(|f| FilterTraining::frozen(f, &filter_examples));
+    // The prepared base's filter masks the training rows under the absorb's calibration.
+    let absorb_filter = model.base_filter().map(crate::model::filter::Filter::for_absorb);
+    let base_filter = absorb_filter.as_ref().map(|f| FilterTraining::frozen(f, &filter_examples));
     // Probes in the layout the QA examples train in, one question per row.
     let mut probe_opts = opts.clone();
     probe_opts.plan.qa_pack = 1;
@@ -168,7 +170,7 @@ pub fn absorb_resumable(
     };
     let probes = probe_plan.as_ref().map(|(p, fx)| trainer::Probes {
         examples: &p.qa,
-        filter: model.base_filter().map(|f| FilterTraining::frozen(f, fx)),
+        filter: absorb_filter.as_ref().map(|f| FilterTraining::frozen(f, fx)),
     });
     let inputs = TrainInputs { doc, plan: &plan, adapter: &adapter, vars: adapter.vars() };
     // Snapshots when the segment stage ends and after each QA epoch (not after the last step:

@@ -63,6 +63,9 @@ pub const CONFIG: &str = "filter.config";
 /// `[margin]` or `[margin, strength]` when the mask is calibrated relative to the best chunk
 /// ([`MaskCalibration::Relative`]; strength 1 when left out); absent: FltLM's absolute threshold.
 pub const RELATIVE_MARGIN: &str = "filter.mask.relative_margin";
+/// The calibration documents' absorbs train under when it differs from the answers' one:
+/// `[0]` absolute, `[1, margin, strength]` relative; absent: the answers' calibration.
+pub const ABSORB_MASK: &str = "filter.mask.absorb";
 
 /// How chunk scores become mask intensities.
 #[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
@@ -135,6 +138,9 @@ pub struct Filter {
     pub b: Tensor,
     pub log_tau: Tensor,
     pub calibration: MaskCalibration,
+    /// The calibration a document's absorb trains its adapter under, when it differs from the
+    /// one answers use (`calibration`); None: the same.
+    pub absorb_mask: Option<MaskCalibration>,
     vars: Vec<Var>,
 }
 
@@ -157,6 +163,7 @@ impl Filter {
             b: zero,
             log_tau: Tensor::new(&[opts.tau.max(1e-3).ln() as f32], dev)?,
             calibration: MaskCalibration::Absolute,
+            absorb_mask: None,
             vars: Vec::new(),
         };
         Ok(plain.trainable()?)
@@ -197,6 +204,12 @@ impl Filter {
         }
     }
 
+    /// The filter a document's absorb masks its training rows with: this one under
+    /// `absorb_mask` when that is set.
+    pub fn for_absorb(&self) -> Self {
+        Self { calibration: self.absorb_mask.unwrap_or(self.calibration), ..self.clone() }
+    }
+
     /// The bundle extras holding this filter.
     pub fn to_extras(&self) -> Result<BTreeMap<String, Tensor>> {
         let dev = self.head_w.device();
@@ -219,6 +232,16 @@ impl Filter {
                 extras.insert(RELATIVE_MARGIN.into(), Tensor::new(v, dev)?);
             }
             MaskCalibration::Off => anyhow::bail!("a filter without its mask is for measuring; it is not stored"),
+        }
+        match self.absorb_mask.filter(|c| *c != self.calibration) {
+            None => {}
+            Some(MaskCalibration::Absolute) => {
+                extras.insert(ABSORB_MASK.into(), Tensor::new(&[0f32], dev)?);
+            }
+            Some(MaskCalibration::Relative { margin, strength }) => {
+                extras.insert(ABSORB_MASK.into(), Tensor::new(&[1f32, margin, strength], dev)?);
+            }
+            Some(MaskCalibration::Off) => anyhow::bail!("absorbs train under a mask; 'off' is for measuring"),
         }
         Ok(extras)
     }
@@ -251,6 +274,14 @@ impl Filter {
                     anyhow::ensure!(matches!(v.len(), 1 | 2), "{RELATIVE_MARGIN} must hold [margin] or [margin, strength]");
                     MaskCalibration::Relative { margin: v[0], strength: v.get(1).copied().unwrap_or(1.0) }
                 }
+            },
+            absorb_mask: match extras.get(ABSORB_MASK) {
+                None => None,
+                Some(t) => match t.to_dtype(DType::F32)?.to_vec1::<f32>()?.as_slice() {
+                    [k] if *k == 0.0 => Some(MaskCalibration::Absolute),
+                    [k, margin, strength] if *k == 1.0 => Some(MaskCalibration::Relative { margin: *margin, strength: *strength }),
+                    v => anyhow::bail!("{ABSORB_MASK} must hold [0] (absolute) or [1, margin, strength] (relative), not {v:?}"),
+                },
             },
             vars: Vec::new(),
         }))
