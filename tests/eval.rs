@@ -86,11 +86,11 @@ fn retrieval_shows_the_planted_fact_in_a_small_context() {
     }
 }
 
-/// The prepared base's FltLM mask calibrated against the best chunk (`relative:2`) on the
-/// passages answers read (BM25's, the default 128 tokens), on validation-split documents: the
+/// The shipped prepared base's FltLM mask, calibrated against the best chunk (`relative:2`), on
+/// the passages answers read (BM25's, the default 128 tokens), on validation-split documents: the
 /// chunk that holds a planted fact is left open and the chunks around it (distractors) are
-/// masked, where FltLM's absolute threshold (the shipped base's: `relative` cost `lift` answers,
-/// docs/prepared-base.md), learned in another layout, closes the evidence too. Facts whose
+/// masked, where FltLM's absolute threshold, learned in another layout, closes the evidence too
+/// (the threshold documents' absorbs still train under: docs/prepared-base.md). Facts whose
 /// question shares words with them (the ones BM25 shows); 2 × 15 questions.
 #[test]
 fn the_relative_mask_leaves_the_evidence_open_and_masks_the_distractors() {
@@ -100,8 +100,10 @@ fn the_relative_mask_leaves_the_evidence_open_and_masks_the_distractors() {
     let path = lift_serve::fetch::resolve_model(None).unwrap();
     let mut model = Model::load(&path, &Device::Cpu).unwrap();
     lift_serve::base::install_from_arg(&mut model, Some(concat!(env!("CARGO_MANIFEST_DIR"), "/base"))).unwrap();
-    assert_eq!(model.base_filter().unwrap().calibration, MaskCalibration::Absolute, "the shipped base keeps FltLM's threshold");
     let relative = MaskCalibration::parse("relative:2").unwrap();
+    let shipped = model.base_filter().unwrap();
+    assert_eq!(shipped.calibration, relative, "the shipped base answers under the relative mask");
+    assert_eq!(shipped.for_absorb().calibration, MaskCalibration::Absolute, "and absorbs train under FltLM's");
     let essays = data::essays_in(essays(), data::Split::Validation);
     let spec = needles::NeedleSpec { docs_per_length: 2, ..spec(vec![1024], vec![0.1, 0.3, 0.5, 0.7, 0.9], 3, 5) };
     let docs = needles::build_set(&model, &essays, &spec).unwrap();

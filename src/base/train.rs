@@ -49,9 +49,9 @@ pub struct PrepareOptions {
     pub truncate: TruncateOptions,
     /// How the shipped filter turns scores into its mask when it answers. Training runs FltLM's
     /// absolute mask (eq. 8) unless `train_with_calibration`; this is set on the trained filter
-    /// before its held-out figures and saved with it (`relative` keeps the evidence open in the BM25 passages answers
-    /// read, where the absolute threshold learned here closes it, but it cost `lift` answers: the
-    /// shipped base keeps the absolute mask, docs/prepared-base.md).
+    /// before its held-out figures and saved with it (the shipped base answers under `relative:2`,
+    /// which keeps the evidence open in the BM25 passages answers read, where the absolute
+    /// threshold learned here closes it; docs/prepared-base.md).
     pub mask_calibration: MaskCalibration,
     /// Train under `mask_calibration` instead of FltLM's absolute mask, so the LoRA learns to read
     /// with the mask it will answer under (under the relative mask `b` gets no gradient: the
@@ -60,9 +60,10 @@ pub struct PrepareOptions {
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub train_with_calibration: bool,
     /// The calibration documents' absorbs train their adapters under, when it is to differ from
-    /// `mask_calibration`. Measured: adapters trained under the relative mask answered fewer
-    /// questions with it than adapters trained under the absolute one answered with either
-    /// (docs/prepared-base.md). None: absorbs train under `mask_calibration`.
+    /// `mask_calibration`. The shipped base's absorbs train under FltLM's absolute mask: adapters
+    /// trained under the relative one learn to read the open evidence instead of storing the
+    /// facts, and answered fewer questions (docs/prepared-base.md). None: absorbs train under
+    /// `mask_calibration`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub absorb_mask_calibration: Option<MaskCalibration>,
 }
