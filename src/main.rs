@@ -224,8 +224,9 @@ struct PrepareBaseArgs {
     #[arg(long)]
     resume: bool,
     /// No training: give the prepared base already in the output directory the options' mask
-    /// calibration (`mask_calibration`, and `absorb_mask_calibration` for absorbs), recompute its held-out figures and save it. The same
-    /// file as training with those options, for a base trained before the option was set.
+    /// calibrations (`mask_calibration`, `absorb_mask_calibration`), recompute its held-out
+    /// figures and save it. The same file as training with those options, for a base trained
+    /// before the options were set.
     #[arg(long, conflicts_with = "resume")]
     recalibrate: bool,
 }
@@ -629,9 +630,9 @@ impl PrepareBaseArgs {
             if let Some(training) = base.manifest.training.as_object_mut() {
                 training.insert("recalibrated".into(), serde_json::json!(std::env::args().collect::<Vec<_>>().join(" ")));
             }
+            let mask = base.filter.mask_name();
             let m = base.save(output)?;
-            let absorbs = opts.absorb_mask_calibration.map_or(String::new(), |c| format!(", absorbs under {}", c.name()));
-            println!("prepared base {} in {}: mask {}{absorbs}", m.sha256, output.display(), opts.mask_calibration.name());
+            println!("prepared base {} in {}: mask {mask}", m.sha256, output.display());
             return Ok(());
         }
         let train_set = data::build_examples_with(&essays, lift_serve::corpus::Split::Train, examples, opts.seed, &opts.data)?;

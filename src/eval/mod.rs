@@ -760,7 +760,7 @@ pub fn apply_filter_mask(model: &mut Model, args: &EvalArgs) -> Result<()> {
         return Ok(());
     }
     anyhow::ensure!(args.server.is_none(), "--filter-mask and --absorb-filter-mask set this process's model: not with --server");
-    let filter = model.base_filter.as_mut().context("--filter-mask: the model has no prepared base with a filter")?;
+    let filter = model.base_filter.as_mut().context("--filter-mask, --absorb-filter-mask: the model has no prepared base with a filter")?;
     if let Some(name) = &args.filter_mask {
         filter.calibration = MaskCalibration::parse(name)?;
     }
@@ -822,10 +822,7 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
         needles: spec,
         jsonl: args.jsonl.clone(),
         server: args.server.clone(),
-        filter_mask: model.base_filter().map(|f| match f.absorb_mask.filter(|c| *c != f.calibration) {
-            Some(absorb) => format!("{} (absorbs: {})", f.calibration.name(), absorb.name()),
-            None => f.calibration.name(),
-        }),
+        filter_mask: model.base_filter().map(|f| f.mask_name()),
     };
     let results = match &args.server {
         Some(url) => {

@@ -210,6 +210,19 @@ impl Filter {
         Self { calibration: self.absorb_mask.unwrap_or(self.calibration), ..self.clone() }
     }
 
+    /// The absorbs' calibration when it differs from the answers' (what is stored and reported).
+    pub fn distinct_absorb_mask(&self) -> Option<MaskCalibration> {
+        self.absorb_mask.filter(|c| *c != self.calibration)
+    }
+
+    /// The calibrations by name: `relative:2`, or `relative:2 (absorbs: absolute)`.
+    pub fn mask_name(&self) -> String {
+        match self.distinct_absorb_mask() {
+            Some(absorb) => format!("{} (absorbs: {})", self.calibration.name(), absorb.name()),
+            None => self.calibration.name(),
+        }
+    }
+
     /// The bundle extras holding this filter.
     pub fn to_extras(&self) -> Result<BTreeMap<String, Tensor>> {
         let dev = self.head_w.device();
@@ -233,7 +246,7 @@ impl Filter {
             }
             MaskCalibration::Off => anyhow::bail!("a filter without its mask is for measuring; it is not stored"),
         }
-        match self.absorb_mask.filter(|c| *c != self.calibration) {
+        match self.distinct_absorb_mask() {
             None => {}
             Some(MaskCalibration::Absolute) => {
                 extras.insert(ABSORB_MASK.into(), Tensor::new(&[0f32], dev)?);
