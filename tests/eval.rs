@@ -403,7 +403,7 @@ fn jsonl_questions_are_labelled_from_answer_occurrences() {
     let tmp = tempfile::tempdir().unwrap();
     let path = tmp.path().join("set.jsonl");
     std::fs::write(&path, format!("{line}\n\n")).unwrap();
-    let docs = eval::load_jsonl(&model, &path).unwrap();
+    let docs = eval::load_jsonl(&model, &path, None).unwrap();
     assert_eq!(docs.len(), 1);
     let d = &docs[0];
     assert_eq!(d.tokens, model.tokenizer.encode(&d.text, false).unwrap().len());
@@ -423,9 +423,21 @@ fn jsonl_questions_are_labelled_from_answer_occurrences() {
         &d.text[d.questions[1].evidence[0].0..d.questions[1].evidence[0].1],
         "The ferry captain was Orla Brandt."
     );
+    // A split asked of a set without split fields is refused, not answered with every line.
+    assert!(eval::load_jsonl(&model, &path, Some("eval")).is_err());
+    // Lines by split, with each question's form.
+    let q = |form: &str| serde_json::json!({"question": "What opens the vault?", "answers": ["5521"], "kind": form});
+    let lines = [("a", "train", "what"), ("b", "eval", "how_many"), ("c", "eval", "who")]
+        .map(|(id, split, form)| serde_json::json!({"id": id, "split": split, "document": doc, "questions": [q(form)]}).to_string());
+    std::fs::write(&path, lines.join("\n")).unwrap();
+    let evals = eval::load_jsonl(&model, &path, Some("eval")).unwrap();
+    assert_eq!(evals.iter().map(|d| d.id.as_str()).collect::<Vec<_>>(), ["b", "c"]);
+    assert_eq!(evals[1].questions[0].form.as_deref(), Some("who"));
+    assert_eq!(eval::load_jsonl(&model, &path, None).unwrap().len(), 3);
+    assert!(format!("{:#}", eval::load_jsonl(&model, &path, Some("validation")).unwrap_err()).contains("split validation"));
     // A bad line is an error naming the line.
     std::fs::write(&path, "{\"document\": \"x\"}\n").unwrap();
-    let err = format!("{:#}", eval::load_jsonl(&model, &path).unwrap_err());
+    let err = format!("{:#}", eval::load_jsonl(&model, &path, None).unwrap_err());
     assert!(err.contains(":1"), "{err}");
 }
 

@@ -243,6 +243,18 @@ fn generation_is_deterministic_and_respects_limits() {
     let b = run(&greedy);
     assert_eq!(a.tokens, b.tokens);
     assert!(a.tokens.len() <= 12);
+    // Each generated token carries its log-probability: the first is the log-softmax of the
+    // prompt's last logits at that token, the greedy pick the likeliest of all.
+    assert_eq!(a.logprobs.len(), a.tokens.len());
+    assert!(a.logprobs.iter().all(|l| l.is_finite() && *l <= 0.0), "{:?}", a.logprobs);
+    if let Some(&first) = a.tokens.first() {
+        let last = lift_serve::model::generate::prefill(&model, &prompt, &mut KvCache::new(2), None, &mut NoHooks).unwrap();
+        let row = last.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let want = lift_serve::model::generate::log_prob(&row, first);
+        assert!((a.logprobs[0] - want).abs() < 1e-4, "{} against {want}", a.logprobs[0]);
+        assert!((0..row.len() as u32).all(|i| lift_serve::model::generate::log_prob(&row, i) <= want + 1e-6));
+        assert!(a.mean_logprob().unwrap() <= 0.0);
+    }
     let sampled = SamplingParams { max_tokens: 12, temperature: 1.0, seed: 9, ..Default::default() };
     assert_eq!(run(&sampled).tokens, run(&sampled).tokens);
     // A stop string cuts the text and never appears in it.

@@ -135,6 +135,7 @@ mod tests {
             evidence: evidence.clone(),
             evidence_tokens: evidence,
             distractor_tokens: distractor,
+            form: None,
         }
     }
 

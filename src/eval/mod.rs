@@ -45,6 +45,10 @@ pub struct EvalQuestion {
     /// Every evidence span is needed to answer (a two-hop question), not any one of them.
     #[serde(default)]
     pub needs_all_evidence: bool,
+    /// A user set's question form (who, what, when, how_many, condition, ...), for the report's
+    /// table by form.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub form: Option<String>,
     /// Byte spans of the text that answers the question (the planted sentence; for user data,
     /// every occurrence of an answer or of the given evidence) and their token spans.
     pub evidence: Vec<(usize, usize)>,
@@ -76,15 +80,20 @@ pub fn in_window(prompt: &AnswerPrompt, q: &EvalQuestion) -> Option<bool> {
 }
 
 /// Loads a user's evaluation set: one JSON object per line,
-/// `{"document": "...", "questions": [{"question": "...", "answers": ["..."], "evidence": "optional"}]}`.
+/// `{"document": "...", "questions": [{"question": "...", "answers": ["..."], "evidence": "optional",
+/// "kind": "optional form"}], "id": "optional", "split": "optional train|validation|eval"}`.
 /// A question's evidence spans are the occurrences of its `evidence` text, else of its answers.
-pub fn load_jsonl(model: &Model, path: &Path) -> Result<Vec<EvalDocument>> {
+/// With `split`, only the lines of that split are kept (a set without split fields is refused:
+/// asking for a split of a set that has none would silently report on all of it).
+pub fn load_jsonl(model: &Model, path: &Path, split: Option<&str>) -> Result<Vec<EvalDocument>> {
     #[derive(Deserialize)]
     struct Line {
         document: String,
         questions: Vec<Q>,
         #[serde(default)]
         id: Option<String>,
+        #[serde(default)]
+        split: Option<String>,
     }
     #[derive(Deserialize)]
     struct Q {
@@ -92,11 +101,18 @@ pub fn load_jsonl(model: &Model, path: &Path) -> Result<Vec<EvalDocument>> {
         answers: Vec<String>,
         #[serde(default)]
         evidence: Option<String>,
+        #[serde(default)]
+        kind: Option<String>,
     }
     let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
     let mut docs = Vec::new();
+    let mut splits_seen = false;
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let l: Line = serde_json::from_str(line).with_context(|| format!("{}:{}: bad line", path.display(), i + 1))?;
+        splits_seen |= l.split.is_some();
+        if split.is_some_and(|want| l.split.as_deref() != Some(want)) {
+            continue;
+        }
         anyhow::ensure!(!l.document.trim().is_empty(), "{}:{}: empty document", path.display(), i + 1);
         let offsets = needles::token_offsets(model, &l.document)?;
         let questions = l
@@ -120,6 +136,7 @@ pub fn load_jsonl(model: &Model, path: &Path) -> Result<Vec<EvalDocument>> {
                     id: format!("q{k}"),
                     question: q.question,
                     answers: q.answers,
+                    form: q.kind,
                     actual_depth: evidence_tokens
                         .iter()
                         .map(|t: &(usize, usize)| t.0)
@@ -140,7 +157,10 @@ pub fn load_jsonl(model: &Model, path: &Path) -> Result<Vec<EvalDocument>> {
             questions,
         });
     }
-    anyhow::ensure!(!docs.is_empty(), "{}: no documents", path.display());
+    if let Some(want) = split {
+        anyhow::ensure!(splits_seen, "{}: --split {want}: the set's lines have no `split` field", path.display());
+    }
+    anyhow::ensure!(!docs.is_empty(), "{}: no documents{}", path.display(), split.map_or(String::new(), |s| format!(" in split {s}")));
     Ok(docs)
 }
 
@@ -278,6 +298,13 @@ pub struct AnswerRecord {
     pub document_tokens: usize,
     pub prompt_tokens: usize,
     pub seconds: f64,
+    /// Whether the question's evidence is in this answer's prompt (the passages it was shown,
+    /// whatever chose them; None without evidence spans or in `memory` mode).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub evidence_in_context: Option<bool>,
+    /// The question's form, for a user set that gives one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub form: Option<String>,
     /// What the prepared base's FltLM mask did to the context (None without a base filter).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mask: Option<mask::MaskRecord>,
@@ -671,6 +698,8 @@ impl Runner<'_> {
                 document_tokens: doc.tokens,
                 prompt_tokens,
                 seconds: t.elapsed().as_secs_f64(),
+                evidence_in_context: if expected.shown.is_empty() { None } else { in_window(&expected, q) },
+                form: q.form.clone(),
                 mask: mask::measure(q, &chunks),
             });
             self.bars.overall.inc(1);
@@ -706,9 +735,10 @@ pub struct EvalArgs {
     #[arg(long)]
     pub essays: Option<PathBuf>,
     /// Which essays the documents are cut from: `eval` (reported figures) or `validation` (for
-    /// tuning options; never the figures reported). The prepared base trained on neither.
-    #[arg(long, value_enum, default_value_t = EssaySplit::Eval)]
-    pub split: EssaySplit,
+    /// tuning options; never the figures reported). The prepared base trained on neither. With
+    /// `--jsonl`, the lines of that split (`train` too) when given; without it, every line.
+    #[arg(long, value_enum)]
+    pub split: Option<EssaySplit>,
     /// A plain-text file to cut the documents from in place of the essays (no split: a text the
     /// prepared base never trained on, e.g. for lengths past the 43K tokens the eval split holds).
     #[arg(long, conflicts_with_all = ["essays", "jsonl"])]
@@ -770,11 +800,23 @@ pub fn apply_filter_mask(model: &mut Model, args: &EvalArgs) -> Result<()> {
     Ok(())
 }
 
-/// The essay split `eval` cuts its documents from.
+/// The split `eval` takes its documents from (essays, or a JSONL set's `split` field).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, clap::ValueEnum)]
 pub enum EssaySplit {
     Eval,
     Validation,
+    /// JSONL sets only: the essays' train split is the prepared base's.
+    Train,
+}
+
+impl EssaySplit {
+    pub fn name(self) -> &'static str {
+        match self {
+            EssaySplit::Eval => "eval",
+            EssaySplit::Validation => "validation",
+            EssaySplit::Train => "train",
+        }
+    }
 }
 
 /// The `eval` command: build or load the documents, run, write the report.
@@ -801,7 +843,7 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
         return report::write(&results, &args.out);
     }
     let (docs, spec) = match &args.jsonl {
-        Some(path) => (load_jsonl(model, path)?, None),
+        Some(path) => (load_jsonl(model, path, args.split.map(EssaySplit::name))?, None),
         None => {
             let essays = haystack_essays(args)?;
             let spec = needles::NeedleSpec {
@@ -851,9 +893,10 @@ fn haystack_essays(args: &EvalArgs) -> Result<Vec<crate::corpus::Essay>> {
         Some(d) => d.clone(),
         None => data::fetch_essays(&data::data_dir())?,
     };
-    let split = match args.split {
+    let split = match args.split.unwrap_or(EssaySplit::Eval) {
         EssaySplit::Eval => crate::corpus::Split::Eval,
         EssaySplit::Validation => crate::corpus::Split::Validation,
+        EssaySplit::Train => bail!("--split train: the train essays are the prepared base's training text, not an evaluation"),
     };
     Ok(crate::corpus::essays_in(&data::load_essays(&dir)?, split))
 }

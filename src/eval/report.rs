@@ -78,8 +78,10 @@ pub fn markdown(results: &Results) -> String {
     );
     paired_tables(&mut s, results);
     absorb_table(&mut s, results);
+    reading_table(&mut s, results);
     super::mask::table(&mut s, results);
     kind_table(&mut s, results);
+    form_table(&mut s, results);
     depth_tables(&mut s, results);
     s
 }
@@ -186,6 +188,83 @@ fn method_row(s: &mut String, results: &Results, m: &str) {
         f1_in.map_or("–".into(), |x| format!("{x:.2}")),
         f1_out.map_or("–".into(), |x| format!("{x:.2}")),
     );
+}
+
+/// Per method: whether each answer's context held the question's evidence (whatever chose the
+/// passages, with or without a filter) and how often it was right then and otherwise; and the
+/// answers one document got repeated: the replies given to two or more of its questions, and the
+/// reply strings given to more than two of them with some wrong (a reader that answers with the
+/// document's most frequent term, not what was asked).
+fn reading_table(s: &mut String, results: &Results) {
+    let ms = methods(results);
+    if ms.is_empty() || results.answers.is_empty() {
+        return;
+    }
+    let _ = writeln!(
+        s,
+        "\nReading: the evidence in the answer's context, accuracy with and without it; repeated replies (one \
+         normalised reply to several questions of a document: the questions that share one, and the replies given \
+         to more than two questions with some wrong):\n"
+    );
+    let _ = writeln!(s, "| method | evidence in context | right, evidence in context | right, evidence not in context | questions sharing a reply | replies repeated > 2 with a wrong one |");
+    let _ = writeln!(s, "|---|---|---|---|---|---|");
+    let frac = |k: usize, n: usize| if n == 0 { "–".to_string() } else { format!("{k}/{n} ({:.0}%)", 100.0 * k as f64 / n as f64) };
+    for m in ms {
+        let rows: Vec<&AnswerRecord> = results.answers.iter().filter(|a| a.method == m).collect();
+        let labelled: Vec<&&AnswerRecord> = rows.iter().filter(|a| a.evidence_in_context.is_some()).collect();
+        let shown: Vec<&&&AnswerRecord> = labelled.iter().filter(|a| a.evidence_in_context == Some(true)).collect();
+        let hidden: Vec<&&&AnswerRecord> = labelled.iter().filter(|a| a.evidence_in_context == Some(false)).collect();
+        let right = |v: &[&&&AnswerRecord]| v.iter().filter(|a| a.scores.contains > 0.0).count();
+        let (sharing, bad) = repeated_replies(&rows);
+        let _ = writeln!(
+            s,
+            "| {m} | {} | {} | {} | {} | {bad} |",
+            frac(shown.len(), labelled.len()),
+            frac(right(&shown), shown.len()),
+            frac(right(&hidden), hidden.len()),
+            frac(sharing, rows.len()),
+        );
+    }
+}
+
+/// Of one method's answers: how many questions share their normalised reply with another
+/// question of the same document, and how many reply strings were given to more than two
+/// questions of one document with at least one of them wrong.
+pub fn repeated_replies(rows: &[&AnswerRecord]) -> (usize, usize) {
+    let mut by_reply: BTreeMap<(&str, String), Vec<bool>> = BTreeMap::new();
+    for a in rows {
+        let reply = crate::corpus::scoring::normalize(&a.prediction);
+        if !reply.is_empty() {
+            by_reply.entry((a.document.as_str(), reply)).or_default().push(a.scores.contains > 0.0);
+        }
+    }
+    let sharing = by_reply.values().filter(|v| v.len() >= 2).map(Vec::len).sum();
+    let bad = by_reply.values().filter(|v| v.len() > 2 && v.iter().any(|r| !r)).count();
+    (sharing, bad)
+}
+
+/// Right answers by the question's form (a user set's `kind`: who, what, how_many, ...), one row
+/// per method; nothing when no question gives one.
+fn form_table(s: &mut String, results: &Results) {
+    let mut forms: Vec<&str> = results.answers.iter().filter_map(|a| a.form.as_deref()).collect();
+    forms.sort();
+    forms.dedup();
+    if forms.is_empty() {
+        return;
+    }
+    let _ = writeln!(s, "\nBy question form (right / questions):\n");
+    let _ = writeln!(s, "| method | {} |", forms.join(" | "));
+    let _ = writeln!(s, "|---|{}", "---|".repeat(forms.len()));
+    for m in methods(results) {
+        let cells: Vec<String> = forms
+            .iter()
+            .map(|f| {
+                let rows: Vec<_> = results.answers.iter().filter(|a| a.method == m && a.form.as_deref() == Some(*f)).collect();
+                format!("{}/{}", rows.iter().filter(|a| a.scores.contains > 0.0).count(), rows.len())
+            })
+            .collect();
+        let _ = writeln!(s, "| {m} | {} |", cells.join(" | "));
+    }
 }
 
 /// Right answers by question kind (columns, as `right/questions`, out of window first), one row
@@ -534,6 +613,8 @@ mod tests {
                     document_tokens: 1024,
                     prompt_tokens: 0,
                     seconds: 0.0,
+                    evidence_in_context: None,
+                    form: None,
                     mask: None,
                 })
                 .collect(),
@@ -587,6 +668,8 @@ mod tests {
                     document_tokens: 1024,
                     prompt_tokens: 0,
                     seconds: 0.0,
+                    evidence_in_context: None,
+                    form: None,
                     mask: None,
                 })
                 .collect();
@@ -614,6 +697,50 @@ mod tests {
         assert_eq!(common.config.methods, ["rag"]);
         assert!(common.answers.iter().all(|a| a.method == "rag") && common.answers.len() == 2);
         assert!(common.absorbs.is_empty(), "`lift`'s absorb went with it");
+    }
+
+    /// The reading table counts answers by whether their context showed the evidence, and the
+    /// replies a document got repeatedly (a right reply given three times is not held against it).
+    #[test]
+    fn the_reading_table_counts_evidence_in_context_and_repeated_replies() {
+        use super::super::AnswerRecord;
+        let rec = |doc: &str, q: usize, reply: &str, right: bool, shown: Option<bool>| AnswerRecord {
+            document: doc.into(),
+            question: format!("q{q}"),
+            method: "rag".into(),
+            prediction: reply.into(),
+            scores: crate::corpus::scoring::Scores { contains: f64::from(u8::from(right)), ..Default::default() },
+            in_window: None,
+            depth: None,
+            kind: None,
+            target_tokens: None,
+            document_tokens: 100,
+            prompt_tokens: 0,
+            seconds: 0.0,
+            evidence_in_context: shown,
+            form: Some(if q % 2 == 0 { "who".into() } else { "when".into() }),
+            mask: None,
+        };
+        let answers = vec![
+            // Document a: "the License" three times with two wrong; "1999" once.
+            rec("a", 0, "The License.", false, Some(true)),
+            rec("a", 1, "the license", false, Some(false)),
+            rec("a", 2, "The License", true, Some(true)),
+            rec("a", 3, "1999", true, Some(true)),
+            // Document b: "Anna" three times, all right; the same reply as in a does not count.
+            rec("b", 0, "Anna", true, Some(true)),
+            rec("b", 1, "Anna", true, None),
+            rec("b", 2, "Anna", true, Some(false)),
+            rec("b", 3, "1999", false, Some(false)),
+        ];
+        let refs: Vec<&AnswerRecord> = answers.iter().collect();
+        assert_eq!(super::repeated_replies(&refs), (6, 1));
+        let results =
+            Results { model: "tiny".into(), config: config(vec!["rag".into()]), documents: Vec::new(), absorbs: Vec::new(), answers, seconds: 1.0 };
+        let md = super::markdown(&results);
+        // In context: a0 a2 a3 b0 (4 of 7 labelled), right a2 a3 b0; not in context a1 b2 b3, right b2.
+        assert!(md.contains("| rag | 4/7 (57%) | 3/4 (75%) | 1/3 (33%) | 6/8 (75%) | 1 |"), "{md}");
+        assert!(md.contains("| method | when | who |") && md.contains("| rag | 2/4 | 3/4 |"), "{md}");
     }
 
     #[test]

@@ -71,6 +71,10 @@ impl FinishReason {
 pub struct Generation {
     pub text: String,
     pub tokens: Vec<u32>,
+    /// Each generated token's log-probability under the model (natural log, the softmax of the
+    /// raw logits whatever the sampling temperature): the one confidence signal answers are
+    /// compared by.
+    pub logprobs: Vec<f32>,
     pub prompt_tokens: usize,
     pub finish_reason: FinishReason,
     pub prompt_ms: f64,
@@ -81,6 +85,22 @@ impl Generation {
     pub fn tokens_per_second(&self) -> f64 {
         if self.generate_ms > 0.0 { self.tokens.len() as f64 / (self.generate_ms / 1000.0) } else { 0.0 }
     }
+
+    /// The mean log-probability of the generated tokens (None when nothing was generated).
+    pub fn mean_logprob(&self) -> Option<f64> {
+        (!self.logprobs.is_empty()).then(|| self.logprobs.iter().map(|&x| f64::from(x)).sum::<f64>() / self.logprobs.len() as f64)
+    }
+}
+
+/// The log-probability of token `id` under the softmax of `logits` (computed stably, in f64 for
+/// the sum over the vocabulary).
+pub fn log_prob(logits: &[f32], id: u32) -> f32 {
+    let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    if !max.is_finite() {
+        return f32::NEG_INFINITY;
+    }
+    let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
+    (f64::from(logits[id as usize] - max) - sum.ln()) as f32
 }
 
 /// Prompt tokens processed per forward pass: bounds the attention score matrix of long prompts,
@@ -255,6 +275,7 @@ pub struct Sequence<'m, H> {
     text: String,
     emitted: usize,
     tokens: Vec<u32>,
+    logprobs: Vec<f32>,
     finish: Option<FinishReason>,
     started: Instant,
     prompt_ms: f64,
@@ -281,6 +302,7 @@ impl<'m, H: ForwardHooks> Sequence<'m, H> {
             text: String::new(),
             emitted: 0,
             tokens: Vec::new(),
+            logprobs: Vec::new(),
             finish: None,
             started: Instant::now(),
             prompt_ms: 0.0,
@@ -343,6 +365,7 @@ impl<'m, H: ForwardHooks> Sequence<'m, H> {
             return self.end(FinishReason::Stop, on_text);
         }
         self.tokens.push(next);
+        self.logprobs.push(log_prob(&row, next));
         self.next = Some(next);
         if let Some(piece) = self.stream.push(next)? {
             self.text.push_str(&piece);
@@ -393,6 +416,7 @@ impl<'m, H: ForwardHooks> Sequence<'m, H> {
         let generation = Generation {
             text: self.text,
             tokens: self.tokens,
+            logprobs: self.logprobs,
             prompt_tokens: self.prompt.len(),
             finish_reason: self.finish.unwrap_or(FinishReason::Cancelled),
             prompt_ms: self.prompt_ms,
@@ -435,6 +459,22 @@ fn held_back(text: &str, stops: &[String]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn log_prob_is_the_log_softmax() {
+        let logits = [2.0f32, -1.0, 0.5, 2.0, 30.0, -50.0];
+        let total: f64 = (0..logits.len() as u32).map(|i| f64::from(log_prob(&logits, i)).exp()).sum();
+        assert!((total - 1.0).abs() < 1e-5, "{total}");
+        let direct = |i: usize| {
+            let z: f64 = logits.iter().map(|&l| f64::from(l).exp()).sum();
+            (f64::from(logits[i]).exp() / z).ln()
+        };
+        for i in 0..logits.len() {
+            assert!((f64::from(log_prob(&logits, i as u32)) - direct(i)).abs() < 1e-4, "{i}");
+        }
+        assert!((log_prob(&[0.0; 8], 3) + 8f32.ln()).abs() < 1e-6, "uniform");
+        assert_eq!(log_prob(&[f32::NEG_INFINITY; 4], 0), f32::NEG_INFINITY);
+    }
 
     /// The vectorised argmax against the plain first-maximum loop: ties (the first wins),
     /// NaNs, infinities, lengths around the 16-lane blocks.
