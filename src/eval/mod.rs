@@ -11,6 +11,7 @@
 pub mod client;
 pub mod mask;
 pub mod needles;
+pub mod qa_report;
 pub mod report;
 
 use crate::document::Document;
@@ -778,6 +779,10 @@ pub struct EvalArgs {
     /// answers use (`--filter-mask`, or the base's own). In-process runs only.
     #[arg(long)]
     pub absorb_filter_mask: Option<String>,
+    /// Only print the auxiliary QA an absorb would train on for each document (its figures, and
+    /// this many pairs of each): no absorb, no answers.
+    #[arg(long)]
+    pub qa_report: Option<usize>,
     /// No progress bar.
     #[arg(long)]
     pub quiet: bool,
@@ -856,6 +861,10 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
             (needles::build_set(model, &essays, &spec)?, Some(spec))
         }
     };
+    if let Some(sample) = args.qa_report {
+        print!("{}", qa_report::report(&docs, &absorb.qa, sample));
+        return Ok(());
+    }
     let cfg = RunConfig {
         methods: args.methods.clone(),
         context_tokens: Some(args.context_tokens.unwrap_or(absorb.plan.training_context_tokens)),

@@ -118,7 +118,7 @@ pub fn qa_pairs_planned(text: &str, doc_tokens: usize, o: &AbsorbOptions) -> usi
     if qa.use_model {
         qa.max_pairs
     } else {
-        super::qa::extractive_qa(text, &super::text::split_sentences(text), &qa).len()
+        super::qa::extractive_qa(text, &qa).len()
     }
 }
 

@@ -64,6 +64,67 @@ const ABBREVIATIONS: &[&str] = &[
 const NUMBER_ABBREVIATIONS: &[&str] =
     &["no", "nos", "fig", "figs", "vol", "vols", "p", "pp", "ch", "art", "sec", "eq", "ref", "tab", "nr"];
 
+/// Characters that draw boxes and rules in plain-text documents (disclaimers in a box of `*`,
+/// headings underlined with `-` or `=`, ASCII tables' `+---+` edges).
+const RULE_CHARS: &[char] = &['*', '-', '=', '_', '~', '+', '#', '|'];
+
+/// The text with its drawing blanked: rule lines (a line of at least four rule characters and
+/// nothing else) and the left and right borders of boxed lines (`*  text  *`, `|  text  |`, on at
+/// least two consecutive lines) become spaces. The result has the same length in bytes and
+/// the same line breaks, so every span of it is a span of the original: sentences are cut from
+/// the normalized text and their evidence read from the original. A boxed paragraph then
+/// reads as the prose it is (one sentence across its lines), and a rule ends a paragraph.
+pub fn normalize_layout(text: &str) -> String {
+    let ls = lines(text);
+    let mut out = text.as_bytes().to_vec();
+    let blank = |out: &mut Vec<u8>, s: usize, e: usize| out[s..e].iter_mut().for_each(|b| *b = b' ');
+    // (left border byte, right border byte) of each line that has both.
+    let borders: Vec<Option<(usize, usize)>> = ls.iter().map(|&(s, e)| box_borders(text, s, e)).collect();
+    for (k, &(s, e)) in ls.iter().enumerate() {
+        let line = text[s..e].trim();
+        if is_rule_line(line) {
+            blank(&mut out, s, e);
+            continue;
+        }
+        let Some((l, r)) = borders[k] else { continue };
+        let same = |j: Option<usize>| {
+            j.and_then(|j| borders.get(j).copied().flatten()).is_some_and(|(l2, _)| text.as_bytes()[l2] == text.as_bytes()[l])
+                || j.and_then(|j| ls.get(j)).is_some_and(|&(s2, e2)| is_rule_line(text[s2..e2].trim()))
+        };
+        if same(k.checked_sub(1)) || same(Some(k + 1)) {
+            blank(&mut out, l, l + 1);
+            blank(&mut out, r, r + 1);
+        }
+    }
+    // Only ASCII bytes were replaced by spaces: still UTF-8.
+    String::from_utf8(out).expect("ASCII replaced by ASCII")
+}
+
+/// A line that only draws: four or more rule characters (spaces between allowed).
+fn is_rule_line(line: &str) -> bool {
+    line.chars().filter(|c| !c.is_whitespace()).count() >= 4 && line.chars().all(|c| c.is_whitespace() || RULE_CHARS.contains(&c))
+}
+
+/// The byte offsets of a boxed line's two borders: the same character (`*`, `|` or `#`) first and
+/// last on the line, each set off by a space from the text between (or the line holds only them);
+/// a `|` line with another `|` inside is a table row, not a box.
+fn box_borders(text: &str, s: usize, e: usize) -> Option<(usize, usize)> {
+    let line = &text[s..e];
+    let lead = line.len() - line.trim_start().len();
+    let trimmed = line.trim();
+    let c = trimmed.chars().next()?;
+    if !matches!(c, '*' | '|' | '#') || trimmed.len() < 2 || !trimmed.ends_with(c) {
+        return None;
+    }
+    let inner = &trimmed[1..trimmed.len() - 1];
+    let set_off = inner.is_empty() || inner.trim().is_empty() || (inner.starts_with(' ') && inner.ends_with(' '));
+    if !set_off || (c == '|' && inner.contains('|')) {
+        return None;
+    }
+    let l = s + lead;
+    Some((l, l + trimmed.len() - 1))
+}
+
 /// Splits prose into sentences (see the module docs).
 pub fn split_sentences(text: &str) -> Vec<Span> {
     let mut out = Vec::new();
@@ -362,6 +423,38 @@ fn cap_length(text: &str, span: Span, out: &mut Vec<Span>) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_boxed_paragraph_reads_as_one_sentence() {
+        let doc = "Section 6 follows.\n\n   ************************************************************\n   *                                                          *\n   *  6. Disclaimer of Warranty                               *\n   *  -------------------------                               *\n   *                                                          *\n   *  Covered Software is provided on an \"as is\" basis,      *\n   *  without warranty of any kind, either expressed or       *\n   *  implied.                                                *\n   *                                                          *\n   ************************************************************\n\nThe next section.";
+        let clean = normalize_layout(doc);
+        assert_eq!(clean.len(), doc.len(), "same bytes, same offsets");
+        assert_eq!(clean.lines().count(), doc.lines().count());
+        assert!(!clean.contains('*'), "{clean}");
+        let sentences: Vec<String> = split_sentences(&clean).iter().map(|s| s.text(&clean).split_whitespace().collect::<Vec<_>>().join(" ")).collect();
+        assert!(
+            sentences.contains(&"Covered Software is provided on an \"as is\" basis, without warranty of any kind, either expressed or implied.".to_string()),
+            "{sentences:#?}"
+        );
+        assert!(sentences.contains(&"6. Disclaimer of Warranty".to_string()), "the heading stands alone: {sentences:#?}");
+        // The spans are the original's: its evidence keeps the borders it has.
+        let span = split_sentences(&clean).into_iter().find(|s| s.text(&clean).contains("Covered")).unwrap();
+        assert!(span.text(doc).starts_with("Covered Software") && span.text(doc).contains('*'));
+        // Without the normalization the box's borders cut into the prose.
+        let raw: Vec<&str> = split_sentences(doc).iter().map(|s| s.text(doc)).collect();
+        assert!(!raw.iter().any(|s| s.starts_with("Covered") && s.ends_with("implied.")), "{raw:#?}");
+    }
+
+    #[test]
+    fn layout_normalization_leaves_lists_tables_and_single_stars_alone() {
+        let doc = "* a bullet item *emphasis*\n| a | table |\n|---|---|\n| 1 | 2 |\nA line with * in it.\n# Heading\n";
+        let clean = normalize_layout(doc);
+        assert!(clean.starts_with("* a bullet item *emphasis*\n| a | table |\n"), "{clean}");
+        assert!(clean.contains("| 1 | 2 |") && clean.contains("A line with * in it.") && clean.contains("# Heading"), "{clean}");
+        assert!(!clean.contains("|---|"), "a table's rule line is blank: {clean}");
+        let underlined = "Title\n=====\nBody text here.";
+        assert_eq!(normalize_layout(underlined), "Title\n     \nBody text here.");
+    }
 
     fn sents(text: &str) -> Vec<&str> {
         let spans = split_sentences(text);

@@ -30,7 +30,7 @@ pub use model::qa_prompt;
 pub use parse::parse_qa;
 pub use words::normalize_question;
 
-use super::text::{split_sentences, Span};
+use super::text::{normalize_layout, split_sentences, Span};
 use crate::model::Model;
 use anyhow::Result;
 use extractive::{extractive_candidates, fallback_candidates};
@@ -176,12 +176,15 @@ pub fn generate_qa_with_stats(
     progress: &mut dyn FnMut(&QaProgress),
     cancel: &dyn Fn() -> bool,
 ) -> Result<(Vec<QaPair>, QaStats)> {
-    let sentences = split_sentences(doc);
+    // Sentences are cut from the text with its boxes and rules blanked (same offsets), so a
+    // boxed paragraph is one sentence; every evidence is still read from `doc` itself.
+    let clean = normalize_layout(doc);
+    let sentences = split_sentences(&clean);
     let mut stats = QaStats { sentences: sentences.len(), ..Default::default() };
     let run = model::Run { model, doc, opts, cancel };
     let model_pairs = model::model_pairs(&run, &sentences, progress, &mut stats)?;
-    let chosen = select_extractive(doc, &sentences, opts, &model_pairs, &mut stats);
-    let pairs = in_document_order(model_pairs, chosen);
+    let chosen = select_extractive(&clean, &sentences, opts, &model_pairs, &mut stats);
+    let pairs = with_original_evidence(doc, in_document_order(model_pairs, chosen));
     stats.total = pairs.len();
     tracing::info!(
         sentences = stats.sentences,
@@ -198,10 +201,104 @@ pub fn generate_qa_with_stats(
 /// Deterministic rule-based QA over the document's fact-bearing sentences (no model): for each
 /// fact, up to `wordings_per_fact` differently-worded questions with short and full-sentence
 /// answers; capped by `max_pairs` with even coverage, topped up with plain cloze questions to
-/// `min_pairs` when facts are scarce.
-pub fn extractive_qa(doc: &str, sentences: &[Span], opts: &QaOptions) -> Vec<QaPair> {
-    let chosen = select_extractive(doc, sentences, opts, &[], &mut QaStats::default());
-    in_document_order(Vec::new(), chosen)
+/// `min_pairs` when facts are scarce; no answer and not the cloze wordings over their share
+/// ([`MAX_ANSWER_SHARE`], [`MAX_CLOZE_SHARE`]). Sentences are cut from the normalized layout
+/// ([`normalize_layout`]).
+pub fn extractive_qa(doc: &str, opts: &QaOptions) -> Vec<QaPair> {
+    let clean = normalize_layout(doc);
+    let sentences = split_sentences(&clean);
+    let chosen = select_extractive(&clean, &sentences, opts, &[], &mut QaStats::default());
+    with_original_evidence(doc, in_document_order(Vec::new(), chosen))
+}
+
+/// The pairs with their evidence read from the original text at their spans (the rules read the
+/// normalized one, whose boxes are blanked).
+fn with_original_evidence(doc: &str, mut pairs: Vec<QaPair>) -> Vec<QaPair> {
+    for p in &mut pairs {
+        p.evidence = doc[p.evidence_span.0..p.evidence_span.1].to_string();
+    }
+    pairs
+}
+
+/// Most of a document's pairs one answer string may take (normalised; never fewer than one fact's
+/// wordings, `wordings_per_fact`, which share their answer on purpose): a reader trained on one
+/// frequent term for many questions learns to answer with that term.
+pub const MAX_ANSWER_SHARE: f64 = 0.05;
+/// Most of a document's pairs the fill-in-the-blank wordings may take.
+pub const MAX_CLOZE_SHARE: f64 = 0.25;
+
+/// What makes two answers the same one for the caps: SQuAD's normalisation (case, punctuation
+/// and articles dropped), so "The Project Leader" and "project leader" count together.
+fn answer_key(answer: &str) -> String {
+    crate::corpus::scoring::normalize(answer)
+}
+
+/// The figures of a document's pairs the caps above bound, for reports and tests.
+#[derive(Clone, Debug, Default, serde::Serialize)]
+pub struct QaShares {
+    pub pairs: usize,
+    pub distinct_answers: usize,
+    /// The largest share one normalised answer takes.
+    pub top_answer_share: f64,
+    pub cloze_share: f64,
+    /// Pairs whose answer is a short span (at most 8 words).
+    pub short_answer_share: f64,
+}
+
+pub fn qa_shares(pairs: &[QaPair]) -> QaShares {
+    let n = pairs.len();
+    if n == 0 {
+        return QaShares::default();
+    }
+    let mut counts: HashMap<String, usize> = HashMap::new();
+    for p in pairs {
+        *counts.entry(answer_key(&p.answer)).or_default() += 1;
+    }
+    let share = |k: usize| k as f64 / n as f64;
+    QaShares {
+        pairs: n,
+        distinct_answers: counts.len(),
+        top_answer_share: share(counts.values().copied().max().unwrap_or(0)),
+        cloze_share: share(pairs.iter().filter(|p| extractive::is_cloze(&p.question)).count()),
+        short_answer_share: share(pairs.iter().filter(|p| p.answer.split_whitespace().count() <= 8).count()),
+    }
+}
+
+/// `chosen` (after the model's pairs) with no answer over [`MAX_ANSWER_SHARE`] and the cloze
+/// wordings within [`MAX_CLOZE_SHARE`] of `total` pairs (`None`: of what is kept, which shrinks
+/// as pairs are dropped, so repeated until it holds). Kept first: lower wording ranks, then facts
+/// spread over the document (bit-reversed order), so a frequent answer keeps its questions
+/// from all through the text.
+fn cap_shares(model_pairs: &[QaPair], mut chosen: Vec<Candidate>, total: Option<usize>, one_fact: usize) -> Vec<Candidate> {
+    loop {
+        let n = total.unwrap_or(model_pairs.len() + chosen.len());
+        let per_answer = ((n as f64 * MAX_ANSWER_SHARE).floor() as usize).max(one_fact).max(1);
+        let cloze_max = (n as f64 * MAX_CLOZE_SHARE).floor() as usize;
+        let mut counts: HashMap<String, usize> = HashMap::new();
+        for p in model_pairs {
+            *counts.entry(answer_key(&p.answer)).or_default() += 1;
+        }
+        let mut order: Vec<usize> = (0..chosen.len()).collect();
+        order.sort_by_key(|&i| (chosen[i].rank, chosen[i].fact.reverse_bits()));
+        let (mut keep, mut cloze) = (vec![false; chosen.len()], 0);
+        for i in order {
+            let c = counts.entry(answer_key(&chosen[i].pair.answer)).or_default();
+            let is_cloze = extractive::is_cloze(&chosen[i].pair.question);
+            if *c >= per_answer || (is_cloze && cloze >= cloze_max) {
+                continue;
+            }
+            *c += 1;
+            cloze += usize::from(is_cloze);
+            keep[i] = true;
+        }
+        if total.is_some() || keep.iter().all(|&k| k) {
+            let mut it = keep.into_iter();
+            chosen.retain(|_| it.next().unwrap_or(false));
+            return chosen;
+        }
+        let mut it = keep.into_iter();
+        chosen.retain(|_| it.next().unwrap_or(false));
+    }
 }
 
 /// One extractive pair with its wording rank (0 = the most direct question for the fact) and the
@@ -229,17 +326,28 @@ fn select_extractive(
     let unseen = |cands: Vec<Candidate>, seen: &HashSet<String>| -> Vec<Candidate> {
         cands.into_iter().filter(|c| !seen.contains(&normalize_question(&c.pair.question))).collect()
     };
-    let cands = unseen(extractive_candidates(doc, sentences, opts), &seen);
+    let cands: Vec<Candidate> = unseen(extractive_candidates(doc, sentences, opts), &seen)
+        .into_iter()
+        .filter(|c| extractive::well_formed(&c.pair.question, &c.pair.answer))
+        .collect();
     stats.extractive_candidates = cands.len();
-    let mut chosen = select_even(cands, max_pairs.saturating_sub(model_pairs.len()));
+    let room = max_pairs.saturating_sub(model_pairs.len());
+    // The shares are bounded on the pool at the size the selection will have, then again on
+    // what it kept.
+    let expected = model_pairs.len() + room.min(cands.len());
+    let one_fact = opts.wordings_per_fact;
+    let cands = cap_shares(model_pairs, cands, Some(expected), one_fact);
+    let mut chosen = cap_shares(model_pairs, select_even(cands, room), None, one_fact);
     stats.extractive = chosen.len();
     seen.extend(chosen.iter().map(|c| normalize_question(&c.pair.question)));
     let have = model_pairs.len() + chosen.len();
     let floor = opts.min_pairs.min(max_pairs);
     if have < floor {
         let extra = select_even(unseen(fallback_candidates(doc, sentences), &seen), floor - have);
-        stats.fallback = extra.len();
         chosen.extend(extra);
+        // The floor is not filled with blanks: the cloze share holds over the whole.
+        chosen = cap_shares(model_pairs, chosen, None, one_fact);
+        stats.fallback = (model_pairs.len() + chosen.len()).saturating_sub(have);
     }
     chosen
 }
@@ -320,6 +428,87 @@ Visitors can reach the museum from Central Station in ten minutes.";
         }
     }
 
+    /// Real prose (from the Debian constitution, a train-split document of the real-text set),
+    /// hard-wrapped and indented as it ships.
+    const CONSTITUTION: &str = "  5.2. Appointment
+
+    1. The Project Leader is elected by the Developers.
+    2. The election begins six weeks before the leadership post becomes
+       vacant, or (if it is too late already) immediately.
+    3. For the first week any Developer may nominate themselves as a
+       candidate Project Leader, and summarize their plans for their term.
+    4. For three weeks after that no more candidates may be nominated;
+       candidates should use this time for campaigning and discussion. If
+       there are no candidates at the end of the nomination period then
+       the nomination period is extended for an additional week,
+       repeatedly if necessary.
+    5. The next two weeks are the polling period during which Developers
+       may cast their votes. Votes in leadership elections are kept
+       secret, even after the election is finished.
+    6. The options on the ballot will be those candidates who have
+       nominated themselves and have not yet withdrawn, plus None Of The
+       Above. If None Of The Above wins the election then the election
+       procedure is repeated, many times if necessary.
+    7. The decision will be made using the method specified in section
+       §A.5 of the Standard Resolution Procedure. The quorum is the same
+       as for a General Resolution (§4.2) and the default option is
+       \"None Of The Above\".
+    8. The Project Leader serves for one year from their election.
+
+  5.3. Procedure
+
+   The Project Leader should attempt to make decisions which are
+   consistent with the consensus of the opinions of the Developers.
+
+   Where practical the Project Leader should informally solicit the views
+   of the Developers.
+
+   The Project Leader should avoid overemphasizing their own point of view
+   when making decisions in their capacity as Leader.
+";
+
+    /// The QA of real prose: wh-questions (who, what, how many, under what condition, what happens
+    /// if) with short answers, every answer within its share and the blanks within theirs.
+    #[test]
+    fn real_prose_gets_wh_questions_with_short_answers_within_their_shares() {
+        let o = QaOptions::default().for_document(CONSTITUTION.len() / 4);
+        let pairs = extractive_qa(CONSTITUTION, &o);
+        assert_verbatim(CONSTITUTION, &pairs);
+        let has = |q: &str, a: &str| pairs.iter().any(|p| p.question == q && p.answer == a);
+        let questions: Vec<(&str, &str)> = pairs.iter().map(|p| (p.question.as_str(), p.answer.as_str())).collect();
+        assert!(has("Who should attempt to make decisions which are consistent with the consensus of the opinions of the Developers?", "The Project Leader"), "{questions:#?}");
+        assert!(has("What happens if None Of The Above wins the election?", "the election procedure is repeated"), "{questions:#?}");
+        assert!(pairs.iter().any(|p| p.question.starts_with("Under what condition") && p.answer.split_whitespace().count() <= 14), "{questions:#?}");
+        // Most questions ask with a question word and most answers are a few words.
+        let wh = ["who", "whom", "whose", "what", "when", "which", "where", "how"];
+        let asked = pairs.iter().filter(|p| words::tokens(&p.question).iter().any(|t| wh.contains(&t.as_str()))).count();
+        let short = pairs.iter().filter(|p| p.answer.split_whitespace().count() <= 8).count();
+        assert!(2 * asked >= pairs.len() && 2 * short >= pairs.len(), "{asked} wh, {short} short of {}: {questions:#?}", pairs.len());
+        // The shares hold: no answer over 5% (one fact's wordings at least), blanks at most 25%.
+        let sh = qa_shares(&pairs);
+        let per_answer = ((pairs.len() as f64 * MAX_ANSWER_SHARE).floor() as usize).max(o.wordings_per_fact);
+        assert!(sh.top_answer_share * pairs.len() as f64 <= per_answer as f64 + 1e-9, "{sh:?}");
+        assert!(sh.cloze_share <= MAX_CLOZE_SHARE, "{sh:?}");
+        // "The Project Leader" answers many sentences here: it is kept to its share.
+        let leader = pairs.iter().filter(|p| answer_key(&p.answer) == "project leader").count();
+        assert!(leader <= per_answer, "{leader} pairs answer the Project Leader");
+    }
+
+    /// A frequent term never takes more than its share of the pairs, however often the text has it.
+    #[test]
+    fn a_frequent_answer_keeps_to_its_share() {
+        let doc: String = (0..60)
+            .map(|i| format!("The Licensor must deliver copy number {i} of the Work to the office in region {}.\n\n", 1000 + 7 * i))
+            .collect();
+        let o = QaOptions::default().for_document(doc.len() / 4);
+        let pairs = extractive_qa(&doc, &o);
+        assert!(pairs.len() > 40, "{}", pairs.len());
+        let sh = qa_shares(&pairs);
+        let cap = ((pairs.len() as f64 * MAX_ANSWER_SHARE).floor() as usize).max(o.wordings_per_fact);
+        assert!(sh.top_answer_share * pairs.len() as f64 <= cap as f64 + 1e-9, "{sh:?}");
+        assert!(sh.cloze_share <= MAX_CLOZE_SHARE, "{sh:?}");
+    }
+
     #[test]
     fn the_pair_cap_grows_with_the_document_and_the_users_cap_still_holds() {
         let o = QaOptions::default();
@@ -339,7 +528,7 @@ Visitors can reach the museum from Central Station in ten minutes.";
             .map(|i| format!("In {}, the guild of weaver number {i} moved to the harbor town of Port {i}. ", 1700 + i))
             .collect();
         let tokens = long.len() / 4;
-        let pairs = extractive_qa(&long, &crate::lift::text::split_sentences(&long), &o.for_document(tokens));
+        let pairs = extractive_qa(&long, &o.for_document(tokens));
         assert!(pairs.len() > 256, "{} pairs for ~{tokens} tokens", pairs.len());
         let (head, tail) = (long.len() / 20, long.len() - long.len() / 20);
         assert!(pairs.iter().any(|p| p.evidence_span.0 < head) && pairs.iter().any(|p| p.evidence_span.0 > tail),
