@@ -509,6 +509,86 @@ async fn queue_full_and_shutdown() {
     assert!(left.is_empty(), "deleted documents leave nothing behind: {left:?}");
 }
 
+/// A damaged adapter (its file cut short, or one byte changed on disk) is named: `/ask` and chat
+/// completions answer 409 `adapter_damaged` naming the document and the way back, its status
+/// says `damaged` (the cut file from the start-up check, the changed byte once an answer loads
+/// it), and posting the same text and options again absorbs it again under its id, which then
+/// answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_adapter_is_named_and_a_repost_absorbs_it_again() {
+    let e = env();
+    let (running, base) = start(config(&e, &[])).await;
+    let c = client();
+    let bodies = [
+        json!({"text": DOC, "title": "cut short"}),
+        json!({"text": format!("{DOC} The bell was cast in 1850 by Ines Marr."), "title": "one byte changed"}),
+    ];
+    let mut ids = Vec::new();
+    for b in &bodies {
+        let (s, d) = post_json(&c, &format!("{base}/documents"), b.clone(), None).await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{d}");
+        ids.push(d["id"].as_str().unwrap().to_string());
+    }
+    for id in &ids {
+        wait_ready(&c, &base, id, None).await;
+    }
+    running.shutdown().await;
+    // Damaged on disk while the server is down (a running server answers from its cached copy).
+    let file = |id: &str| e.adapters.join(id).join("adapter.safetensors");
+    let bytes = std::fs::read(file(&ids[0])).unwrap();
+    std::fs::write(file(&ids[0]), &bytes[..bytes.len() / 2]).unwrap();
+    let mut bytes = std::fs::read(file(&ids[1])).unwrap();
+    *bytes.last_mut().unwrap() ^= 0x01; // a tensor's byte: the file still parses
+    std::fs::write(file(&ids[1]), &bytes).unwrap();
+
+    let (running, base) = start(config(&e, &[])).await;
+    let status = |d: &Value| d["status"].as_str().map(String::from);
+    let (_, d) = get_json(&c, &format!("{base}/documents/{}", ids[0]), None).await;
+    assert_eq!(status(&d).as_deref(), Some("damaged"), "a cut file is seen at start: {d}");
+    assert!(d["error"]["message"].as_str().unwrap().contains("POST"), "{d}");
+    let (_, d) = get_json(&c, &format!("{base}/documents/{}", ids[1]), None).await;
+    assert_eq!(status(&d).as_deref(), Some("ready"), "a changed byte is found when the adapter is loaded: {d}");
+    let adapters = e.adapters.display().to_string();
+    for id in &ids {
+        let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
+        assert_eq!(s, StatusCode::CONFLICT, "{a}");
+        assert_error_shape(&a, "adapter_damaged", id);
+        assert_eq!(a["error"]["param"], "document_id");
+        let m = a["error"]["message"].as_str().unwrap();
+        assert!(m.contains(id.as_str()) && m.contains("again with the same options"), "names the document and the way back: {m}");
+        assert!(!m.contains(&adapters), "no paths for the client: {m}");
+    }
+    let chat = json!({"model": ids[1], "messages": [{"role": "user", "content": "Who painted the tower?"}], "max_tokens": 3});
+    let (s, r) = post_json(&c, &format!("{base}/v1/chat/completions"), chat, None).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{r}");
+    assert_error_shape(&r, "adapter_damaged", "chat");
+    assert_eq!(r["error"]["param"], "model");
+    // The status says so, for one document and in the list.
+    let (_, d) = get_json(&c, &format!("{base}/documents/{}", ids[1]), None).await;
+    assert_eq!(status(&d).as_deref(), Some("damaged"), "{d}");
+    let (_, list) = get_json(&c, &format!("{base}/documents"), None).await;
+    let listed: Vec<_> = list["data"].as_array().unwrap().iter().map(|d| d["status"].clone()).collect();
+    assert_eq!(listed, vec![json!("damaged"), json!("damaged")], "{list}");
+    // The way back: the same text and options again, queued under the same id, absorbed, answering.
+    for (b, id) in bodies.iter().zip(&ids) {
+        let (s, d) = post_json(&c, &format!("{base}/documents"), b.clone(), None).await;
+        assert_eq!((s, d["id"].as_str()), (StatusCode::ACCEPTED, Some(id.as_str())), "{d}");
+        assert!(matches!(d["status"].as_str(), Some("queued") | Some("training")), "{d}");
+        let d = wait_ready(&c, &base, id, None).await;
+        assert!(d["error"].is_null(), "{d}");
+        let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
+        assert_eq!(s, 200, "{a}");
+    }
+    running.shutdown().await;
+    // A fresh start reads the new adapters as intact.
+    let (running, base) = start(config(&e, &[])).await;
+    for id in &ids {
+        let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
+        assert_eq!(s, 200, "{a}");
+    }
+    running.shutdown().await;
+}
+
 /// A free TCP port on 127.0.0.1.
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()

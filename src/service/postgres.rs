@@ -299,7 +299,7 @@ impl Shared {
     // ---------- documents ----------
 
     /// Inserts the document and its job, or finds the document already queued, training or
-    /// ready under this id. `max_waiting` bounds the jobs nobody trains yet, across replicas.
+    /// ready under this id (a failed, cancelled or damaged one is queued again). `max_waiting` bounds the jobs nobody trains yet, across replicas.
     pub async fn submit(&self, rec: JobRecord, text: &str, max_waiting: usize) -> Result<Submitted, ServiceError> {
         let mut c = self.client().await?;
         let (owner, title, id) = (&rec.owner, &rec.title, &rec.id);
@@ -326,7 +326,7 @@ impl Shared {
                      ON CONFLICT (id) DO UPDATE SET title = EXCLUDED.title, status = 'queued', created_at = EXCLUDED.created_at,
                          seq = EXCLUDED.seq, ready_at = NULL, error = NULL, adapter = NULL, training = NULL, progress = NULL,
                          source = EXCLUDED.source, blob_sha256 = NULL, updated_at = now()
-                     WHERE documents.status IN ('failed', 'cancelled')
+                     WHERE documents.status IN ('failed', 'cancelled', 'damaged')
                      RETURNING id",
                     &[id, owner, title, &tokens, &created, &seq, options, &source],
                 )
@@ -841,6 +841,13 @@ impl Registry for Shared {
             let (id, tokens) = (rec.id.clone(), rec.tokens);
             let submitted = Shared::submit(self, rec, &document.text, max_waiting).await?;
             if let Submitted::Queued(_) = submitted {
+                // A damaged adapter's local copy goes: until the new one is published the
+                // document answers from its passages.
+                let (store, id2) = (self.store.clone(), id.clone());
+                tokio::task::spawn_blocking(move || store.discard_adapter(&id2))
+                    .await
+                    .map_err(ServiceError::internal)?
+                    .map_err(|e| ServiceError::internal(format!("cannot remove the damaged adapter: {e:#}")))?;
                 self.store.put_live(&id, document);
                 tracing::info!(id, tokens, "document queued (shared queue)");
             }
@@ -872,6 +879,26 @@ impl Registry for Shared {
     /// The text kept in the document's job row, until its job ends.
     fn kept_text<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<String>, ServiceError>> {
         self.job_text(id).boxed()
+    }
+
+    /// The archive itself failed its hash (a local copy that did is fetched again first:
+    /// `Store::get`): every replica sees the document damaged.
+    fn mark_damaged<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), ServiceError>> {
+        async move {
+            let c = self.client().await?;
+            let message = store::damaged_message(id);
+            timed(async {
+                c.execute(
+                    "UPDATE documents SET status = 'damaged', error = $2, updated_at = now() WHERE id = $1 AND status = 'ready'",
+                    &[&id, &message],
+                )
+                .await
+                .map_err(db_error)
+            })
+            .await?;
+            Ok(())
+        }
+        .boxed()
     }
 
     /// Every replica's documents; the shared queue's waiting jobs (unknown while the database
