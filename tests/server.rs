@@ -589,6 +589,30 @@ async fn a_damaged_adapter_is_named_and_a_repost_absorbs_it_again() {
     running.shutdown().await;
 }
 
+/// Settings that cannot work are refused before the model loads (and its absorb rate is timed):
+/// `--role` without `--database-url` exits non-zero within a second, naming both flags. The
+/// default model (no `--model`) is the one whose load and calibration take seconds.
+#[test]
+fn a_role_without_a_database_is_refused_before_the_model_loads() {
+    let tmp = tempfile::tempdir().unwrap();
+    for role in ["trainer", "server"] {
+        let t0 = std::time::Instant::now();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
+            .args(["serve", "--port", "0", "--prepared-base", "none", "--role", role])
+            .arg("--adapters-dir")
+            .arg(tmp.path().join("adapters"))
+            .env_remove("LIFT_DATABASE_URL")
+            .env_remove("LIFT_MODEL")
+            .output()
+            .unwrap();
+        let took = t0.elapsed();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "--role {role} without a database started: {err}");
+        assert!(err.contains(&format!("--role {role}")) && err.contains("--database-url"), "names both flags: {err}");
+        assert!(took < Duration::from_secs(1), "--role {role}: refused after {took:?} (before the model loads, it takes well under a second)");
+    }
+}
+
 /// A free TCP port on 127.0.0.1.
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
