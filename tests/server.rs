@@ -613,6 +613,74 @@ fn a_role_without_a_database_is_refused_before_the_model_loads() {
     }
 }
 
+/// A document's id is made of its text and the options as asked, budget included, not of the
+/// plan fitted to the measured rate: two servers whose rates fit one budget to different plans
+/// give the same post one id (each trains its own fitted plan, which its options show). A
+/// document stored before (its id made of the fitted plan) keeps its id: the same post finds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_id_at_two_measured_rates_that_fit_different_plans() {
+    let e = env();
+    // A calibrated on the tiny model (fast), B at the prior's 2-core rate (two orders slower).
+    let fast = config(&e, &[]);
+    let mut slow = config(&e, &[]);
+    slow.absorb_calibration = false;
+    slow.adapters_dir = e.adapters.parent().unwrap().join("slow");
+    let (running_a, base_a) = start(fast).await;
+    let (running_b, base_b) = start(slow.clone()).await;
+    let c = client();
+    let text = DOC.repeat(3);
+    let dry = |options: Value| json!({"text": text, "dry_run": true, "options": options});
+    let (s, asked) = post_json(&c, &format!("{base_b}/documents"), dry(json!({"epochs": [6, 6]})), None).await;
+    assert_eq!(s, 200, "{asked}");
+    // A budget the slow rate must cut the plan to and the fast one holds as asked.
+    let options = json!({"epochs": [6, 6], "budget_seconds": asked["estimate"]["seconds"].as_f64().unwrap() / 3.0});
+    let mut fitted = Vec::new();
+    for base in [&base_a, &base_b] {
+        let (s, d) = post_json(&c, &format!("{base}/documents"), dry(options.clone()), None).await;
+        assert_eq!(s, 200, "{d}");
+        fitted.push(d["options"].clone());
+    }
+    assert_eq!(fitted[0]["train"]["epochs"], json!([6, 6]), "the fast rate holds the plan: {}", fitted[0]);
+    assert_ne!(fitted[0], fitted[1], "the two rates fit different plans");
+    let body = json!({"text": text, "options": options});
+    let mut ids = Vec::new();
+    for base in [&base_a, &base_b] {
+        let (s, d) = post_json(&c, &format!("{base}/documents"), body.clone(), None).await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{d}");
+        ids.push(d["id"].as_str().unwrap().to_string());
+    }
+    assert_eq!(ids[0], ids[1], "one id for one text and its options as asked");
+    let id = ids[0].clone();
+    let ready_a = wait_ready(&c, &base_a, &id, None).await;
+    let ready_b = wait_ready(&c, &base_b, &id, None).await;
+    assert_eq!((&ready_a["options"], &ready_b["options"]), (&fitted[0], &fitted[1]), "each trained its fitted plan");
+    // Posted again at a rate that has moved meanwhile (A's first absorb measured it): the same.
+    let (s, d) = post_json(&c, &format!("{base_a}/documents"), body.clone(), None).await;
+    assert_eq!((s, d["id"].as_str()), (StatusCode::OK, Some(id.as_str())), "{d}");
+    running_a.shutdown().await;
+
+    // B's document as an earlier version stored it: its id made of the fitted plan.
+    let fingerprint = running_b.state.service.model().info.fingerprint.clone();
+    running_b.shutdown().await;
+    let legacy = lift_serve::store::document_id(&fingerprint, None, &text, &fitted[1]);
+    assert_ne!(legacy, id);
+    let dir = &slow.adapters_dir;
+    let mut rec: Value = serde_json::from_slice(&std::fs::read(dir.join(format!("{id}.job.json"))).unwrap()).unwrap();
+    rec["id"] = json!(legacy);
+    rec.as_object_mut().unwrap().remove("requested");
+    std::fs::write(dir.join(format!("{legacy}.job.json")), rec.to_string()).unwrap();
+    std::fs::remove_file(dir.join(format!("{id}.job.json"))).unwrap();
+    std::fs::rename(dir.join(&id), dir.join(&legacy)).unwrap();
+    let (running_b, base_b) = start(slow).await;
+    let (s, d) = post_json(&c, &format!("{base_b}/documents"), body, None).await;
+    assert_eq!((s, d["id"].as_str(), d["status"].as_str()), (StatusCode::OK, Some(legacy.as_str()), Some("ready")), "{d}");
+    let (s, a) = post_json(&c, &format!("{base_b}/ask"), json!({"document_id": legacy, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
+    assert_eq!(s, 200, "{a}");
+    let (_, list) = get_json(&c, &format!("{base_b}/documents"), None).await;
+    assert_eq!(list["data"].as_array().map(Vec::len), Some(1), "not absorbed twice: {list}");
+    running_b.shutdown().await;
+}
+
 /// A free TCP port on 127.0.0.1.
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()

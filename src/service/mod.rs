@@ -242,9 +242,10 @@ impl Service {
             .await
             .map_err(ServiceError::internal)?
             .map_err(|e| ServiceError::Untokenizable(format!("{e:#}")))?;
-        // With a time budget, what is queued is the plan fitted to it.
+        // With a time budget, what is queued is the plan fitted to it; the id is of what was
+        // asked, so that the same post keeps its id whatever rate the plan was fitted to.
         let cost = self.cost(document.clone(), &options).await?;
-        let submitted = self.queue(owner, title, cost.options.clone(), source, document).await?;
+        let submitted = self.queue(owner, title, &options, cost.options.clone(), source, document).await?;
         Ok((submitted, cost))
     }
 
@@ -279,19 +280,34 @@ impl Service {
         Ok(cost)
     }
 
-    /// Queues a tokenized document within the limits.
+    /// Queues a tokenized document within the limits: its id made of the options `requested`,
+    /// its job trained with the plan `options` fitted to them.
     async fn queue(
         &self,
         owner: Option<String>,
         title: Option<String>,
+        requested: &AbsorbOptions,
         options: AbsorbOptions,
         source: Source,
         document: Arc<Document>,
     ) -> Result<Submitted, ServiceError> {
         let tokens = document.len();
         let options_json = serde_json::to_value(&options).map_err(ServiceError::internal)?;
+        let requested_json = serde_json::to_value(requested).map_err(ServiceError::internal)?;
         let fingerprint = &self.engine.model.info.fingerprint;
-        let id = store::document_id(fingerprint, owner.as_deref(), &document.text, &options_json);
+        let id = store::document_id(fingerprint, owner.as_deref(), &document.text, &requested_json);
+        // Documents posted before ids were made of what was asked keep theirs (the id of the
+        // fitted plan, which differs only under a time budget): the same post finds them.
+        let legacy = store::document_id(fingerprint, owner.as_deref(), &document.text, &options_json);
+        if legacy != id {
+            match self.registry.document(owner.as_deref(), &legacy).await {
+                Ok((view, _)) if matches!(view.status, Status::Queued | Status::Training | Status::Ready) => {
+                    return Ok(Submitted::Existing(view));
+                }
+                Ok(_) | Err(ServiceError::UnknownDocument(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
         let rec = JobRecord {
             id,
             owner,
@@ -304,6 +320,7 @@ impl Service {
             error: None,
             adapter: None,
             options: options_json,
+            requested: Some(requested_json),
             source: Some(source),
             training: None,
         };

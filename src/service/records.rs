@@ -219,7 +219,7 @@ impl Records {
         let options = serde_json::from_value::<AbsorbOptions>(r.options.clone())
             .map_err(|e| format!("its options no longer parse ({e})"))?;
         let model = &engine.model;
-        if store::document_id(&model.info.fingerprint, r.owner.as_deref(), &text, &r.options) != r.id {
+        if store::document_id(&model.info.fingerprint, r.owner.as_deref(), &text, r.id_options()) != r.id {
             return Err("its text, options or the base model changed".to_string());
         }
         let document = encode_answerable(model, text).map_err(|e| format!("its text cannot be tokenized ({e:#})"))?;

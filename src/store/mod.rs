@@ -82,8 +82,14 @@ pub struct JobRecord {
     pub ready_at: Option<u64>,
     pub error: Option<String>,
     pub adapter: Option<AdapterInfo>,
-    /// Effective absorb options.
+    /// Effective absorb options: with a time budget, the plan fitted to the rate measured when
+    /// the document was posted. The job trains with them and a resume reuses them.
     pub options: serde_json::Value,
+    /// The absorb options as asked (budget included, before any fitting): what the id is made
+    /// of, so that the same text and options keep one id at any measured rate. None in records
+    /// written before ids were made from them: their id is of `options` ([`JobRecord::id_options`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested: Option<serde_json::Value>,
     /// How the text was made from what was uploaded (records before it existed have none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<crate::formats::Source>,
@@ -93,6 +99,11 @@ pub struct JobRecord {
 }
 
 impl JobRecord {
+    /// The options the record's id was made of.
+    pub fn id_options(&self) -> &serde_json::Value {
+        self.requested.as_ref().unwrap_or(&self.options)
+    }
+
     /// Sort key in posting order (`created_at` has whole seconds only).
     pub fn posting_order(&self) -> (u64, &str) {
         let seq = if self.seq > 0 { self.seq } else { self.created_at.saturating_mul(1_000_000_000) };
@@ -227,7 +238,8 @@ pub fn now() -> u64 {
 }
 
 /// `doc_<hex>`: SHA-256 of the base model's fingerprint, the owner, the text and the canonical
-/// JSON of the effective options (serde_json maps are sorted, so `to_string` is canonical).
+/// JSON of the options as asked (serde_json maps are sorted, so `to_string` is canonical). Records
+/// written before then hashed the options fitted to a time budget (the same without one).
 pub fn document_id(fingerprint: &str, owner: Option<&str>, text: &str, options: &serde_json::Value) -> String {
     let mut h = Sha256::new();
     for part in [fingerprint.as_bytes(), owner.unwrap_or("").as_bytes(), text.as_bytes(), options.to_string().as_bytes()] {
@@ -490,6 +502,8 @@ impl Store {
             error: None,
             adapter: Some(AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes }),
             options,
+            // An adapter directory knows the options it trained with, not those asked.
+            requested: None,
             source: None,
             training: Some(m.training),
         };
