@@ -5,7 +5,7 @@
 
 use candle_core::Device;
 use lift_serve::document::Document;
-use lift_serve::lift::checkpoint::{Checkpoint, Resumable};
+use lift_serve::lift::checkpoint::{Checkpoint, DamagedCheckpoint, Resumable};
 use lift_serve::lift::{absorb, absorb_resumable, AbsorbEvent, AbsorbOptions, AbsorbStage, Absorbed, Cancelled};
 use lift_serve::model::Model;
 use lift_serve::testing::{write_hf, TinySpec};
@@ -137,6 +137,37 @@ fn a_checkpoint_of_other_options_or_another_document_is_refused_with_the_reason(
     *store.0.borrow_mut() = Some(b"not a checkpoint".to_vec());
     let (r, _) = run(&model, &doc, &other, &store, None);
     assert!(r.unwrap().manifest.training["resume_refused"].as_str().is_some());
+}
+
+/// A checkpoint cut short or with one byte changed fails its content hash: it is dropped with
+/// the reason and the absorb starts over, ending with the adapter of a run that never stopped.
+#[test]
+fn a_damaged_checkpoint_is_dropped_and_its_absorb_starts_over() {
+    let (_d, model) = tiny();
+    let doc = document(&model);
+    let opts = options([1, 2]);
+    let plain = absorb(&model, &doc, None, &opts, &mut |_| {}, &|| false).unwrap();
+    let store = Mem::default();
+    let (stopped, _) = run(&model, &doc, &opts, &store, Some(3));
+    assert!(stopped.is_err());
+    let good = store.0.borrow().clone().expect("a checkpoint was written");
+    assert_eq!(Checkpoint::decode(&good, &Device::Cpu).unwrap().train.cursor.step, 3, "an intact checkpoint reads");
+    // The last byte is a tensor's: without the hash it would resume from a changed parameter.
+    let mut changed = good.clone();
+    *changed.last_mut().unwrap() ^= 0x01;
+    for (what, bytes) in [("cut short", good[..good.len() - 100].to_vec()), ("one byte changed", changed)] {
+        let err = Checkpoint::decode(&bytes, &Device::Cpu).err().unwrap_or_else(|| panic!("{what}: read as intact"));
+        assert!(err.downcast_ref::<DamagedCheckpoint>().is_some(), "{what}: {err:#}");
+        *store.0.borrow_mut() = Some(bytes);
+        let (r, stages) = run(&model, &doc, &opts, &store, None);
+        let r = r.unwrap();
+        assert!(stages.contains(&AbsorbStage::GeneratingQa), "{what}: the absorb started over: {stages:?}");
+        assert!(r.manifest.training.get("resumed_from_step").is_none(), "{what}");
+        let why = r.manifest.training["resume_refused"].as_str().unwrap();
+        assert!(why.contains("damaged"), "{what}: {why}");
+        let d = max_diff(&r, &plain);
+        assert!(d < 1e-5, "{what}: the adapter differs from an uninterrupted run's by {d}");
+    }
 }
 
 #[test]

@@ -234,6 +234,54 @@ async fn a_document_posted_to_one_replica_is_trained_by_another_and_answered_by_
     assert!(archives(&e.blobs).is_empty(), "the archive is deleted with its document");
 }
 
+/// Replicas name a damaged adapter as one process does: a damaged local copy is fetched again
+/// from the verified archive and answers; a damaged archive answers 409 `adapter_damaged` and
+/// marks the document `damaged` for every replica; posting the same text and options again
+/// (on another replica) queues it again under its id, and it answers everywhere once ready.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_adapter_is_named_across_replicas_and_a_repost_absorbs_it_again() {
+    let e = env();
+    let a = Replica::start(&e, "a", "all", &[]).await;
+    let b = Replica::start(&e, "b", "server", &[]).await;
+    let body = json!({"text": DOC, "title": "velmora"});
+    let (s, d) = post(&a.url("/documents"), body.clone(), "key-one").await;
+    assert_eq!(s, 202, "{d}");
+    let id = d["id"].as_str().unwrap().to_string();
+    wait_status(&a, &id, "key-one", "ready", 120).await;
+    let flip = |path: &Path| {
+        let mut bytes = std::fs::read(path).unwrap();
+        let at = bytes.len() / 2;
+        bytes[at] ^= 0x01;
+        std::fs::write(path, bytes).unwrap();
+    };
+
+    // The trainer's local copy damaged: fetched again from the shared archive, it answers.
+    flip(&e.tmp.path().join("cache-a").join(&id).join("adapter.safetensors"));
+    let (s, r) = ask(&a, &id, "key-one").await;
+    assert_eq!(s, 200, "{r}\n{}", a.log_text());
+
+    // The archive damaged: a replica without a copy cannot fetch it; the document is damaged.
+    let zips = archives(&e.blobs);
+    assert_eq!(zips.len(), 1, "{zips:?}");
+    flip(&e.blobs.join(&zips[0]));
+    let (s, r) = ask(&b, &id, "key-one").await;
+    assert_eq!((s, r["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("adapter_damaged")), "{r}\n{}", b.log_text());
+    assert!(r["error"]["message"].as_str().unwrap().contains(&id), "{r}");
+    let d = wait_status(&a, &id, "key-one", "damaged", 10).await;
+    assert!(d["error"]["message"].as_str().unwrap().contains("POST"), "{d}");
+    let (s, r) = ask(&a, &id, "key-one").await;
+    assert_eq!((s, r["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("adapter_damaged")), "{r}");
+
+    // The way back, posted to the replica that does not train: the same id, trained again.
+    let (s, d) = post(&b.url("/documents"), body, "key-one").await;
+    assert_eq!((s, d["id"].as_str()), (StatusCode::ACCEPTED, Some(id.as_str())), "{d}");
+    wait_status(&b, &id, "key-one", "ready", 120).await;
+    for r in [&a, &b] {
+        let (s, v) = ask(r, &id, "key-one").await;
+        assert_eq!(s, 200, "{v}\n{}", r.log_text());
+    }
+}
+
 /// A replica killed (SIGKILL) while it trains: once its lease runs out another replica claims
 /// the job and the document becomes ready; one archive is written; a restarted replica reads it.
 /// The step of the absorb checkpoint of `id` in the shared store (None: none there).

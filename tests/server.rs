@@ -509,6 +509,178 @@ async fn queue_full_and_shutdown() {
     assert!(left.is_empty(), "deleted documents leave nothing behind: {left:?}");
 }
 
+/// A damaged adapter (its file cut short, or one byte changed on disk) is named: `/ask` and chat
+/// completions answer 409 `adapter_damaged` naming the document and the way back, its status
+/// says `damaged` (the cut file from the start-up check, the changed byte once an answer loads
+/// it), and posting the same text and options again absorbs it again under its id, which then
+/// answers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_adapter_is_named_and_a_repost_absorbs_it_again() {
+    let e = env();
+    let (running, base) = start(config(&e, &[])).await;
+    let c = client();
+    let bodies = [
+        json!({"text": DOC, "title": "cut short"}),
+        json!({"text": format!("{DOC} The bell was cast in 1850 by Ines Marr."), "title": "one byte changed"}),
+    ];
+    let mut ids = Vec::new();
+    for b in &bodies {
+        let (s, d) = post_json(&c, &format!("{base}/documents"), b.clone(), None).await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{d}");
+        ids.push(d["id"].as_str().unwrap().to_string());
+    }
+    for id in &ids {
+        wait_ready(&c, &base, id, None).await;
+    }
+    running.shutdown().await;
+    // Damaged on disk while the server is down (a running server answers from its cached copy).
+    let file = |id: &str| e.adapters.join(id).join("adapter.safetensors");
+    let bytes = std::fs::read(file(&ids[0])).unwrap();
+    std::fs::write(file(&ids[0]), &bytes[..bytes.len() / 2]).unwrap();
+    let mut bytes = std::fs::read(file(&ids[1])).unwrap();
+    *bytes.last_mut().unwrap() ^= 0x01; // a tensor's byte: the file still parses
+    std::fs::write(file(&ids[1]), &bytes).unwrap();
+
+    let (running, base) = start(config(&e, &[])).await;
+    let status = |d: &Value| d["status"].as_str().map(String::from);
+    let (_, d) = get_json(&c, &format!("{base}/documents/{}", ids[0]), None).await;
+    assert_eq!(status(&d).as_deref(), Some("damaged"), "a cut file is seen at start: {d}");
+    assert!(d["error"]["message"].as_str().unwrap().contains("POST"), "{d}");
+    let (_, d) = get_json(&c, &format!("{base}/documents/{}", ids[1]), None).await;
+    assert_eq!(status(&d).as_deref(), Some("ready"), "a changed byte is found when the adapter is loaded: {d}");
+    let adapters = e.adapters.display().to_string();
+    for id in &ids {
+        let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
+        assert_eq!(s, StatusCode::CONFLICT, "{a}");
+        assert_error_shape(&a, "adapter_damaged", id);
+        assert_eq!(a["error"]["param"], "document_id");
+        let m = a["error"]["message"].as_str().unwrap();
+        assert!(m.contains(id.as_str()) && m.contains("again with the same options"), "names the document and the way back: {m}");
+        assert!(!m.contains(&adapters), "no paths for the client: {m}");
+    }
+    let chat = json!({"model": ids[1], "messages": [{"role": "user", "content": "Who painted the tower?"}], "max_tokens": 3});
+    let (s, r) = post_json(&c, &format!("{base}/v1/chat/completions"), chat, None).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{r}");
+    assert_error_shape(&r, "adapter_damaged", "chat");
+    assert_eq!(r["error"]["param"], "model");
+    // The status says so, for one document and in the list.
+    let (_, d) = get_json(&c, &format!("{base}/documents/{}", ids[1]), None).await;
+    assert_eq!(status(&d).as_deref(), Some("damaged"), "{d}");
+    let (_, list) = get_json(&c, &format!("{base}/documents"), None).await;
+    let listed: Vec<_> = list["data"].as_array().unwrap().iter().map(|d| d["status"].clone()).collect();
+    assert_eq!(listed, vec![json!("damaged"), json!("damaged")], "{list}");
+    // The way back: the same text and options again, queued under the same id, absorbed, answering.
+    for (b, id) in bodies.iter().zip(&ids) {
+        let (s, d) = post_json(&c, &format!("{base}/documents"), b.clone(), None).await;
+        assert_eq!((s, d["id"].as_str()), (StatusCode::ACCEPTED, Some(id.as_str())), "{d}");
+        assert!(matches!(d["status"].as_str(), Some("queued") | Some("training")), "{d}");
+        let d = wait_ready(&c, &base, id, None).await;
+        assert!(d["error"].is_null(), "{d}");
+        let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
+        assert_eq!(s, 200, "{a}");
+    }
+    running.shutdown().await;
+    // A fresh start reads the new adapters as intact.
+    let (running, base) = start(config(&e, &[])).await;
+    for id in &ids {
+        let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
+        assert_eq!(s, 200, "{a}");
+    }
+    running.shutdown().await;
+}
+
+/// Settings that cannot work are refused before the model loads (and its absorb rate is timed):
+/// `--role` without `--database-url` exits non-zero within a second, naming both flags. The
+/// default model (no `--model`) is the one whose load and calibration take seconds.
+#[test]
+fn a_role_without_a_database_is_refused_before_the_model_loads() {
+    let tmp = tempfile::tempdir().unwrap();
+    for role in ["trainer", "server"] {
+        let t0 = std::time::Instant::now();
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
+            .args(["serve", "--port", "0", "--prepared-base", "none", "--role", role])
+            .arg("--adapters-dir")
+            .arg(tmp.path().join("adapters"))
+            .env_remove("LIFT_DATABASE_URL")
+            .env_remove("LIFT_MODEL")
+            .output()
+            .unwrap();
+        let took = t0.elapsed();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "--role {role} without a database started: {err}");
+        assert!(err.contains(&format!("--role {role}")) && err.contains("--database-url"), "names both flags: {err}");
+        assert!(took < Duration::from_secs(1), "--role {role}: refused after {took:?} (before the model loads, it takes well under a second)");
+    }
+}
+
+/// A document's id is made of its text and the options as asked, budget included, not of the
+/// plan fitted to the measured rate: two servers whose rates fit one budget to different plans
+/// give the same post one id (each trains its own fitted plan, which its options show). A
+/// document stored before (its id made of the fitted plan) keeps its id: the same post finds it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_id_at_two_measured_rates_that_fit_different_plans() {
+    let e = env();
+    // A calibrated on the tiny model (fast), B at the prior's 2-core rate (two orders slower).
+    let fast = config(&e, &[]);
+    let mut slow = config(&e, &[]);
+    slow.absorb_calibration = false;
+    slow.adapters_dir = e.adapters.parent().unwrap().join("slow");
+    let (running_a, base_a) = start(fast).await;
+    let (running_b, base_b) = start(slow.clone()).await;
+    let c = client();
+    let text = DOC.repeat(3);
+    let dry = |options: Value| json!({"text": text, "dry_run": true, "options": options});
+    let (s, asked) = post_json(&c, &format!("{base_b}/documents"), dry(json!({"epochs": [6, 6]})), None).await;
+    assert_eq!(s, 200, "{asked}");
+    // A budget the slow rate must cut the plan to and the fast one holds as asked.
+    let options = json!({"epochs": [6, 6], "budget_seconds": asked["estimate"]["seconds"].as_f64().unwrap() / 3.0});
+    let mut fitted = Vec::new();
+    for base in [&base_a, &base_b] {
+        let (s, d) = post_json(&c, &format!("{base}/documents"), dry(options.clone()), None).await;
+        assert_eq!(s, 200, "{d}");
+        fitted.push(d["options"].clone());
+    }
+    assert_eq!(fitted[0]["train"]["epochs"], json!([6, 6]), "the fast rate holds the plan: {}", fitted[0]);
+    assert_ne!(fitted[0], fitted[1], "the two rates fit different plans");
+    let body = json!({"text": text, "options": options});
+    let mut ids = Vec::new();
+    for base in [&base_a, &base_b] {
+        let (s, d) = post_json(&c, &format!("{base}/documents"), body.clone(), None).await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{d}");
+        ids.push(d["id"].as_str().unwrap().to_string());
+    }
+    assert_eq!(ids[0], ids[1], "one id for one text and its options as asked");
+    let id = ids[0].clone();
+    let ready_a = wait_ready(&c, &base_a, &id, None).await;
+    let ready_b = wait_ready(&c, &base_b, &id, None).await;
+    assert_eq!((&ready_a["options"], &ready_b["options"]), (&fitted[0], &fitted[1]), "each trained its fitted plan");
+    // Posted again at a rate that has moved meanwhile (A's first absorb measured it): the same.
+    let (s, d) = post_json(&c, &format!("{base_a}/documents"), body.clone(), None).await;
+    assert_eq!((s, d["id"].as_str()), (StatusCode::OK, Some(id.as_str())), "{d}");
+    running_a.shutdown().await;
+
+    // B's document as an earlier version stored it: its id made of the fitted plan.
+    let fingerprint = running_b.state.service.model().info.fingerprint.clone();
+    running_b.shutdown().await;
+    let legacy = lift_serve::store::document_id(&fingerprint, None, &text, &fitted[1]);
+    assert_ne!(legacy, id);
+    let dir = &slow.adapters_dir;
+    let mut rec: Value = serde_json::from_slice(&std::fs::read(dir.join(format!("{id}.job.json"))).unwrap()).unwrap();
+    rec["id"] = json!(legacy);
+    rec.as_object_mut().unwrap().remove("requested");
+    std::fs::write(dir.join(format!("{legacy}.job.json")), rec.to_string()).unwrap();
+    std::fs::remove_file(dir.join(format!("{id}.job.json"))).unwrap();
+    std::fs::rename(dir.join(&id), dir.join(&legacy)).unwrap();
+    let (running_b, base_b) = start(slow).await;
+    let (s, d) = post_json(&c, &format!("{base_b}/documents"), body, None).await;
+    assert_eq!((s, d["id"].as_str(), d["status"].as_str()), (StatusCode::OK, Some(legacy.as_str()), Some("ready")), "{d}");
+    let (s, a) = post_json(&c, &format!("{base_b}/ask"), json!({"document_id": legacy, "question": "Who built the harbor?", "max_tokens": 4}), None).await;
+    assert_eq!(s, 200, "{a}");
+    let (_, list) = get_json(&c, &format!("{base_b}/documents"), None).await;
+    assert_eq!(list["data"].as_array().map(Vec::len), Some(1), "not absorbed twice: {list}");
+    running_b.shutdown().await;
+}
+
 /// A free TCP port on 127.0.0.1.
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()

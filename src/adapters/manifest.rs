@@ -308,6 +308,14 @@ pub fn save(dir: &Path, bundle: &AdapterBundle, manifest: &Manifest, attachments
 #[error("{0}")]
 pub struct WrongBaseModel(pub String);
 
+/// An adapter file that does not match the hash its manifest recorded (cut short, or a byte
+/// changed on disk). Its own type so that the server can name it (409 `adapter_damaged`) and
+/// offer the way back, absorbing the document again, instead of a 500. The message holds paths:
+/// it is for the log.
+#[derive(Debug, thiserror::Error)]
+#[error("{0}")]
+pub struct AdapterDamaged(pub String);
+
 /// Loads the adapter in `dir` for `model`: detached (inference) tensors on the model's device,
 /// after checking the base model, the format version, the file's integrity and every shape.
 /// Use `bundle.adapter.trainable(..)` to resume training.
@@ -346,20 +354,57 @@ pub fn load(dir: &Path, model: &Model) -> Result<(AdapterBundle, Manifest)> {
                 continue;
             }
             if let Err(e) = safetensors::SafeTensors::deserialize(&data) {
-                bail!("{}: corrupt or truncated adapter file ({e})", apath.display());
+                bail!(AdapterDamaged(format!("{}: corrupt or truncated adapter file ({e})", apath.display())));
             }
-            bail!(
+            bail!(AdapterDamaged(format!(
                 "{}: content (sha256 {sha}) does not match {} (sha256 {}): the file was modified or replaced \
                  without its manifest",
                 apath.display(),
                 mpath.display(),
                 manifest.adapter_sha256
-            );
+            )));
         }
         let bundle = parse_bundle(&data, &manifest, model.config(), model.device(), &apath)?;
         return Ok((bundle, manifest));
     }
     bail!("{}: the adapter kept changing while being read", dir.display())
+}
+
+/// A check cheap enough for every adapter at start-up (no hashing): the manifest reads and the
+/// adapter file is as long as its own safetensors header says. A file cut short is
+/// [`AdapterDamaged`]; a changed byte is found by [`load`]'s hash when the adapter is first used.
+pub fn check_complete(dir: &Path) -> Result<()> {
+    let mpath = dir.join(MANIFEST_FILE);
+    let apath = dir.join(ADAPTER_FILE);
+    let manifest = Manifest::read(dir)?;
+    if manifest.adapter_sha256.is_empty() {
+        bail!("{}: no adapter_sha256 (not written by lift-serve's save)", mpath.display());
+    }
+    let mut f = std::fs::File::open(&apath).with_context(|| format!("{}: cannot read adapter", apath.display()))?;
+    let len = f.metadata()?.len();
+    let damaged = |why: String| AdapterDamaged(format!("{}: {why}", apath.display()));
+    let mut n = [0u8; 8];
+    std::io::Read::read_exact(&mut f, &mut n).map_err(|_| damaged(format!("{len} bytes: shorter than a safetensors header")))?;
+    let header_len = u64::from_le_bytes(n);
+    if header_len > len.saturating_sub(8) {
+        bail!(damaged(format!("{len} bytes: cut short inside its header ({header_len} bytes)")));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    std::io::Read::read_exact(&mut f, &mut header).map_err(|e| damaged(format!("cannot read its header ({e})")))?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| damaged(format!("unreadable header ({e})")))?;
+    // The data ends where the last tensor's `data_offsets` end.
+    let data_len = header
+        .iter()
+        .filter(|(k, _)| k.as_str() != "__metadata__")
+        .filter_map(|(_, v)| v["data_offsets"][1].as_u64())
+        .max()
+        .unwrap_or(0);
+    let want = 8 + header_len + data_len;
+    if len != want {
+        bail!(damaged(format!("{len} bytes where its header describes {want}")));
+    }
+    Ok(())
 }
 
 /// The tensor an earlier version saved a per-document FltLM filter's head under (a name in old

@@ -344,8 +344,13 @@ fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Start
                 }
                 _ => {
                     let loaded = store.get(id, model, blob.as_ref()).map_err(|e| {
-                        // Deleted while the request waited: the document is gone, not a server fault.
-                        if store.adapter_dir(id).exists() { EngineError::from(e) } else { EngineError::UnknownDocument(id.clone()) }
+                        // Deleted while the request waited: the document is gone, not a server
+                        // fault. A damaged archive leaves no local copy either, but is named.
+                        if store.adapter_dir(id).exists() || crate::store::is_damaged(&e) {
+                            EngineError::from(e)
+                        } else {
+                            EngineError::UnknownDocument(id.clone())
+                        }
                     })?;
                     (loaded.document.clone(), Some(HeldAdapter::Stored(loaded)))
                 }

@@ -62,6 +62,9 @@ pub enum EngineError {
     /// The document's adapter was made over another base (`manifest::WrongBaseModel`).
     #[error("{0}")]
     WrongBase(String),
+    /// The document's adapter files are damaged (`manifest::AdapterDamaged`; details for the log).
+    #[error("{0}")]
+    Damaged(String),
     /// Anything else: a server-side failure (details for the log).
     #[error("{0}")]
     Failed(String),
@@ -71,6 +74,9 @@ impl From<anyhow::Error> for EngineError {
     fn from(e: anyhow::Error) -> Self {
         if let Some(w) = e.downcast_ref::<crate::adapters::manifest::WrongBaseModel>() {
             return EngineError::WrongBase(w.0.clone());
+        }
+        if crate::store::is_damaged(&e) {
+            return EngineError::Damaged(format!("{e:#}"));
         }
         match e.downcast::<crate::model::generate::ContextLengthExceeded>() {
             Ok(c) => EngineError::ContextLength(c),

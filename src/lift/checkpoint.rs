@@ -9,7 +9,8 @@
 //! (the [`Identity`]) and where it stood. Where it is kept is the caller's
 //! ([`CheckpointStore`]): the adapter store's file or shared blob, the CLI's output directory.
 //! A checkpoint of another run (another base model, options, document, plan or program version)
-//! is refused with the reason, and the absorb starts from step 0.
+//! is refused with the reason, and the absorb starts from step 0. So is a damaged one (cut short,
+//! a byte changed): the header carries the SHA-256 of the checkpoint's content, checked on read.
 
 use super::qa::QaPair;
 use super::trainer::{Cursor, TrainCheckpoint};
@@ -22,9 +23,15 @@ use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::time::Duration;
 
-/// The checkpoint header's key, and its layout's version.
+/// The checkpoint header's key, and its layout's version (2: with [`HASH_KEY`]).
 const META_KEY: &str = "lift_checkpoint";
-const FORMAT: u32 = 1;
+const FORMAT: u32 = 2;
+/// The header key of the checkpoint's content hash: SHA-256 of the header (`META_KEY`'s JSON)
+/// and the tensors' bytes, as adapters carry theirs. A checkpoint cut short or with a byte
+/// changed is refused, and its absorb starts over, rather than resumed from wrong numbers.
+const HASH_KEY: &str = "lift_checkpoint_sha256";
+/// Written in the hash's place first; the same length, so the hash replaces it in the bytes.
+const HASH_PLACEHOLDER: &str = "0000000000000000000000000000000000000000000000000000000000000000";
 
 pub use crate::store::checkpoints::{CheckpointStore, FileCheckpoint, DEFAULT_INTERVAL};
 
@@ -90,6 +97,29 @@ struct Header {
     cursor: Cursor,
 }
 
+/// A checkpoint whose bytes do not match the hash it was written with (cut short, a byte
+/// changed): dropped with a warning, and its absorb starts over.
+#[derive(Debug, thiserror::Error)]
+#[error("the checkpoint is damaged: {0}")]
+pub struct DamagedCheckpoint(pub String);
+
+/// The tensors' bytes of a safetensors file: what follows its 8-byte length and JSON header.
+fn data_section(bytes: &[u8]) -> Result<&[u8]> {
+    let n = bytes.get(..8).context("not a checkpoint (shorter than a header)")?;
+    let n = u64::from_le_bytes(n.try_into()?) as usize;
+    bytes.get(8usize.saturating_add(n)..).ok_or_else(|| DamagedCheckpoint("cut short inside its header".into()).into())
+}
+
+/// SHA-256 of the header's JSON (length-prefixed) and the tensors' bytes.
+fn content_sha256(header_json: &str, data: &[u8]) -> String {
+    use sha2::{Digest, Sha256};
+    let mut h = Sha256::new();
+    h.update((header_json.len() as u64).to_le_bytes());
+    h.update(header_json.as_bytes());
+    h.update(data);
+    hex::encode(h.finalize())
+}
+
 /// A checkpoint read back: the run it belongs to, its QA pairs and the trainer's state.
 pub struct Checkpoint {
     pub identity: Identity,
@@ -102,16 +132,37 @@ impl Checkpoint {
     /// The checkpoint's bytes: one safetensors file, its header holding the rest.
     pub fn encode(identity: &Identity, qa: &[QaPair], qa_seconds: f64, train: TrainCheckpoint) -> Result<Vec<u8>> {
         let header = Header { format: FORMAT, identity: identity.clone(), qa: qa.to_vec(), qa_seconds, cursor: train.cursor };
-        let meta = HashMap::from([(META_KEY.to_string(), serde_json::to_string(&header)?)]);
-        crate::adapters::manifest::safetensors_bytes(train.tensors, meta)
+        let json = serde_json::to_string(&header)?;
+        let meta = HashMap::from([(META_KEY.to_string(), json.clone()), (HASH_KEY.to_string(), HASH_PLACEHOLDER.to_string())]);
+        let mut bytes = crate::adapters::manifest::safetensors_bytes(train.tensors, meta)?;
+        let sha = content_sha256(&json, data_section(&bytes)?);
+        // The key and its quoted value appear once: in the header's metadata (any text of the
+        // checkpoint's own JSON is escaped inside a string).
+        let needle = format!("\"{HASH_KEY}\":\"{HASH_PLACEHOLDER}\"");
+        let header_end = bytes.len() - data_section(&bytes)?.len();
+        let at = bytes[..header_end]
+            .windows(needle.len())
+            .position(|w| w == needle.as_bytes())
+            .context("the checkpoint's hash has no place in its header")?;
+        let value_at = at + needle.len() - HASH_PLACEHOLDER.len() - 1;
+        bytes[value_at..value_at + HASH_PLACEHOLDER.len()].copy_from_slice(sha.as_bytes());
+        Ok(bytes)
     }
 
-    /// Reads [`Checkpoint::encode`]'s bytes, its tensors onto `device`.
+    /// Reads [`Checkpoint::encode`]'s bytes, its tensors onto `device`, after checking them
+    /// against their hash ([`DamagedCheckpoint`] otherwise).
     pub fn decode(bytes: &[u8], device: &candle_core::Device) -> Result<Self> {
-        let (_, meta) = safetensors::SafeTensors::read_metadata(bytes).context("not a checkpoint (unreadable header)")?;
+        let damaged = |why: String| anyhow::Error::new(DamagedCheckpoint(why));
+        let (_, meta) = safetensors::SafeTensors::read_metadata(bytes)
+            .map_err(|e| damaged(format!("unreadable header, or cut short ({e})")))?;
         let json = meta.metadata().as_ref().and_then(|m| m.get(META_KEY)).context("not an absorb checkpoint")?;
-        let header: Header = serde_json::from_str(json).context("the checkpoint's header is invalid")?;
+        let header: Header = serde_json::from_str(json).map_err(|e| damaged(format!("its header is invalid ({e})")))?;
         anyhow::ensure!(header.format == FORMAT, "checkpoint layout {} (this version reads {FORMAT})", header.format);
+        let want = meta.metadata().as_ref().and_then(|m| m.get(HASH_KEY)).context("the checkpoint carries no content hash")?;
+        let sha = content_sha256(json, data_section(bytes)?);
+        if &sha != want {
+            return Err(damaged(format!("its content (sha256 {sha}) does not match the hash it was written with ({want})")));
+        }
         let tensors: HashMap<String, Tensor> = candle_core::safetensors::load_buffer(bytes, device)?;
         let train = TrainCheckpoint { cursor: header.cursor, tensors };
         Ok(Self { identity: header.identity, qa: header.qa, qa_seconds: header.qa_seconds, train })

@@ -265,9 +265,19 @@ impl AbsorbOptions {
     pub fn with_json(&self, v: &serde_json::Value) -> Result<AbsorbOptions> {
         let given = v.as_object().ok_or_else(|| anyhow::anyhow!("absorb options must be a JSON object"))?;
         let flat_names = OptionOverlay::names();
-        let mut nested = serde_json::to_value(self)?;
+        // A recipe lies under everything else given with it, nested keys included: laid over
+        // `self` first, not by the overlay after the nested keys are merged.
+        let mut under = self.clone();
+        if let Some(r) = given.get("recipe") {
+            let recipe: Recipe = serde_json::from_value(r.clone()).map_err(|e| anyhow::anyhow!("option 'recipe': {e}"))?;
+            recipe.set(&mut under);
+        }
+        let mut nested = serde_json::to_value(&under)?;
         let mut flat = serde_json::Map::new();
         for (key, value) in given {
+            if key == "recipe" {
+                continue;
+            }
             if flat_names.contains(key) {
                 flat.insert(key.clone(), value.clone());
             } else if nested.get(key).is_some() {
@@ -485,5 +495,24 @@ mod tests {
         // A flat name of the wrong type says which.
         let e = d.with_json(&serde_json::json!({"window": "wide"})).unwrap_err().to_string();
         assert!(e.contains("window"), "{e}");
+    }
+
+    #[test]
+    fn a_recipe_lies_under_the_nested_keys_given_with_it() {
+        let d = AbsorbOptions::default();
+        let lean = d.with_json(&serde_json::json!({"recipe": "lean"})).unwrap();
+        assert_eq!((lean.train.epochs, lean.qa.cap_floor, lean.plan.qa_layout), ([1, 2], 0, QaLayout::Passages));
+        // An options file naming keys the recipe also sets keeps its own values, in either
+        // spelling, whatever the order of its keys; the recipe's other settings stay.
+        for file in [
+            serde_json::json!({"recipe": "lean", "train": {"epochs": [2, 4]}, "qa": {"cap_floor": 7}}),
+            serde_json::json!({"train": {"epochs": [2, 4]}, "qa": {"cap_floor": 7}, "recipe": "lean"}),
+        ] {
+            let o = d.with_json(&file).unwrap();
+            assert_eq!((o.train.epochs, o.qa.cap_floor), ([2, 4], 7), "{file}");
+            assert_eq!(o.plan.qa_layout, QaLayout::Passages, "{file}: the recipe's setting the file leaves alone");
+        }
+        let e = d.with_json(&serde_json::json!({"recipe": "fast"})).unwrap_err().to_string();
+        assert!(e.contains("recipe") && e.contains("lean"), "{e}");
     }
 }

@@ -108,6 +108,9 @@ impl ApiError {
             ServiceError::WrongBase(_) => {
                 ApiError::new(StatusCode::CONFLICT, "adapter_base_mismatch", e.to_string()).param(params.document)
             }
+            ServiceError::AdapterDamaged(_) => {
+                ApiError::new(StatusCode::CONFLICT, "adapter_damaged", e.to_string()).param(params.document)
+            }
             ServiceError::QueueFull => ApiError::queue_full(),
             ServiceError::MemoryFull(msg) => ApiError::new(StatusCode::TOO_MANY_REQUESTS, "memory_full", msg),
             ServiceError::ShuttingDown => ApiError::shutting_down(),

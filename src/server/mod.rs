@@ -165,8 +165,11 @@ pub struct ServeConfig {
     pub checkpoint_secs: f64,
     /// Time a few training steps at start (a few seconds on a CPU) so that cost estimates and
     /// time budgets use this machine's rate before its first absorb finishes; with
-    /// `--no-absorb-calibration`, the documented prior (one 2-core CPU's rate).
-    #[arg(long = "no-absorb-calibration", action = clap::ArgAction::SetFalse)]
+    /// `--no-absorb-calibration` (or `LIFT_NO_ABSORB_CALIBRATION=1`), the documented prior (one
+    /// 2-core CPU's rate).
+    // The flag's word ("turn it off") is read from the flag or the variable, inverted here.
+    #[arg(long = "no-absorb-calibration", env = "LIFT_NO_ABSORB_CALIBRATION", action = clap::ArgAction::SetTrue,
+          value_parser = clap::builder::TypedValueParser::map(clap::builder::BoolishValueParser::new(), |off: bool| !off))]
     pub absorb_calibration: bool,
     /// Dtypes and kernels the model is loaded with: the command line's global flags
     /// (`--cpu-qmatmul`, ...), which `main` puts here; the defaults elsewhere.
@@ -245,8 +248,12 @@ impl ServeConfig {
     /// role other than `all` needs it).
     pub fn shared(&self) -> Result<Option<SharedConfig>> {
         let Some(database_url) = self.database_url.clone() else {
-            if self.role != Role::All || self.adapter_store.is_some() {
-                anyhow::bail!("--role and --adapter-store are for replicas: give --database-url too");
+            if self.role != Role::All {
+                let role = clap::ValueEnum::to_possible_value(&self.role).map(|v| v.get_name().to_string()).unwrap_or_default();
+                anyhow::bail!("--role {role} is for replicas sharing a database: give --database-url too (or leave --role out)");
+            }
+            if self.adapter_store.is_some() {
+                anyhow::bail!("--adapter-store is for replicas sharing a database: give --database-url too");
             }
             return Ok(None);
         };
@@ -507,6 +514,12 @@ fn checkpoint_interval(secs: f64) -> Result<Duration> {
 pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<AppState> {
     let keys = cfg.keys()?;
     tracing::info!(config = %cfg.describe(keys.len()), "lift-serve starting");
+    // Settings that cannot work are refused before the model loads and the rate is measured
+    // (seconds), not after.
+    let shared = cfg.shared()?;
+    let checkpoint_interval = checkpoint_interval(cfg.checkpoint_secs)?;
+    let extraction = cfg.extraction()?;
+    let file_options = read_default_options(&cfg)?;
     let model_path = crate::fetch::resolve_model(cfg.model.as_deref())?;
     let mut model = Model::load_with(&model_path, device, &cfg.runtime)?;
     crate::base::install_from_arg(&mut model, cfg.prepared_base.as_deref())?;
@@ -514,7 +527,7 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
     model.decoder.warm_up()?;
     tracing::info!(seconds = warm.elapsed().as_secs_f64(), "inference path warmed up (float weights made)");
     let model = Arc::new(model);
-    let default_options = default_options(&cfg, &model)?;
+    let default_options = default_options(&cfg, file_options, &model)?;
     let calibrated_rate = cfg.absorb_calibration.then(|| crate::lift::calibrate::rate(&model, &default_options)).flatten();
     let metrics = Arc::new(Metrics::default());
     let service_cfg = ServiceConfig {
@@ -528,13 +541,13 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
         max_training_tokens: cfg.max_training_tokens,
         context_tokens: cfg.context_tokens,
         default_options: default_options.clone(),
-        shared: cfg.shared()?,
-        checkpoint_interval: checkpoint_interval(cfg.checkpoint_secs)?,
+        shared,
+        checkpoint_interval,
         calibrated_rate,
     };
     // Before the service opens (a replica starts its background work there): a missing worker
     // binary fails the start at once.
-    let extractor = crate::extraction::Extractor::new(cfg.extraction()?, metrics.clone());
+    let extractor = crate::extraction::Extractor::new(extraction, metrics.clone());
     let service = Service::open(model.clone(), service_cfg, metrics.clone())?;
     let limits = api::GenerationLimits {
         max_question_chars: cfg.max_question_chars,
@@ -556,13 +569,18 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
     }))
 }
 
-/// The absorb options of documents that set none (`--absorb-options`, else built in), checked
-/// against their bounds like a request's.
-fn default_options(cfg: &ServeConfig, model: &Model) -> Result<AbsorbOptions> {
-    let mut o = match &cfg.absorb_options {
-        Some(p) => AbsorbOptions::from_file(p)?,
-        None => AbsorbOptions::default(),
-    };
+/// `--absorb-options` read (before the model loads: a file that cannot be read or parsed stops
+/// the start at once), else the built-in options.
+fn read_default_options(cfg: &ServeConfig) -> Result<AbsorbOptions> {
+    match &cfg.absorb_options {
+        Some(p) => AbsorbOptions::from_file(p),
+        None => Ok(AbsorbOptions::default()),
+    }
+}
+
+/// The absorb options of documents that set none (`read_default_options`), checked against
+/// their bounds for `model` like a request's.
+fn default_options(cfg: &ServeConfig, mut o: AbsorbOptions, model: &Model) -> Result<AbsorbOptions> {
     if cfg.absorb_budget.is_some() {
         o.budget_seconds = cfg.absorb_budget;
     }
@@ -788,4 +806,34 @@ pub fn serve(cfg: ServeConfig, device: &candle_core::Device) -> Result<()> {
     // Tasks still running (a generation or training step past the drain) are not waited for.
     rt.shutdown_background();
     result
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    #[derive(clap::Parser)]
+    struct Cli {
+        #[command(flatten)]
+        serve: ServeConfig,
+    }
+
+    /// `--no-absorb-calibration` and `LIFT_NO_ABSORB_CALIBRATION` turn the calibration off; the
+    /// flag wins over the variable, as every flag does.
+    #[test]
+    fn absorb_calibration_has_a_flag_and_an_environment_variable() {
+        let parse = |args: &[&str]| Cli::try_parse_from(std::iter::once("serve").chain(args.iter().copied())).unwrap().serve;
+        const VAR: &str = "LIFT_NO_ABSORB_CALIBRATION";
+        std::env::remove_var(VAR);
+        assert!(parse(&[]).absorb_calibration, "on by default");
+        assert!(!parse(&["--no-absorb-calibration"]).absorb_calibration);
+        for (value, on) in [("1", false), ("true", false), ("0", true), ("false", true)] {
+            std::env::set_var(VAR, value);
+            assert_eq!(parse(&[]).absorb_calibration, on, "{VAR}={value}");
+        }
+        std::env::set_var(VAR, "0");
+        assert!(!parse(&["--no-absorb-calibration"]).absorb_calibration, "the flag over the variable");
+        std::env::remove_var(VAR);
+    }
 }

@@ -50,6 +50,10 @@ pub enum ServiceError {
          it with the base it was absorbed over"
     )]
     WrongBase(String),
+    /// The document's adapter no longer matches the hash it was saved with (409): posting its
+    /// text again with the same options absorbs it again under the same id.
+    #[error("{}", crate::store::damaged_message(.0))]
+    AdapterDamaged(String),
     /// A server-side failure; the detail is for the log only.
     #[error("internal error: {0}")]
     Internal(String),
@@ -75,6 +79,8 @@ impl From<EngineError> for ServiceError {
             EngineError::ContextLength(c) => ServiceError::PromptTooLong { prompt_tokens: c.prompt, window: c.window },
             EngineError::MemoryFull { .. } => ServiceError::MemoryFull(e.to_string()),
             EngineError::WrongBase(detail) => ServiceError::WrongBase(detail),
+            // Named by the generation that knows its document (`PendingGeneration::wait`).
+            EngineError::Damaged(detail) => ServiceError::Internal(detail),
             EngineError::Failed(detail) => ServiceError::Internal(detail),
         }
     }

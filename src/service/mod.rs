@@ -232,8 +232,9 @@ impl Service {
     // ---------- documents ----------
 
     /// Tokenizes the document (once), checks it against the limits and queues its absorption; a
-    /// document already queued, training or ready under the same id is answered as it is. A
-    /// refused request (full queue, over a limit) writes nothing.
+    /// document already queued, training or ready under the same id is answered as it is (a
+    /// failed, cancelled or damaged one is queued again). A refused request (full queue, over a
+    /// limit) writes nothing.
     pub async fn submit(&self, owner: Option<String>, doc: NewDocument) -> Result<(Submitted, Cost), ServiceError> {
         let NewDocument { text, title, options, source } = doc;
         let model = self.engine.model.clone();
@@ -241,9 +242,10 @@ impl Service {
             .await
             .map_err(ServiceError::internal)?
             .map_err(|e| ServiceError::Untokenizable(format!("{e:#}")))?;
-        // With a time budget, what is queued is the plan fitted to it.
+        // With a time budget, what is queued is the plan fitted to it; the id is of what was
+        // asked, so that the same post keeps its id whatever rate the plan was fitted to.
         let cost = self.cost(document.clone(), &options).await?;
-        let submitted = self.queue(owner, title, cost.options.clone(), source, document).await?;
+        let submitted = self.queue(owner, title, &options, cost.options.clone(), source, document).await?;
         Ok((submitted, cost))
     }
 
@@ -278,19 +280,34 @@ impl Service {
         Ok(cost)
     }
 
-    /// Queues a tokenized document within the limits.
+    /// Queues a tokenized document within the limits: its id made of the options `requested`,
+    /// its job trained with the plan `options` fitted to them.
     async fn queue(
         &self,
         owner: Option<String>,
         title: Option<String>,
+        requested: &AbsorbOptions,
         options: AbsorbOptions,
         source: Source,
         document: Arc<Document>,
     ) -> Result<Submitted, ServiceError> {
         let tokens = document.len();
         let options_json = serde_json::to_value(&options).map_err(ServiceError::internal)?;
+        let requested_json = serde_json::to_value(requested).map_err(ServiceError::internal)?;
         let fingerprint = &self.engine.model.info.fingerprint;
-        let id = store::document_id(fingerprint, owner.as_deref(), &document.text, &options_json);
+        let id = store::document_id(fingerprint, owner.as_deref(), &document.text, &requested_json);
+        // Documents posted before ids were made of what was asked keep theirs (the id of the
+        // fitted plan, which differs only under a time budget): the same post finds them.
+        let legacy = store::document_id(fingerprint, owner.as_deref(), &document.text, &options_json);
+        if legacy != id {
+            match self.registry.document(owner.as_deref(), &legacy).await {
+                Ok((view, _)) if matches!(view.status, Status::Queued | Status::Training | Status::Ready) => {
+                    return Ok(Submitted::Existing(view));
+                }
+                Ok(_) | Err(ServiceError::UnknownDocument(_)) => {}
+                Err(e) => return Err(e),
+            }
+        }
         let rec = JobRecord {
             id,
             owner,
@@ -303,6 +320,7 @@ impl Service {
             error: None,
             adapter: None,
             options: options_json,
+            requested: Some(requested_json),
             source: Some(source),
             training: None,
         };
@@ -366,6 +384,9 @@ impl Service {
     ) -> Result<PendingGeneration, ServiceError> {
         self.check_serves()?;
         let (view, blob) = self.lookup(owner, &q.document_id).await?;
+        if view.status == Status::Damaged {
+            return Err(ServiceError::AdapterDamaged(view.id));
+        }
         if view.status != Status::Ready {
             self.ensure_live(&q.document_id, &view).await?;
         }
@@ -406,7 +427,9 @@ impl Service {
             context_tokens,
             blob,
         };
-        self.generate(prompt, params, kv_tokens, pieces)
+        let mut pending = self.generate(prompt, params, kv_tokens, pieces)?;
+        pending.document = Some((view.id, self.registry.clone()));
+        Ok(pending)
     }
 
     /// A document without a saved adapter must be in the store's live documents to be answered
@@ -462,7 +485,7 @@ impl Service {
         let queued_at = Instant::now();
         let job = GenerateJob { prompt, params, cancel: cancel.clone(), pieces, reply, queued_at, kv_tokens, kv_hold: None };
         self.engine.queue_generation(job)?;
-        Ok(PendingGeneration { result, _cancel: CancelOnDrop(cancel) })
+        Ok(PendingGeneration { result, _cancel: CancelOnDrop(cancel), document: None })
     }
 
     // ---------- operations ----------
@@ -517,11 +540,24 @@ pub type Pieces = tokio::sync::mpsc::UnboundedSender<String>;
 pub struct PendingGeneration {
     result: tokio::sync::oneshot::Receiver<Result<Generated, EngineError>>,
     _cancel: CancelOnDrop,
+    /// The document asked about and where its record is (to mark it damaged when its adapter
+    /// is found so).
+    document: Option<(String, Arc<dyn Registry>)>,
 }
 
 impl PendingGeneration {
     pub async fn wait(&mut self) -> Result<Generated, ServiceError> {
         match (&mut self.result).await {
+            Ok(Err(EngineError::Damaged(detail))) => match &self.document {
+                Some((id, registry)) => {
+                    tracing::warn!(id, detail, "the document's adapter is damaged: marked damaged until it is posted again");
+                    if let Err(e) = registry.mark_damaged(id).await {
+                        tracing::error!(id, error = %e, "cannot mark the document damaged");
+                    }
+                    Err(ServiceError::AdapterDamaged(id.clone()))
+                }
+                None => Err(ServiceError::internal(detail)),
+            },
             Ok(r) => r.map_err(ServiceError::from),
             Err(_) => Err(ServiceError::internal("the generation was dropped")),
         }

@@ -81,8 +81,9 @@ const DB_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Versioned schema migrations, applied in order at start (under an advisory lock, so that
 /// replicas starting together apply each once). Never edit one that shipped: add the next.
-const MIGRATIONS: &[(i32, &str)] = &[(
-    1,
+const MIGRATIONS: &[(i32, &str)] = &[
+    (
+        1,
     "CREATE TABLE documents (
         id text PRIMARY KEY,
         owner text,
@@ -112,13 +113,17 @@ const MIGRATIONS: &[(i32, &str)] = &[(
         claimed_at timestamptz
     );
     CREATE INDEX jobs_in_order ON jobs (seq, id);",
-)];
+    ),
+    // The options as asked, which ids are made of (`JobRecord::requested`); NULL in rows written
+    // before: their id is of `options`.
+    (2, "ALTER TABLE documents ADD COLUMN requested jsonb;"),
+];
 
 /// Jobs nobody holds: never claimed, handed back, or with a lease that ran out.
 const WAITING_JOBS: &str = "SELECT count(*) FROM jobs WHERE lease_until IS NULL OR lease_until < now()";
 
 const DOC_COLUMNS: &str =
-    "id, owner, title, status, tokens, created_at, seq, ready_at, error, adapter, options, source, training, progress, blob_sha256";
+    "id, owner, title, status, tokens, created_at, seq, ready_at, error, adapter, options, source, training, progress, blob_sha256, requested";
 
 /// A job this replica is training.
 struct Running {
@@ -194,6 +199,7 @@ impl Row {
             error: r.get(8),
             adapter: get_json(9).and_then(|v| serde_json::from_value(v).ok()),
             options: get_json(10).unwrap_or(serde_json::Value::Null),
+            requested: get_json(15),
             source: get_json(11).and_then(|v| serde_json::from_value(v).ok()),
             training: get_json(12),
         };
@@ -299,7 +305,7 @@ impl Shared {
     // ---------- documents ----------
 
     /// Inserts the document and its job, or finds the document already queued, training or
-    /// ready under this id. `max_waiting` bounds the jobs nobody trains yet, across replicas.
+    /// ready under this id (a failed, cancelled or damaged one is queued again). `max_waiting` bounds the jobs nobody trains yet, across replicas.
     pub async fn submit(&self, rec: JobRecord, text: &str, max_waiting: usize) -> Result<Submitted, ServiceError> {
         let mut c = self.client().await?;
         let (owner, title, id) = (&rec.owner, &rec.title, &rec.id);
@@ -321,14 +327,15 @@ impl Shared {
             }
             let row = tx
                 .query_opt(
-                    "INSERT INTO documents (id, owner, title, status, tokens, created_at, seq, options, source)
-                     VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $8)
+                    "INSERT INTO documents (id, owner, title, status, tokens, created_at, seq, options, source, requested)
+                     VALUES ($1, $2, $3, 'queued', $4, $5, $6, $7, $8, $9)
                      ON CONFLICT (id) DO UPDATE SET title = EXCLUDED.title, status = 'queued', created_at = EXCLUDED.created_at,
                          seq = EXCLUDED.seq, ready_at = NULL, error = NULL, adapter = NULL, training = NULL, progress = NULL,
-                         source = EXCLUDED.source, blob_sha256 = NULL, updated_at = now()
-                     WHERE documents.status IN ('failed', 'cancelled')
+                         source = EXCLUDED.source, blob_sha256 = NULL, options = EXCLUDED.options,
+                         requested = EXCLUDED.requested, updated_at = now()
+                     WHERE documents.status IN ('failed', 'cancelled', 'damaged')
                      RETURNING id",
-                    &[id, owner, title, &tokens, &created, &seq, options, &source],
+                    &[id, owner, title, &tokens, &created, &seq, options, &source, &rec.requested],
                 )
                 .await
                 .map_err(db_error)?;
@@ -601,7 +608,7 @@ impl Shared {
         let row = timed(async { c.query_opt(&sql, &[&id]).await.map_err(db_error) }).await.map_err(|e| e.to_string())?;
         let rec = Row::read(&row.ok_or("the document was deleted")?).map_err(|e| e.to_string())?.rec;
         let options = serde_json::from_value::<AbsorbOptions>(rec.options.clone()).map_err(|e| format!("its options no longer parse ({e})"))?;
-        if store::document_id(&model.info.fingerprint, rec.owner.as_deref(), &text, &rec.options) != rec.id {
+        if store::document_id(&model.info.fingerprint, rec.owner.as_deref(), &text, rec.id_options()) != rec.id {
             return Err("its text, options or base model do not match its id (a replica with another base model?)".into());
         }
         let document = tokio::task::spawn_blocking(move || super::encode_answerable(&model, text))
@@ -841,6 +848,13 @@ impl Registry for Shared {
             let (id, tokens) = (rec.id.clone(), rec.tokens);
             let submitted = Shared::submit(self, rec, &document.text, max_waiting).await?;
             if let Submitted::Queued(_) = submitted {
+                // A damaged adapter's local copy goes: until the new one is published the
+                // document answers from its passages.
+                let (store, id2) = (self.store.clone(), id.clone());
+                tokio::task::spawn_blocking(move || store.discard_adapter(&id2))
+                    .await
+                    .map_err(ServiceError::internal)?
+                    .map_err(|e| ServiceError::internal(format!("cannot remove the damaged adapter: {e:#}")))?;
                 self.store.put_live(&id, document);
                 tracing::info!(id, tokens, "document queued (shared queue)");
             }
@@ -872,6 +886,26 @@ impl Registry for Shared {
     /// The text kept in the document's job row, until its job ends.
     fn kept_text<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<String>, ServiceError>> {
         self.job_text(id).boxed()
+    }
+
+    /// The archive itself failed its hash (a local copy that did is fetched again first:
+    /// `Store::get`): every replica sees the document damaged.
+    fn mark_damaged<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), ServiceError>> {
+        async move {
+            let c = self.client().await?;
+            let message = store::damaged_message(id);
+            timed(async {
+                c.execute(
+                    "UPDATE documents SET status = 'damaged', error = $2, updated_at = now() WHERE id = $1 AND status = 'ready'",
+                    &[&id, &message],
+                )
+                .await
+                .map_err(db_error)
+            })
+            .await?;
+            Ok(())
+        }
+        .boxed()
     }
 
     /// Every replica's documents; the shared queue's waiting jobs (unknown while the database

@@ -219,7 +219,7 @@ impl Records {
         let options = serde_json::from_value::<AbsorbOptions>(r.options.clone())
             .map_err(|e| format!("its options no longer parse ({e})"))?;
         let model = &engine.model;
-        if store::document_id(&model.info.fingerprint, r.owner.as_deref(), &text, &r.options) != r.id {
+        if store::document_id(&model.info.fingerprint, r.owner.as_deref(), &text, r.id_options()) != r.id {
             return Err("its text, options or the base model changed".to_string());
         }
         let document = encode_answerable(model, text).map_err(|e| format!("its text cannot be tokenized ({e:#})"))?;
@@ -239,17 +239,27 @@ impl Records {
     /// waiting jobs).
     async fn queue(&self, engine: &Engine, rec: JobRecord, document: Arc<Document>, options: AbsorbOptions) -> Result<Submitted, ServiceError> {
         let (id, tokens) = (rec.id.clone(), rec.tokens);
-        if let Some(view) = existing_view(&*self.docs.read().map_err(ServiceError::poisoned)?, &id) {
-            return Ok(Submitted::Existing(view));
-        }
+        let damaged = {
+            let docs = self.docs.read().map_err(ServiceError::poisoned)?;
+            if let Some(view) = existing_view(&docs, &id) {
+                return Ok(Submitted::Existing(view));
+            }
+            docs.get(&id).is_some_and(|d| d.rec.status == Status::Damaged)
+        };
         // A place in the queue first: a refused request (429) writes nothing.
         let slot = engine.reserve_absorb()?;
-        // The text is kept until the adapter is saved, so that a restart can train it again.
+        // The text is kept until the adapter is saved, so that a restart can train it again; a
+        // damaged adapter goes (the new absorb replaces it).
         let (store, id2) = (self.store.clone(), id.clone());
-        let document = tokio::task::spawn_blocking(move || store.write_pending_text(&id2, &document.text).map(|()| document))
-            .await
-            .map_err(ServiceError::internal)?
-            .map_err(|e| ServiceError::internal(format!("cannot keep the document text: {e:#}")))?;
+        let document = tokio::task::spawn_blocking(move || {
+            if damaged {
+                store.discard_adapter(&id2)?;
+            }
+            store.write_pending_text(&id2, &document.text).map(|()| document)
+        })
+        .await
+        .map_err(ServiceError::internal)?
+        .map_err(|e| ServiceError::internal(format!("cannot keep the document text: {e:#}")))?;
 
         let mut docs = self.docs.write().map_err(ServiceError::poisoned)?;
         if let Some(view) = existing_view(&docs, &id) {
@@ -353,6 +363,18 @@ impl Registry for Records {
     fn kept_text<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<String>, ServiceError>> {
         let (store, id) = (self.store.clone(), id.to_string());
         async move { tokio::task::spawn_blocking(move || store.read_pending_text(&id)).await.map_err(ServiceError::internal) }.boxed()
+    }
+
+    fn mark_damaged<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), ServiceError>> {
+        async move {
+            let mut docs = self.docs.write().map_err(ServiceError::poisoned)?;
+            let Some(d) = docs.get_mut(id).filter(|d| d.rec.status == Status::Ready) else { return Ok(()) };
+            d.rec.status = Status::Damaged;
+            d.rec.error = Some(store::damaged_message(id));
+            d.notify();
+            self.store.write_record(&d.rec).map_err(|e| ServiceError::internal(format!("cannot write the job record: {e:#}")))
+        }
+        .boxed()
     }
 
     fn stats(&self) -> BoxFuture<'_, RegistryStats> {

@@ -46,7 +46,7 @@ pub(crate) trait Registry: Send + Sync {
 
     /// Records the job `rec` of the tokenized `document` and queues it (the engine trains it
     /// here, or a trainer replica claims it), or answers the document already queued, training or
-    /// ready under its id. `max_waiting` bounds the jobs waiting for a trainer. A refused request
+    /// ready under its id (a failed, cancelled or damaged one is queued again under its id). `max_waiting` bounds the jobs waiting for a trainer. A refused request
     /// writes nothing; a queued document is answerable at once (the store's live documents).
     fn submit<'a>(
         &'a self,
@@ -76,6 +76,11 @@ pub(crate) trait Registry: Send + Sync {
     /// The kept text of a document without a saved adapter (to answer from its passages), or
     /// None.
     fn kept_text<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<Option<String>, ServiceError>>;
+
+    /// The ready document `id`'s adapter was found damaged: its status becomes `damaged`, with
+    /// the way back in its error (a document in any other status is left as it is: a re-post
+    /// may already have queued it again).
+    fn mark_damaged<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), ServiceError>>;
 
     /// Counts for `/metrics`.
     fn stats(&self) -> BoxFuture<'_, RegistryStats>;

@@ -104,7 +104,7 @@ impl Blobs {
         let bytes = self.store.get(&path).await.with_context(|| format!("{path}: cannot read"))?.bytes().await?;
         let sha = hex::encode(Sha256::digest(&bytes));
         if sha != blob.sha256 {
-            bail!("{path}: the archive is corrupt (its SHA-256 is {sha})");
+            bail!(crate::adapters::manifest::AdapterDamaged(format!("{path}: the archive is corrupt (its SHA-256 is {sha})")));
         }
         self.stats.fetches.fetch_add(1, Ordering::Relaxed);
         Ok(bytes)

@@ -36,11 +36,14 @@ pub enum Status {
     Ready,
     Failed,
     Cancelled,
+    /// The saved adapter no longer matches the hash it was saved with (cut short, a byte
+    /// changed): it is not served; posting the same text and options absorbs it again.
+    Damaged,
 }
 
 impl Status {
     pub fn is_terminal(self) -> bool {
-        matches!(self, Status::Ready | Status::Failed | Status::Cancelled)
+        matches!(self, Status::Ready | Status::Failed | Status::Cancelled | Status::Damaged)
     }
     pub fn name(self) -> &'static str {
         match self {
@@ -49,6 +52,7 @@ impl Status {
             Status::Ready => "ready",
             Status::Failed => "failed",
             Status::Cancelled => "cancelled",
+            Status::Damaged => "damaged",
         }
     }
 }
@@ -78,8 +82,14 @@ pub struct JobRecord {
     pub ready_at: Option<u64>,
     pub error: Option<String>,
     pub adapter: Option<AdapterInfo>,
-    /// Effective absorb options.
+    /// Effective absorb options: with a time budget, the plan fitted to the rate measured when
+    /// the document was posted. The job trains with them and a resume reuses them.
     pub options: serde_json::Value,
+    /// The absorb options as asked (budget included, before any fitting): what the id is made
+    /// of, so that the same text and options keep one id at any measured rate. None in records
+    /// written before ids were made from them: their id is of `options` ([`JobRecord::id_options`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested: Option<serde_json::Value>,
     /// How the text was made from what was uploaded (records before it existed have none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source: Option<crate::formats::Source>,
@@ -89,6 +99,11 @@ pub struct JobRecord {
 }
 
 impl JobRecord {
+    /// The options the record's id was made of.
+    pub fn id_options(&self) -> &serde_json::Value {
+        self.requested.as_ref().unwrap_or(&self.options)
+    }
+
     /// Sort key in posting order (`created_at` has whole seconds only).
     pub fn posting_order(&self) -> (u64, &str) {
         let seq = if self.seq > 0 { self.seq } else { self.created_at.saturating_mul(1_000_000_000) };
@@ -223,7 +238,8 @@ pub fn now() -> u64 {
 }
 
 /// `doc_<hex>`: SHA-256 of the base model's fingerprint, the owner, the text and the canonical
-/// JSON of the effective options (serde_json maps are sorted, so `to_string` is canonical).
+/// JSON of the options as asked (serde_json maps are sorted, so `to_string` is canonical). Records
+/// written before then hashed the options fitted to a time budget (the same without one).
 pub fn document_id(fingerprint: &str, owner: Option<&str>, text: &str, options: &serde_json::Value) -> String {
     let mut h = Sha256::new();
     for part in [fingerprint.as_bytes(), owner.unwrap_or("").as_bytes(), text.as_bytes(), options.to_string().as_bytes()] {
@@ -231,6 +247,20 @@ pub fn document_id(fingerprint: &str, owner: Option<&str>, text: &str, options: 
         h.update(part);
     }
     format!("doc_{}", hex::encode(&h.finalize()[..16]))
+}
+
+/// What a client is told about a damaged adapter (the API's `adapter_damaged` and the document's
+/// `error`): which document, and the way back. No paths: those go to the log.
+pub fn damaged_message(id: &str) -> String {
+    format!(
+        "the adapter of document {id} is damaged (its file no longer matches the hash it was saved with); \
+         POST the document's text again with the same options to absorb it again under the same id"
+    )
+}
+
+/// Whether `e` says an adapter's files are damaged ([`manifest::AdapterDamaged`]).
+pub fn is_damaged(e: &anyhow::Error) -> bool {
+    e.downcast_ref::<manifest::AdapterDamaged>().is_some()
 }
 
 /// A well-formed document id (also keeps ids from naming paths outside the store).
@@ -395,6 +425,17 @@ impl Store {
                 rec.status = Status::Failed;
                 rec.error = Some("the adapter files are missing from the store".into());
                 self.write_record(&rec)?;
+            } else if rec.status == Status::Ready && self.blobs.is_none() {
+                // A file cut short is seen here (no hashing at start); a changed byte when the
+                // adapter is first loaded.
+                if let Err(e) = manifest::check_complete(&self.adapter_dir(id)) {
+                    if is_damaged(&e) {
+                        tracing::warn!(id, error = %format!("{e:#}"), "damaged adapter found at start: the document is marked damaged");
+                        rec.status = Status::Damaged;
+                        rec.error = Some(damaged_message(id));
+                        self.write_record(&rec)?;
+                    }
+                }
             }
             out.push(Recovered { rec, requeue_text });
         }
@@ -461,6 +502,8 @@ impl Store {
             error: None,
             adapter: Some(AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes }),
             options,
+            // An adapter directory knows the options it trained with, not those asked.
+            requested: None,
             source: None,
             training: Some(m.training),
         };
@@ -494,17 +537,52 @@ impl Store {
             return Ok(l);
         }
         self.stats.misses.fetch_add(1, Ordering::Relaxed);
+        let mut fetched = false;
         if let (Some(blob), Some(blobs)) = (blob, &self.blobs) {
             if !self.local_copy_is(id, blob) {
-                let archive = blobs.block_on(blobs.get(blob))?;
-                blobs::unpack(&archive, &self.adapter_dir(id))?;
-                self.note_blob(id, blob)?;
-                tracing::info!(id, sha256 = %blob.sha256, bytes = archive.len(), "adapter fetched from the shared store");
+                self.fetch(id, blob, blobs)?;
+                fetched = true;
             }
         }
-        let loaded = Arc::new(load_dir(&self.adapter_dir(id), model)?);
+        let loaded = match load_dir(&self.adapter_dir(id), model) {
+            // Only this replica's copy may be damaged: the archive is verified as it is fetched.
+            Err(e) if is_damaged(&e) && !fetched && blob.is_some() => {
+                tracing::warn!(id, error = %format!("{e:#}"), "the local copy of the adapter is damaged: fetching it again");
+                let (Some(blob), Some(blobs)) = (blob, &self.blobs) else { return Err(e) };
+                self.fetch(id, blob, blobs)?;
+                load_dir(&self.adapter_dir(id), model)?
+            }
+            r => r?,
+        };
+        let loaded = Arc::new(loaded);
         self.cache.insert(key, loaded.clone());
         Ok(loaded)
+    }
+
+    /// Fetches the archive `blob` (verified against its hash) into the local directory of `id`.
+    fn fetch(&self, id: &str, blob: &BlobRef, blobs: &Blobs) -> Result<()> {
+        let archive = blobs.block_on(blobs.get(blob))?;
+        blobs::unpack(&archive, &self.adapter_dir(id))?;
+        self.note_blob(id, blob)?;
+        tracing::info!(id, sha256 = %blob.sha256, bytes = archive.len(), "adapter fetched from the shared store");
+        Ok(())
+    }
+
+    /// Removes a damaged adapter before its document is absorbed again: until the new one is
+    /// saved the document answers as one without an adapter (its passages, its snapshots).
+    pub fn discard_adapter(&self, id: &str) -> Result<()> {
+        self.cache.invalidate(id);
+        let prefix = format!("{id}@");
+        let _ = self.cache.invalidate_entries_if(move |k, _| k.starts_with(&prefix));
+        let note = self.blob_note_path(id);
+        if note.exists() {
+            std::fs::remove_file(&note)?;
+        }
+        let dir = self.adapter_dir(id);
+        if dir.exists() {
+            std::fs::remove_dir_all(&dir).with_context(|| format!("{}: cannot remove", dir.display()))?;
+        }
+        Ok(())
     }
 
     /// Makes `document` answerable before its adapter is saved (from when it is posted; kept
@@ -548,17 +626,7 @@ impl Store {
     /// Removes a document's adapter and record from memory and disk.
     pub fn delete(&self, id: &str) -> Result<()> {
         self.drop_live(id);
-        self.cache.invalidate(id);
-        let prefix = format!("{id}@");
-        let _ = self.cache.invalidate_entries_if(move |k, _| k.starts_with(&prefix));
-        let note = self.blob_note_path(id);
-        if note.exists() {
-            std::fs::remove_file(&note)?;
-        }
-        let dir = self.adapter_dir(id);
-        if dir.exists() {
-            std::fs::remove_dir_all(&dir).with_context(|| format!("{}: cannot remove", dir.display()))?;
-        }
+        self.discard_adapter(id)?;
         let rec = self.record_path(id);
         if rec.exists() {
             std::fs::remove_file(&rec)?;

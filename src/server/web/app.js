@@ -15,7 +15,7 @@ const MODE_HELP = {
   memory: 'Only what the adapter absorbed: no document text is shown to the model.',
   icl: 'The base model reading the document’s beginning and end only (a baseline).',
 };
-const TERMINAL = new Set(['ready', 'failed', 'cancelled']);
+const TERMINAL = new Set(['ready', 'failed', 'cancelled', 'damaged']);
 
 const state = {
   docs: [],            // last GET /documents
@@ -447,7 +447,7 @@ function upsert(d) {
 
 function statusText(d) {
   if (d.status === 'training' && d.progress && d.progress.steps) return 'absorbing ' + Math.round(100 * d.progress.step / d.progress.steps) + '%';
-  return { queued: 'waiting', training: 'absorbing', ready: 'absorbed', failed: 'failed', cancelled: 'cancelled' }[d.status] || d.status;
+  return { queued: 'waiting', training: 'absorbing', ready: 'absorbed', failed: 'failed', cancelled: 'cancelled', damaged: 'damaged' }[d.status] || d.status;
 }
 
 function renderList() {
@@ -597,7 +597,11 @@ function renderDoc() {
   const curve = d.status === 'ready' && d.training && Array.isArray(d.training.step_losses) && d.training.step_losses.length
     ? d.training.step_losses.map((l, i) => [i + 1, l]) : state.loss.get(d.id) || [];
   renderLive(d, curve);
-  if (d.status === 'failed' || (d.error && d.error.message)) {
+  if (d.status === 'damaged') {
+    // The server's message names the way back: post the same text and options again.
+    $('doc-error').hidden = false;
+    $('doc-error').textContent = 'Adapter damaged: ' + ((d.error && d.error.message) || 'its file no longer matches its hash') + '.';
+  } else if (d.status === 'failed' || (d.error && d.error.message)) {
     $('doc-error').hidden = false;
     $('doc-error').textContent = 'Absorbing failed: ' + ((d.error && d.error.message) || 'no reason given') + '. Answers still read the passages.';
   }
@@ -610,7 +614,8 @@ function renderLive(d, pts) {
   const posted = state.posted.get(d.id);
   let frac = 0, steps = '–';
   const stage = d.status === 'ready' ? 'Absorbed' : d.status === 'queued' ? 'Waiting to absorb'
-    : STAGES[p.stage] || (d.status === 'failed' ? 'Not absorbed' : d.status === 'cancelled' ? 'Cancelled' : d.status);
+    : STAGES[p.stage] || (d.status === 'failed' ? 'Not absorbed' : d.status === 'cancelled' ? 'Cancelled'
+      : d.status === 'damaged' ? 'Adapter damaged' : d.status);
   if (d.status === 'ready') {
     frac = 1;
     if (d.training && d.training.steps) steps = fmtNum(d.training.steps) + (d.training.planned_steps ? ' of ' + fmtNum(d.training.planned_steps) : '');
@@ -646,6 +651,7 @@ function renderLive(d, pts) {
   $('stat-elapsed').textContent = d.training && d.training.total_seconds ? fmtSecs(d.training.total_seconds)
     : t0 && !TERMINAL.has(d.status) ? fmtSecs((performance.now() - t0) / 1000) : '–';
   $('live-note').textContent = d.status === 'ready' ? ''
+    : d.status === 'damaged' ? 'Questions are refused until it is absorbed again.'
     : TERMINAL.has(d.status) ? 'No adapter: answers read the passages that match each question.'
     : 'Until the adapter exists, questions are answered from the passages that match them; a snapshot of the adapter answers once training has one.';
   renderWarnings($('doc-warnings'), posted ? posted.warnings : []);
