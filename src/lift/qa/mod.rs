@@ -291,13 +291,12 @@ fn cap_shares(model_pairs: &[QaPair], mut chosen: Vec<Candidate>, total: Option<
             cloze += usize::from(is_cloze);
             keep[i] = true;
         }
-        if total.is_some() || keep.iter().all(|&k| k) {
-            let mut it = keep.into_iter();
-            chosen.retain(|_| it.next().unwrap_or(false));
-            return chosen;
-        }
+        let settled = total.is_some() || keep.iter().all(|&k| k);
         let mut it = keep.into_iter();
         chosen.retain(|_| it.next().unwrap_or(false));
+        if settled {
+            return chosen;
+        }
     }
 }
 

@@ -227,8 +227,8 @@ pub(super) fn well_formed(question: &str, answer: &str) -> bool {
     let Some(last) = words.last() else { return false };
     let cloze = is_cloze(q);
     let last = last.trim_end_matches('?').to_lowercase();
-    let answer_words = content_words(answer);
-    let given_away = !cloze && !answer_words.is_empty() && answer_words.iter().all(|w| content_words(q).contains(w));
+    let (answer_words, question_words) = (content_tokens(answer), content_tokens(q));
+    let given_away = !cloze && !answer_words.is_empty() && answer_words.iter().all(|w| question_words.contains(w));
     (q.ends_with('?') || cloze)
         && !q.contains('\n')
         && words.len() >= 4
@@ -238,10 +238,6 @@ pub(super) fn well_formed(question: &str, answer: &str) -> bool {
         && prose::balanced(answer)
         && answer.chars().any(char::is_alphanumeric)
         && !given_away
-}
-
-fn content_words(s: &str) -> Vec<String> {
-    super::words::content_tokens(s)
 }
 
 /// A fill-in-the-blank wording (the cloze share of a document's pairs is capped).
