@@ -170,16 +170,53 @@ fn a_damaged_checkpoint_is_dropped_and_its_absorb_starts_over() {
     }
 }
 
+/// An absorb until learned stopped anywhere (before the first probe, between probes, inside the
+/// cool-down) resumes to the run that never stopped: the same probe curve, skips, cool-down and
+/// adapter. The rule is scaled down to the tiny plan so that it probes often, skips learned
+/// examples and cools down after a plateau well before the fixed schedule ends.
 #[test]
-fn absorbing_until_learned_writes_no_checkpoint() {
+fn an_interrupted_absorb_until_learned_resumes_to_the_adapter_of_an_uninterrupted_run() {
     let (_d, model) = tiny();
     let doc = document(&model);
-    let mut opts = options([1, 2]);
-    opts.train.until_learned = Some(Default::default());
-    let store = Mem::default();
-    let (r, _) = run(&model, &doc, &opts, &store, None);
-    r.unwrap();
-    assert!(store.0.borrow().is_none(), "its probe bookkeeping is not part of a checkpoint: no checkpoint to resume wrongly");
+    let mut opts = options([1, 4]);
+    opts.qa.max_pairs = 12;
+    opts.train.until_learned = Some(lift_serve::lift::trainer::UntilLearned {
+        probe_every: 2,
+        probe_rounds: 64,
+        min_steps: 6,
+        patience: 1,
+        min_delta: 0.5,
+        max_share: 0.9,
+        learned_loss: 14.3,
+        revisit_every: 2,
+        ..Default::default()
+    });
+    let whole = absorb(&model, &doc, None, &opts, &mut |_| {}, &|| false).unwrap();
+    let r = &whole.report;
+    let cooldown_from = r.cooldown_from.expect("the probes plateau and the run cools down");
+    assert!(r.stopped_early && r.steps < r.planned_steps, "the rule ends the run: {} of {}", r.steps, r.planned_steps);
+    assert!(r.probe_curve.len() >= 3, "probes between the stops: {:?}", r.probe_curve);
+    assert!(r.skipped_examples > 0, "learned examples are skipped (the visits matter on resume)");
+    assert!(cooldown_from + 1 < r.steps, "a stop inside the cool-down: from {cooldown_from} to {}", r.steps);
+    for stop in [1, r.probe_curve[1].0 + 1, cooldown_from + 1] {
+        let store = Mem::default();
+        let (stopped, _) = run(&model, &doc, &opts, &store, Some(stop));
+        assert!(stopped.is_err(), "stop {stop}: the run was stopped");
+        let ckpt = Checkpoint::decode(store.0.borrow().as_ref().expect("a checkpoint was written"), &Device::Cpu).unwrap();
+        assert_eq!(ckpt.train.cursor.step, stop);
+        assert!(ckpt.train.cursor.until_learned.is_some(), "stop {stop}: the rule's state is checkpointed");
+        let (resumed, _) = run(&model, &doc, &opts, &store, None);
+        let resumed = resumed.unwrap();
+        assert_eq!(resumed.manifest.training["resumed_from_step"], stop);
+        let (a, b) = (&resumed.report, &whole.report);
+        assert_eq!((a.steps, a.cooldown_from, a.skipped_examples), (b.steps, b.cooldown_from, b.skipped_examples), "stop {stop}");
+        assert_eq!(a.probe_curve.len(), b.probe_curve.len(), "stop {stop}: {:?} vs {:?}", a.probe_curve, b.probe_curve);
+        for ((sa, la), (sb, lb)) in a.probe_curve.iter().zip(&b.probe_curve) {
+            assert!(sa == sb && (la - lb).abs() < 1e-4, "stop {stop}: probe at {sa} {la} vs at {sb} {lb}");
+        }
+        let d = max_diff(&resumed, &whole);
+        assert!(d < 1e-5, "stop {stop}: the resumed adapter differs from the uninterrupted one by {d}");
+    }
 }
 
 #[test]

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use std::time::Instant;
 
 pub use optim::AdamW;
-pub use until_learned::{CooldownCause, Probes, UntilLearned};
+pub use until_learned::{CooldownCause, FocusState, Probes, UntilLearned, UntilLearnedState};
 use optim::Optimizers;
 use until_learned::{Focus, UntilLearnedRun};
 
@@ -457,6 +457,9 @@ pub struct Cursor {
     pub epochs_since_best: usize,
     /// The report so far (its `seconds`: training time before this point).
     pub report: TrainReport,
+    /// Absorbing until learned: the rule's state and the examples' visits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub until_learned: Option<UntilLearnedState>,
 }
 
 /// A checkpoint of a run: its [`Cursor`] and named tensors (`param.{i}`: the trained parameters
@@ -510,9 +513,8 @@ pub fn train_with(
 
 /// [`train_with`], checkpointed and resumable through `long.checkpoints`, stopped at
 /// `long.deadline`. A run that resumes takes the same path as one that never stopped: the same
-/// draws, the same optimizer state, the same remaining steps. Runs until learned are not
-/// checkpointed (their probe and skip bookkeeping is not part of a checkpoint): they train from
-/// step 0 after a stop.
+/// draws, the same optimizer state, the same remaining steps, and absorbing until learned the same
+/// probes, skips and cool-down.
 pub fn train_long(
     model: &Model,
     inputs: TrainInputs,
@@ -524,9 +526,6 @@ pub fn train_long(
 ) -> Result<TrainReport> {
     let RunControl { on_progress, cancel } = control;
     let LongRun { mut checkpoints, deadline } = long;
-    if opts.until_learned.is_some() && checkpoints.take().is_some() {
-        tracing::info!("absorbing until learned: no checkpoints (a stop trains again from step 0)");
-    }
     if let Some(ft) = filter {
         anyhow::ensure!(ft.examples.len() == inputs.plan.qa.len(), "one filter example per QA example");
     }
@@ -551,6 +550,8 @@ pub fn train_long(
     let mut report = TrainReport { planned_steps: steps_total, ..Default::default() };
     let start = Instant::now();
     let mut patience = Patience { best: f64::INFINITY, since_best: 0 };
+    let mut focus = Focus::new(opts.until_learned.as_ref(), rows.n_seg, rows.n_qa);
+    let mut until_learned = UntilLearnedRun::new(opts.until_learned.as_ref(), probes, steps_total);
     // Where a resumed run picks up; its parameters and moments are restored here.
     let resume = match checkpoints.as_mut().and_then(|c| c.resume.take()) {
         None => None,
@@ -569,6 +570,11 @@ pub fn train_long(
             optimizers.restore_named(&mut ckpt.tensors)?;
             report = TrainReport { resumed_from: Some(c.step), ..c.report.clone() };
             patience = Patience { best: c.best_epoch_loss.unwrap_or(f64::INFINITY), since_best: c.epochs_since_best };
+            match (&opts.until_learned, &c.until_learned) {
+                (Some(_), Some(s)) => until_learned.restore(s),
+                (None, None) => {}
+                _ => anyhow::bail!("the checkpoint's run and this one differ in absorbing until learned"),
+            }
             tracing::info!(step = c.step, planned = steps_total, "training resumes from a checkpoint");
             Some(c)
         }
@@ -576,8 +582,6 @@ pub fn train_long(
     let resumed_from = resume.as_ref().map(|c| c.step);
     let seconds_before = report.seconds;
     let mut last_checkpoint = Instant::now();
-    let mut focus = Focus::new(opts.until_learned.as_ref(), rows.n_seg, rows.n_qa);
-    let mut until_learned = UntilLearnedRun::new(opts.until_learned.as_ref(), probes, steps_total);
     let final_stage = if opts.epochs[1] > 0 { Stage::SegmentsAndQa } else { Stage::Segments };
     let mut epoch = 0;
     'stages: for (stage, epochs) in [(Stage::Segments, opts.epochs[0]), (Stage::SegmentsAndQa, opts.epochs[1])] {
@@ -589,11 +593,20 @@ pub fn train_long(
             if resuming.is_some_and(|c| c.epoch > epoch) {
                 continue;
             }
+            let resumed_rule = resuming.and_then(|c| c.until_learned.as_ref());
             if let Some(c) = resuming {
                 run.rng.set_word_pos(word_pos(&c.epoch_rng)?);
             }
+            // The draw skips what was learned as the epoch began, so a redraw needs those visits.
+            if let Some(s) = resumed_rule {
+                focus.restore(&s.focus_at_draw)?;
+            }
             let epoch_rng = run.rng.get_word_pos();
+            let focus_at_draw = opts.until_learned.as_ref().map(|_| focus.state());
             let (seg_members, order, skipped) = rows.draw(stage, &mut run.rng, |is_qa, i| focus.wants(is_qa, i, epoch));
+            if let Some(s) = resumed_rule {
+                focus.restore(&s.focus)?;
+            }
             let mut epoch_loss = 0.0;
             let mut epoch_start = report.examples;
             let mut done_batches = 0;
@@ -658,6 +671,7 @@ pub fn train_long(
                             best_epoch_loss: patience.best.is_finite().then_some(patience.best),
                             epochs_since_best: patience.since_best,
                             report: TrainReport { seconds: seconds_before + start.elapsed().as_secs_f64(), ..report.clone() },
+                            until_learned: focus_at_draw.clone().map(|at_draw| until_learned.state(at_draw, &focus)),
                         };
                         let mut tensors: std::collections::HashMap<String, Tensor> =
                             run.vars.iter().enumerate().map(|(i, v)| (format!("param.{i}"), v.as_tensor().detach())).collect();

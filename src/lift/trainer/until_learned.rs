@@ -1,6 +1,7 @@
 //! Absorb until learned (see [`UntilLearned`]): the rule's options, the held-aside probes, which
 //! examples an epoch trains (`Focus`), the cool-down, and the rule's state over one run
-//! (`UntilLearnedRun`), which `train_with` consults after every optimizer step.
+//! (`UntilLearnedRun`), which `train_with` consults after every optimizer step. A checkpoint keeps
+//! both (`UntilLearnedState`), so an absorb until learned resumes as every other absorb does.
 
 use super::{training_loss, EarlyStop, FilterTraining, Patience, TrainReport};
 use crate::lift::cdt::CdtStats;
@@ -94,6 +95,7 @@ impl Default for UntilLearned {
 
 /// Which examples an epoch trains when absorbing until learned (see [`UntilLearned`]): each
 /// segment's and QA pair's loss at its last visit, and the epoch of that visit.
+#[derive(Clone)]
 pub(super) struct Focus {
     learned_loss: f64,
     revisit_every: usize,
@@ -126,6 +128,52 @@ impl Focus {
         let v = if is_qa { &mut self.qa[i] } else { &mut self.segments[i] };
         *v = Visit { loss: Some(loss), epoch };
     }
+
+    /// The visits, for a checkpoint.
+    pub(super) fn state(&self) -> FocusState {
+        let visits = |v: &[Visit]| v.iter().map(|v| (v.loss, v.epoch)).collect();
+        FocusState { segments: visits(&self.segments), qa: visits(&self.qa) }
+    }
+
+    /// Back to a checkpoint's visits: of the same plan, or refused.
+    pub(super) fn restore(&mut self, s: &FocusState) -> Result<()> {
+        anyhow::ensure!(
+            s.segments.len() == self.segments.len() && s.qa.len() == self.qa.len(),
+            "the checkpoint's until-learned visits are of {} segments and {} QA pairs, this plan's of {} and {}",
+            s.segments.len(),
+            s.qa.len(),
+            self.segments.len(),
+            self.qa.len()
+        );
+        let visits = |v: &[(Option<f64>, usize)]| v.iter().map(|&(loss, epoch)| Visit { loss, epoch }).collect();
+        self.segments = visits(&s.segments);
+        self.qa = visits(&s.qa);
+        Ok(())
+    }
+}
+
+/// [`Focus`]'s visits in a checkpoint: (loss at the last visit, its epoch) per segment and pair.
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
+pub struct FocusState {
+    segments: Vec<(Option<f64>, usize)>,
+    qa: Vec<(Option<f64>, usize)>,
+}
+
+/// What a checkpoint keeps of an absorb until learned, beside the probe curve and cool-down its
+/// report already holds: the rule's moving average and plateau count, the cool-down or decay
+/// begun, and the examples' visits as the epoch in progress was drawn (its redraw needs them) and
+/// now. Restored, a run probes, cools down and skips where an uninterrupted one does.
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
+pub struct UntilLearnedState {
+    probe_best: Option<f64>,
+    probes_since_best: usize,
+    probe_loss: Option<f64>,
+    probe_avg: Option<f64>,
+    /// (first step, steps) of the cool-down and of the decay, where begun.
+    cooldown: Option<(usize, usize)>,
+    decay: Option<(usize, usize)>,
+    pub(super) focus_at_draw: FocusState,
+    pub(super) focus: FocusState,
 }
 
 impl UntilLearned {
@@ -183,7 +231,7 @@ pub enum CooldownCause {
 }
 
 /// The cool-down after the probes plateaued: `steps` optimizer steps from step `start`.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Debug, PartialEq)]
 struct Cooldown {
     start: usize,
     steps: usize,
@@ -326,6 +374,32 @@ impl<'a> UntilLearnedRun<'a> {
             }
         }
         Ok(())
+    }
+
+    /// The rule's state for a checkpoint, with the visits `focus_at_draw` (as the epoch in progress
+    /// was drawn) and `focus` (now).
+    pub(super) fn state(&self, focus_at_draw: FocusState, focus: &Focus) -> UntilLearnedState {
+        let pair = |c: Option<Cooldown>| c.map(|c| (c.start, c.steps));
+        UntilLearnedState {
+            probe_best: self.probed.best.is_finite().then_some(self.probed.best),
+            probes_since_best: self.probed.since_best,
+            probe_loss: self.probe_loss,
+            probe_avg: self.probe_avg,
+            cooldown: pair(self.cooldown),
+            decay: pair(self.decay),
+            focus_at_draw,
+            focus: focus.state(),
+        }
+    }
+
+    /// Back to a checkpoint's state (the visits are restored by the epoch that resumes).
+    pub(super) fn restore(&mut self, s: &UntilLearnedState) {
+        let cooldown = |c: Option<(usize, usize)>| c.map(|(start, steps)| Cooldown { start, steps });
+        self.probed = Patience { best: s.probe_best.unwrap_or(f64::INFINITY), since_best: s.probes_since_best };
+        self.probe_loss = s.probe_loss;
+        self.probe_avg = s.probe_avg;
+        self.cooldown = cooldown(s.cooldown);
+        self.decay = cooldown(s.decay);
     }
 
     /// Whether the cool-down (or the decay) is over after `step` optimizer steps: the run stops.
