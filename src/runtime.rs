@@ -23,7 +23,7 @@ pub fn tune_allocator() {
 /// elementwise ops, our int8 and decode-attention kernels) and rayon's (the gemm crate's float
 /// matmuls). candle's idle workers spin 25,000 iterations (about a millisecond) before they
 /// park, so in work that alternates between the pools — every training step, every prompt —
-/// they hold a core the gemm threads need. Measured on 2 cores (README, "Continuous batching"):
+/// they hold a core the gemm threads need. Measured on 2 cores (docs/cpu-kernels.md):
 /// a 256-token training step 1.42 → 1.20 s, 16 generations after 290-token prompts 11.6 →
 /// 9.8 s, the 16-row decode step unchanged (5,000 spins still bridge its gaps; 1,000 did not).
 /// The cost: a server batch of 16 Gated Memory answers decodes ~5% slower (each sequence's mix

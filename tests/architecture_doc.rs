@@ -71,3 +71,27 @@ fn every_path_and_item_the_architecture_names_exists() {
     }
     assert!(missing.is_empty(), "docs/architecture.md names what the tree does not have:\n{}", missing.join("\n"));
 }
+
+/// Every page in docs/ is named in its index (docs/README.md), and every docs page that README.md
+/// or the index links to exists.
+#[test]
+fn the_docs_index_names_every_page_and_every_link_to_a_page_resolves() {
+    let index = std::fs::read_to_string(root().join("docs/README.md")).unwrap();
+    let mut missing = Vec::new();
+    for entry in std::fs::read_dir(root().join("docs")).unwrap().flatten() {
+        let name = entry.file_name().to_string_lossy().to_string();
+        if name.ends_with(".md") && name != "README.md" && !index.contains(&format!("]({name})")) {
+            missing.push(format!("docs/{name} is not in docs/README.md"));
+        }
+    }
+    for (file, prefix) in [("README.md", ""), ("docs/README.md", "docs/")] {
+        let text = std::fs::read_to_string(root().join(file)).unwrap();
+        for link in text.split("](").skip(1).filter_map(|rest| rest.split(')').next()) {
+            let link = link.split('#').next().unwrap();
+            if link.ends_with(".md") && !link.starts_with("http") && !root().join(prefix).join(link).exists() {
+                missing.push(format!("{file} links to {link}, which does not exist"));
+            }
+        }
+    }
+    assert!(missing.is_empty(), "{missing:#?}");
+}

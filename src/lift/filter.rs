@@ -1,19 +1,20 @@
 //! FltLM ("FltLM: An Integrated Long-Context Large Language Model for Effective Context Filtering
-//! and Understanding", Deng et al., §4), adapted to one document: a context filter that
-//! scores the chunks of the in-context document and softly masks the irrelevant ones, in the same
-//! forward pass that answers.
+//! and Understanding", Deng et al., §4): the layout that puts a document's context in FltLM's
+//! chunks, and the filter's loss. The filter itself is the prepared base's (`model::filter`, one
+//! for every document, trained by `prepare-base`); it scores the chunks of the in-context
+//! document and softly masks the irrelevant ones, in the same forward pass that answers.
 //!
 //! - Layout (§4.1, "naive" strategy with query-aware contextualization): the user turn is
 //!   `Question: q` + the truncated document cut into sentence-aligned chunks of at most
 //!   `chunk_tokens`, each followed by a marker token + the question again.
 //! - Score (eq. 3) and soft mask (eqs. 8–9): the filter itself, a part of the model
-//!   ([`crate::model::filter`]). Differentiable: trained jointly with the adapter.
+//!   ([`crate::model::filter`]). Differentiable: `prepare-base` trains it with the base's LoRA.
 //! - Loss (eq. 7): `log(1 + Σ_pos e^{-(s_i − m)/τ}) + log(1 + Σ_neg e^{s_i/τ})`, τ learnable; the
 //!   total is `L_lm + λ·L_flt` (eq. 10). Labels come from the auxiliary QA evidence: the chunks that
 //!   overlap it are positive, the others negative (evidence out of the window: no positive).
 //!
-//! The parameters are bundle extras (`filter.*`), saved with the adapter. Only QA examples (those
-//! with a question) use the layout; contextualized-training examples keep theirs.
+//! Only QA examples (those with a question) use the layout; contextualized-training examples keep
+//! theirs.
 
 use super::plan::{Example, ExampleKind};
 use super::prompt::{chat_after_turns, elision_tokens, end_of_turn, kept_ranges};

@@ -21,7 +21,7 @@ pub struct AbsorbOptions {
     /// (`15-29` on the 30-layer default model, where the retrieval heads sit:
     /// "(Long-) Context Modeling and Beyond", Tang, ICML 2025 tutorial) absorbs in ~60% of the time because layers below the lowest
     /// adapted one need no autograd graph, but recalled fewer out-of-window facts on the eval
-    /// (README, "Absorb speed").
+    /// (docs/absorb-speed.md).
     pub layers: Option<Vec<usize>>,
     pub lora: LoraConfig,
     /// Learning rate; default per adapter kind (Gated Memory 1e-3 as in the paper's Table 9,
