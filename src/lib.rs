@@ -9,6 +9,7 @@
 
 pub mod adapters;
 pub mod base;
+pub mod collection_index;
 pub mod corpus;
 pub mod document;
 pub mod engine;

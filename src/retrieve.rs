@@ -65,6 +65,32 @@ fn stem(w: &str) -> &str {
     w
 }
 
+/// A query's terms (texts with weights), each at the largest weight of the texts it is in, in a
+/// fixed order so that the float sums (and so the ties) do not depend on hashing.
+pub fn query_terms(query: &[(&str, f32)]) -> Vec<(String, f32)> {
+    let mut weights: HashMap<String, f32> = HashMap::new();
+    for &(text, weight) in query.iter().filter(|(_, w)| *w > 0.0) {
+        for term in terms(text) {
+            let w = weights.entry(term).or_insert(0.0);
+            *w = w.max(weight);
+        }
+    }
+    let mut query: Vec<(String, f32)> = weights.into_iter().collect();
+    query.sort_by(|a, b| a.0.cmp(&b.0));
+    query
+}
+
+/// BM25's IDF of a term found in `df` of `n` passages.
+pub fn idf(n: f32, df: f32) -> f32 {
+    (1.0 + (n - df + 0.5) / (df + 0.5)).ln()
+}
+
+/// BM25's saturated term frequency in a passage of `len` terms (average `avg_len`).
+pub fn saturated(tf: f32, len: f32, avg_len: f32) -> f32 {
+    let norm = K1 * (1.0 - B + B * len / avg_len);
+    tf * (K1 + 1.0) / (tf + norm)
+}
+
 /// The passages of a document and a BM25 index over their words.
 #[derive(Clone, Debug)]
 pub struct PassageIndex {
@@ -131,24 +157,11 @@ impl PassageIndex {
     pub fn search_weighted(&self, query: &[(&str, f32)]) -> Vec<Hit> {
         let n = self.passages.len() as f32;
         let mut scores = vec![0f32; self.passages.len()];
-        let mut weights: HashMap<String, f32> = HashMap::new();
-        for &(text, weight) in query.iter().filter(|(_, w)| *w > 0.0) {
-            for term in terms(text) {
-                let w = weights.entry(term).or_insert(0.0);
-                *w = w.max(weight);
-            }
-        }
-        let mut query: Vec<(String, f32)> = weights.into_iter().collect();
-        // A fixed order, so that the float sums (and so the ties) do not depend on hashing.
-        query.sort_by(|a, b| a.0.cmp(&b.0));
-        for (term, weight) in &query {
+        for (term, weight) in &query_terms(query) {
             let Some(list) = self.postings.get(term) else { continue };
-            let df = list.len() as f32;
-            let idf = (1.0 + (n - df + 0.5) / (df + 0.5)).ln();
+            let idf = idf(n, list.len() as f32);
             for &(p, tf) in list {
-                let tf = tf as f32;
-                let norm = K1 * (1.0 - B + B * self.lengths[p as usize] as f32 / self.avg_len);
-                scores[p as usize] += weight * idf * tf * (K1 + 1.0) / (tf + norm);
+                scores[p as usize] += weight * idf * saturated(tf as f32, self.lengths[p as usize] as f32, self.avg_len);
             }
         }
         let mut hits: Vec<Hit> =

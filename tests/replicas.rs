@@ -450,3 +450,52 @@ async fn a_graceful_shutdown_hands_the_job_back_at_once() {
     assert_eq!(metric(&m, "lift_jobs_claimed_total{how=\"stolen\"}"), 0.0, "handed back, not taken over: {m}");
     assert_eq!(archives(&e.blobs).len(), 1);
 }
+
+/// A collection made on one replica is asked on another (one ranking over both documents, the
+/// routed adapter fetched from the shared store), changed there, and loses a document deleted on
+/// the first (the database's cascade); other tenants do not see it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_collection_posted_on_one_replica_is_served_by_another() {
+    let e = env();
+    let a = Replica::start(&e, "a", "all", &[]).await;
+    let b = Replica::start(&e, "b", "server", &[]).await;
+    let key = "key-one";
+    let orchard = "The orchard of Brindle grows pears and quinces on the south slope. \
+The orchard keeper, Mira Falk, planted the first quince tree in 1877.";
+    let mut ids = Vec::new();
+    for (text, title) in [(DOC, "Harbor"), (orchard, "Orchard")] {
+        let (s, d) = post(&a.url("/documents"), json!({"text": text, "title": title}), key).await;
+        assert_eq!(s, StatusCode::ACCEPTED, "{d}");
+        ids.push(d["id"].as_str().unwrap().to_string());
+    }
+    for id in &ids {
+        wait_status(&a, id, key, "ready", 120).await;
+    }
+    let (s, col) = post(&a.url("/collections"), json!({"title": "Towns", "document_ids": ids}), key).await;
+    assert_eq!(s, StatusCode::CREATED, "{col}");
+    let id = col["id"].as_str().unwrap().to_string();
+
+    let (s, v) = get(&b.url(&format!("/collections/{id}")), key).await;
+    assert_eq!((s, v["document_ids"].as_array().map(Vec::len)), (StatusCode::OK, Some(2)), "{v}");
+    let ask = json!({"collection_id": id, "question": "Who planted the first quince tree?", "max_tokens": 4});
+    let (s, r) = post(&b.url("/ask"), ask.clone(), key).await;
+    assert_eq!(s, 200, "{r}\n{}", b.log_text());
+    assert_eq!((r["document_id"].as_str(), r["mode"].as_str()), (Some(ids[1].as_str()), Some("lift")), "{r}");
+    assert_eq!(r["adapter"]["document_id"], ids[1].as_str(), "{r}");
+    let (_, models) = get(&b.url("/v1/models"), key).await;
+    assert!(models["data"].as_array().unwrap().iter().any(|m| m["id"] == id.as_str()), "{models}");
+    let (s, _) = get(&b.url(&format!("/collections/{id}")), "key-two").await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
+    // Changed on b, seen on a; a document deleted on a leaves it everywhere.
+    let patch = client().patch(b.url(&format!("/collections/{id}"))).bearer_auth(key).json(&json!({"remove": [ids[0]]})).send().await.unwrap();
+    assert_eq!(patch.status(), 200);
+    let (_, v) = get(&a.url(&format!("/collections/{id}")), key).await;
+    assert_eq!(v["document_ids"], json!([ids[1]]), "{v}");
+    let del = client().delete(a.url(&format!("/documents/{}", ids[1]))).bearer_auth(key).send().await.unwrap();
+    assert_eq!(del.status(), 204);
+    let (_, v) = get(&b.url(&format!("/collections/{id}")), key).await;
+    assert_eq!(v["document_ids"], json!([]), "{v}");
+    let (s, r) = post(&b.url("/ask"), ask, key).await;
+    assert_eq!((s, r["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("collection_empty")), "{r}");
+}

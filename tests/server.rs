@@ -3,13 +3,13 @@
 
 mod common;
 
+use common::tiny_server::{assert_error_shape, client, config, env, start, wait_ready, Env};
 use common::{get_json, post_json};
 use lift_serve::server::{self, Running, ServeConfig};
-use lift_serve::testing::write_tiny_server_setup;
 use reqwest::{Client, StatusCode};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
 const DOC: &str = "The harbor of Velmora was built in 1843 by the engineer Ada Quill. \
@@ -17,59 +17,6 @@ It has three piers: the north pier for fishing boats, the east pier for ferries 
 The lighthouse keeper, Tomas Brell, painted the tower blue in 1901. \
 Every spring the town holds a lantern festival on the east pier. \
 The harbor master's office keeps a brass bell that rings at noon.";
-
-struct Env {
-    _tmp: tempfile::TempDir,
-    model: PathBuf,
-    adapters: PathBuf,
-    options: PathBuf,
-}
-
-fn env() -> Env {
-    let tmp = tempfile::tempdir().unwrap();
-    let (model, options) = write_tiny_server_setup(tmp.path()).unwrap();
-    let adapters = tmp.path().join("adapters");
-    Env { _tmp: tmp, model, adapters, options }
-}
-
-fn config(e: &Env, keys: &[&str]) -> ServeConfig {
-    let mut c = ServeConfig::new(e.model.clone(), e.adapters.clone());
-    c.absorb_options = Some(e.options.clone());
-    c.api_keys = keys.iter().map(|k| k.to_string()).collect();
-    c.max_body_bytes = 64 * 1024;
-    c.max_document_tokens = 4000;
-    c.max_question_chars = 1000;
-    c.max_tokens_limit = 64;
-    c.default_max_tokens = 8;
-    // The refusal tests name this cap.
-    c.max_training_tokens = 10_000_000;
-    c.extract_worker = Some(env!("CARGO_BIN_EXE_lift-serve").into());
-    c
-}
-
-async fn start(c: ServeConfig) -> (Running, String) {
-    let state = server::build_state(c, &candle_core::Device::Cpu).unwrap();
-    let running = server::start(state).await.unwrap();
-    let base = format!("http://{}", running.addr);
-    (running, base)
-}
-
-fn client() -> Client {
-    Client::builder().timeout(Duration::from_secs(120)).build().unwrap()
-}
-
-async fn wait_ready(c: &Client, base: &str, id: &str, key: Option<&str>) -> Value {
-    for _ in 0..1200 {
-        let (s, d) = get_json(c, &format!("{base}/documents/{id}"), key).await;
-        assert_eq!(s, 200, "{d}");
-        match d["status"].as_str() {
-            Some("ready") => return d,
-            Some("failed") | Some("cancelled") => panic!("document did not become ready: {d}"),
-            _ => tokio::time::sleep(Duration::from_millis(100)).await,
-        }
-    }
-    panic!("timed out waiting for {id}");
-}
 
 fn snapshot(dir: &Path) -> BTreeMap<String, Vec<u8>> {
     let mut out = BTreeMap::new();
@@ -93,14 +40,6 @@ fn write_ghost_record(adapters: &Path, hex_pair: &str) -> String {
                      "ready_at": null, "error": null, "adapter": null, "options": {}});
     std::fs::write(adapters.join(format!("{ghost}.job.json")), rec.to_string()).unwrap();
     ghost
-}
-
-fn assert_error_shape(v: &Value, code: &str, ctx: &str) {
-    let e = &v["error"];
-    assert_eq!(e["code"], code, "{ctx}: {v}");
-    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{ctx}: {v}");
-    assert!(e["type"].as_str().is_some(), "{ctx}: {v}");
-    assert!(e.get("param").is_some(), "{ctx}: {v}");
 }
 
 /// The whole life of a document: post (202), SSE events until ready, ask in each mode, chat

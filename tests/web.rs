@@ -505,3 +505,55 @@ async fn tiny_model_key_errors_delete_narrow() {
     b.close().await;
     running.shutdown().await;
 }
+
+/// Several files dropped at once make one collection, which the page shows as one chat; an
+/// answer names its sources (the documents read, whose adapter answered).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tiny_model_collection_chat() {
+    let tmp = tempfile::tempdir().unwrap();
+    let model = write_hf(&tmp.path().join("tiny"), &TinySpec::default()).unwrap();
+    let mut cfg = ServeConfig::new(model, tmp.path().join("adapters"));
+    cfg.absorb_options = Some(write_options(tmp.path(), 32, 16));
+    cfg.max_tokens_limit = 64;
+    cfg.default_max_tokens = 8;
+    let (running, base) = start(cfg).await;
+    let driver = Driver::start();
+    let b = driver.browser(1280, 900).await;
+    b.goto(&base).await.unwrap();
+    wait_list_loaded(&b).await;
+
+    let orchard = "The orchard of Brindle grows pears and quinces. The orchard keeper, Mira Falk, planted the first quince tree in 1877.";
+    b.js_args(
+        "const dt = new DataTransfer(); \
+         dt.items.add(new File([arguments[0]], 'Harbor.md', {type: 'text/markdown'})); \
+         dt.items.add(new File([arguments[1]], 'Orchard.md', {type: 'text/markdown'})); \
+         document.getElementById('drop-zone').dispatchEvent(new DragEvent('drop', {dataTransfer: dt, bubbles: true, cancelable: true}));",
+        vec![json!(TINY_DOC), json!(orchard)],
+    )
+    .await;
+    let text = b.js("return document.getElementById('drop-text').textContent").await;
+    assert!(text.as_str().unwrap().contains("2 files"), "{text}");
+    click(&b, "#submit-doc").await;
+    b.wait_js("the collection selected", Duration::from_secs(30), "return document.getElementById('doc-status').dataset.status", |v| v == "collection")
+        .await;
+    let rows = b.js("return document.querySelectorAll('[data-testid=collection-row]').length").await;
+    assert_eq!(rows, json!(1));
+    assert_no_error_toasts(&b, "collection made").await;
+
+    let answers = ask_on_page(&b, "Who planted the first quince tree?", &["lift"], Duration::from_secs(60)).await;
+    assert!(answers.contains_key("lift"));
+    let sources = b
+        .js("const s = document.querySelector('#answer-lift [data-testid=sources]'); return s ? [s.textContent, s.dataset.documents] : null")
+        .await;
+    assert!(sources[0].as_str().unwrap().contains("Orchard"), "names its sources: {sources}");
+    let (_, cols) = {
+        let r = http().get(format!("{base}/collections")).send().await.unwrap();
+        (r.status(), r.json::<Value>().await.unwrap())
+    };
+    let members: Vec<&str> = cols["data"][0]["document_ids"].as_array().unwrap().iter().map(|d| d.as_str().unwrap()).collect();
+    assert_eq!(members.len(), 2, "{cols}");
+    let read = sources[1].as_str().unwrap();
+    assert!(read.split(' ').all(|d| members.contains(&d)) && !read.is_empty(), "{sources} {cols}");
+    shot(&b, "20-collection-chat").await;
+    running.shutdown().await;
+}

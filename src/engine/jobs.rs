@@ -214,6 +214,14 @@ pub enum Prompt {
     /// The token ids of a chat prompt for the base model (encoded and checked against the window
     /// before queueing).
     Chat(Vec<u32>),
+    /// A question to a collection, its prompt built by the service from the collection's
+    /// passages (`service::collection_ask`); `adapter`: the routed document's saved adapter (and
+    /// its archive with shared blobs), None in `rag`.
+    Collection {
+        tokens: Vec<u32>,
+        adapter: Option<(String, Option<crate::store::blobs::BlobRef>)>,
+        mode: Mode,
+    },
 }
 
 #[derive(Clone, Debug)]
@@ -267,6 +275,14 @@ impl HeldAdapter {
         match self {
             HeldAdapter::Stored(l) => &l.bundle.adapter,
             HeldAdapter::Snapshot(s) => &s.adapter,
+        }
+    }
+
+    /// How far its training went: (steps run, steps planned).
+    fn steps(&self) -> (usize, usize) {
+        match self {
+            HeldAdapter::Stored(l) => l.steps(),
+            HeldAdapter::Snapshot(s) => (s.step, s.planned_steps),
         }
     }
 
@@ -343,15 +359,7 @@ fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Start
                     (live.document.clone(), live.snapshot().map(HeldAdapter::Snapshot))
                 }
                 _ => {
-                    let loaded = store.get(id, model, blob.as_ref()).map_err(|e| {
-                        // Deleted while the request waited: the document is gone, not a server
-                        // fault. A damaged archive leaves no local copy either, but is named.
-                        if store.adapter_dir(id).exists() || crate::store::is_damaged(&e) {
-                            EngineError::from(e)
-                        } else {
-                            EngineError::UnknownDocument(id.clone())
-                        }
-                    })?;
+                    let loaded = load_stored(model, store, id, blob.as_ref())?;
                     (loaded.document.clone(), Some(HeldAdapter::Stored(loaded)))
                 }
             };
@@ -361,10 +369,7 @@ fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Start
                 (m, _) => m,
             };
             let held = held.filter(|_| mode.uses_adapter());
-            let steps = held.as_ref().map(|h| match h {
-                HeldAdapter::Stored(l) => l.steps(),
-                HeldAdapter::Snapshot(s) => (s.step, s.planned_steps),
-            });
+            let steps = held.as_ref().map(HeldAdapter::steps);
             let ask = Ask { question, history, mode, context: *context, context_tokens: *context_tokens };
             let (_, seq) = prepare(model, &document, &ask, &job.params)?;
             let adapter_key = held.as_ref().map_or(0, HeldAdapter::key);
@@ -376,7 +381,32 @@ fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Start
             let seq = Sequence::new(model, ids.clone(), cache, job.params.clone(), None)?;
             Ok(Started { seq, document: None, adapter: None, adapter_key: 0, steps: None, mode: None })
         }
+        Prompt::Collection { tokens, adapter, mode } => {
+            // Only the routed document's adapter is loaded (through the cache).
+            let held = match adapter {
+                Some((id, blob)) => Some(HeldAdapter::Stored(load_stored(model, store, id, blob.as_ref())?)),
+                None => None,
+            };
+            let steps = held.as_ref().map(HeldAdapter::steps);
+            let cache = KvCache::with_capacity(model.config().num_layers, tokens.len() + job.params.max_tokens);
+            let seq = Sequence::new(model, tokens.clone(), cache, job.params.clone(), None)?;
+            let adapter_key = held.as_ref().map_or(0, HeldAdapter::key);
+            let adapter = held.map(|h| Arc::new(h) as Arc<dyn Adapter>);
+            Ok(Started { seq, document: None, adapter, adapter_key, steps, mode: Some(*mode) })
+        }
     }
+}
+
+/// A document's saved adapter from the store; one deleted while the request waited is gone, not
+/// a server fault (a damaged archive leaves no local copy either, but is named).
+fn load_stored(model: &Model, store: &Store, id: &str, blob: Option<&crate::store::blobs::BlobRef>) -> Result<Arc<Loaded>, EngineError> {
+    store.get(id, model, blob).map_err(|e| {
+        if store.adapter_dir(id).exists() || crate::store::is_damaged(&e) {
+            EngineError::from(e)
+        } else {
+            EngineError::UnknownDocument(id.to_string())
+        }
+    })
 }
 
 /// One step of the batch; finished requests get their reply, and every request fails with the

@@ -206,6 +206,8 @@ pub struct PostDocument {
     pub text: Option<String>,
     pub title: Option<String>,
     pub options: Option<DocumentOptions>,
+    /// A collection (`col_…`) the document joins once posted.
+    pub collection: Option<String>,
     /// true: answer what absorbing would cost (planned steps, training tokens, estimated time)
     /// and the options' warnings, without storing or queueing anything.
     pub dry_run: Option<bool>,
@@ -398,6 +400,8 @@ fn missing(field: &str) -> ApiError {
 #[serde(deny_unknown_fields)]
 pub struct AskRequest {
     pub document_id: Option<String>,
+    /// A collection to ask instead of one document (`col_…`; modes `lift` and `rag`).
+    pub collection_id: Option<String>,
     pub question: Option<String>,
     /// `lift` (default): adapter + the document's passages; `rag`: the passages, no adapter;
     /// `icl`: no adapter, head and tail of the document; `memory`: adapter, no document text.
@@ -579,6 +583,10 @@ pub struct AskResponse {
     /// with `include_context`; modes with context).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context: Option<Context>,
+    /// Asking a collection: the documents and passages read (`document_id` is then the document
+    /// whose passage ranked first).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub collection: Option<super::collections::CollectionAnswer>,
 }
 
 /// Which adapter answered (`AskResponse.adapter`).
@@ -586,6 +594,9 @@ pub struct AskResponse {
 pub struct AnsweredBy {
     pub step: usize,
     pub planned_steps: usize,
+    /// Asking a collection: the document whose adapter it is (routing).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub document_id: Option<String>,
 }
 
 /// A piece of a streamed answer (`event: token`).
@@ -621,6 +632,9 @@ pub struct ContextChunk {
     pub score: f32,
     pub mask: f32,
     pub text: String,
+    /// Asking a collection: the chunk's document (`score` is then its BM25 score, `mask` 0).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub document_id: Option<String>,
 }
 
 // ---------- lists ----------
@@ -891,6 +905,12 @@ pub struct ChatLift {
     /// The passages read (with `include_context`), as `/ask`'s `context`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context: Option<Context>,
+    /// A collection model: the document whose passage ranked first, and what was read (as
+    /// `/ask`'s `document_id` and `collection`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub document_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub collection: Option<super::collections::CollectionAnswer>,
 }
 
 #[derive(Debug, Serialize, ToSchema)]

@@ -94,6 +94,10 @@ impl ApiError {
     pub fn service(e: ServiceError, params: Params) -> Self {
         match e {
             ServiceError::UnknownDocument(id) => ApiError::unknown_document(&id).param(params.document),
+            ServiceError::UnknownCollection(_) => ApiError::not_found("collection_not_found", e.to_string()).param(params.document),
+            ServiceError::CollectionEmpty(_) => ApiError::new(StatusCode::CONFLICT, "collection_empty", e.to_string()).param(params.document),
+            ServiceError::CollectionTooLarge { .. } => ApiError::too_large("collection_too_large", e.to_string()).param(params.document),
+            ServiceError::NotInCollection { .. } => ApiError::not_found("document_not_found", e.to_string()).param("remove"),
             ServiceError::NotReady { .. } | ServiceError::NoAdapter(_) => {
                 ApiError::new(StatusCode::CONFLICT, "document_not_ready", e.to_string()).param(params.document)
             }

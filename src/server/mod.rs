@@ -4,6 +4,7 @@
 //! errors are mapped to the API's error shape once (`error`).
 
 pub mod api;
+pub mod collections;
 mod document_options;
 pub mod error;
 pub mod openai;
@@ -59,6 +60,9 @@ pub struct ServeConfig {
     /// Largest document, in tokens of the base model.
     #[arg(long, env = "LIFT_MAX_DOCUMENT_TOKENS", default_value_t = 200_000)]
     pub max_document_tokens: usize,
+    /// Most documents in one collection (a change past it is refused with 413).
+    #[arg(long, env = "LIFT_MAX_COLLECTION_DOCUMENTS", default_value_t = 1000)]
+    pub max_collection_documents: usize,
     /// Longest question / chat message, in characters.
     #[arg(long, env = "LIFT_MAX_QUESTION_CHARS", default_value_t = 8192)]
     pub max_question_chars: usize,
@@ -190,6 +194,7 @@ impl ServeConfig {
             absorb_options: None,
             max_body_bytes: 8 << 20,
             max_document_tokens: 200_000,
+            max_collection_documents: 1000,
             max_question_chars: 8192,
             max_tokens_limit: 2048,
             default_max_tokens: 128,
@@ -291,7 +296,7 @@ impl ServeConfig {
     pub fn describe(&self, keys: usize) -> String {
         format!(
             "host={} port={} model={} adapters_dir={} api_keys={} absorb_options={} max_body_bytes={} \
-             max_document_tokens={} max_question_chars={} max_tokens_limit={} default_max_tokens={} \
+             max_document_tokens={} max_collection_documents={} max_question_chars={} max_tokens_limit={} default_max_tokens={} \
              train_queue={} generate_queue={} max_batch={} kv_cache_bytes={} cache_bytes={} context_tokens={} max_training_tokens={} metrics_key={} \
              header_timeout_secs={} body_timeout_secs={} max_connections={} drain_secs={} database_url={} \
              adapter_store={} role={:?} replica_id={} lease_secs={} extract_workers={} extract_timeout_secs={} \
@@ -305,6 +310,7 @@ impl ServeConfig {
             self.absorb_options.as_ref().map_or("(built-in)".into(), |p| p.display().to_string()),
             self.max_body_bytes,
             self.max_document_tokens,
+            self.max_collection_documents,
             self.max_question_chars,
             self.max_tokens_limit,
             self.default_max_tokens,
@@ -487,6 +493,11 @@ pub fn router(state: AppState) -> axum::Router {
         .route("/documents", post(routes::post_document).get(routes::list_documents))
         .route("/documents/{id}", get(routes::get_document).delete(routes::delete_document))
         .route("/documents/{id}/events", get(routes::document_events))
+        .route("/collections", post(collections::post_collection).get(collections::list_collections))
+        .route(
+            "/collections/{id}",
+            get(collections::get_collection).patch(collections::patch_collection).delete(collections::delete_collection),
+        )
         .route("/ask", post(routes::ask))
         .route("/v1/models", get(openai::models))
         .route("/v1/chat/completions", post(openai::chat_completions))
@@ -538,6 +549,7 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
         max_batch: cfg.max_batch,
         kv_cache_bytes: cfg.kv_cache_bytes,
         max_document_tokens: cfg.max_document_tokens,
+        max_collection_documents: cfg.max_collection_documents,
         max_training_tokens: cfg.max_training_tokens,
         context_tokens: cfg.context_tokens,
         default_options: default_options.clone(),

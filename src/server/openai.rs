@@ -6,8 +6,9 @@ use super::api::{
 };
 use super::error::{ApiError, ApiResult, Params};
 use super::routes::read_body;
-use super::{signalled, AppState, Tenant};
-use crate::service::{Generated, PendingGeneration, Pieces};
+use super::{collections, signalled, AppState, Tenant};
+use crate::service::collections::valid_collection_id;
+use crate::service::{CollectionRead, Generated, PendingGeneration, Pieces};
 use crate::store::Status;
 use axum::body::Body;
 use axum::extract::State;
@@ -17,7 +18,7 @@ use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 
 #[utoipa::path(get, path = "/v1/models", tag = "openai",
-    responses((status = 200, description = "the base model, then the caller's ready documents", body = List<ModelCard>)))]
+    responses((status = 200, description = "the base model, then the caller's ready documents and collections", body = List<ModelCard>)))]
 pub async fn models(State(st): State<AppState>, Extension(tenant): Extension<Tenant>) -> ApiResult<Json<List<ModelCard>>> {
     let base = ModelCard {
         id: st.base_id.clone(),
@@ -31,16 +32,21 @@ pub async fn models(State(st): State<AppState>, Extension(tenant): Extension<Ten
     let mut ready: Vec<_> =
         st.service.documents(tenant.0.as_deref()).await?.into_iter().filter(|d| d.status == Status::Ready).collect();
     ready.sort_by(|a, b| (a.created_at, &a.id).cmp(&(b.created_at, &b.id)));
-    let documents = ready.into_iter().map(|d| ModelCard {
-        created: d.ready_at.unwrap_or(d.created_at),
-        id: d.id,
+    // A document or collection, over the base.
+    let card = |id: String, created: u64, title: Option<String>| ModelCard {
+        id,
         object: "model",
+        created,
         owned_by: "lift-serve",
         parent: Some(st.base_id.clone()),
         root: Some(st.base_id.clone()),
-        title: Some(d.title),
-    });
-    Ok(Json(List::new(std::iter::once(base).chain(documents).collect())))
+        title: Some(title),
+    };
+    let documents = ready.into_iter().map(|d| card(d.id, d.ready_at.unwrap_or(d.created_at), d.title));
+    // Collections answer as models too (routing to their documents' adapters).
+    let collections = st.service.collections(tenant.0.as_deref()).await?;
+    let collections = collections.into_iter().map(|c| card(c.id, c.created_at, c.title));
+    Ok(Json(List::new(std::iter::once(base).chain(documents).chain(collections).collect())))
 }
 
 #[utoipa::path(post, path = "/v1/chat/completions", tag = "openai", request_body = ChatRequest,
@@ -58,6 +64,11 @@ pub async fn chat_completions(
     // Whether `model` names one of the caller's documents (a database that is away is a 503,
     // not an unknown model).
     let is_document = match request.model.as_deref() {
+        Some(m) if valid_collection_id(m) => match st.service.collection(owner, m).await {
+            Ok(_) => true,
+            Err(crate::service::ServiceError::UnknownCollection(_)) => false,
+            Err(e) => return Err(ApiError::service(e, Params { document: "model", prompt: "messages" })),
+        },
         Some(m) if m != st.base_id => match st.service.document(owner, m).await {
             Ok(_) => true,
             Err(crate::service::ServiceError::UnknownDocument(_)) => false,
@@ -67,24 +78,36 @@ pub async fn chat_completions(
     };
     let chat = request.validate(&st.limits, &st.base_id, |_| is_document)?;
     let (ptx, prx) = tokio::sync::mpsc::unbounded_channel::<String>();
-    let pending = submit(&st, owner, &chat, chat.stream.then_some(ptx)).await?;
+    let (pending, read) = submit(&st, owner, &chat, chat.stream.then_some(ptx)).await?;
     let completion = Completion { id: format!("chatcmpl-{}", crate::store::now_nanos_hex()), created: crate::store::now(), model: chat.model };
     if chat.stream {
         Ok(stream(&st, completion, pending, prx, chat.include_usage))
     } else {
         let r = wait(pending).await?;
-        Ok(Json(completion.whole(&r, chat.include_context)).into_response())
+        Ok(Json(completion.whole(&r, chat.include_context, read)).into_response())
     }
 }
 
-async fn submit(st: &AppState, owner: Option<&str>, chat: &ValidChat, pieces: Option<Pieces>) -> ApiResult<PendingGeneration> {
+/// The queued completion, and what it read when `model` is a collection.
+async fn submit(
+    st: &AppState,
+    owner: Option<&str>,
+    chat: &ValidChat,
+    pieces: Option<Pieces>,
+) -> ApiResult<(PendingGeneration, Option<CollectionRead>)> {
     let names = Params { document: "model", prompt: "messages" };
     let params = chat.params.clone();
+    if let ChatTarget::Document(q) = &chat.target {
+        if valid_collection_id(&q.document_id) {
+            let (pending, read) = super::collections::chat(st, owner, q.clone(), params, pieces).await?;
+            return Ok((pending, Some(read)));
+        }
+    }
     let pending = match &chat.target {
         ChatTarget::Base(messages) => st.service.chat(messages, params, pieces),
         ChatTarget::Document(q) => st.service.ask(owner, q.clone(), params, pieces).await,
     };
-    pending.map_err(|e| ApiError::service(e, names))
+    Ok((pending.map_err(|e| ApiError::service(e, names))?, None))
 }
 
 async fn wait(mut pending: PendingGeneration) -> ApiResult<Generated> {
@@ -99,7 +122,7 @@ struct Completion {
 }
 
 impl Completion {
-    fn whole(self, r: &Generated, with_context: bool) -> ChatCompletion {
+    fn whole(self, r: &Generated, with_context: bool, read: Option<CollectionRead>) -> ChatCompletion {
         ChatCompletion {
             id: self.id,
             object: "chat.completion",
@@ -112,10 +135,21 @@ impl Completion {
                 finish_reason: finish_reason(r.finish_reason),
             }],
             usage: ChatUsage::new(r.prompt_tokens, r.completion_tokens),
-            lift: r.mode.map(|mode| ChatLift {
-                mode,
-                adapter: r.adapter.map(|(step, planned_steps)| AnsweredBy { step, planned_steps }),
-                context: if with_context { super::routes::context_of(r) } else { None },
+            lift: r.mode.map(|mode| match &read {
+                Some(read) => ChatLift {
+                    mode,
+                    adapter: collections::answered_by(r, read),
+                    context: if with_context { collections::context(read) } else { None },
+                    document_id: Some(read.document_id.clone()),
+                    collection: Some(collections::answer(read)),
+                },
+                None => ChatLift {
+                    mode,
+                    adapter: r.adapter.map(|(step, planned_steps)| AnsweredBy { step, planned_steps, document_id: None }),
+                    context: if with_context { super::routes::context_of(r) } else { None },
+                    document_id: None,
+                    collection: None,
+                },
             }),
         }
     }

@@ -1,7 +1,7 @@
 //! `GET /openapi.json`: the OpenAPI description of the API, generated (utoipa) from the handlers'
 //! annotations and the request and response types in `api`, so that it cannot drift from them.
 
-use super::{api, error, openai, routes};
+use super::{api, collections, error, openai, routes};
 use axum::Json;
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::OpenApi;
@@ -18,6 +18,11 @@ use utoipa::OpenApi;
         routes::get_document,
         routes::delete_document,
         routes::document_events,
+        collections::post_collection,
+        collections::list_collections,
+        collections::get_collection,
+        collections::patch_collection,
+        collections::delete_collection,
         routes::ask,
         openai::models,
         openai::chat_completions,

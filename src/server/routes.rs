@@ -58,7 +58,8 @@ pub async fn post_document(
     let cfg = st.service.model().config();
     let (layers, window) = (cfg.num_layers, cfg.max_position_embeddings);
     let defaults = st.default_options.clone();
-    // Raw bodies are the document alone: no dry run there.
+    // Raw bodies are the document alone: no dry run there, no collection.
+    let mut collection = None;
     let (doc, dry_run) = match api::media_type(&headers).as_deref() {
         Some("text/plain") => {
             let text = api::utf8(&bytes)?.to_string();
@@ -70,20 +71,32 @@ pub async fn post_document(
             let extracted = api::extract_file(&st.extractor, bytes, None, Some(m.to_string()), None).await?;
             (api::file_document(extracted, None, defaults)?, false)
         }
-        _ => api::json_body::<PostDocument>(&headers, &bytes, BodyKind::Document)?.validate(&defaults, layers, window)?,
+        _ => {
+            let mut post = api::json_body::<PostDocument>(&headers, &bytes, BodyKind::Document)?;
+            collection = post.collection.take();
+            post.validate(&defaults, layers, window)?
+        }
     };
     let params = Params { prompt: "text", document: "text" };
+    // The collection is checked before anything is queued (and joined once the document is).
+    let joining = Params { prompt: "text", document: "collection" };
+    if let Some(col) = &collection {
+        st.service.check_joinable(tenant.0.as_deref(), col).await.map_err(|e| ApiError::service(e, joining))?;
+    }
     if dry_run {
         let cost = st.service.estimate(doc).await.map_err(|e| ApiError::service(e, params))?;
         let options = serde_json::to_value(&cost.options).map_err(ApiError::internal)?;
         let body = AbsorbEstimate { object: "absorb_estimate", tokens: cost.tokens, options, estimate: cost.estimate, warnings: cost.warnings };
         return Ok(Json(body).into_response());
     }
-    let (submitted, cost) = st.service.submit(tenant.0, doc).await.map_err(|e| ApiError::service(e, params))?;
+    let (submitted, cost) = st.service.submit(tenant.0.clone(), doc).await.map_err(|e| ApiError::service(e, params))?;
     let (status, document) = match submitted {
         Submitted::Queued(view) => (StatusCode::ACCEPTED, view),
         Submitted::Existing(view) => (StatusCode::OK, view),
     };
+    if let Some(col) = &collection {
+        st.service.join_collection(tenant.0.as_deref(), col, &document.id).await.map_err(|e| ApiError::service(e, joining))?;
+    }
     Ok((status, Json(PostedDocument { document, estimate: cost.estimate, warnings: cost.warnings })).into_response())
 }
 
@@ -168,23 +181,27 @@ pub async fn ask(
     body: Body,
 ) -> ApiResult<Response> {
     let bytes = read_body(&st, body).await?;
-    let (question, params, stream, with_context) = api::json_body::<AskRequest>(&headers, &bytes, BodyKind::Ask)?.validate(&st.limits)?;
+    let request = api::json_body::<AskRequest>(&headers, &bytes, BodyKind::Ask)?;
+    if request.collection_id.is_some() {
+        return super::collections::ask(&st, tenant.0.as_deref(), request).await;
+    }
+    let (question, params, stream, with_context) = request.validate(&st.limits)?;
     let (id, mode) = (question.document_id.clone(), question.mode);
     let (ptx, prx) = tokio::sync::mpsc::unbounded_channel::<String>();
     let pending = st.service.ask(tenant.0.as_deref(), question, params, stream.then_some(ptx)).await.map_err(ask_error)?;
     if stream {
-        return Ok(ask_stream(&st, pending, prx, id, mode, with_context));
+        return Ok(ask_stream(&st, pending, prx, Box::new(move |r| ask_response(r, id, mode, with_context))));
     }
     let mut pending = pending;
     let r = pending.wait().await.map_err(ask_error)?;
     Ok(Json(ask_response(r, id, mode, with_context)).into_response())
 }
 
-fn to_json<T: serde::Serialize>(v: &T) -> String {
+pub(super) fn to_json<T: serde::Serialize>(v: &T) -> String {
     serde_json::to_string(v).unwrap_or_default()
 }
 
-fn ask_error(e: crate::service::ServiceError) -> ApiError {
+pub(super) fn ask_error(e: crate::service::ServiceError) -> ApiError {
     ApiError::service(e, Params { document: "document_id", prompt: "question" })
 }
 
@@ -193,36 +210,35 @@ pub(super) fn context_of(r: &Generated) -> Option<Context> {
     let chunks: Vec<ContextChunk> = r
         .chunks
         .iter()
-        .map(|(c, text)| ContextChunk { start: c.start, end: c.end, score: c.score, mask: c.mask, text: text.clone() })
+        .map(|(c, text)| ContextChunk { start: c.start, end: c.end, score: c.score, mask: c.mask, text: text.clone(), document_id: None })
         .collect();
     (!chunks.is_empty()).then_some(Context { chunks })
 }
 
 /// The answer; its context only when asked for (the passages can be the whole document).
-fn ask_response(r: Generated, document_id: String, mode: Mode, with_context: bool) -> AskResponse {
+pub(super) fn ask_response(r: Generated, document_id: String, mode: Mode, with_context: bool) -> AskResponse {
     let context = if with_context { context_of(&r) } else { None };
     AskResponse {
         answer: r.text,
         document_id,
         mode: r.mode.unwrap_or(mode),
-        adapter: r.adapter.map(|(step, planned_steps)| AnsweredBy { step, planned_steps }),
+        adapter: r.adapter.map(|(step, planned_steps)| AnsweredBy { step, planned_steps, document_id: None }),
         usage: AskUsage { prompt_tokens: r.prompt_tokens, completion_tokens: r.completion_tokens },
         finish_reason: r.finish_reason,
         timings: Timings { queue_ms: r.queue_ms, prompt_ms: r.prompt_ms, generate_ms: r.generate_ms },
         context,
+        collection: None,
     }
 }
 
 /// A streamed answer: `token` events (`{"text": …}`) as pieces are generated, then `answer` (the
 /// whole AskResponse) or `error` (the error object). A client that goes away cancels the
 /// generation (dropping `pending`); on shutdown the stream ends with `error` `shutting_down`.
-fn ask_stream(
+pub(super) fn ask_stream(
     st: &AppState,
     mut pending: PendingGeneration,
     mut pieces: tokio::sync::mpsc::UnboundedReceiver<String>,
-    id: String,
-    mode: Mode,
-    with_context: bool,
+    respond: Box<dyn FnOnce(Generated) -> AskResponse + Send>,
 ) -> Response {
     let mut shutdown = st.shutdown.subscribe();
     let events = async_stream::stream! {
@@ -239,7 +255,7 @@ fn ask_stream(
             }
         }
         match pending.wait().await {
-            Ok(r) => yield Ok(Event::default().event("answer").data(to_json(&ask_response(r, id, mode, with_context)))),
+            Ok(r) => yield Ok(Event::default().event("answer").data(to_json(&respond(r)))),
             Err(e) => yield Ok(Event::default().event("error").data(ask_error(e).body().to_string())),
         }
     };

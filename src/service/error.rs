@@ -9,6 +9,18 @@ pub enum ServiceError {
     /// Unknown, or another tenant's.
     #[error("no document '{0}'")]
     UnknownDocument(String),
+    /// Unknown, or another tenant's.
+    #[error("no collection '{0}'")]
+    UnknownCollection(String),
+    /// Asking a collection without documents (409; its last one may have been deleted).
+    #[error("collection {0} has no documents; add some (PATCH with 'add') before asking it")]
+    CollectionEmpty(String),
+    /// More documents than `--max-collection-documents` (413).
+    #[error("the collection would hold {documents} documents; the limit is {limit}")]
+    CollectionTooLarge { documents: usize, limit: usize },
+    /// A document to remove from a collection is not in it (404).
+    #[error("document '{document}' is not in collection '{collection}'")]
+    NotInCollection { document: String, collection: String },
     #[error("document {id} is {}, not ready", status.name())]
     NotReady { id: String, status: Status },
     /// `memory` mode before the document has an adapter (409).

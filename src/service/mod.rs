@@ -16,10 +16,17 @@
 //! adapters in a shared blob store ([`shared`]): the same calls, answered for every replica. Both
 //! implement one trait ([`registry`]), which the service holds.
 
+mod collection_ask;
+mod collection_files;
+mod collection_pg;
+pub mod collections;
 mod error;
 pub mod records;
 mod registry;
 pub mod postgres;
+
+pub use collection_ask::{CollectionRead, IndexFigures, ReadPassage};
+pub use collections::{CollectionChange, CollectionView};
 
 pub use error::ServiceError;
 pub use crate::engine::Generated;
@@ -60,6 +67,8 @@ pub struct ServiceConfig {
     pub kv_cache_bytes: u64,
     /// Largest document, in tokens of the base model.
     pub max_document_tokens: usize,
+    /// Most documents in one collection.
+    pub max_collection_documents: usize,
     /// Cap on the training one document may plan (tokens through the model, all epochs).
     pub max_training_tokens: u64,
     /// In-context document budget when answering (None: `DEFAULT_CONTEXT_TOKENS`; with the
@@ -140,6 +149,10 @@ pub struct Service {
     /// through to files beside the adapters ([`Records`], the default), or PostgreSQL, shared by
     /// replicas ([`postgres::Shared`]).
     registry: Arc<dyn Registry>,
+    /// Where collections live: beside the registry's records (files or PostgreSQL).
+    collections: Arc<dyn collections::CollectionRegistry>,
+    /// The collections' retrieval indexes, built on first question and kept current.
+    indexes: collection_ask::Indexes,
     cfg: ServiceConfig,
 }
 
@@ -188,7 +201,8 @@ impl Service {
         for (id, text) in requeue {
             records.requeue(&engine, &id, text);
         }
-        Ok(Self { engine, store, registry: records, cfg })
+        let collections = Arc::new(collection_files::FileCollections::open(&cfg.adapters_dir)?);
+        Ok(Self { engine, store, registry: records, collections, indexes: Default::default(), cfg })
     }
 
     /// A replica on a shared database and adapter store: `adapters_dir` is its local cache of
@@ -206,7 +220,7 @@ impl Service {
             replica = %shared_cfg.replica, role = ?shared_cfg.role, adapter_store = %shared_cfg.adapter_store,
             cache_dir = %cfg.adapters_dir.display(), "replica on a shared database"
         );
-        Ok(Self { engine, store, registry: shared, cfg })
+        Ok(Self { engine, store, registry: shared.clone(), collections: shared, indexes: Default::default(), cfg })
     }
 
     /// Whether this process answers questions (a training-only replica does not).
@@ -365,6 +379,10 @@ impl Service {
     pub async fn delete(&self, owner: Option<&str>, id: &str) -> Result<(), ServiceError> {
         known_shape(id)?;
         self.registry.delete(owner, id).await?;
+        // Its collections' indexes drop it at their next question.
+        if let Err(e) = self.collections.forget_document(id).await {
+            tracing::error!(id, error = %e, "cannot take the deleted document out of its collections");
+        }
         tracing::info!(id, "document deleted");
         Ok(())
     }

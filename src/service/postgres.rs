@@ -117,6 +117,25 @@ const MIGRATIONS: &[(i32, &str)] = &[
     // The options as asked, which ids are made of (`JobRecord::requested`); NULL in rows written
     // before: their id is of `options`.
     (2, "ALTER TABLE documents ADD COLUMN requested jsonb;"),
+    // Collections (`collection_pg`): a member row goes with its document (ON DELETE CASCADE).
+    (
+        3,
+        "CREATE TABLE collections (
+        id text PRIMARY KEY,
+        owner text,
+        title text,
+        created_at bigint NOT NULL,
+        updated_at bigint NOT NULL
+    );
+    CREATE INDEX collections_by_owner ON collections (owner, created_at, id);
+    CREATE TABLE collection_documents (
+        collection_id text NOT NULL REFERENCES collections (id) ON DELETE CASCADE,
+        document_id text NOT NULL REFERENCES documents (id) ON DELETE CASCADE,
+        position bigint NOT NULL,
+        PRIMARY KEY (collection_id, document_id)
+    );
+    CREATE INDEX collection_documents_by_document ON collection_documents (document_id);",
+    ),
 ];
 
 /// Jobs nobody holds: never claimed, handed back, or with a lease that ran out.
@@ -153,7 +172,7 @@ fn unavailable(e: impl std::fmt::Display) -> ServiceError {
     ServiceError::Unavailable(format!("the database is unavailable: {e}"))
 }
 
-fn db_error(e: tokio_postgres::Error) -> ServiceError {
+pub(super) fn db_error(e: tokio_postgres::Error) -> ServiceError {
     // An error the server sent back is a bug or a constraint; anything else is the connection.
     match e.as_db_error() {
         Some(db) => ServiceError::internal(format!("database: {db}")),
@@ -162,7 +181,7 @@ fn db_error(e: tokio_postgres::Error) -> ServiceError {
 }
 
 /// Runs one database call with the timeout.
-async fn timed<T>(f: impl std::future::Future<Output = Result<T, ServiceError>>) -> Result<T, ServiceError> {
+pub(super) async fn timed<T>(f: impl std::future::Future<Output = Result<T, ServiceError>>) -> Result<T, ServiceError> {
     tokio::time::timeout(DB_TIMEOUT, f).await.map_err(|_| unavailable("no answer within 5 s"))?
 }
 
@@ -265,7 +284,7 @@ impl Shared {
         &self.blobs
     }
 
-    async fn client(&self) -> Result<deadpool_postgres::Object, ServiceError> {
+    pub(super) async fn client(&self) -> Result<deadpool_postgres::Object, ServiceError> {
         timed(async { self.pool.get().await.map_err(unavailable) }).await
     }
 

@@ -559,6 +559,29 @@ impl Store {
         Ok(loaded)
     }
 
+    /// The document of a saved adapter without loading the adapter (a collection's index reads
+    /// every member's passages; only the routed adapter is loaded): from the cache when loaded,
+    /// else its text and token ids from its directory, fetched first with shared blobs (blocking).
+    pub fn read_document(&self, id: &str, model: &Model, blob: Option<&BlobRef>) -> Result<Arc<Document>> {
+        let key = blob.map_or_else(|| id.to_string(), |b| format!("{id}@{}", b.sha256));
+        if let Some(l) = self.cache.get(&key) {
+            return Ok(l.document.clone());
+        }
+        if let (Some(blob), Some(blobs)) = (blob, &self.blobs) {
+            if !self.local_copy_is(id, blob) {
+                self.fetch(id, blob, blobs)?;
+            }
+        }
+        let dir = self.adapter_dir(id);
+        let text = std::fs::read_to_string(dir.join(manifest::DOCUMENT_FILE))
+            .with_context(|| format!("{}: cannot read the document", dir.display()))?;
+        let document = match std::fs::read(dir.join(manifest::TOKENS_FILE)) {
+            Ok(bytes) if bytes.len() % 4 == 0 => tokens_from_bytes(&bytes, bytes.len() / 4).map(|t| Document::from_tokens(text, t))?,
+            _ => Document::encode(model, text)?,
+        };
+        Ok(Arc::new(document))
+    }
+
     /// Fetches the archive `blob` (verified against its hash) into the local directory of `id`.
     fn fetch(&self, id: &str, blob: &BlobRef, blobs: &Blobs) -> Result<()> {
         let archive = blobs.block_on(blobs.get(blob))?;

@@ -1,6 +1,8 @@
 //! Helpers the HTTP tests share (`mod common;` in each test file that talks to a server).
 #![allow(dead_code)] // each test file uses its own subset
 
+pub mod tiny_server;
+
 use reqwest::{Client, StatusCode};
 use serde_json::Value;
 

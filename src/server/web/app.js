@@ -27,7 +27,9 @@ const state = {
   started: new Map(),  // id -> time the page first saw it training
   posted: new Map(),   // id -> {estimate, warnings, at}: what POST /documents said it would cost
   threads: new Map(),  // id -> the turns of a document not shown now
-  file: null,          // the file chosen or dropped
+  file: null,          // the file chosen or dropped (the first, for the cost estimate)
+  files: [],           // every file chosen or dropped: several make a collection
+  cols: [],            // last GET /collections
   tab: 'file',
   listTimer: 0,
   asking: false,
@@ -254,8 +256,16 @@ function setTab(tab) {
   scheduleCost();
 }
 
+// Several files at once are absorbed each and made one collection, asked as one chat.
+function setFiles(list) {
+  state.files = [...(list || [])];
+  setFile(state.files[0]);
+  if (state.files.length > 1) $('drop-text').textContent = state.files.length + ' files · one collection';
+}
+
 function setFile(f) {
   state.file = f || null;
+  if (!f) state.files = [];
   $('drop-text').textContent = f ? f.name + ' · ' + fmtBytes(f.size) : '';
   if (!f) {
     $('drop-text').append('Drop a file here or ', el('u', null, 'choose one'));
@@ -366,12 +376,11 @@ async function submitDoc(ev) {
   ev.preventDefault();
   let options;
   try { options = absorbOptions(); } catch (e) { toast(e.message, 'invalid_options'); return; }
+  if (state.tab === 'file' && state.files.length > 1) { submitCollection(options); return; }
   const body = documentBody(options, false);
   if (!body) { toast('Choose or drop a file first (or paste text).', 'no_file'); return; }
-  const btn = $('submit-doc');
-  btn.disabled = true;
-  btn.textContent = 'Sending…';
-  try {
+  await busy(async (say) => {
+    say('Sending…');
     const r = await api('POST', '/documents', body);
     const d = r.data;
     state.posted.set(d.id, { estimate: d.estimate, warnings: d.warnings || [], at: performance.now() });
@@ -383,6 +392,15 @@ async function submitDoc(ev) {
     upsert(d);
     select(d.id);
     $('question').focus();
+  });
+}
+
+// Runs an upload with the button saying it is busy (`say`); an error shows as a toast.
+async function busy(work) {
+  const btn = $('submit-doc');
+  btn.disabled = true;
+  try {
+    await work((text) => { btn.textContent = text; });
   } catch (e) {
     showError(e, 'Upload');
   } finally {
@@ -391,10 +409,39 @@ async function submitDoc(ev) {
   }
 }
 
+// Posts every chosen file, then one collection of them, selected as one chat.
+async function submitCollection(options) {
+  const files = state.files.slice();
+  const ids = [];
+  await busy(async (say) => {
+    for (const [i, f] of files.entries()) {
+      say('Sending ' + (i + 1) + ' of ' + files.length + '…');
+      const body = new FormData();
+      body.append('file', f, f.name);
+      if (options) body.append('options', JSON.stringify(options));
+      const r = await api('POST', '/documents', body);
+      ids.push(r.data.id);
+      upsert(r.data);
+    }
+    const title = $('doc-title').value.trim() || files.map((f) => f.name).join(', ').slice(0, 200);
+    const c = await api('POST', '/collections', { title, document_ids: ids });
+    state.cols.push(c.data);
+    setFile(null);
+    $('file-input').value = '';
+    $('doc-title').value = '';
+    $('cost').hidden = true;
+    toast('A collection of ' + ids.length + ' documents: ask them as one.', null, 'info');
+    select(c.data.id);
+    $('question').focus();
+  });
+}
+
+const isCollection = (id) => typeof id === 'string' && id.startsWith('col_');
+
 function initUpload() {
   $('tab-file').addEventListener('click', () => setTab('file'));
   $('tab-paste').addEventListener('click', () => setTab('paste'));
-  $('file-input').addEventListener('change', (ev) => setFile(ev.target.files[0]));
+  $('file-input').addEventListener('change', (ev) => setFiles(ev.target.files));
   const zone = $('drop-zone');
   const over = (on) => (ev) => { ev.preventDefault(); zone.classList.toggle('over', on); };
   zone.addEventListener('dragenter', over(true));
@@ -402,8 +449,8 @@ function initUpload() {
   zone.addEventListener('dragleave', over(false));
   zone.addEventListener('drop', (ev) => {
     over(false)(ev);
-    const f = ev.dataTransfer && ev.dataTransfer.files[0];
-    if (f) { setTab('file'); setFile(f); }
+    const files = ev.dataTransfer && ev.dataTransfer.files;
+    if (files && files.length) { setTab('file'); setFiles(files); }
   });
   // A file dropped elsewhere on the page must not navigate away from it.
   window.addEventListener('dragover', (ev) => ev.preventDefault());
@@ -424,6 +471,7 @@ async function loadList() {
   try {
     const r = await api('GET', '/documents');
     state.docs = r.data.data || [];
+    state.cols = (await api('GET', '/collections')).data.data || [];
     needKey(null);
     renderList();
   } catch (e) {
@@ -453,7 +501,20 @@ function statusText(d) {
 function renderList() {
   const ul = $('doc-list');
   ul.replaceChildren();
-  $('doc-empty').hidden = state.docs.length > 0;
+  $('doc-empty').hidden = state.docs.length + state.cols.length > 0;
+  for (const c of state.cols.slice().reverse()) {
+    const li = el('li', 'docrow' + (c.id === state.selected ? ' selected' : ''));
+    li.dataset.id = c.id;
+    li.dataset.testid = 'collection-row';
+    li.tabIndex = 0;
+    const main = el('div', 'docmain');
+    main.append(el('span', 'doctitle', c.title || c.id));
+    main.append(el('span', 'docmeta muted small', c.document_ids.length + ' documents · ' + fmtTime(c.created_at)));
+    li.append(main, el('span', 'badge ready', 'collection'));
+    li.addEventListener('click', () => select(c.id));
+    li.addEventListener('keydown', (ev) => { if (ev.key === 'Enter') select(c.id); });
+    ul.append(li);
+  }
   for (const d of state.docs.slice().reverse()) {
     const li = el('li', 'docrow' + (d.id === state.selected ? ' selected' : ''));
     li.dataset.id = d.id;
@@ -502,14 +563,14 @@ function select(id, force) {
   // Each document keeps its own conversation.
   const thread = $('thread');
   const turns = [...thread.querySelectorAll(':scope > .turn')];
-  if (state.selected && state.docs.some((d) => d.id === state.selected)) state.threads.set(state.selected, turns);
+  if (state.selected && [...state.docs, ...state.cols].some((d) => d.id === state.selected)) state.threads.set(state.selected, turns);
   for (const t of turns) t.remove();
   for (const t of state.threads.get(id) || []) thread.append(t);
   state.selected = id;
-  state.view = id ? state.docs.find((d) => d.id === id) || null : null;
+  state.view = id ? (isCollection(id) ? state.cols : state.docs).find((d) => d.id === id) || null : null;
   renderList();
   renderDoc();
-  if (id) follow(id);
+  if (id && !isCollection(id)) follow(id);
 }
 
 async function follow(id) {
@@ -587,6 +648,17 @@ function renderDoc() {
     return;
   }
   $('doc-heading').textContent = d.title || d.id;
+  if (isCollection(d.id)) {
+    // A collection is one chat over its documents: no training strip of its own.
+    status.textContent = 'collection';
+    status.className = 'badge ready';
+    status.dataset.status = 'collection';
+    $('doc-id').textContent = d.document_ids.length + ' documents · ' + d.id;
+    $('doc-live').hidden = true;
+    $('figures').hidden = true;
+    renderAskState();
+    return;
+  }
   status.textContent = statusText(d);
   status.className = 'badge ' + d.status;
   status.dataset.status = d.status;
@@ -849,7 +921,7 @@ async function askOne(docId, question, mode, maxTokens, ui, history) {
   const t0 = performance.now();
   let got = false, pieces = 0;
   try {
-    const body = { document_id: docId, question, mode, max_tokens: maxTokens, temperature: 0, stream: true };
+    const body = { ...target(docId), question, mode, max_tokens: maxTokens, temperature: 0, stream: true };
     if (history.length) body.history = history;
     const resp = await check(await fetch('/ask', {
       method: 'POST',
@@ -890,14 +962,32 @@ async function askOne(docId, question, mode, maxTokens, ui, history) {
   }
 }
 
+// The field naming what is asked: a document, or a collection.
+function target(id) {
+  return isCollection(id) ? { collection_id: id } : { document_id: id };
+}
+
+// A collection's answer names its sources: the documents read, the one whose adapter answered.
+function sourcesLine(v) {
+  const docs = (v.collection && v.collection.documents) || [];
+  const by = v.adapter && v.adapter.document_id;
+  const name = (d) => d.title || d.id;
+  const s = el('span', 'sources', 'Sources: ' + docs.map(name).join(', ') +
+    (by ? ' · adapter of ' + name(docs.find((d) => d.id === by) || { id: by }) : ''));
+  s.dataset.testid = 'sources';
+  s.dataset.documents = docs.map((d) => d.id).join(' ');
+  return s;
+}
+
 function renderAnswerMeta(ui, v, asked) {
   ui.meta.replaceChildren();
-  const kind = adapterKind(v, asked.docId);
+  const kind = isCollection(asked.docId) ? (v.adapter ? 'final' : 'none') : adapterKind(v, asked.docId);
   const by = el('span', 'by', answeredBy(v, kind, asked.mode));
   by.dataset.testid = 'answered-by';
   by.dataset.mode = v.mode;
   by.dataset.adapter = kind;
   ui.meta.append(by);
+  if (v.collection) ui.meta.append(sourcesLine(v));
   const u = v.usage || {};
   ui.meta.append(el('span', 'nums', (u.completion_tokens || 0) + ' tokens · ' + fmtSecs(asked.wallMs / 1000)));
   ui.meta.title = 'prompt ' + (u.prompt_tokens || 0) + ' tokens · queued ' + Math.round((v.timings || {}).queue_ms || 0) + ' ms · finish: ' + v.finish_reason;
@@ -916,7 +1006,7 @@ function passagesBox(asked) {
     if (!det.open || det.dataset.loaded) return;
     det.dataset.loaded = 'loading';
     try {
-      const body = { document_id: asked.docId, question: asked.question, mode: asked.mode,
+      const body = { ...target(asked.docId), question: asked.question, mode: asked.mode,
         max_tokens: 1, temperature: 0, include_context: true };
       // The same conversation, so that these are the passages the answer read.
       if (asked.history.length) body.history = asked.history;
@@ -945,7 +1035,9 @@ function renderChunks(chunks) {
   const box = el('div', 'chunklist');
   const max = Math.max(1e-6, ...chunks.map((c) => Math.abs(c.score)));
   for (const c of chunks) {
-    const s = el('span', 'chunk ' + (c.score > 0 ? 'rel' : 'irr'), c.text);
+    // A collection's passages are labelled with their document.
+    const doc = c.document_id && [...state.docs, ...state.cols].find((x) => x.id === c.document_id);
+    const s = el('span', 'chunk ' + (c.score > 0 ? 'rel' : 'irr'), (c.document_id ? '[' + ((doc && doc.title) || c.document_id) + '] ' : '') + c.text);
     s.dataset.testid = 'chunk';
     s.dataset.score = String(c.score);
     const a = c.score > 0 ? 0.12 + 0.6 * Math.min(1, c.score / max) : 0;
@@ -963,7 +1055,9 @@ async function ask(ev) {
   const question = $('question').value.trim();
   if (!d || state.asking) return;
   if (!question) { toast('Type a question first.', 'empty_question'); return; }
-  const modes = $('compare').checked ? MODES : [state.mode];
+  // A collection answers in lift and rag only.
+  const allowed = isCollection(d.id) ? ['lift', 'rag'] : MODES;
+  const modes = $('compare').checked ? allowed : [allowed.includes(state.mode) ? state.mode : 'lift'];
   const maxTokens = Number($('max-tokens').value) || undefined;
   $('question').value = '';
   // The conversation before this question, per mode (taken before its turn joins the thread).
