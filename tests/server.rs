@@ -1399,6 +1399,45 @@ async fn refused_post_writes_nothing() {
 
 /// Issue 16, item 7: a document deleted while an `/ask` on it waits in the queue answers 404,
 /// not 500, and names no server path.
+/// A document deleted while its job waits gives its place in the training queue back at once:
+/// a client posting and deleting while a long absorb runs is not refused with 429 by jobs that
+/// will never train (found by the soak bench), and the queue still holds only its places.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_document_deleted_while_queued_gives_its_place_back() {
+    let e = env();
+    let mut cfg = config(&e, &[]);
+    cfg.train_queue = 2;
+    let (running, base) = start(cfg).await;
+    let c = client();
+    let release = hold_thread(&running, true).await;
+    // Five posts deleted while they wait: each finds a place.
+    for n in 0..5 {
+        let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": format!("{DOC} Copy {n}.")}), None).await;
+        assert_eq!(s, 202, "post {n} after {n} deleted while waiting: {d}");
+        let id = d["id"].as_str().unwrap();
+        let r = c.delete(format!("{base}/documents/{id}")).send().await.unwrap();
+        assert_eq!(r.status(), 204);
+    }
+    assert_eq!(running.state.service.engine.train_queue(), (0, 1), "the deleted jobs hold no place");
+    // The queue still holds two waiting jobs and refuses a third.
+    let mut kept = Vec::new();
+    for n in 0..2 {
+        let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": format!("{DOC} Kept {n}.")}), None).await;
+        assert_eq!(s, 202, "{d}");
+        kept.push(d["id"].as_str().unwrap().to_string());
+    }
+    let (s, v) = post_json(&c, &format!("{base}/documents"), json!({"text": format!("{DOC} One too many.")}), None).await;
+    assert_eq!(s, 429, "{v}");
+    assert_error_shape(&v, "queue_full", "queue full");
+    // Released, the worker drops the deleted jobs and trains the two kept ones.
+    drop(release);
+    for id in &kept {
+        wait_ready(&c, &base, id, None).await;
+    }
+    let metrics = c.get(format!("{base}/metrics")).send().await.unwrap().text().await.unwrap();
+    assert!(metrics.contains("lift_training_queue_depth 0"), "{metrics}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delete_while_ask_queued_is_404() {
     let e = env();

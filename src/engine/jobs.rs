@@ -28,6 +28,9 @@ pub struct AbsorbJob {
     /// Set to stop the job (delete, shutdown); polled between training steps. Also tells the
     /// job apart from a later job of the same id.
     pub cancel: Arc<AtomicBool>,
+    /// Its place in the training queue, given back at once when its document is deleted before
+    /// it starts.
+    pub place: super::QueuePlace,
 }
 
 /// Where an absorb job reports, and where generation figures go (the service's records and
@@ -111,7 +114,7 @@ pub enum AbsorbOutcome {
 }
 
 pub(super) fn absorb(model: &Model, store: &Store, events: &dyn JobEvents, rate: &AbsorbRate, job: AbsorbJob) {
-    let AbsorbJob { id, document, title, source, options, cancel } = job;
+    let AbsorbJob { id, document, title, source, options, cancel, place: _ } = job;
     let cancelled = || cancel.load(Ordering::SeqCst);
     if cancelled() {
         events.absorb(&id, &cancel, JobUpdate::Finished(AbsorbOutcome::Cancelled { started: false }));

@@ -25,9 +25,9 @@ pub use jobs::{AbsorbJob, AbsorbOutcome, GenerateJob, Generated, JobEvents, JobP
 
 use crate::model::Model;
 use crate::store::Store;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 
 /// What a lane's queue carries: that lane's kind of job (so a job cannot reach the wrong thread).
 enum Queued<J> {
@@ -96,12 +96,55 @@ struct Context {
     rate: Arc<AbsorbRate>,
 }
 
+/// How many more entries a lane's channel holds than its queue's places: a job deleted while it
+/// waits gives its place back at once ([`QueuePlace::release`]) but stays in the channel until
+/// the worker reaches it and drops it, so the channel needs room beyond the places.
+const CHANNEL_SLACK: usize = 4;
+
+/// A waiting job's place in the training queue, shared by the job and its document's record: a
+/// document deleted before its job starts gives the place back at once, instead of when the
+/// worker reaches the cancelled job (a client posting and deleting while a long absorb runs
+/// would otherwise fill the queue with jobs that will never train, and be refused with 429).
+#[derive(Clone, Default)]
+pub struct QueuePlace(Arc<PlaceState>);
+
+#[derive(Default)]
+struct PlaceState {
+    /// WAITING, STARTED or RELEASED.
+    state: AtomicU8,
+    /// The lane's count of waiting jobs, once the job is in a queue.
+    depth: OnceLock<Arc<AtomicUsize>>,
+}
+
+impl QueuePlace {
+    const WAITING: u8 = 0;
+    const STARTED: u8 = 1;
+    const RELEASED: u8 = 2;
+
+    /// Gives the place back if the job is still waiting in a queue; the worker then skips it.
+    pub fn release(&self) {
+        let Some(depth) = self.0.depth.get() else { return };
+        let released = self.0.state.compare_exchange(Self::WAITING, Self::RELEASED, Ordering::SeqCst, Ordering::SeqCst).is_ok();
+        if released {
+            depth.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+
+    /// The worker takes the job: false when its place was given back (the job is dropped).
+    fn start(&self) -> bool {
+        self.0.state.compare_exchange(Self::WAITING, Self::STARTED, Ordering::SeqCst, Ordering::SeqCst).is_ok()
+    }
+}
+
 /// One lane: its thread and the bounded queue of its jobs (`J`).
 pub(crate) struct Worker<J> {
     tx: Mutex<Option<SyncSender<Queued<J>>>>,
     capacity: usize,
-    /// Jobs waiting (not yet started), and places reserved for jobs about to be submitted.
+    /// Jobs waiting (not yet started, not given back), and places reserved for jobs about to be
+    /// submitted: at most `capacity`.
     depth: Arc<AtomicUsize>,
+    /// Entries in the channel, given-back jobs included: at most `capacity × CHANNEL_SLACK`.
+    occupancy: Arc<AtomicUsize>,
     /// Jobs running (training: 0 or 1; generation: the batch).
     busy: Arc<AtomicUsize>,
     handle: Mutex<Option<std::thread::JoinHandle<()>>>,
@@ -115,18 +158,19 @@ impl<J: Send + 'static> Worker<J> {
         run: impl FnOnce(Receiver<Queued<J>>, &Counters) + Send + 'static,
     ) -> std::io::Result<Self> {
         let capacity = capacity.max(1);
-        let (tx, rx) = sync_channel::<Queued<J>>(capacity);
+        let (tx, rx) = sync_channel::<Queued<J>>(capacity * CHANNEL_SLACK);
         let depth = Arc::new(AtomicUsize::new(0));
+        let occupancy = Arc::new(AtomicUsize::new(0));
         let busy = Arc::new(AtomicUsize::new(0));
-        let counters = Counters { depth: depth.clone(), busy: busy.clone() };
+        let counters = Counters { depth: depth.clone(), occupancy: occupancy.clone(), busy: busy.clone() };
         let handle = std::thread::Builder::new().name(name.to_string()).spawn(move || run(rx, &counters))?;
-        Ok(Self { tx: Mutex::new(Some(tx)), capacity, depth, busy, handle: Mutex::new(Some(handle)) })
+        Ok(Self { tx: Mutex::new(Some(tx)), capacity, depth, occupancy, busy, handle: Mutex::new(Some(handle)) })
     }
 }
 
 impl<J> Worker<J> {
-    /// Takes a place in the queue, or says why there is none. `depth` never exceeds the channel's
-    /// capacity, so a reserved place can always be filled.
+    /// Takes a place in the queue, or says why there is none. `occupancy` never exceeds the
+    /// channel's capacity, so a reserved place can always be filled.
     fn reserve(&self) -> Result<Reservation<'_, J>, EngineError> {
         if self.tx.lock().map_err(|_| EngineError::Closed)?.is_none() {
             return Err(EngineError::Closed);
@@ -134,6 +178,11 @@ impl<J> Worker<J> {
         self.depth
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| (d < self.capacity).then_some(d + 1))
             .map_err(|_| EngineError::QueueFull)?;
+        let room = self.capacity * CHANNEL_SLACK;
+        if self.occupancy.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |o| (o < room).then_some(o + 1)).is_err() {
+            self.depth.fetch_sub(1, Ordering::SeqCst);
+            return Err(EngineError::QueueFull);
+        }
         Ok(Reservation { worker: self, used: false })
     }
 
@@ -159,6 +208,8 @@ impl<J> Worker<J> {
 struct Counters {
     /// Jobs waiting in the channel (and places reserved for jobs about to be submitted).
     depth: Arc<AtomicUsize>,
+    /// Entries in the channel.
+    occupancy: Arc<AtomicUsize>,
     /// Jobs running.
     busy: Arc<AtomicUsize>,
 }
@@ -166,6 +217,14 @@ struct Counters {
 /// The training lane: one job at a time.
 fn run_one_at_a_time(ctx: &Context, rx: Receiver<Queued<AbsorbJob>>, counters: &Counters) {
     while let Ok(queued) = rx.recv() {
+        counters.occupancy.fetch_sub(1, Ordering::SeqCst);
+        // A job whose document was deleted while it waited gave its place back already.
+        if let Queued::Job(job) = &queued {
+            if !job.place.start() {
+                tracing::debug!(id = job.id, "a deleted document's job is dropped from the queue");
+                continue;
+            }
+        }
         counters.depth.fetch_sub(1, Ordering::SeqCst);
         counters.busy.store(1, Ordering::SeqCst);
         // A panic in one job must not take the worker down.
@@ -203,6 +262,7 @@ fn run_batched(ctx: &Context, rx: Receiver<Queued<GenerateJob>>, counters: &Coun
                 break;
             };
             counters.depth.fetch_sub(1, Ordering::SeqCst);
+            counters.occupancy.fetch_sub(1, Ordering::SeqCst);
             match job {
                 Queued::Job(job) => {
                     let admitted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -265,11 +325,21 @@ pub struct Reservation<'a, J> {
     used: bool,
 }
 
-impl<J> Reservation<'_, J> {
-    pub fn submit(self, job: J) -> Result<(), EngineError> {
+impl Reservation<'_, AbsorbJob> {
+    /// Queues `job`; its [`QueuePlace`] can give the place back from now on.
+    pub fn submit(self, job: AbsorbJob) -> Result<(), EngineError> {
+        let _ = job.place.0.depth.set(self.worker.depth.clone());
         self.send(Queued::Job(job))
     }
+}
 
+impl Reservation<'_, GenerateJob> {
+    pub fn submit(self, job: GenerateJob) -> Result<(), EngineError> {
+        self.send(Queued::Job(job))
+    }
+}
+
+impl<J> Reservation<'_, J> {
     fn send(mut self, queued: Queued<J>) -> Result<(), EngineError> {
         let guard = self.worker.tx.lock().map_err(|_| EngineError::Closed)?;
         let tx = guard.as_ref().ok_or(EngineError::Closed)?;
@@ -288,6 +358,7 @@ impl<J> Drop for Reservation<'_, J> {
     fn drop(&mut self) {
         if !self.used {
             self.worker.depth.fetch_sub(1, Ordering::SeqCst);
+            self.worker.occupancy.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }

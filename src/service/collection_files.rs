@@ -20,9 +20,14 @@ impl FileCollections {
     /// Reads the collections under `adapters_dir` (an unreadable file is skipped with a warning).
     pub fn open(adapters_dir: &Path) -> anyhow::Result<Self> {
         let dir = adapters_dir.join("collections");
-        std::fs::create_dir_all(&dir).with_context(|| format!("{}: cannot create", dir.display()))?;
         let mut records = HashMap::new();
-        for entry in std::fs::read_dir(&dir)? {
+        // Made when the first collection is written: a store without collections holds no folder.
+        let entries = match std::fs::read_dir(&dir) {
+            Ok(entries) => entries.collect::<Vec<_>>(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Err(e) => return Err(e).with_context(|| format!("{}: cannot read", dir.display())),
+        };
+        for entry in entries {
             let path = entry?.path();
             if path.extension().is_none_or(|e| e != "json") {
                 continue;
@@ -45,6 +50,8 @@ impl FileCollections {
 
     fn write(&self, rec: &CollectionRecord) -> Result<(), ServiceError> {
         let bytes = serde_json::to_vec_pretty(rec).map_err(ServiceError::internal)?;
+        std::fs::create_dir_all(&self.dir)
+            .map_err(|e| ServiceError::internal(format!("{}: cannot create: {e}", self.dir.display())))?;
         crate::store::write_atomic(&self.path(&rec.id), &bytes)
             .map_err(|e| ServiceError::internal(format!("cannot write the collection record: {e:#}")))
     }

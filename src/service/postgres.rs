@@ -642,6 +642,8 @@ impl Shared {
             source: rec.source,
             options,
             cancel: running.cancel.clone(),
+            // The shared queue is the database's: a job reaches this lane only to run.
+            place: Default::default(),
         })
     }
 

@@ -60,6 +60,8 @@ pub struct DocEntry {
     pub progress: Option<JobProgress>,
     /// The running job's stop flag (a re-posted document gets a new job and a new flag).
     pub cancel: Arc<AtomicBool>,
+    /// The job's place in the training queue while it waits (given back when it is deleted).
+    pub place: crate::engine::QueuePlace,
     pub watch: tokio::sync::watch::Sender<DocumentView>,
 }
 
@@ -67,7 +69,7 @@ impl DocEntry {
     pub fn new(rec: JobRecord) -> Self {
         let view = view(&rec, None);
         let (watch, _) = tokio::sync::watch::channel(view);
-        Self { rec, progress: None, cancel: Arc::new(AtomicBool::new(false)), watch }
+        Self { rec, progress: None, cancel: Arc::new(AtomicBool::new(false)), place: Default::default(), watch }
     }
 
     pub fn view(&self) -> DocumentView {
@@ -231,6 +233,7 @@ impl Records {
             source: r.source.clone(),
             options,
             cancel: entry.cancel.clone(),
+            place: entry.place.clone(),
         };
         engine.queue_absorb(job).map_err(|e| format!("the training queue refused it ({e})"))
     }
@@ -276,6 +279,7 @@ impl Records {
             source: entry.rec.source.clone(),
             options,
             cancel: entry.cancel.clone(),
+            place: entry.place.clone(),
         };
         slot.submit(job)?;
         self.store.write_record(&entry.rec).map_err(|e| ServiceError::internal(format!("cannot write the job record: {e}")))?;
@@ -290,6 +294,7 @@ impl Records {
         let entry = self.docs.write().map_err(ServiceError::poisoned)?.remove(id);
         if let Some(e) = entry {
             e.cancel.store(true, Ordering::SeqCst);
+            e.place.release();
         }
         let (store, id2) = (self.store.clone(), id.to_string());
         tokio::task::spawn_blocking(move || store.delete(&id2))
