@@ -170,7 +170,7 @@ impl Backend for Server {
                 })
                 .collect::<Result<Vec<_>>>()
         })?;
-        Ok(Asked { text: answer, prompt_tokens: r["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize, chunks })
+        Ok(Asked { text: answer, prompt_tokens: r["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize, chunks, logprobs: Vec::new() })
     }
 
     fn release(&mut self) {

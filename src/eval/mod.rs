@@ -9,6 +9,7 @@
 //! ([`metrics`]). [`report`] writes the JSON results, a markdown table and PNG plots.
 
 pub mod client;
+pub mod gating;
 mod jsonl;
 pub mod mask;
 pub mod needles;
@@ -227,6 +228,9 @@ pub struct AnswerRecord {
     /// What the prepared base's FltLM mask did to the context (None without a base filter).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mask: Option<mask::MaskRecord>,
+    /// Each generated token's log-probability (empty from a backend that gives none).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub logprobs: Vec<f32>,
 }
 
 /// Run settings shared by both backends.
@@ -332,6 +336,7 @@ pub struct Asked {
     pub text: String,
     pub prompt_tokens: usize,
     pub chunks: Vec<ChunkScore>,
+    pub logprobs: Vec<f32>,
 }
 
 /// Where absorbing and answering happen: in this process, or on a server ([`client::Server`]).
@@ -426,7 +431,7 @@ impl Backend for Local<'_> {
         let adapter = bundle.map(|b| &b.adapter as &dyn crate::model::Adapter);
         let params = SamplingParams { max_tokens: self.max_tokens, temperature: 0.0, ..Default::default() };
         let a = answer(self.model, document, adapter, ask, &params, &mut |_| true)?;
-        Ok(Asked { text: a.generation.text, prompt_tokens: a.prompt.tokens.len(), chunks: a.chunks })
+        Ok(Asked { text: a.generation.text, prompt_tokens: a.prompt.tokens.len(), chunks: a.chunks, logprobs: a.generation.logprobs })
     }
 
     fn release(&mut self) {
@@ -591,7 +596,7 @@ impl Runner<'_> {
             };
             let t = Instant::now();
             let asked = ask(&q.question, m, cfg);
-            let Asked { text: prediction, prompt_tokens, chunks } =
+            let Asked { text: prediction, prompt_tokens, chunks, logprobs } =
                 self.backend.ask(doc, document, handles.get(&m.name).copied(), &asked)?;
             let expected = build_prompt(model, document, &asked, cfg.max_tokens)?;
             if prompt_tokens != expected.tokens.len() {
@@ -620,6 +625,7 @@ impl Runner<'_> {
                 evidence_in_context: if expected.shown.is_empty() { None } else { in_window(&expected, q) },
                 form: q.form.clone(),
                 mask: mask::measure(q, &chunks),
+                logprobs,
             });
             self.bars.overall.inc(1);
         }

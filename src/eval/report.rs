@@ -79,6 +79,7 @@ pub fn markdown(results: &Results) -> String {
     paired_tables(&mut s, results);
     absorb_table(&mut s, results);
     reading_table(&mut s, results);
+    super::gating::table(&mut s, results);
     super::mask::table(&mut s, results);
     kind_table(&mut s, results);
     form_table(&mut s, results);
@@ -616,6 +617,7 @@ mod tests {
                     evidence_in_context: None,
                     form: None,
                     mask: None,
+                    logprobs: Vec::new(),
                 })
                 .collect(),
             seconds: 1.0,
@@ -671,6 +673,7 @@ mod tests {
                     evidence_in_context: None,
                     form: None,
                     mask: None,
+                    logprobs: Vec::new(),
                 })
                 .collect();
             Results {
@@ -720,6 +723,7 @@ mod tests {
             evidence_in_context: shown,
             form: Some(if q % 2 == 0 { "who".into() } else { "when".into() }),
             mask: None,
+            logprobs: Vec::new(),
         };
         let answers = vec![
             // Document a: "the License" three times with two wrong; "1999" once.
