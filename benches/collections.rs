@@ -15,7 +15,8 @@
 //!   its index; the first question after the index was built (`collection_index_figures`); warm,
 //!   median and p90 over the questions × rounds;
 //! - the index's build alone, its documents, passages and bytes;
-//! - routing accuracy: the best passage is in the document holding the asked fact (warm questions);
+//! - routing accuracy: the best passage is in the document holding the asked fact (warm questions),
+//!   also split by whether the planted sentence lies whole in one of its document's passages;
 //! - at 10 and 100, the same questions over real HTTP (`POST /ask`, `max_tokens` 1: this one
 //!   includes the context's prefill and one generated token).
 //!
@@ -70,6 +71,8 @@ const TEMPLATES: [(&str, &str); 3] = [
 struct Fact {
     document: usize,
     question: String,
+    /// The planted sentence.
+    sentence: String,
 }
 
 /// Document `i`: about 680 words of essay (a slice that starts elsewhere for each document) with
@@ -82,8 +85,9 @@ fn document(i: usize, words: &[&str], facts: &mut Vec<Fact>) -> String {
         let p = person(3 * i + t);
         let value = 1000 + (i * 7_331 + t * 2_719) % 9000;
         let at = WORDS * [1, 5, 8][t] / 10;
-        out.insert(at, fact.replace("{P}", &p).replace("{N}", &value.to_string()));
-        facts.push(Fact { document: i, question: question.replace("{P}", &p) });
+        let sentence = fact.replace("{P}", &p).replace("{N}", &value.to_string());
+        out.insert(at, sentence.clone());
+        facts.push(Fact { document: i, question: question.replace("{P}", &p), sentence });
     }
     out.join(" ")
 }
@@ -142,10 +146,12 @@ async fn run() -> Result<()> {
 
     let mut facts = Vec::new();
     let mut ids = Vec::new();
+    let mut texts = Vec::new();
     let mut tokens = 0usize;
     let t = Instant::now();
     for i in 0..n_max {
         let text = document(i, &words, &mut facts);
+        texts.push(text.clone());
         let doc = NewDocument {
             source: Source::as_sent(&text, "application/json"),
             text,
@@ -195,6 +201,8 @@ async fn run() -> Result<()> {
         let col = state.service.create_collection(None, None, members.clone()).await?;
         ask(&state, &col.id, &asked[0].question).await?;
         let (mut warm, mut right, mut total) = (Vec::new(), 0, 0);
+        // Misses by whether the planted sentence lies whole in one of its document's passages.
+        let (mut whole, mut whole_right) = (0, 0);
         for r in 0..rounds {
             for f in &asked {
                 let (s, top) = ask(&state, &col.id, &f.question).await?;
@@ -202,6 +210,12 @@ async fn run() -> Result<()> {
                 if r == 0 {
                     total += 1;
                     right += usize::from(top == ids[f.document]);
+                    let model = state.service.model();
+                    let doc = lift_serve::document::Document::encode(model, texts[f.document].clone())?;
+                    if lift_serve::service::index_passages(model, &doc)?.iter().any(|p| p.2.contains(&f.sentence)) {
+                        whole += 1;
+                        whole_right += usize::from(top == ids[f.document]);
+                    }
                 }
             }
         }
@@ -244,6 +258,11 @@ async fn run() -> Result<()> {
             100.0 * right as f64 / total as f64,
         );
         println!("{row}");
+        println!(
+            "{n} documents: routed right {whole_right}/{whole} where the planted sentence lies whole in one passage, {}/{} where a passage boundary cuts it",
+            right - whole_right,
+            total - whole
+        );
         rows.push(row);
     }
     println!();
