@@ -48,9 +48,9 @@ fn ms(s: f64) -> String {
 }
 
 const FIRST: [&str; 30] = [
-    "Ilse", "Tobias", "Ingrid", "Oswin", "Priya", "Lucian", "Marisol", "Anselm", "Dagny", "Ferran", "Mirela", "Casimir", "Elodie",
-    "Gideon", "Halvard", "Isolde", "Jorun", "Kasimir", "Leontine", "Matthias", "Nerys", "Octavia", "Piet", "Quirin", "Rosalind",
-    "Sander", "Thea", "Ulrike", "Valentin", "Wendeline",
+    "Ilse", "Tobias", "Ingrid", "Oswin", "Priya", "Lucian", "Marisol", "Anselm", "Dagny", "Ferran", "Mirela",
+    "Casimir", "Elodie", "Gideon", "Halvard", "Isolde", "Jorun", "Kasimir", "Leontine", "Matthias", "Nerys", "Octavia",
+    "Piet", "Quirin", "Rosalind", "Sander", "Thea", "Ulrike", "Valentin", "Wendeline",
 ];
 const LAST_HEAD: [&str; 10] = ["Mar", "Ash", "Bell", "Crane", "Dun", "Fair", "Glen", "Hollo", "Kes", "Lind"];
 const LAST_TAIL: [&str; 10] = ["wood", "ford", "ridge", "moor", "field", "brook", "stone", "ley", "holt", "wick"];
@@ -64,8 +64,14 @@ fn person(k: usize) -> String {
 /// The three templates every document plants: (fact, question), `{P}` the person, `{N}` the value.
 const TEMPLATES: [(&str, &str); 3] = [
     ("{P}'s locker code is {N}.", "What is {P}'s locker code?"),
-    ("{P} parks a green bicycle in bay {N} of the station garage.", "In which bay of the station garage does {P} park the green bicycle?"),
-    ("The spare key of {P} hangs on hook number {N} in the hallway.", "On which hook in the hallway does the spare key of {P} hang?"),
+    (
+        "{P} parks a green bicycle in bay {N} of the station garage.",
+        "In which bay of the station garage does {P} park the green bicycle?",
+    ),
+    (
+        "The spare key of {P} hangs on hook number {N} in the hallway.",
+        "On which hook in the hallway does the spare key of {P} hang?",
+    ),
 ];
 
 struct Fact {

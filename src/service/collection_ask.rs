@@ -95,9 +95,9 @@ impl Service {
             self.store.live(id).ok_or_else(|| ServiceError::NotReady { id: id.to_string(), status: view.status })?.document.clone()
         };
         tokio::task::spawn_blocking(move || index_passages(&model, &document))
-        .await
-        .map_err(ServiceError::internal)?
-        .map_err(ServiceError::internal)
+            .await
+            .map_err(ServiceError::internal)?
+            .map_err(ServiceError::internal)
     }
 
     /// Brings the index of `members` (the collection's documents that exist, with their views)
