@@ -22,7 +22,8 @@
 //!
 //!   LIFT_MODELS_DIR=models cargo bench --bench collections
 //!
-//! Environment: BENCH_SIZES (10,100,1000), BENCH_QUESTIONS (60 per size), BENCH_ROUNDS (3),
+//! Environment: BENCH_BACKEND (files; pg: a replica that only answers, on a throwaway
+//! PostgreSQL, the documents queued there), BENCH_SIZES (10,100,1000), BENCH_QUESTIONS (60 per size), BENCH_ROUNDS (3),
 //! BENCH_COLD (3 fresh collections per size), BENCH_HTTP_MAX (100: the largest size asked over HTTP).
 
 #[path = "common/stats.rs"]
@@ -143,7 +144,28 @@ async fn run() -> Result<()> {
     cfg.train_queue = n_max + 8;
     cfg.generate_queue = 4096;
     cfg.max_collection_documents = n_max.max(1000);
+    // BENCH_BACKEND=pg: a replica (role `server`: it trains nothing) on a throwaway PostgreSQL.
+    let backend = std::env::var("BENCH_BACKEND").unwrap_or_else(|_| "files".into());
+    let pg = match backend.as_str() {
+        "files" => None,
+        "pg" => {
+            let pg = lift_serve::testing::PgCluster::start()?;
+            cfg.database_url = Some(pg.url.clone());
+            cfg.adapter_store = Some(format!("file://{}", tmp.path().join("store").display()));
+            cfg.role = lift_serve::service::postgres::Role::Server;
+            cfg.replica_id = Some("bench".into());
+            Some(pg)
+        }
+        other => bail!("BENCH_BACKEND: files or pg, not {other}"),
+    };
     let state = tokio::task::block_in_place(|| server::build_state(cfg, &Device::Cpu))?;
+    let t = Instant::now();
+    while !matches!(state.service.health().await, lift_serve::service::Health::Ok) {
+        if t.elapsed() > Duration::from_secs(60) {
+            bail!("the database did not come up");
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
     let running = server::start(state.clone()).await?;
     let base = format!("http://{}", running.addr);
     // Nothing is absorbed: the documents stay queued, read by the index from memory.
@@ -171,7 +193,7 @@ async fn run() -> Result<()> {
         ids.push(view.id);
     }
     println!(
-        "threads: {}; {n_max} documents posted (training held) in {:.1} s, {:.0} tokens each on average; \
+        "{backend}; threads: {}; {n_max} documents posted (training held) in {:.1} s, {:.0} tokens each on average; \
          {n_questions} questions per size × {rounds} rounds, {colds} cold collections",
         rayon::current_num_threads(),
         t.elapsed().as_secs_f64(),
@@ -281,6 +303,9 @@ async fn run() -> Result<()> {
         println!("{r}");
     }
     // The training hold is never released (1,000 absorbs would start): leave without a shutdown.
+    if let Some(pg) = pg {
+        pg.stop()?;
+    }
     std::process::exit(0)
 }
 
