@@ -162,11 +162,17 @@ struct AbsorbArgs {
 #[derive(clap::Args)]
 struct AskArgs {
     /// Adapter directory written by `absorb`.
-    #[arg(long, required_unless_present = "document", conflicts_with = "document")]
+    #[arg(long, required_unless_present_any = ["document", "collection"], conflicts_with_all = ["document", "collection"])]
     adapter: Option<PathBuf>,
     /// A document (text, Markdown, HTML or PDF file) to read in context, without absorbing it.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "collection")]
     document: Option<PathBuf>,
+    /// A directory asked as one collection (as the server's `collection_id`): each entry an
+    /// adapter directory written by `absorb` or a document file. One BM25 ranking over all their
+    /// passages; `lift` (the default when it holds an adapter) answers with the adapter of the
+    /// best passage's document, `rag` with none.
+    #[arg(long)]
+    collection: Option<PathBuf>,
     #[arg(long)]
     question: String,
     /// A JSON file with the conversation before the question, oldest first (as `/ask`'s
@@ -523,6 +529,9 @@ impl AskArgs {
     /// read in context only; answered by the one answer function, streamed to stdout.
     fn run(&self, device: &Device, runtime: &RuntimeConfig) -> Result<()> {
         let model = self.model.load(device, runtime)?;
+        if let Some(dir) = &self.collection {
+            return self.ask_collection(&model, dir);
+        }
         let (loaded, document, mode) = match (&self.adapter, &self.document) {
             (Some(dir), _) => {
                 let loaded = store::load_dir(dir, &model)?;
@@ -543,18 +552,7 @@ impl AskArgs {
         anyhow::ensure!(!document.is_empty(), "the document is empty");
         let params =
             SamplingParams { max_tokens: self.max_tokens, temperature: self.temperature, ..Default::default() };
-        let history: Vec<lift_serve::model::ChatMessage> = match &self.history {
-            Some(path) => {
-                let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
-                let turns: Vec<lift_serve::model::ChatMessage> =
-                    serde_json::from_str(&text).with_context(|| format!("{}: not a JSON array of {{role, content}} turns", path.display()))?;
-                if let Some(t) = turns.iter().find(|t| t.role != "user" && t.role != "assistant") {
-                    anyhow::bail!("{}: a turn's role is 'user' or 'assistant' (got '{}')", path.display(), t.role);
-                }
-                turns
-            }
-            None => Vec::new(),
-        };
+        let history = self.history()?;
         let ask = Ask { question: &self.question, history: &history, mode, context: self.context, context_tokens: self.context_tokens };
         let adapter = loaded.as_ref().map(|b| &b.adapter as &dyn lift_serve::model::Adapter);
         let a = answer(&model, &document, adapter, &ask, &params, &mut print_piece)?;
@@ -577,6 +575,83 @@ impl AskArgs {
             completion_tokens = a.generation.tokens.len(),
             "done"
         );
+        Ok(())
+    }
+}
+
+impl AskArgs {
+    fn history(&self) -> Result<Vec<ChatMessage>> {
+        let Some(path) = &self.history else { return Ok(Vec::new()) };
+        let text = std::fs::read_to_string(path).with_context(|| format!("{}: cannot read", path.display()))?;
+        let turns: Vec<ChatMessage> =
+            serde_json::from_str(&text).with_context(|| format!("{}: not a JSON array of {{role, content}} turns", path.display()))?;
+        if let Some(t) = turns.iter().find(|t| t.role != "user" && t.role != "assistant") {
+            anyhow::bail!("{}: a turn's role is 'user' or 'assistant' (got '{}')", path.display(), t.role);
+        }
+        Ok(turns)
+    }
+
+    /// `ask --collection DIR`: the server's collection index, ranking, prompt and routing over
+    /// the directory's entries (adapter directories by their saved text and token ids, files
+    /// read as `--document` reads them); only the routed document's adapter is used.
+    fn ask_collection(&self, model: &Model, dir: &std::path::Path) -> Result<()> {
+        use lift_serve::collection_index::CollectionIndex;
+        let mut entries: Vec<PathBuf> = std::fs::read_dir(dir)
+            .with_context(|| format!("{}: cannot read the collection directory", dir.display()))?
+            .map(|e| e.map(|e| e.path()))
+            .collect::<std::io::Result<_>>()?;
+        entries.retain(|p| !p.file_name().is_some_and(|n| n.to_string_lossy().starts_with('.')));
+        entries.sort();
+        let mut index = CollectionIndex::default();
+        let mut adapters = std::collections::HashMap::new();
+        for path in &entries {
+            let name = path.file_name().map(|n| n.to_string_lossy().to_string()).unwrap_or_default();
+            let document = if path.is_dir() {
+                let loaded = store::load_dir(path, model).with_context(|| format!("{}: not an adapter directory", path.display()))?;
+                adapters.insert(name.clone(), path.clone());
+                loaded.document
+            } else {
+                std::sync::Arc::new(Document::encode(model, lift_serve::formats::read_file(path)?.text)?)
+            };
+            if document.is_empty() {
+                tracing::warn!(entry = %path.display(), "an empty document: left out");
+                continue;
+            }
+            index.add(&name, Some(name.clone()), lift_serve::service::index_passages(model, &document)?);
+        }
+        anyhow::ensure!(!index.is_empty(), "{}: no documents (adapter directories or files) in it", dir.display());
+        let mode = self.mode.unwrap_or(if adapters.is_empty() { Mode::Rag } else { Mode::Lift });
+        anyhow::ensure!(matches!(mode, Mode::Lift | Mode::Rag), "a collection is asked in mode lift or rag (got {mode:?})");
+        anyhow::ensure!(
+            matches!(self.context, None | Some(ContextPolicy::Bm25)),
+            "a collection's context is its BM25 ranking (--context bm25)"
+        );
+        let history = self.history()?;
+        let ask = Ask { question: &self.question, history: &history, mode, context: None, context_tokens: None };
+        let budget = self.context_tokens.unwrap_or(lift_serve::lift::answer::DEFAULT_CONTEXT_TOKENS);
+        let (tokens, read) = lift_serve::service::prompt_over(model, &index, &ask, budget, self.max_tokens)?;
+        let top = read[0].document_id.clone();
+        let routed = match (mode, adapters.get(&top)) {
+            (Mode::Lift, Some(path)) => Some(store::load_dir(path, model)?.bundle),
+            _ => None,
+        };
+        for p in &read {
+            tracing::info!(document = %p.document_id, start = p.start, end = p.end, score = p.score, "passage read");
+        }
+        tracing::info!(
+            routed_to = %top,
+            adapter = routed.is_some(),
+            documents = index.documents(),
+            passages = index.len(),
+            prompt_tokens = tokens.len(),
+            "collection question"
+        );
+        let params = SamplingParams { max_tokens: self.max_tokens, temperature: self.temperature, ..Default::default() };
+        let adapter = routed.as_ref().map(|b| &b.adapter as &dyn lift_serve::model::Adapter);
+        let mut cache = KvCache::new(model.config().num_layers);
+        generate(model, &tokens, &mut cache, adapter, &mut NoHooks, &params, &mut print_piece)?;
+        println!();
+        eprintln!("[{} answered: {top}]", if routed.is_some() { "lift" } else { "rag" });
         Ok(())
     }
 }

@@ -422,6 +422,65 @@ fn ask_with_a_document_reads_it_in_context_and_refuses_adapter_modes() {
     }
 }
 
+/// `ask --collection DIR`: one ranking over an absorbed adapter directory and two plain files;
+/// each question is routed to the document holding its answer, answered with that adapter in
+/// `lift` when it has one (`rag` otherwise, and always with `--mode rag`); other modes are refused.
+#[test]
+fn ask_a_collection_routes_to_the_document_holding_the_answer() {
+    let (d, path) = tiny();
+    let col = d.path().join("library");
+    std::fs::create_dir_all(&col).unwrap();
+    let harbor = d.path().join("harbor.txt");
+    std::fs::write(&harbor, DOC).unwrap();
+    std::fs::write(
+        col.join("orchard.txt"),
+        "The orchard of Brindle grows pears and quinces on the south slope. The orchard keeper, Mira Falk, \
+         planted the first quince tree in 1877. Cider from the orchard is sold at the autumn market.",
+    )
+    .unwrap();
+    std::fs::write(
+        col.join("mill.txt"),
+        "The watermill on the Senn grinds rye for three villages. Its wheel was rebuilt in oak by the \
+         carpenter Oskar Lind after the flood. The miller rings a brass bell when the flour is ready.",
+    )
+    .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
+        .args(["absorb", "--prepared-base", "none", "--window", "32", "--training-context-tokens", "16", "--epochs", "1,1"])
+        .args(["--no-model-qa", "--aux-qa", "2", "--model"])
+        .arg(&path)
+        .arg(&harbor)
+        .arg("-o")
+        .arg(col.join("harbor"))
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let ask = |question: &str, mode: Option<&str>| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
+            .args(["ask", "--prepared-base", "none", "--max-tokens", "4", "--question", question])
+            .arg("--model")
+            .arg(&path)
+            .arg("--collection")
+            .arg(&col)
+            .args(mode.map(|m| vec!["--mode", m]).unwrap_or_default())
+            .output()
+            .unwrap();
+        (out.status.success(), String::from_utf8_lossy(&out.stderr).into_owned())
+    };
+    let ferry = "Who is the captain of the Marigold ferries?";
+    for (question, mode, says) in [
+        (ferry, None, "[lift answered: harbor]"),
+        ("Who planted the first quince tree in the orchard?", None, "[rag answered: orchard.txt]"),
+        ("Who rebuilt the wheel of the watermill?", Some("lift"), "[rag answered: mill.txt]"),
+        (ferry, Some("rag"), "[rag answered: harbor]"),
+    ] {
+        let (ok, err) = ask(question, mode);
+        assert!(ok && err.contains(says), "{question} ({mode:?}): {err}");
+        assert!(err.contains("routed_to") && err.contains("passage read"), "{err}");
+    }
+    let (ok, err) = ask(ferry, Some("icl"));
+    assert!(!ok && err.contains("lift or rag"), "{err}");
+}
+
 /// `lift-serve absorb` reads the formats the server takes: a PDF made here is absorbed from its
 /// text layer, titled by its metadata, and its manifest says how the text was made; a locked PDF
 /// is refused with the reason.

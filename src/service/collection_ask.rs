@@ -94,14 +94,10 @@ impl Service {
             self.ensure_live(id, view).await?;
             self.store.live(id).ok_or_else(|| ServiceError::NotReady { id: id.to_string(), status: view.status })?.document.clone()
         };
-        tokio::task::spawn_blocking(move || -> anyhow::Result<_> {
-            let index = document.passages(&model, passage_tokens(&model))?;
-            let ids = document.tokens();
-            index.passages.iter().map(|&(a, b)| Ok(((a, b), ids[a..b].to_vec(), model.tokenizer.decode(&ids[a..b])?))).collect()
-        })
-        .await
-        .map_err(ServiceError::internal)?
-        .map_err(ServiceError::internal)
+        tokio::task::spawn_blocking(move || index_passages(&model, &document))
+            .await
+            .map_err(ServiceError::internal)?
+            .map_err(ServiceError::internal)
     }
 
     /// Brings the index of `members` (the collection's documents that exist, with their views)
@@ -193,6 +189,30 @@ impl Service {
         let passages = chosen.into_iter().map(|c| c.read).collect();
         Ok((pending, CollectionRead { collection_id, document_id: top, mode, answered_by, passages }))
     }
+}
+
+/// The passages of `document` as a [`CollectionIndex`] takes them: (token range, token ids, text),
+/// the document's own passages (the FltLM chunk size, or 32 tokens).
+pub fn index_passages(model: &Model, document: &Document) -> anyhow::Result<Vec<((usize, usize), Vec<u32>, String)>> {
+    let index = document.passages(model, passage_tokens(model))?;
+    let ids = document.tokens();
+    index.passages.iter().map(|&(a, b)| Ok(((a, b), ids[a..b].to_vec(), model.tokenizer.decode(&ids[a..b])?))).collect()
+}
+
+/// A question asked of `index` outside the service (`lift-serve ask --collection`): the
+/// server's ranking, context and prompt (`budget` context tokens, room for `max_tokens`). The
+/// prompt's tokens and the passages read, best first (the first one's document is the routed one).
+pub fn prompt_over(
+    model: &Model,
+    index: &CollectionIndex,
+    ask: &Ask,
+    budget: usize,
+    max_tokens: usize,
+) -> anyhow::Result<(Vec<u32>, Vec<ReadPassage>)> {
+    let chosen = choose(index, &retrieval_query(ask), budget);
+    anyhow::ensure!(!chosen.is_empty(), "the collection has no passages");
+    let tokens = collection_prompt(model, ask.history, &chosen, ask.question, max_tokens)?.map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok((tokens, chosen.into_iter().map(|c| c.read).collect()))
 }
 
 /// A chosen passage: what is shown (its tokens) and reported.

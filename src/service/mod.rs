@@ -25,7 +25,7 @@ pub mod records;
 mod registry;
 pub mod postgres;
 
-pub use collection_ask::{CollectionRead, IndexFigures, ReadPassage};
+pub use collection_ask::{index_passages, prompt_over, CollectionRead, IndexFigures, ReadPassage};
 pub use collections::{CollectionChange, CollectionView};
 
 pub use error::ServiceError;
