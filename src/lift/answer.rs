@@ -172,8 +172,9 @@ impl<'a> Ask<'a> {
         self.context.unwrap_or(self.mode.default_context())
     }
 
-    /// The budget asked for: `None` means what fits the window.
-    fn requested_budget(&self) -> Option<usize> {
+    /// The in-context budget asked for, in document tokens: `None` means what fits the window.
+    /// The one defaulting rule: the prompt builder and the servers' KV reservations both read it.
+    pub fn requested_budget(&self) -> Option<usize> {
         match self.policy() {
             ContextPolicy::Full => self.context_tokens,
             _ => Some(self.context_tokens.unwrap_or(DEFAULT_CONTEXT_TOKENS)),

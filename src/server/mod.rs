@@ -552,7 +552,6 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
         max_collection_documents: cfg.max_collection_documents,
         max_training_tokens: cfg.max_training_tokens,
         context_tokens: cfg.context_tokens,
-        default_options: default_options.clone(),
         shared,
         checkpoint_interval,
         calibrated_rate,

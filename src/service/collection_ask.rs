@@ -159,8 +159,10 @@ impl Service {
         let docs: HashMap<String, DocumentView> = self.registry.documents(owner).await?.into_iter().map(|d| (d.id.clone(), d)).collect();
         let members: Vec<(&String, &DocumentView)> = rec.document_ids.iter().filter_map(|d| docs.get_key_value(d)).collect();
 
-        let budget = q.context_tokens.or(self.cfg.context_tokens).unwrap_or(DEFAULT_CONTEXT_TOKENS);
-        let ask = Ask { question: &q.question, history: &q.history, mode: q.mode, context: None, context_tokens: None };
+        let context_tokens = q.context_tokens.or(self.cfg.context_tokens);
+        let ask = Ask { question: &q.question, history: &q.history, mode: q.mode, context: None, context_tokens };
+        // A collection's passages are ranked (bm25): the budget always has a size.
+        let budget = ask.requested_budget().unwrap_or(DEFAULT_CONTEXT_TOKENS);
         let chosen = {
             let index = self.index_of(&collection_id)?;
             let mut index = index.lock().await;

@@ -13,7 +13,7 @@
 //!
 //! That is the default registry: this process's memory and files. With a shared database
 //! ([`ServiceConfig::shared`]) the records and the job queue live in PostgreSQL instead and the
-//! adapters in a shared blob store ([`shared`]): the same calls, answered for every replica. Both
+//! adapters in a shared blob store ([`postgres`]): the same calls, answered for every replica. Both
 //! implement one trait ([`registry`]), which the service holds.
 
 mod collection_ask;
@@ -74,8 +74,6 @@ pub struct ServiceConfig {
     /// In-context document budget when answering (None: `DEFAULT_CONTEXT_TOKENS`; with the
     /// `full` policy, what fits the window).
     pub context_tokens: Option<usize>,
-    /// Absorb options of a document that sets none.
-    pub default_options: AbsorbOptions,
     /// Replicas sharing a database and an adapter store (None: this process's files).
     pub shared: Option<postgres::SharedConfig>,
     /// Time between an absorb's checkpoints.
@@ -424,10 +422,7 @@ impl Service {
         };
         // The KV tokens it may take: its in-context share of the document (with a FltLM
         // layout's markers), the template and question, the answer; never past the window.
-        let budget = match ask.policy() {
-            ContextPolicy::Full => context_tokens.unwrap_or(usize::MAX),
-            _ => context_tokens.unwrap_or(crate::lift::answer::DEFAULT_CONTEXT_TOKENS),
-        };
+        let budget = ask.requested_budget().unwrap_or(usize::MAX);
         let context = if q.mode.uses_context() { view.tokens.min(budget) } else { 0 };
         let markers = model.base_filter().filter(|_| filtered).map_or(0, |f| context / f.chunk_tokens.max(1) + 1);
         // The conversation's turns, as far as the window holds them (the oldest are left out).
