@@ -1410,8 +1410,9 @@ async fn a_document_deleted_while_queued_gives_its_place_back() {
     let (running, base) = start(cfg).await;
     let c = client();
     let release = hold_thread(&running, true).await;
-    // Five posts deleted while they wait: each finds a place.
-    for n in 0..5 {
+    // Twelve posts deleted while they wait (more than a queue of 2 could hold even counting the
+    // cancelled jobs as room beyond its places): each finds a place.
+    for n in 0..12 {
         let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": format!("{DOC} Copy {n}.")}), None).await;
         assert_eq!(s, 202, "post {n} after {n} deleted while waiting: {d}");
         let id = d["id"].as_str().unwrap();

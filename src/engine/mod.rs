@@ -26,8 +26,9 @@ pub use jobs::{AbsorbJob, AbsorbOutcome, GenerateJob, Generated, JobEvents, JobP
 use crate::model::Model;
 use crate::store::Store;
 use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender, TryRecvError, TrySendError};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::collections::VecDeque;
+use std::sync::mpsc::TryRecvError;
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
 
 /// What a lane's queue carries: that lane's kind of job (so a job cannot reach the wrong thread).
 enum Queued<J> {
@@ -96,11 +97,6 @@ struct Context {
     rate: Arc<AbsorbRate>,
 }
 
-/// How many more entries a lane's channel holds than its queue's places: a job deleted while it
-/// waits gives its place back at once ([`QueuePlace::release`]) but stays in the channel until
-/// the worker reaches it and drops it, so the channel needs room beyond the places.
-const CHANNEL_SLACK: usize = 4;
-
 /// A waiting job's place in the training queue, shared by the job and its document's record: a
 /// document deleted before its job starts gives the place back at once, instead of when the
 /// worker reaches the cancelled job (a client posting and deleting while a long absorb runs
@@ -130,59 +126,141 @@ impl QueuePlace {
         }
     }
 
+    /// Whether the place was given back: the job is dropped, never run.
+    fn given_back(&self) -> bool {
+        self.0.state.load(Ordering::SeqCst) == Self::RELEASED
+    }
+
     /// The worker takes the job: false when its place was given back (the job is dropped).
     fn start(&self) -> bool {
         self.0.state.compare_exchange(Self::WAITING, Self::STARTED, Ordering::SeqCst, Ordering::SeqCst).is_ok()
     }
 }
 
+/// A job that may have been given back while it waited (a deleted document's absorb).
+pub trait GivenBack {
+    fn given_back(&self) -> bool {
+        false
+    }
+}
+
+impl GivenBack for AbsorbJob {
+    fn given_back(&self) -> bool {
+        self.place.given_back()
+    }
+}
+
+impl GivenBack for GenerateJob {}
+
+impl<J: GivenBack> Queued<J> {
+    fn given_back(&self) -> bool {
+        match self {
+            Queued::Job(j) => j.given_back(),
+            #[cfg(any(test, feature = "testing"))]
+            Queued::Call(_) => false,
+        }
+    }
+}
+
+/// A lane's queue: its jobs in order. Jobs given back while they wait are dropped when the next
+/// job is pushed, so they hold neither a place nor memory.
+pub(crate) struct Lane<J> {
+    state: Mutex<(VecDeque<Queued<J>>, bool)>,
+    ready: Condvar,
+}
+
+impl<J: GivenBack> Lane<J> {
+    fn new() -> Self {
+        Self { state: Mutex::new((VecDeque::new(), false)), ready: Condvar::new() }
+    }
+
+    fn push(&self, job: Queued<J>) -> Result<(), EngineError> {
+        let mut s = self.state.lock().map_err(|_| EngineError::Closed)?;
+        if s.1 {
+            return Err(EngineError::Closed);
+        }
+        s.0.retain(|q| !q.given_back());
+        s.0.push_back(job);
+        self.ready.notify_one();
+        Ok(())
+    }
+
+    /// The next job, waiting for one; None once the lane is closed and empty.
+    fn recv(&self) -> Option<Queued<J>> {
+        let mut s = self.state.lock().ok()?;
+        loop {
+            if let Some(job) = s.0.pop_front() {
+                return Some(job);
+            }
+            if s.1 {
+                return None;
+            }
+            s = self.ready.wait(s).ok()?;
+        }
+    }
+
+    /// The next job if one is waiting.
+    fn try_recv(&self) -> Result<Queued<J>, TryRecvError> {
+        let mut s = self.state.lock().map_err(|_| TryRecvError::Disconnected)?;
+        match s.0.pop_front() {
+            Some(job) => Ok(job),
+            None if s.1 => Err(TryRecvError::Disconnected),
+            None => Err(TryRecvError::Empty),
+        }
+    }
+
+    fn is_closed(&self) -> bool {
+        self.state.lock().map_or(true, |s| s.1)
+    }
+
+    /// No job is taken from now on; the worker finishes those waiting, then stops.
+    fn close(&self) {
+        if let Ok(mut s) = self.state.lock() {
+            s.1 = true;
+        }
+        self.ready.notify_all();
+    }
+}
+
 /// One lane: its thread and the bounded queue of its jobs (`J`).
 pub(crate) struct Worker<J> {
-    tx: Mutex<Option<SyncSender<Queued<J>>>>,
+    lane: Arc<Lane<J>>,
     capacity: usize,
     /// Jobs waiting (not yet started, not given back), and places reserved for jobs about to be
     /// submitted: at most `capacity`.
     depth: Arc<AtomicUsize>,
-    /// Entries in the channel, given-back jobs included: at most `capacity × CHANNEL_SLACK`.
-    occupancy: Arc<AtomicUsize>,
     /// Jobs running (training: 0 or 1; generation: the batch).
     busy: Arc<AtomicUsize>,
     handle: Mutex<Option<std::thread::JoinHandle<()>>>,
 }
 
-impl<J: Send + 'static> Worker<J> {
+impl<J: GivenBack + Send + 'static> Worker<J> {
     /// Starts the thread `name`, which runs `run` over the queue until it closes.
     fn start(
         name: &str,
         capacity: usize,
-        run: impl FnOnce(Receiver<Queued<J>>, &Counters) + Send + 'static,
+        run: impl FnOnce(&Lane<J>, &Counters) + Send + 'static,
     ) -> std::io::Result<Self> {
         let capacity = capacity.max(1);
-        let (tx, rx) = sync_channel::<Queued<J>>(capacity * CHANNEL_SLACK);
+        let lane = Arc::new(Lane::new());
         let depth = Arc::new(AtomicUsize::new(0));
-        let occupancy = Arc::new(AtomicUsize::new(0));
         let busy = Arc::new(AtomicUsize::new(0));
-        let counters = Counters { depth: depth.clone(), occupancy: occupancy.clone(), busy: busy.clone() };
-        let handle = std::thread::Builder::new().name(name.to_string()).spawn(move || run(rx, &counters))?;
-        Ok(Self { tx: Mutex::new(Some(tx)), capacity, depth, occupancy, busy, handle: Mutex::new(Some(handle)) })
+        let counters = Counters { depth: depth.clone(), busy: busy.clone() };
+        let worker_lane = lane.clone();
+        let handle = std::thread::Builder::new().name(name.to_string()).spawn(move || run(&worker_lane, &counters))?;
+        Ok(Self { lane, capacity, depth, busy, handle: Mutex::new(Some(handle)) })
     }
 }
 
-impl<J> Worker<J> {
-    /// Takes a place in the queue, or says why there is none. `occupancy` never exceeds the
-    /// channel's capacity, so a reserved place can always be filled.
+impl<J: GivenBack> Worker<J> {
+    /// Takes a place in the queue, or says why there is none.
     fn reserve(&self) -> Result<Reservation<'_, J>, EngineError> {
-        if self.tx.lock().map_err(|_| EngineError::Closed)?.is_none() {
+        if self.lane.is_closed() {
             return Err(EngineError::Closed);
         }
         self.depth
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |d| (d < self.capacity).then_some(d + 1))
             .map_err(|_| EngineError::QueueFull)?;
-        let room = self.capacity * CHANNEL_SLACK;
-        if self.occupancy.fetch_update(Ordering::SeqCst, Ordering::SeqCst, |o| (o < room).then_some(o + 1)).is_err() {
-            self.depth.fetch_sub(1, Ordering::SeqCst);
-            return Err(EngineError::QueueFull);
-        }
         Ok(Reservation { worker: self, used: false })
     }
 
@@ -197,27 +275,22 @@ impl<J> Worker<J> {
     }
 
     fn close(&self) -> Option<std::thread::JoinHandle<()>> {
-        if let Ok(mut g) = self.tx.lock() {
-            g.take();
-        }
+        self.lane.close();
         self.handle.lock().ok().and_then(|mut h| h.take())
     }
 }
 
 /// A lane's queue figures, as its thread updates them.
 struct Counters {
-    /// Jobs waiting in the channel (and places reserved for jobs about to be submitted).
+    /// Jobs waiting in the queue (and places reserved for jobs about to be submitted).
     depth: Arc<AtomicUsize>,
-    /// Entries in the channel.
-    occupancy: Arc<AtomicUsize>,
     /// Jobs running.
     busy: Arc<AtomicUsize>,
 }
 
 /// The training lane: one job at a time.
-fn run_one_at_a_time(ctx: &Context, rx: Receiver<Queued<AbsorbJob>>, counters: &Counters) {
-    while let Ok(queued) = rx.recv() {
-        counters.occupancy.fetch_sub(1, Ordering::SeqCst);
+fn run_one_at_a_time(ctx: &Context, lane: &Lane<AbsorbJob>, counters: &Counters) {
+    while let Some(queued) = lane.recv() {
         // A job whose document was deleted while it waited gave its place back already.
         if let Queued::Job(job) = &queued {
             if !job.place.start() {
@@ -242,16 +315,16 @@ fn run_one_at_a_time(ctx: &Context, rx: Receiver<Queued<AbsorbJob>>, counters: &
 
 /// The generation lane: continuous batching. Waits for work when idle; otherwise takes what has
 /// arrived (up to the batch's room) before each step.
-fn run_batched(ctx: &Context, rx: Receiver<Queued<GenerateJob>>, counters: &Counters) {
+fn run_batched(ctx: &Context, lane: &Lane<GenerateJob>, counters: &Counters) {
     let model = &*ctx.model;
     let mut batch = jobs::GenerationBatch::new(ctx.max_batch, crate::model::generate::PREFILL_CHUNK);
     let mut open = true;
     loop {
         while open && batch.has_room() {
             let job = if batch.is_empty() {
-                rx.recv().ok()
+                lane.recv()
             } else {
-                match rx.try_recv() {
+                match lane.try_recv() {
                     Ok(job) => Some(job),
                     Err(TryRecvError::Empty) => break,
                     Err(TryRecvError::Disconnected) => None,
@@ -262,7 +335,6 @@ fn run_batched(ctx: &Context, rx: Receiver<Queued<GenerateJob>>, counters: &Coun
                 break;
             };
             counters.depth.fetch_sub(1, Ordering::SeqCst);
-            counters.occupancy.fetch_sub(1, Ordering::SeqCst);
             match job {
                 Queued::Job(job) => {
                     let admitted = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
@@ -339,18 +411,11 @@ impl Reservation<'_, GenerateJob> {
     }
 }
 
-impl<J> Reservation<'_, J> {
+impl<J: GivenBack> Reservation<'_, J> {
     fn send(mut self, queued: Queued<J>) -> Result<(), EngineError> {
-        let guard = self.worker.tx.lock().map_err(|_| EngineError::Closed)?;
-        let tx = guard.as_ref().ok_or(EngineError::Closed)?;
-        match tx.try_send(queued) {
-            Ok(()) => {
-                self.used = true;
-                Ok(())
-            }
-            Err(TrySendError::Full(_)) => Err(EngineError::QueueFull),
-            Err(TrySendError::Disconnected(_)) => Err(EngineError::Closed),
-        }
+        self.worker.lane.push(queued)?;
+        self.used = true;
+        Ok(())
     }
 }
 
@@ -358,7 +423,6 @@ impl<J> Drop for Reservation<'_, J> {
     fn drop(&mut self) {
         if !self.used {
             self.worker.depth.fetch_sub(1, Ordering::SeqCst);
-            self.worker.occupancy.fetch_sub(1, Ordering::SeqCst);
         }
     }
 }
