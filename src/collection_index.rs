@@ -10,6 +10,13 @@
 //! taken out term by term; its passage slots stay empty), so that keeping it current costs what
 //! the change touches, not a rebuild. Scoring is [`crate::retrieve`]'s Okapi BM25 on the same
 //! terms; the pseudo-relevance feedback step of single documents is not applied here.
+//!
+//! A question is ranked over **windows of two adjacent passages** of one document
+//! ([`CollectionIndex::rank`]), not over single passages: a passage ends where its sentence
+//! budget does, so a fact can be cut in two, the name it is about in one passage and the words
+//! the question shares with it in the next; either half alone then loses to another document's
+//! whole look-alike sentence. A window holds the fact whole. The passages are still what is
+//! shown: a window's passages that match the question, its better one first.
 
 use crate::retrieve::{idf, query_terms, saturated, terms};
 use std::collections::{HashMap, HashSet};
@@ -25,6 +32,8 @@ pub struct CollectionPassage {
     pub text: String,
     /// Index terms in the passage.
     len: u32,
+    /// The next slot is this document's next passage (they form a window).
+    joins_next: bool,
 }
 
 /// A member document's place in the index.
@@ -95,7 +104,9 @@ impl CollectionIndex {
         let first = self.passages.len() as u32;
         let mut doc_terms = HashSet::new();
         let count = passages.len() as u32;
+        let starts: Vec<usize> = passages.iter().map(|p| p.0 .0).collect();
         for (i, (range, tokens, text)) in passages.into_iter().enumerate() {
+            let joins_next = starts.get(i + 1) == Some(&range.1);
             let slot = first + i as u32;
             let words = terms(&text);
             let mut counts: HashMap<String, u32> = HashMap::new();
@@ -108,7 +119,7 @@ impl CollectionIndex {
             }
             self.total_len += words.len() as u64;
             self.live += 1;
-            let p = CollectionPassage { document_id: id.to_string(), range, tokens, text, len: words.len() as u32 };
+            let p = CollectionPassage { document_id: id.to_string(), range, tokens, text, len: words.len() as u32, joins_next };
             self.passages.push(Some(p));
         }
         self.members.insert(id.to_string(), Member { title, first, count, terms: doc_terms.into_iter().collect() });
@@ -153,6 +164,60 @@ impl CollectionIndex {
             scores.into_iter().filter(|(_, s)| *s > 0.0).map(|(passage, score)| CollectionHit { passage, score }).collect();
         hits.sort_by(|a, b| b.score.total_cmp(&a.score).then(a.passage.cmp(&b.passage)));
         hits
+    }
+
+    /// The passages to read for `query`, best first, each with the score it was ranked by: the
+    /// windows of two adjacent passages of a document (a passage with no neighbour is a window
+    /// alone) scored by BM25 as one text (the passages' term counts and lengths summed, against
+    /// twice the average passage length), best first; each window gives its passages that match
+    /// the query, the better one first, those not given already. Ties in slot order.
+    pub fn rank(&self, query: &[(&str, f32)]) -> Vec<CollectionHit> {
+        let n = self.live as f32;
+        let avg_window = 2.0 * (self.total_len as f32 / n.max(1.0)).max(1.0);
+        let joins = |s: u32| self.passage(s).is_some_and(|p| p.joins_next);
+        // The window starting at slot `s`: s and s + 1, or s alone when it has no neighbour.
+        let starts_window = |s: u32| joins(s) || (s == 0 || !joins(s - 1));
+        let window_len = |s: u32| {
+            let len = |s: u32| self.passage(s).map_or(0, |p| p.len);
+            len(s) + if joins(s) { len(s + 1) } else { 0 }
+        };
+        let mut window_scores: HashMap<u32, f32> = HashMap::new();
+        for (term, weight) in &query_terms(query) {
+            let Some(list) = self.postings.get(term) else { continue };
+            let idf = idf(n, list.len() as f32);
+            let mut tfs: HashMap<u32, u32> = HashMap::new();
+            for &(p, tf) in list {
+                if starts_window(p) {
+                    *tfs.entry(p).or_default() += tf;
+                }
+                if p > 0 && joins(p - 1) {
+                    *tfs.entry(p - 1).or_default() += tf;
+                }
+            }
+            for (w, tf) in tfs {
+                *window_scores.entry(w).or_default() += weight * idf * saturated(tf as f32, window_len(w) as f32, avg_window);
+            }
+        }
+        let own: HashMap<u32, f32> = self.search(query).into_iter().map(|h| (h.passage, h.score)).collect();
+        // Units: every window, and every passage alone (a whole fact in one passage is not
+        // diluted by its neighbour's words). (first slot, passages, score)
+        let mut units: Vec<(u32, u32, f32)> =
+            window_scores.into_iter().filter(|(_, s)| *s > 0.0).map(|(w, s)| (w, if joins(w) { 2 } else { 1 }, s)).collect();
+        units.extend(own.iter().map(|(&p, &s)| (p, 1, s)));
+        units.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
+        let mut given = HashSet::new();
+        let mut out = Vec::new();
+        for (w, count, score) in units {
+            let mut members: Vec<(u32, f32)> =
+                (w..w + count).filter_map(|s| own.get(&s).map(|o| (s, *o))).collect();
+            members.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+            for (s, _) in members {
+                if given.insert(s) {
+                    out.push(CollectionHit { passage: s, score });
+                }
+            }
+        }
+        out
     }
 
     /// Live passage slots in slot order (what fills a context when nothing matched).
@@ -239,6 +304,37 @@ mod tests {
         assert_eq!(top(&c, "Who planted the first quince tree?").as_deref(), Some("doc_o"));
         assert_eq!(c.slots().count(), 6);
         assert!(c.bytes() > 0);
+    }
+
+    /// A fact cut by a passage boundary (the name in one passage, the rest in the next) is found
+    /// whole by its window, where single passages rank another document's look-alike first.
+    #[test]
+    fn a_fact_cut_in_two_is_ranked_by_its_window() {
+        let mut c = CollectionIndex::default();
+        c.add("doc_cut", None, passages(&["the old mill stood by a river where Ilse Marwood", "has locker code 4417 at the north gate", "ducks swim in the pond"]));
+        c.add("doc_like", None, passages(&["Ilse Brand has locker code 5120 in the hall", "the hall has a red door"]));
+        c.add("doc_other", None, passages(&["Tom Marwood sells bread", "Ilse Kerr walks a dog", "a locker code opens the shed"]));
+        let q = [("What is Ilse Marwood's locker code?", 1.0)];
+        let doc = |c: &CollectionIndex, hits: &[CollectionHit]| c.passage(hits[0].passage).unwrap().document_id.clone();
+        assert_eq!(doc(&c, &c.search(&q)), "doc_like", "single passages: the look-alike wins (what windows fix)");
+        let ranked = c.rank(&q);
+        assert_eq!(doc(&c, &ranked), "doc_cut");
+        // Both halves of the fact, the better first, under the window's score; no passage twice.
+        let slots: Vec<u32> = ranked.iter().map(|h| h.passage).collect();
+        assert_eq!(&slots[..2], &[0, 1], "{ranked:?}");
+        assert_eq!(ranked[0].score, ranked[1].score);
+        assert!(ranked.windows(2).all(|w| w[0].score >= w[1].score));
+        let mut unique = slots.clone();
+        unique.sort();
+        unique.dedup();
+        assert_eq!(unique.len(), slots.len());
+        // Passages that match nothing are not given (the pond, the red door).
+        assert!(!slots.contains(&2) && !slots.contains(&4), "{slots:?}");
+        // Windows never join two documents: the look-alike's last passage and the next document's
+        // first are apart, and a removed document's slots are never ranked.
+        c.remove("doc_cut");
+        let after = c.rank(&q);
+        assert!(!after.is_empty() && after.iter().all(|h| c.passage(h.passage).is_some_and(|p| p.document_id != "doc_cut")));
     }
 
     /// One IDF over all the collection's passages: a word in every passage of one document and in

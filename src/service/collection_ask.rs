@@ -34,7 +34,8 @@ pub struct ReadPassage {
     /// Token range in its document.
     pub start: usize,
     pub end: usize,
-    /// Its BM25 score in the collection's ranking (0 when nothing matched and it filled the room).
+    /// The BM25 score it was ranked by: its window's in the collection's ranking (0 when nothing
+    /// matched and it filled the room).
     pub score: f32,
     pub text: String,
 }
@@ -226,11 +227,12 @@ struct Chosen {
     read: ReadPassage,
 }
 
-/// The passages to show, best first: taken in rank order while they fit `budget` tokens (a
-/// passage that does not fit is skipped for a smaller one after it; the best is always shown).
-/// When nothing matched, the passages in the order the documents joined fill the room.
+/// The passages to show, best first: taken in the order of [`CollectionIndex::rank`] (windows of
+/// adjacent passages) while they fit `budget` tokens (a passage that does not fit is skipped for
+/// a smaller one after it; the best is always shown). When nothing matched, the passages in the
+/// order the documents joined fill the room.
 fn choose(index: &CollectionIndex, query: &[(&str, f32)], budget: usize) -> Vec<Chosen> {
-    let hits = index.search(query);
+    let hits = index.rank(query);
     let ranked: Vec<(u32, f32)> = if hits.is_empty() {
         index.slots().map(|s| (s, 0.0)).collect()
     } else {
