@@ -710,7 +710,10 @@ impl PrepareBaseArgs {
             println!("prepared base {} in {}: mask {mask}", m.sha256, output.display());
             return Ok(());
         }
-        let train_set = data::build_examples_with(&essays, lift_serve::corpus::Split::Train, examples, opts.seed, &opts.data)?;
+        let mut train_set = data::build_examples_with(&essays, lift_serve::corpus::Split::Train, examples, opts.seed, &opts.data)?;
+        if let Some(real) = &opts.real {
+            train_set = lift_serve::base::real::with_real_examples(train_set, real, opts.seed, &opts.data)?;
+        }
         let hash = data::data_hash(&train_set);
         let bar = progress_bar();
         bar.set_message("training");

@@ -19,6 +19,8 @@ pub mod data;
 #[cfg(feature = "research")]
 pub mod eval;
 #[cfg(feature = "research")]
+pub mod real;
+#[cfg(feature = "research")]
 pub mod train;
 
 use crate::adapters::manifest::BaseModelRef;

@@ -42,6 +42,9 @@ pub struct PrepareOptions {
     pub cdt: CdtOptions,
     /// How the training and validation examples are built (`prepare` itself takes them built).
     pub data: BuildOptions,
+    /// Reading examples from real prose beside the planted ones (`base::real`); none by default.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub real: Option<super::real::RealData>,
     pub seed: u64,
     /// Seconds between checkpoints (0: after every step).
     pub checkpoint_seconds: f64,
@@ -99,6 +102,7 @@ impl Default for PrepareOptions {
             filter_lr_scale: 100.0,
             cdt: CdtOptions { enabled: true, ..Default::default() },
             data: BuildOptions::default(),
+            real: None,
             seed: 0,
             checkpoint_seconds: 300.0,
             truncate: TruncateOptions::default(),

@@ -25,6 +25,7 @@ mod model;
 mod parse;
 mod words;
 
+pub(crate) use extractive::is_cloze;
 pub use evidence::{locate_evidence, locate_evidence_near};
 pub use model::qa_prompt;
 pub use parse::parse_qa;
