@@ -12,7 +12,7 @@
 // shared memory, the weights are read from global memory (coalesced over the output column, L2
 // resident: a head's weights are a few tens of KB). The backward recomputes the forward tile and
 // adds each block's weight-gradient partial sums to `dp` (zero-initialised) with atomicAdd.
-// The CPU reference is src/kernels/gated_memory.rs (`reference_forward` / `reference_backward`).
+// The CPU reference is src/kernels/gated_memory/reference.rs (`reference_forward` / `reference_backward`).
 
 struct GmParams {
     int d, s, H, T;

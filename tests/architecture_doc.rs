@@ -95,3 +95,72 @@ fn the_docs_index_names_every_page_and_every_link_to_a_page_resolves() {
     }
     assert!(missing.is_empty(), "{missing:#?}");
 }
+
+/// Longest a source file may be before its `#[cfg(test)]` module (the whole file without one).
+const MAX_LINES: usize = 800;
+
+/// Files allowed past [`MAX_LINES`] for now, with their length then (lines before the test
+/// module): one may not grow, and an entry no longer over the limit fails too (it is removed,
+/// not kept as slack).
+const OVER_MAX_LINES: &[(&str, usize)] = &[];
+
+/// Lines of `text` before its test module: the first `#[cfg(test)]` whose next line that is not
+/// an attribute declares a module (a `#[cfg(test)] use …` near the top does not end the count).
+fn lines_before_tests(text: &str) -> usize {
+    let lines: Vec<&str> = text.lines().collect();
+    let opens_tests = |i: usize| {
+        lines[i].trim() == "#[cfg(test)]"
+            && lines[i + 1..].iter().map(|l| l.trim()).find(|l| !l.starts_with("#[")).is_some_and(|l| {
+                ["mod ", "pub mod ", "pub(crate) mod ", "pub(super) mod "].iter().any(|p| l.starts_with(p))
+            })
+    };
+    (0..lines.len()).find(|&i| opens_tests(i)).unwrap_or(lines.len())
+}
+
+/// Every `.rs` file below `dir`, relative to the crate root, sorted.
+fn rust_files(dir: &Path, out: &mut Vec<String>) {
+    for entry in std::fs::read_dir(dir).unwrap().flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            rust_files(&path, out);
+        } else if path.extension().is_some_and(|x| x == "rs") {
+            out.push(path.strip_prefix(root()).unwrap().to_string_lossy().replace('\\', "/"));
+        }
+    }
+}
+
+/// No file under src/ is longer than [`MAX_LINES`] before its tests: a file past it is split by
+/// concern (issue 73). Names every file over the limit, and every allow-list entry that is stale.
+#[test]
+fn no_source_file_is_longer_than_the_limit_before_its_tests() {
+    let mut files = Vec::new();
+    rust_files(&root().join("src"), &mut files);
+    files.sort();
+    assert!(files.len() > 50, "src/ holds the crate ({} files found)", files.len());
+    let mut problems = Vec::new();
+    for file in &files {
+        let n = lines_before_tests(&std::fs::read_to_string(root().join(file)).unwrap());
+        match OVER_MAX_LINES.iter().find(|(f, _)| *f == file.as_str()) {
+            None if n > MAX_LINES => problems.push(format!("{file}: {n} lines before its tests (the limit is {MAX_LINES}): split it by concern")),
+            Some(_) if n <= MAX_LINES => problems.push(format!("{file}: {n} lines, no longer over {MAX_LINES}: remove it from OVER_MAX_LINES")),
+            Some((_, was)) if n > *was => problems.push(format!("{file}: {n} lines before its tests, more than the {was} it was allowed")),
+            _ => {}
+        }
+    }
+    for (file, _) in OVER_MAX_LINES {
+        if !files.iter().any(|f| f.as_str() == *file) {
+            problems.push(format!("{file} is in OVER_MAX_LINES but does not exist"));
+        }
+    }
+    assert!(problems.is_empty(), "source files over {MAX_LINES} lines before their tests:\n{}", problems.join("\n"));
+}
+
+/// The count stops at the test module, not at any `#[cfg(test)]` (an item gated to tests near the
+/// top of a file does not end it).
+#[test]
+fn the_length_limit_counts_up_to_the_test_module() {
+    assert_eq!(lines_before_tests("a\nb\n#[cfg(test)]\nmod tests {\n}\n"), 2);
+    assert_eq!(lines_before_tests("use a;\n#[cfg(test)]\nuse b;\nfn f() {}\n"), 4);
+    assert_eq!(lines_before_tests("a\n#[cfg(test)]\n#[allow(dead_code)]\npub(crate) mod tests;\n"), 1);
+    assert_eq!(lines_before_tests("a\nb\nc"), 3);
+}

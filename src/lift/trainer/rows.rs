@@ -8,7 +8,8 @@
 //! and only real positions reach the loss: every row's loss (and so the step's gradient) is the
 //! one it gets alone, up to float summation order.
 
-use super::{loss_of_logits, prepare, FilterTraining, FrozenCache};
+use super::loss::{loss_of_logits, prepare, FrozenCache};
+use super::FilterTraining;
 use crate::lift::filter::{Filter, FilterExample, FilterHooks};
 use crate::lift::plan::Example;
 use crate::model::{Adapter, Model, NoHooks, RowHooks};

@@ -1,0 +1,275 @@
+//! `absorb`: a document file into an adapter directory, with a progress bar and a resumable
+//! checkpoint; the absorb options on the command line (`TrainArgs`, shared with `eval`).
+
+use super::{progress_bar, ModelArgs};
+use anyhow::{Context, Result};
+use candle_core::Device;
+use indicatif::ProgressBar;
+use lift_serve::adapters::AdapterKind;
+use lift_serve::document::Document;
+use lift_serve::lift::{self, AbsorbEvent, AbsorbOptions};
+use lift_serve::runtime::RuntimeConfig;
+use lift_serve::store;
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub(crate) struct AbsorbArgs {
+    /// The document: a text, Markdown, HTML or PDF file (told by its name, else its contents).
+    file: PathBuf,
+    /// Output adapter directory (created; an existing adapter there is replaced atomically).
+    /// While it trains, a checkpoint beside it (`<output>.checkpoint.safetensors`) lets a run of
+    /// the same command that was stopped continue where it was.
+    #[arg(short, long)]
+    output: PathBuf,
+    /// Seconds between checkpoints (0: none).
+    #[arg(long, default_value_t = lift::checkpoint::DEFAULT_INTERVAL.as_secs_f64())]
+    checkpoint_secs: f64,
+    #[command(flatten)]
+    model: ModelArgs,
+    #[command(flatten)]
+    train: TrainArgs,
+    /// The training budget's older name, refused with its new one: `--context-tokens` is the
+    /// answering budget everywhere else.
+    #[arg(long = "context-tokens", hide = true)]
+    old_context_tokens: Option<usize>,
+}
+
+/// Absorption options on the command line; anything not given keeps the library default.
+#[derive(clap::Args)]
+pub(crate) struct TrainArgs {
+    /// JSON file with AbsorbOptions (flags below override it).
+    #[arg(long)]
+    options: Option<PathBuf>,
+    /// A named recipe (`paper`, the default: 3 + 5 epochs; `lean`, about a seventh of its
+    /// training), laid over the options before the flags below.
+    #[arg(long, value_enum)]
+    recipe: Option<lift::Recipe>,
+    #[arg(long, value_enum)]
+    adapter: Option<AdapterKind>,
+    /// Layers with a Gated Memory adapter: "all" (the default), "15-29" or "3,5,7".
+    #[arg(long)]
+    layers: Option<String>,
+    /// Tokens per training segment.
+    #[arg(long)]
+    window: Option<usize>,
+    #[arg(long)]
+    stride: Option<usize>,
+    /// Head+tail document tokens before each training segment and question (training only; the
+    /// answering budget is `ask`'s and `eval`'s `--context-tokens`).
+    #[arg(long)]
+    training_context_tokens: Option<usize>,
+    /// Epochs: segments only, then segments + QA (e.g. "3,5").
+    #[arg(long)]
+    epochs: Option<String>,
+    #[arg(long)]
+    lr: Option<f64>,
+    /// Examples per optimizer step.
+    #[arg(long)]
+    accumulation: Option<usize>,
+    /// Auxiliary questions packed into one training row behind their shared context (1: none).
+    #[arg(long)]
+    qa_pack: Option<usize>,
+    /// Segments packed into one contextualized-training row behind one context (1: none).
+    #[arg(long)]
+    segment_pack: Option<usize>,
+    /// The context before each auxiliary question in training: the document's head and tail, or
+    /// the passages an answer to it would show.
+    #[arg(long, value_enum)]
+    qa_layout: Option<lift::plan::QaLayout>,
+    /// Context distillation of the QA examples: the teacher's share of their loss, 0 to 1 (0: off).
+    #[arg(long)]
+    distill: Option<f64>,
+    /// The share of the auxiliary questions trained on, the facts whose evidence most changes the
+    /// model's answer first (1: all).
+    #[arg(long)]
+    qa_select: Option<f64>,
+    /// Most auxiliary QA pairs, a fixed cap (default: at most 64 per 1,000 document tokens, and
+    /// never under 256).
+    #[arg(long, alias = "max-qa")]
+    aux_qa: Option<usize>,
+    /// Only extractive QA (the default; kept for scripts that pass it).
+    #[arg(long)]
+    no_model_qa: bool,
+    /// Also have the model write QA pairs (the paper's A.3 prompt; slow, and the default 135M
+    /// model writes almost no valid ones).
+    #[arg(long, conflicts_with = "no_model_qa")]
+    model_qa: bool,
+    /// Absorb until learned: hold some QA pairs aside as probes and stop once their loss stops
+    /// improving (the --epochs schedule is the ceiling). Default: the paper's fixed schedule.
+    #[arg(long)]
+    until_learned: bool,
+    /// Seconds the absorb may take: the plan is fitted to it (fewer epochs, no segment overlap,
+    /// fewer QA pairs; said before training starts) and training stops at it.
+    #[arg(long, alias = "budget")]
+    budget_seconds: Option<f64>,
+    #[arg(long)]
+    pub(super) seed: Option<u64>,
+    #[arg(long)]
+    title: Option<String>,
+}
+
+impl TrainArgs {
+    /// The options file (or the defaults) with these flags laid over it by the one overlay every
+    /// path uses ([`lift::OptionOverlay`]), checked against the same bounds as the server's.
+    pub(super) fn options(&self, num_layers: usize) -> Result<AbsorbOptions> {
+        let base = match &self.options {
+            Some(p) => AbsorbOptions::from_file(p)?,
+            None => AbsorbOptions::default(),
+        };
+        let epochs = match &self.epochs {
+            Some(e) => {
+                let v: Vec<usize> = e.split(',').map(|x| x.trim().parse()).collect::<Result<_, _>>()?;
+                anyhow::ensure!(v.len() == 2, "--epochs takes two numbers, e.g. 3,5");
+                Some([v[0], v[1]])
+            }
+            None => None,
+        };
+        let model_qa = match (self.model_qa, self.no_model_qa) {
+            (true, _) => Some(true),
+            (_, true) => Some(false),
+            _ => None,
+        };
+        let overlay = lift::OptionOverlay {
+            recipe: self.recipe,
+            adapter: self.adapter,
+            layers: match &self.layers {
+                Some(l) => parse_layers(l, num_layers)?,
+                None => None,
+            },
+            window: self.window,
+            stride: self.stride,
+            training_context_tokens: self.training_context_tokens,
+            epochs,
+            lr: self.lr,
+            accumulation: self.accumulation,
+            qa_pack: self.qa_pack,
+            segment_pack: self.segment_pack,
+            qa_layout: self.qa_layout,
+            distill: self.distill,
+            qa_select: self.qa_select,
+            aux_qa: self.aux_qa,
+            model_qa,
+            until_learned: self.until_learned.then_some(true),
+            seed: self.seed,
+            budget_seconds: self.budget_seconds,
+        };
+        let o = overlay.apply(&base);
+        // The window is the model's (checked by the caller).
+        o.validate(num_layers, usize::MAX)?;
+        Ok(o)
+    }
+}
+
+fn parse_layers(spec: &str, n: usize) -> Result<Option<Vec<usize>>> {
+    if spec == "all" {
+        return Ok(Some((0..n).collect()));
+    }
+    let mut out = Vec::new();
+    for part in spec.split(',') {
+        match part.split_once('-') {
+            Some((a, b)) => out.extend(a.trim().parse::<usize>()?..=b.trim().parse::<usize>()?),
+            None => out.push(part.trim().parse()?),
+        }
+    }
+    anyhow::ensure!(out.iter().all(|&l| l < n), "layers must be below {n}");
+    out.sort_unstable();
+    out.dedup();
+    Ok(Some(out))
+}
+
+impl AbsorbArgs {
+    /// `absorb`: trains the adapter with a progress bar and writes the adapter directory.
+    pub(crate) fn run(&self, device: &Device, runtime: &RuntimeConfig) -> Result<()> {
+        anyhow::ensure!(
+            self.old_context_tokens.is_none(),
+            "absorb: --context-tokens is now --training-context-tokens (the head+tail tokens before each training \
+             segment and question); --context-tokens is the answering budget of `ask` and `serve`"
+        );
+        let file = &self.file;
+        let extracted = lift_serve::formats::read_file(file)?;
+        let model = self.model.load(device, runtime)?;
+        let opts = self.train.options(model.config().num_layers)?;
+        let window = model.config().max_position_embeddings;
+        anyhow::ensure!(
+            opts.plan.window <= window,
+            "--window {} exceeds the model's window of {window}",
+            opts.plan.window
+        );
+        let source = extracted.source;
+        tracing::info!(format = ?source.format, characters = source.characters, pages = ?source.pages, "document read");
+        let document = Document::encode(&model, extracted.text)?;
+        let title = self.train.title.clone().or(extracted.title).or_else(|| source.filename.clone());
+        // A budget is fitted at this machine's rate, timed on a few steps (else the prior).
+        let opts = match opts.budget_seconds {
+            None => opts,
+            Some(budget) => {
+                let rate = lift::estimate::AbsorbRate::default();
+                rate.set_calibrated(lift::calibrate::rate(&model, &opts));
+                let cost = lift::cost::estimate(&model, &document, &opts, &rate);
+                match cost.warnings.iter().find(|w| w.param == "options.budget_seconds") {
+                    Some(w) => eprintln!("{}", w.message),
+                    None => eprintln!("the options fit the budget of {budget:.0} s (estimated {:.0} s)", cost.estimate.seconds),
+                }
+                cost.options
+            }
+        };
+        let bar = progress_bar();
+        let mut name = self.output.file_name().context("--output names no directory")?.to_os_string();
+        name.push(".checkpoint.safetensors");
+        let checkpoint = self.output.with_file_name(name);
+        let resumable = (self.checkpoint_secs > 0.0).then(|| lift::checkpoint::Resumable {
+            store: Box::new(lift::checkpoint::FileCheckpoint(checkpoint.clone())),
+            interval: std::time::Duration::from_secs_f64(self.checkpoint_secs),
+        });
+        if let Some(parent) = checkpoint.parent().filter(|p| !p.as_os_str().is_empty()) {
+            std::fs::create_dir_all(parent).with_context(|| format!("{}: cannot create", parent.display()))?;
+        }
+        let on_event = &mut |e: AbsorbEvent| show_absorb(&bar, e);
+        let mut absorbed = lift::absorb_resumable(&model, &document, title.as_deref(), &opts, on_event, &|| false, resumable)?;
+        absorbed.manifest.document.source = Some(source);
+        bar.finish_and_clear();
+        let (qa_pairs, r) = (absorbed.qa.len(), absorbed.report.clone());
+        let saved = store::save_dir(&self.output, absorbed.into_new_adapter(std::sync::Arc::new(document))?)?;
+        if let Err(e) = std::fs::remove_file(&checkpoint) {
+            anyhow::ensure!(e.kind() == std::io::ErrorKind::NotFound, "{}: cannot remove the checkpoint: {e}", checkpoint.display());
+        }
+        println!(
+            "absorbed {} tokens into {} ({} parameters, {} bytes): {} QA pairs, {} steps in {:.1} s ({:.0} tok/s), final loss {:.3}",
+            saved.document.len(),
+            self.output.display(),
+            saved.manifest.parameters,
+            saved.manifest.bytes,
+            qa_pairs,
+            r.steps,
+            r.seconds,
+            r.tokens_per_s,
+            r.final_loss
+        );
+        Ok(())
+    }
+}
+
+/// An absorption's progress on the bar (or, without a terminal, in the log every 5%).
+fn show_absorb(bar: &ProgressBar, event: AbsorbEvent) {
+    match event {
+        AbsorbEvent::Stage(stage) => {
+            bar.set_position(0);
+            bar.set_message(format!("{stage:?}"));
+        }
+        AbsorbEvent::Qa(p) => {
+            bar.set_length(p.total as u64);
+            bar.set_position(p.done as u64);
+            bar.set_message(format!("QA ({} valid)", p.valid));
+        }
+        AbsorbEvent::Snapshot(_) => {}
+        AbsorbEvent::Train(p) => {
+            bar.set_length(p.steps as u64);
+            bar.set_position(p.step as u64);
+            let resumed = p.resumed_from.map(|s| format!(" (resumed from step {s})")).unwrap_or_default();
+            bar.set_message(format!("epoch {}/{} loss {:.3} {:.0} tok/s{resumed}", p.epoch, p.epochs, p.loss, p.tokens_per_s));
+            if bar.is_hidden() && (p.step * 20 / p.steps.max(1)) != ((p.step.saturating_sub(1)) * 20 / p.steps.max(1)) {
+                tracing::info!(step = p.step, steps = p.steps, epoch = p.epoch, loss = p.loss, "training");
+            }
+        }
+    }
+}
