@@ -25,9 +25,6 @@ recipe_flags() {
     paper-q256) echo "--recipe paper --aux-qa 256" ;;
     paper-q256-upper) echo "--recipe paper --aux-qa 256 --layers 15-29" ;;
     lean) echo "--recipe lean" ;;
-    # `paper` training the 30% of its questions whose evidence most changes the model's answer
-    # (`--qa-select`: LongRecipe's impactful-token analysis turned to the questions).
-    paper-select30) echo "--recipe paper --qa-select 0.3" ;;
     # LoRA (r = 128 on all seven projections of every layer, lr 5e-5: the LIFT authors' later
     # adapter) in place of Gated Memory.
     lean-lora) echo "--recipe lean --adapter lora" ;;
@@ -44,10 +41,8 @@ recipe_flags() {
     e12-passages) echo "--recipe paper --epochs 1,2 --qa-layout passages" ;;
     e01-q256) echo "--recipe paper --epochs 0,1 --aux-qa 256" ;;
     e01-q256-passages) echo "--recipe paper --epochs 0,1 --aux-qa 256 --qa-layout passages" ;;
-    e01-q256-recall-distill) echo "--recipe paper --epochs 0,1 --aux-qa 256 --qa-layout recall --distill 0.5" ;;
-    e02-q256-mixed) echo "--recipe paper --epochs 0,2 --aux-qa 256 --qa-layout mixed" ;;
-    e02-q256-mixed-distill) echo "--recipe paper --epochs 0,2 --aux-qa 256 --qa-layout mixed --distill 0.5" ;;
-    e02-q256-mixed-upper) echo "--recipe paper --epochs 0,2 --aux-qa 256 --qa-layout mixed --layers 15-29" ;;
+    # The rejected recipes (paper-select30, e01-q256-recall-distill, e02-q256-mixed*) need the code
+    # removed after commit 6843605 (docs/recipe-search.md): run them from that commit.
     *) echo "unknown recipe '$1'" >&2; exit 2 ;;
   esac
 }

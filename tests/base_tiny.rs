@@ -267,7 +267,7 @@ fn document_gated_memory_trains_over_the_frozen_base_and_only_it_gets_gradients(
     let base = PreparedBase::load(dir.path(), &model).unwrap().install(&mut model).unwrap();
 
     let tokens = model.encode_document(DOC).unwrap();
-    let example = Example { kind: ExampleKind::Segment(0), target: vec![true; tokens.len()], tokens, packing: None, soft: None };
+    let example = Example { kind: ExampleKind::Segment(0), target: vec![true; tokens.len()], tokens, packing: None };
     // Gated Memory on the upper layer only: layer 0 runs on the frozen path, which must apply the
     // base too (it does when the loss equals the one with every layer trainable).
     let cfg = model.config();

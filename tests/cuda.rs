@@ -487,8 +487,8 @@ fn cdt_embedding_gradients_and_critical_tokens_on_cuda_match_cpu() {
     let (g_c, g_g) = (pass1(&cpu), pass1(&gpu));
     assert!(max_abs(&g_c) > 0.0);
     assert!(rel_diff(&g_g, &g_c) < 0.1, "embedding gradients");
-    let (crit_c, norms_c) = lift_serve::lift::cdt::critical_tokens(&g_c).unwrap();
-    let (crit_g, norms_g) = lift_serve::lift::cdt::critical_tokens(&g_g).unwrap();
+    let (crit_c, norms_c) = lift_serve::base::cdt::critical_tokens(&g_c).unwrap();
+    let (crit_g, norms_g) = lift_serve::base::cdt::critical_tokens(&g_g).unwrap();
     // Critical = norm ≥ mean: tokens near the mean may flip under bf16, the clear ones may not.
     let mean = norms_c.iter().sum::<f32>() / norms_c.len() as f32;
     for (i, (a, b)) in crit_c.iter().zip(&crit_g).enumerate() {

@@ -315,6 +315,8 @@ async fn bad_inputs() {
         // FltLM's filter and CDT are the prepared base's, not per-document options.
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"filter": true}})), 400, "removed_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"cdt": false}})), 400, "removed_option"),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"distill": 0.5}})), 400, "removed_option"),
+        ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"qa_select": 0.3}})), 400, "removed_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"window": 0}})), 400, "invalid_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"epochs": [1]}})), 400, "invalid_option"),
         ("POST", "/documents".into(), ask(json!({"text": DOC, "options": {"adapter": "magic"}})), 400, "invalid_option"),

@@ -15,6 +15,7 @@
 
 // Making and measuring a prepared base: research, not serving (the `research` feature).
 #[cfg(feature = "research")]
+pub mod cdt;
 pub mod data;
 #[cfg(feature = "research")]
 pub mod eval;

@@ -11,11 +11,11 @@
 
 use super::data::{BaseExample, BuildOptions};
 use super::{BaseShape, PreparedBase};
-use crate::lift::cdt::{CdtOptions, CdtStats};
+use super::cdt::{cdt_loss, CdtOptions, CdtStats, QaPositions};
 use crate::lift::filter::{self, FilterEval, FilterExample, FilterHooks, MaskCalibration};
 use crate::lift::plan::{Example, ExampleKind, Plan};
 use crate::lift::prompt::end_of_turn;
-use crate::lift::trainer::{self, AdamW, FilterTraining, QaPositions, RunControl, TrainOptions};
+use crate::lift::trainer::{self, AdamW, FilterTraining, RunControl, TrainOptions};
 use crate::model::Model;
 use crate::retrieve::PassageIndex;
 use anyhow::{bail, Context, Result};
@@ -295,7 +295,7 @@ fn example_in_view(
         p.chunks.iter().enumerate().filter(|&(i, _)| keep(i)).flat_map(|(_, c)| c.start..c.end).collect()
     };
     let qp = QaPositions { context: positions(&|_| true), evidence: positions(&|i| positive[i]) };
-    let example = Example { kind: ExampleKind::Qa(index), tokens, target, packing: None, soft: None };
+    let example = Example { kind: ExampleKind::Qa(index), tokens, target, packing: None };
     Ok((FilterExample { example, chunks: p.chunks, positive, evidence: qp.evidence.clone() }, qp))
 }
 
@@ -439,7 +439,6 @@ impl<'a> BaseRun<'a> {
         let mut order: Vec<usize> = (0..n).collect();
         order.shuffle(&mut Plan::rng(opts.seed.wrapping_add(epoch as u64)));
         let (fx, qp) = &prepared[order[self.step % n]];
-        let cdt = opts.cdt.enabled.then_some((opts.cdt.relative_move, qp));
         let base = &self.base;
         let ft = FilterTraining {
             filter: &base.filter,
@@ -450,8 +449,10 @@ impl<'a> BaseRun<'a> {
         };
         // Without the filter (an ablation arm) its parameters stay at zero: the mask is inert.
         let filter = opts.shape.filter.enabled.then_some((&ft, fx));
-        let (loss, flt) =
-            trainer::training_loss(model, &base.lora, &fx.example, filter, cdt, &mut self.cdt_stats, None)?;
+        let (loss, flt) = match opts.cdt.enabled {
+            true => cdt_loss(model, &base.lora, &fx.example, filter, opts.cdt.relative_move, qp, &mut self.cdt_stats)?,
+            false => trainer::training_loss(model, &base.lora, &fx.example, filter, None)?,
+        };
         let vars: Vec<_> = base.lora.vars().iter().chain(base.filter.vars()).cloned().collect();
         let mut grads = trainer::gradients(&loss, &vars)?;
         let filter_grads = grads.split_off(base.lora.vars().len());

@@ -76,13 +76,6 @@ pub(crate) struct TrainArgs {
     /// the passages an answer to it would show.
     #[arg(long, value_enum)]
     qa_layout: Option<lift::plan::QaLayout>,
-    /// Context distillation of the QA examples: the teacher's share of their loss, 0 to 1 (0: off).
-    #[arg(long)]
-    distill: Option<f64>,
-    /// The share of the auxiliary questions trained on, the facts whose evidence most changes the
-    /// model's answer first (1: all).
-    #[arg(long)]
-    qa_select: Option<f64>,
     /// Most auxiliary QA pairs, a fixed cap (default: at most 64 per 1,000 document tokens, and
     /// never under 256).
     #[arg(long, alias = "max-qa")]
@@ -145,8 +138,6 @@ impl TrainArgs {
             qa_pack: self.qa_pack,
             segment_pack: self.segment_pack,
             qa_layout: self.qa_layout,
-            distill: self.distill,
-            qa_select: self.qa_select,
             aux_qa: self.aux_qa,
             model_qa,
             until_learned: self.until_learned.then_some(true),

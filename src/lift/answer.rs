@@ -390,41 +390,6 @@ fn rerank(
     Ok(out)
 }
 
-/// Where a fact's evidence stands in a training prompt built by [`evidence_prompt`].
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Evidence {
-    /// Its passages first, then BM25's for the question: a reader that has the fact in front of
-    /// it (the teacher of context distillation).
-    Shown,
-    /// BM25's passages for the question without the evidence's: an answer whose retrieval missed
-    /// the fact, which only what the adapter learned can answer.
-    Hidden,
-}
-
-/// The answer layout of `question` (BM25's passages within `budget` document tokens, in document
-/// order, as [`build_prompt`] lays them out) with the passages of document tokens `evidence`
-/// shown first or hidden: the prompts of context distillation (`lift::distill`).
-pub fn evidence_prompt(
-    model: &Model,
-    doc: &Document,
-    question: &str,
-    evidence: (usize, usize),
-    how: Evidence,
-    budget: usize,
-) -> Result<AnswerPrompt> {
-    let index = doc.passages(model, passage_tokens(model))?;
-    let holds: Vec<usize> =
-        (0..index.passages.len()).filter(|&p| index.passages[p].0 < evidence.1 && evidence.0 < index.passages[p].1).collect();
-    let found = index.search_with_feedback(&retrieval_query(&Ask::new(question, Mode::Lift)));
-    let retrieved = found.iter().map(|h| h.passage).filter(|p| !holds.contains(p));
-    let chosen = match how {
-        Evidence::Shown => index.select(&holds.iter().copied().chain(retrieved).collect::<Vec<_>>(), budget),
-        Evidence::Hidden => index.select_excluding(&retrieved.collect::<Vec<_>>(), budget, &holds),
-    };
-    let shown: Vec<(usize, usize)> = chosen.into_iter().map(|p| index.passages[p]).collect();
-    passages_prompt(model, &[], doc.tokens(), &shown, question, model.base_filter().is_some(), ContextPolicy::Bm25)
-}
-
 /// The prompt showing the document ranges `shown` (whole passages, in document order): one
 /// filter chunk each in the FltLM layout, else joined by the elision marker where they do not
 /// follow each other.

@@ -68,11 +68,7 @@ pub struct OptionWarning {
 /// that length (known before any pair is generated; what the server's training cap bounds).
 pub fn most_training_tokens(doc_tokens: usize, o: &AbsorbOptions) -> u64 {
     let pairs = o.qa.for_document(doc_tokens).max_pairs;
-    let row = super::plan::qa_row_tokens(&o.plan);
-    let teacher = if o.train.distill.is_some() { pairs as u64 * row } else { 0 };
-    // The selection's two passes a question (it keeps at most all of them).
-    let selection = if o.plan.qa_select.is_some() { 2 * pairs as u64 * row } else { 0 };
-    planned_training_tokens(doc_tokens, &o.plan, o.train.epochs, pairs) + teacher + selection
+    planned_training_tokens(doc_tokens, &o.plan, o.train.epochs, pairs)
 }
 
 /// Whether `model` trains one question per QA row: its prepared base's filter lays them out
@@ -89,12 +85,6 @@ pub fn plan_counts(doc_tokens: usize, qa_pairs: usize, o: &AbsorbOptions, one_qu
     let segments = if doc_tokens <= window { 1 } else { (doc_tokens - window).div_ceil(p.stride()) + 1 };
     let probes = o.train.until_learned.as_ref().map_or(0, |r| r.probe_count(qa_pairs));
     let trained = qa_pairs - probes.min(qa_pairs);
-    // The selection (`lift::select`) reads every question twice (the student's row and the
-    // teacher's) and keeps about its share of them.
-    let (trained, selection) = match p.qa_select {
-        Some(keep) => (((keep * trained as f64).ceil() as usize).min(trained), 2 * trained as u64 * super::plan::qa_row_tokens(p)),
-        None => (trained, 0),
-    };
     let qa_rows = if one_question_per_row { trained } else { trained.div_ceil(p.qa_pack.max(1)) };
     let seg_rows = segments.div_ceil(p.segment_pack.max(1));
     let a = o.train.accumulation.max(1);
@@ -104,10 +94,7 @@ pub fn plan_counts(doc_tokens: usize, qa_pairs: usize, o: &AbsorbOptions, one_qu
     let steps = o.train.until_learned.as_ref().map_or(full, |r| r.ceiling(full));
     let tokens = planned_training_tokens(doc_tokens, p, o.train.epochs, trained);
     let tokens = if full == 0 { tokens } else { (tokens as f64 * steps as f64 / full as f64).round() as u64 };
-    // Context distillation's teacher reads each trained question once (counted as the trainer
-    // counts it, in the tokens).
-    let teacher = if o.train.distill.is_some() { trained as u64 * super::plan::qa_row_tokens(p) } else { 0 };
-    (segments, trained, steps, tokens + teacher + selection)
+    (segments, trained, steps, tokens)
 }
 
 /// The QA pairs an absorb with `o` will train on for `text`: counted by running the extractive

@@ -254,7 +254,7 @@ pub fn qa_examples_laid_out(
             let mut tokens = p.tokens.clone();
             tokens.extend_from_slice(&answer);
             let positive = p.labels(span);
-            Ok(FilterExample { example: Example { kind: ExampleKind::Qa(i), tokens, target, packing: None, soft: None }, chunks: p.chunks, positive, evidence })
+            Ok(FilterExample { example: Example { kind: ExampleKind::Qa(i), tokens, target, packing: None }, chunks: p.chunks, positive, evidence })
         })
         .collect()
 }

@@ -7,17 +7,14 @@
 pub mod answer;
 pub mod budget;
 pub mod calibrate;
-pub mod cdt;
 pub mod checkpoint;
 pub mod cost;
-pub mod distill;
 pub mod estimate;
 pub mod filter;
 pub mod options;
 pub mod plan;
 pub mod prompt;
 pub mod qa;
-pub mod select;
 pub mod text;
 pub mod trainer;
 
@@ -150,10 +147,7 @@ pub fn absorb_resumable(
     on_event(AbsorbEvent::Stage(AbsorbStage::Training));
     let adapter = new_adapter(model, opts)?;
     let (trained, held) = hold_aside(&pairs, opts);
-    let select_start = Instant::now();
-    let (trained, selection) = select_questions(model, document, trained, opts, cancel)?;
-    let select_seconds = select_start.elapsed().as_secs_f64();
-    let (plan, filter_examples) = plan(model, document, &trained, opts, opts.train.distill.is_some())?;
+    let (plan, filter_examples) = plan(model, document, &trained, opts)?;
     let train_opts = opts.effective_train();
     // The prepared base's filter masks the training rows under the absorb's calibration.
     let absorb_filter = model.base_filter().map(crate::model::filter::Filter::for_absorb);
@@ -161,12 +155,9 @@ pub fn absorb_resumable(
     // Probes in the layout the QA examples train in, one question per row.
     let mut probe_opts = opts.clone();
     probe_opts.plan.qa_pack = 1;
-    // Probes are scored on their answers alone: no teacher reads them.
-    probe_opts.train.distill = None;
-    probe_opts.plan.qa_select = None;
     let probe_plan = match held.is_empty() {
         true => None,
-        false => Some(self::plan(model, document, &held, &probe_opts, false)?),
+        false => Some(self::plan(model, document, &held, &probe_opts)?),
     };
     let probes = probe_plan.as_ref().map(|(p, fx)| trainer::Probes {
         examples: &p.qa,
@@ -198,11 +189,7 @@ pub fn absorb_resumable(
     };
     let checkpoints = resumable.as_ref().map(|r| trainer::Checkpointing { interval: r.interval, resume, save });
     let long = trainer::LongRun { checkpoints, deadline };
-    let mut report = trainer::train_long(model, inputs, &train_opts, base_filter.as_ref(), probes.as_ref(), control, long)?;
-    if let Some(s) = &selection {
-        // The selection's passes are part of what the absorb trained at.
-        report.add_selection(s.passes, s.tokens, select_seconds);
-    }
+    let report = trainer::train_long(model, inputs, &train_opts, base_filter.as_ref(), probes.as_ref(), control, long)?;
 
     on_event(AbsorbEvent::Stage(AbsorbStage::Saving));
     let bundle = AdapterBundle::new(adapter.detached());
@@ -254,92 +241,32 @@ fn new_adapter(model: &Model, opts: &AbsorbOptions) -> Result<AnyAdapter> {
 /// The training plan. With the prepared base's FltLM filter the QA examples are built once, in
 /// its layout (one question per row: its bookkeeping of chunks is per row), as the answer lays
 /// out the context; the filter then masks them, frozen (a detached copy, no filter loss). In the
-/// `passages` layout each question's context is what an answer to it would show. `teacher`: also the
-/// teacher's row of each question (its evidence shown first), for distillation or the selection.
-fn plan(
-    model: &Model,
-    document: &Document,
-    pairs: &[QaPair],
-    opts: &AbsorbOptions,
-    teacher: bool,
-) -> Result<(Plan, Vec<filter::FilterExample>)> {
+/// `passages` layout each question's context is what an answer to it would show.
+fn plan(model: &Model, document: &Document, pairs: &[QaPair], opts: &AbsorbOptions) -> Result<(Plan, Vec<filter::FilterExample>)> {
     let budget = opts.plan.qa_context();
     let n = document.tokens().len();
-    // A prompt of the answer layout (BM25's passages for the question) with the fact's evidence
-    // as answering finds it, shown first, or hidden.
-    let passages = |pair: &QaPair, span: (usize, usize), how: Option<answer::Evidence>| {
-        let p = match how {
-            Some(how) => answer::evidence_prompt(model, document, &pair.question, span, how, budget)?,
-            None => {
-                let ask = answer::Ask {
-                    context: Some(answer::ContextPolicy::Bm25),
-                    context_tokens: Some(budget),
-                    ..answer::Ask::new(&pair.question, answer::Mode::Lift)
-                };
-                answer::build_prompt(model, document, &ask, QA_ANSWER_TOKENS)?
-            }
+    // A prompt of the answer layout: BM25's passages for the question, as answering finds them.
+    let passages = |pair: &QaPair| {
+        let ask = answer::Ask {
+            context: Some(answer::ContextPolicy::Bm25),
+            context_tokens: Some(budget),
+            ..answer::Ask::new(&pair.question, answer::Mode::Lift)
         };
+        let p = answer::build_prompt(model, document, &ask, QA_ANSWER_TOKENS)?;
         Ok(filter::FilterPrompt { tokens: p.tokens, chunks: p.chunks, head_end: 0, tail_start: n })
-    };
-    // The teacher reads each question with its evidence in front of it.
-    let teacher_rows = |pairs: &[QaPair]| -> Result<Vec<plan::TeacherRow>> {
-        let rows = filter::qa_examples_laid_out(model, document, pairs, &|_, pair, span| {
-            passages(pair, span, Some(answer::Evidence::Shown))
-        })?;
-        Ok(rows.into_iter().map(|r| plan::TeacherRow { example: r.example, chunks: r.chunks }).collect())
     };
     use plan::QaLayout;
     let examples = match (model.base_filter(), opts.plan.qa_layout) {
-        (None, QaLayout::HeadTail) => {
-            let mut plan = Plan::new(model, document.tokens(), pairs, &opts.plan)?;
-            if teacher {
-                plan.teacher = teacher_rows(pairs)?;
-            }
-            return Ok((plan, Vec::new()));
-        }
+        (None, QaLayout::HeadTail) => return Ok((Plan::new(model, document.tokens(), pairs, &opts.plan)?, Vec::new())),
         (Some(f), QaLayout::HeadTail) => filter::qa_examples(model, document, pairs, budget, f)?,
-        (_, layout) => {
-            // Which questions hide their evidence: all (`recall`), every other one (`mixed`).
-            let hides = |i: usize| match layout {
-                QaLayout::Recall => true,
-                QaLayout::Mixed => i % 2 == 1,
-                _ => false,
-            };
-            filter::qa_examples_laid_out(model, document, pairs, &|i, pair, span| {
-                passages(pair, span, hides(i).then_some(answer::Evidence::Hidden))
-            })?
-        }
+        (_, QaLayout::Passages) => filter::qa_examples_laid_out(model, document, pairs, &|_, pair, _| passages(pair))?,
     };
     if opts.plan.qa_pack > 1 {
         // Each question's filter masks the context its own way; a packed row shares one context.
         tracing::warn!(qa_pack = opts.plan.qa_pack, "qa_pack has no effect under the prepared base's filter or the passages layouts: one question per row");
     }
     let qa = examples.iter().map(|e| e.example.clone()).collect();
-    let mut plan = Plan::with_qa(model, document.tokens(), qa, &opts.plan)?;
-    if teacher {
-        plan.teacher = teacher_rows(pairs)?;
-    }
-    Ok((plan, examples))
-}
-
-/// `pairs`, or the share `plan.qa_select` of them that the selection keeps (`lift::select`).
-fn select_questions(
-    model: &Model,
-    document: &Document,
-    pairs: Vec<QaPair>,
-    opts: &AbsorbOptions,
-    cancel: &dyn Fn() -> bool,
-) -> Result<(Vec<QaPair>, Option<select::Selection>)> {
-    let Some(keep) = opts.plan.qa_select.filter(|_| !pairs.is_empty()) else { return Ok((pairs, None)) };
-    // One question per row, each beside its teacher row.
-    let mut o = opts.clone();
-    o.plan.qa_pack = 1;
-    let (all, fx) = plan(model, document, &pairs, &o, true)?;
-    let student: Vec<(&plan::Example, &[crate::model::filter::Chunk])> =
-        all.qa.iter().enumerate().map(|(i, e)| (e, fx.get(i).map_or(&[][..], |f| f.chunks.as_slice()))).collect();
-    let s = select::impactful(model, &pairs, &student, &all.teacher, keep, cancel)?;
-    tracing::info!(kept = s.kept.len(), of = pairs.len(), passes = s.passes, "auxiliary questions selected by their impact");
-    Ok((s.kept.iter().map(|&i| pairs[i].clone()).collect(), Some(s)))
+    Ok((Plan::with_qa(model, document.tokens(), qa, &opts.plan)?, examples))
 }
 
 /// The answer length the passages layout leaves room for (it only matters where the model's
@@ -413,8 +340,6 @@ fn training_figures(r: &TrainReport, qa_pairs: usize, qa_seconds: f64, segments:
         "cooldown_from": r.cooldown_from,
         "cooldown_cause": r.cooldown_cause,
         "skipped_examples": r.skipped_examples,
-        "selection_passes": r.selection_passes,
-        "selection_tokens": r.selection_tokens,
         "out_of_time": r.out_of_time,
         "qa_pairs": qa_pairs,
         "qa_seconds": qa_seconds,
@@ -457,9 +382,9 @@ mod tests {
         opts.plan.training_context_tokens = 48;
         opts.plan.qa_layout = plan::QaLayout::HeadTail;
         let answer_tokens = model.tokenizer.encode("Anselm Varga", false).unwrap();
-        let (head_tail, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts, opts.train.distill.is_some()).unwrap();
+        let (head_tail, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts).unwrap();
         opts.plan.qa_layout = plan::QaLayout::Passages;
-        let (passages, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts, opts.train.distill.is_some()).unwrap();
+        let (passages, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts).unwrap();
         let ask = answer::Ask {
             context: Some(answer::ContextPolicy::Bm25),
             context_tokens: Some(48),
@@ -479,15 +404,6 @@ mod tests {
         let fact_ids = &document.tokens()[fact_tokens.0..fact_tokens.1];
         let contains = |hay: &[u32]| hay.windows(fact_ids.len()).any(|w| w == fact_ids);
         assert!(contains(&ex.tokens) && !contains(&ht.tokens));
-        // `recall` shows the question's passages without the fact's; `mixed` alternates.
-        opts.plan.qa_layout = plan::QaLayout::Recall;
-        let (recall, _) = plan(&model, &document, std::slice::from_ref(&pair), &opts, opts.train.distill.is_some()).unwrap();
-        assert!(!contains(&recall.qa[0].tokens), "the evidence is hidden");
-        assert!(recall.qa[0].tokens.ends_with(&ex.tokens[k..]), "the same answer");
-        opts.plan.qa_layout = plan::QaLayout::Mixed;
-        let two = [pair.clone(), QaPair { question: "Who keeps the light?".into(), ..pair.clone() }];
-        let (mixed, _) = plan(&model, &document, &two, &opts, opts.train.distill.is_some()).unwrap();
-        assert!(contains(&mixed.qa[0].tokens) && !contains(&mixed.qa[1].tokens));
     }
 
     #[test]

@@ -89,7 +89,6 @@ impl Recipe {
             }
         }
         o.qa.pairs_per_1k_tokens = qa.pairs_per_1k_tokens;
-        o.train.distill = None;
     }
 
     pub fn name(self) -> &'static str {
@@ -108,6 +107,8 @@ impl AbsorbOptions {
     /// extractive generator fills up to the cap).
     /// The defaults keep its adapter and schedule but put 128 context tokens before segments and
     /// questions and use extractive QA only (the default 135M model writes almost no valid pairs).
+    /// An evaluation baseline (`eval --methods lift-paper`), not an option a user sets.
+    #[cfg(feature = "research")]
     pub fn paper_faithful(num_layers: usize) -> Self {
         let mut o = Self { layers: Some((0..num_layers).collect()), ..Self::default() };
         Recipe::Paper.set(&mut o);
@@ -165,10 +166,6 @@ pub struct OptionOverlay {
     /// The context before an auxiliary question in training: `head_tail` or `passages` (what an
     /// answer to it shows).
     pub qa_layout: Option<QaLayout>,
-    /// Context distillation of the QA examples: the teacher's share α of their loss (0: off).
-    pub distill: Option<f64>,
-    /// The share of the auxiliary questions trained on, the most impactful facts first (1: all).
-    pub qa_select: Option<f64>,
     /// Most auxiliary QA pairs, a fixed cap in place of the length-scaled one.
     pub aux_qa: Option<usize>,
     /// Also have the model write QA pairs.
@@ -212,16 +209,6 @@ impl OptionOverlay {
         set(&mut o.plan.qa_pack, self.qa_pack);
         set(&mut o.plan.segment_pack, self.segment_pack);
         set(&mut o.plan.qa_layout, self.qa_layout);
-        if let Some(f) = self.qa_select {
-            // 1 keeps every question: the plan without a selection.
-            o.plan.qa_select = (f != 1.0).then_some(f);
-        }
-        match self.distill {
-            // 0 turns it off; any other value is checked by `validate`.
-            Some(w) if w == 0.0 => o.train.distill = None,
-            Some(w) => o.train.distill.get_or_insert_with(Default::default).weight = w,
-            None => {}
-        }
         if let Some(n) = self.aux_qa {
             // A count asked for is a fixed cap, in place of the length-scaled one, and the floor
             // never above it.
@@ -274,7 +261,11 @@ impl AbsorbOptions {
         }
         let mut nested = serde_json::to_value(&under)?;
         let mut flat = serde_json::Map::new();
-        for (key, value) in given {
+        let mut given = given.clone();
+        for name in strip_removed(&mut given) {
+            tracing::warn!(option = name, "a removed absorb option is ignored (docs/options.md, 'Removed options')");
+        }
+        for (key, value) in &given {
             if key == "recipe" {
                 continue;
             }
@@ -323,6 +314,32 @@ impl AbsorbOptions {
     }
 }
 
+/// Options measured and removed (docs/recipe-search.md): still read from options files and
+/// records, with a warning, and ignored; a request naming one is refused (`removed_option`).
+/// (the object they sat in, or "" for a flat name; key).
+pub const REMOVED: &[(&str, &str)] =
+    &[("", "distill"), ("", "qa_select"), ("train", "distill"), ("plan", "qa_select")];
+
+/// Takes the removed options out of `given` (flat names and nested keys); their names.
+pub fn strip_removed(given: &mut serde_json::Map<String, serde_json::Value>) -> Vec<String> {
+    let mut gone = Vec::new();
+    for (object, key) in REMOVED {
+        let slot = if object.is_empty() { Some(&mut *given) } else { given.get_mut(*object).and_then(|v| v.as_object_mut()) };
+        if slot.and_then(|o| o.remove(*key)).is_some() {
+            gone.push(if object.is_empty() { key.to_string() } else { format!("{object}.{key}") });
+        }
+    }
+    // The removed question layouts read as the one they were built on.
+    for object in ["", "plan"] {
+        let slot = if object.is_empty() { Some(&mut *given) } else { given.get_mut(object).and_then(|v| v.as_object_mut()) };
+        if let Some(layout) = slot.and_then(|o| o.get_mut("qa_layout")).filter(|v| *v == "recall" || *v == "mixed") {
+            gone.push(format!("qa_layout {layout} (read as passages)"));
+            *layout = serde_json::json!("passages");
+        }
+    }
+    gone
+}
+
 /// `value` merged into `target`: objects key by key, anything else replaced.
 fn merge_json(target: &mut serde_json::Value, value: &serde_json::Value) {
     match (target.as_object_mut(), value.as_object()) {
@@ -367,14 +384,7 @@ pub enum OptionError {
     Layer { layer: usize, num_layers: usize },
     #[error("'budget_seconds' must be a number of seconds above 0 and at most {max} (got {value})")]
     Budget { value: f64, max: f64 },
-    #[error("'distill' must be between 0 and 1, with a top-k of 1 to {max_top_k} (got {value}, top-k {top_k})")]
-    Distill { value: f64, top_k: usize, max_top_k: usize },
-    #[error("'qa_select' must be a share of the questions above 0 and at most 1 (got {value})")]
-    QaSelect { value: f64 },
 }
-
-/// Most teacher tokens kept per answer position in distillation.
-pub const MAX_TOP_K: usize = 256;
 
 impl OptionError {
     /// The option's name as clients write it.
@@ -386,8 +396,6 @@ impl OptionError {
             OptionError::AuxQa { .. } => "aux_qa",
             OptionError::Layer { .. } => "layers",
             OptionError::Budget { .. } => "budget_seconds",
-            OptionError::Distill { .. } => "distill",
-            OptionError::QaSelect { .. } => "qa_select",
         }
     }
 }
@@ -421,12 +429,6 @@ impl AbsorbOptions {
         if let Some(b) = self.budget_seconds.filter(|b| !(b.is_finite() && *b > 0.0 && *b <= MAX_BUDGET_SECONDS)) {
             return Err(OptionError::Budget { value: b, max: MAX_BUDGET_SECONDS });
         }
-        if let Some(d) = self.train.distill.as_ref().filter(|d| !((0.0..=1.0).contains(&d.weight) && (1..=MAX_TOP_K).contains(&d.top_k))) {
-            return Err(OptionError::Distill { value: d.weight, top_k: d.top_k, max_top_k: MAX_TOP_K });
-        }
-        if let Some(f) = self.plan.qa_select.filter(|f| !(*f > 0.0 && *f <= 1.0)) {
-            return Err(OptionError::QaSelect { value: f });
-        }
         Ok(())
     }
 }
@@ -455,6 +457,27 @@ mod tests {
         assert!(e.contains("windw") && e.contains("window"), "{e}");
     }
     #[test]
+    fn removed_options_still_read_and_are_ignored() {
+        let d = AbsorbOptions::default();
+        let old = serde_json::json!({"distill": 0.25, "qa_select": 0.4, "epochs": [1, 2],
+            "train": {"distill": {"weight": 0.5, "top_k": 16}}, "plan": {"qa_select": 0.5, "qa_layout": "mixed"}});
+        let mut given = old.as_object().unwrap().clone();
+        let gone = strip_removed(&mut given);
+        assert_eq!(gone, ["distill", "qa_select", "train.distill", "plan.qa_select", "qa_layout \"mixed\" (read as passages)"]);
+        let o = d.with_json(&old).unwrap();
+        assert_eq!((o.train.epochs, o.plan.qa_layout), ([1, 2], QaLayout::Passages));
+        // A record saved with them reads too (the nested structs keep no such field).
+        let record: AbsorbOptions = serde_json::from_value(serde_json::json!({"train": {"distill": {"weight": 0.5}},
+            "plan": {"qa_select": 0.5, "qa_layout": "recall"}})).unwrap();
+        assert_eq!(record.plan.qa_layout, QaLayout::Passages);
+        // A default document's saved options, part of its id, name none of them.
+        let plain = serde_json::to_value(&d).unwrap();
+        for (part, key) in [("train", "distill"), ("train", "batch_rows"), ("plan", "qa_layout"), ("plan", "qa_select")] {
+            assert!(plain[part].get(key).is_none(), "{part}.{key} in {plain}");
+        }
+    }
+
+    #[test]
     fn one_name_per_setting_and_the_older_names_still_read() {
         let d = AbsorbOptions::default();
         // Saved under today's names...
@@ -472,7 +495,7 @@ mod tests {
         let all = serde_json::json!({"adapter": "lora", "layers": [1, 2], "window": 64, "stride": 16,
             "training_context_tokens": 48, "epochs": [0, 2], "lr": 0.01, "accumulation": 2, "qa_pack": 3,
             "segment_pack": 2, "aux_qa": 6, "model_qa": true, "until_learned": true, "seed": 9, "budget_seconds": 60.0,
-            "recipe": "lean", "qa_layout": "mixed", "distill": 0.25, "qa_select": 0.4});
+            "recipe": "lean", "qa_layout": "head_tail"});
         let names: Vec<&String> = all.as_object().unwrap().keys().collect();
         assert_eq!(names.len(), OptionOverlay::names().len(), "a flat name without a case here");
         let o = d.with_json(&all).unwrap();
@@ -482,16 +505,7 @@ mod tests {
         assert!(o.qa.use_model && o.train.until_learned.is_some() && o.qa.min_pairs <= 6);
         assert_eq!((o.train.seed, o.qa.seed, o.budget_seconds), (9, 9, Some(60.0)));
         // The recipe first (lean: no floor under the questions' cap), the settings named over it.
-        assert_eq!((o.qa.cap_floor, o.plan.qa_layout), (0, QaLayout::Mixed));
-        assert_eq!(o.train.distill.as_ref().map(|d| d.weight), Some(0.25));
-        assert_eq!(o.plan.qa_select, Some(0.4));
-        assert_eq!(d.with_json(&serde_json::json!({"qa_select": 1})).unwrap().plan.qa_select, None, "1 keeps every question");
-        let bad = d.with_json(&serde_json::json!({"qa_select": 0})).unwrap();
-        assert_eq!(bad.validate(30, 2048).unwrap_err().option(), "qa_select");
-        let off = d.with_json(&serde_json::json!({"distill": 0.5})).unwrap().with_json(&serde_json::json!({"distill": 0})).unwrap();
-        assert!(off.train.distill.is_none(), "0 turns distillation off");
-        let bad = d.with_json(&serde_json::json!({"distill": 1.5})).unwrap();
-        assert_eq!(bad.validate(30, 2048).unwrap_err().option(), "distill");
+        assert_eq!((o.qa.cap_floor, o.plan.qa_layout), (0, QaLayout::HeadTail));
         // A flat name of the wrong type says which.
         let e = d.with_json(&serde_json::json!({"window": "wide"})).unwrap_err().to_string();
         assert!(e.contains("window"), "{e}");

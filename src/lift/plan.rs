@@ -46,11 +46,6 @@ pub struct PlanOptions {
     /// in the layout it answers in. Left out of the JSON (and so of document ids) when the default.
     #[serde(skip_serializing_if = "QaLayout::is_head_tail")]
     pub qa_layout: QaLayout,
-    /// The share (0–1] of the auxiliary questions trained on: the facts whose evidence most changes
-    /// the model's answer, first (`lift::select`, after LongRecipe's impactful-token analysis).
-    /// None: every question. Left out of the JSON when None.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub qa_select: Option<f64>,
 }
 
 /// The context before an auxiliary question in training ([`PlanOptions::qa_layout`]).
@@ -62,14 +57,11 @@ pub enum QaLayout {
     #[value(name = "head_tail")]
     HeadTail,
     /// The passages BM25 retrieves for the question within the budget, in document order: the
-    /// layout of an answer under the default context policy (`answer::build_prompt`).
+    /// layout of an answer under the default context policy (`answer::build_prompt`). Saved
+    /// records of the removed `recall` and `mixed` layouts (docs/recipe-search.md) read as this
+    /// one.
+    #[serde(alias = "recall", alias = "mixed")]
     Passages,
-    /// Those passages without the ones holding the fact's evidence: the answer a retrieval miss
-    /// needs (a question worded unlike its evidence), which only what the adapter learned gives.
-    Recall,
-    /// `passages` and `recall` in turn over the questions (a fact's wordings are consecutive, so
-    /// each fact is both read and recalled).
-    Mixed,
 }
 
 impl QaLayout {
@@ -92,7 +84,6 @@ impl Default for PlanOptions {
             qa_pack: 1,
             segment_pack: 1,
             qa_layout: QaLayout::HeadTail,
-            qa_select: None,
         }
     }
 }
@@ -152,7 +143,7 @@ pub fn planned_training_tokens(doc_tokens: usize, opts: &PlanOptions, epochs: [u
 }
 
 /// About how many tokens one auxiliary question's row takes (its context, template, question and
-/// answer): also a distillation teacher's pass over it.
+/// answer).
 pub fn qa_row_tokens(opts: &PlanOptions) -> u64 {
     (opts.qa_context() + ROW_OVERHEAD_TOKENS + QA_PAIR_TOKENS) as u64
 }
@@ -173,27 +164,6 @@ pub struct Example {
     pub tokens: Vec<u32>,
     pub target: Vec<bool>,
     pub packing: Option<Packing>,
-    /// A teacher's distribution at the target positions (context distillation, `lift::distill`):
-    /// the loss mixes it with the tokens themselves. None: the tokens alone.
-    pub soft: Option<std::sync::Arc<SoftTargets>>,
-}
-
-/// A teacher's top-k next-token distribution at each target position of a row, in order
-/// (`indices` `[n, k]` u32, `probs` `[n, k]` f32 renormalised over the k), and the weight α of its
-/// term in the loss: `(1 − α)·CE(tokens) + α·CE(teacher)` (`lift::distill::soft_loss`).
-#[derive(Clone, Debug)]
-pub struct SoftTargets {
-    pub indices: candle_core::Tensor,
-    pub probs: candle_core::Tensor,
-    pub weight: f64,
-}
-
-/// What a teacher reads for the QA example of the same index: its prompt and answer (the answer
-/// tokens are the student's) and the prompt's chunks in the prepared base's filter layout.
-#[derive(Clone, Debug)]
-pub struct TeacherRow {
-    pub example: Example,
-    pub chunks: Vec<crate::model::filter::Chunk>,
 }
 
 impl Example {
@@ -207,8 +177,6 @@ pub struct Plan {
     /// Auxiliary-QA examples, `qa_pack` questions per row (CT examples are drawn per epoch by
     /// `segment_example`).
     pub qa: Vec<Example>,
-    /// With context distillation, the teacher's row of each QA example (same index); else empty.
-    pub teacher: Vec<TeacherRow>,
     opts: PlanOptions,
     elision: Vec<u32>,
 }
@@ -218,7 +186,7 @@ impl Plan {
     /// question per row).
     pub fn with_qa(model: &Model, doc: &[u32], qa: Vec<Example>, opts: &PlanOptions) -> Result<Self> {
         let segments = segments(doc.len(), opts.window, opts.stride());
-        Ok(Self { segments, qa, teacher: Vec::new(), opts: opts.clone(), elision: elision_tokens(model)? })
+        Ok(Self { segments, qa, opts: opts.clone(), elision: elision_tokens(model)? })
     }
 
     /// The plan with QA examples in the plain layout, `qa_pack` questions per row.
@@ -251,7 +219,7 @@ impl Plan {
         target.extend(std::iter::repeat_n(true, answer.len()));
         let mut tokens = prompt;
         tokens.extend_from_slice(answer);
-        Example { kind, tokens, target, packing: None, soft: None }
+        Example { kind, tokens, target, packing: None }
     }
 
     /// One row of (prompt, answer) pairs: the prompts' common prefix once, then each pair's
@@ -281,7 +249,7 @@ impl Plan {
             target.extend(std::iter::repeat_n(true, answer.len()));
             lens.push(rest.len() + answer.len());
         }
-        Example { kind, tokens, target, packing: Some(Packing::new(prefix, &lens)), soft: None }
+        Example { kind, tokens, target, packing: Some(Packing::new(prefix, &lens)) }
     }
 
     /// The CT example of segment `i` with a head/tail split drawn from `rng`: the document's

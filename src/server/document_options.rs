@@ -40,22 +40,26 @@ pub struct DocumentOptions {
     /// Removed: CDT belongs to the server's prepared base (400 `removed_option`).
     #[schema(value_type = Option<Object>)]
     pub cdt: Option<serde_json::Value>,
+    /// Removed: context distillation was measured and rejected (400 `removed_option`).
+    #[schema(value_type = Option<Object>)]
+    pub distill: Option<serde_json::Value>,
+    /// Removed: training on a selected share of the questions was measured and rejected (400
+    /// `removed_option`).
+    #[schema(value_type = Option<Object>)]
+    pub qa_select: Option<serde_json::Value>,
 }
 
 impl DocumentOptions {
     /// `defaults` with these options applied, checked against their bounds.
     pub fn apply(self, defaults: &AbsorbOptions, num_layers: usize, max_window: usize) -> ApiResult<AbsorbOptions> {
-        for (name, v) in [("filter", &self.filter), ("cdt", &self.cdt)] {
-            if v.is_some() {
-                return Err(ApiError::bad_request(
-                    "removed_option",
-                    format!(
-                        "'options.{name}' is no longer a per-document option: FltLM's filter and CDT are part of the \
-                         server's prepared base, active for every document (the server's --prepared-base chooses it)"
-                    ),
-                )
-                .param(&format!("options.{name}")));
-            }
+        let base = "is no longer a per-document option: FltLM's filter and CDT are part of the server's prepared \
+                    base, active for every document (the server's --prepared-base chooses it)";
+        let measured = "was measured and removed (docs/recipe-search.md): the `recipe` option chooses between \
+                        the schedules kept, `paper` (the default) and `lean`";
+        let removed = [("filter", &self.filter, base), ("cdt", &self.cdt, base), ("distill", &self.distill, measured),
+            ("qa_select", &self.qa_select, measured)];
+        if let Some((name, _, why)) = removed.into_iter().find(|(_, v, _)| v.is_some()) {
+            return Err(ApiError::bad_request("removed_option", format!("'options.{name}' {why}")).param(&format!("options.{name}")));
         }
         let o = self.overlay().apply(defaults);
         o.validate(num_layers, max_window).map_err(invalid_option)?;

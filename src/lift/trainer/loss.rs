@@ -1,21 +1,13 @@
-//! The losses a run trains on: a training row prepared for the model, its (weighted, optionally
-//! distilled) cross-entropy, the FltLM filter's loss beside it, CDT's two passes, and the cache of
-//! the frozen layers' streams of the QA examples.
+//! The losses a run trains on: a training row prepared for the model, its weighted cross-entropy,
+//! the FltLM filter's loss beside it, and the cache of the frozen layers' streams of the QA
+//! examples. (CDT's two passes over the same losses belong to the prepared base: `base::cdt`.)
 
 use super::FilterTraining;
-use crate::lift::cdt::{self, CdtStats};
-use crate::lift::distill::soft_loss;
 use crate::lift::filter::{filter_loss, FilterExample, FilterHooks, FromLayer};
 use crate::lift::plan::Example;
 use crate::model::{ops, Adapter, ForwardHooks, Model, NoHooks, Packing};
 use anyhow::{bail, Result};
-use candle_core::{Tensor, Var};
-
-#[derive(Clone, Debug, Default)]
-pub struct QaPositions {
-    pub context: Vec<usize>,
-    pub evidence: Vec<usize>,
-}
+use candle_core::Tensor;
 
 /// Memory for cached frozen-layer streams of QA examples (~400 KB per 180-token example here).
 pub(super) const FROZEN_CACHE_BYTES: usize = 256 << 20;
@@ -75,18 +67,17 @@ pub fn example_loss_with(
 
 /// A training row ready for the model: input ids `[1, n−1]` (laid out by `packing`), the
 /// positions whose next token is a target, those targets and their loss weights.
-pub(super) struct Prepared {
-    pub(super) input: Tensor,
+pub(crate) struct Prepared {
+    pub(crate) input: Tensor,
     packing: Option<Packing>,
     /// The target positions, on the host (`pos` on the device).
     pub(super) positions: Vec<u32>,
     pos: Tensor,
     tgt: Tensor,
     weights: Tensor,
-    soft: Option<std::sync::Arc<crate::lift::plan::SoftTargets>>,
 }
 
-pub(super) fn prepare(model: &Model, example: &Example) -> Result<Prepared> {
+pub(crate) fn prepare(model: &Model, example: &Example) -> Result<Prepared> {
     let dev = model.device();
     let n = example.tokens.len();
     if n < 2 {
@@ -116,7 +107,6 @@ pub(super) fn prepare(model: &Model, example: &Example) -> Result<Prepared> {
         positions: pos,
         tgt: Tensor::new(tgt.as_slice(), dev)?,
         weights: Tensor::new(weights.as_slice(), dev)?,
-        soft: example.soft.clone(),
     })
 }
 
@@ -139,16 +129,12 @@ fn cross_entropy_at(model: &Model, hidden: &Tensor, p: &Prepared) -> Result<Tens
 
 /// The row's loss from the vocabulary logits `[targets, vocab]` at its target positions.
 pub(super) fn loss_of_logits(logits: &Tensor, p: &Prepared) -> Result<Tensor> {
-    let hard = ops::cross_entropy_masked(logits, &p.tgt, &p.weights)?;
-    match &p.soft {
-        None => Ok(hard),
-        Some(soft) => Ok(soft_loss(logits, &hard, soft, &p.weights)?),
-    }
+    Ok(ops::cross_entropy_masked(logits, &p.tgt, &p.weights)?)
 }
 
 /// `(L_lm + λ·L_flt, L_lm, L_flt)` of one example from embeddings `emb`; without a filter
 /// example, `(L_lm, L_lm, None)`.
-fn total_loss(
+pub(crate) fn total_loss(
     model: &Model,
     adapter: &dyn Adapter,
     emb: &Tensor,
@@ -170,16 +156,13 @@ fn total_loss(
     Ok(((&lm + (&flt * ft.lambda)?)?, lm, Some(flt)))
 }
 
-/// The loss of one training example: with CDT (`cdt`: the target relative move and the prompt
-/// positions of the document), pass 1 (embedding gradients of the LM loss), critical tokens,
-/// denoised document embeddings, then the loss on them (pass 2).
+/// The loss of one training example, `(L_lm + λ·L_flt, L_flt)`; `frozen`: the cache of the
+/// frozen layers' streams and the example's key in it.
 pub(crate) fn training_loss(
     model: &Model,
     adapter: &dyn Adapter,
     example: &Example,
     filter: Option<(&FilterTraining, &FilterExample)>,
-    cdt: Option<(f64, &QaPositions)>,
-    stats: &mut CdtStats,
     frozen: Option<(&mut FrozenCache, usize)>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let p = prepare(model, example)?;
@@ -187,7 +170,7 @@ pub(crate) fn training_loss(
     // A frozen filter (the prepared base's, under a document's adapter) neither learns nor adds a
     // loss: the layers below both the adapter and the filter's score layer are the same every
     // epoch, so their stream is cached as without a filter; the hooks run from there.
-    let cacheable = cdt.is_none() && filter.is_none_or(|(ft, _)| ft.is_frozen());
+    let cacheable = filter.is_none_or(|(ft, _)| ft.is_frozen());
     if let (Some((frozen, key)), true) = (frozen, cacheable) {
         let packing = p.packing.as_ref();
         let mut first = model.decoder.first_trainable_layer(&emb, Some(adapter));
@@ -204,20 +187,6 @@ pub(crate) fn training_loss(
         let hidden = model.decoder.forward_train_from(&h, first, packing, Some(adapter), hooks)?;
         return Ok((cross_entropy_at(model, &hidden, &p)?, None));
     }
-    let Some((target, positions)) = cdt else {
-        let (total, _, flt) = total_loss(model, adapter, &emb, &p, filter)?;
-        return Ok((total, flt));
-    };
-    let v = Var::from_tensor(&emb)?;
-    let (_, pass1, _) = total_loss(model, adapter, v.as_tensor(), &p, filter)?;
-    let grads = pass1.backward()?;
-    let e = emb.squeeze(0)?;
-    let g = match grads.get(v.as_tensor()) {
-        Some(g) => g.detach().squeeze(0)?,
-        None => e.zeros_like()?,
-    };
-    let d = cdt::denoise_document(&e, &g, &positions.context, target)?;
-    let (total, pass2, flt) = total_loss(model, adapter, &d.emb.unsqueeze(0)?, &p, filter)?;
-    stats.add(&d, Some(positions), pass1.to_scalar::<f32>()? as f64, pass2.to_scalar::<f32>()? as f64);
+    let (total, _, flt) = total_loss(model, adapter, &emb, &p, filter)?;
     Ok((total, flt))
 }

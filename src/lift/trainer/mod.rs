@@ -17,7 +17,6 @@ mod rows;
 mod run;
 mod until_learned;
 
-use super::distill::DistillOptions;
 use super::filter::{Filter, FilterExample};
 use super::plan::Plan;
 use crate::model::{Adapter, Model};
@@ -26,8 +25,8 @@ use candle_core::{Tensor, Var};
 use serde::{Deserialize, Serialize};
 
 pub use checkpoint::{Checkpointing, Cursor, LongRun, TrainCheckpoint};
-pub use loss::{example_loss, example_loss_with, QaPositions};
-pub(crate) use loss::training_loss;
+pub use loss::{example_loss, example_loss_with};
+pub(crate) use loss::{prepare, total_loss, training_loss};
 pub use optim::AdamW;
 pub use run::train_long;
 pub use until_learned::{CooldownCause, FocusState, Probes, UntilLearned, UntilLearnedState};
@@ -63,9 +62,6 @@ pub struct TrainOptions {
     /// schedule, `epochs`, is then the ceiling). None: the paper's fixed schedule.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub until_learned: Option<UntilLearned>,
-    /// Context distillation of the QA examples (`lift::distill`); None: their answer tokens alone.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub distill: Option<DistillOptions>,
     pub seed: u64,
 }
 
@@ -90,7 +86,6 @@ impl Default for TrainOptions {
             warmup_steps: 0,
             early_stop: None,
             until_learned: None,
-            distill: None,
             seed: 0,
         }
     }
@@ -175,33 +170,13 @@ pub struct TrainReport {
     /// Training stopped at the absorb's time budget, before its planned steps.
     #[serde(default)]
     pub out_of_time: bool,
-    /// Context distillation's teacher passes and their tokens (also counted in `tokens`).
-    #[serde(default)]
-    pub teacher_passes: usize,
-    #[serde(default)]
-    pub teacher_tokens: usize,
     /// The step this run continued from, when it resumed a checkpoint: the steps before it were
     /// trained (and timed) by an earlier process.
     #[serde(default)]
     pub resumed_from: Option<usize>,
-    /// The questions' selection (`plan.qa_select`): its passes and their tokens (also counted in
-    /// `tokens` and its time in `seconds`).
-    #[serde(default)]
-    pub selection_passes: usize,
-    #[serde(default)]
-    pub selection_tokens: usize,
 }
 
 impl TrainReport {
-    /// Counts the questions' selection, run before training, in the run's tokens and seconds.
-    pub fn add_selection(&mut self, passes: usize, tokens: usize, seconds: f64) {
-        self.selection_passes += passes;
-        self.selection_tokens += tokens;
-        self.tokens += tokens;
-        self.seconds += seconds;
-        self.tokens_per_s = self.tokens as f64 / self.seconds.max(1e-9);
-    }
-
     /// The optimizer steps this process ran: all of them, less those a resumed checkpoint had.
     pub fn steps_this_run(&self) -> usize {
         self.steps - self.resumed_from.unwrap_or(0).min(self.steps)
@@ -293,7 +268,6 @@ pub(crate) fn gradients(loss: &Tensor, vars: &[Var]) -> Result<Vec<Tensor>> {
 mod tests {
     use super::loss::FrozenCache;
     use super::*;
-    use crate::lift::cdt::CdtStats;
     use crate::lift::plan::Example;
     use candle_core::{Device, Tensor};
 
@@ -349,14 +323,13 @@ mod tests {
         let ft = FilterTraining::frozen(filter, &examples);
         let gm = GatedMemory::new(model.config(), &[2, 3], false, 1, &Device::Cpu).unwrap();
         let ex = &examples[0].example;
-        let mut stats = CdtStats::default();
-        let (plain, _) = training_loss(&model, &gm, ex, Some((&ft, &examples[0])), None, &mut stats, None).unwrap();
+        let (plain, _) = training_loss(&model, &gm, ex, Some((&ft, &examples[0])), None).unwrap();
         let g_plain = gradients(&plain, gm.vars()).unwrap();
         let mut cache = FrozenCache::new(1 << 30);
         for round in 0..2 {
             // Round 0 fills the cache (the stream entering layer 1, the score layer), round 1 reads it.
             let key = Some((&mut cache, 0));
-            let (cached, _) = training_loss(&model, &gm, ex, Some((&ft, &examples[0])), None, &mut stats, key).unwrap();
+            let (cached, _) = training_loss(&model, &gm, ex, Some((&ft, &examples[0])), key).unwrap();
             let d = (cached.to_scalar::<f32>().unwrap() - plain.to_scalar::<f32>().unwrap()).abs();
             assert!(d < 1e-4, "round {round}: loss differs by {d}");
             for (a, b) in gradients(&cached, gm.vars()).unwrap().iter().zip(&g_plain) {
@@ -366,7 +339,7 @@ mod tests {
         }
         assert!(cache.bytes > 0, "the stream below the filter was cached");
         // The mask acts: without the filter the same tokens have another loss.
-        let (unmasked, _) = training_loss(&model, &gm, ex, None, None, &mut stats, None).unwrap();
+        let (unmasked, _) = training_loss(&model, &gm, ex, None, None).unwrap();
         let d = (unmasked.to_scalar::<f32>().unwrap() - plain.to_scalar::<f32>().unwrap()).abs();
         assert!(d > 1e-4, "the soft mask changed nothing ({d})");
     }
@@ -387,26 +360,14 @@ mod tests {
         ];
         let document = crate::document::Document::encode(&model, TEXT).unwrap();
         let filter = model.base_filter().unwrap();
-        let mut examples = qa_examples(&model, &document, &pairs, 1000, filter).unwrap();
-        // One row learns from a teacher's distribution as well (context distillation).
-        let k = 3;
-        let n = examples[1].example.target_count();
-        let vocab = model.config().vocab_size as u32;
-        let idx: Vec<u32> = (0..n * k).map(|i| (i as u32 * 7919) % vocab).collect();
-        let probs: Vec<f32> = (0..n).flat_map(|_| [0.6f32, 0.3, 0.1]).collect();
-        examples[1].example.soft = Some(std::sync::Arc::new(crate::lift::plan::SoftTargets {
-            indices: Tensor::from_vec(idx, (n, k), &Device::Cpu).unwrap(),
-            probs: Tensor::from_vec(probs, (n, k), &Device::Cpu).unwrap(),
-            weight: 0.5,
-        }));
-        // And one is a plain row of another length without the filter: the whole text recited.
+        let examples = qa_examples(&model, &document, &pairs, 1000, filter).unwrap();
+        // One is a plain row of another length without the filter: the whole text recited.
         let doc = document.tokens().to_vec();
         let plain = Example {
             kind: crate::lift::plan::ExampleKind::Segment(0),
             target: (0..doc.len()).map(|i| i > 0).collect(),
             tokens: doc,
             packing: None,
-            soft: None,
         };
         let lens: Vec<usize> = examples.iter().map(|e| e.example.tokens.len()).chain([plain.tokens.len()]).collect();
         assert!(lens.iter().min() < lens.iter().max(), "rows of different lengths are padded: {lens:?}");
@@ -422,12 +383,11 @@ mod tests {
         // layer (the layers below it frozen and cached).
         for layers in [vec![0, 1, 2, 3], vec![2, 3]] {
             let gm = GatedMemory::new(model.config(), &layers, false, 1, &Device::Cpu).unwrap();
-            let mut stats = CdtStats::default();
             let alone: Vec<Tensor> = rows
                 .iter()
                 .map(|r| {
                     let fx = r.filter.map(|fx| (&ft, fx));
-                    training_loss(&model, &gm, r.example, fx, None, &mut stats, None).unwrap().0
+                    training_loss(&model, &gm, r.example, fx, None).unwrap().0
                 })
                 .collect();
             let mean = (Tensor::stack(&alone, 0).unwrap().sum_all().unwrap() / rows.len() as f64).unwrap();

@@ -8,8 +8,6 @@ use super::optim::Optimizers;
 use super::rows;
 use super::until_learned::{Focus, UntilLearnedRun};
 use super::{gradients, FilterTraining, Patience, Probes, Progress, RunControl, Stage, TrainInputs, TrainOptions, TrainReport};
-use crate::lift::cdt::CdtStats;
-use crate::lift::distill::TeacherCache;
 use crate::lift::plan::{Plan, PlanRng};
 use crate::model::Model;
 use anyhow::Result;
@@ -43,12 +41,7 @@ pub fn train_long(
         filter,
         vars: inputs.vars.iter().chain(filter_vars).cloned().collect(),
         frozen: FrozenCache::new(FROZEN_CACHE_BYTES),
-        no_cdt: CdtStats::default(),
         rng: Plan::rng(opts.seed),
-        teacher: match (&opts.distill, inputs.plan.teacher.is_empty()) {
-            (Some(d), false) => Some(TeacherCache::new(&inputs.plan.teacher, d.clone())),
-            _ => None,
-        },
         batch_rows: opts.batch_rows,
     };
     let rows = EpochRows::of(inputs.plan, opts);
@@ -210,10 +203,6 @@ pub fn train_long(
         }
     }
     report.seconds = seconds_before + start.elapsed().as_secs_f64();
-    if let Some(t) = &run.teacher {
-        report.teacher_passes = t.passes;
-        report.teacher_tokens = t.tokens;
-    }
     report.tokens_per_s = report.tokens as f64 / report.seconds.max(1e-9);
     report.final_loss = report.epoch_losses.last().copied().unwrap_or(f64::NAN);
     Ok(report)
@@ -286,10 +275,7 @@ struct LiftRun<'a> {
     filter: Option<&'a FilterTraining<'a>>,
     vars: Vec<Var>,
     frozen: FrozenCache,
-    no_cdt: CdtStats,
     rng: PlanRng,
-    /// Context distillation's teacher targets of the QA examples.
-    teacher: Option<TeacherCache<'a>>,
     /// `TrainOptions::batch_rows`.
     batch_rows: Option<f64>,
 }
@@ -315,23 +301,11 @@ impl LiftRun<'_> {
         let mut examples = Vec::with_capacity(batch.len());
         let mut batch_tokens = 0;
         for &(is_qa, i) in batch {
-            let mut example = match (fx_of(is_qa, i), is_qa) {
+            let example = match (fx_of(is_qa, i), is_qa) {
                 (Some((_, fx)), _) => fx.example.clone(),
                 (None, true) => plan.qa[i].clone(),
                 (None, false) => plan.segments_example(model, doc, &seg_members[i], &mut self.rng)?,
             };
-            if let (Some(teacher), true) = (self.teacher.as_mut(), is_qa) {
-                let before = teacher.tokens;
-                let soft = teacher.targets(model, i)?;
-                anyhow::ensure!(
-                    soft.indices.dim(0)? == example.target_count(),
-                    "QA example {i}: the teacher's row has {} answer positions, the student's {}",
-                    soft.indices.dim(0)?,
-                    example.target_count()
-                );
-                example.soft = Some(soft);
-                batch_tokens += teacher.tokens - before;
-            }
             batch_tokens += example.tokens.len();
             examples.push(example);
         }
@@ -369,7 +343,7 @@ impl LiftRun<'_> {
         let mut losses = Vec::with_capacity(batch.len());
         for (&(is_qa, i), example) in batch.iter().zip(&examples) {
             let cached = is_qa.then_some((&mut self.frozen, i));
-            let (loss, _) = training_loss(model, adapter, example, fx_of(is_qa, i), None, &mut self.no_cdt, cached)?;
+            let (loss, _) = training_loss(model, adapter, example, fx_of(is_qa, i), cached)?;
             let g = gradients(&(loss.clone() * scale)?, &self.vars)?;
             sum = Some(add_gradients(sum, g)?);
             let loss = loss.to_scalar::<f32>()? as f64;

@@ -4,7 +4,6 @@
 //! both (`UntilLearnedState`), so an absorb until learned resumes as every other absorb does.
 
 use super::{training_loss, EarlyStop, FilterTraining, Patience, TrainReport};
-use crate::lift::cdt::CdtStats;
 use crate::lift::plan::Example;
 use crate::model::{Adapter, Model};
 use anyhow::Result;
@@ -209,11 +208,10 @@ impl Probes<'_> {
     /// Mean loss of the probes' answer tokens under `adapter` (forward only).
     fn loss(&self, model: &Model, adapter: &dyn Adapter) -> Result<f64> {
         let mut sum = 0.0;
-        let mut stats = CdtStats::default();
         for (i, example) in self.examples.iter().enumerate() {
             let fx = self.filter.as_ref().map(|ft| (ft, &ft.examples[i]));
             let example = fx.map_or(example, |(_, fx)| &fx.example);
-            let (loss, _) = training_loss(model, adapter, example, fx, None, &mut stats, None)?;
+            let (loss, _) = training_loss(model, adapter, example, fx, None)?;
             sum += loss.to_scalar::<f32>()? as f64;
         }
         Ok(sum / self.examples.len().max(1) as f64)

@@ -8,9 +8,48 @@
 //! never in a document's absorb, and there only on the QA examples' document passages (a chat
 //! template or an attention sink is not "noise").
 
-use super::trainer::QaPositions;
-use candle_core::{Result, Tensor, D};
+use crate::lift::filter::FilterExample;
+use crate::lift::plan::Example;
+use crate::lift::trainer::{prepare, total_loss, FilterTraining};
+use crate::model::{Adapter, Model};
+use candle_core::{Result, Tensor, Var, D};
 use serde::{Deserialize, Serialize};
+
+/// Where a training prompt's document tokens are, and the evidence among them.
+#[derive(Clone, Debug, Default)]
+pub struct QaPositions {
+    pub context: Vec<usize>,
+    pub evidence: Vec<usize>,
+}
+
+/// The loss of one training example under CDT (`target`: the mean relative move of the document
+/// embeddings, `positions`: the prompt's document tokens): pass 1 (embedding gradients of the LM
+/// loss), critical tokens, denoised document embeddings, then the loss on them (pass 2), as
+/// `(L_lm + λ·L_flt, L_flt)`.
+pub fn cdt_loss(
+    model: &Model,
+    adapter: &dyn Adapter,
+    example: &Example,
+    filter: Option<(&FilterTraining, &FilterExample)>,
+    target: f64,
+    positions: &QaPositions,
+    stats: &mut CdtStats,
+) -> anyhow::Result<(Tensor, Option<Tensor>)> {
+    let p = prepare(model, example)?;
+    let emb = model.decoder.embed(&p.input)?;
+    let v = Var::from_tensor(&emb)?;
+    let (_, pass1, _) = total_loss(model, adapter, v.as_tensor(), &p, filter)?;
+    let grads = pass1.backward()?;
+    let e = emb.squeeze(0)?;
+    let g = match grads.get(v.as_tensor()) {
+        Some(g) => g.detach().squeeze(0)?,
+        None => e.zeros_like()?,
+    };
+    let d = denoise_document(&e, &g, &positions.context, target)?;
+    let (total, pass2, flt) = total_loss(model, adapter, &d.emb.unsqueeze(0)?, &p, filter)?;
+    stats.add(&d, Some(positions), pass1.to_scalar::<f32>()? as f64, pass2.to_scalar::<f32>()? as f64);
+    Ok((total, flt))
+}
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
