@@ -446,7 +446,7 @@ fn ask_a_collection_routes_to_the_document_holding_the_answer() {
     .unwrap();
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
         .args(["absorb", "--prepared-base", "none", "--window", "32", "--training-context-tokens", "16", "--epochs", "1,1"])
-        .args(["--no-model-qa", "--aux-qa", "2", "--model"])
+        .args(["--aux-qa", "2", "--model"])
         .arg(&path)
         .arg(&harbor)
         .arg("-o")
@@ -495,7 +495,7 @@ fn absorb_reads_a_pdf_and_refuses_a_locked_one() {
     let absorb = |file: &Path, out: &Path| {
         std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
             .args(["absorb", "--prepared-base", "none", "--window", "32", "--training-context-tokens", "16", "--epochs", "1,1"])
-            .args(["--no-model-qa", "--aux-qa", "2", "--model"])
+            .args(["--aux-qa", "2", "--model"])
             .arg(&path)
             .arg(file)
             .arg("-o")

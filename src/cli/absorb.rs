@@ -5,7 +5,6 @@ use super::{progress_bar, ModelArgs};
 use anyhow::{Context, Result};
 use candle_core::Device;
 use indicatif::ProgressBar;
-use lift_serve::adapters::AdapterKind;
 use lift_serve::document::Document;
 use lift_serve::lift::{self, AbsorbEvent, AbsorbOptions};
 use lift_serve::runtime::RuntimeConfig;
@@ -34,69 +33,15 @@ pub(crate) struct AbsorbArgs {
     old_context_tokens: Option<usize>,
 }
 
-/// Absorption options on the command line; anything not given keeps the library default.
+/// Absorption options on the command line: an options file, the flat options laid over it (their
+/// flags come from the one declaration, `lift::OptionOverlay`), and the title.
 #[derive(clap::Args)]
 pub(crate) struct TrainArgs {
     /// JSON file with AbsorbOptions (flags below override it).
     #[arg(long)]
     options: Option<PathBuf>,
-    /// A named recipe (`paper`, the default: 3 + 5 epochs; `lean`, about a seventh of its
-    /// training), laid over the options before the flags below.
-    #[arg(long, value_enum)]
-    recipe: Option<lift::Recipe>,
-    #[arg(long, value_enum)]
-    adapter: Option<AdapterKind>,
-    /// Layers with a Gated Memory adapter: "all" (the default), "15-29" or "3,5,7".
-    #[arg(long)]
-    layers: Option<String>,
-    /// Tokens per training segment.
-    #[arg(long)]
-    window: Option<usize>,
-    #[arg(long)]
-    stride: Option<usize>,
-    /// Head+tail document tokens before each training segment and question (training only; the
-    /// answering budget is `ask`'s and `eval`'s `--context-tokens`).
-    #[arg(long)]
-    training_context_tokens: Option<usize>,
-    /// Epochs: segments only, then segments + QA (e.g. "3,5").
-    #[arg(long)]
-    epochs: Option<String>,
-    #[arg(long)]
-    lr: Option<f64>,
-    /// Examples per optimizer step.
-    #[arg(long)]
-    accumulation: Option<usize>,
-    /// Auxiliary questions packed into one training row behind their shared context (1: none).
-    #[arg(long)]
-    qa_pack: Option<usize>,
-    /// Segments packed into one contextualized-training row behind one context (1: none).
-    #[arg(long)]
-    segment_pack: Option<usize>,
-    /// The context before each auxiliary question in training: the document's head and tail, or
-    /// the passages an answer to it would show.
-    #[arg(long, value_enum)]
-    qa_layout: Option<lift::plan::QaLayout>,
-    /// Most auxiliary QA pairs, a fixed cap (default: at most 64 per 1,000 document tokens, and
-    /// never under 256).
-    #[arg(long, alias = "max-qa")]
-    aux_qa: Option<usize>,
-    /// Only extractive QA (the default; kept for scripts that pass it).
-    #[arg(long)]
-    no_model_qa: bool,
-    /// Also have the model write QA pairs (the paper's A.3 prompt; slow, and the default 135M
-    /// model writes almost no valid ones).
-    #[arg(long, conflicts_with = "no_model_qa")]
-    model_qa: bool,
-    /// Absorb until learned: hold some QA pairs aside as probes and stop once their loss stops
-    /// improving (the --epochs schedule is the ceiling). Default: the paper's fixed schedule.
-    #[arg(long)]
-    until_learned: bool,
-    /// Seconds the absorb may take: the plan is fitted to it (fewer epochs, no segment overlap,
-    /// fewer QA pairs; said before training starts) and training stops at it.
-    #[arg(long, alias = "budget")]
-    budget_seconds: Option<f64>,
-    #[arg(long)]
-    pub(super) seed: Option<u64>,
+    #[command(flatten)]
+    pub(super) overlay: lift::OptionOverlay,
     #[arg(long)]
     title: Option<String>,
 }
@@ -109,63 +54,11 @@ impl TrainArgs {
             Some(p) => AbsorbOptions::from_file(p)?,
             None => AbsorbOptions::default(),
         };
-        let epochs = match &self.epochs {
-            Some(e) => {
-                let v: Vec<usize> = e.split(',').map(|x| x.trim().parse()).collect::<Result<_, _>>()?;
-                anyhow::ensure!(v.len() == 2, "--epochs takes two numbers, e.g. 3,5");
-                Some([v[0], v[1]])
-            }
-            None => None,
-        };
-        let model_qa = match (self.model_qa, self.no_model_qa) {
-            (true, _) => Some(true),
-            (_, true) => Some(false),
-            _ => None,
-        };
-        let overlay = lift::OptionOverlay {
-            recipe: self.recipe,
-            adapter: self.adapter,
-            layers: match &self.layers {
-                Some(l) => parse_layers(l, num_layers)?,
-                None => None,
-            },
-            window: self.window,
-            stride: self.stride,
-            training_context_tokens: self.training_context_tokens,
-            epochs,
-            lr: self.lr,
-            accumulation: self.accumulation,
-            qa_pack: self.qa_pack,
-            segment_pack: self.segment_pack,
-            qa_layout: self.qa_layout,
-            aux_qa: self.aux_qa,
-            model_qa,
-            until_learned: self.until_learned.then_some(true),
-            seed: self.seed,
-            budget_seconds: self.budget_seconds,
-        };
-        let o = overlay.apply(&base);
+        let o = self.overlay.apply(&base);
         // The window is the model's (checked by the caller).
         o.validate(num_layers, usize::MAX)?;
         Ok(o)
     }
-}
-
-fn parse_layers(spec: &str, n: usize) -> Result<Option<Vec<usize>>> {
-    if spec == "all" {
-        return Ok(Some((0..n).collect()));
-    }
-    let mut out = Vec::new();
-    for part in spec.split(',') {
-        match part.split_once('-') {
-            Some((a, b)) => out.extend(a.trim().parse::<usize>()?..=b.trim().parse::<usize>()?),
-            None => out.push(part.trim().parse()?),
-        }
-    }
-    anyhow::ensure!(out.iter().all(|&l| l < n), "layers must be below {n}");
-    out.sort_unstable();
-    out.dedup();
-    Ok(Some(out))
 }
 
 impl AbsorbArgs {

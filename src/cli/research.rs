@@ -223,5 +223,5 @@ pub(crate) fn eval(
     let mut model = model.load(&device, runtime)?;
     lift_serve::eval::apply_filter_mask(&mut model, &eval)?;
     let opts = train.options(model.config().num_layers)?;
-    lift_serve::eval::run_cli(&model, opts, train.seed.unwrap_or(0), &eval)
+    lift_serve::eval::run_cli(&model, opts, train.overlay.seed.unwrap_or(0), &eval)
 }

@@ -137,53 +137,228 @@ impl AbsorbOptions {
     }
 }
 
-/// The settings a user sets by name, each with one name wherever it is set: a request's
-/// `options` (`POST /documents`), the CLI's flags (`--aux-qa` for `aux_qa`) and an options file's
-/// flat keys. Laid over defaults by [`OptionOverlay::apply`], the only place an overlay happens;
-/// `None` keeps the default.
-#[derive(Clone, Debug, Default, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct OptionOverlay {
-    /// A named recipe, laid over the defaults before the settings below.
-    pub recipe: Option<Recipe>,
-    pub adapter: Option<AdapterKind>,
-    /// Layers with a Gated Memory adapter.
-    pub layers: Option<Vec<usize>>,
+/// Who may set a flat option: `Http`, a request's `options` as well as the CLI and options files;
+/// `Operator`, only the CLI and options files (the server's `--absorb-options`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Exposure {
+    Http,
+    Operator,
+}
+
+/// The one declaration of the flat absorb options. From each line it makes:
+/// - a field of [`OptionOverlay`]: the options-file key, the CLI flag (`--aux-qa` for `aux_qa`,
+///   with the `#[arg]` given) and its help, all by the same name;
+/// - for `Http` lines, a field of [`DocumentOptions`], the `options` of `POST /documents` (with
+///   its OpenAPI schema), beside the removed options a request is told about;
+/// - an entry of [`OptionOverlay::NAMES`].
+///
+/// What each one sets is [`OptionOverlay::apply`]'s.
+macro_rules! absorb_options {
+    ($( $(#[doc = $doc:literal])* #[arg($($arg:tt)*)] $expose:ident $name:ident: $ty:ty; )*) => {
+        /// The settings a user sets by name, each with one name wherever it is set: a request's
+        /// `options` (`POST /documents`, the `Http` ones), the CLI's flags and an options file's
+        /// flat keys. Laid over defaults by [`OptionOverlay::apply`], the only place an overlay
+        /// happens; `None` keeps the default.
+        #[derive(Clone, Debug, Default, PartialEq, Serialize, Deserialize, clap::Args)]
+        #[serde(deny_unknown_fields)]
+        pub struct OptionOverlay {
+            $( $(#[doc = $doc])* #[arg($($arg)*)] pub $name: Option<$ty>, )*
+        }
+
+        impl OptionOverlay {
+            /// Every flat name, in declaration order, and who may set it.
+            pub const NAMES: &'static [(&'static str, Exposure)] = &[$((stringify!($name), Exposure::$expose)),*];
+        }
+
+        http_options!([] [] $( $expose [$($doc)*] $name [$ty]; )*);
+    };
+}
+
+/// [`DocumentOptions`] from the `Http` lines of [`absorb_options!`] (and `From` for the overlay).
+macro_rules! http_options {
+    ([$($field:tt)*] [$($name:ident)*]) => {
+        /// The absorb options a request may set (`POST /documents`' `options`); the others are the
+        /// server's `--absorb-options`.
+        #[derive(Debug, Default, Deserialize, utoipa::ToSchema)]
+        #[serde(deny_unknown_fields)]
+        pub struct DocumentOptions {
+            $($field)*
+            /// Removed: FltLM's filter belongs to the server's prepared base (400 `removed_option`).
+            #[schema(value_type = Option<Object>)]
+            pub filter: Option<serde_json::Value>,
+            /// Removed: CDT belongs to the server's prepared base (400 `removed_option`).
+            #[schema(value_type = Option<Object>)]
+            pub cdt: Option<serde_json::Value>,
+            /// Removed: context distillation was measured and rejected (400 `removed_option`).
+            #[schema(value_type = Option<Object>)]
+            pub distill: Option<serde_json::Value>,
+            /// Removed: training on a selected share of the questions was measured and rejected
+            /// (400 `removed_option`).
+            #[schema(value_type = Option<Object>)]
+            pub qa_select: Option<serde_json::Value>,
+        }
+
+        impl DocumentOptions {
+            /// The settings given, by the names every path uses.
+            pub fn overlay(&self) -> OptionOverlay {
+                OptionOverlay { $($name: self.$name.clone(),)* ..Default::default() }
+            }
+
+        }
+    };
+    ([$($field:tt)*] [$($names:ident)*] Http [$($doc:literal)*] $name:ident [$ty:ty]; $($rest:tt)*) => {
+        http_options!([$($field)* $(#[doc = $doc])* pub $name: Option<$ty>,] [$($names)* $name] $($rest)*);
+    };
+    ([$($field:tt)*] [$($names:ident)*] Operator [$($doc:literal)*] $name:ident [$ty:ty]; $($rest:tt)*) => {
+        http_options!([$($field)*] [$($names)*] $($rest)*);
+    };
+}
+
+absorb_options! {
+    /// A named recipe laid over the defaults before the settings below: `paper` (the default: 3 +
+    /// 5 epochs, the questions behind the document's head and tail) or `lean` (about a seventh of
+    /// its training: 1 + 2 epochs, the questions on their own passages).
+    #[arg(long, value_enum)]
+    Http recipe: Recipe;
+    /// The adapter: `gated_memory` (the default) or `lora`.
+    #[arg(long, value_enum)]
+    Http adapter: AdapterKind;
+    /// Layers with a Gated Memory adapter: `all` (the default), `15-29` or `3,5,7` (in a file, a
+    /// list of layer indices or one of those strings).
+    #[arg(long)]
+    Operator layers: LayerSpec;
     /// Tokens per training segment.
-    pub window: Option<usize>,
-    /// Tokens between segment starts.
-    pub stride: Option<usize>,
+    #[arg(long)]
+    Http window: usize;
+    /// Tokens between segment starts (at most `window`; default 3/8 of it).
+    #[arg(long)]
+    Http stride: usize;
     /// Head+tail document tokens before each training segment and question (training only; the
-    /// answering budget is `/ask`'s `context_tokens`).
-    pub training_context_tokens: Option<usize>,
-    /// [segment-only epochs, segment + QA epochs].
-    pub epochs: Option<[usize; 2]>,
-    pub lr: Option<f64>,
+    /// answering budget is `context_tokens` of `/ask`, `ask` and `eval`).
+    #[arg(long)]
+    Operator training_context_tokens: usize;
+    /// Head+tail document tokens before each auxiliary question (default:
+    /// `training_context_tokens`; 0: the questions trained closed-book).
+    #[arg(long)]
+    Operator qa_context_tokens: usize;
+    /// [segment-only epochs, segment + QA epochs] (on the CLI `A,B`, e.g. `3,5`).
+    #[arg(long, value_parser = parse_epochs)]
+    Http epochs: [usize; 2];
+    /// AdamW learning rate (default: 1e-3 for Gated Memory, 5e-5 for LoRA).
+    #[arg(long)]
+    Operator lr: f64;
     /// Examples per optimizer step.
-    pub accumulation: Option<usize>,
-    pub qa_pack: Option<usize>,
-    pub segment_pack: Option<usize>,
-    /// The context before an auxiliary question in training: `head_tail` or `passages` (what an
-    /// answer to it shows).
-    pub qa_layout: Option<QaLayout>,
-    /// Most auxiliary QA pairs, a fixed cap in place of the length-scaled one.
-    pub aux_qa: Option<usize>,
-    /// Also have the model write QA pairs.
-    pub model_qa: Option<bool>,
-    /// Absorb until learned (true) or the fixed schedule (false).
-    pub until_learned: Option<bool>,
+    #[arg(long)]
+    Operator accumulation: usize;
+    /// Run the rows of an optimizer step as batched forwards and backwards, grouped by length so
+    /// that each group's padding stays within this share of its tokens (the same gradients; off
+    /// by default: the 2-core CPU gains nothing from it).
+    #[arg(long)]
+    Operator batch_rows: f64;
+    /// Optimizer steps of linear learning-rate warm-up.
+    #[arg(long)]
+    Operator warmup_steps: usize;
+    /// Auxiliary questions packed into one training row behind their shared context (1: none).
+    #[arg(long)]
+    Operator qa_pack: usize;
+    /// Segments packed into one contextualized-training row behind one context (1: none).
+    #[arg(long)]
+    Operator segment_pack: usize;
+    /// The context before each auxiliary question in training: the document's head and tail
+    /// (`head_tail`), or the passages an answer to it would show (`passages`).
+    #[arg(long, value_enum)]
+    Operator qa_layout: QaLayout;
+    /// Most auxiliary QA pairs, a fixed cap (default: at most 64 per 1,000 document tokens, and
+    /// never under 256).
+    #[arg(long, alias = "max-qa")]
+    Http aux_qa: usize;
+    /// Auxiliary QA pairs per 1,000 document tokens, the length-scaled cap (0: the fixed cap
+    /// alone).
+    #[arg(long)]
+    Operator pairs_per_1k_tokens: usize;
+    /// The length-scaled cap is never below this many pairs (0: no floor).
+    #[arg(long)]
+    Operator cap_floor: usize;
+    /// Also have the model write QA pairs (the paper's A.3 prompt; slow, and the default 135M
+    /// model writes almost no valid ones).
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    Operator model_qa: bool;
+    /// Absorb until learned: hold some QA pairs aside as probes and stop once they stop
+    /// improving (`epochs` is then the ceiling); false: the fixed schedule. Default: the
+    /// server's options.
+    #[arg(long, num_args = 0..=1, default_missing_value = "true")]
+    Http until_learned: bool;
     /// The seed of the plan, the training and the QA pairs.
-    pub seed: Option<u64>,
-    pub budget_seconds: Option<f64>,
+    #[arg(long)]
+    Operator seed: u64;
+    /// Seconds the absorb may take: the plan is fitted to it at the measured rate (fewer epochs,
+    /// no segment overlap, fewer QA pairs; said in warnings) and training stops at it. Default:
+    /// the server's `--absorb-budget`, else none.
+    #[arg(long, alias = "budget")]
+    Http budget_seconds: f64;
+}
+
+/// `--epochs A,B`.
+fn parse_epochs(s: &str) -> Result<[usize; 2], String> {
+    let v: Vec<usize> = s.split(',').map(|x| x.trim().parse()).collect::<Result<_, _>>().map_err(|e| format!("{e}"))?;
+    <[usize; 2]>::try_from(v).map_err(|_| "two numbers, e.g. 3,5".to_string())
+}
+
+/// Adapted layers as users name them: every layer, or a list (`15-29`, `3,5,7`, or a JSON list).
+#[derive(Clone, Debug, PartialEq)]
+pub enum LayerSpec {
+    All,
+    List(Vec<usize>),
+}
+
+impl std::str::FromStr for LayerSpec {
+    type Err = String;
+    fn from_str(spec: &str) -> Result<Self, String> {
+        if spec.trim() == "all" {
+            return Ok(LayerSpec::All);
+        }
+        let mut out = Vec::new();
+        let num = |x: &str| x.trim().parse::<usize>().map_err(|e| format!("'{x}': {e}"));
+        for part in spec.split(',') {
+            match part.split_once('-') {
+                Some((a, b)) => out.extend(num(a)?..=num(b)?),
+                None => out.push(num(part)?),
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        Ok(LayerSpec::List(out))
+    }
+}
+
+impl Serialize for LayerSpec {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self {
+            LayerSpec::All => s.serialize_str("all"),
+            LayerSpec::List(l) => l.serialize(s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for LayerSpec {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Given {
+            List(Vec<usize>),
+            Text(String),
+        }
+        match Given::deserialize(d)? {
+            Given::List(l) => Ok(LayerSpec::List(l)),
+            Given::Text(t) => t.parse().map_err(serde::de::Error::custom),
+        }
+    }
 }
 
 impl OptionOverlay {
-    /// The flat names, in the order of the struct.
+    /// The flat names, in the order of the declaration.
     pub fn names() -> Vec<String> {
-        match serde_json::to_value(Self::default()) {
-            Ok(serde_json::Value::Object(m)) => m.keys().cloned().collect(),
-            _ => Vec::new(),
-        }
+        Self::NAMES.iter().map(|(n, _)| n.to_string()).collect()
     }
 
     /// `base` with the settings given here.
@@ -193,19 +368,28 @@ impl OptionOverlay {
             r.set(&mut o);
         }
         set(&mut o.adapter, self.adapter);
-        if self.layers.is_some() {
-            o.layers = self.layers.clone();
+        match &self.layers {
+            Some(LayerSpec::All) => o.layers = None,
+            Some(LayerSpec::List(l)) => o.layers = Some(l.clone()),
+            None => {}
         }
         set(&mut o.plan.window, self.window);
         if self.stride.is_some() {
             o.plan.stride = self.stride;
         }
         set(&mut o.plan.training_context_tokens, self.training_context_tokens);
+        if self.qa_context_tokens.is_some() {
+            o.plan.qa_context_tokens = self.qa_context_tokens;
+        }
         set(&mut o.train.epochs, self.epochs);
         if self.lr.is_some() {
             o.lr = self.lr;
         }
         set(&mut o.train.accumulation, self.accumulation);
+        if self.batch_rows.is_some() {
+            o.train.batch_rows = self.batch_rows;
+        }
+        set(&mut o.train.warmup_steps, self.warmup_steps);
         set(&mut o.plan.qa_pack, self.qa_pack);
         set(&mut o.plan.segment_pack, self.segment_pack);
         set(&mut o.plan.qa_layout, self.qa_layout);
@@ -216,6 +400,8 @@ impl OptionOverlay {
             o.qa.pairs_per_1k_tokens = 0;
             o.qa.min_pairs = o.qa.min_pairs.min(n);
         }
+        set(&mut o.qa.pairs_per_1k_tokens, self.pairs_per_1k_tokens);
+        set(&mut o.qa.cap_floor, self.cap_floor);
         set(&mut o.qa.use_model, self.model_qa);
         match self.until_learned {
             Some(true) if o.train.until_learned.is_none() => o.train.until_learned = Some(Default::default()),
@@ -319,6 +505,14 @@ impl AbsorbOptions {
 /// (the object they sat in, or "" for a flat name; key).
 pub const REMOVED: &[(&str, &str)] =
     &[("", "distill"), ("", "qa_select"), ("train", "distill"), ("plan", "qa_select")];
+
+/// The settings with no flat name, set only by their nested keys in an options file: the
+/// optimizer's and the LoRA's constants, the extractive generator's, and what `until_learned`
+/// holds (docs/options.md); `train.lr` is saved but never read (the learning rate is `lr`). Every
+/// other setting has a flat name (a test holds both lists true).
+pub const NESTED_ONLY: &[&str] = &["lora", "train.lr", "train.weight_decay", "train.beta1", "train.beta2", "train.eps",
+    "train.max_grad_norm", "train.early_stop", "train.until_learned", "qa.sentences_per_pair", "qa.min_pairs",
+    "qa.window_sentences", "qa.retries", "qa.max_new_tokens", "qa.wordings_per_fact"];
 
 /// Takes the removed options out of `given` (flat names and nested keys); their names.
 pub fn strip_removed(given: &mut serde_json::Map<String, serde_json::Value>) -> Vec<String> {
@@ -477,6 +671,60 @@ mod tests {
         }
     }
 
+    /// The JSON leaves of `v` (`plan.window`), objects walked, anything else a leaf.
+    fn leaves(v: &serde_json::Value, at: &str, out: &mut std::collections::BTreeMap<String, serde_json::Value>) {
+        match v.as_object() {
+            Some(o) if !o.is_empty() => {
+                for (k, x) in o {
+                    leaves(x, &if at.is_empty() { k.clone() } else { format!("{at}.{k}") }, out);
+                }
+            }
+            _ => {
+                out.insert(at.to_string(), v.clone());
+            }
+        }
+    }
+
+    #[test]
+    fn every_setting_has_a_flat_name_or_is_nested_only_and_docs_options_names_them_all() {
+        let d = AbsorbOptions::default();
+        // A value of each flat name other than its default.
+        let example = serde_json::json!({"recipe": "lean", "adapter": "lora", "layers": [1, 2], "window": 64, "stride": 16,
+            "training_context_tokens": 48, "qa_context_tokens": 0, "epochs": [0, 2], "lr": 0.01, "accumulation": 2,
+            "batch_rows": 0.25, "warmup_steps": 4, "qa_pack": 3, "segment_pack": 2, "qa_layout": "passages", "aux_qa": 6,
+            "pairs_per_1k_tokens": 32, "cap_floor": 100, "model_qa": true, "until_learned": true, "seed": 9,
+            "budget_seconds": 60.0});
+        let example = example.as_object().unwrap();
+        let mut before = Default::default();
+        leaves(&serde_json::to_value(&d).unwrap(), "", &mut before);
+        let mut every = before.clone();
+        let mut covered = std::collections::BTreeSet::new();
+        for (name, _) in OptionOverlay::NAMES {
+            let value = example.get(*name).unwrap_or_else(|| panic!("flat name '{name}' without an example here"));
+            let o = d.with_json(&serde_json::json!({ *name: value })).unwrap();
+            let mut after = Default::default();
+            leaves(&serde_json::to_value(&o).unwrap(), "", &mut after);
+            let changed: Vec<String> = after.iter().filter(|(k, v)| before.get(*k) != Some(v)).map(|(k, _)| k.clone()).collect();
+            assert!(!changed.is_empty() || *name == "recipe", "'{name}' changes no saved setting");
+            covered.extend(changed);
+            every.extend(after);
+        }
+        let missing: Vec<&String> =
+            every.keys().filter(|k| !covered.contains(*k) && !NESTED_ONLY.iter().any(|n| *k == n || k.starts_with(&format!("{n}.")))).collect();
+        assert!(missing.is_empty(), "settings with no flat name (give them one, or list them in NESTED_ONLY): {missing:?}");
+        // docs/options.md has a row for every flat name and names every nested-only setting.
+        let doc = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/options.md")).unwrap();
+        for (name, exposure) in OptionOverlay::NAMES {
+            let row = doc.lines().find(|l| l.starts_with(&format!("| `{name}`")));
+            let row = row.unwrap_or_else(|| panic!("docs/options.md has no row for '{name}'"));
+            let says_http = row.split('|').nth(2).is_some_and(|c| c.contains("yes"));
+            assert_eq!(says_http, *exposure == Exposure::Http, "docs/options.md: whether a request may set '{name}'");
+        }
+        for n in NESTED_ONLY {
+            assert!(doc.contains(&format!("`{n}`")), "docs/options.md does not name the nested-only setting '{n}'");
+        }
+    }
+
     #[test]
     fn one_name_per_setting_and_the_older_names_still_read() {
         let d = AbsorbOptions::default();
@@ -495,17 +743,26 @@ mod tests {
         let all = serde_json::json!({"adapter": "lora", "layers": [1, 2], "window": 64, "stride": 16,
             "training_context_tokens": 48, "epochs": [0, 2], "lr": 0.01, "accumulation": 2, "qa_pack": 3,
             "segment_pack": 2, "aux_qa": 6, "model_qa": true, "until_learned": true, "seed": 9, "budget_seconds": 60.0,
-            "recipe": "lean", "qa_layout": "head_tail"});
+            "recipe": "lean", "qa_layout": "head_tail", "qa_context_tokens": 0, "batch_rows": 0.25, "warmup_steps": 4,
+            "pairs_per_1k_tokens": 32, "cap_floor": 100});
         let names: Vec<&String> = all.as_object().unwrap().keys().collect();
         assert_eq!(names.len(), OptionOverlay::names().len(), "a flat name without a case here");
         let o = d.with_json(&all).unwrap();
+        assert_eq!((o.plan.qa_context_tokens, o.train.batch_rows, o.train.warmup_steps), (Some(0), Some(0.25), 4));
+        // A named count of pairs per 1,000 tokens wins over the fixed cap's zero, and the floor
+        // named over the recipe's.
+        assert_eq!((o.qa.pairs_per_1k_tokens, o.qa.cap_floor), (32, 100));
+        let o = d.with_json(&serde_json::json!({"layers": "15-17,3"})).unwrap();
+        assert_eq!(o.layers, Some(vec![3, 15, 16, 17]));
+        assert_eq!(d.with_json(&serde_json::json!({"layers": "all"})).unwrap().layers, None);
+        let o = d.with_json(&all).unwrap();
         assert_eq!((o.adapter, o.layers.clone(), o.plan.window, o.plan.stride), (AdapterKind::Lora, Some(vec![1, 2]), 64, Some(16)));
         assert_eq!((o.plan.training_context_tokens, o.train.epochs, o.lr, o.train.accumulation), (48, [0, 2], Some(0.01), 2));
-        assert_eq!((o.plan.qa_pack, o.plan.segment_pack, o.qa.max_pairs, o.qa.pairs_per_1k_tokens), (3, 2, 6, 0));
+        assert_eq!((o.plan.qa_pack, o.plan.segment_pack, o.qa.max_pairs), (3, 2, 6));
         assert!(o.qa.use_model && o.train.until_learned.is_some() && o.qa.min_pairs <= 6);
         assert_eq!((o.train.seed, o.qa.seed, o.budget_seconds), (9, 9, Some(60.0)));
-        // The recipe first (lean: no floor under the questions' cap), the settings named over it.
-        assert_eq!((o.qa.cap_floor, o.plan.qa_layout), (0, QaLayout::HeadTail));
+        // The recipe first, the settings named over it.
+        assert_eq!(o.plan.qa_layout, QaLayout::HeadTail);
         // A flat name of the wrong type says which.
         let e = d.with_json(&serde_json::json!({"window": "wide"})).unwrap_err().to_string();
         assert!(e.contains("window"), "{e}");
