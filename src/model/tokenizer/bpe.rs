@@ -19,7 +19,9 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::{NormalizerWrapper, SplitDelimiterBehavior, Tokenizer};
 
-use super::gguf::TOKEN_NORMAL;
+
+/// GGUF `tokenizer.ggml.token_type` values (llama.cpp `llama_token_type`).
+pub(super) const TOKEN_NORMAL: i64 = 1;
 
 /// Llama 3 `tokenizer.json` split regex (digits grouped by up to three).
 const LLAMA3_PATTERN: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";

@@ -8,11 +8,11 @@ use anyhow::{anyhow, bail, Result};
 use candle_core::quantized::gguf_file;
 use tokenizers::{AddedToken, Tokenizer};
 
-use super::bpe::{build_byte_level_bpe, build_sentencepiece_bpe, SentencePieceVocab};
+use super::bpe::{build_byte_level_bpe, build_sentencepiece_bpe, SentencePieceVocab, TOKEN_NORMAL};
 use super::{dedup, plain_text, TextTokenizer, END_OF_TURN_TOKENS};
 
-/// GGUF `tokenizer.ggml.token_type` values (llama.cpp `llama_token_type`).
-pub(super) const TOKEN_NORMAL: i64 = 1;
+/// GGUF `tokenizer.ggml.token_type` values (llama.cpp `llama_token_type`; `TOKEN_NORMAL` is the
+/// BPE builders').
 const TOKEN_UNKNOWN: i64 = 2;
 const TOKEN_CONTROL: i64 = 3;
 const TOKEN_USER_DEFINED: i64 = 4;
