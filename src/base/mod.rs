@@ -16,6 +16,7 @@
 // Making and measuring a prepared base: research, not serving (the `research` feature).
 #[cfg(feature = "research")]
 pub mod cdt;
+#[cfg(feature = "research")]
 pub mod data;
 #[cfg(feature = "research")]
 pub mod eval;

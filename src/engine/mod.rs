@@ -39,6 +39,17 @@ enum Queued<J> {
     Call(Box<dyn FnOnce() + Send>),
 }
 
+impl<J> Queued<J> {
+    /// The job, unless this is a test's call.
+    fn job(&self) -> Option<&J> {
+        match self {
+            Queued::Job(job) => Some(job),
+            #[cfg(any(test, feature = "testing"))]
+            Queued::Call(_) => None,
+        }
+    }
+}
+
 /// What the engine refuses or fails with: queueing (`queue_absorb`, `queue_generation`) and
 /// generating (a job's reply).
 #[derive(Debug, thiserror::Error)]
@@ -292,7 +303,7 @@ struct Counters {
 fn run_one_at_a_time(ctx: &Context, lane: &Lane<AbsorbJob>, counters: &Counters) {
     while let Some(queued) = lane.recv() {
         // A job whose document was deleted while it waited gave its place back already.
-        if let Queued::Job(job) = &queued {
+        if let Some(job) = queued.job() {
             if !job.place.start() {
                 tracing::debug!(id = job.id, "a deleted document's job is dropped from the queue");
                 continue;
