@@ -18,7 +18,7 @@ use candle_core::Device;
 use lift_serve::document::Document;
 use lift_serve::lift::answer::{answer, Ask, ContextPolicy, Mode};
 use lift_serve::lift::filter;
-use lift_serve::lift::qa::{QaPair, QaSource};
+use lift_serve::lift::absorb::qa::{QaPair, QaSource};
 use lift_serve::lift::{absorb, AbsorbEvent, AbsorbOptions};
 use lift_serve::model::generate::SamplingParams;
 use lift_serve::model::{Adapter, Model};

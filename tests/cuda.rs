@@ -591,7 +591,7 @@ fn absorbing_until_learned_on_cuda_probes_like_the_cpu() {
     opts.qa.use_model = false;
     opts.qa.max_pairs = 8;
     opts.qa.min_pairs = 4;
-    opts.train.until_learned = Some(lift_serve::lift::trainer::UntilLearned {
+    opts.train.until_learned = Some(lift_serve::lift::absorb::trainer::UntilLearned {
         probe_every: 1,
         min_steps: 10,
         patience: 2,
@@ -838,7 +838,7 @@ fn batched_decode_attention_on_cuda_matches_cpu() {
 /// decay, over tensors of several sizes (one larger than a block row's 32 × 256 elements).
 #[test]
 fn fused_adamw_with_clipping_on_cuda_matches_cpu() {
-    use lift_serve::lift::trainer::{AdamW, TrainOptions};
+    use lift_serve::lift::absorb::trainer::{AdamW, TrainOptions};
     let shapes: [&[usize]; 4] = [&[9, 64, 128], &[9, 128], &[9, 8], &[300, 301]];
     let opts = TrainOptions { weight_decay: 0.01, max_grad_norm: 1.0, ..Default::default() };
     let run = |dev: &Device| {
@@ -870,7 +870,7 @@ fn an_absorb_stopped_and_resumed_on_cuda_ends_as_an_uninterrupted_one() {
     // A checkpoint holds the adapter and AdamW's moments (which the fused CUDA AdamW updates in
     // place): written from the GPU, read back onto it, the run goes on as if it had never
     // stopped; and the CPU plans the same steps.
-    use lift_serve::lift::checkpoint::Resumable;
+    use lift_serve::lift::absorb::checkpoint::Resumable;
     use lift_serve::lift::{absorb_resumable, AbsorbEvent};
     use lift_serve::testing::MemoryCheckpoint as Mem;
     use std::cell::Cell;
@@ -906,9 +906,9 @@ fn an_absorb_stopped_and_resumed_on_cuda_ends_as_an_uninterrupted_one() {
 
 #[test]
 fn batched_training_rows_on_cuda_match_cpu_and_the_rows_one_by_one() {
-    use lift_serve::lift::plan::{Plan, PlanOptions};
-    use lift_serve::lift::qa::{QaPair, QaSource};
-    use lift_serve::lift::trainer::{train, RunControl, TrainInputs, TrainOptions};
+    use lift_serve::lift::absorb::plan::{Plan, PlanOptions};
+    use lift_serve::lift::absorb::qa::{QaPair, QaSource};
+    use lift_serve::lift::absorb::trainer::{train, RunControl, TrainInputs, TrainOptions};
     let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
     let pair = |question: &str, answer: &str| QaPair {
         question: question.into(),

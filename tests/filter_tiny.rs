@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 use lift_serve::document::Document;
 use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::lift::filter::{self, Filter, FilterHooks, FilterOptions};
-use lift_serve::lift::qa::{QaPair, QaSource};
+use lift_serve::lift::absorb::qa::{QaPair, QaSource};
 use lift_serve::lift::{absorb, AbsorbOptions};
 use lift_serve::model::{ForwardHooks, KvCache, Logits, Model, NoHooks};
 use lift_serve::testing::{write_hf, Rng, TinySpec};

@@ -738,7 +738,7 @@ async fn killed_mid_training_requeues_on_restart() {
 /// The step of the checkpoint in `path` (None: no checkpoint there).
 fn checkpoint_step(path: &Path) -> Option<usize> {
     let bytes = std::fs::read(path).ok()?;
-    let ckpt = lift_serve::lift::checkpoint::Checkpoint::decode(&bytes, &candle_core::Device::Cpu).unwrap();
+    let ckpt = lift_serve::lift::absorb::checkpoint::Checkpoint::decode(&bytes, &candle_core::Device::Cpu).unwrap();
     Some(ckpt.train.cursor.step)
 }
 

@@ -16,9 +16,9 @@
 //! Only QA examples (those with a question) use the layout; contextualized-training examples keep
 //! theirs.
 
-use super::plan::{Example, ExampleKind};
+use super::absorb::plan::{Example, ExampleKind};
 use super::prompt::{chat_after_turns, elision_tokens, end_of_turn, kept_ranges};
-use super::qa::QaPair;
+use super::absorb::qa::QaPair;
 use crate::document::Document;
 pub use crate::model::filter::{
     Chunk, ChunkScore, Filter, FilterHooks, FilterOptions, MaskCalibration, CONFIG, HEAD_BIAS, HEAD_WEIGHT, LOG_TAU, MASK_B, MASK_W, W_INIT,

@@ -2,9 +2,9 @@
 //! document's id), one overlay of the settings users name ([`OptionOverlay`]: the same flat names
 //! in a request, on the CLI and in an options file), and the bounds every path checks.
 
-use super::plan::{PlanOptions, QaLayout};
-use super::qa::QaOptions;
-use super::trainer::TrainOptions;
+use super::absorb::plan::{PlanOptions, QaLayout};
+use super::absorb::qa::QaOptions;
+use super::absorb::trainer::TrainOptions;
 use crate::adapters::{AdapterKind, LoraConfig};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};

@@ -8,8 +8,8 @@
 use super::evidence::{validate_model_output, Verdict};
 use super::words::normalize_question;
 use super::{QaOptions, QaPair, QaProgress, QaStats};
-use crate::lift::text::{split_sentences, Span};
-use crate::lift::Cancelled;
+use crate::lift::absorb::text::{split_sentences, Span};
+use crate::lift::absorb::Cancelled;
 use crate::model::generate::{generate, prefill, FinishReason, SamplingParams};
 use crate::model::{ChatMessage, KvCache, Model, NoHooks};
 use anyhow::Result;

@@ -11,7 +11,7 @@
 use super::loss::{loss_of_logits, prepare, FrozenCache};
 use super::FilterTraining;
 use crate::lift::filter::{Filter, FilterExample, FilterHooks};
-use crate::lift::plan::Example;
+use crate::lift::absorb::plan::Example;
 use crate::model::{Adapter, Model, NoHooks, RowHooks};
 use anyhow::{ensure, Result};
 use candle_core::Tensor;

@@ -94,7 +94,7 @@ impl Default for QaOptions {
             sentences_per_pair: 8,
             // The length-scaled cap below is what bounds a long document's pairs; this one is
             // the user's `aux_qa`.
-            max_pairs: crate::lift::MAX_AUX_QA,
+            max_pairs: crate::lift::options::MAX_AUX_QA,
             pairs_per_1k_tokens: 64,
             cap_floor: 256,
             min_pairs: 10,
@@ -158,7 +158,7 @@ pub struct QaStats {
 /// Generates auxiliary QA pairs for `doc`: model pairs from windows spread over the whole document
 /// plus extractive pairs (see the module docs). `progress` is called as model windows finish;
 /// `cancel` is polled between and during generations (an `Err` wrapping
-/// [`Cancelled`](crate::lift::Cancelled) results).
+/// [`Cancelled`](crate::lift::absorb::Cancelled) results).
 pub fn generate_qa(
     model: &Model,
     doc: &str,
@@ -563,7 +563,7 @@ Visitors can reach the museum from Central Station in ten minutes.";
         assert_eq!(serde_json::to_string(&pairs).unwrap(), serde_json::to_string(&again).unwrap());
         // Cancellation is an error that says so.
         let err = generate_qa(&model, PARAGRAPH, &o, &mut |_| {}, &|| true).unwrap_err();
-        assert!(err.downcast_ref::<crate::lift::Cancelled>().is_some());
+        assert!(err.downcast_ref::<crate::lift::absorb::Cancelled>().is_some());
         // Without the model: extractive only.
         let no_model = QaOptions { use_model: false, ..o };
         let pairs = generate_qa(&model, PARAGRAPH, &no_model, &mut |_| {}, &|| false).unwrap();

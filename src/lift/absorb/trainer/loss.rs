@@ -4,7 +4,7 @@
 
 use super::FilterTraining;
 use crate::lift::filter::{filter_loss, FilterExample, FilterHooks, FromLayer};
-use crate::lift::plan::Example;
+use crate::lift::absorb::plan::Example;
 use crate::model::{ops, Adapter, ForwardHooks, Model, NoHooks, Packing};
 use anyhow::{bail, Result};
 use candle_core::Tensor;
