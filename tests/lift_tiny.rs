@@ -4,7 +4,7 @@
 use candle_core::{Device, Tensor};
 use lift_serve::adapters::{GatedMemory, Lora, LoraConfig};
 use lift_serve::lift::absorb::plan::{segments, ExampleKind, Plan, PlanOptions};
-use lift_serve::lift::prompt::{chat_with_context, RECITE_PROMPT};
+use lift_serve::lift::answer::prompt::{chat_with_context, RECITE_PROMPT};
 use lift_serve::lift::absorb::qa::{QaPair, QaSource};
 use lift_serve::lift::absorb::trainer::{example_loss, train, RunControl, TrainInputs, TrainOptions};
 use lift_serve::model::{Adapter, KvCache, Logits, Model, NoHooks};

@@ -210,7 +210,7 @@ async fn absorb_and_ask_through_the_server() {
     let tmp = tempfile::tempdir().unwrap();
     let shape = lift_serve::base::BaseShape {
         rank: 2,
-        filter: lift_serve::lift::filter::FilterOptions { enabled: true, ..Default::default() },
+        filter: lift_serve::lift::answer::layout::FilterOptions { enabled: true, ..Default::default() },
     };
     let base_dir = tmp.path().join("base");
     lift_serve::base::PreparedBase::new(plain, &shape, 5).unwrap().save(&base_dir).unwrap();

@@ -973,7 +973,7 @@ async fn a_server_over_a_prepared_base_answers_through_its_filter_and_reports_ch
     let plain = lift_serve::model::Model::load(&e.model, &candle_core::Device::Cpu).unwrap();
     let shape = lift_serve::base::BaseShape {
         rank: 2,
-        filter: lift_serve::lift::filter::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
+        filter: lift_serve::lift::answer::layout::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
     };
     let mut prepared = lift_serve::base::PreparedBase::new(&plain, &shape, 5).unwrap();
     let base_dir = e.adapters.with_file_name("base");
@@ -2642,7 +2642,7 @@ async fn a_follow_up_reads_the_passages_of_the_conversation_it_follows() {
     let plain = lift_serve::model::Model::load(&e.model, &candle_core::Device::Cpu).unwrap();
     let shape = lift_serve::base::BaseShape {
         rank: 2,
-        filter: lift_serve::lift::filter::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
+        filter: lift_serve::lift::answer::layout::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
     };
     let base_dir = e.adapters.with_file_name("base");
     lift_serve::base::PreparedBase::new(&plain, &shape, 5).unwrap().save(&base_dir).unwrap();

@@ -8,7 +8,7 @@
 //! never in a document's absorb, and there only on the QA examples' document passages (a chat
 //! template or an attention sink is not "noise").
 
-use crate::lift::filter::FilterExample;
+use crate::lift::absorb::qa_examples::FilterExample;
 use crate::lift::absorb::plan::Example;
 use crate::lift::absorb::trainer::{prepare, total_loss, FilterTraining};
 use crate::model::{Adapter, Model};

@@ -4,7 +4,7 @@ use crate::lift::estimate::AbsorbRate;
 use crate::document::Document;
 use super::batcher::{Batch, Entry};
 use crate::lift::answer::{chunk_scores, prepare, Ask, AnswerHooks, ContextPolicy, Mode};
-use crate::lift::filter::ChunkScore;
+use crate::lift::answer::layout::ChunkScore;
 use crate::lift::{AbsorbEvent, AbsorbOptions, AbsorbStage};
 use super::EngineError;
 use crate::model::generate::{FinishReason, Generation, SamplingParams, Sequence};

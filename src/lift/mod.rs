@@ -10,9 +10,8 @@ pub mod budget;
 pub mod calibrate;
 pub mod cost;
 pub mod estimate;
-pub mod filter;
 pub mod options;
-pub mod prompt;
 
-pub use absorb::{absorb, absorb_resumable, AbsorbEvent, AbsorbStage, Absorbed, AdapterSnapshot, Cancelled};
-pub use options::{AbsorbOptions, OptionError, OptionOverlay, Recipe, MAX_AUX_QA, MAX_BUDGET_SECONDS, MAX_EPOCHS, MIN_WINDOW};
+pub use absorb::{absorb, absorb_resumable, AbsorbEvent, AbsorbStage, Absorbed, AdapterSnapshot};
+pub use absorb::cancelled::Cancelled;
+pub use options::{AbsorbOptions, OptionError, OptionOverlay};

@@ -3,7 +3,7 @@
 //! in a request, on the CLI and in an options file), and the bounds every path checks.
 
 use super::absorb::plan::{PlanOptions, QaLayout};
-use super::absorb::qa::QaOptions;
+use super::absorb::qa::{QaOptions, MAX_AUX_QA};
 use super::absorb::trainer::TrainOptions;
 use crate::adapters::{AdapterKind, LoraConfig};
 use anyhow::Result;
@@ -555,9 +555,6 @@ fn merge_json(target: &mut serde_json::Value, value: &serde_json::Value) {
 /// Below `MIN_WINDOW` tokens a step costs more in template and context tokens than it trains.
 pub const MIN_WINDOW: usize = 32;
 pub const MAX_EPOCHS: usize = 100;
-/// The most auxiliary QA pairs a document may ask for (a 64K-token document's prose yields ~3,500;
-/// the training-token cap bounds what they cost).
-pub const MAX_AUX_QA: usize = 20_000;
 /// The longest budget: a week.
 pub const MAX_BUDGET_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
 

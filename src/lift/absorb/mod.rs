@@ -2,9 +2,11 @@
 //! auxiliary QA ([`qa`]) → plan ([`plan`]: segments with contextualized training, QA examples) →
 //! train ([`trainer`]) → adapter bundle + manifest; resumable from a [`checkpoint`].
 
+pub mod cancelled;
 pub mod checkpoint;
 pub mod plan;
 pub mod qa;
+pub mod qa_examples;
 pub mod text;
 pub mod trainer;
 
@@ -12,7 +14,7 @@ use crate::adapters::manifest::{BaseModelRef, DocumentRef, Manifest};
 use crate::adapters::{AdapterBundle, AdapterKind, AnyAdapter, GatedMemory, Lora};
 use crate::document::Document;
 use crate::lift::answer;
-use crate::lift::filter;
+use crate::lift::answer::layout;
 use crate::lift::options::AbsorbOptions;
 use crate::model::Model;
 use crate::store::NewAdapter;
@@ -20,12 +22,6 @@ use anyhow::Result;
 use plan::Plan;
 use qa::{QaPair, QaProgress};
 use serde::{Deserialize, Serialize};
-
-/// Returned (inside `anyhow::Error`) when a `cancel` callback stopped long work (QA generation,
-/// training); the field names the work.
-#[derive(Debug, thiserror::Error)]
-#[error("{0} cancelled")]
-pub struct Cancelled(pub &'static str);
 use std::time::Instant;
 use trainer::{FilterTraining, Progress, RunControl, TrainInputs, TrainReport};
 
@@ -234,7 +230,7 @@ fn new_adapter(model: &Model, opts: &AbsorbOptions) -> Result<AnyAdapter> {
 /// its layout (one question per row: its bookkeeping of chunks is per row), as the answer lays
 /// out the context; the filter then masks them, frozen (a detached copy, no filter loss). In the
 /// `passages` layout each question's context is what an answer to it would show.
-fn plan(model: &Model, document: &Document, pairs: &[QaPair], opts: &AbsorbOptions) -> Result<(Plan, Vec<filter::FilterExample>)> {
+fn plan(model: &Model, document: &Document, pairs: &[QaPair], opts: &AbsorbOptions) -> Result<(Plan, Vec<qa_examples::FilterExample>)> {
     let budget = opts.plan.qa_context();
     let n = document.tokens().len();
     // A prompt of the answer layout: BM25's passages for the question, as answering finds them.
@@ -245,13 +241,13 @@ fn plan(model: &Model, document: &Document, pairs: &[QaPair], opts: &AbsorbOptio
             ..answer::Ask::new(&pair.question, answer::Mode::Lift)
         };
         let p = answer::build_prompt(model, document, &ask, QA_ANSWER_TOKENS)?;
-        Ok(filter::FilterPrompt { tokens: p.tokens, chunks: p.chunks, head_end: 0, tail_start: n })
+        Ok(layout::FilterPrompt { tokens: p.tokens, chunks: p.chunks, head_end: 0, tail_start: n })
     };
     use plan::QaLayout;
     let examples = match (model.base_filter(), opts.plan.qa_layout) {
         (None, QaLayout::HeadTail) => return Ok((Plan::new(model, document.tokens(), pairs, &opts.plan)?, Vec::new())),
-        (Some(f), QaLayout::HeadTail) => filter::qa_examples(model, document, pairs, budget, f)?,
-        (_, QaLayout::Passages) => filter::qa_examples_laid_out(model, document, pairs, &|_, pair, _| passages(pair))?,
+        (Some(f), QaLayout::HeadTail) => qa_examples::qa_examples(model, document, pairs, budget, f)?,
+        (_, QaLayout::Passages) => qa_examples::qa_examples_laid_out(model, document, pairs, &|_, pair, _| passages(pair))?,
     };
     if opts.plan.qa_pack > 1 {
         // Each question's filter masks the context its own way; a packed row shares one context.

@@ -2,7 +2,7 @@
 //! examples and auxiliary-QA examples (the LIFT paper, "LIFT: Improving Long Context Understanding of Large Language Models through
 //! Long Input Fine-Tuning", §3.1–3.3).
 
-use crate::lift::prompt::{chat_with_context, elision_tokens, end_of_turn, head_tail, RECITE_PROMPT};
+use crate::lift::answer::prompt::{chat_with_context, elision_tokens, end_of_turn, head_tail, RECITE_PROMPT};
 use super::qa::QaPair;
 use crate::model::{Model, Packing};
 use anyhow::Result;

@@ -17,7 +17,8 @@ mod rows;
 mod run;
 mod until_learned;
 
-use crate::lift::filter::{Filter, FilterExample};
+use crate::lift::absorb::qa_examples::FilterExample;
+use crate::lift::answer::layout::Filter;
 use super::plan::Plan;
 use crate::model::{Adapter, Model};
 use anyhow::Result;
@@ -272,7 +273,8 @@ mod tests {
     use candle_core::{Device, Tensor};
 
     use crate::adapters::GatedMemory;
-    use crate::lift::filter::{qa_examples, FilterOptions};
+    use crate::lift::absorb::qa_examples::qa_examples;
+    use crate::lift::answer::layout::FilterOptions;
     use crate::lift::absorb::qa::{QaPair, QaSource};
 
     const TEXT: &str = "The ferry leaves at dawn. The keeper is Anselm Varga. Tickets cost eleven coins. \

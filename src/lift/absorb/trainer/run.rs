@@ -119,7 +119,7 @@ pub fn train_long(
             let batches = order.len().div_ceil(rows.accumulation.max(1));
             for (bi, batch) in order.chunks(rows.accumulation).enumerate().skip(done_batches) {
                 if cancel() {
-                    return Err(crate::lift::absorb::Cancelled("training").into());
+                    return Err(crate::lift::absorb::cancelled::Cancelled("training").into());
                 }
                 let t0 = Instant::now();
                 let b = run.batch(batch, &seg_members)?;
