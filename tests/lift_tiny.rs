@@ -444,7 +444,7 @@ fn the_absorb_rate_calibration_times_real_steps_past_its_warm_up() {
     o.plan.window = 48;
     o.plan.training_context_tokens = 32;
     o.budget_seconds = Some(1.0);
-    let c = lift_serve::lift::calibrate::calibrate(&model, &o).unwrap();
+    let c = lift_serve::lift::pricing::calibrate(&model, &o).unwrap();
     assert!(c.steps >= 4, "{c:?}");
     assert!(c.seconds > 0.0 && c.seconds_per_token.is_finite() && c.seconds_per_token > 0.0, "{c:?}");
     // Each timed step is a real row of tens of tokens at least: the rate is per token, not per step.

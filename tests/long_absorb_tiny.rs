@@ -226,8 +226,8 @@ fn training_stops_at_the_time_budget_and_keeps_what_it_learned() {
     let mut opts = options([40, 40]);
     let unbounded_steps = {
         let o = &opts;
-        let pairs = lift_serve::lift::estimate::qa_pairs_planned(&doc.text, doc.len(), o);
-        lift_serve::lift::estimate::plan_counts(doc.len(), pairs, o, false).2
+        let pairs = lift_serve::lift::pricing::qa_pairs_planned(&doc.text, doc.len(), o);
+        lift_serve::lift::pricing::plan_counts(doc.len(), pairs, o, false).2
     };
     opts.budget_seconds = Some(1.0);
     let t0 = std::time::Instant::now();

@@ -2491,8 +2491,8 @@ async fn dry_run_says_the_cost_before_paying() {
     let (s, prior) = post_json(&c, &format!("{other_base}/documents"), body(json!(true)), None).await;
     assert_eq!(s, 200, "{prior}");
     assert_eq!(prior["estimate"]["rate"], "prior", "{prior}");
-    assert_eq!(prior["estimate"]["seconds_per_token"].as_f64(), Some(lift_serve::lift::estimate::PRIOR_SECONDS_PER_TOKEN), "{prior}");
-    assert!(per_token < 0.5 * lift_serve::lift::estimate::PRIOR_SECONDS_PER_TOKEN, "the tiny model trains faster than the prior says: {est}");
+    assert_eq!(prior["estimate"]["seconds_per_token"].as_f64(), Some(lift_serve::lift::pricing::PRIOR_SECONDS_PER_TOKEN), "{prior}");
+    assert!(per_token < 0.5 * lift_serve::lift::pricing::PRIOR_SECONDS_PER_TOKEN, "the tiny model trains faster than the prior says: {est}");
     other.shutdown().await;
     // The tiny server's options (epochs [1, 1], 4 QA pairs) are known to under-train.
     let codes: Vec<&str> = est["warnings"].as_array().unwrap().iter().map(|w| w["code"].as_str().unwrap()).collect();

@@ -87,9 +87,9 @@ impl AbsorbArgs {
         let opts = match opts.budget_seconds {
             None => opts,
             Some(budget) => {
-                let rate = lift::estimate::AbsorbRate::default();
-                rate.set_calibrated(lift::calibrate::rate(&model, &opts));
-                let cost = lift::cost::estimate(&model, &document, &opts, &rate);
+                let rate = lift::pricing::AbsorbRate::default();
+                rate.set_calibrated(lift::pricing::calibrated_rate(&model, &opts));
+                let cost = lift::pricing::estimate(&model, &document, &opts, &rate);
                 match cost.warnings.iter().find(|w| w.param == "options.budget_seconds") {
                     Some(w) => eprintln!("{}", w.message),
                     None => eprintln!("the options fit the budget of {budget:.0} s (estimated {:.0} s)", cost.estimate.seconds),

@@ -1,6 +1,6 @@
 //! The two kinds of model work and how each runs on its thread.
 
-use crate::lift::estimate::AbsorbRate;
+use crate::lift::pricing::AbsorbRate;
 use crate::document::Document;
 use super::batcher::{Batch, Entry};
 use crate::lift::answer::{chunk_scores, prepare, Ask, AnswerHooks, ContextPolicy, Mode};

@@ -6,11 +6,8 @@
 
 pub mod absorb;
 pub mod answer;
-pub mod budget;
-pub mod calibrate;
-pub mod cost;
-pub mod estimate;
 pub mod options;
+pub mod pricing;
 
 pub use absorb::{absorb, absorb_resumable, AbsorbEvent, AbsorbStage, Absorbed, AdapterSnapshot};
 pub use absorb::cancelled::Cancelled;

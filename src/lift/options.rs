@@ -31,7 +31,7 @@ pub struct AbsorbOptions {
     pub qa: QaOptions,
     pub train: TrainOptions,
     /// Seconds the whole absorb may take: the plan is fitted to it before the absorb starts
-    /// ([`budget::fit`]) and training stops at it. None: the options as they are.
+    /// ([`crate::lift::pricing`]) and training stops at it. None: the options as they are.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub budget_seconds: Option<f64>,
 }
