@@ -113,7 +113,7 @@ fn the_architecture_loads_and_greedy_chat_answers_paris() {
 /// The trainable path (float weights, differentiable ops) and the inference path (KV cache, fused
 /// ops) give the same logits, with and without a Gated Memory; the quantized decode path picks
 /// the same next token. A fresh Gated Memory as `absorb` makes it for this model (output layers at
-/// zero) leaves the loss where it was; the authors' kaiming start does not (see `lift::new_adapter`).
+/// zero) leaves the loss where it was; the authors' kaiming start does not (see `lift::absorb::new_adapter`).
 #[test]
 fn both_forward_paths_agree_and_a_fresh_gated_memory_leaves_the_model_alone() {
     let Some(m) = model() else { return };

@@ -8,6 +8,9 @@
 //! exists), `icl` (no adapter, head and tail: the paper's baseline), `memory` (adapter, no
 //! document text). [`answer`] is the one answer function: the server, the CLI, the evaluations
 //! and the benchmarks all answer through it.
+//!
+//! The chat prompt and its pieces, shared with training, are in [`prompt`]; FltLM's chunk layout
+//! and the filter's loss in [`layout`].
 
 pub mod layout;
 pub mod prompt;
