@@ -13,7 +13,7 @@
 //! Documents: the prose fixtures (as `benches/absorb.rs`). The prepared base is `base/` when
 //! present, as for the server.
 
-use lift_serve::lift::estimate::{PRIOR_OVERHEAD_SECONDS, PRIOR_SECONDS_PER_TOKEN};
+use lift_serve::lift::pricing::{PRIOR_OVERHEAD_SECONDS, PRIOR_SECONDS_PER_TOKEN};
 use lift_serve::server::{self, ServeConfig};
 use serde_json::{json, Value};
 use std::time::{Duration, Instant};

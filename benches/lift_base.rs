@@ -17,8 +17,8 @@
 use candle_core::Device;
 use lift_serve::document::Document;
 use lift_serve::lift::answer::{answer, Ask, ContextPolicy, Mode};
-use lift_serve::lift::filter;
-use lift_serve::lift::qa::{QaPair, QaSource};
+use lift_serve::lift::absorb::qa_examples;
+use lift_serve::lift::absorb::qa::{QaPair, QaSource};
 use lift_serve::lift::{absorb, AbsorbEvent, AbsorbOptions};
 use lift_serve::model::generate::SamplingParams;
 use lift_serve::model::{Adapter, Model};
@@ -123,7 +123,7 @@ fn main() -> anyhow::Result<()> {
         }
         if let Some(f) = model.base_filter() {
             let tests: Vec<QaPair> = IN_WINDOW.iter().map(as_pair).collect();
-            let test = filter::evaluate(&model, Some(adapter), f, doc, &tests, CONTEXT_TOKENS)?;
+            let test = qa_examples::evaluate(&model, Some(adapter), f, doc, &tests, CONTEXT_TOKENS)?;
             eprintln!("[{name}] filter on the in-window questions: {test:?}");
             line["filter_test"] = serde_json::to_value(&test)?;
         }

@@ -12,7 +12,7 @@ use candle_core::Device;
 use lift_serve::base::data::{self, BuildOptions};
 use lift_serve::corpus::Split;
 use lift_serve::base::train::{self, PrepareOptions};
-use lift_serve::lift::trainer::RunControl;
+use lift_serve::lift::absorb::trainer::RunControl;
 use lift_serve::model::Model;
 use std::time::Instant;
 

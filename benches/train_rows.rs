@@ -2,7 +2,7 @@
 //! absorb's second stage) on a real document with the default model and the prepared base, at
 //! several rows per optimizer step, each size trained batched (`TrainOptions::batch_rows`: a
 //! forward/backward over the step's rows of like length) and one by one, alternating A B A B. The two give the
-//! same gradients (`lift::trainer` tests), so the same step losses: the bench prints how far apart
+//! same gradients (`lift::absorb::trainer` tests), so the same step losses: the bench prints how far apart
 //! they came out as well as the training seconds, tokens/s and the ratio.
 //!
 //!   RAYON_NUM_THREADS=2 cargo bench --bench train_rows

@@ -5,7 +5,7 @@
 use candle_core::Device;
 use lift_serve::base::data::BaseExample;
 use lift_serve::base::train::{self, PrepareOptions};
-use lift_serve::lift::trainer::RunControl;
+use lift_serve::lift::absorb::trainer::RunControl;
 use lift_serve::model::Model;
 
 /// `count` passages of three essay sentences each, with `fact` inserted as passage `at`.

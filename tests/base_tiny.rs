@@ -11,9 +11,9 @@ use lift_serve::base::train::{self, PrepareOptions};
 use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::document::Document;
 use lift_serve::lift::answer::{answer, Ask, ContextPolicy, Mode};
-use lift_serve::lift::filter::{FilterOptions, FromLayer};
-use lift_serve::lift::plan::{Example, ExampleKind};
-use lift_serve::lift::trainer::{example_loss, RunControl};
+use lift_serve::lift::answer::layout::{FilterOptions, FromLayer};
+use lift_serve::lift::absorb::plan::{Example, ExampleKind};
+use lift_serve::lift::absorb::trainer::{example_loss, RunControl};
 use lift_serve::lift::{absorb, AbsorbOptions};
 use lift_serve::model::generate::SamplingParams;
 use lift_serve::model::{Adapter, KvCache, Logits, Model, NoHooks};
@@ -361,7 +361,7 @@ fn an_adapter_trained_over_one_base_refuses_another_and_answers_with_the_base_fi
 /// answers keep theirs.
 #[test]
 fn an_absorb_trains_under_the_bases_absorb_mask_and_answers_keep_theirs() {
-    use lift_serve::lift::filter::MaskCalibration;
+    use lift_serve::lift::answer::layout::MaskCalibration;
     let (_d, path) = tiny();
     let plain = load(&path);
     let dir = tempfile::tempdir().unwrap();

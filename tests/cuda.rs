@@ -17,7 +17,7 @@ use lift_serve::document::Document;
 use lift_serve::adapters::{GatedMemory, Lora, LoraConfig, LoraPair};
 use lift_serve::base::{BaseShape, PreparedBase};
 use lift_serve::kernels::masked_softmax;
-use lift_serve::lift::filter::{self, Filter, FilterHooks, FilterOptions, MaskCalibration};
+use lift_serve::lift::answer::layout::{self, Filter, FilterHooks, FilterOptions, MaskCalibration};
 use lift_serve::lift::{absorb, AbsorbOptions};
 use lift_serve::model::{ops, Adapter, ForwardHooks, KvCache, Logits, Model, NoHooks, Packing};
 use lift_serve::testing::{write_gguf, write_hf, Rng, TinySpec};
@@ -399,15 +399,15 @@ departure in a green ledger. Passengers pay eleven coins for the crossing. In wi
 fn filter_scores_and_soft_mask_on_cuda_match_cpu() {
     let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
     let doc = tokens(&cpu, FILTER_DOC);
-    let ends = filter::breaks(&cpu, &doc).unwrap();
-    let p = filter::build_prompt(&cpu, &doc, &ends, "Who logs the departures?", 200, 12).unwrap();
+    let ends = layout::breaks(&cpu, &doc).unwrap();
+    let p = layout::build_prompt(&cpu, &doc, &ends, "Who logs the departures?", 200, 12).unwrap();
     assert!(p.chunks.len() >= 3);
     // FltLM's absolute threshold and the calibration relative to the best chunk.
     for calibration in [MaskCalibration::Absolute, MaskCalibration::Relative { margin: 0.5, strength: 2.0 }] {
         let run = |m: &Model| {
             let mut f = filter_on(m);
             f.calibration = calibration;
-            let scores = filter::score_prompt(m, None, &f, &p).unwrap();
+            let scores = layout::score_prompt(m, None, &f, &p).unwrap();
             let ids = Tensor::new(p.tokens.as_slice(), m.device()).unwrap().unsqueeze(0).unwrap();
             let mut hooks = FilterHooks::new(&f, &p.chunks, m.config().num_layers);
             let logits = m.decoder.forward(&ids, &mut KvCache::new(2), None, &mut hooks, Logits::All).unwrap();
@@ -429,8 +429,8 @@ fn filter_scores_and_soft_mask_on_cuda_match_cpu() {
 fn filter_training_gradients_on_cuda_match_cpu() {
     let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
     let doc = tokens(&cpu, FILTER_DOC);
-    let ends = filter::breaks(&cpu, &doc).unwrap();
-    let p = filter::build_prompt(&cpu, &doc, &ends, "Who logs the departures?", 200, 12).unwrap();
+    let ends = layout::breaks(&cpu, &doc).unwrap();
+    let p = layout::build_prompt(&cpu, &doc, &ends, "Who logs the departures?", 200, 12).unwrap();
     let positive: Vec<bool> = (0..p.chunks.len()).map(|i| i == 1).collect();
     let step = |m: &Model| {
         let dev = m.device();
@@ -449,7 +449,7 @@ fn filter_training_gradients_on_cuda_match_cpu() {
         let logits = m.decoder.logits_train(&hidden.narrow(0, 0, n - 1).unwrap()).unwrap();
         let targets = Tensor::new(&p.tokens[1..], dev).unwrap();
         let lm = ops::cross_entropy_masked(&logits, &targets, &Tensor::ones(n - 1, DType::F32, dev).unwrap()).unwrap();
-        let fl = filter::filter_loss(&hooks.scores().unwrap(), &positive, 1.0, &f.log_tau).unwrap();
+        let fl = layout::filter_loss(&hooks.scores().unwrap(), &positive, 1.0, &f.log_tau).unwrap();
         let loss = (lm + (fl * 0.5).unwrap()).unwrap();
         let grads = loss.backward().unwrap();
         let g: Vec<Tensor> = f
@@ -591,7 +591,7 @@ fn absorbing_until_learned_on_cuda_probes_like_the_cpu() {
     opts.qa.use_model = false;
     opts.qa.max_pairs = 8;
     opts.qa.min_pairs = 4;
-    opts.train.until_learned = Some(lift_serve::lift::trainer::UntilLearned {
+    opts.train.until_learned = Some(lift_serve::lift::absorb::trainer::UntilLearned {
         probe_every: 1,
         min_steps: 10,
         patience: 2,
@@ -646,8 +646,8 @@ fn prepared_base_under_a_document_adapter_on_cuda_matches_cpu() {
     assert_ne!(cpu.info.fingerprint, plain.info.fingerprint);
 
     let doc = tokens(&cpu, FILTER_DOC);
-    let ends = filter::breaks(&cpu, &doc).unwrap();
-    let p = filter::build_prompt(&cpu, &doc, &ends, "Who logs the departures?", 200, 12).unwrap();
+    let ends = layout::breaks(&cpu, &doc).unwrap();
+    let p = layout::build_prompt(&cpu, &doc, &ends, "Who logs the departures?", 200, 12).unwrap();
     let cfg = cpu.config().clone();
     let answer = |m: &Model| {
         let f = m.base_filter().expect("the installed base has a filter");
@@ -838,7 +838,7 @@ fn batched_decode_attention_on_cuda_matches_cpu() {
 /// decay, over tensors of several sizes (one larger than a block row's 32 × 256 elements).
 #[test]
 fn fused_adamw_with_clipping_on_cuda_matches_cpu() {
-    use lift_serve::lift::trainer::{AdamW, TrainOptions};
+    use lift_serve::lift::absorb::trainer::{AdamW, TrainOptions};
     let shapes: [&[usize]; 4] = [&[9, 64, 128], &[9, 128], &[9, 8], &[300, 301]];
     let opts = TrainOptions { weight_decay: 0.01, max_grad_norm: 1.0, ..Default::default() };
     let run = |dev: &Device| {
@@ -870,7 +870,7 @@ fn an_absorb_stopped_and_resumed_on_cuda_ends_as_an_uninterrupted_one() {
     // A checkpoint holds the adapter and AdamW's moments (which the fused CUDA AdamW updates in
     // place): written from the GPU, read back onto it, the run goes on as if it had never
     // stopped; and the CPU plans the same steps.
-    use lift_serve::lift::checkpoint::Resumable;
+    use lift_serve::lift::absorb::checkpoint::Resumable;
     use lift_serve::lift::{absorb_resumable, AbsorbEvent};
     use lift_serve::testing::MemoryCheckpoint as Mem;
     use std::cell::Cell;
@@ -906,9 +906,9 @@ fn an_absorb_stopped_and_resumed_on_cuda_ends_as_an_uninterrupted_one() {
 
 #[test]
 fn batched_training_rows_on_cuda_match_cpu_and_the_rows_one_by_one() {
-    use lift_serve::lift::plan::{Plan, PlanOptions};
-    use lift_serve::lift::qa::{QaPair, QaSource};
-    use lift_serve::lift::trainer::{train, RunControl, TrainInputs, TrainOptions};
+    use lift_serve::lift::absorb::plan::{Plan, PlanOptions};
+    use lift_serve::lift::absorb::qa::{QaPair, QaSource};
+    use lift_serve::lift::absorb::trainer::{train, RunControl, TrainInputs, TrainOptions};
     let (_dir, cpu, gpu) = load_pair(&TinySpec::default());
     let pair = |question: &str, answer: &str| QaPair {
         question: question.into(),

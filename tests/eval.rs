@@ -10,7 +10,7 @@ use lift_serve::eval::{self, needles, report, Backend, EvalDocument, Local, RunC
 use lift_serve::document::Document;
 use lift_serve::lift::answer::{build_prompt, Ask, ContextPolicy, Mode};
 use lift_serve::base::{BaseShape, PreparedBase};
-use lift_serve::lift::filter::FilterOptions;
+use lift_serve::lift::answer::layout::FilterOptions;
 use lift_serve::lift::AbsorbOptions;
 use lift_serve::model::Model;
 use lift_serve::testing::{write_hf, TinySpec};
@@ -95,7 +95,7 @@ fn retrieval_shows_the_planted_fact_in_a_small_context() {
 #[test]
 fn the_relative_mask_leaves_the_evidence_open_and_masks_the_distractors() {
     use lift_serve::lift::answer::answer;
-    use lift_serve::lift::filter::MaskCalibration;
+    use lift_serve::lift::answer::layout::MaskCalibration;
     use lift_serve::model::generate::SamplingParams;
     let path = lift_serve::fetch::resolve_model(None).unwrap();
     let mut model = Model::load(&path, &Device::Cpu).unwrap();

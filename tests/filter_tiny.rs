@@ -7,8 +7,9 @@
 use candle_core::{Device, Tensor};
 use lift_serve::document::Document;
 use lift_serve::base::{BaseShape, PreparedBase};
-use lift_serve::lift::filter::{self, Filter, FilterHooks, FilterOptions};
-use lift_serve::lift::qa::{QaPair, QaSource};
+use lift_serve::lift::absorb::qa_examples;
+use lift_serve::lift::answer::layout::{self, Filter, FilterHooks, FilterOptions};
+use lift_serve::lift::absorb::qa::{QaPair, QaSource};
 use lift_serve::lift::{absorb, AbsorbOptions};
 use lift_serve::model::{ForwardHooks, KvCache, Logits, Model, NoHooks};
 use lift_serve::testing::{write_hf, Rng, TinySpec};
@@ -38,16 +39,16 @@ fn filter(model: &Model, w: f32, b: f32) -> Filter {
     f
 }
 
-fn prompt(model: &Model, budget: usize) -> filter::FilterPrompt {
+fn prompt(model: &Model, budget: usize) -> layout::FilterPrompt {
     let doc = model.tokenizer.encode(DOC, false).unwrap();
-    let ends = filter::breaks(model, &doc).unwrap();
-    filter::build_prompt(model, &doc, &ends, "Who keeps the lighthouse?", budget, 24).unwrap()
+    let ends = layout::breaks(model, &doc).unwrap();
+    layout::build_prompt(model, &doc, &ends, "Who keeps the lighthouse?", budget, 24).unwrap()
 }
 
 /// The median chunk score of the random head on `p` (so that `b = −median` masks about half).
-fn median_score(model: &Model, p: &filter::FilterPrompt) -> f32 {
+fn median_score(model: &Model, p: &layout::FilterPrompt) -> f32 {
     let f = filter(model, 0.0, 0.0);
-    let mut s: Vec<f32> = filter::score_prompt(model, None, &f, p).unwrap().iter().map(|c| c.score).collect();
+    let mut s: Vec<f32> = layout::score_prompt(model, None, &f, p).unwrap().iter().map(|c| c.score).collect();
     s.sort_by(f32::total_cmp);
     let m = s[s.len() / 2];
     assert!(s[0] < m, "scores differ between chunks: {s:?}");
@@ -67,7 +68,7 @@ fn layout_chunks_the_window_with_markers_and_the_question_twice() {
     let doc = model.tokenizer.encode(DOC, false).unwrap();
     let p = prompt(&model, 120);
     assert!(p.chunks.len() >= 5, "{} chunks", p.chunks.len());
-    let marker = filter::marker_token(&model).unwrap();
+    let marker = layout::marker_token(&model).unwrap();
     for c in &p.chunks {
         assert!(c.end - c.start <= 24 && c.end - c.start == c.doc_end - c.doc_start);
         assert_eq!(&p.tokens[c.start..c.end], &doc[c.doc_start..c.doc_end], "chunk tokens are the document's");
@@ -167,7 +168,7 @@ fn incremental_inference_matches_one_trainable_pass_and_gradients_reach_the_filt
     // Gradients reach the head (through the scores), w and b (through the soft mask).
     let s = hooks.scores().unwrap();
     let positive: Vec<bool> = (0..p.chunks.len()).map(|i| i == 1).collect();
-    let flt = filter::filter_loss(&s, &positive, 1.0, &tf.log_tau).unwrap();
+    let flt = layout::filter_loss(&s, &positive, 1.0, &tf.log_tau).unwrap();
     let loss = (logits.sum_all().unwrap() + flt).unwrap();
     let grads = loss.backward().unwrap();
     for (i, name) in ["head_w", "head_b", "w", "b", "log_tau"].iter().enumerate() {
@@ -239,7 +240,7 @@ fn absorb_over_a_prepared_base_trains_qa_in_its_filter_layout_and_leaves_the_fil
     assert!(a.bundle.extras.is_empty());
     let f = model.base_filter().unwrap().clone();
     // Recall on the training pairs runs and counts every pair whose evidence is in a chunk.
-    let e = filter::evaluate(&model, Some(&a.bundle.adapter), &f, &document, &a.qa, 1000).unwrap();
+    let e = qa_examples::evaluate(&model, Some(&a.bundle.adapter), &f, &document, &a.qa, 1000).unwrap();
     assert_eq!(e.questions, a.qa.len());
     assert!(e.evidence_chunks >= e.questions);
 
@@ -253,9 +254,9 @@ fn absorb_over_a_prepared_base_trains_qa_in_its_filter_layout_and_leaves_the_fil
         source: QaSource::Extractive,
     };
     assert_eq!(&DOC[pair.evidence_span.0..pair.evidence_span.1], pair.evidence);
-    let span = filter::evidence_tokens(&model, DOC, &pair).unwrap();
-    let ends = filter::breaks(&model, doc).unwrap();
-    let small = filter::build_prompt(&model, doc, &ends, &pair.question, 40, 24).unwrap();
+    let span = qa_examples::evidence_tokens(&model, DOC, &pair).unwrap();
+    let ends = layout::breaks(&model, doc).unwrap();
+    let small = layout::build_prompt(&model, doc, &ends, &pair.question, 40, 24).unwrap();
     assert!(span.0 >= small.head_end && span.1 <= small.tail_start, "evidence out of a 40-token window");
     assert!(small.labels(span).iter().all(|&l| !l));
 }

@@ -3,10 +3,10 @@
 
 use candle_core::{Device, Tensor};
 use lift_serve::adapters::{GatedMemory, Lora, LoraConfig};
-use lift_serve::lift::plan::{segments, ExampleKind, Plan, PlanOptions};
-use lift_serve::lift::prompt::{chat_with_context, RECITE_PROMPT};
-use lift_serve::lift::qa::{QaPair, QaSource};
-use lift_serve::lift::trainer::{example_loss, train, RunControl, TrainInputs, TrainOptions};
+use lift_serve::lift::absorb::plan::{segments, ExampleKind, Plan, PlanOptions};
+use lift_serve::lift::answer::prompt::{chat_with_context, RECITE_PROMPT};
+use lift_serve::lift::absorb::qa::{QaPair, QaSource};
+use lift_serve::lift::absorb::trainer::{example_loss, train, RunControl, TrainInputs, TrainOptions};
 use lift_serve::model::{Adapter, KvCache, Logits, Model, NoHooks};
 use lift_serve::testing::{write_hf, TinySpec};
 
@@ -114,8 +114,8 @@ fn a_packed_qa_row_has_the_mean_loss_and_gradients_of_its_questions() {
 /// A packed row's loss and adapter gradients are the mean of its sequences' as separate examples.
 fn assert_packed_row_is_the_mean(
     model: &Model,
-    row: &lift_serve::lift::plan::Example,
-    singles: &[lift_serve::lift::plan::Example],
+    row: &lift_serve::lift::absorb::plan::Example,
+    singles: &[lift_serve::lift::absorb::plan::Example],
 ) {
     let k = singles.len() as f64;
     // Layer 0 adapted (everything on the graph) and layer 1 only (layer 0 on the inference path).
@@ -247,7 +247,7 @@ fn lora_memory_mode_recites_a_passage_the_base_model_cannot() {
 #[test]
 fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_the_floor() {
     use lift_serve::document::Document;
-    use lift_serve::lift::trainer::UntilLearned;
+    use lift_serve::lift::absorb::trainer::UntilLearned;
     use lift_serve::lift::{absorb, AbsorbOptions};
     let (_d, model) = tiny();
     let text =
@@ -352,7 +352,7 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     let (budget, _) = run(Some(never.clone()));
     let (b, ceiling) = (&budget.report, (0.5 * budget.report.planned_steps as f64).round() as usize);
     assert_eq!(b.steps, ceiling, "stops at the budget: {} of {} planned", b.steps, b.planned_steps);
-    assert_eq!(b.cooldown_cause, Some(lift_serve::lift::trainer::CooldownCause::Budget));
+    assert_eq!(b.cooldown_cause, Some(lift_serve::lift::absorb::trainer::CooldownCause::Budget));
     let from = b.cooldown_from.unwrap();
     assert!(
         from < ceiling && from + (from as f64 * never.cooldown).round() as usize >= ceiling,
@@ -374,7 +374,7 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     let d = &decayed.report;
     assert_eq!(d.steps, (0.5 * d.planned_steps as f64).round() as usize, "ends at the ceiling");
     assert_eq!(d.cooldown_from, Some(first_stage + 1), "decays from the last stage's first step");
-    assert_eq!(d.cooldown_cause, Some(lift_serve::lift::trainer::CooldownCause::Budget));
+    assert_eq!(d.cooldown_cause, Some(lift_serve::lift::absorb::trainer::CooldownCause::Budget));
     assert_eq!(
         d.step_losses[..first_stage + 2],
         constant.report.step_losses[..first_stage + 2],
@@ -385,7 +385,7 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
     let (plateaued, _) = run(Some(UntilLearned { decay: true, ..rule.clone() }));
     let p = &plateaued.report;
     let from = p.cooldown_from.unwrap();
-    assert_eq!(p.cooldown_cause, Some(lift_serve::lift::trainer::CooldownCause::Plateau), "{:?}", p.probe_curve);
+    assert_eq!(p.cooldown_cause, Some(lift_serve::lift::absorb::trainer::CooldownCause::Plateau), "{:?}", p.probe_curve);
     assert!(p.steps < planned && from >= rule.min_steps, "{} of {planned} steps, cool-down from {from}", p.steps);
     assert_eq!(p.steps, from + (from as f64 * rule.cooldown).round() as usize, "stops when the cool-down ends");
 }
@@ -398,7 +398,7 @@ fn absorbing_until_learned_stops_once_the_probes_are_learned_and_never_before_th
 #[test]
 fn absorbing_until_learned_skips_learned_examples_and_revisits_them() {
     use lift_serve::document::Document;
-    use lift_serve::lift::trainer::UntilLearned;
+    use lift_serve::lift::absorb::trainer::UntilLearned;
     use lift_serve::lift::{absorb, AbsorbOptions};
     let (_d, model) = tiny();
     let text =
@@ -444,7 +444,7 @@ fn the_absorb_rate_calibration_times_real_steps_past_its_warm_up() {
     o.plan.window = 48;
     o.plan.training_context_tokens = 32;
     o.budget_seconds = Some(1.0);
-    let c = lift_serve::lift::calibrate::calibrate(&model, &o).unwrap();
+    let c = lift_serve::lift::pricing::calibrate(&model, &o).unwrap();
     assert!(c.steps >= 4, "{c:?}");
     assert!(c.seconds > 0.0 && c.seconds_per_token.is_finite() && c.seconds_per_token > 0.0, "{c:?}");
     // Each timed step is a real row of tens of tokens at least: the rate is per token, not per step.

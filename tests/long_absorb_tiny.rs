@@ -5,7 +5,7 @@
 
 use candle_core::Device;
 use lift_serve::document::Document;
-use lift_serve::lift::checkpoint::{Checkpoint, DamagedCheckpoint, Resumable};
+use lift_serve::lift::absorb::checkpoint::{Checkpoint, DamagedCheckpoint, Resumable};
 use lift_serve::lift::{absorb, absorb_resumable, AbsorbEvent, AbsorbOptions, AbsorbStage, Absorbed, Cancelled};
 use lift_serve::model::Model;
 use lift_serve::testing::{write_hf, TinySpec};
@@ -180,7 +180,7 @@ fn an_interrupted_absorb_until_learned_resumes_to_the_adapter_of_an_uninterrupte
     let doc = document(&model);
     let mut opts = options([1, 4]);
     opts.qa.max_pairs = 12;
-    opts.train.until_learned = Some(lift_serve::lift::trainer::UntilLearned {
+    opts.train.until_learned = Some(lift_serve::lift::absorb::trainer::UntilLearned {
         probe_every: 2,
         probe_rounds: 64,
         min_steps: 6,
@@ -226,8 +226,8 @@ fn training_stops_at_the_time_budget_and_keeps_what_it_learned() {
     let mut opts = options([40, 40]);
     let unbounded_steps = {
         let o = &opts;
-        let pairs = lift_serve::lift::estimate::qa_pairs_planned(&doc.text, doc.len(), o);
-        lift_serve::lift::estimate::plan_counts(doc.len(), pairs, o, false).2
+        let pairs = lift_serve::lift::pricing::qa_pairs_planned(&doc.text, doc.len(), o);
+        lift_serve::lift::pricing::plan_counts(doc.len(), pairs, o, false).2
     };
     opts.budget_seconds = Some(1.0);
     let t0 = std::time::Instant::now();

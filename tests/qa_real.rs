@@ -3,7 +3,7 @@
 //! generator completes them, every pair's evidence is verbatim in the document.
 
 use candle_core::Device;
-use lift_serve::lift::qa::{count_by_source, generate_qa_with_stats, normalize_question, QaOptions, QaSource};
+use lift_serve::lift::absorb::qa::{count_by_source, generate_qa_with_stats, normalize_question, QaOptions, QaSource};
 use lift_serve::model::Model;
 use std::collections::HashSet;
 use std::time::Instant;

@@ -113,7 +113,7 @@ fn the_architecture_loads_and_greedy_chat_answers_paris() {
 /// The trainable path (float weights, differentiable ops) and the inference path (KV cache, fused
 /// ops) give the same logits, with and without a Gated Memory; the quantized decode path picks
 /// the same next token. A fresh Gated Memory as `absorb` makes it for this model (output layers at
-/// zero) leaves the loss where it was; the authors' kaiming start does not (see `lift::new_adapter`).
+/// zero) leaves the loss where it was; the authors' kaiming start does not (see `lift::absorb::new_adapter`).
 #[test]
 fn both_forward_paths_agree_and_a_fresh_gated_memory_leaves_the_model_alone() {
     let Some(m) = model() else { return };
@@ -210,7 +210,7 @@ async fn absorb_and_ask_through_the_server() {
     let tmp = tempfile::tempdir().unwrap();
     let shape = lift_serve::base::BaseShape {
         rank: 2,
-        filter: lift_serve::lift::filter::FilterOptions { enabled: true, ..Default::default() },
+        filter: lift_serve::lift::answer::layout::FilterOptions { enabled: true, ..Default::default() },
     };
     let base_dir = tmp.path().join("base");
     lift_serve::base::PreparedBase::new(plain, &shape, 5).unwrap().save(&base_dir).unwrap();

@@ -287,7 +287,7 @@ async fn a_damaged_adapter_is_named_across_replicas_and_a_repost_absorbs_it_agai
 /// The step of the absorb checkpoint of `id` in the shared store (None: none there).
 fn checkpoint_step(e: &Env, id: &str) -> Option<usize> {
     let bytes = std::fs::read(e.blobs.join("checkpoints").join(format!("{id}.safetensors"))).ok()?;
-    Some(lift_serve::lift::checkpoint::Checkpoint::decode(&bytes, &candle_core::Device::Cpu).unwrap().train.cursor.step)
+    Some(lift_serve::lift::absorb::checkpoint::Checkpoint::decode(&bytes, &candle_core::Device::Cpu).unwrap().train.cursor.step)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -738,7 +738,7 @@ async fn killed_mid_training_requeues_on_restart() {
 /// The step of the checkpoint in `path` (None: no checkpoint there).
 fn checkpoint_step(path: &Path) -> Option<usize> {
     let bytes = std::fs::read(path).ok()?;
-    let ckpt = lift_serve::lift::checkpoint::Checkpoint::decode(&bytes, &candle_core::Device::Cpu).unwrap();
+    let ckpt = lift_serve::lift::absorb::checkpoint::Checkpoint::decode(&bytes, &candle_core::Device::Cpu).unwrap();
     Some(ckpt.train.cursor.step)
 }
 
@@ -973,7 +973,7 @@ async fn a_server_over_a_prepared_base_answers_through_its_filter_and_reports_ch
     let plain = lift_serve::model::Model::load(&e.model, &candle_core::Device::Cpu).unwrap();
     let shape = lift_serve::base::BaseShape {
         rank: 2,
-        filter: lift_serve::lift::filter::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
+        filter: lift_serve::lift::answer::layout::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
     };
     let mut prepared = lift_serve::base::PreparedBase::new(&plain, &shape, 5).unwrap();
     let base_dir = e.adapters.with_file_name("base");
@@ -2491,8 +2491,8 @@ async fn dry_run_says_the_cost_before_paying() {
     let (s, prior) = post_json(&c, &format!("{other_base}/documents"), body(json!(true)), None).await;
     assert_eq!(s, 200, "{prior}");
     assert_eq!(prior["estimate"]["rate"], "prior", "{prior}");
-    assert_eq!(prior["estimate"]["seconds_per_token"].as_f64(), Some(lift_serve::lift::estimate::PRIOR_SECONDS_PER_TOKEN), "{prior}");
-    assert!(per_token < 0.5 * lift_serve::lift::estimate::PRIOR_SECONDS_PER_TOKEN, "the tiny model trains faster than the prior says: {est}");
+    assert_eq!(prior["estimate"]["seconds_per_token"].as_f64(), Some(lift_serve::lift::pricing::PRIOR_SECONDS_PER_TOKEN), "{prior}");
+    assert!(per_token < 0.5 * lift_serve::lift::pricing::PRIOR_SECONDS_PER_TOKEN, "the tiny model trains faster than the prior says: {est}");
     other.shutdown().await;
     // The tiny server's options (epochs [1, 1], 4 QA pairs) are known to under-train.
     let codes: Vec<&str> = est["warnings"].as_array().unwrap().iter().map(|w| w["code"].as_str().unwrap()).collect();
@@ -2642,7 +2642,7 @@ async fn a_follow_up_reads_the_passages_of_the_conversation_it_follows() {
     let plain = lift_serve::model::Model::load(&e.model, &candle_core::Device::Cpu).unwrap();
     let shape = lift_serve::base::BaseShape {
         rank: 2,
-        filter: lift_serve::lift::filter::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
+        filter: lift_serve::lift::answer::layout::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
     };
     let base_dir = e.adapters.with_file_name("base");
     lift_serve::base::PreparedBase::new(&plain, &shape, 5).unwrap().save(&base_dir).unwrap();

@@ -201,7 +201,7 @@ impl GatedMemory {
     /// trainable adapter to zero, as LoRA starts its `B` at zero: the adapter then starts as
     /// `(1 − σ(−3))·attn` (m = 0, the gate exactly 0.047) whatever the size of the queries, and
     /// the first steps move the output layers first. For models whose queries are large where a
-    /// kaiming-initialised memory outweighs the attention it is mixed with (see `lift::new_adapter`).
+    /// kaiming-initialised memory outweighs the attention it is mixed with (see `lift::absorb::new_adapter`).
     pub fn zero_outputs(&self) -> Result<()> {
         let ids: Vec<_> = self
             .layers

@@ -408,7 +408,7 @@ pub fn check_complete(dir: &Path) -> Result<()> {
 }
 
 /// The tensor an earlier version saved a per-document FltLM filter's head under (a name in old
-/// files, so spelled here rather than taken from `lift::filter`, which may rename its own).
+/// files, so spelled here rather than taken from `lift::answer::layout`, which may rename its own).
 const PER_DOCUMENT_FILTER_HEAD: &str = "filter.head.weight";
 
 fn parse_bundle(

@@ -8,9 +8,9 @@
 //! never in a document's absorb, and there only on the QA examples' document passages (a chat
 //! template or an attention sink is not "noise").
 
-use crate::lift::filter::FilterExample;
-use crate::lift::plan::Example;
-use crate::lift::trainer::{prepare, total_loss, FilterTraining};
+use crate::lift::absorb::qa_examples::FilterExample;
+use crate::lift::absorb::plan::Example;
+use crate::lift::absorb::trainer::{prepare, total_loss, FilterTraining};
 use crate::model::{Adapter, Model};
 use candle_core::{Result, Tensor, Var, D};
 use serde::{Deserialize, Serialize};

@@ -29,7 +29,7 @@
 //! per approximate one, mean 1.0; `approx_tokens_track_the_default_tokenizer`).
 
 use crate::corpus::{essays_in, load_essays, Essay, Split};
-use crate::lift::text::split_sentences;
+use crate::lift::absorb::text::split_sentences;
 use anyhow::{bail, ensure, Result};
 use rand::rngs::StdRng;
 use rand::seq::{IndexedRandom, SliceRandom};

@@ -82,7 +82,7 @@ pub fn read(model: &Model, items: &[ReadingItem], on_done: &mut dyn FnMut(usize)
                 .iter()
                 .map(|&i| crate::document::token_span(model, &text, spans[i]))
                 .collect::<Result<_>>()?;
-            let relevant = |c: &crate::lift::filter::ChunkScore| positive.iter().any(|&(a, b)| c.start < b && a < c.end);
+            let relevant = |c: &crate::lift::answer::layout::ChunkScore| positive.iter().any(|&(a, b)| c.start < b && a < c.end);
             let kept = scores.iter().filter(|c| c.score > 0.0).count();
             let hits = scores.iter().filter(|c| c.score > 0.0 && relevant(c)).count();
             let gold = scores.iter().filter(|c| relevant(c)).count();

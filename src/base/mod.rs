@@ -27,7 +27,7 @@ pub mod train;
 
 use crate::adapters::manifest::BaseModelRef;
 use crate::adapters::{AdapterKind, AnyAdapter, Lora, LoraConfig, ADAPTER_PREFIX};
-use crate::lift::filter::{Filter, FilterOptions};
+use crate::lift::answer::layout::{Filter, FilterOptions};
 use crate::model::{Model, Projection};
 use anyhow::{bail, Context, Result};
 use candle_core::{Tensor, Var};

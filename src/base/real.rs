@@ -15,12 +15,12 @@
 //! (`data/real-text/questions.jsonl`; validation and eval documents never reach training):
 //! - `real`: the questions written for the document, with their evidence;
 //! - `real-qa`: the auxiliary QA generator's questions on the same documents
-//!   ([`crate::lift::qa::extractive_qa`]), wh-questions only (no fill-in-the-blank), answers of at
+//!   ([`crate::lift::absorb::qa::extractive_qa`]), wh-questions only (no fill-in-the-blank), answers of at
 //!   most [`MAX_ANSWER_WORDS`] words, so the base reads phrases, not one frequent term.
 
 use super::data::{approx_tokens, BaseExample, BuildOptions};
-use crate::lift::qa::{extractive_qa, QaOptions};
-use crate::lift::text::{normalize_layout, split_sentences};
+use crate::lift::absorb::qa::{extractive_qa, QaOptions};
+use crate::lift::absorb::text::{normalize_layout, split_sentences};
 use anyhow::{ensure, Context, Result};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -108,7 +108,7 @@ pub fn load_train_documents(path: &Path) -> Result<Vec<RealDocument>> {
         for p in extractive_qa(&l.document, &QaOptions::default()) {
             let short = p.answer.split_whitespace().count() <= MAX_ANSWER_WORDS;
             let in_evidence = p.evidence.contains(p.answer.as_str());
-            if short && in_evidence && !crate::lift::qa::is_cloze(&p.question) {
+            if short && in_evidence && !crate::lift::absorb::qa::is_cloze(&p.question) {
                 questions.push(RealQuestion { question: p.question, answer: p.answer, evidence: p.evidence_span, written: false });
             }
         }
@@ -160,7 +160,7 @@ pub fn with_real_examples(mut planted: Vec<BaseExample>, real: &RealData, seed: 
 /// `target` approximate tokens (or the document) are taken.
 fn window_example(doc: &RealDocument, q: &RealQuestion, target: usize, passage_tokens: usize, rng: &mut StdRng) -> BaseExample {
     let sentences = split_sentences(&doc.text);
-    let overlaps = |s: &crate::lift::text::Span| s.start < q.evidence.1 && q.evidence.0 < s.end;
+    let overlaps = |s: &crate::lift::absorb::text::Span| s.start < q.evidence.1 && q.evidence.0 < s.end;
     let first = sentences.iter().position(overlaps).unwrap_or(0);
     let last = sentences.iter().rposition(overlaps).unwrap_or(first);
     let (mut a, mut b) = (first, last + 1);
@@ -244,7 +244,7 @@ mod tests {
         assert!(!generated.is_empty(), "the generator finds questions in this prose");
         for q in &generated {
             assert!(q.answer.split_whitespace().count() <= MAX_ANSWER_WORDS, "{q:?}");
-            assert!(!crate::lift::qa::is_cloze(&q.question), "{q:?}");
+            assert!(!crate::lift::absorb::qa::is_cloze(&q.question), "{q:?}");
             assert!(d.text[q.evidence.0..q.evidence.1].contains(&q.answer) || !q.written, "{q:?}");
         }
     }

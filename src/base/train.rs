@@ -12,10 +12,11 @@
 use super::data::{BaseExample, BuildOptions};
 use super::{BaseShape, PreparedBase};
 use super::cdt::{cdt_loss, CdtOptions, CdtStats, QaPositions};
-use crate::lift::filter::{self, FilterEval, FilterExample, FilterHooks, MaskCalibration};
-use crate::lift::plan::{Example, ExampleKind, Plan};
-use crate::lift::prompt::end_of_turn;
-use crate::lift::trainer::{self, AdamW, FilterTraining, RunControl, TrainOptions};
+use crate::lift::absorb::qa_examples::FilterExample;
+use crate::lift::answer::layout::{self, FilterEval, FilterHooks, MaskCalibration};
+use crate::lift::absorb::plan::{Example, ExampleKind, Plan};
+use crate::lift::answer::prompt::end_of_turn;
+use crate::lift::absorb::trainer::{self, AdamW, FilterTraining, RunControl, TrainOptions};
 use crate::model::Model;
 use crate::retrieve::PassageIndex;
 use anyhow::{bail, Context, Result};
@@ -282,7 +283,7 @@ fn example_in_view(
     );
     let shown: Vec<usize> = view.map_or_else(|| (0..passages.len()).collect(), |v| v.passages.clone());
     let shown_tokens: Vec<Vec<u32>> = shown.iter().map(|&i| passages[i].clone()).collect();
-    let p = filter::passages_prompt(model, &shown_tokens, &ex.question, view.and_then(|v| v.elide_before))?;
+    let p = layout::passages_prompt(model, &shown_tokens, &ex.question, view.and_then(|v| v.elide_before))?;
     let positive: Vec<bool> = shown.iter().map(|i| ex.positive.contains(i)).collect();
     anyhow::ensure!(positive.iter().any(|&b| b), "a training view without its supporting passage");
     let mut answer = model.tokenizer.encode(ex.answer.trim(), false)?;

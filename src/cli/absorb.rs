@@ -21,7 +21,7 @@ pub(crate) struct AbsorbArgs {
     #[arg(short, long)]
     output: PathBuf,
     /// Seconds between checkpoints (0: none).
-    #[arg(long, default_value_t = lift::checkpoint::DEFAULT_INTERVAL.as_secs_f64())]
+    #[arg(long, default_value_t = lift::absorb::checkpoint::DEFAULT_INTERVAL.as_secs_f64())]
     checkpoint_secs: f64,
     #[command(flatten)]
     model: ModelArgs,
@@ -87,9 +87,9 @@ impl AbsorbArgs {
         let opts = match opts.budget_seconds {
             None => opts,
             Some(budget) => {
-                let rate = lift::estimate::AbsorbRate::default();
-                rate.set_calibrated(lift::calibrate::rate(&model, &opts));
-                let cost = lift::cost::estimate(&model, &document, &opts, &rate);
+                let rate = lift::pricing::AbsorbRate::default();
+                rate.set_calibrated(lift::pricing::calibrated_rate(&model, &opts));
+                let cost = lift::pricing::estimate(&model, &document, &opts, &rate);
                 match cost.warnings.iter().find(|w| w.param == "options.budget_seconds") {
                     Some(w) => eprintln!("{}", w.message),
                     None => eprintln!("the options fit the budget of {budget:.0} s (estimated {:.0} s)", cost.estimate.seconds),
@@ -101,8 +101,8 @@ impl AbsorbArgs {
         let mut name = self.output.file_name().context("--output names no directory")?.to_os_string();
         name.push(".checkpoint.safetensors");
         let checkpoint = self.output.with_file_name(name);
-        let resumable = (self.checkpoint_secs > 0.0).then(|| lift::checkpoint::Resumable {
-            store: Box::new(lift::checkpoint::FileCheckpoint(checkpoint.clone())),
+        let resumable = (self.checkpoint_secs > 0.0).then(|| lift::absorb::checkpoint::Resumable {
+            store: Box::new(lift::absorb::checkpoint::FileCheckpoint(checkpoint.clone())),
             interval: std::time::Duration::from_secs_f64(self.checkpoint_secs),
         });
         if let Some(parent) = checkpoint.parent().filter(|p| !p.as_os_str().is_empty()) {

@@ -128,7 +128,7 @@ impl PrepareBaseArgs {
                 tracing::info!(step = p.step, steps = p.steps, loss = p.loss, filter_loss = p.filter_loss, "training");
             }
         };
-        let control = lift_serve::lift::trainer::RunControl { on_progress, cancel: &|| false };
+        let control = lift_serve::lift::absorb::trainer::RunControl { on_progress, cancel: &|| false };
         let (mut base, report) = train::prepare(&model, training_set, &opts, output, self.resume, control)?;
         bar.finish_and_clear();
         base.filter.calibration = opts.mask_calibration;

@@ -1,10 +1,10 @@
 //! The two kinds of model work and how each runs on its thread.
 
-use crate::lift::estimate::AbsorbRate;
+use crate::lift::pricing::AbsorbRate;
 use crate::document::Document;
 use super::batcher::{Batch, Entry};
 use crate::lift::answer::{chunk_scores, prepare, Ask, AnswerHooks, ContextPolicy, Mode};
-use crate::lift::filter::ChunkScore;
+use crate::lift::answer::layout::ChunkScore;
 use crate::lift::{AbsorbEvent, AbsorbOptions, AbsorbStage};
 use super::EngineError;
 use crate::model::generate::{FinishReason, Generation, SamplingParams, Sequence};
@@ -130,7 +130,7 @@ pub(super) fn absorb(model: &Model, store: &Store, events: &dyn JobEvents, rate:
         ev => events.absorb(&id, &cancel, JobUpdate::Progress(ev.into())),
     };
     let interval = store.checkpoint_interval();
-    let resumable = store.checkpoint(&id).map(|place| crate::lift::checkpoint::Resumable { store: place, interval });
+    let resumable = store.checkpoint(&id).map(|place| crate::lift::absorb::checkpoint::Resumable { store: place, interval });
     let result = crate::lift::absorb_resumable(model, &document, title.as_deref(), &options, on_event, &cancelled, resumable);
     if !matches!(result, Ok(_)) || cancelled() {
         // No adapter: the document answers from its passages alone.

@@ -20,7 +20,7 @@
 pub mod batcher;
 mod jobs;
 
-use crate::lift::estimate::AbsorbRate;
+use crate::lift::pricing::AbsorbRate;
 pub use jobs::{AbsorbJob, AbsorbOutcome, GenerateJob, Generated, JobEvents, JobProgress, JobUpdate, Prompt};
 
 use crate::model::Model;

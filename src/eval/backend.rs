@@ -42,8 +42,8 @@ pub struct Local<'a> {
     pub max_tokens: usize,
     adapters: Vec<lift::Absorbed>,
     /// This run's absorb rate, as a server keeps its own: a few steps timed before the first
-    /// absorb ([`lift::calibrate`]) until an absorb has finished.
-    rate: lift::estimate::AbsorbRate,
+    /// absorb ([`lift::pricing::calibrate`]) until an absorb has finished.
+    rate: lift::pricing::AbsorbRate,
     calibrated: bool,
 }
 
@@ -62,12 +62,12 @@ impl Backend for Local<'_> {
         on_step: &mut dyn FnMut(usize, usize, f64),
     ) -> Result<(AbsorbRecord, usize)> {
         if !std::mem::replace(&mut self.calibrated, true) {
-            self.rate.set_calibrated(lift::calibrate::rate(self.model, opts));
+            self.rate.set_calibrated(lift::pricing::calibrated_rate(self.model, opts));
         }
         let t0 = Instant::now();
         // The price a server would say, and the options it would train: fitted to their time
         // budget (as asked without one).
-        let cost = lift::cost::estimate(self.model, document, opts, &self.rate);
+        let cost = lift::pricing::estimate(self.model, document, opts, &self.rate);
         let opts = &cost.options;
         let absorbed = lift::absorb(
             self.model,

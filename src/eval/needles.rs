@@ -8,7 +8,7 @@
 
 use crate::corpus::Essay;
 use super::{EvalDocument, EvalQuestion};
-use crate::lift::text::split_sentences;
+use crate::lift::absorb::text::split_sentences;
 use crate::model::Model;
 use anyhow::{bail, Result};
 use rand::rngs::StdRng;

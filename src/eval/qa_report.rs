@@ -4,7 +4,7 @@
 //! answers some pair trains; then `N` pairs of each document, spread over it.
 
 use super::EvalDocument;
-use crate::lift::qa::{extractive_qa, qa_shares, QaOptions};
+use crate::lift::absorb::qa::{extractive_qa, qa_shares, QaOptions};
 use crate::corpus::scoring::normalize;
 use std::fmt::Write;
 

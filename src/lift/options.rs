@@ -2,9 +2,9 @@
 //! document's id), one overlay of the settings users name ([`OptionOverlay`]: the same flat names
 //! in a request, on the CLI and in an options file), and the bounds every path checks.
 
-use super::plan::{PlanOptions, QaLayout};
-use super::qa::QaOptions;
-use super::trainer::TrainOptions;
+use super::absorb::plan::{PlanOptions, QaLayout};
+use super::absorb::qa::{QaOptions, MAX_AUX_QA};
+use super::absorb::trainer::TrainOptions;
 use crate::adapters::{AdapterKind, LoraConfig};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
@@ -31,7 +31,7 @@ pub struct AbsorbOptions {
     pub qa: QaOptions,
     pub train: TrainOptions,
     /// Seconds the whole absorb may take: the plan is fitted to it before the absorb starts
-    /// ([`budget::fit`]) and training stops at it. None: the options as they are.
+    /// ([`crate::lift::pricing`]) and training stops at it. None: the options as they are.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub budget_seconds: Option<f64>,
 }
@@ -555,9 +555,6 @@ fn merge_json(target: &mut serde_json::Value, value: &serde_json::Value) {
 /// Below `MIN_WINDOW` tokens a step costs more in template and context tokens than it trains.
 pub const MIN_WINDOW: usize = 32;
 pub const MAX_EPOCHS: usize = 100;
-/// The most auxiliary QA pairs a document may ask for (a 64K-token document's prose yields ~3,500;
-/// the training-token cap bounds what they cost).
-pub const MAX_AUX_QA: usize = 20_000;
 /// The longest budget: a week.
 pub const MAX_BUDGET_SECONDS: f64 = 7.0 * 24.0 * 3600.0;
 

@@ -1,8 +1,9 @@
 //! The FltLM context filter ("FltLM: An Integrated Long-Context Large Language Model for
 //! Effective Context Filtering and Understanding", Deng et al., §4) as a part of the model: its
 //! parameters, the chunk scores it reads at layer N and the soft mask it adds to the attention
-//! of the layers above. How prompts are laid out for it, its loss and its training live in
-//! `lift::filter`; a prepared base installs a trained one under every answer.
+//! of the layers above. How prompts are laid out for it and its loss live in `lift::answer::layout`
+//! (its QA examples in `lift::absorb::qa_examples`, its training in `base::train`); a prepared
+//! base installs a trained one under every answer.
 //!
 //! - Score (eq. 3): `s_i = Linear(rms_normalise(h_N[marker_i]))`, `h_N` the residual stream after
 //!   layer N (default: the middle layer), read by [`FilterHooks::after_layer`].

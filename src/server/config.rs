@@ -141,7 +141,7 @@ pub struct ServeConfig {
     /// Seconds between an absorb's checkpoints (also written where its segment stage ends): a
     /// restart, a crash or a replica taken over continues the absorb from the last one (0: no
     /// checkpoints).
-    #[arg(long, env = "LIFT_CHECKPOINT_SECS", default_value_t = crate::lift::checkpoint::DEFAULT_INTERVAL.as_secs_f64())]
+    #[arg(long, env = "LIFT_CHECKPOINT_SECS", default_value_t = crate::lift::absorb::checkpoint::DEFAULT_INTERVAL.as_secs_f64())]
     pub checkpoint_secs: f64,
     /// Time a few training steps at start (a few seconds on a CPU) so that cost estimates and
     /// time budgets use this machine's rate before its first absorb finishes; with
@@ -199,7 +199,7 @@ impl ServeConfig {
             extract_limits: None,
             extract_worker: None,
             memory_budget_bytes: None,
-            checkpoint_secs: crate::lift::checkpoint::DEFAULT_INTERVAL.as_secs_f64(),
+            checkpoint_secs: crate::lift::absorb::checkpoint::DEFAULT_INTERVAL.as_secs_f64(),
             absorb_budget: None,
             absorb_calibration: true,
             runtime: RuntimeConfig::default(),

@@ -214,7 +214,7 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
     tracing::info!(seconds = warm.elapsed().as_secs_f64(), "inference path warmed up (float weights made)");
     let model = Arc::new(model);
     let default_options = default_options(&cfg, file_options, &model)?;
-    let calibrated_rate = cfg.absorb_calibration.then(|| crate::lift::calibrate::rate(&model, &default_options)).flatten();
+    let calibrated_rate = cfg.absorb_calibration.then(|| crate::lift::pricing::calibrated_rate(&model, &default_options)).flatten();
     let metrics = Arc::new(Metrics::default());
     let service_cfg = ServiceConfig {
         adapters_dir: cfg.adapters_dir.clone(),
@@ -272,7 +272,7 @@ fn default_options(cfg: &ServeConfig, mut o: AbsorbOptions, model: &Model) -> Re
     }
     let c = model.config();
     o.validate(c.num_layers, c.max_position_embeddings).context("invalid default absorb options")?;
-    let planned = crate::lift::estimate::most_training_tokens(cfg.max_document_tokens, &o);
+    let planned = crate::lift::pricing::most_training_tokens(cfg.max_document_tokens, &o);
     if planned > cfg.max_training_tokens {
         tracing::warn!(
             planned,

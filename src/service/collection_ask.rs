@@ -275,12 +275,12 @@ fn collection_prompt(
     max_tokens: usize,
 ) -> anyhow::Result<Result<Vec<u32>, ServiceError>> {
     let window = model.config().max_position_embeddings;
-    let elision = crate::lift::prompt::elision_tokens(model)?;
+    let elision = crate::lift::answer::prompt::elision_tokens(model)?;
     let turns: Vec<ChatMessage> = history.iter().filter(|t| t.role == "user" || t.role == "assistant").cloned().collect();
     let (mut shown, mut from) = (chosen.len(), 0);
     loop {
         let ctx = context_tokens(model, &chosen[..shown], &elision)?;
-        let tokens = crate::lift::prompt::chat_after_turns(model, &turns[from..], &ctx, question)?.0;
+        let tokens = crate::lift::answer::prompt::chat_after_turns(model, &turns[from..], &ctx, question)?.0;
         if tokens.len() + max_tokens <= window {
             return Ok(Ok(tokens));
         }

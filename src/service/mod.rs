@@ -36,7 +36,7 @@ use crate::document::Document;
 use crate::engine::{Engine, EngineError, GenerateJob, GenerateLimits, Prompt};
 use crate::lift::answer::{ContextPolicy, Mode};
 use crate::formats::Source;
-use crate::lift::cost::Cost;
+use crate::lift::pricing::Cost;
 use crate::lift::AbsorbOptions;
 use crate::metrics::Metrics;
 use crate::model::generate::SamplingParams;
@@ -78,7 +78,7 @@ pub struct ServiceConfig {
     pub shared: Option<postgres::SharedConfig>,
     /// Time between an absorb's checkpoints.
     pub checkpoint_interval: std::time::Duration,
-    /// Seconds per training token measured on this machine at start ([`crate::lift::calibrate`]):
+    /// Seconds per training token measured on this machine at start ([`crate::lift::pricing::calibrate`]):
     /// the estimates' rate until an absorb finishes (None: the documented prior).
     pub calibrated_rate: Option<f64>,
 }
@@ -284,7 +284,7 @@ impl Service {
         }
         let (engine, o) = (self.engine.clone(), options.clone());
         let cost = tokio::task::spawn_blocking(move || {
-            crate::lift::cost::estimate(&engine.model, &document, &o, &engine.rate)
+            crate::lift::pricing::estimate(&engine.model, &document, &o, &engine.rate)
         })
         .await
         .map_err(ServiceError::internal)?;
@@ -342,7 +342,7 @@ impl Service {
     /// The training the options plan for a document of `tokens` must stay within the cap (each
     /// option is bounded alone; this bounds their product).
     fn check_training_cost(&self, o: &AbsorbOptions, tokens: usize) -> Result<(), ServiceError> {
-        let planned = crate::lift::estimate::most_training_tokens(tokens, o);
+        let planned = crate::lift::pricing::most_training_tokens(tokens, o);
         let limit = self.cfg.max_training_tokens;
         if planned > limit {
             return Err(ServiceError::TrainingTooLarge { planned, tokens, limit });

@@ -1,5 +1,5 @@
 //! Where absorbs keep their checkpoints (what a checkpoint holds and how a run resumes from it:
-//! `lift::checkpoint`): one file of the store's directory, or one blob of the shared store with
+//! `lift::absorb::checkpoint`): one file of the store's directory, or one blob of the shared store with
 //! replicas, replaced whole by each new checkpoint.
 
 use super::blobs::Blobs;

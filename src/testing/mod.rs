@@ -19,7 +19,7 @@ use anyhow::Result;
 #[derive(Clone, Default)]
 pub struct MemoryCheckpoint(pub std::rc::Rc<std::cell::RefCell<Option<Vec<u8>>>>);
 
-impl crate::lift::checkpoint::CheckpointStore for MemoryCheckpoint {
+impl crate::lift::absorb::checkpoint::CheckpointStore for MemoryCheckpoint {
     fn load(&self) -> Result<Option<Vec<u8>>> {
         Ok(self.0.borrow().clone())
     }

@@ -64,8 +64,8 @@ pub struct AbsorbEstimate {
     /// The effective absorb options.
     #[schema(value_type = Object)]
     pub options: serde_json::Value,
-    pub estimate: crate::lift::estimate::Estimate,
-    pub warnings: Vec<crate::lift::estimate::OptionWarning>,
+    pub estimate: crate::lift::pricing::Estimate,
+    pub warnings: Vec<crate::lift::pricing::OptionWarning>,
 }
 
 /// `POST /documents`' answer: the Document, with what its absorb is estimated to cost and the
@@ -74,6 +74,6 @@ pub struct AbsorbEstimate {
 pub struct PostedDocument {
     #[serde(flatten)]
     pub document: crate::service::DocumentView,
-    pub estimate: crate::lift::estimate::Estimate,
-    pub warnings: Vec<crate::lift::estimate::OptionWarning>,
+    pub estimate: crate::lift::pricing::Estimate,
+    pub warnings: Vec<crate::lift::pricing::OptionWarning>,
 }

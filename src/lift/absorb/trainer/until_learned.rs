@@ -4,7 +4,7 @@
 //! both (`UntilLearnedState`), so an absorb until learned resumes as every other absorb does.
 
 use super::{training_loss, EarlyStop, FilterTraining, Patience, TrainReport};
-use crate::lift::plan::Example;
+use crate::lift::absorb::plan::Example;
 use crate::model::{Adapter, Model};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};

@@ -2,8 +2,8 @@
 //! proper names.
 
 use super::sentence::{Sent, Word};
-use crate::lift::qa::words::is_stopword;
-use crate::lift::text::Span;
+use crate::lift::absorb::qa::words::is_stopword;
+use crate::lift::absorb::text::Span;
 use std::collections::{HashMap, HashSet};
 
 pub(super) const MONTHS: &[&str] = &[

@@ -1,7 +1,7 @@
 //! Parsing the model's reply: `Question: … Answer: … Evidence: …` in the LIFT paper's format and
 //! the variants small models write.
 
-use crate::lift::text::list_marker_len;
+use crate::lift::absorb::text::list_marker_len;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Label {

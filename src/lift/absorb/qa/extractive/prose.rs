@@ -14,7 +14,7 @@
 //! never the sentence itself.
 
 use super::lexicon::{decap, first_char_upper, squeeze, Lexicon};
-use crate::lift::qa::words::{is_stopword, strip_final};
+use crate::lift::absorb::qa::words::{is_stopword, strip_final};
 
 /// Longest answer, in words, the rules give.
 const MAX_ANSWER_WORDS: usize = 8;
@@ -282,7 +282,7 @@ fn default_value(ws: &Words, lex: &Lexicon) -> Option<Vec<(String, String)>> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lift::text::Span;
+    use crate::lift::absorb::text::Span;
 
     fn facts(s: &str) -> Vec<(String, String)> {
         let lex = Lexicon::new(s, &[Span::new(0, s.len())]);

@@ -8,8 +8,8 @@
 use super::evidence::{validate_model_output, Verdict};
 use super::words::normalize_question;
 use super::{QaOptions, QaPair, QaProgress, QaStats};
-use crate::lift::text::{split_sentences, Span};
-use crate::lift::Cancelled;
+use crate::lift::absorb::text::{split_sentences, Span};
+use crate::lift::absorb::cancelled::Cancelled;
 use crate::model::generate::{generate, prefill, FinishReason, SamplingParams};
 use crate::model::{ChatMessage, KvCache, Model, NoHooks};
 use anyhow::Result;
@@ -259,7 +259,7 @@ impl Run<'_> {
     fn prompt(&self, span: (usize, usize)) -> Result<Option<Prompt>> {
         let model = self.model;
         let messages = [
-            ChatMessage::new("system", crate::lift::prompt::SYSTEM_PROMPT),
+            ChatMessage::new("system", crate::lift::answer::prompt::SYSTEM_PROMPT),
             ChatMessage::new("user", qa_prompt(&model.tokenizer.escape_specials(&self.doc[span.0..span.1]))),
         ];
         let text = model.chat_template.render(&messages, true)?;

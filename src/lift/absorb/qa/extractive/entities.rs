@@ -6,7 +6,7 @@ use super::lexicon::{
     CONNECTORS, COPULAS, MONTHS, NUMBER_WORDS, ORG_HEADS, PLACE_HEADS, PREPOSITIONS, WEEKDAYS,
 };
 use super::sentence::Sent;
-use crate::lift::qa::words::is_stopword;
+use crate::lift::absorb::qa::words::is_stopword;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum Kind {

@@ -1,8 +1,10 @@
-//! FltLM ("FltLM: An Integrated Long-Context Large Language Model for Effective Context Filtering
-//! and Understanding", Deng et al., §4): the layout that puts a document's context in FltLM's
-//! chunks, and the filter's loss. The filter itself is the prepared base's (`model::filter`, one
-//! for every document, trained by `prepare-base`); it scores the chunks of the in-context
-//! document and softly masks the irrelevant ones, in the same forward pass that answers.
+//! The FltLM prompt layout and the filter's loss ("FltLM: An Integrated Long-Context Large
+//! Language Model for Effective Context Filtering and Understanding", Deng et al., §4): the layout
+//! that puts a document's context in FltLM's chunks, each followed by a marker, and the loss the
+//! filter trains with. The filter itself is not here: it is the prepared base's
+//! ([`crate::model::filter`], one for every document, trained by `prepare-base`); it scores the
+//! chunks of the in-context document and softly masks the irrelevant ones, in the same forward
+//! pass that answers.
 //!
 //! - Layout (§4.1, "naive" strategy with query-aware contextualization): the user turn is
 //!   `Question: q` + the truncated document cut into sentence-aligned chunks of at most
@@ -13,13 +15,10 @@
 //!   total is `L_lm + λ·L_flt` (eq. 10). Labels come from the auxiliary QA evidence: the chunks that
 //!   overlap it are positive, the others negative (evidence out of the window: no positive).
 //!
-//! Only QA examples (those with a question) use the layout; contextualized-training examples keep
-//! theirs.
+//! Only QA examples (those with a question) use the layout
+//! ([`crate::lift::absorb::qa_examples`]); contextualized-training examples keep theirs.
 
-use super::plan::{Example, ExampleKind};
-use super::prompt::{chat_after_turns, elision_tokens, end_of_turn, kept_ranges};
-use super::qa::QaPair;
-use crate::document::Document;
+use super::prompt::{chat_after_turns, elision_tokens, kept_ranges};
 pub use crate::model::filter::{
     Chunk, ChunkScore, Filter, FilterHooks, FilterOptions, MaskCalibration, CONFIG, HEAD_BIAS, HEAD_WEIGHT, LOG_TAU, MASK_B, MASK_W, W_INIT,
 };
@@ -194,71 +193,6 @@ fn layout(
     Ok((tokens, chunks))
 }
 
-/// Document token span of a QA pair's evidence (byte offsets → tokens of the prefix).
-pub fn evidence_tokens(model: &Model, text: &str, pair: &QaPair) -> Result<(usize, usize)> {
-    crate::document::token_span(model, text, pair.evidence_span)
-}
-
-/// A QA training example in the filter layout with its chunk labels.
-#[derive(Clone, Debug)]
-pub struct FilterExample {
-    pub example: Example,
-    pub chunks: Vec<Chunk>,
-    pub positive: Vec<bool>,
-    /// Prompt positions of the evidence tokens that are in the window.
-    pub evidence: Vec<usize>,
-}
-
-/// The QA examples of `pairs` in the filter layout (same context budget as the plain ones).
-pub fn qa_examples(
-    model: &Model,
-    document: &Document,
-    pairs: &[QaPair],
-    budget: usize,
-    filter: &Filter,
-) -> Result<Vec<FilterExample>> {
-    let (doc, breaks) = (document.tokens(), document.breaks(model)?);
-    qa_examples_laid_out(model, document, pairs, &|_, pair, _| {
-        build_prompt(model, doc, breaks, &pair.question, budget, filter.chunk_tokens)
-    })
-}
-
-/// The QA examples of `pairs`, each question's context laid out by `prompt_of(index, pair,
-/// evidence tokens)` (the head and tail of [`qa_examples`], or the passages an answer would show), with
-/// their chunk labels.
-pub fn qa_examples_laid_out(
-    model: &Model,
-    document: &Document,
-    pairs: &[QaPair],
-    prompt_of: &dyn Fn(usize, &QaPair, (usize, usize)) -> Result<FilterPrompt>,
-) -> Result<Vec<FilterExample>> {
-    let text = document.text.as_str();
-    let eot = end_of_turn(model);
-    // A fact's wordings share its evidence, and finding a span's tokens tokenizes the text up
-    // to it (twice): once per evidence, not per pair.
-    let mut spans: std::collections::HashMap<(usize, usize), (usize, usize)> = Default::default();
-    pairs
-        .iter()
-        .enumerate()
-        .map(|(i, pair)| {
-            let span = match spans.get(&pair.evidence_span) {
-                Some(&s) => s,
-                None => *spans.entry(pair.evidence_span).or_insert(evidence_tokens(model, text, pair)?),
-            };
-            let p = prompt_of(i, pair, span)?;
-            let evidence = (span.0..span.1).filter_map(|d| p.position_of(d)).collect();
-            let mut answer = model.tokenizer.encode(pair.answer.trim(), false)?;
-            answer.extend_from_slice(&eot);
-            let mut target = vec![false; p.tokens.len()];
-            target.extend(std::iter::repeat_n(true, answer.len()));
-            let mut tokens = p.tokens.clone();
-            tokens.extend_from_slice(&answer);
-            let positive = p.labels(span);
-            Ok(FilterExample { example: Example { kind: ExampleKind::Qa(i), tokens, target, packing: None }, chunks: p.chunks, positive, evidence })
-        })
-        .collect()
-}
-
 /// An adapter that reports `first` as its lowest layer, so the trainable path keeps gradients
 /// through the layers the soft mask acts on even when the adapter starts higher.
 pub struct FromLayer<'a> {
@@ -321,29 +255,6 @@ impl FilterEval {
         let kept = self.evidence_kept + self.other_kept;
         (self.evidence_kept as f64 / kept.max(1) as f64, self.evidence_kept as f64 / self.evidence_chunks.max(1) as f64)
     }
-}
-
-/// Runs the filter (prompt forward only) on `pairs` and counts evidence chunks kept.
-pub fn evaluate(
-    model: &Model,
-    adapter: Option<&dyn Adapter>,
-    filter: &Filter,
-    document: &Document,
-    pairs: &[QaPair],
-    budget: usize,
-) -> Result<FilterEval> {
-    let (text, doc) = (document.text.as_str(), document.tokens());
-    let breaks = document.breaks(model)?;
-    let mut e = FilterEval::default();
-    for pair in pairs {
-        let p = build_prompt(model, doc, breaks, &pair.question, budget, filter.chunk_tokens)?;
-        let labels = p.labels(evidence_tokens(model, text, pair)?);
-        if !labels.iter().any(|&l| l) {
-            continue;
-        }
-        e.add(&score_prompt(model, adapter, filter, &p)?, &labels);
-    }
-    Ok(e)
 }
 
 /// The chunk scores of a filter prompt (one prefill, no generation).

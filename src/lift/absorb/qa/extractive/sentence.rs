@@ -1,8 +1,8 @@
 //! Sentences and words as the extractive rules see them.
 
 use super::lexicon::{is_title, ADVERBS};
-use crate::lift::qa::words::strip_final;
-use crate::lift::text::{list_marker_len, Span};
+use crate::lift::absorb::qa::words::strip_final;
+use crate::lift::absorb::text::{list_marker_len, Span};
 
 #[derive(Clone, Debug)]
 pub(super) struct Word<'a> {

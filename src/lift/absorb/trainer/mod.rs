@@ -17,7 +17,8 @@ mod rows;
 mod run;
 mod until_learned;
 
-use super::filter::{Filter, FilterExample};
+use crate::lift::absorb::qa_examples::FilterExample;
+use crate::lift::answer::layout::Filter;
 use super::plan::Plan;
 use crate::model::{Adapter, Model};
 use anyhow::Result;
@@ -268,12 +269,13 @@ pub(crate) fn gradients(loss: &Tensor, vars: &[Var]) -> Result<Vec<Tensor>> {
 mod tests {
     use super::loss::FrozenCache;
     use super::*;
-    use crate::lift::plan::Example;
+    use crate::lift::absorb::plan::Example;
     use candle_core::{Device, Tensor};
 
     use crate::adapters::GatedMemory;
-    use crate::lift::filter::{qa_examples, FilterOptions};
-    use crate::lift::qa::{QaPair, QaSource};
+    use crate::lift::absorb::qa_examples::qa_examples;
+    use crate::lift::answer::layout::FilterOptions;
+    use crate::lift::absorb::qa::{QaPair, QaSource};
 
     const TEXT: &str = "The ferry leaves at dawn. The keeper is Anselm Varga. Tickets cost eleven coins. \
                         The captain is Ilse Moreau. Gulls nest on the island all summer long.";
@@ -364,7 +366,7 @@ mod tests {
         // One is a plain row of another length without the filter: the whole text recited.
         let doc = document.tokens().to_vec();
         let plain = Example {
-            kind: crate::lift::plan::ExampleKind::Segment(0),
+            kind: crate::lift::absorb::plan::ExampleKind::Segment(0),
             target: (0..doc.len()).map(|i| i > 0).collect(),
             tokens: doc,
             packing: None,

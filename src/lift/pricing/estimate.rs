@@ -4,8 +4,8 @@
 //! [`estimate`] is the one price: the service, the server and the CLI ask it rather than adding
 //! up steps, tokens or QA pairs themselves; the engine measures the rate against the same count.
 
-use super::plan::planned_training_tokens;
-use super::AbsorbOptions;
+use crate::lift::absorb::plan::planned_training_tokens;
+use crate::lift::options::AbsorbOptions;
 use crate::model::Model;
 use serde::Serialize;
 use std::collections::VecDeque;
@@ -105,7 +105,7 @@ pub fn qa_pairs_planned(text: &str, doc_tokens: usize, o: &AbsorbOptions) -> usi
     if qa.use_model {
         qa.max_pairs
     } else {
-        super::qa::extractive_qa(text, &qa).len()
+        crate::lift::absorb::qa::extractive_qa(text, &qa).len()
     }
 }
 
@@ -213,9 +213,9 @@ impl AbsorbRate {
 pub const MIN_EPOCHS: [usize; 2] = [2, 3];
 /// Whether `epochs` are below the least measured to recall facts with the questions laid out as
 /// `layout`: [`MIN_EPOCHS`] behind the head and tail, [1, 2] on their own passages.
-pub fn too_few_epochs(epochs: [usize; 2], layout: super::plan::QaLayout) -> bool {
+pub fn too_few_epochs(epochs: [usize; 2], layout: crate::lift::absorb::plan::QaLayout) -> bool {
     let [e0, e1] = epochs;
-    let fewest = if layout == super::plan::QaLayout::HeadTail { MIN_EPOCHS } else { [1, 2] };
+    let fewest = if layout == crate::lift::absorb::plan::QaLayout::HeadTail { MIN_EPOCHS } else { [1, 2] };
     e0 + e1 < fewest[0] + fewest[1] || e1 < fewest[1]
 }
 
@@ -230,7 +230,7 @@ pub fn warnings(doc_tokens: usize, o: &AbsorbOptions) -> Vec<OptionWarning> {
     let [e0, e1] = o.train.epochs;
     // Questions trained on their own passages were measured at [1, 2] above the passages alone
     // (docs/recipe-search.md, the `lean` recipe); the minimum is the head-and-tail layout's.
-    let head_tail = o.plan.qa_layout == super::plan::QaLayout::HeadTail;
+    let head_tail = o.plan.qa_layout == crate::lift::absorb::plan::QaLayout::HeadTail;
     if too_few_epochs(o.train.epochs, o.plan.qa_layout) {
         out.push(OptionWarning {
             code: "few_epochs",
@@ -327,7 +327,7 @@ mod tests {
         assert!(warnings(200, &o).is_empty(), "[2, 3] and one pair per 20 tokens pass");
         // The lean recipe's [1, 2] on the questions' own passages passes; [0, 1] does not.
         let mut lean = o.clone();
-        crate::lift::Recipe::Lean.set(&mut lean);
+        crate::lift::options::Recipe::Lean.set(&mut lean);
         lean.qa.max_pairs = 10;
         assert!(warnings(200, &lean).is_empty(), "{:?}", warnings(200, &lean));
         lean.train.epochs = [0, 1];

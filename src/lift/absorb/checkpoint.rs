@@ -14,7 +14,7 @@
 
 use super::qa::QaPair;
 use super::trainer::{Cursor, TrainCheckpoint};
-use super::AbsorbOptions;
+use crate::lift::options::AbsorbOptions;
 use crate::document::Document;
 use crate::model::Model;
 use anyhow::{Context, Result};

@@ -15,8 +15,8 @@
 //! 15-minute budget), one epoch on their passages did not (26 against 22; 14 against 16 of 30).
 
 use super::estimate::{plan_counts, too_few_epochs, AbsorbRate, MIN_EPOCHS};
-use super::plan::QaLayout;
-use super::AbsorbOptions;
+use crate::lift::absorb::plan::QaLayout;
+use crate::lift::options::AbsorbOptions;
 
 /// The options fitted to a budget, and what was given up for it.
 #[derive(Clone, Debug)]

@@ -5,7 +5,7 @@ use super::lexicon::{
     decap, is_participle, verbish, Lexicon, AUXILIARIES, COMMON_VERBS, NAMING_VERBS, PREPOSITIONS, PRONOUN_SUBJECTS,
 };
 use super::sentence::{words_of, Sent};
-use crate::lift::qa::words::{is_stopword, strip_final};
+use crate::lift::absorb::qa::words::{is_stopword, strip_final};
 
 /// The sentence's copula ("X is Y") split: (copula word index) when the subject is a real noun
 /// phrase (not a pronoun, no leading preposition, no comma) of at most 12 words.

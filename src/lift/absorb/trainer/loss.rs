@@ -3,8 +3,9 @@
 //! examples. (CDT's two passes over the same losses belong to the prepared base: `base::cdt`.)
 
 use super::FilterTraining;
-use crate::lift::filter::{filter_loss, FilterExample, FilterHooks, FromLayer};
-use crate::lift::plan::Example;
+use crate::lift::absorb::qa_examples::FilterExample;
+use crate::lift::answer::layout::{filter_loss, FilterHooks, FromLayer};
+use crate::lift::absorb::plan::Example;
 use crate::model::{ops, Adapter, ForwardHooks, Model, NoHooks, Packing};
 use anyhow::{bail, Result};
 use candle_core::Tensor;

@@ -8,7 +8,7 @@ use super::optim::Optimizers;
 use super::rows;
 use super::until_learned::{Focus, UntilLearnedRun};
 use super::{gradients, FilterTraining, Patience, Probes, Progress, RunControl, Stage, TrainInputs, TrainOptions, TrainReport};
-use crate::lift::plan::{Plan, PlanRng};
+use crate::lift::absorb::plan::{Plan, PlanRng};
 use crate::model::Model;
 use anyhow::Result;
 use candle_core::{Tensor, Var};
@@ -119,7 +119,7 @@ pub fn train_long(
             let batches = order.len().div_ceil(rows.accumulation.max(1));
             for (bi, batch) in order.chunks(rows.accumulation).enumerate().skip(done_batches) {
                 if cancel() {
-                    return Err(crate::lift::Cancelled("training").into());
+                    return Err(crate::lift::absorb::cancelled::Cancelled("training").into());
                 }
                 let t0 = Instant::now();
                 let b = run.batch(batch, &seg_members)?;

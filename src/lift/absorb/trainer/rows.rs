@@ -10,8 +10,9 @@
 
 use super::loss::{loss_of_logits, prepare, FrozenCache};
 use super::FilterTraining;
-use crate::lift::filter::{Filter, FilterExample, FilterHooks};
-use crate::lift::plan::Example;
+use crate::lift::absorb::qa_examples::FilterExample;
+use crate::lift::answer::layout::{Filter, FilterHooks};
+use crate::lift::absorb::plan::Example;
 use crate::model::{Adapter, Model, NoHooks, RowHooks};
 use anyhow::{ensure, Result};
 use candle_core::Tensor;

@@ -8,7 +8,7 @@ use super::lexicon::{
     CLAUSE_WORDS, COMMON_VERBS, COPULAS, NAMING_VERBS, PREPOSITIONS, PRONOUN_SUBJECTS,
 };
 use super::sentence::Sent;
-use crate::lift::qa::words::{content_tokens, is_stopword, strip_final};
+use crate::lift::absorb::qa::words::{content_tokens, is_stopword, strip_final};
 
 /// A wh-phrase standing in for an entity ("which year", "how many", "whom", "which company").
 fn wh_phrase(s: &Sent, ent: &Entity, subject: bool) -> String {

@@ -5,7 +5,8 @@
 //! before its first absorb finished (the `dry_run`, the time budget's fit) was off by that ratio.
 //! The first finished absorb replaces the calibration, as it replaced the prior.
 
-use super::{absorb, AbsorbEvent, AbsorbOptions};
+use crate::lift::absorb::{absorb, AbsorbEvent};
+use crate::lift::options::AbsorbOptions;
 use crate::document::Document;
 use crate::model::Model;
 use anyhow::Result;
@@ -60,7 +61,7 @@ pub fn calibrate(model: &Model, opts: &AbsorbOptions) -> Result<Calibration> {
     };
     match absorb(model, &document, None, &o, on_event, &enough) {
         Ok(_) => {}
-        Err(e) if e.downcast_ref::<super::Cancelled>().is_some() => {}
+        Err(e) if e.downcast_ref::<crate::lift::absorb::cancelled::Cancelled>().is_some() => {}
         Err(e) => return Err(e),
     }
     anyhow::ensure!(timed_steps.get() > 0 && timed_tokens.get() > 0.0, "the calibration document planned too few steps to time");
@@ -73,7 +74,7 @@ pub fn calibrate(model: &Model, opts: &AbsorbOptions) -> Result<Calibration> {
 
 /// [`calibrate`]'s seconds per training token, logged; None (estimates keep the prior) when it
 /// cannot be measured.
-pub fn rate(model: &Model, opts: &AbsorbOptions) -> Option<f64> {
+pub fn calibrated_rate(model: &Model, opts: &AbsorbOptions) -> Option<f64> {
     match calibrate(model, opts) {
         Ok(c) => {
             tracing::info!(

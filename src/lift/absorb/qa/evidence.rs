@@ -7,7 +7,7 @@
 use super::parse::{clean_question, parse_qa};
 use super::words::{content_tokens, is_stopword, strip_final, tokens};
 use super::{QaPair, QaSource};
-use crate::lift::text::split_sentences;
+use crate::lift::absorb::text::split_sentences;
 use std::collections::HashSet;
 
 const QUOTES: &[char] = &['"', '\'', '“', '”', '‘', '’', '`', '«', '»'];
@@ -169,7 +169,7 @@ pub(super) fn validate_model_output(doc: &str, window: (usize, usize), output: &
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lift::qa::tests::PARAGRAPH;
+    use crate::lift::absorb::qa::tests::PARAGRAPH;
 
     #[test]
     fn evidence_must_be_verbatim() {

@@ -54,6 +54,10 @@ pub struct QaPair {
     pub source: QaSource,
 }
 
+/// The most auxiliary QA pairs a document may ask for (a 64K-token document's prose yields ~3,500;
+/// the training-token cap bounds what they cost).
+pub const MAX_AUX_QA: usize = 20_000;
+
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 #[serde(default)]
 pub struct QaOptions {
@@ -94,7 +98,7 @@ impl Default for QaOptions {
             sentences_per_pair: 8,
             // The length-scaled cap below is what bounds a long document's pairs; this one is
             // the user's `aux_qa`.
-            max_pairs: crate::lift::MAX_AUX_QA,
+            max_pairs: MAX_AUX_QA,
             pairs_per_1k_tokens: 64,
             cap_floor: 256,
             min_pairs: 10,
@@ -158,7 +162,7 @@ pub struct QaStats {
 /// Generates auxiliary QA pairs for `doc`: model pairs from windows spread over the whole document
 /// plus extractive pairs (see the module docs). `progress` is called as model windows finish;
 /// `cancel` is polled between and during generations (an `Err` wrapping
-/// [`Cancelled`](crate::lift::Cancelled) results).
+/// [`Cancelled`](crate::lift::absorb::cancelled::Cancelled) results).
 pub fn generate_qa(
     model: &Model,
     doc: &str,
@@ -563,7 +567,7 @@ Visitors can reach the museum from Central Station in ten minutes.";
         assert_eq!(serde_json::to_string(&pairs).unwrap(), serde_json::to_string(&again).unwrap());
         // Cancellation is an error that says so.
         let err = generate_qa(&model, PARAGRAPH, &o, &mut |_| {}, &|| true).unwrap_err();
-        assert!(err.downcast_ref::<crate::lift::Cancelled>().is_some());
+        assert!(err.downcast_ref::<crate::lift::absorb::cancelled::Cancelled>().is_some());
         // Without the model: extractive only.
         let no_model = QaOptions { use_model: false, ..o };
         let pairs = generate_qa(&model, PARAGRAPH, &no_model, &mut |_| {}, &|| false).unwrap();

@@ -8,9 +8,15 @@
 //! exists), `icl` (no adapter, head and tail: the paper's baseline), `memory` (adapter, no
 //! document text). [`answer`] is the one answer function: the server, the CLI, the evaluations
 //! and the benchmarks all answer through it.
+//!
+//! The chat prompt and its pieces, shared with training, are in [`prompt`]; FltLM's chunk layout
+//! and the filter's loss in [`layout`].
 
-use super::filter::{self, ChunkScore, FilterHooks};
-use super::prompt::{chat_after_turns, elision_tokens, head_tail, kept_ranges};
+pub mod layout;
+pub mod prompt;
+
+use layout::{ChunkScore, FilterHooks};
+use prompt::{chat_after_turns, elision_tokens, head_tail, kept_ranges};
 use crate::document::Document;
 use crate::model::generate::{run_alone, Generation, SamplingParams, Sequence};
 use crate::model::{Adapter, ChatMessage, KvCache, Model};
@@ -117,7 +123,7 @@ pub struct AnswerPrompt {
     pub context_tokens: usize,
     /// The context's chunks in the prepared base's FltLM layout (empty without a base filter or
     /// context): the answer scores and masks them.
-    pub chunks: Vec<filter::Chunk>,
+    pub chunks: Vec<layout::Chunk>,
     /// How the context was chosen (None in `memory` mode).
     pub policy: Option<ContextPolicy>,
 }
@@ -326,7 +332,7 @@ pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize)
     if let Some(filter) = filter {
         let breaks = doc.breaks(model)?;
         let build = |turns: &[ChatMessage]| {
-            let p = filter::build_prompt_after(model, turns, ids, breaks, question, budget, filter.chunk_tokens)?;
+            let p = layout::build_prompt_after(model, turns, ids, breaks, question, budget, filter.chunk_tokens)?;
             let context_tokens = p.chunks.iter().map(|c| c.end - c.start).sum();
             let shown = head_and_tail(p.head_end, p.tail_start, ids.len());
             Ok(AnswerPrompt { tokens: p.tokens, shown, context_tokens, chunks: p.chunks, policy: Some(policy) })
@@ -356,7 +362,7 @@ pub const RERANK_FACTOR: usize = 2;
 /// shipped filter put an earlier topic before the one the question itself names.
 fn rerank(
     model: &Model,
-    f: &filter::Filter,
+    f: &layout::Filter,
     ids: &[u32],
     index: &crate::retrieve::PassageIndex,
     question: &str,
@@ -378,7 +384,7 @@ fn rerank(
     }
     candidates.sort_unstable();
     let ranges: Vec<(usize, usize)> = candidates.iter().map(|&p| index.passages[p]).collect();
-    let (tokens, chunks) = filter::ranges_prompt(model, ids, &ranges, question)?;
+    let (tokens, chunks) = layout::ranges_prompt(model, ids, &ranges, question)?;
     let mut hooks = FilterHooks::new(f, &chunks, model.config().num_layers);
     let input = candle_core::Tensor::new(tokens.as_slice(), model.device())?.unsqueeze(0)?;
     model.decoder.run_through_layer(&input, f.layer, &mut hooks)?;
@@ -404,7 +410,7 @@ fn passages_prompt(
 ) -> Result<AnswerPrompt> {
     let context_tokens = shown.iter().map(|(a, b)| b - a).sum();
     if filtered {
-        let (tokens, chunks) = filter::ranges_prompt_after(model, turns, ids, shown, question)?;
+        let (tokens, chunks) = layout::ranges_prompt_after(model, turns, ids, shown, question)?;
         return Ok(AnswerPrompt { tokens, shown: merged(shown), context_tokens, chunks, policy: Some(policy) });
     }
     let elision = elision_tokens(model)?;

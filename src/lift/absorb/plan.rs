@@ -2,7 +2,7 @@
 //! examples and auxiliary-QA examples (the LIFT paper, "LIFT: Improving Long Context Understanding of Large Language Models through
 //! Long Input Fine-Tuning", §3.1–3.3).
 
-use super::prompt::{chat_with_context, elision_tokens, end_of_turn, head_tail, RECITE_PROMPT};
+use crate::lift::answer::prompt::{chat_with_context, elision_tokens, end_of_turn, head_tail, RECITE_PROMPT};
 use super::qa::QaPair;
 use crate::model::{Model, Packing};
 use anyhow::Result;
@@ -33,7 +33,7 @@ pub struct PlanOptions {
     /// (`model::Packing`: each sees the context and itself only, so the gradient is that of the
     /// separate examples summed, at a fraction of the tokens). 1: one question per row. Left out
     /// of the JSON (and so of document ids) when 1. No effect under a prepared base with an FltLM
-    /// filter: its QA examples are built one question per row (`lift::plan`).
+    /// filter: its QA examples are built one question per row (`lift::absorb::plan`).
     #[serde(skip_serializing_if = "is_unpacked")]
     pub qa_pack: usize,
     /// Segments packed into one contextualized-training row behind one head+tail context (as
@@ -298,7 +298,7 @@ mod tests {
             assert_eq!(planned, rows * (o.training_context_tokens + ROW_OVERHEAD_TOKENS + o.window.min(n)) as u64, "n = {n}");
         }
         // The defaults on a document of the server's largest size stay under its default cap.
-        let defaults = crate::lift::AbsorbOptions::default();
+        let defaults = crate::lift::options::AbsorbOptions::default();
         let pairs = defaults.qa.for_document(200_000).max_pairs;
         let max_doc = planned_training_tokens(200_000, &defaults.plan, defaults.train.epochs, pairs);
         assert!(max_doc < 25_000_000, "{max_doc}");

@@ -19,7 +19,7 @@ mod sentence;
 
 use super::words::{content_tokens, is_stopword, normalize_question};
 use super::{Candidate, QaOptions, QaPair, QaSource};
-use crate::lift::text::Span;
+use crate::lift::absorb::text::Span;
 use clauses::{clauses, copula_split};
 use entities::{find_entities, passive_object, predicate_entity, Entity, Kind};
 use lexicon::{decap, squeeze, Lexicon};
@@ -286,9 +286,9 @@ pub(super) fn fallback_candidates(doc: &str, sentences: &[Span]) -> Vec<Candidat
 
 #[cfg(test)]
 mod tests {
-    use crate::lift::qa::tests::{assert_verbatim, PARAGRAPH};
+    use crate::lift::absorb::qa::tests::{assert_verbatim, PARAGRAPH};
     use super::is_cloze;
-    use crate::lift::qa::{extractive_qa, normalize_question, QaOptions, QaPair, QaSource};
+    use crate::lift::absorb::qa::{extractive_qa, normalize_question, QaOptions, QaPair, QaSource};
     use std::collections::{HashMap, HashSet};
 
     fn opts() -> QaOptions {

@@ -5,7 +5,7 @@
 
 use super::budget;
 use super::estimate::{one_question_per_row, plan_counts, qa_pairs_planned, warnings, AbsorbRate, Estimate, OptionWarning};
-use super::AbsorbOptions;
+use crate::lift::options::AbsorbOptions;
 use crate::document::Document;
 use crate::model::Model;
 
@@ -42,7 +42,7 @@ pub fn estimate(model: &Model, document: &Document, o: &AbsorbOptions, rate: &Ab
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::lift::estimate::most_training_tokens;
+    use crate::lift::pricing::most_training_tokens;
 
     #[test]
     fn the_one_price_is_the_fitted_plan_and_the_rate_measures_against_it() {
