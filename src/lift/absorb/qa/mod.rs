@@ -25,6 +25,8 @@ mod model;
 mod parse;
 mod words;
 
+// Reading data from real prose for the prepared base (`base::real`, research).
+#[cfg(feature = "research")]
 pub(crate) use extractive::is_cloze;
 pub use evidence::{locate_evidence, locate_evidence_near};
 pub use model::qa_prompt;

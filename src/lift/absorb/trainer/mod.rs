@@ -27,7 +27,10 @@ use serde::{Deserialize, Serialize};
 
 pub use checkpoint::{Checkpointing, Cursor, LongRun, TrainCheckpoint};
 pub use loss::{example_loss, example_loss_with};
-pub(crate) use loss::{prepare, total_loss, training_loss};
+pub(crate) use loss::training_loss;
+// CDT's two passes over the same losses (`base::cdt`, research).
+#[cfg(feature = "research")]
+pub(crate) use loss::{prepare, total_loss};
 pub use optim::AdamW;
 pub use run::train_long;
 pub use until_learned::{CooldownCause, FocusState, Probes, UntilLearned, UntilLearnedState};
