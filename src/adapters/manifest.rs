@@ -593,7 +593,32 @@ pub fn safetensors_bytes(tensors: impl IntoIterator<Item = (String, Tensor)>, me
     for (name, t) in tensors {
         views.push((name, RawView::of(&t)?));
     }
-    Ok(safetensors::serialize(views, Some(meta))?)
+    canonical_header(safetensors::serialize(views, Some(meta))?)
+}
+
+/// The same safetensors bytes with the header's keys in sorted order: the library writes the
+/// metadata map in a per-process random order, and the same adapter must be the same bytes.
+/// Offsets are relative to the data, and the header keeps its length (the same JSON, reordered).
+fn canonical_header(mut bytes: Vec<u8>) -> Result<Vec<u8>> {
+    let n = u64::from_le_bytes(bytes.get(..8).context("safetensors without a header")?.try_into()?) as usize;
+    let header = bytes.get(8..8 + n).context("safetensors header past the end")?;
+    let parsed: std::collections::BTreeMap<String, serde_json::Value> = serde_json::from_slice(header)?;
+    let mut sorted = serde_json::to_vec(&sorted_keys(serde_json::to_value(parsed)?))?;
+    anyhow::ensure!(sorted.len() <= n, "the sorted safetensors header is longer than the original");
+    sorted.resize(n, b' ');
+    bytes[8..8 + n].copy_from_slice(&sorted);
+    Ok(bytes)
+}
+
+/// `v` with every object's keys sorted.
+fn sorted_keys(v: serde_json::Value) -> serde_json::Value {
+    match v {
+        serde_json::Value::Object(m) => {
+            let sorted: std::collections::BTreeMap<String, serde_json::Value> = m.into_iter().map(|(k, x)| (k, sorted_keys(x))).collect();
+            serde_json::Value::Object(sorted.into_iter().collect())
+        }
+        other => other,
+    }
 }
 
 struct RawView {
@@ -636,5 +661,33 @@ impl safetensors::View for RawView {
     }
     fn data_len(&self) -> usize {
         self.data.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Tensor};
+
+    #[test]
+    fn the_same_tensors_and_metadata_are_the_same_bytes() {
+        let tensors = || {
+            vec![
+                ("b.weight".to_string(), Tensor::arange(0f32, 6.0, &Device::Cpu).unwrap().reshape((2, 3)).unwrap()),
+                ("a.weight".to_string(), Tensor::ones(4, candle_core::DType::F32, &Device::Cpu).unwrap()),
+            ]
+        };
+        // Each map iterates in its own random order.
+        let meta = || -> HashMap<String, String> { (0..8).map(|i| (format!("key{i}"), format!("value{i}"))).collect() };
+        let first = safetensors_bytes(tensors(), meta()).unwrap();
+        for _ in 0..20 {
+            assert_eq!(safetensors_bytes(tensors(), meta()).unwrap(), first);
+        }
+        let read = safetensors::SafeTensors::deserialize(&first).unwrap();
+        let (_, header) = safetensors::SafeTensors::read_metadata(&first).unwrap();
+        assert_eq!(header.metadata().as_ref().unwrap(), &meta());
+        let a = read.tensor("a.weight").unwrap();
+        assert_eq!((a.shape(), a.data().len()), (&[4usize][..], 16));
+        assert_eq!(read.tensor("b.weight").unwrap().data()[4..8], 1f32.to_le_bytes());
     }
 }
