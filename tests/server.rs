@@ -345,6 +345,8 @@ async fn bad_inputs() {
         ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "max_tokens": 0})), 400, "invalid_max_tokens"),
         ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "stream": "yes"})), 400, "invalid_type"),
         ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "top_p": 0})), 400, "invalid_top_p"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "top_logprobs": 2})), 400, "invalid_top_logprobs"),
+        ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "logprobs": true, "top_logprobs": 21})), 400, "invalid_top_logprobs"),
         ("POST", "/v1/chat/completions".into(), chat(json!({"model": id, "messages": msgs, "mode": "psychic"})), 400, "invalid_mode"),
         ("GET", "/nowhere".into(), ("", vec![]), 404, "route_not_found"),
         ("PUT", "/ask".into(), ("", vec![]), 405, "method_not_allowed"),

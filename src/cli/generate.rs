@@ -49,6 +49,7 @@ impl GenerateArgs {
             top_p: self.top_p,
             seed: self.seed,
             stop: self.stop.clone(),
+            top_logprobs: 0,
         };
         let mut cache = KvCache::new(model.config().num_layers);
         let out = generate(&model, &ids, &mut cache, None, &mut NoHooks, &params, &mut print_piece)?;

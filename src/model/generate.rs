@@ -18,11 +18,14 @@ pub struct SamplingParams {
     pub top_p: f64,
     pub seed: u64,
     pub stop: Vec<String>,
+    /// The most likely alternatives recorded beside each generated token (OpenAI's
+    /// `top_logprobs`; 0: none). Recording never changes what is picked.
+    pub top_logprobs: usize,
 }
 
 impl Default for SamplingParams {
     fn default() -> Self {
-        Self { max_tokens: 256, temperature: 0.0, top_p: 1.0, seed: 0, stop: Vec::new() }
+        Self { max_tokens: 256, temperature: 0.0, top_p: 1.0, seed: 0, stop: Vec::new(), top_logprobs: 0 }
     }
 }
 
@@ -75,6 +78,9 @@ pub struct Generation {
     /// raw logits whatever the sampling temperature): the one confidence signal answers are
     /// compared by.
     pub logprobs: Vec<f32>,
+    /// With `SamplingParams::top_logprobs` > 0: each generated token's most likely
+    /// alternatives, (id, log-probability), most likely first.
+    pub top_logprobs: Vec<Vec<(u32, f32)>>,
     pub prompt_tokens: usize,
     pub finish_reason: FinishReason,
     pub prompt_ms: f64,
@@ -86,21 +92,80 @@ impl Generation {
         if self.generate_ms > 0.0 { self.tokens.len() as f64 / (self.generate_ms / 1000.0) } else { 0.0 }
     }
 
+    /// Each generated token with its log-probability and its recorded alternatives, spelled
+    /// out (OpenAI's `logprobs.content`).
+    pub fn token_logprobs(&self, tokenizer: &super::tokenizer::TextTokenizer) -> Vec<GeneratedToken> {
+        let spell = |id: u32, logprob: f32| {
+            let bytes = tokenizer.token_bytes(id);
+            TokenLogprob { token: String::from_utf8_lossy(&bytes).into_owned(), bytes, logprob }
+        };
+        self.tokens
+            .iter()
+            .zip(&self.logprobs)
+            .enumerate()
+            .map(|(i, (&id, &lp))| GeneratedToken {
+                token: spell(id, lp),
+                top_logprobs: self.top_logprobs.get(i).map_or_else(Vec::new, |top| top.iter().map(|&(t, l)| spell(t, l)).collect()),
+            })
+            .collect()
+    }
+
     /// The mean log-probability of the generated tokens (None when nothing was generated).
     pub fn mean_logprob(&self) -> Option<f64> {
         (!self.logprobs.is_empty()).then(|| self.logprobs.iter().map(|&x| f64::from(x)).sum::<f64>() / self.logprobs.len() as f64)
     }
 }
 
+/// A token, its bytes and its log-probability (OpenAI's shape: `token` is the bytes' text, with
+/// U+FFFD where a token holds part of a character).
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct TokenLogprob {
+    pub token: String,
+    pub logprob: f32,
+    pub bytes: Vec<u8>,
+}
+
+/// A generated token and the most likely alternatives at its step.
+#[derive(Clone, Debug, PartialEq, serde::Serialize)]
+pub struct GeneratedToken {
+    #[serde(flatten)]
+    pub token: TokenLogprob,
+    pub top_logprobs: Vec<TokenLogprob>,
+}
+
 /// The log-probability of token `id` under the softmax of `logits` (computed stably, in f64 for
 /// the sum over the vocabulary).
 pub fn log_prob(logits: &[f32], id: u32) -> f32 {
+    match log_normalizer(logits) {
+        Some(z) => (f64::from(logits[id as usize]) - z) as f32,
+        None => f32::NEG_INFINITY,
+    }
+}
+
+/// The `k` most likely tokens under the softmax of `logits`, (id, log-probability), most likely
+/// first (ties by lower id, so the list is deterministic).
+pub fn top_log_probs(logits: &[f32], k: usize) -> Vec<(u32, f32)> {
+    let Some(z) = log_normalizer(logits) else { return Vec::new() };
+    let mut ids: Vec<u32> = (0..logits.len() as u32).collect();
+    let order = |a: &u32, b: &u32| logits[*b as usize].total_cmp(&logits[*a as usize]).then(a.cmp(b));
+    let k = k.min(ids.len());
+    if k > 0 && k < ids.len() {
+        ids.select_nth_unstable_by(k - 1, order);
+    }
+    ids.truncate(k);
+    ids.sort_by(order);
+    ids.into_iter().map(|id| (id, (f64::from(logits[id as usize]) - z) as f32)).collect()
+}
+
+/// log Σ exp(logits) (computed stably, in f64 for the sum over the vocabulary); None when no
+/// logit is finite.
+fn log_normalizer(logits: &[f32]) -> Option<f64> {
     let max = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
     if !max.is_finite() {
-        return f32::NEG_INFINITY;
+        return None;
     }
     let sum: f64 = logits.iter().map(|&l| f64::from(l - max).exp()).sum();
-    (f64::from(logits[id as usize] - max) - sum.ln()) as f32
+    Some(f64::from(max) + sum.ln())
 }
 
 /// Prompt tokens processed per forward pass: bounds the attention score matrix of long prompts,
@@ -276,6 +341,7 @@ pub struct Sequence<'m, H> {
     emitted: usize,
     tokens: Vec<u32>,
     logprobs: Vec<f32>,
+    top_logprobs: Vec<Vec<(u32, f32)>>,
     finish: Option<FinishReason>,
     started: Instant,
     prompt_ms: f64,
@@ -303,6 +369,7 @@ impl<'m, H: ForwardHooks> Sequence<'m, H> {
             emitted: 0,
             tokens: Vec::new(),
             logprobs: Vec::new(),
+            top_logprobs: Vec::new(),
             finish: None,
             started: Instant::now(),
             prompt_ms: 0.0,
@@ -366,6 +433,9 @@ impl<'m, H: ForwardHooks> Sequence<'m, H> {
         }
         self.tokens.push(next);
         self.logprobs.push(log_prob(&row, next));
+        if self.params.top_logprobs > 0 {
+            self.top_logprobs.push(top_log_probs(&row, self.params.top_logprobs));
+        }
         self.next = Some(next);
         if let Some(piece) = self.stream.push(next)? {
             self.text.push_str(&piece);
@@ -417,6 +487,7 @@ impl<'m, H: ForwardHooks> Sequence<'m, H> {
             text: self.text,
             tokens: self.tokens,
             logprobs: self.logprobs,
+            top_logprobs: self.top_logprobs,
             prompt_tokens: self.prompt.len(),
             finish_reason: self.finish.unwrap_or(FinishReason::Cancelled),
             prompt_ms: self.prompt_ms,
@@ -474,6 +545,19 @@ mod tests {
         }
         assert!((log_prob(&[0.0; 8], 3) + 8f32.ln()).abs() < 1e-6, "uniform");
         assert_eq!(log_prob(&[f32::NEG_INFINITY; 4], 0), f32::NEG_INFINITY);
+    }
+
+    #[test]
+    fn top_log_probs_are_the_most_likely_in_order_with_their_log_softmax() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0];
+        let top = top_log_probs(&logits, 3);
+        assert_eq!(top.iter().map(|t| t.0).collect::<Vec<_>>(), [1, 3, 2], "ties by lower id");
+        for (id, lp) in &top {
+            assert!((lp - log_prob(&logits, *id)).abs() < 1e-6, "{id}");
+        }
+        assert_eq!(top_log_probs(&logits, 9).len(), logits.len(), "k past the vocabulary");
+        assert!(top_log_probs(&logits, 0).is_empty());
+        assert!(top_log_probs(&[f32::NEG_INFINITY; 3], 2).is_empty());
     }
 
     /// The vectorised argmax against the plain first-maximum loop: ties (the first wins),

@@ -79,12 +79,12 @@ pub async fn chat_completions(
     let chat = request.validate(&st.limits, &st.base_id, |_| is_document)?;
     let (ptx, prx) = tokio::sync::mpsc::unbounded_channel::<String>();
     let (pending, read) = submit(&st, owner, &chat, chat.stream.then_some(ptx)).await?;
-    let completion = Completion { id: format!("chatcmpl-{}", crate::store::now_nanos_hex()), created: crate::store::now(), model: chat.model };
+    let completion = Completion { id: format!("chatcmpl-{}", crate::store::now_nanos_hex()), created: crate::store::now(), model: chat.model.clone() };
     if chat.stream {
-        Ok(stream(&st, completion, pending, prx, chat.include_usage))
+        Ok(stream(&st, completion, pending, prx, &chat))
     } else {
         let r = wait(pending).await?;
-        Ok(Json(completion.whole(&r, chat.include_context, read)).into_response())
+        Ok(Json(completion.whole(&r, &chat, read)).into_response())
     }
 }
 
@@ -122,7 +122,8 @@ struct Completion {
 }
 
 impl Completion {
-    fn whole(self, r: &Generated, with_context: bool, read: Option<CollectionRead>) -> ChatCompletion {
+    fn whole(self, r: &Generated, chat: &ValidChat, read: Option<CollectionRead>) -> ChatCompletion {
+        let with_context = chat.include_context;
         ChatCompletion {
             id: self.id,
             object: "chat.completion",
@@ -131,7 +132,7 @@ impl Completion {
             choices: vec![ChatChoice {
                 index: 0,
                 message: ChatMessageOut { role: "assistant", content: r.text.clone() },
-                logprobs: None,
+                logprobs: chat.logprobs.then(|| api::logprobs_of(&r.tokens)),
                 finish_reason: finish_reason(r.finish_reason),
             }],
             usage: ChatUsage::new(r.prompt_tokens, r.completion_tokens),
@@ -184,8 +185,9 @@ fn stream(
     c: Completion,
     mut pending: PendingGeneration,
     mut pieces: tokio::sync::mpsc::UnboundedReceiver<String>,
-    include_usage: bool,
+    chat: &ValidChat,
 ) -> Response {
+    let (include_usage, logprobs) = (chat.include_usage, chat.logprobs);
     let mut shutdown = st.shutdown.subscribe();
     let events = async_stream::stream! {
         yield Ok::<Event, std::convert::Infallible>(data(&c.chunk(Delta { role: Some("assistant"), content: Some(String::new()) }, None)));
@@ -205,7 +207,11 @@ fn stream(
         }
         match pending.wait().await {
             Ok(r) => {
-                yield Ok(data(&c.chunk(Delta::default(), Some(finish_reason(r.finish_reason)))));
+                // The tokens' log-probabilities come whole with the finishing chunk (the text
+                // pieces are cut where characters and stop strings end, not at tokens).
+                let mut last = c.chunk(Delta::default(), Some(finish_reason(r.finish_reason)));
+                last.choices[0].logprobs = logprobs.then(|| api::logprobs_of(&r.tokens));
+                yield Ok(data(&last));
                 if include_usage {
                     yield Ok(data(&c.usage(&r)));
                 }

@@ -156,6 +156,30 @@ impl TextTokenizer {
         self.inner.id_to_token(id)
     }
 
+    /// The bytes token `id` stands for (OpenAI's `bytes` of a log-probability entry): one token
+    /// may hold part of a UTF-8 character, which its decoded text cannot show. Byte-level BPE
+    /// spells bytes as characters (GPT-2's table, undone here); SentencePiece spells byte
+    /// fallbacks `<0xNN>` and spaces `▁`; any other token is the UTF-8 of its text.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        let Some(piece) = self.inner.id_to_token(id) else { return Vec::new() };
+        let byte_level = matches!(self.inner.get_decoder(), Some(tokenizers::DecoderWrapper::ByteLevel(_)));
+        let special = self.inner.get_added_vocabulary().is_special_token(&piece);
+        if byte_level && !special {
+            let mut out = Vec::with_capacity(piece.len());
+            for c in piece.chars() {
+                match byte_of_level_char(c) {
+                    Some(b) => out.push(b),
+                    None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+                }
+            }
+            return out;
+        }
+        if let Some(b) = piece.strip_prefix("<0x").and_then(|h| h.strip_suffix('>')).and_then(|h| u8::from_str_radix(h, 16).ok()) {
+            return vec![b];
+        }
+        piece.replace('▁', " ").into_bytes()
+    }
+
     /// Number of token ids (highest id + 1), special tokens included.
     pub fn vocab_size(&self) -> usize {
         self.vocab_size
@@ -192,6 +216,17 @@ impl TextTokenizer {
     pub fn inner(&self) -> &Tokenizer {
         &self.inner
     }
+}
+
+/// The byte a character of a byte-level BPE token stands for (GPT-2's `bytes_to_unicode`:
+/// printable bytes are themselves; the other 68 are U+0100 onwards, in byte order).
+fn byte_of_level_char(c: char) -> Option<u8> {
+    let printable = |b: u32| (33..=126).contains(&b) || (161..=172).contains(&b) || (174..=255).contains(&b);
+    let c = c as u32;
+    if c < 256 {
+        return printable(c).then_some(c as u8);
+    }
+    (0u32..256).filter(|&b| !printable(b)).nth((c - 256) as usize).map(|b| b as u8)
 }
 
 /// Turns a stream of token ids into text chunks. Byte-level BPE and byte
@@ -557,6 +592,23 @@ mod tests {
                 "round trip of {text:?} via {ids:?}"
             );
         }
+    }
+
+    #[test]
+    fn token_bytes_spell_the_text_even_inside_a_character() {
+        let Some(tok) = smollm2() else { return };
+        for text in ["café ü", "👍🏽 family: 👨‍👩‍👧", "tabs\tand\r\nCRLF", "Ω = 5 € ­soft"] {
+            let ids = tok.encode(text, false).unwrap();
+            let bytes: Vec<u8> = ids.iter().flat_map(|&id| tok.token_bytes(id)).collect();
+            assert_eq!(bytes, text.as_bytes(), "{text:?} via {ids:?}");
+        }
+        // The emoji is split inside its UTF-8 sequence: some token holds no whole character.
+        let ids = tok.encode("👍🏽", false).unwrap();
+        assert!(ids.iter().any(|&id| std::str::from_utf8(&tok.token_bytes(id)).is_err()), "{ids:?}");
+        assert_eq!(tok.token_bytes(2), b"<|im_end|>", "a special token is its text");
+        let spm = build(tiny_spm_metadata()).unwrap();
+        let ids = spm.encode("é", false).unwrap();
+        assert_eq!(ids.iter().flat_map(|&id| spm.token_bytes(id)).collect::<Vec<_>>(), " é".as_bytes());
     }
 
     #[test]

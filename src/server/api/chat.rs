@@ -29,6 +29,11 @@ pub struct ChatRequest {
     pub n: Option<u64>,
     pub stream: Option<bool>,
     pub stream_options: Option<StreamOptions>,
+    /// Each generated token's log-probability in `choices[].logprobs.content` (streamed: all
+    /// of them in the finishing chunk).
+    pub logprobs: Option<bool>,
+    /// With `logprobs`: the most likely alternatives at each token, 0 to 20.
+    pub top_logprobs: Option<u64>,
     /// lift-serve's extension: the answer mode for a document model (as in `/ask`).
     #[schema(value_type = Option<String>)]
     pub mode: Option<Mode>,
@@ -116,6 +121,8 @@ pub struct ValidChat {
     pub stream: bool,
     pub include_usage: bool,
     pub include_context: bool,
+    /// Report each token's log-probability (`logprobs`).
+    pub logprobs: bool,
 }
 
 fn bad_messages(msg: impl Into<String>) -> ApiError {
@@ -168,12 +175,14 @@ impl ChatRequest {
             Some(n) => limits.max_tokens(Some(n), "max_completion_tokens")?,
             None => limits.max_tokens(self.max_tokens, "max_tokens")?,
         };
+        let logprobs = self.logprobs.unwrap_or(false);
         let params = SamplingParams {
             max_tokens,
             temperature: temperature(self.temperature)?,
             top_p: top_p(self.top_p)?,
             seed: self.seed.unwrap_or(0) as u64,
             stop: stop(self.stop)?,
+            top_logprobs: top_logprobs(self.top_logprobs, logprobs)?,
         };
         if let Some(n) = self.n.filter(|&n| n != 1) {
             return Err(ApiError::bad_request("unsupported_n", format!("only n = 1 is supported (got {n})")).param("n"));
@@ -203,8 +212,27 @@ impl ChatRequest {
         };
         let include_usage = self.stream_options.and_then(|o| o.include_usage).unwrap_or(false);
         let include_context = self.include_context.unwrap_or(false);
-        Ok(ValidChat { model, target, params, stream: self.stream.unwrap_or(false), include_usage, include_context })
+        let stream = self.stream.unwrap_or(false);
+        Ok(ValidChat { model, target, params, stream, include_usage, include_context, logprobs })
     }
+}
+
+/// Most alternatives per token (OpenAI's bound).
+const MAX_TOP_LOGPROBS: u64 = 20;
+
+fn top_logprobs(v: Option<u64>, logprobs: bool) -> ApiResult<usize> {
+    let bad = |msg: String| Err(ApiError::bad_request("invalid_top_logprobs", msg).param("top_logprobs"));
+    match v {
+        None | Some(0) => Ok(0),
+        Some(_) if !logprobs => bad("'top_logprobs' needs 'logprobs': true".into()),
+        Some(n) if n <= MAX_TOP_LOGPROBS => Ok(n as usize),
+        Some(n) => bad(format!("'top_logprobs' must be 0 to {MAX_TOP_LOGPROBS} (got {n})")),
+    }
+}
+
+/// OpenAI's `logprobs` of a choice: every generated token, with its alternatives.
+pub fn logprobs_of(tokens: &[crate::model::generate::GeneratedToken]) -> serde_json::Value {
+    serde_json::json!({ "content": tokens, "refusal": null })
 }
 
 fn top_p(v: Option<f64>) -> ApiResult<f64> {

@@ -230,6 +230,7 @@ impl Attempt {
             top_p: if self.sampled { RETRY_TOP_P } else { 1.0 },
             seed: mix_seed(seed, self.window as u64 + 1, (self.index * 4 + field) as u64 + 1),
             stop: Vec::new(),
+            top_logprobs: 0,
         }
     }
 }
