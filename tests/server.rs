@@ -174,7 +174,7 @@ async fn document_lifecycle_and_restart() {
     let (s, api) = get_json(&c, &format!("{base}/openapi.json"), None).await;
     assert_eq!(s, 200);
     assert!(api["openapi"].as_str().unwrap().starts_with("3."));
-    for p in ["/documents", "/documents/{id}", "/documents/{id}/events", "/ask", "/v1/models", "/v1/chat/completions", "/health", "/metrics"] {
+    for p in ["/documents", "/documents/{id}", "/documents/{id}/events", "/documents/{id}/text", "/ask", "/v1/models", "/v1/chat/completions", "/health", "/metrics"] {
         assert!(api["paths"].get(p).is_some(), "{p}");
     }
 
@@ -251,8 +251,14 @@ async fn auth_and_tenancy() {
     assert_eq!(r.status(), 404);
     let r = c.get(format!("{base}/documents/{id}/events")).bearer_auth("key-b").send().await.unwrap();
     assert_eq!(r.status(), 404);
+    let r = c.get(format!("{base}/documents/{id}/text")).bearer_auth("key-b").send().await.unwrap();
+    assert_eq!(r.status(), 404);
 
-    // The owner still has it.
+    // The owner still has it, and reads its text as posted.
+    let r = c.get(format!("{base}/documents/{id}/text")).bearer_auth("key-a").send().await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert!(r.headers()["content-type"].to_str().unwrap().starts_with("text/plain"));
+    assert_eq!(r.text().await.unwrap(), DOC);
     let (s, d) = get_json(&c, &format!("{base}/documents/{id}"), Some("key-a")).await;
     assert_eq!((s, d["status"].as_str()), (StatusCode::OK, Some("ready")));
     let (_, models) = get_json(&c, &format!("{base}/v1/models"), Some("key-a")).await;

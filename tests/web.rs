@@ -555,5 +555,31 @@ async fn tiny_model_collection_chat() {
     let read = sources[1].as_str().unwrap();
     assert!(read.split(' ').all(|d| members.contains(&d)) && !read.is_empty(), "{sources} {cols}");
     shot(&b, "20-collection-chat").await;
+
+    // A passage read opens in its document: the document's whole text, the passage marked.
+    b.js("document.querySelector('#answer-lift [data-testid=passages] summary').click()").await;
+    b.wait_js("passages loaded", Duration::from_secs(30),
+        "return document.querySelectorAll('#answer-lift [data-testid=chunk]').length", |v| v.as_u64().unwrap_or(0) > 0).await;
+    let chunk = b
+        .js("const c = [...document.querySelectorAll('#answer-lift [data-testid=chunk]')].find((c) => c.textContent.includes('quince')); \
+             c.click(); return [c.dataset.document, c.textContent]")
+        .await;
+    b.wait_js("the passage view open", Duration::from_secs(10),
+        "const m = document.querySelector('[data-testid=passage-mark]'); return document.getElementById('passage-view').open && m ? m.textContent : null",
+        |v| v.is_string()).await;
+    let view = b
+        .js("return [document.getElementById('passage-title').textContent, document.querySelector('[data-testid=passage-mark]').textContent, \
+             document.getElementById('passage-text').textContent]")
+        .await;
+    assert!(view[0].as_str().unwrap().contains("Orchard"), "titled with its document: {view}");
+    let mark = view[1].as_str().unwrap();
+    assert!(!mark.trim().is_empty() && chunk[1].as_str().unwrap().contains(mark.trim()), "the passage clicked is marked: {view} {chunk}");
+    assert_eq!(view[2].as_str().unwrap().trim(), orchard, "the whole document is shown: {view}");
+    assert!(members.contains(&chunk[0].as_str().unwrap()), "{chunk}");
+    assert_no_error_toasts(&b, "passage opened").await;
+    shot(&b, "21-collection-passage-opened").await;
+    b.js("document.getElementById('passage-close').click()").await;
+    let open = b.js("return document.getElementById('passage-view').open").await;
+    assert_eq!(open, json!(false));
     running.shutdown().await;
 }

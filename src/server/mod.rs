@@ -168,6 +168,7 @@ pub fn router(state: AppState) -> axum::Router {
         .route("/documents", post(routes::post_document).get(routes::list_documents))
         .route("/documents/{id}", get(routes::get_document).delete(routes::delete_document))
         .route("/documents/{id}/events", get(routes::document_events))
+        .route("/documents/{id}/text", get(routes::get_document_text))
         .route("/collections", post(collections::post_collection).get(collections::list_collections))
         .route(
             "/collections/{id}",

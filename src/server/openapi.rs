@@ -16,6 +16,7 @@ use utoipa::OpenApi;
         routes::post_document,
         routes::list_documents,
         routes::get_document,
+        routes::get_document_text,
         routes::delete_document,
         routes::document_events,
         collections::post_collection,

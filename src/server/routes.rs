@@ -119,6 +119,19 @@ pub async fn get_document(
     Ok(Json(st.service.document(tenant.0.as_deref(), &id).await?))
 }
 
+#[utoipa::path(get, path = "/documents/{id}/text", tag = "documents", params(("id" = String, Path)),
+    responses((status = 200, description = "the document's text as it was absorbed (the extracted text of a file); \
+        a passage's `text` is found in it", body = String, content_type = "text/plain"),
+        (status = 404, description = "unknown (or another tenant's)", body = super::error::ErrorBody)))]
+pub async fn get_document_text(
+    State(st): State<AppState>,
+    Extension(tenant): Extension<Tenant>,
+    api::PathParam(id): api::PathParam,
+) -> ApiResult<Response> {
+    let text = st.service.document_text(tenant.0.as_deref(), &id).await?;
+    Ok(([(header::CONTENT_TYPE, "text/plain; charset=utf-8")], text).into_response())
+}
+
 #[utoipa::path(delete, path = "/documents/{id}", tag = "documents", params(("id" = String, Path)),
     responses((status = 204, description = "deleted (a running job is stopped)"), (status = 404, description = "unknown (or another tenant's)", body = super::error::ErrorBody)))]
 pub async fn delete_document(

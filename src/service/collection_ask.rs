@@ -84,17 +84,7 @@ impl Service {
         view: &DocumentView,
     ) -> Result<Vec<((usize, usize), Vec<u32>, String)>, ServiceError> {
         let model = self.engine.model.clone();
-        let document: Arc<Document> = if view.status == Status::Ready {
-            let (_, blob) = self.lookup(owner, id).await?;
-            let (store, id2, model2) = (self.store.clone(), id.to_string(), model.clone());
-            tokio::task::spawn_blocking(move || store.read_document(&id2, &model2, blob.as_ref()))
-                .await
-                .map_err(ServiceError::internal)?
-                .map_err(ServiceError::internal)?
-        } else {
-            self.ensure_live(id, view).await?;
-            self.store.live(id).ok_or_else(|| ServiceError::NotReady { id: id.to_string(), status: view.status })?.document.clone()
-        };
+        let document = self.readable_document(owner, id, view).await?;
         tokio::task::spawn_blocking(move || index_passages(&model, &document))
             .await
             .map_err(ServiceError::internal)?

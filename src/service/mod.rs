@@ -463,6 +463,35 @@ impl Service {
         Ok(())
     }
 
+    /// The text of one of `owner`'s documents, as it was absorbed (what answers read from; the
+    /// page opens a passage in it).
+    pub async fn document_text(&self, owner: Option<&str>, id: &str) -> Result<String, ServiceError> {
+        let (view, _) = self.lookup(owner, id).await?;
+        Ok(self.readable_document(owner, id, &view).await?.text.clone())
+    }
+
+    /// A document's text and tokens without loading its adapter: a ready one's from its
+    /// directory (or the cache), another from the live documents (read back from its kept
+    /// text when another replica posted it).
+    pub(crate) async fn readable_document(
+        &self,
+        owner: Option<&str>,
+        id: &str,
+        view: &DocumentView,
+    ) -> Result<Arc<Document>, ServiceError> {
+        if view.status == Status::Ready {
+            let (_, blob) = self.lookup(owner, id).await?;
+            let (store, id, model) = (self.store.clone(), id.to_string(), self.engine.model.clone());
+            return tokio::task::spawn_blocking(move || store.read_document(&id, &model, blob.as_ref()))
+                .await
+                .map_err(ServiceError::internal)?
+                .map_err(ServiceError::internal);
+        }
+        self.ensure_live(id, view).await?;
+        let live = self.store.live(id).ok_or_else(|| ServiceError::NotReady { id: id.to_string(), status: view.status })?;
+        Ok(live.document.clone())
+    }
+
     /// Queues a chat completion on the base model.
     pub fn chat(
         &self,

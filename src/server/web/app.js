@@ -1018,7 +1018,7 @@ function passagesBox(asked) {
       else {
         const rel = chunks.filter((c) => c.score > 0).length;
         sum.textContent = 'Passages read: ' + chunks.length + ', ' + rel + ' marked relevant';
-        box.append(renderChunks(chunks));
+        box.append(renderChunks(chunks, asked.docId));
       }
       det.dataset.loaded = 'done';
     } catch (e) {
@@ -1030,23 +1030,66 @@ function passagesBox(asked) {
   return det;
 }
 
-// The passages, highlighted by the relevance filter's score (positive: relevant).
-function renderChunks(chunks) {
+// The passages, highlighted by the relevance filter's score (positive: relevant); a click opens
+// one in its document. `askedId`: the document asked (a collection's passages name their own).
+function renderChunks(chunks, askedId) {
   const box = el('div', 'chunklist');
   const max = Math.max(1e-6, ...chunks.map((c) => Math.abs(c.score)));
   for (const c of chunks) {
     // A collection's passages are labelled with their document.
-    const doc = c.document_id && [...state.docs, ...state.cols].find((x) => x.id === c.document_id);
-    const s = el('span', 'chunk ' + (c.score > 0 ? 'rel' : 'irr'), (c.document_id ? '[' + ((doc && doc.title) || c.document_id) + '] ' : '') + c.text);
+    const docId = c.document_id || askedId;
+    const doc = [...state.docs, ...state.cols].find((x) => x.id === docId);
+    const title = (doc && doc.title) || docId;
+    const s = el('span', 'chunk ' + (c.score > 0 ? 'rel' : 'irr'), (c.document_id ? '[' + title + '] ' : '') + c.text);
     s.dataset.testid = 'chunk';
     s.dataset.score = String(c.score);
+    s.dataset.document = docId;
     const a = c.score > 0 ? 0.12 + 0.6 * Math.min(1, c.score / max) : 0;
     s.style.setProperty('--a', a.toFixed(3));
     s.title = 'relevance ' + c.score.toFixed(3) + ' · mask ' + (typeof c.mask === 'number' ? c.mask.toFixed(3) : c.mask) +
-      ' · tokens ' + c.start + '–' + c.end;
+      ' · tokens ' + c.start + '–' + c.end + ' · click to open it in ' + title;
+    s.setAttribute('role', 'button');
+    s.tabIndex = 0;
+    const open = () => openPassage(docId, title, c.text);
+    s.addEventListener('click', open);
+    s.addEventListener('keydown', (e) => { if (e.key === 'Enter' || e.key === ' ') { e.preventDefault(); open(); } });
     box.append(s);
   }
   return box;
+}
+
+// Documents' texts, fetched once each (GET /documents/{id}/text).
+const docTexts = new Map();
+
+// Opens a passage in its document: the whole text, the passage marked and scrolled to.
+async function openPassage(docId, title, passage) {
+  const view = $('passage-view');
+  const box = $('passage-text');
+  $('passage-title').textContent = title;
+  box.replaceChildren(el('span', 'muted small', 'loading…'));
+  if (!view.open) view.showModal();
+  try {
+    if (!docTexts.has(docId)) {
+      const resp = await check(await fetch('/documents/' + encodeURIComponent(docId) + '/text', { headers: headers() }));
+      docTexts.set(docId, await resp.text());
+    }
+    const text = docTexts.get(docId);
+    // A passage is the decoded text of its tokens: found as it is, or without its edge spaces.
+    let at = text.indexOf(passage), len = passage.length;
+    if (at < 0) { const p = passage.trim(); at = text.indexOf(p); len = p.length; }
+    box.replaceChildren();
+    if (at < 0) {
+      box.append(el('p', 'muted small', 'This passage is not found as such in the text.'), document.createTextNode(text));
+      return;
+    }
+    const mark = el('mark', null, text.slice(at, at + len));
+    mark.dataset.testid = 'passage-mark';
+    box.append(document.createTextNode(text.slice(0, at)), mark, document.createTextNode(text.slice(at + len)));
+    mark.scrollIntoView({ block: 'center' });
+  } catch (e) {
+    box.textContent = 'could not load the document';
+    showError(e, 'Open passage');
+  }
 }
 
 async function ask(ev) {
@@ -1086,6 +1129,10 @@ function initAsk() {
   }
   $('compare').addEventListener('change', renderModes);
   renderModes();
+  // The passage view closes with its button, Escape (the dialog's own) or a click beside it.
+  const view = $('passage-view');
+  $('passage-close').addEventListener('click', () => view.close());
+  view.addEventListener('click', (e) => { if (e.target === view) view.close(); });
 }
 
 // ---------- start ----------
