@@ -717,6 +717,18 @@ mod tests {
             let says_http = row.split('|').nth(2).is_some_and(|c| c.contains("yes"));
             assert_eq!(says_http, *exposure == Exposure::Http, "docs/options.md: whether a request may set '{name}'");
         }
+        // The table after it says, for every flat name, when to set it, the measured figure ("not
+        // measured" where there is none) and, for a figure, the section that holds it.
+        let advice: Vec<&str> =
+            doc.lines().skip_while(|l| !l.starts_with("| name | when to set it")).skip(2).take_while(|l| l.starts_with('|')).collect();
+        for (name, _) in OptionOverlay::NAMES {
+            let row = advice.iter().find(|l| l.starts_with(&format!("| `{name}` |")));
+            let row = row.unwrap_or_else(|| panic!("docs/options.md: '{name}' has no row saying when to set it"));
+            let cells: Vec<String> = row.replace("\\|", "/").split('|').map(|c| c.trim().to_string()).collect();
+            let [_, _, when, figure, source, _] = cells.as_slice() else { panic!("docs/options.md: '{name}': not 4 cells: {row}") };
+            assert!(!when.is_empty() && !figure.is_empty(), "docs/options.md: '{name}' says no case to set it in, or no figure");
+            assert!(figure == "not measured" || source.contains("]("), "docs/options.md: '{name}': a figure without its source");
+        }
         for n in NESTED_ONLY {
             assert!(doc.contains(&format!("`{n}`")), "docs/options.md does not name the nested-only setting '{n}'");
         }
