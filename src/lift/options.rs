@@ -501,10 +501,24 @@ impl AbsorbOptions {
 }
 
 /// Options measured and removed (docs/recipe-search.md): still read from options files and
-/// records, with a warning, and ignored; a request naming one is refused (`removed_option`).
-/// (the object they sat in, or "" for a flat name; key).
-pub const REMOVED: &[(&str, &str)] =
-    &[("", "distill"), ("", "qa_select"), ("train", "distill"), ("plan", "qa_select")];
+/// records, with a warning, and ignored; a request naming one is refused (`removed_option`) with
+/// [`removed_why`]. (the object they sat in, or "" for a flat name; key; what it was.)
+pub const REMOVED: &[(&str, &str, &str)] = &[
+    ("", "distill", "context distillation"),
+    ("", "qa_select", "training a selected share of the questions"),
+    ("train", "distill", "context distillation"),
+    ("plan", "qa_select", "training a selected share of the questions"),
+];
+
+/// Why a removed option (a flat name of [`REMOVED`]) is gone and what to use instead, as a
+/// request's refusal says it after the option's name.
+pub fn removed_why(name: &str) -> Option<String> {
+    let (_, _, what) = REMOVED.iter().find(|(object, key, _)| object.is_empty() && *key == name)?;
+    Some(format!(
+        "was measured and removed ({what}: docs/recipe-search.md): the `recipe` option (`--recipe`) chooses \
+         between the schedules kept, `paper` (the default) and `lean`"
+    ))
+}
 
 /// The settings with no flat name, set only by their nested keys in an options file: the
 /// optimizer's and the LoRA's constants, the extractive generator's, and what `until_learned`
@@ -517,7 +531,7 @@ pub const NESTED_ONLY: &[&str] = &["lora", "train.lr", "train.weight_decay", "tr
 /// Takes the removed options out of `given` (flat names and nested keys); their names.
 pub fn strip_removed(given: &mut serde_json::Map<String, serde_json::Value>) -> Vec<String> {
     let mut gone = Vec::new();
-    for (object, key) in REMOVED {
+    for (object, key, _) in REMOVED {
         let slot = if object.is_empty() { Some(&mut *given) } else { given.get_mut(*object).and_then(|v| v.as_object_mut()) };
         if slot.and_then(|o| o.remove(*key)).is_some() {
             gone.push(if object.is_empty() { key.to_string() } else { format!("{object}.{key}") });
