@@ -8,6 +8,7 @@ use super::absorb::trainer::TrainOptions;
 use crate::adapters::{AdapterKind, LoraConfig};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
+use std::ffi::OsStr;
 
 /// Everything that shapes an adapter. Part of a document's content address: the same text with
 /// the same options on the same base model is the same adapter. FltLM's filter and CDT are not
@@ -501,8 +502,9 @@ impl AbsorbOptions {
 }
 
 /// Options measured and removed (docs/recipe-search.md): still read from options files and
-/// records, with a warning, and ignored; a request naming one is refused (`removed_option`) with
-/// [`removed_why`]. (the object they sat in, or "" for a flat name; key; what it was.)
+/// records, with a warning, and ignored; a request naming one is refused (`removed_option`), and so
+/// is a command line ([`RemovedFlags`]), each with [`removed_why`]. (the object they sat in, or ""
+/// for a flat name; key; what it was.)
 pub const REMOVED: &[(&str, &str, &str)] = &[
     ("", "distill", "context distillation"),
     ("", "qa_select", "training a selected share of the questions"),
@@ -511,13 +513,58 @@ pub const REMOVED: &[(&str, &str, &str)] = &[
 ];
 
 /// Why a removed option (a flat name of [`REMOVED`]) is gone and what to use instead, as a
-/// request's refusal says it after the option's name.
+/// request's refusal and the command line's say it after the option's name.
 pub fn removed_why(name: &str) -> Option<String> {
     let (_, _, what) = REMOVED.iter().find(|(object, key, _)| object.is_empty() && *key == name)?;
     Some(format!(
         "was measured and removed ({what}: docs/recipe-search.md): the `recipe` option (`--recipe`) chooses \
          between the schedules kept, `paper` (the default) and `lean`"
     ))
+}
+
+/// The removed options' flags (`--distill`, `--qa-select`: the flat names of [`REMOVED`]), hidden,
+/// flattened beside the flat options' flags so that a command line naming one is refused with
+/// [`removed_why`], not as an unknown argument. The refusal is the flag's value parser: it comes
+/// as the flag is read, before clap asks for the arguments the command requires.
+#[derive(Clone, Debug, Default)]
+pub struct RemovedFlags;
+
+impl clap::Args for RemovedFlags {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        REMOVED.iter().filter(|(object, ..)| object.is_empty()).fold(cmd, |cmd, (_, key, _)| {
+            // clap keeps a flag's name for the program's life: a few bytes per command built.
+            let flag: &'static str = Box::leak(key.replace('_', "-").into_boxed_str());
+            let why = format!("--{flag} {}", removed_why(key).unwrap_or_default());
+            let arg = clap::Arg::new(*key).long(flag).hide(true).num_args(0..=1).default_missing_value("");
+            cmd.arg(arg.value_parser(Refuse(why)))
+        })
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
+}
+
+impl clap::FromArgMatches for RemovedFlags {
+    fn from_arg_matches(_: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        Ok(Self)
+    }
+
+    fn update_from_arg_matches(&mut self, _: &clap::ArgMatches) -> Result<(), clap::Error> {
+        Ok(())
+    }
+}
+
+/// A value parser that refuses any value with its message.
+#[derive(Clone)]
+struct Refuse(String);
+
+impl clap::builder::TypedValueParser for Refuse {
+    type Value = String;
+
+    fn parse_ref(&self, cmd: &clap::Command, _: Option<&clap::Arg>, _: &OsStr) -> Result<String, clap::Error> {
+        Err(clap::Error::raw(clap::error::ErrorKind::UnknownArgument, format!("{}\n", self.0)).with_cmd(cmd))
+    }
 }
 
 /// The settings with no flat name, set only by their nested keys in an options file: the
@@ -679,6 +726,42 @@ mod tests {
         let plain = serde_json::to_value(&d).unwrap();
         for (part, key) in [("train", "distill"), ("train", "batch_rows"), ("plan", "qa_layout"), ("plan", "qa_select")] {
             assert!(plain[part].get(key).is_none(), "{part}.{key} in {plain}");
+        }
+    }
+
+    #[test]
+    fn the_command_line_refuses_a_removed_option_with_why_and_what_instead() {
+        #[derive(clap::Parser, Debug)]
+        #[allow(dead_code)]
+        struct Cli {
+            file: String,
+            #[command(flatten)]
+            overlay: OptionOverlay,
+            #[command(flatten)]
+            removed: RemovedFlags,
+        }
+        use clap::Parser;
+        // With or without a value, before or after the arguments the command requires.
+        let cases = [
+            &["absorb", "--distill"][..],
+            &["absorb", "doc.txt", "--distill", "0.5"],
+            &["absorb", "--qa-select=0.3", "doc.txt"],
+        ];
+        for args in cases {
+            let e = Cli::try_parse_from(args).unwrap_err();
+            let flag = if args.iter().any(|a| a.starts_with("--distill")) { "--distill" } else { "--qa-select" };
+            let text = e.to_string();
+            let says = text.contains(&format!("{flag} was measured and removed")) && text.contains("`--recipe`");
+            assert!(says, "{args:?}: {text}");
+            assert_eq!(e.exit_code(), 2, "{args:?}");
+        }
+        let ok = Cli::try_parse_from(["absorb", "doc.txt", "--recipe", "lean"]).unwrap();
+        assert_eq!(ok.overlay.recipe, Some(Recipe::Lean));
+        // Every flat name removed has its flag.
+        for (_, key, _) in REMOVED.iter().filter(|(object, ..)| object.is_empty()) {
+            let flag = format!("--{}", key.replace('_', "-"));
+            let e = Cli::try_parse_from(["absorb", "doc.txt", flag.as_str()]).unwrap_err().to_string();
+            assert!(e.contains(&format!("{flag} {}", removed_why(key).unwrap())), "{e}");
         }
     }
 
