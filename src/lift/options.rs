@@ -267,7 +267,7 @@ absorb_options! {
     Operator segment_pack: usize;
     /// The context before each auxiliary question in training: the document's head and tail
     /// (`head_tail`), or the passages an answer to it would show (`passages`).
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = QaLayoutFlag)]
     Operator qa_layout: QaLayout;
     /// Most auxiliary QA pairs, a fixed cap (default: at most 64 per 1,000 document tokens, and
     /// never under 256).
@@ -563,7 +563,43 @@ impl clap::builder::TypedValueParser for Refuse {
     type Value = String;
 
     fn parse_ref(&self, cmd: &clap::Command, _: Option<&clap::Arg>, _: &OsStr) -> Result<String, clap::Error> {
-        Err(clap::Error::raw(clap::error::ErrorKind::UnknownArgument, format!("{}\n", self.0)).with_cmd(cmd))
+        Err(refusal(cmd, &self.0))
+    }
+}
+
+/// The command line's refusal of a removed option: its message alone, no usage.
+fn refusal(cmd: &clap::Command, message: &str) -> clap::Error {
+    clap::Error::raw(clap::error::ErrorKind::UnknownArgument, format!("{message}\n")).with_cmd(cmd)
+}
+
+/// Question layouts measured and removed (docs/recipe-search.md): an options file or a record
+/// that names one reads it as `passages`, with a warning; `--qa-layout` refuses it. (name; what it
+/// was.)
+pub const REMOVED_QA_LAYOUTS: &[(&str, &str)] =
+    &[("recall", "the questions' passages without their evidence"), ("mixed", "`recall` and `passages` in turn")];
+
+/// `--qa-layout`: the layouts kept, read as clap reads any enum; a removed one refused with what
+/// it was and the layouts kept.
+#[derive(Clone)]
+struct QaLayoutFlag;
+
+impl clap::builder::TypedValueParser for QaLayoutFlag {
+    type Value = QaLayout;
+
+    fn parse_ref(&self, cmd: &clap::Command, arg: Option<&clap::Arg>, value: &OsStr) -> Result<QaLayout, clap::Error> {
+        if let Some((name, what)) = REMOVED_QA_LAYOUTS.iter().find(|(name, _)| value.to_str() == Some(*name)) {
+            let why = format!(
+                "--qa-layout {name} was measured and removed ({what}: docs/recipe-search.md): the layouts kept are \
+                 `head_tail` (the default) and `passages` (what options files naming it read it as)"
+            );
+            return Err(refusal(cmd, &why));
+        }
+        clap::builder::EnumValueParser::<QaLayout>::new().parse_ref(cmd, arg, value)
+    }
+
+    fn possible_values(&self) -> Option<Box<dyn Iterator<Item = clap::builder::PossibleValue> + '_>> {
+        let kept = <QaLayout as clap::ValueEnum>::value_variants();
+        Some(Box::new(kept.iter().filter_map(clap::ValueEnum::to_possible_value)))
     }
 }
 
@@ -587,7 +623,8 @@ pub fn strip_removed(given: &mut serde_json::Map<String, serde_json::Value>) -> 
     // The removed question layouts read as the one they were built on.
     for object in ["", "plan"] {
         let slot = if object.is_empty() { Some(&mut *given) } else { given.get_mut(object).and_then(|v| v.as_object_mut()) };
-        if let Some(layout) = slot.and_then(|o| o.get_mut("qa_layout")).filter(|v| *v == "recall" || *v == "mixed") {
+        let removed = |v: &&mut serde_json::Value| REMOVED_QA_LAYOUTS.iter().any(|(name, _)| v.as_str() == Some(*name));
+        if let Some(layout) = slot.and_then(|o| o.get_mut("qa_layout")).filter(removed) {
             gone.push(format!("qa_layout {layout} (read as passages)"));
             *layout = serde_json::json!("passages");
         }
@@ -755,8 +792,17 @@ mod tests {
             assert!(says, "{args:?}: {text}");
             assert_eq!(e.exit_code(), 2, "{args:?}");
         }
-        let ok = Cli::try_parse_from(["absorb", "doc.txt", "--recipe", "lean"]).unwrap();
-        assert_eq!(ok.overlay.recipe, Some(Recipe::Lean));
+        let ok = Cli::try_parse_from(["absorb", "doc.txt", "--recipe", "lean", "--qa-layout", "passages"]).unwrap();
+        assert_eq!((ok.overlay.recipe, ok.overlay.qa_layout), (Some(Recipe::Lean), Some(QaLayout::Passages)));
+        // A removed question layout too, with the layouts kept; a layout that never was, as clap says it.
+        for (name, what) in REMOVED_QA_LAYOUTS {
+            let e = Cli::try_parse_from(["absorb", "doc.txt", "--qa-layout", name]).unwrap_err();
+            let text = e.to_string();
+            assert!(text.contains(&format!("--qa-layout {name} was measured and removed ({what}")), "{text}");
+            assert!(text.contains("`head_tail` (the default) and `passages`") && e.exit_code() == 2, "{text}");
+        }
+        let e = Cli::try_parse_from(["absorb", "doc.txt", "--qa-layout", "wide"]).unwrap_err().to_string();
+        assert!(e.contains("invalid value 'wide'") && e.contains("head_tail, passages"), "{e}");
         // Every flat name removed has its flag.
         for (_, key, _) in REMOVED.iter().filter(|(object, ..)| object.is_empty()) {
             let flag = format!("--{}", key.replace('_', "-"));
