@@ -42,6 +42,9 @@ pub(crate) struct TrainArgs {
     options: Option<PathBuf>,
     #[command(flatten)]
     pub(super) overlay: lift::OptionOverlay,
+    /// The removed options' flags, refused with why and what to use instead.
+    #[command(flatten)]
+    _removed: lift::options::RemovedFlags,
     #[arg(long)]
     title: Option<String>,
 }

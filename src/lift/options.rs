@@ -8,6 +8,7 @@ use super::absorb::trainer::TrainOptions;
 use crate::adapters::{AdapterKind, LoraConfig};
 use anyhow::Result;
 use serde::{Deserialize, Serialize};
+use std::ffi::OsStr;
 
 /// Everything that shapes an adapter. Part of a document's content address: the same text with
 /// the same options on the same base model is the same adapter. FltLM's filter and CDT are not
@@ -266,7 +267,7 @@ absorb_options! {
     Operator segment_pack: usize;
     /// The context before each auxiliary question in training: the document's head and tail
     /// (`head_tail`), or the passages an answer to it would show (`passages`).
-    #[arg(long, value_enum)]
+    #[arg(long, value_parser = QaLayoutFlag)]
     Operator qa_layout: QaLayout;
     /// Most auxiliary QA pairs, a fixed cap (default: at most 64 per 1,000 document tokens, and
     /// never under 256).
@@ -501,10 +502,106 @@ impl AbsorbOptions {
 }
 
 /// Options measured and removed (docs/recipe-search.md): still read from options files and
-/// records, with a warning, and ignored; a request naming one is refused (`removed_option`).
-/// (the object they sat in, or "" for a flat name; key).
-pub const REMOVED: &[(&str, &str)] =
-    &[("", "distill"), ("", "qa_select"), ("train", "distill"), ("plan", "qa_select")];
+/// records, with a warning, and ignored; a request naming one is refused (`removed_option`), and so
+/// is a command line ([`RemovedFlags`]), each with [`removed_why`]. (the object they sat in, or ""
+/// for a flat name; key; what it was.)
+pub const REMOVED: &[(&str, &str, &str)] = &[
+    ("", "distill", "context distillation"),
+    ("", "qa_select", "training a selected share of the questions"),
+    ("train", "distill", "context distillation"),
+    ("plan", "qa_select", "training a selected share of the questions"),
+];
+
+/// Why a removed option (a flat name of [`REMOVED`]) is gone and what to use instead, as a
+/// request's refusal and the command line's say it after the option's name.
+pub fn removed_why(name: &str) -> Option<String> {
+    let (_, _, what) = REMOVED.iter().find(|(object, key, _)| object.is_empty() && *key == name)?;
+    Some(format!(
+        "was measured and removed ({what}: docs/recipe-search.md): the `recipe` option (`--recipe`) chooses \
+         between the schedules kept, `paper` (the default) and `lean`"
+    ))
+}
+
+/// The removed options' flags (`--distill`, `--qa-select`: the flat names of [`REMOVED`]), hidden,
+/// flattened beside the flat options' flags so that a command line naming one is refused with
+/// [`removed_why`], not as an unknown argument. The refusal is the flag's value parser: it comes
+/// as the flag is read, before clap asks for the arguments the command requires.
+#[derive(Clone, Debug, Default)]
+pub struct RemovedFlags;
+
+impl clap::Args for RemovedFlags {
+    fn augment_args(cmd: clap::Command) -> clap::Command {
+        REMOVED.iter().filter(|(object, ..)| object.is_empty()).fold(cmd, |cmd, (_, key, _)| {
+            // clap keeps a flag's name for the program's life: a few bytes per command built.
+            let flag: &'static str = Box::leak(key.replace('_', "-").into_boxed_str());
+            let why = format!("--{flag} {}", removed_why(key).unwrap_or_default());
+            let arg = clap::Arg::new(*key).long(flag).hide(true).num_args(0..=1).default_missing_value("");
+            cmd.arg(arg.value_parser(Refuse(why)))
+        })
+    }
+
+    fn augment_args_for_update(cmd: clap::Command) -> clap::Command {
+        Self::augment_args(cmd)
+    }
+}
+
+impl clap::FromArgMatches for RemovedFlags {
+    fn from_arg_matches(_: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        Ok(Self)
+    }
+
+    fn update_from_arg_matches(&mut self, _: &clap::ArgMatches) -> Result<(), clap::Error> {
+        Ok(())
+    }
+}
+
+/// A value parser that refuses any value with its message.
+#[derive(Clone)]
+struct Refuse(String);
+
+impl clap::builder::TypedValueParser for Refuse {
+    type Value = String;
+
+    fn parse_ref(&self, cmd: &clap::Command, _: Option<&clap::Arg>, _: &OsStr) -> Result<String, clap::Error> {
+        Err(refusal(cmd, &self.0))
+    }
+}
+
+/// The command line's refusal of a removed option: its message alone, no usage.
+fn refusal(cmd: &clap::Command, message: &str) -> clap::Error {
+    clap::Error::raw(clap::error::ErrorKind::UnknownArgument, format!("{message}\n")).with_cmd(cmd)
+}
+
+/// Question layouts measured and removed (docs/recipe-search.md): an options file or a record
+/// that names one reads it as `passages`, with a warning; `--qa-layout` refuses it. (name; what it
+/// was.)
+pub const REMOVED_QA_LAYOUTS: &[(&str, &str)] =
+    &[("recall", "the questions' passages without their evidence"), ("mixed", "`recall` and `passages` in turn")];
+
+/// `--qa-layout`: the layouts kept, read as clap reads any enum; a removed one refused with what
+/// it was and the layouts kept.
+#[derive(Clone)]
+struct QaLayoutFlag;
+
+impl clap::builder::TypedValueParser for QaLayoutFlag {
+    type Value = QaLayout;
+
+    fn parse_ref(&self, cmd: &clap::Command, arg: Option<&clap::Arg>, value: &OsStr) -> Result<QaLayout, clap::Error> {
+        if let Some((name, what)) = REMOVED_QA_LAYOUTS.iter().find(|(name, _)| value.to_str() == Some(*name)) {
+            let why = format!(
+                "--qa-layout {name} was measured and removed ({what}: docs/recipe-search.md): the layouts kept are \
+                 `head_tail` (the default) and `passages` (what options files naming it read it as)"
+            );
+            return Err(refusal(cmd, &why));
+        }
+        clap::builder::EnumValueParser::<QaLayout>::new().parse_ref(cmd, arg, value)
+    }
+
+    fn possible_values(&self) -> Option<Box<dyn Iterator<Item = clap::builder::PossibleValue> + '_>> {
+        let kept = <QaLayout as clap::ValueEnum>::value_variants();
+        Some(Box::new(kept.iter().filter_map(clap::ValueEnum::to_possible_value)))
+    }
+}
 
 /// The settings with no flat name, set only by their nested keys in an options file: the
 /// optimizer's and the LoRA's constants, the extractive generator's, and what `until_learned`
@@ -517,7 +614,7 @@ pub const NESTED_ONLY: &[&str] = &["lora", "train.lr", "train.weight_decay", "tr
 /// Takes the removed options out of `given` (flat names and nested keys); their names.
 pub fn strip_removed(given: &mut serde_json::Map<String, serde_json::Value>) -> Vec<String> {
     let mut gone = Vec::new();
-    for (object, key) in REMOVED {
+    for (object, key, _) in REMOVED {
         let slot = if object.is_empty() { Some(&mut *given) } else { given.get_mut(*object).and_then(|v| v.as_object_mut()) };
         if slot.and_then(|o| o.remove(*key)).is_some() {
             gone.push(if object.is_empty() { key.to_string() } else { format!("{object}.{key}") });
@@ -526,7 +623,8 @@ pub fn strip_removed(given: &mut serde_json::Map<String, serde_json::Value>) -> 
     // The removed question layouts read as the one they were built on.
     for object in ["", "plan"] {
         let slot = if object.is_empty() { Some(&mut *given) } else { given.get_mut(object).and_then(|v| v.as_object_mut()) };
-        if let Some(layout) = slot.and_then(|o| o.get_mut("qa_layout")).filter(|v| *v == "recall" || *v == "mixed") {
+        let removed = |v: &&mut serde_json::Value| REMOVED_QA_LAYOUTS.iter().any(|(name, _)| v.as_str() == Some(*name));
+        if let Some(layout) = slot.and_then(|o| o.get_mut("qa_layout")).filter(removed) {
             gone.push(format!("qa_layout {layout} (read as passages)"));
             *layout = serde_json::json!("passages");
         }
@@ -668,6 +766,51 @@ mod tests {
         }
     }
 
+    #[test]
+    fn the_command_line_refuses_a_removed_option_with_why_and_what_instead() {
+        #[derive(clap::Parser, Debug)]
+        #[allow(dead_code)]
+        struct Cli {
+            file: String,
+            #[command(flatten)]
+            overlay: OptionOverlay,
+            #[command(flatten)]
+            removed: RemovedFlags,
+        }
+        use clap::Parser;
+        // With or without a value, before or after the arguments the command requires.
+        let cases = [
+            &["absorb", "--distill"][..],
+            &["absorb", "doc.txt", "--distill", "0.5"],
+            &["absorb", "--qa-select=0.3", "doc.txt"],
+        ];
+        for args in cases {
+            let e = Cli::try_parse_from(args).unwrap_err();
+            let flag = if args.iter().any(|a| a.starts_with("--distill")) { "--distill" } else { "--qa-select" };
+            let text = e.to_string();
+            let says = text.contains(&format!("{flag} was measured and removed")) && text.contains("`--recipe`");
+            assert!(says, "{args:?}: {text}");
+            assert_eq!(e.exit_code(), 2, "{args:?}");
+        }
+        let ok = Cli::try_parse_from(["absorb", "doc.txt", "--recipe", "lean", "--qa-layout", "passages"]).unwrap();
+        assert_eq!((ok.overlay.recipe, ok.overlay.qa_layout), (Some(Recipe::Lean), Some(QaLayout::Passages)));
+        // A removed question layout too, with the layouts kept; a layout that never was, as clap says it.
+        for (name, what) in REMOVED_QA_LAYOUTS {
+            let e = Cli::try_parse_from(["absorb", "doc.txt", "--qa-layout", name]).unwrap_err();
+            let text = e.to_string();
+            assert!(text.contains(&format!("--qa-layout {name} was measured and removed ({what}")), "{text}");
+            assert!(text.contains("`head_tail` (the default) and `passages`") && e.exit_code() == 2, "{text}");
+        }
+        let e = Cli::try_parse_from(["absorb", "doc.txt", "--qa-layout", "wide"]).unwrap_err().to_string();
+        assert!(e.contains("invalid value 'wide'") && e.contains("head_tail, passages"), "{e}");
+        // Every flat name removed has its flag.
+        for (_, key, _) in REMOVED.iter().filter(|(object, ..)| object.is_empty()) {
+            let flag = format!("--{}", key.replace('_', "-"));
+            let e = Cli::try_parse_from(["absorb", "doc.txt", flag.as_str()]).unwrap_err().to_string();
+            assert!(e.contains(&format!("{flag} {}", removed_why(key).unwrap())), "{e}");
+        }
+    }
+
     /// The JSON leaves of `v` (`plan.window`), objects walked, anything else a leaf.
     fn leaves(v: &serde_json::Value, at: &str, out: &mut std::collections::BTreeMap<String, serde_json::Value>) {
         match v.as_object() {
@@ -716,6 +859,18 @@ mod tests {
             let row = row.unwrap_or_else(|| panic!("docs/options.md has no row for '{name}'"));
             let says_http = row.split('|').nth(2).is_some_and(|c| c.contains("yes"));
             assert_eq!(says_http, *exposure == Exposure::Http, "docs/options.md: whether a request may set '{name}'");
+        }
+        // The table after it says, for every flat name, when to set it, the measured figure ("not
+        // measured" where there is none) and, for a figure, the section that holds it.
+        let advice: Vec<&str> =
+            doc.lines().skip_while(|l| !l.starts_with("| name | when to set it")).skip(2).take_while(|l| l.starts_with('|')).collect();
+        for (name, _) in OptionOverlay::NAMES {
+            let row = advice.iter().find(|l| l.starts_with(&format!("| `{name}` |")));
+            let row = row.unwrap_or_else(|| panic!("docs/options.md: '{name}' has no row saying when to set it"));
+            let cells: Vec<String> = row.replace("\\|", "/").split('|').map(|c| c.trim().to_string()).collect();
+            let [_, _, when, figure, source, _] = cells.as_slice() else { panic!("docs/options.md: '{name}': not 4 cells: {row}") };
+            assert!(!when.is_empty() && !figure.is_empty(), "docs/options.md: '{name}' says no case to set it in, or no figure");
+            assert!(figure == "not measured" || source.contains("]("), "docs/options.md: '{name}': a figure without its source");
         }
         for n in NESTED_ONLY {
             assert!(doc.contains(&format!("`{n}`")), "docs/options.md does not name the nested-only setting '{n}'");

@@ -4,6 +4,7 @@
 
 use super::error::{ApiError, ApiResult};
 pub use crate::lift::options::DocumentOptions;
+use crate::lift::options::removed_why;
 use crate::lift::{AbsorbOptions, OptionError};
 
 impl DocumentOptions {
@@ -11,11 +12,11 @@ impl DocumentOptions {
     pub fn apply(self, defaults: &AbsorbOptions, num_layers: usize, max_window: usize) -> ApiResult<AbsorbOptions> {
         let base = "is no longer a per-document option: FltLM's filter and CDT are part of the server's prepared \
                     base, active for every document (the server's --prepared-base chooses it)";
-        let measured = "was measured and removed (docs/recipe-search.md): the `recipe` option chooses between \
-                        the schedules kept, `paper` (the default) and `lean`";
-        let removed = [("filter", &self.filter, base), ("cdt", &self.cdt, base), ("distill", &self.distill, measured),
-            ("qa_select", &self.qa_select, measured)];
-        if let Some((name, _, why)) = removed.into_iter().find(|(_, v, _)| v.is_some()) {
+        let removed =
+            [("filter", &self.filter), ("cdt", &self.cdt), ("distill", &self.distill), ("qa_select", &self.qa_select)];
+        if let Some((name, _)) = removed.into_iter().find(|(_, v)| v.is_some()) {
+            // The measured and removed options say why as the command line does.
+            let why = removed_why(name).unwrap_or_else(|| base.to_string());
             return Err(ApiError::bad_request("removed_option", format!("'options.{name}' {why}")).param(&format!("options.{name}")));
         }
         let o = self.overlay().apply(defaults);
