@@ -119,7 +119,8 @@ impl Service {
     pub async fn collection_index_figures(&self, owner: Option<&str>, id: &str) -> Result<IndexFigures, ServiceError> {
         collection_shape(id)?;
         let rec = self.collections.collection(owner, id).await?;
-        let docs: HashMap<String, DocumentView> = self.registry.documents(owner).await?.into_iter().map(|d| (d.id.clone(), d)).collect();
+        let docs: HashMap<String, DocumentView> =
+            self.registry.documents_among(owner, &rec.document_ids).await?.into_iter().map(|d| (d.id.clone(), d)).collect();
         let members: Vec<(&String, &DocumentView)> = rec.document_ids.iter().filter_map(|d| docs.get_key_value(d)).collect();
         let index = self.index_of(id)?;
         let mut index = index.lock().await;
@@ -147,7 +148,8 @@ impl Service {
         let model = self.engine.model.clone();
         let question_tokens = model.tokenizer.encode(&q.question, false).map_err(ServiceError::internal)?.len();
         self.check_fits(min_prompt_tokens(question_tokens, false), params.max_tokens)?;
-        let docs: HashMap<String, DocumentView> = self.registry.documents(owner).await?.into_iter().map(|d| (d.id.clone(), d)).collect();
+        let docs: HashMap<String, DocumentView> =
+            self.registry.documents_among(owner, &rec.document_ids).await?.into_iter().map(|d| (d.id.clone(), d)).collect();
         let members: Vec<(&String, &DocumentView)> = rec.document_ids.iter().filter_map(|d| docs.get_key_value(d)).collect();
 
         let context_tokens = q.context_tokens.or(self.cfg.context_tokens);

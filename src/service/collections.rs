@@ -135,7 +135,7 @@ impl Service {
         if ids.is_empty() {
             return Ok(());
         }
-        let known: HashSet<String> = self.registry.documents(owner).await?.into_iter().map(|d| d.id).collect();
+        let known: HashSet<String> = self.registry.documents_among(owner, ids).await?.into_iter().map(|d| d.id).collect();
         match ids.iter().find(|id| known_shape(id).is_err() || !known.contains(*id)) {
             Some(id) => Err(ServiceError::UnknownDocument(id.clone())),
             None => Ok(()),

@@ -352,6 +352,19 @@ impl Registry for Records {
         .boxed()
     }
 
+    fn documents_among<'a>(
+        &'a self,
+        owner: Option<&'a str>,
+        ids: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<DocumentView>, ServiceError>> {
+        async move {
+            let docs = self.docs.read().map_err(ServiceError::poisoned)?;
+            let mine = |id: &String| docs.get(id).filter(|d| d.rec.owner.as_deref() == owner);
+            Ok(ids.iter().filter_map(mine).map(DocEntry::view).collect())
+        }
+        .boxed()
+    }
+
     fn watch<'a>(
         self: Arc<Self>,
         owner: Option<&'a str>,

@@ -63,6 +63,14 @@ pub(crate) trait Registry: Send + Sync {
     /// `owner`'s documents in posting order.
     fn documents<'a>(&'a self, owner: Option<&'a str>) -> BoxFuture<'a, Result<Vec<DocumentView>, ServiceError>>;
 
+    /// Those of `ids` that are `owner`'s documents (a collection's members: one lookup of the
+    /// members, not of every document the tenant has), in no particular order.
+    fn documents_among<'a>(
+        &'a self,
+        owner: Option<&'a str>,
+        ids: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<DocumentView>, ServiceError>>;
+
     /// Updates of the document's view, for event streams (closed when the document is deleted).
     fn watch<'a>(
         self: Arc<Self>,

@@ -146,6 +146,16 @@ impl Shared {
         rows.iter().map(|r| Row::read(r).map(|r| r.view())).collect()
     }
 
+    pub async fn documents_among(&self, owner: Option<&str>, ids: &[String]) -> Result<Vec<DocumentView>, ServiceError> {
+        if ids.is_empty() {
+            return Ok(Vec::new());
+        }
+        let c = self.client().await?;
+        let sql = format!("SELECT {DOC_COLUMNS} FROM documents WHERE owner IS NOT DISTINCT FROM $1 AND id = ANY($2)");
+        let rows = timed(async { c.query(&sql, &[&owner, &ids]).await.map_err(db_error) }).await?;
+        rows.iter().map(|r| Row::read(r).map(|r| r.view())).collect()
+    }
+
     /// Updates of the document's view for event streams, read from its row every `poll` (the
     /// job may train on another replica). The channel closes when the document is deleted.
     pub async fn watch(
@@ -297,6 +307,14 @@ impl Registry for Shared {
 
     fn documents<'a>(&'a self, owner: Option<&'a str>) -> BoxFuture<'a, Result<Vec<DocumentView>, ServiceError>> {
         Shared::documents(self, owner).boxed()
+    }
+
+    fn documents_among<'a>(
+        &'a self,
+        owner: Option<&'a str>,
+        ids: &'a [String],
+    ) -> BoxFuture<'a, Result<Vec<DocumentView>, ServiceError>> {
+        Shared::documents_among(self, owner, ids).boxed()
     }
 
     fn watch<'a>(
