@@ -17,8 +17,8 @@
 #   FLASH_ATTN=1 scripts/cuda_compile_check.sh # also `cargo check --features cuda,flash-attn`
 #                                              # (compiles flash-attn's kernels: very long)
 # PORTABLE_ONLY=1 with GPU_TESTS=1 builds only the portable GPU binaries (skips the all-targets build).
-# CHECK_ONLY=1 runs `cargo check` instead of the build (kernels compiled, Rust type-checked, not
-# linked): CI's setting.
+# CHECK_ONLY=1 runs `cargo check` instead of the build (our kernels compiled, candle's stood in for,
+# Rust type-checked, not linked; into the target folder's `cuda-check/`): CI's setting.
 # Environment: VENV (default /tmp/lift-cuda-venv; kept between runs, so a second run only
 # rebuilds what changed), CUDA_COMPUTE_CAP (default 80), CARGO_TARGET_DIR (the CUDA build goes to
 # its `cuda/` subfolder so it never replaces the CPU build's binaries).
@@ -48,13 +48,15 @@ if [ ! -x "$VENV/bin/pip" ]; then
 fi
 
 step "CUDA $CUDA_VERSION_PIN compiler and libraries from their wheels"
-if ! "$VENV/bin/python" -c "import nvidia" 2>/dev/null || [ ! -d "$VENV/cuda" ]; then
-    "$VENV/bin/pip" install -q \
-        "nvidia-cuda-nvcc==$CUDA_VERSION_PIN.*" "nvidia-nvvm==$CUDA_VERSION_PIN.*" \
-        "nvidia-cuda-crt==$CUDA_VERSION_PIN.*" "nvidia-cuda-runtime==$CUDA_VERSION_PIN.*" \
-        "nvidia-cuda-nvrtc==$CUDA_VERSION_PIN.*" "nvidia-cuda-cccl==$CUDA_VERSION_PIN.*" \
-        nvidia-cublas nvidia-curand || fail "pip could not install the CUDA wheels (is the package index reachable?)"
+# The compiler and headers; the libraries only for a build that links (cuBLAS alone is most of
+# the 1.2 GB). pip answers at once when they are there already.
+wheels=("nvidia-cuda-nvcc==$CUDA_VERSION_PIN.*" "nvidia-nvvm==$CUDA_VERSION_PIN.*"
+    "nvidia-cuda-crt==$CUDA_VERSION_PIN.*" "nvidia-cuda-runtime==$CUDA_VERSION_PIN.*"
+    "nvidia-cuda-cccl==$CUDA_VERSION_PIN.*")
+if [ "${CHECK_ONLY:-0}" != 1 ]; then
+    wheels+=("nvidia-cuda-nvrtc==$CUDA_VERSION_PIN.*" nvidia-cublas nvidia-curand)
 fi
+"$VENV/bin/pip" install -q "${wheels[@]}" || fail "pip could not install the CUDA wheels (is the package index reachable?)"
 CU="$("$VENV/bin/python" -c 'import os, nvidia; print(os.path.join(list(nvidia.__path__)[0], "cu13"))')"
 [ -x "$CU/bin/nvcc" ] || fail "no nvcc in $CU/bin: the wheels' layout changed"
 
@@ -101,11 +103,16 @@ export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-target}/cuda"
 nvcc --version | tail -2
 
 if [ "${CHECK_ONLY:-0}" = 1 ]; then
-    # Type-checks every CUDA path and compiles the kernels (build scripts run), without code
-    # generation or linking: what CI runs, at a fraction of the build's time.
+    # Type-checks every CUDA path and compiles our kernels (build scripts run), without code
+    # generation or linking: what CI runs, at a fraction of the build's time. candle's own
+    # kernels are stood in for (scripts/nvcc_for_check.sh says why); the full build compiles them.
+    # Its own target folder: the kernel builder's cache would keep the stand-ins for a later
+    # full build in the same folder.
+    export CARGO_TARGET_DIR="$CARGO_TARGET_DIR-check"
     step "cargo check --release --features cuda --all-targets (into $CARGO_TARGET_DIR)"
     start=$(date +%s)
-    cargo check --release --features cuda --all-targets
+    REAL_NVCC="$ROOT/bin/nvcc" NVCC="$PWD/scripts/nvcc_for_check.sh" \
+        cargo check --release --features cuda --all-targets
     echo "cuda check: $(($(date +%s) - start)) s"
 elif [ "${PORTABLE_ONLY:-0}" != 1 ]; then
     step "cargo build --release --features cuda --all-targets (into $CARGO_TARGET_DIR)"
