@@ -26,7 +26,10 @@
 //!
 //! Environment: BENCH_BACKEND (files; pg: a replica that only answers, on a throwaway
 //! PostgreSQL, the documents queued there), BENCH_SIZES (10,100,1000), BENCH_QUESTIONS (60 per size), BENCH_ROUNDS (3),
-//! BENCH_COLD (3 fresh collections per size), BENCH_HTTP_MAX (100: the largest size asked over HTTP).
+//! BENCH_COLD (3 fresh collections per size), BENCH_HTTP_MAX (100: the largest size asked over HTTP),
+//! BENCH_SEED (0: which essay slices, people and values the documents get; 0 is the draw the
+//! figures before it were made on — tune on one seed, report on others), BENCH_DEBUG (1: print
+//! each misrouted question with its planted sentence and the top units of the ranking).
 
 #[path = "common/stats.rs"]
 mod stats;
@@ -58,8 +61,10 @@ const FIRST: [&str; 30] = [
 const LAST_HEAD: [&str; 10] = ["Mar", "Ash", "Bell", "Crane", "Dun", "Fair", "Glen", "Hollo", "Kes", "Lind"];
 const LAST_TAIL: [&str; 10] = ["wood", "ford", "ridge", "moor", "field", "brook", "stone", "ley", "holt", "wick"];
 
-/// Person `k` (k < 3,000): a first name shared by 100 people, a last name by 30.
-fn person(k: usize) -> String {
+/// Person `k` (k < 3,000) under `seed`: a first name shared by 100 people, a last name by 30
+/// (seed 0: person k is the k-th name; another seed shifts who is who, one name per person still).
+fn person(k: usize, seed: usize) -> String {
+    let k = (k + seed * 1_237) % 3_000;
     let last = k / FIRST.len();
     format!("{} {}{}", FIRST[k % FIRST.len()], LAST_HEAD[last % 10], LAST_TAIL[(last / 10) % 10])
 }
@@ -86,13 +91,14 @@ struct Fact {
 
 /// Document `i`: about 680 words of essay (a slice that starts elsewhere for each document) with
 /// its three facts at 20%, 50% and 80%.
-fn document(i: usize, words: &[&str], facts: &mut Vec<Fact>) -> String {
+/// `seed` moves the slices, the people and the values (seed 0: the draw before seeds existed).
+fn document(i: usize, seed: usize, words: &[&str], facts: &mut Vec<Fact>) -> String {
     const WORDS: usize = 680;
-    let start = (i * 7919) % (words.len() - WORDS);
+    let start = (i * 7919 + seed * 104_729) % (words.len() - WORDS);
     let mut out: Vec<String> = words[start..start + WORDS].iter().map(|w| w.to_string()).collect();
     for (t, (fact, question)) in TEMPLATES.iter().enumerate().rev() {
-        let p = person(3 * i + t);
-        let value = 1000 + (i * 7_331 + t * 2_719) % 9000;
+        let p = person(3 * i + t, seed);
+        let value = 1000 + (i * 7_331 + t * 2_719 + seed * 4_421) % 9000;
         let at = WORDS * [1, 5, 8][t] / 10;
         let sentence = fact.replace("{P}", &p).replace("{N}", &value.to_string());
         out.insert(at, sentence.clone());
@@ -135,6 +141,7 @@ async fn run() -> Result<()> {
     let (n_questions, rounds, colds) =
         (env_usize("BENCH_QUESTIONS", 60), env_usize("BENCH_ROUNDS", 3).max(1), env_usize("BENCH_COLD", 3).max(1));
     let http_max = env_usize("BENCH_HTTP_MAX", 100);
+    let (seed, debug) = (env_usize("BENCH_SEED", 0), env_usize("BENCH_DEBUG", 0) > 0);
 
     let essays = data::load_essays(&data::fetch_essays(&data::data_dir())?)?;
     let all: String = essays.iter().map(|e| e.text.as_str()).collect::<Vec<_>>().join(" ");
@@ -180,7 +187,7 @@ async fn run() -> Result<()> {
     let mut tokens = 0usize;
     let t = Instant::now();
     for i in 0..n_max {
-        let text = document(i, &words, &mut facts);
+        let text = document(i, seed, &words, &mut facts);
         texts.push(text.clone());
         let doc = NewDocument {
             source: Source::as_sent(&text, "application/json"),
@@ -195,7 +202,7 @@ async fn run() -> Result<()> {
         ids.push(view.id);
     }
     println!(
-        "{backend}; threads: {}; {n_max} documents posted (training held) in {:.1} s, {:.0} tokens each on average; \
+        "{backend}; seed {seed}; threads: {}; {n_max} documents posted (training held) in {:.1} s, {:.0} tokens each on average; \
          {n_questions} questions per size × {rounds} rounds, {colds} cold collections",
         rayon::current_num_threads(),
         t.elapsed().as_secs_f64(),
@@ -255,6 +262,9 @@ async fn run() -> Result<()> {
             }
             let best = sums.into_iter().max_by(|a, b| a.1.total_cmp(&b.1)).map(|(d, _)| d);
             by_sum += usize::from(best.as_deref() == Some(ids[f.document].as_str()));
+            if debug {
+                print_miss(&alt, f, &ids[f.document], &ids);
+            }
         }
         let (mut warm, mut right, mut total) = (Vec::new(), 0, 0);
         // Misses by whether the planted sentence lies whole in one of its document's passages.
@@ -337,6 +347,27 @@ async fn run() -> Result<()> {
         pg.stop()?;
     }
     std::process::exit(0)
+}
+
+/// BENCH_DEBUG: a question the ranking routes to another document, with its planted sentence,
+/// the passages of the right document that hold parts of it, and the top five ranked passages.
+fn print_miss(index: &lift_serve::collection_index::CollectionIndex, f: &Fact, right: &str, ids: &[String]) {
+    let ranked = index.rank(&[(f.question.as_str(), 1.0)]);
+    let doc_of = |slot: u32| index.passage(slot).map(|p| p.document_id.clone()).unwrap_or_default();
+    if ranked.first().is_some_and(|h| doc_of(h.passage) == right) {
+        return;
+    }
+    let number = |id: &str| ids.iter().position(|d| d == id).unwrap_or(usize::MAX);
+    let flat = |t: &str| t.split_whitespace().collect::<Vec<_>>().join(" ");
+    println!("MISS doc {}: {}\n  planted: {}", f.document, f.question, f.sentence);
+    if let Some(rank) = ranked.iter().position(|h| doc_of(h.passage) == right) {
+        let h = ranked[rank];
+        println!("  right doc first at rank {rank}, slot {} score {:.3}: {}", h.passage, h.score, flat(&index.passage(h.passage).unwrap().text));
+    }
+    for h in ranked.iter().take(5) {
+        let p = index.passage(h.passage).unwrap();
+        println!("  top: doc {} slot {} score {:.3}: {}", number(&p.document_id), h.passage, h.score, flat(&p.text));
+    }
 }
 
 fn main() -> Result<()> {

@@ -169,24 +169,32 @@ impl CollectionIndex {
     /// The passages to read for `query`, best first, each with the score it was ranked by: the
     /// windows of two adjacent passages of a document (a passage with no neighbour is a window
     /// alone) scored by BM25 as one text (the passages' term counts and lengths summed, against
-    /// twice the average passage length), best first; each window gives its passages that match
-    /// the query, the better one first, those not given already. Ties in slot order.
+    /// twice the average passage length), and every passage alone, each unit's BM25 scaled by its
+    /// coverage of the query (the share of the query's IDF mass among the terms it holds), best
+    /// first; each unit gives its passages that match the query, the better one first, those not
+    /// given already. Ties in slot order.
     pub fn rank(&self, query: &[(&str, f32)]) -> Vec<CollectionHit> {
         let n = self.live as f32;
-        let avg_window = 2.0 * (self.total_len as f32 / n.max(1.0)).max(1.0);
+        let avg_len = (self.total_len as f32 / n.max(1.0)).max(1.0);
+        let avg_window = 2.0 * avg_len;
         let joins = |s: u32| self.passage(s).is_some_and(|p| p.joins_next);
         // The window starting at slot `s`: s and s + 1, or s alone when it has no neighbour.
         let starts_window = |s: u32| joins(s) || (s == 0 || !joins(s - 1));
-        let window_len = |s: u32| {
-            let len = |s: u32| self.passage(s).map_or(0, |p| p.len);
-            len(s) + if joins(s) { len(s + 1) } else { 0 }
-        };
-        let mut window_scores: HashMap<u32, f32> = HashMap::new();
+        let len = |s: u32| self.passage(s).map_or(0, |p| p.len);
+        let window_len = |s: u32| len(s) + if joins(s) { len(s + 1) } else { 0 };
+        // Per unit: (BM25, the query's IDF mass it holds); the query's whole IDF mass.
+        let mut windows: HashMap<u32, (f32, f32)> = HashMap::new();
+        let mut own: HashMap<u32, (f32, f32)> = HashMap::new();
+        let mut mass = 0.0;
         for (term, weight) in &query_terms(query) {
             let Some(list) = self.postings.get(term) else { continue };
             let idf = idf(n, list.len() as f32);
+            mass += weight * idf;
             let mut tfs: HashMap<u32, u32> = HashMap::new();
             for &(p, tf) in list {
+                let o = own.entry(p).or_default();
+                o.0 += weight * idf * saturated(tf as f32, len(p) as f32, avg_len);
+                o.1 += weight * idf;
                 if starts_window(p) {
                     *tfs.entry(p).or_default() += tf;
                 }
@@ -195,15 +203,28 @@ impl CollectionIndex {
                 }
             }
             for (w, tf) in tfs {
-                *window_scores.entry(w).or_default() += weight * idf * saturated(tf as f32, window_len(w) as f32, avg_window);
+                let u = windows.entry(w).or_default();
+                u.0 += weight * idf * saturated(tf as f32, window_len(w) as f32, avg_window);
+                u.1 += weight * idf;
             }
         }
-        let own: HashMap<u32, f32> = self.search(query).into_iter().map(|h| (h.passage, h.score)).collect();
+        // Coverage (Lucene's classic `coord` factor, weighted by IDF): BM25 adds terms up, so a
+        // short unit holding every query term but one rare one (another document's look-alike
+        // fact: same template words, another person with the same first or last name) outscored
+        // the longer unit holding the whole fact, its length normalisation on 6–7 template words
+        // outweighing the one missing name. Scaled by the share of the query's IDF mass it holds,
+        // the look-alike loses that name's share (about a fifth) of its score.
+        let covered = |(bm25, held): (f32, f32)| bm25 * held / mass;
+        let own_scores: HashMap<u32, f32> = own.iter().map(|(&p, &(s, _))| (p, s)).collect();
         // Units: every window, and every passage alone (a whole fact in one passage is not
         // diluted by its neighbour's words). (first slot, passages, score)
-        let mut units: Vec<(u32, u32, f32)> =
-            window_scores.into_iter().filter(|(_, s)| *s > 0.0).map(|(w, s)| (w, if joins(w) { 2 } else { 1 }, s)).collect();
-        units.extend(own.iter().map(|(&p, &s)| (p, 1, s)));
+        let mut units: Vec<(u32, u32, f32)> = windows
+            .into_iter()
+            .filter(|(_, u)| u.0 > 0.0)
+            .map(|(w, u)| (w, if joins(w) { 2 } else { 1 }, covered(u)))
+            .collect();
+        units.extend(own.iter().filter(|(_, u)| u.0 > 0.0).map(|(&p, &u)| (p, 1, covered(u))));
+        let own = own_scores;
         units.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
         let mut given = HashSet::new();
         let mut out = Vec::new();
@@ -335,6 +356,34 @@ mod tests {
         c.remove("doc_cut");
         let after = c.rank(&q);
         assert!(!after.is_empty() && after.iter().all(|h| c.passage(h.passage).is_some_and(|p| p.document_id != "doc_cut")));
+    }
+
+    /// A look-alike fact in another document (the same template, another person with the same
+    /// first name) held in a short window outscores, by BM25 alone, the right fact cut between two
+    /// passages of a longer window (the length normalisation on the shared template words
+    /// outweighs the missing last name: 8.64 against 7.96 here without coverage, as in the
+    /// collections bench's misses); scaled by coverage of the query's IDF mass (7.16 against
+    /// 7.96), the window with every query term ranks first.
+    #[test]
+    fn a_short_look_alike_loses_to_the_unit_with_every_query_term() {
+        let mut c = CollectionIndex::default();
+        let cut = "The committee argued about budgets, rents, schedules, minutes and repairs through the long winter meeting, while Ilse Marwood parks a green";
+        c.add("doc_right", None, passages(&[cut, "bicycle in bay 4417 of the station garage.", "Nothing else happened that winter."]));
+        c.add("doc_like", None, passages(&["Ilse Brand parks a green bicycle in bay 5120 of the station garage.", "The hall has a red door."]));
+        c.add("doc_b", None, passages(&["Tobias Crane parks a green bicycle in bay 7001 of the station garage.", "The bakery opens early."]));
+        c.add("doc_c", None, passages(&["Oswin Hale parks a green bicycle in bay 2290 of the station garage.", "Tom Marwood sells bread near the market."]));
+        c.add("doc_d", None, passages(&["A red door opens onto the yard.", "Boats rest in the harbour at night.", "Ilse Kerr walks a dog.", "The shop is shut on Sundays.", "Cats sleep in the sun."]));
+        let q = [("In which bay of the station garage does Ilse Marwood park the green bicycle?", 1.0)];
+        let doc = |hits: &[CollectionHit]| c.passage(hits[0].passage).unwrap().document_id.clone();
+        assert_eq!(doc(&c.search(&q)), "doc_like", "single passages: the look-alike wins");
+        let ranked = c.rank(&q);
+        assert_eq!(doc(&ranked), "doc_right", "{ranked:?}");
+        // Both halves of the fact first, under their window's score (coverage 1: its BM25).
+        let slots: Vec<u32> = ranked.iter().map(|h| h.passage).collect();
+        assert_eq!(&slots[..2], &[1, 0], "{ranked:?}");
+        assert!((ranked[0].score - 7.96).abs() < 0.01, "{ranked:?}");
+        let like = ranked.iter().find(|h| h.passage == 3).unwrap();
+        assert!((like.score - 7.16).abs() < 0.01, "{ranked:?}");
     }
 
     /// One IDF over all the collection's passages: a word in every passage of one document and in
