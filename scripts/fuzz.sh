@@ -3,9 +3,7 @@
 # SECONDS (default 30) from the seed corpus scripts/fuzz_corpus.py writes. A crash is saved under
 # fuzz/artifacts/<target>/; make it a regression test (see docs/fuzzing.md). cargo-fuzz needs a
 # nightly compiler: on a stable toolchain RUSTC_BOOTSTRAP=1 unlocks its flags.
-# Usage: scripts/fuzz.sh [SECONDS] [TARGET...]   (FUZZ_SEED=N: libFuzzer's seed, as CI sets it;
-# FUZZ_CODEGEN_UNITS=N: cargo-fuzz builds release with one codegen unit, the fastest harness and
-# the slowest build; CI's 10-second runs trade some speed of the harness for its build time)
+# Usage: scripts/fuzz.sh [SECONDS] [TARGET...]   (FUZZ_SEED=N: libFuzzer's seed, as CI sets it)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-30}
@@ -19,10 +17,9 @@ for t in "${targets[@]}"; do
   start=$(date +%s)
   # The server's budgets in libFuzzer's terms: 20 s an input, 2 GiB of memory.
   # request_bodies reads bodies as the server does: it needs the whole crate (a long first build).
-  build=()
-  [ "$t" = request_bodies ] && build=(--features server)
-  [ -n "${FUZZ_CODEGEN_UNITS:-}" ] && build+=(--codegen-units "$FUZZ_CODEGEN_UNITS")
-  cargo fuzz run --fuzz-dir fuzz "${build[@]}" "$t" "fuzz/corpus/$t" -- \
+  features=()
+  [ "$t" = request_bodies ] && features=(--features server)
+  cargo fuzz run --fuzz-dir fuzz "${features[@]}" "$t" "fuzz/corpus/$t" -- \
     -max_total_time="$secs" -timeout=20 -rss_limit_mb=2048 -max_len=8388608 ${FUZZ_SEED:+-seed=$FUZZ_SEED}
   echo "fuzz $t: $(($(date +%s) - start)) s"
 done
