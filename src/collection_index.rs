@@ -215,7 +215,6 @@ impl CollectionIndex {
         // outweighing the one missing name. Scaled by the share of the query's IDF mass it holds,
         // the look-alike loses that name's share (about a fifth) of its score.
         let covered = |(bm25, held): (f32, f32)| bm25 * held / mass;
-        let own_scores: HashMap<u32, f32> = own.iter().map(|(&p, &(s, _))| (p, s)).collect();
         // Units: every window, and every passage alone (a whole fact in one passage is not
         // diluted by its neighbour's words). (first slot, passages, score)
         let mut units: Vec<(u32, u32, f32)> = windows
@@ -224,7 +223,8 @@ impl CollectionIndex {
             .map(|(w, u)| (w, if joins(w) { 2 } else { 1 }, covered(u)))
             .collect();
         units.extend(own.iter().filter(|(_, u)| u.0 > 0.0).map(|(&p, &u)| (p, 1, covered(u))));
-        let own = own_scores;
+        // A passage's own BM25 (how the passages a unit gives are ordered).
+        let own: HashMap<u32, f32> = own.into_iter().map(|(p, (s, _))| (p, s)).collect();
         units.sort_by(|a, b| b.2.total_cmp(&a.2).then(a.0.cmp(&b.0)).then(a.1.cmp(&b.1)));
         let mut given = HashSet::new();
         let mut out = Vec::new();

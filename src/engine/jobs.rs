@@ -7,7 +7,7 @@ use crate::lift::answer::{chunk_scores, prepare, Ask, AnswerHooks, ContextPolicy
 use crate::lift::answer::layout::ChunkScore;
 use crate::lift::{AbsorbEvent, AbsorbOptions, AbsorbStage};
 use super::EngineError;
-use crate::model::generate::{FinishReason, GeneratedToken, Generation, SamplingParams, Sequence};
+use crate::model::generate::{FinishReason, Generation, SamplingParams, Sequence, TokenScores};
 use crate::model::{Adapter, DecodeMix, KvCache, Model, Projection};
 use crate::store::{AdapterInfo, Loaded, Store};
 use candle_core::Tensor;
@@ -236,7 +236,7 @@ pub struct Generated {
     pub completion_tokens: usize,
     /// Each generated token with its log-probability (and its alternatives when the request's
     /// `top_logprobs` asked for them).
-    pub tokens: Vec<GeneratedToken>,
+    pub tokens: TokenScores,
     pub finish_reason: FinishReason,
     pub queue_ms: f64,
     pub prompt_ms: f64,
@@ -457,7 +457,7 @@ fn finish(model: &Model, events: &dyn JobEvents, e: Entry<'_, AnswerHooks<'_>, R
         (Ok(_), None) => Ok(Vec::new()),
         (Err(e), _) => Err(EngineError::from(e)),
     };
-    let tokens = out.token_logprobs(&model.tokenizer);
+    let tokens = out.take_scores();
     let result = chunks.map(|chunks| Generated {
         chunks,
         completion_tokens: out.tokens.len(),

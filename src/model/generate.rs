@@ -92,27 +92,47 @@ impl Generation {
         if self.generate_ms > 0.0 { self.tokens.len() as f64 / (self.generate_ms / 1000.0) } else { 0.0 }
     }
 
-    /// Each generated token with its log-probability and its recorded alternatives, spelled
-    /// out (OpenAI's `logprobs.content`).
-    pub fn token_logprobs(&self, tokenizer: &super::tokenizer::TextTokenizer) -> Vec<GeneratedToken> {
-        let spell = |id: u32, logprob: f32| {
-            let bytes = tokenizer.token_bytes(id);
-            TokenLogprob { token: String::from_utf8_lossy(&bytes).into_owned(), bytes, logprob }
-        };
-        self.tokens
-            .iter()
-            .zip(&self.logprobs)
-            .enumerate()
-            .map(|(i, (&id, &lp))| GeneratedToken {
-                token: spell(id, lp),
-                top_logprobs: self.top_logprobs.get(i).map_or_else(Vec::new, |top| top.iter().map(|&(t, l)| spell(t, l)).collect()),
-            })
-            .collect()
+    /// The generated tokens' ids and log-probabilities, moved out (spelled only when a client
+    /// asks for them: [`TokenScores::spell`]).
+    pub fn take_scores(&mut self) -> TokenScores {
+        TokenScores {
+            ids: self.tokens.clone(),
+            logprobs: std::mem::take(&mut self.logprobs),
+            top: std::mem::take(&mut self.top_logprobs),
+        }
     }
 
     /// The mean log-probability of the generated tokens (None when nothing was generated).
     pub fn mean_logprob(&self) -> Option<f64> {
         (!self.logprobs.is_empty()).then(|| self.logprobs.iter().map(|&x| f64::from(x)).sum::<f64>() / self.logprobs.len() as f64)
+    }
+}
+
+/// A generation's tokens with their log-probabilities and recorded alternatives.
+#[derive(Clone, Debug, Default)]
+pub struct TokenScores {
+    pub ids: Vec<u32>,
+    pub logprobs: Vec<f32>,
+    pub top: Vec<Vec<(u32, f32)>>,
+}
+
+impl TokenScores {
+    /// Each token with its log-probability and alternatives, spelled out (OpenAI's
+    /// `logprobs.content`).
+    pub fn spell(&self, tokenizer: &super::tokenizer::TextTokenizer) -> Vec<GeneratedToken> {
+        let spell = |id: u32, logprob: f32| {
+            let bytes = tokenizer.token_bytes(id);
+            TokenLogprob { token: String::from_utf8_lossy(&bytes).into_owned(), bytes, logprob }
+        };
+        self.ids
+            .iter()
+            .zip(&self.logprobs)
+            .enumerate()
+            .map(|(i, (&id, &lp))| GeneratedToken {
+                token: spell(id, lp),
+                top_logprobs: self.top.get(i).map_or_else(Vec::new, |top| top.iter().map(|&(t, l)| spell(t, l)).collect()),
+            })
+            .collect()
     }
 }
 

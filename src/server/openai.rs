@@ -9,6 +9,7 @@ use super::routes::read_body;
 use super::{collections, signalled, AppState, Tenant};
 use crate::service::collections::valid_collection_id;
 use crate::service::{CollectionRead, Generated, PendingGeneration, Pieces};
+use crate::model::tokenizer::TextTokenizer;
 use crate::store::Status;
 use axum::body::Body;
 use axum::extract::State;
@@ -84,7 +85,7 @@ pub async fn chat_completions(
         Ok(stream(&st, completion, pending, prx, &chat))
     } else {
         let r = wait(pending).await?;
-        Ok(Json(completion.whole(&r, &chat, read)).into_response())
+        Ok(Json(completion.whole(&r, &chat, read, &st.service.model().tokenizer)).into_response())
     }
 }
 
@@ -122,7 +123,7 @@ struct Completion {
 }
 
 impl Completion {
-    fn whole(self, r: &Generated, chat: &ValidChat, read: Option<CollectionRead>) -> ChatCompletion {
+    fn whole(self, r: &Generated, chat: &ValidChat, read: Option<CollectionRead>, tokenizer: &TextTokenizer) -> ChatCompletion {
         let with_context = chat.include_context;
         ChatCompletion {
             id: self.id,
@@ -132,7 +133,7 @@ impl Completion {
             choices: vec![ChatChoice {
                 index: 0,
                 message: ChatMessageOut { role: "assistant", content: r.text.clone() },
-                logprobs: chat.logprobs.then(|| api::logprobs_of(&r.tokens)),
+                logprobs: chat.logprobs.then(|| api::logprobs_of(&r.tokens, tokenizer)),
                 finish_reason: finish_reason(r.finish_reason),
             }],
             usage: ChatUsage::new(r.prompt_tokens, r.completion_tokens),
@@ -189,6 +190,7 @@ fn stream(
 ) -> Response {
     let (include_usage, logprobs) = (chat.include_usage, chat.logprobs);
     let mut shutdown = st.shutdown.subscribe();
+    let state = st.clone();
     let events = async_stream::stream! {
         yield Ok::<Event, std::convert::Infallible>(data(&c.chunk(Delta { role: Some("assistant"), content: Some(String::new()) }, None)));
         loop {
@@ -210,7 +212,7 @@ fn stream(
                 // The tokens' log-probabilities come whole with the finishing chunk (the text
                 // pieces are cut where characters and stop strings end, not at tokens).
                 let mut last = c.chunk(Delta::default(), Some(finish_reason(r.finish_reason)));
-                last.choices[0].logprobs = logprobs.then(|| api::logprobs_of(&r.tokens));
+                last.choices[0].logprobs = logprobs.then(|| api::logprobs_of(&r.tokens, &state.service.model().tokenizer));
                 yield Ok(data(&last));
                 if include_usage {
                     yield Ok(data(&c.usage(&r)));

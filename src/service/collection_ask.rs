@@ -84,7 +84,9 @@ impl Service {
         view: &DocumentView,
     ) -> Result<Vec<((usize, usize), Vec<u32>, String)>, ServiceError> {
         let model = self.engine.model.clone();
-        let document = self.readable_document(owner, id, view).await?;
+        // A view from a listing carries no blob reference: a ready document's is looked up.
+        let blob = if view.status == Status::Ready { self.lookup(owner, id).await?.1 } else { None };
+        let document = self.readable_document(id, view, blob).await?;
         tokio::task::spawn_blocking(move || index_passages(&model, &document))
             .await
             .map_err(ServiceError::internal)?

@@ -466,21 +466,20 @@ impl Service {
     /// The text of one of `owner`'s documents, as it was absorbed (what answers read from; the
     /// page opens a passage in it).
     pub async fn document_text(&self, owner: Option<&str>, id: &str) -> Result<String, ServiceError> {
-        let (view, _) = self.lookup(owner, id).await?;
-        Ok(self.readable_document(owner, id, &view).await?.text.clone())
+        let (view, blob) = self.lookup(owner, id).await?;
+        Ok(self.readable_document(id, &view, blob).await?.text.clone())
     }
 
     /// A document's text and tokens without loading its adapter: a ready one's from its
-    /// directory (or the cache), another from the live documents (read back from its kept
-    /// text when another replica posted it).
+    /// directory (or the cache; `blob`: its archive with shared blobs), another from the live
+    /// documents (read back from its kept text when another replica posted it).
     pub(crate) async fn readable_document(
         &self,
-        owner: Option<&str>,
         id: &str,
         view: &DocumentView,
+        blob: Option<BlobRef>,
     ) -> Result<Arc<Document>, ServiceError> {
         if view.status == Status::Ready {
-            let (_, blob) = self.lookup(owner, id).await?;
             let (store, id, model) = (self.store.clone(), id.to_string(), self.engine.model.clone());
             return tokio::task::spawn_blocking(move || store.read_document(&id, &model, blob.as_ref()))
                 .await

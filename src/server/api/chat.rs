@@ -231,8 +231,8 @@ fn top_logprobs(v: Option<u64>, logprobs: bool) -> ApiResult<usize> {
 }
 
 /// OpenAI's `logprobs` of a choice: every generated token, with its alternatives.
-pub fn logprobs_of(tokens: &[crate::model::generate::GeneratedToken]) -> serde_json::Value {
-    serde_json::json!({ "content": tokens, "refusal": null })
+pub fn logprobs_of(tokens: &crate::model::generate::TokenScores, tokenizer: &crate::model::tokenizer::TextTokenizer) -> serde_json::Value {
+    serde_json::json!({ "content": tokens.spell(tokenizer), "refusal": null })
 }
 
 fn top_p(v: Option<f64>) -> ApiResult<f64> {
