@@ -978,14 +978,7 @@ async fn ask_while_another_document_trains() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_over_a_prepared_base_answers_through_its_filter_and_reports_chunk_scores() {
     let e = env();
-    let plain = lift_serve::model::Model::load(&e.model, &candle_core::Device::Cpu).unwrap();
-    let shape = lift_serve::base::BaseShape {
-        rank: 2,
-        filter: lift_serve::lift::answer::layout::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
-    };
-    let mut prepared = lift_serve::base::PreparedBase::new(&plain, &shape, 5).unwrap();
-    let base_dir = e.adapters.with_file_name("base");
-    let hash = prepared.save(&base_dir).unwrap().sha256.clone();
+    let (base_dir, hash) = a_prepared_base(&e);
     let mut cfg = config(&e, &[]);
     cfg.prepared_base = Some(base_dir.to_string_lossy().into_owned());
     let (running, base) = start(cfg).await;
@@ -1033,38 +1026,112 @@ async fn a_server_over_a_prepared_base_answers_through_its_filter_and_reports_ch
     assert_eq!(s, 200, "{r}");
     assert!(r["lift"].get("context").is_none(), "{r}");
     running.shutdown().await;
+}
 
-    // The same store served over the plain model: the adapter was made over the prepared base,
-    // so asking is a 409 in the API's shape (not a 500), and the adapter's files are left as
-    // they were: served over its own base again, it answers.
-    let files = snapshot(&e.adapters);
-    let (running, base) = start(config(&e, &[])).await;
-    let q = json!({"document_id": id, "question": "Who built the harbor?", "mode": "lift"});
-    let (s, r) = post_json(&c, &format!("{base}/ask"), q, None).await;
-    assert_eq!(s, StatusCode::CONFLICT, "{r}");
-    assert_error_shape(&r, "adapter_base_mismatch", "ask over another base");
-    assert_eq!(r["error"]["type"], "conflict_error", "{r}");
-    assert_eq!(r["error"]["param"], "document_id", "{r}");
-    let chat = json!({"model": id, "messages": [{"role": "user", "content": "Who built the harbor?"}]});
-    let (s, r) = post_json(&c, &format!("{base}/v1/chat/completions"), chat, None).await;
-    assert_eq!(s, StatusCode::CONFLICT, "{r}");
-    assert_error_shape(&r, "adapter_base_mismatch", "chat over another base");
-    assert_eq!(r["error"]["param"], "model", "{r}");
-    // The document's token ids were made by its own base's tokenizer: no mode reads it over
-    // another base.
-    let q = json!({"document_id": id, "question": "Who built the harbor?", "mode": "icl"});
-    let (s, r) = post_json(&c, &format!("{base}/ask"), q, None).await;
-    assert_eq!(s, StatusCode::CONFLICT, "{r}");
-    let (s, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
-    assert_eq!((s, d["status"].as_str()), (StatusCode::OK, Some("ready")), "the record is kept: {d}");
-    running.shutdown().await;
-    assert_eq!(snapshot(&e.adapters), files, "the refused asks changed no stored file");
+/// A tiny prepared base with a filter, saved beside the test's store: its directory and hash.
+fn a_prepared_base(e: &Env) -> (std::path::PathBuf, String) {
+    let plain = lift_serve::model::Model::load(&e.model, &candle_core::Device::Cpu).unwrap();
+    let shape = lift_serve::base::BaseShape {
+        rank: 2,
+        filter: lift_serve::lift::answer::layout::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
+    };
+    let mut prepared = lift_serve::base::PreparedBase::new(&plain, &shape, 5).unwrap();
+    let base_dir = e.adapters.with_file_name("base");
+    let hash = prepared.save(&base_dir).unwrap().sha256.clone();
+    (base_dir, hash)
+}
+
+/// A new base under a store (here the prepared base taken away): every stored document is
+/// absorbed again over it, under its id, one at a time and the most recently asked first. Until
+/// its new adapter is saved it answers from its passages and says why; its old adapter stays
+/// until then.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_new_base_absorbs_the_stored_documents_again_most_recently_asked_first() {
+    let e = env();
+    let (base_dir, hash) = a_prepared_base(&e);
     let mut cfg = config(&e, &[]);
     cfg.prepared_base = Some(base_dir.to_string_lossy().into_owned());
     let (running, base) = start(cfg).await;
-    let q = json!({"document_id": id, "question": "Who built the harbor?", "mode": "lift"});
-    let (s, r) = post_json(&c, &format!("{base}/ask"), q, None).await;
-    assert_eq!(s, 200, "over its own base again: {r}");
+    let c = client();
+    // Posted P, Q, R; asked Q, then R; P never: absorbed again R, Q, P (posting order would be
+    // the other way round).
+    let mut ids = Vec::new();
+    for (i, text) in ["The lighthouse of Orsk was lit in 1902 by the keeper Ivo Brandt.", DOC, &DOC.repeat(2)].iter().enumerate() {
+        let (s, d) = post_json(&c, &format!("{base}/documents"), json!({"text": text, "title": format!("doc {i}")}), None).await;
+        assert_eq!(s, 202, "{d}");
+        ids.push(d["id"].as_str().unwrap().to_string());
+    }
+    for id in &ids {
+        wait_ready(&c, &base, id, None).await;
+    }
+    let (p, q, r) = (ids[0].clone(), ids[1].clone(), ids[2].clone());
+    for id in [&q, &r] {
+        let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": id, "question": "Who built it?"}), None).await;
+        assert_eq!(s, 200, "{a}");
+        assert!(a["adapter"].is_object() && a.get("notice").is_none(), "{a}");
+        // The order is kept to the second.
+        tokio::time::sleep(Duration::from_millis(1100)).await;
+    }
+    running.shutdown().await;
+    let manifest = |id: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(e.adapters.join(id).join("manifest.json")).unwrap()).unwrap()
+    };
+    for id in &ids {
+        assert_eq!(manifest(id)["base_model"]["prepared_base"], json!(hash));
+    }
+
+    // The plain model: the first one (R) starts at once; the training thread is then held, so P
+    // waits for its turn (Q before it, in the queue or already trained).
+    let (running, base) = start(config(&e, &[])).await;
+    for _ in 0..2000 {
+        let (_, d) = get_json(&c, &format!("{base}/documents/{r}"), None).await;
+        if d["status"] != "queued" {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let (hold_tx, hold_rx) = std::sync::mpsc::channel::<()>();
+    running.state.service.engine.hold_training(hold_rx).unwrap();
+    let d = wait_ready(&c, &base, &r, None).await;
+    assert!(d.get("reabsorbing").is_none(), "{d}");
+    assert!(manifest(&r)["base_model"].get("prepared_base").is_none(), "R's adapter is over the plain model now");
+    let (_, d) = get_json(&c, &format!("{base}/documents/{p}"), None).await;
+    assert_eq!(d["status"], "queued", "{d}");
+    let previous = d["reabsorbing"]["previous_base"].as_str().unwrap_or_else(|| panic!("{d}"));
+    assert!(previous.contains(&hash), "names the base it was made over: {d}");
+    assert_eq!(manifest(&p)["base_model"]["prepared_base"], json!(hash), "P's old adapter stays until replaced");
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": p, "question": "Who lit it?", "mode": "lift"}), None).await;
+    assert_eq!(s, 200, "answers while waiting to be absorbed again: {a}");
+    assert_eq!((a["mode"].as_str(), a["adapter"].is_null()), (Some("rag"), true), "from its passages: {a}");
+    assert!(a["notice"].as_str().is_some_and(|n| n.contains("absorbed again")), "and says why: {a}");
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": r, "question": "Who built it?", "mode": "lift"}), None).await;
+    assert_eq!(s, 200, "{a}");
+    assert!(a["adapter"].is_object() && a.get("notice").is_none(), "R answers with its new adapter: {a}");
+
+    // Released: Q, then P (one at a time: P waits until Q has ended).
+    drop(hold_tx);
+    let mut started = vec![r.clone()];
+    for _ in 0..3000 {
+        for id in [&q, &p] {
+            let (_, d) = get_json(&c, &format!("{base}/documents/{id}"), None).await;
+            if d["status"] != "queued" && !started.contains(id) {
+                started.push(id.clone());
+            }
+        }
+        if started.len() == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(started, vec![r.clone(), q.clone(), p.clone()], "R, Q, P: the most recently asked first");
+    for id in [&p, &q] {
+        let d = wait_ready(&c, &base, id, None).await;
+        assert!(d.get("reabsorbing").is_none(), "{d}");
+        assert!(manifest(id)["base_model"].get("prepared_base").is_none(), "{id}");
+    }
+    let (s, a) = post_json(&c, &format!("{base}/ask"), json!({"document_id": p, "question": "Who lit it?", "mode": "lift"}), None).await;
+    assert_eq!(s, 200, "{a}");
+    assert!(a["adapter"].is_object() && a.get("notice").is_none(), "{a}");
     running.shutdown().await;
 }
 

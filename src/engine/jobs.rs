@@ -355,13 +355,14 @@ struct Started<'m> {
 }
 
 /// The sequence of a request, the document it reads and the adapter that answers: the saved
-/// adapter; before it exists, the latest training snapshot (`lift`, `memory`) or none (`lift`
-/// then answers as `rag`).
+/// adapter; before it exists (or while one made over another base is replaced), the latest
+/// training snapshot (`lift`, `memory`) or none (`lift` then answers as `rag`).
 fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Started<'m>, EngineError> {
     match &job.prompt {
         Prompt::Document { id, question, history, mode, context, context_tokens, blob } => {
             let (document, held) = match store.live(id) {
-                Some(live) if blob.is_none() && !store.adapter_dir(id).exists() => {
+                // A saved adapter made over another base is being replaced: not it.
+                Some(live) if blob.is_none() && (live.replaces_saved || !store.adapter_dir(id).exists()) => {
                     (live.document.clone(), live.snapshot().map(HeldAdapter::Snapshot))
                 }
                 _ => {

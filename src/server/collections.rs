@@ -231,5 +231,6 @@ fn response(r: Generated, read: CollectionRead, with_context: bool) -> AskRespon
         usage: AskUsage { prompt_tokens: r.prompt_tokens, completion_tokens: r.completion_tokens },
         finish_reason: r.finish_reason,
         timings: Timings { queue_ms: r.queue_ms, prompt_ms: r.prompt_ms, generate_ms: r.generate_ms },
+        notice: None,
     }
 }

@@ -202,12 +202,14 @@ pub async fn ask(
     let (id, mode) = (question.document_id.clone(), question.mode);
     let (ptx, prx) = tokio::sync::mpsc::unbounded_channel::<String>();
     let pending = st.service.ask(tenant.0.as_deref(), question, params, stream.then_some(ptx)).await.map_err(ask_error)?;
+    let notice = pending.notice.clone();
+    let respond = move |r| AskResponse { notice, ..ask_response(r, id, mode, with_context) };
     if stream {
-        return Ok(ask_stream(&st, pending, prx, Box::new(move |r| ask_response(r, id, mode, with_context))));
+        return Ok(ask_stream(&st, pending, prx, Box::new(respond)));
     }
     let mut pending = pending;
     let r = pending.wait().await.map_err(ask_error)?;
-    Ok(Json(ask_response(r, id, mode, with_context)).into_response())
+    Ok(Json(respond(r)).into_response())
 }
 
 pub(super) fn to_json<T: serde::Serialize>(v: &T) -> String {
@@ -241,6 +243,7 @@ pub(super) fn ask_response(r: Generated, document_id: String, mode: Mode, with_c
         timings: Timings { queue_ms: r.queue_ms, prompt_ms: r.prompt_ms, generate_ms: r.generate_ms },
         context,
         collection: None,
+        notice: None,
     }
 }
 

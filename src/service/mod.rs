@@ -21,6 +21,7 @@ mod collection_files;
 mod collection_pg;
 pub mod collections;
 mod error;
+mod rebase;
 pub mod records;
 mod registry;
 pub mod postgres;
@@ -165,20 +166,26 @@ impl Service {
     /// Opens the store, starts the engine, and settles the jobs a previous process left
     /// unfinished: `ready` when their adapter was saved, re-queued (in posting order) when their
     /// text was kept and still hashes to their id, `failed` with the reason otherwise (blocking).
+    /// Documents whose adapter was made over another base are absorbed again ([`rebase`]).
     pub fn open(model: Arc<Model>, cfg: ServiceConfig, metrics: Arc<Metrics>) -> Result<Self> {
         if let Some(shared_cfg) = cfg.shared.clone() {
             return Self::open_shared(model, cfg, shared_cfg, metrics);
         }
         let store = Arc::new(Store::open(&cfg.adapters_dir, cfg.cache_bytes)?.with_checkpoint_interval(cfg.checkpoint_interval));
         let mut docs = HashMap::new();
-        let mut requeue = Vec::new();
-        for r in store.recover()? {
-            if let Some(text) = r.requeue_text {
-                requeue.push((r.rec.id.clone(), text));
+        let (mut requeue, mut rebase) = (Vec::new(), Vec::new());
+        for r in store.recover(&model.info.fingerprint)? {
+            match r.requeue_text {
+                Some(text) if r.rebase => rebase.push((r.rec.clone(), text)),
+                Some(text) => requeue.push((r.rec.id.clone(), text)),
+                None => {}
             }
             docs.insert(r.rec.id.clone(), DocEntry::new(r.rec));
         }
-        tracing::info!(documents = docs.len(), requeued = requeue.len(), dir = %cfg.adapters_dir.display(), "store opened");
+        tracing::info!(
+            documents = docs.len(), requeued = requeue.len(), over_another_base = rebase.len(),
+            dir = %cfg.adapters_dir.display(), "store opened"
+        );
         for dir in store.unrecorded_adapters() {
             tracing::warn!(
                 dir = %dir.display(),
@@ -199,6 +206,7 @@ impl Service {
         for (id, text) in requeue {
             records.requeue(&engine, &id, text);
         }
+        rebase::feed(records.clone(), engine.clone(), rebase::order(rebase));
         let collections = Arc::new(collection_files::FileCollections::open(&cfg.adapters_dir)?);
         Ok(Self { engine, store, registry: records, collections, indexes: Default::default(), cfg })
     }
@@ -335,6 +343,8 @@ impl Service {
             requested: Some(requested_json),
             source: Some(source),
             training: None,
+            last_asked_at: None,
+            reabsorbing_from: None,
         };
         self.registry.submit(&self.engine, rec, document, options, self.cfg.train_queue).await
     }
@@ -441,6 +451,8 @@ impl Service {
             blob,
         };
         let mut pending = self.generate(prompt, params, kv_tokens, pieces)?;
+        self.registry.asked(&view.id);
+        pending.notice = view.reabsorbing.map(|r| r.message);
         pending.document = Some((view.id, self.registry.clone()));
         Ok(pending)
     }
@@ -526,7 +538,7 @@ impl Service {
         let queued_at = Instant::now();
         let job = GenerateJob { prompt, params, cancel: cancel.clone(), pieces, reply, queued_at, kv_tokens, kv_hold: None };
         self.engine.queue_generation(job)?;
-        Ok(PendingGeneration { result, _cancel: CancelOnDrop(cancel), document: None })
+        Ok(PendingGeneration { result, _cancel: CancelOnDrop(cancel), document: None, notice: None })
     }
 
     // ---------- operations ----------
@@ -584,6 +596,9 @@ pub struct PendingGeneration {
     /// The document asked about and where its record is (to mark it damaged when its adapter
     /// is found so).
     document: Option<(String, Arc<dyn Registry>)>,
+    /// What the answer should say beside it (a document absorbed again over a new base answers
+    /// from its passages until then).
+    pub notice: Option<String>,
 }
 
 impl PendingGeneration {

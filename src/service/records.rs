@@ -47,6 +47,31 @@ pub struct DocumentView {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(value_type = Option<Object>)]
     pub training: Option<serde_json::Value>,
+    /// While it is absorbed again because the server's base changed (it answers from its
+    /// passages, and its training's snapshots, until then).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reabsorbing: Option<Reabsorbing>,
+}
+
+/// Why a document is absorbed again (`DocumentView.reabsorbing`).
+#[derive(Clone, Debug, Serialize, PartialEq, utoipa::ToSchema)]
+pub struct Reabsorbing {
+    /// The base its saved adapter was made over.
+    pub previous_base: String,
+    pub message: String,
+}
+
+impl Reabsorbing {
+    fn of(r: &JobRecord) -> Option<Self> {
+        let from = r.reabsorbing_from.as_ref().filter(|_| !r.status.is_terminal())?;
+        Some(Self {
+            previous_base: from.clone(),
+            message: format!(
+                "the server's base changed: this document is absorbed again over it (its adapter was made over {from}); \
+                 until then it answers from its passages"
+            ),
+        })
+    }
 }
 
 #[derive(Clone, Debug, Serialize, PartialEq, utoipa::ToSchema)]
@@ -76,6 +101,19 @@ impl DocEntry {
         view(&self.rec, self.progress.as_ref())
     }
 
+    /// The absorb job of this entry's document.
+    fn job(&self, document: Arc<Document>, options: AbsorbOptions) -> AbsorbJob {
+        AbsorbJob {
+            id: self.rec.id.clone(),
+            document,
+            title: self.rec.title.clone(),
+            source: self.rec.source.clone(),
+            options,
+            cancel: self.cancel.clone(),
+            place: self.place.clone(),
+        }
+    }
+
     fn notify(&self) {
         self.watch.send_replace(self.view());
     }
@@ -96,6 +134,7 @@ pub(super) fn view(r: &JobRecord, progress: Option<&JobProgress>) -> DocumentVie
         options: r.options.clone(),
         source: r.source.clone(),
         training: r.training.clone(),
+        reabsorbing: Reabsorbing::of(r),
     }
 }
 
@@ -134,6 +173,7 @@ impl Records {
                     d.rec.ready_at = Some(store::now());
                     d.rec.adapter = Some(adapter);
                     d.rec.training = Some(training);
+                    d.rec.reabsorbing_from = None;
                     d.progress = None;
                 };
                 if self.update(id, cancel, true, ready) {
@@ -194,48 +234,49 @@ impl JobEvents for Records {
 }
 
 impl Records {
-    /// Queues again a job interrupted by the previous process (its text was kept), or records why
-    /// it cannot be: its id no longer matches the text, options and base model, or the queue is
-    /// full.
+    /// Queues again a job interrupted by the previous process (its text was kept), or a document
+    /// to absorb again over a new base, or records why it cannot be: its id no longer matches the
+    /// text, options and base model, or the queue is full. The text is tokenized before the
+    /// records are locked.
     pub(super) fn requeue(&self, engine: &Engine, id: &str, text: String) {
+        let Some(rec) = self.docs.read().ok().and_then(|d| d.get(id).map(|e| e.rec.clone())) else { return };
+        let document = prepare_requeue(engine, &rec, text);
         let Ok(mut docs) = self.docs.write() else { return };
         let Some(entry) = docs.get_mut(id) else { return };
-        match self.requeue_job(engine, entry, text) {
-            Ok(()) => tracing::info!(id, "re-queued a job interrupted by the previous process"),
-            Err(why) => {
+        let queued = document.and_then(|(document, options)| {
+            self.store.put_live(id, document.clone());
+            engine.queue_absorb(entry.job(document, options)).map_err(|e| format!("the training queue refused it ({e})"))
+        });
+        match (queued, entry.rec.reabsorbing_from.clone()) {
+            (Ok(()), Some(from)) => tracing::info!(id, was_over = from, "queued to absorb again over the new base"),
+            (Ok(()), None) => tracing::info!(id, "re-queued a job interrupted by the previous process"),
+            (Err(why), Some(from)) => {
+                // Its text stays: it still answers from its passages.
+                entry.rec.status = Status::Failed;
+                entry.rec.error = Some(format!(
+                    "its adapter was made over {from} and it could not be absorbed again over the server's base: {why}; \
+                     it answers from its passages until it is posted again"
+                ));
+                self.write_and_notify(entry);
+                tracing::warn!(id, why, "a document over another base not absorbed again");
+            }
+            (Err(why), None) => {
                 entry.rec.status = Status::Failed;
                 entry.rec.error = Some(format!(
                     "interrupted: the server stopped during the job and could not re-queue it: {why}; POST the document again to retry"
                 ));
                 self.store.remove_pending_text(id);
-                if let Err(e) = self.store.write_record(&entry.rec) {
-                    tracing::error!(id, error = %e, "cannot write job record");
-                }
+                self.write_and_notify(entry);
                 tracing::warn!(id, why, "interrupted job not re-queued");
             }
         }
     }
 
-    fn requeue_job(&self, engine: &Engine, entry: &DocEntry, text: String) -> Result<(), String> {
-        let r = &entry.rec;
-        let options = serde_json::from_value::<AbsorbOptions>(r.options.clone())
-            .map_err(|e| format!("its options no longer parse ({e})"))?;
-        let model = &engine.model;
-        if store::document_id(&model.info.fingerprint, r.owner.as_deref(), &text, r.id_options()) != r.id {
-            return Err("its text, options or the base model changed".to_string());
+    fn write_and_notify(&self, entry: &DocEntry) {
+        entry.notify();
+        if let Err(e) = self.store.write_record(&entry.rec) {
+            tracing::error!(id = entry.rec.id, error = %e, "cannot write job record");
         }
-        let document = encode_answerable(model, text).map_err(|e| format!("its text cannot be tokenized ({e:#})"))?;
-        self.store.put_live(&r.id, document.clone());
-        let job = AbsorbJob {
-            id: r.id.clone(),
-            document,
-            title: r.title.clone(),
-            source: r.source.clone(),
-            options,
-            cancel: entry.cancel.clone(),
-            place: entry.place.clone(),
-        };
-        engine.queue_absorb(job).map_err(|e| format!("the training queue refused it ({e})"))
     }
 
     /// Queues a tokenized document within the limits (the engine's training queue bounds the
@@ -272,16 +313,7 @@ impl Records {
         let entry = DocEntry::new(rec);
         // Answerable from now on, from its passages.
         self.store.put_live(&id, document.clone());
-        let job = AbsorbJob {
-            id: id.clone(),
-            document,
-            title: entry.rec.title.clone(),
-            source: entry.rec.source.clone(),
-            options,
-            cancel: entry.cancel.clone(),
-            place: entry.place.clone(),
-        };
-        slot.submit(job)?;
+        slot.submit(entry.job(document, options))?;
         self.store.write_record(&entry.rec).map_err(|e| ServiceError::internal(format!("cannot write the job record: {e}")))?;
         let view = entry.view();
         docs.insert(id.clone(), entry);
@@ -383,6 +415,21 @@ impl Registry for Records {
         async move { tokio::task::spawn_blocking(move || store.read_pending_text(&id)).await.map_err(ServiceError::internal) }.boxed()
     }
 
+    /// Recorded to the minute: one write a minute at most for a document asked all the time.
+    fn asked(&self, id: &str) {
+        const RESOLUTION_S: u64 = 60;
+        let now = store::now();
+        if self.docs.read().ok().and_then(|d| d.get(id)?.rec.last_asked_at).is_some_and(|t| now < t + RESOLUTION_S) {
+            return;
+        }
+        let Ok(mut docs) = self.docs.write() else { return };
+        let Some(d) = docs.get_mut(id) else { return };
+        d.rec.last_asked_at = Some(now);
+        if let Err(e) = self.store.write_record(&d.rec) {
+            tracing::warn!(id, error = %e, "cannot write when the document was last asked");
+        }
+    }
+
     fn mark_damaged<'a>(&'a self, id: &'a str) -> BoxFuture<'a, Result<(), ServiceError>> {
         async move {
             let mut docs = self.docs.write().map_err(ServiceError::poisoned)?;
@@ -412,6 +459,22 @@ fn with_doc<T>(records: &Records, owner: Option<&str>, id: &str, f: impl FnOnce(
         Some(d) if d.rec.owner.as_deref() == owner => Ok(f(d)),
         _ => Err(ServiceError::UnknownDocument(id.to_string())),
     }
+}
+
+/// A kept text checked against its record and tokenized, with the options it trains with.
+fn prepare_requeue(engine: &Engine, r: &JobRecord, text: String) -> Result<(Arc<Document>, AbsorbOptions), String> {
+    let options =
+        serde_json::from_value::<AbsorbOptions>(r.options.clone()).map_err(|e| format!("its options no longer parse ({e})"))?;
+    let model = &engine.model;
+    // A document absorbed again over a new base keeps the id it was posted under (its text is
+    // the one its adapter was saved with).
+    let same = r.reabsorbing_from.is_some()
+        || store::document_id(&model.info.fingerprint, r.owner.as_deref(), &text, r.id_options()) == r.id;
+    if !same {
+        return Err("its text, options or the base model changed".to_string());
+    }
+    let document = encode_answerable(model, text).map_err(|e| format!("its text cannot be tokenized ({e:#})"))?;
+    Ok((document, options))
 }
 
 fn existing_view(docs: &HashMap<String, DocEntry>, id: &str) -> Option<DocumentView> {

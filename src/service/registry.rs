@@ -92,4 +92,8 @@ pub(crate) trait Registry: Send + Sync {
 
     /// Counts for `/metrics`.
     fn stats(&self) -> BoxFuture<'_, RegistryStats>;
+
+    /// A question named the document (after a base upgrade, documents are absorbed again in
+    /// the order they were last asked). The shared registry does not keep it yet.
+    fn asked(&self, _id: &str) {}
 }

@@ -96,6 +96,14 @@ pub struct JobRecord {
     /// Once ready: the training figures of the adapter's manifest (steps, QA pairs, seconds, …).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub training: Option<serde_json::Value>,
+    /// When a question last named it (seconds; written at most once a minute): after a base
+    /// upgrade, the documents asked most recently are absorbed again first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_asked_at: Option<u64>,
+    /// While it is absorbed again over the server's new base: the base its saved adapter was
+    /// made over (model and prepared base). Cleared when the new adapter is saved.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reabsorbing_from: Option<String>,
 }
 
 impl JobRecord {
@@ -122,10 +130,12 @@ pub fn next_seq() -> u64 {
     next(last)
 }
 
-/// A record read back at start; `requeue_text` is the kept text of an interrupted job.
+/// A record read back at start; `requeue_text` is the kept text of an interrupted job, or of a
+/// document whose adapter was made over another base (`rebase`: it is absorbed again).
 pub struct Recovered {
     pub rec: JobRecord,
     pub requeue_text: Option<String>,
+    pub rebase: bool,
 }
 
 /// Everything an answer needs about one absorbed document: its adapter, manifest and document
@@ -145,11 +155,15 @@ impl Loaded {
     }
 }
 
-/// A document that has no saved adapter yet (queued, training, failed or cancelled): it answers
-/// from its passages, and with the latest adapter snapshot its training published.
+/// A document that has no saved adapter yet (queued, training, failed or cancelled), or whose
+/// saved adapter was made over another base: it answers from its passages, and with the latest
+/// adapter snapshot its training published.
 pub struct LiveDocument {
     pub document: Arc<Document>,
     snapshot: std::sync::RwLock<Option<Arc<Snapshot>>>,
+    /// A saved adapter was in the store when the document went live: one made over another base,
+    /// being replaced (answers read the live document, not it).
+    pub replaces_saved: bool,
 }
 
 /// An adapter part-way through training, as answers use it.
@@ -370,9 +384,11 @@ impl Store {
 
     /// Every record on disk. Interrupted jobs (queued/training) are settled here: `ready` when
     /// the adapter was saved; `queued` with `requeue_text` when the text was kept (the caller
-    /// re-queues it or fails it with a reason); else `failed` with the reason. Settled records
-    /// are rewritten; kept texts of ended jobs are removed.
-    pub fn recover(&self) -> Result<Vec<Recovered>> {
+    /// re-queues it or fails it with a reason); else `failed` with the reason. A ready document
+    /// whose adapter was made over another base than `base` (the fingerprint of the model served)
+    /// becomes `queued` with its text (`rebase`): its adapter stays until the new one replaces it.
+    /// Settled records are rewritten; kept texts of ended jobs are removed.
+    pub fn recover(&self, base: &str) -> Result<Vec<Recovered>> {
         let mut out = Vec::new();
         let (mut pending, mut checkpoints) = (Vec::new(), Vec::new());
         for entry in std::fs::read_dir(&self.root)? {
@@ -437,7 +453,27 @@ impl Store {
                     }
                 }
             }
-            out.push(Recovered { rec, requeue_text });
+            let mut rebase = false;
+            if rec.status == Status::Ready {
+                if let Some(from) = self.made_over_another_base(id, base) {
+                    // Kept as a pending text: a restart before the new adapter is saved trains it
+                    // again, and a failed absorb still answers from its passages.
+                    let text = std::fs::read_to_string(self.adapter_dir(id).join(manifest::DOCUMENT_FILE))
+                        .map_err(anyhow::Error::from)
+                        .and_then(|t| self.write_pending_text(id, &t).map(|_| t));
+                    match text {
+                        Ok(text) => {
+                            rec.status = Status::Queued;
+                            rec.reabsorbing_from = Some(from);
+                            requeue_text = Some(text);
+                            rebase = true;
+                            self.write_record(&rec)?;
+                        }
+                        Err(e) => tracing::warn!(id, error = %format!("{e:#}"), "an adapter over another base whose text cannot be read: not absorbed again"),
+                    }
+                }
+            }
+            out.push(Recovered { rec, requeue_text, rebase });
         }
         for id in checkpoints {
             // Only a job that trains again resumes its checkpoint.
@@ -455,6 +491,17 @@ impl Store {
         }
         out.sort_by(|a, b| a.rec.posting_order().cmp(&b.rec.posting_order()));
         Ok(out)
+    }
+
+    /// The base (model and prepared base) that `id`'s saved adapter was made over, when it is
+    /// not the one with fingerprint `base`.
+    fn made_over_another_base(&self, id: &str, base: &str) -> Option<String> {
+        let m = Manifest::read(&self.adapter_dir(id)).ok()?;
+        let b = m.base_model;
+        (b.fingerprint != base).then(|| match b.prepared_base {
+            Some(p) => format!("model '{}' with prepared base '{p}'", b.id),
+            None => format!("model '{}' without a prepared base", b.id),
+        })
     }
 
     /// Adapter directories in the store that no record names (made by `lift-serve absorb --out`
@@ -506,6 +553,8 @@ impl Store {
             requested: None,
             source: None,
             training: Some(m.training),
+            last_asked_at: None,
+            reabsorbing_from: None,
         };
         self.write_record(&rec)?;
         Ok(rec)
@@ -611,8 +660,10 @@ impl Store {
     /// Makes `document` answerable before its adapter is saved (from when it is posted; kept
     /// after a failed or cancelled job).
     pub fn put_live(&self, id: &str, document: Arc<Document>) {
+        let replaces_saved = self.adapter_dir(id).join(manifest::MANIFEST_FILE).exists();
         if let Ok(mut live) = self.live.write() {
-            live.entry(id.to_string()).or_insert_with(|| Arc::new(LiveDocument { document, snapshot: Default::default() }));
+            live.entry(id.to_string())
+                .or_insert_with(|| Arc::new(LiveDocument { document, snapshot: Default::default(), replaces_saved }));
         }
     }
 

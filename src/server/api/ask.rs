@@ -203,6 +203,10 @@ pub struct AskResponse {
     /// whose passage ranked first).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub collection: Option<crate::server::collections::CollectionAnswer>,
+    /// Said beside the answer: the document is being absorbed again over the server's new base,
+    /// and answers from its passages until then.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub notice: Option<String>,
 }
 
 /// Which adapter answered (`AskResponse.adapter`).

@@ -723,6 +723,7 @@ function renderLive(d, pts) {
   $('stat-elapsed').textContent = d.training && d.training.total_seconds ? fmtSecs(d.training.total_seconds)
     : t0 && !TERMINAL.has(d.status) ? fmtSecs((performance.now() - t0) / 1000) : '–';
   $('live-note').textContent = d.status === 'ready' ? ''
+    : d.reabsorbing ? d.reabsorbing.message
     : d.status === 'damaged' ? 'Questions are refused until it is absorbed again.'
     : TERMINAL.has(d.status) ? 'No adapter: answers read the passages that match each question.'
     : 'Until the adapter exists, questions are answered from the passages that match them; a snapshot of the adapter answers once training has one.';
@@ -855,7 +856,7 @@ function answeredBy(v, kind, askedMode) {
   const a = v.adapter;
   const adapter = kind === 'snapshot' ? 'adapter snapshot, step ' + a.step + ' of ' + a.planned_steps
     : kind === 'final' ? 'absorbed adapter (' + a.step + ' steps)'
-    : askedMode === 'lift' ? 'no adapter yet' : 'base model, no adapter';
+    : askedMode === 'lift' ? (v.notice ? 'no adapter over this base yet' : 'no adapter yet') : 'base model, no adapter';
   return MODE_NAME[v.mode] + ' · ' + adapter;
 }
 

@@ -50,6 +50,8 @@ impl Row {
             requested: get_json(15),
             source: get_json(11).and_then(|v| serde_json::from_value(v).ok()),
             training: get_json(12),
+            last_asked_at: None,
+            reabsorbing_from: None,
         };
         let progress = get_json(13).and_then(|v| serde_json::from_value(v).ok());
         let blob = r.get::<_, Option<String>>(14).map(|sha256| BlobRef { sha256 });
