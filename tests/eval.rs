@@ -463,6 +463,24 @@ fn eval_through_a_real_server_socket_measures_the_serving_path() {
     let results = eval::run(&model, &mut backend, docs.clone(), &cfg, false, &mut |_| Ok(())).unwrap();
     check_results(&results, 2, n_q);
 
+    // Asked again as one collection of both documents (`eval --collection`): every question in
+    // `lift` and `rag`, routed by the collection's passages to the document that holds its fact.
+    let asked = backend.ask_collection(&results.documents, &[Mode::Lift, Mode::Rag]).unwrap();
+    assert_eq!(asked.len(), n_q * 2);
+    let routed = asked.iter().filter(|a| a.routed_right == Some(true)).count();
+    assert!(routed * 5 >= asked.len() * 4, "routing chose the question's document in {routed} of {}", asked.len());
+    let mut with = results.clone();
+    with.config.methods.extend(["collection:lift".to_string(), "collection:rag".to_string()]);
+    with.answers.extend(asked);
+    let md = eval::report::markdown(&with);
+    let table = md.split("Asked as one collection").nth(1).unwrap_or_else(|| panic!("no collection table: {md}"));
+    for mode in ["lift", "rag"] {
+        let row = table.lines().find(|l| l.starts_with(&format!("| {mode} |"))).unwrap_or_else(|| panic!("no {mode} row: {table}"));
+        let method = format!("collection:{mode}");
+        let routed_here = with.answers.iter().filter(|a| a.method == method && a.routed_right == Some(true)).count();
+        assert!(row.contains(&format!("| {routed_here} of {n_q} (")), "{row}");
+    }
+
     // The same documents in-process give the same greedy answers (same options and seed).
     let mut local = Local::new(&model, cfg.max_tokens);
     let here =

@@ -3,6 +3,7 @@
 
 use super::{client, load_jsonl, needles, qa_report, report, run, Local, Results, RunConfig};
 use crate::corpus as data;
+use crate::lift::answer::Mode;
 use crate::lift::AbsorbOptions;
 use crate::model::Model;
 use anyhow::{bail, Context, Result};
@@ -54,6 +55,11 @@ pub struct EvalArgs {
     /// Evaluate a running lift-serve server through its HTTP API instead of in-process.
     #[arg(long)]
     pub server: Option<String>,
+    /// With `--server`: after the documents, ask every question again of one collection of all
+    /// the run's documents, in `lift` and `rag` (those of `--methods`): the collection's answers
+    /// against the document's, paired, and routing's accuracy (docs/collections.md).
+    #[arg(long, requires = "server")]
+    pub collection: bool,
     #[arg(long, env = "LIFT_API_KEY")]
     pub api_key: Option<String>,
     /// Only redraw the report (markdown, plots) from OUT/results.json.
@@ -174,10 +180,20 @@ pub fn run_cli(model: &Model, absorb: AbsorbOptions, seed: u64, args: &EvalArgs)
         server: args.server.clone(),
         filter_mask: model.base_filter().map(|f| f.mask_name()),
     };
+    let collection_modes: Vec<Mode> =
+        [Mode::Lift, Mode::Rag].into_iter().filter(|m| args.methods.iter().any(|x| x == m.name())).collect();
+    anyhow::ensure!(!args.collection || !collection_modes.is_empty(), "--collection asks in lift and rag: --methods holds neither");
     let results = match &args.server {
         Some(url) => {
             let mut backend = client::Server::new(url, args.api_key.clone(), cfg.max_tokens)?;
-            run(model, &mut backend, docs, &cfg, !args.quiet, &mut |partial| report::write(partial, &args.out))?
+            let mut results =
+                run(model, &mut backend, docs, &cfg, !args.quiet, &mut |partial| report::write(partial, &args.out))?;
+            if args.collection {
+                let asked = backend.ask_collection(&results.documents, &collection_modes)?;
+                results.config.methods.extend(collection_modes.iter().map(|m| format!("{}{}", client::COLLECTION_PREFIX, m.name())));
+                results.answers.extend(asked);
+            }
+            results
         }
         None => {
             let mut backend = Local::new(model, cfg.max_tokens);

@@ -8,7 +8,8 @@
 //! (`usage.prompt_tokens`) against the prompt it labelled questions with, so a server with another
 //! context budget is reported instead of mislabelled.
 
-use super::{AbsorbRecord, Asked, Backend, EvalDocument};
+use super::{AbsorbRecord, AnswerRecord, Asked, Backend, EvalDocument};
+use crate::lift::answer::Mode;
 use crate::model::filter::ChunkScore;
 use crate::adapters::AdapterKind;
 use crate::lift::answer::Ask;
@@ -25,12 +26,15 @@ pub struct Server {
     http: reqwest::blocking::Client,
     /// Document ids absorbed for the current document, by handle.
     ids: Vec<String>,
+    /// Every document of the run as the server knows it: (the run's id, the server's id of its
+    /// first adapter), for `--collection`.
+    absorbed: Vec<(String, String)>,
 }
 
 impl Server {
     pub fn new(url: &str, key: Option<String>, max_tokens: usize) -> Result<Self> {
         let http = reqwest::blocking::Client::builder().timeout(None::<Duration>).build()?;
-        let s = Self { base: url.trim_end_matches('/').to_string(), key, max_tokens, http, ids: Vec::new() };
+        let s = Self { base: url.trim_end_matches('/').to_string(), key, max_tokens, http, ids: Vec::new(), absorbed: Vec::new() };
         let health: Value = s.send(s.http.get(format!("{}/health", s.base)))?;
         anyhow::ensure!(health["status"] == "ok", "{}: server not healthy: {health}", s.base);
         Ok(s)
@@ -70,6 +74,59 @@ impl Server {
         o
     }
 }
+
+impl Server {
+    /// `eval --collection`: every question of `docs` asked again, in each of `modes`, of one
+    /// collection of all the run's documents (the first adapter of each), as a user with a
+    /// library would ask (docs/collections.md). Each answer records whether routing chose the
+    /// question's document (the one whose passage ranked first, whose adapter answers in `lift`).
+    pub fn ask_collection(&mut self, docs: &[EvalDocument], modes: &[Mode]) -> Result<Vec<AnswerRecord>> {
+        let ids: Vec<&str> = self.absorbed.iter().map(|(_, id)| id.as_str()).collect();
+        anyhow::ensure!(!ids.is_empty(), "--collection: no document of the run was absorbed on the server");
+        let created = self.send(
+            self.http.post(format!("{}/collections", self.base)).json(&json!({"title": "eval", "document_ids": ids})),
+        )?;
+        let collection = created["id"].as_str().context("POST /collections answered no id")?.to_string();
+        let mut out = Vec::new();
+        for doc in docs {
+            let own = self.absorbed.iter().find(|(d, _)| *d == doc.id).map(|(_, id)| id.clone());
+            for q in &doc.questions {
+                for mode in modes {
+                    let t = Instant::now();
+                    let body = json!({"collection_id": collection, "question": q.question, "mode": mode.name(),
+                        "max_tokens": self.max_tokens, "temperature": 0});
+                    let r = self.send(self.http.post(format!("{}/ask", self.base)).json(&body))?;
+                    let prediction = r["answer"].as_str().context("POST /ask answered no answer")?.to_string();
+                    let routed = r["document_id"].as_str().context("POST /ask on a collection answered no document_id")?;
+                    out.push(AnswerRecord {
+                        document: doc.id.clone(),
+                        question: q.id.clone(),
+                        method: format!("{COLLECTION_PREFIX}{}", mode.name()),
+                        scores: crate::corpus::scoring::score(&prediction, &q.answers),
+                        prediction,
+                        in_window: None,
+                        depth: q.depth,
+                        kind: q.kind,
+                        target_tokens: doc.target_tokens,
+                        document_tokens: doc.tokens,
+                        prompt_tokens: r["usage"]["prompt_tokens"].as_u64().unwrap_or(0) as usize,
+                        seconds: t.elapsed().as_secs_f64(),
+                        evidence_in_context: None,
+                        form: q.form.clone(),
+                        mask: None,
+                        logprobs: Vec::new(),
+                        routed_right: Some(own.as_deref() == Some(routed)),
+                    });
+                }
+            }
+        }
+        let _ = self.auth(self.http.delete(format!("{}/collections/{collection}", self.base))).send();
+        Ok(out)
+    }
+}
+
+/// The method name of an answer asked of the run's collection (`collection:lift`).
+pub const COLLECTION_PREFIX: &str = "collection:";
 
 impl Backend for Server {
     fn absorb(
@@ -141,6 +198,9 @@ impl Backend for Server {
             out_of_time: doc_json["training"]["out_of_time"].as_bool().unwrap_or(false),
             ..Default::default()
         };
+        if self.ids.is_empty() {
+            self.absorbed.push((doc.id.clone(), id.clone()));
+        }
         self.ids.push(id);
         Ok((rec, self.ids.len() - 1))
     }

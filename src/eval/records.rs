@@ -73,6 +73,10 @@ pub struct AnswerRecord {
     /// Each generated token's log-probability (empty from a backend that gives none).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub logprobs: Vec<f32>,
+    /// Asked of a collection (`eval --collection`): whether routing chose the question's
+    /// document.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routed_right: Option<bool>,
 }
 
 /// Run settings shared by both backends.

@@ -77,6 +77,7 @@ pub fn markdown(results: &Results) -> String {
          document the `lift`/`icl` prompt holds. absorb s: wall time of the absorption (QA + training)."
     );
     paired_tables(&mut s, results);
+    collection_table(&mut s, results);
     absorb_table(&mut s, results);
     reading_table(&mut s, results);
     super::gating::table(&mut s, results);
@@ -130,6 +131,54 @@ fn paired_tables(s: &mut String, results: &Results) {
         let fmt = |c: [usize; 4]| format!("{} / {} / {} / {}", c[0], c[1], c[2], c[3]);
         let p = crate::corpus::scoring::mcnemar_exact(cells[0][1] + cells[1][1], cells[0][2] + cells[1][2]);
         let _ = writeln!(s, "| {m} | {} | {} | {share} | {secs:.0} | {} | {p:.3} |", fmt(cells[0]), fmt(cells[1]), per_doc.join(", "));
+    }
+}
+
+/// `eval --collection`: each mode asked of the run's collection against the same mode asked of
+/// the question's document, paired, and how often routing chose the question's document.
+fn collection_table(s: &mut String, results: &Results) {
+    let prefix = super::client::COLLECTION_PREFIX;
+    let asked: Vec<&String> = results.config.methods.iter().filter(|m| m.starts_with(prefix)).collect();
+    if asked.is_empty() {
+        return;
+    }
+    let right = |m: &str, doc: &str, q: &str| {
+        results.answers.iter().find(|a| a.method == m && a.document == doc && a.question == q).map(|a| a.scores.contains > 0.0)
+    };
+    let _ = writeln!(s, "
+Asked as one collection of the run's documents, against the same mode asked of the question's document \
+        (both right / only the collection / only the document / neither; McNemar's exact two-sided p); routing: the \
+        document whose passage ranked first (whose adapter answers in `lift`) is the question's:\n");
+    let _ = writeln!(s, "| mode | right of the document | right of the collection | paired | McNemar p | routing |");
+    let _ = writeln!(s, "|---|---|---|---|---|---|");
+    for m in asked {
+        let own = &m[prefix.len()..];
+        let rows: Vec<&AnswerRecord> = results.answers.iter().filter(|a| a.method == *m).collect();
+        let mut cells = [0usize; 4];
+        for a in &rows {
+            let (Some(doc), Some(col)) = (right(own, &a.document, &a.question), right(m, &a.document, &a.question)) else { continue };
+            cells[match (doc, col) {
+                (true, true) => 0,
+                (false, true) => 1,
+                (true, false) => 2,
+                (false, false) => 3,
+            }] += 1;
+        }
+        let n: usize = cells.iter().sum();
+        let routed = rows.iter().filter(|a| a.routed_right == Some(true)).count();
+        let p = crate::corpus::scoring::mcnemar_exact(cells[1], cells[2]);
+        let _ = writeln!(
+            s,
+            "| {own} | {} of {n} | {} of {n} | {} / {} / {} / {} | {p:.3} | {routed} of {} ({}) |",
+            cells[0] + cells[2],
+            cells[0] + cells[1],
+            cells[0],
+            cells[1],
+            cells[2],
+            cells[3],
+            rows.len(),
+            pct((!rows.is_empty()).then(|| routed as f64 / rows.len() as f64))
+        );
     }
 }
 
@@ -618,6 +667,7 @@ mod tests {
                     form: None,
                     mask: None,
                     logprobs: Vec::new(),
+                    routed_right: None,
                 })
                 .collect(),
             seconds: 1.0,
@@ -674,6 +724,7 @@ mod tests {
                     form: None,
                     mask: None,
                     logprobs: Vec::new(),
+                    routed_right: None,
                 })
                 .collect();
             Results {
@@ -724,6 +775,7 @@ mod tests {
             form: Some(if q % 2 == 0 { "who".into() } else { "when".into() }),
             mask: None,
             logprobs: Vec::new(),
+            routed_right: None,
         };
         let answers = vec![
             // Document a: "the License" three times with two wrong; "1999" once.

@@ -200,6 +200,7 @@ impl Runner<'_> {
                 form: q.form.clone(),
                 mask: mask::measure(q, &chunks),
                 logprobs,
+                routed_right: None,
             });
             self.bars.overall.inc(1);
         }
