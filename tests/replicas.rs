@@ -59,7 +59,8 @@ impl Replica {
             .arg("--model").arg(&e.model)
             .arg("--adapters-dir").arg(&cache)
             .arg("--absorb-options").arg(&e.options)
-            .args(["--prepared-base", "none", "--database-url", &e.pg.url, "--adapter-store", &store])
+            .args(if extra.contains(&"--prepared-base") { &[][..] } else { &["--prepared-base", "none"][..] })
+            .args(["--database-url", &e.pg.url, "--adapter-store", &store])
             .args(["--role", role, "--replica-id", name])
             .args(if extra.contains(&"--lease-secs") { &[][..] } else { &["--lease-secs", "2"][..] })
             .args(["--api-keys", "key-one,key-two"])
@@ -280,6 +281,41 @@ async fn a_damaged_adapter_is_named_across_replicas_and_a_repost_absorbs_it_agai
         let (s, v) = ask(r, &id, "key-one").await;
         assert_eq!(s, 200, "{v}\n{}", r.log_text());
     }
+}
+
+/// Replicas do not absorb again over a new base yet (docs/API.md, "A new base"): a document
+/// absorbed over a prepared base, asked of a replica that runs without it, is a 409
+/// `adapter_base_mismatch` in the API's shape, and its archive is left as it was.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_over_another_base_names_the_mismatch_and_keeps_the_adapter() {
+    let e = env();
+    let plain = lift_serve::model::Model::load(&e.model, &candle_core::Device::Cpu).unwrap();
+    let shape = lift_serve::base::BaseShape {
+        rank: 2,
+        filter: lift_serve::lift::answer::layout::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
+    };
+    let base_dir = e.tmp.path().join("base");
+    lift_serve::base::PreparedBase::new(&plain, &shape, 5).unwrap().save(&base_dir).unwrap();
+    let a = Replica::start(&e, "a", "all", &["--prepared-base", base_dir.to_str().unwrap()]).await;
+    let (s, d) = post(&a.url("/documents"), json!({"text": DOC}), "key-one").await;
+    assert_eq!(s, 202, "{d}");
+    let id = d["id"].as_str().unwrap().to_string();
+    wait_status(&a, &id, "key-one", "ready", 120).await;
+    let (s, r) = ask(&a, &id, "key-one").await;
+    assert_eq!(s, 200, "{r}");
+    drop(a);
+    let zips = archives(&e.blobs);
+    let bytes: Vec<Vec<u8>> = zips.iter().map(|z| std::fs::read(e.blobs.join(z)).unwrap()).collect();
+
+    let b = Replica::start(&e, "b", "all", &[]).await;
+    let (s, r) = ask(&b, &id, "key-one").await;
+    assert_eq!((s, r["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("adapter_base_mismatch")), "{r}\n{}", b.log_text());
+    assert_eq!(r["error"]["param"], "document_id", "{r}");
+    let (s, d) = get(&b.url(&format!("/documents/{id}")), "key-one").await;
+    assert_eq!((s, d["status"].as_str()), (StatusCode::OK, Some("ready")), "the record is kept: {d}");
+    assert_eq!(archives(&e.blobs), zips);
+    let after: Vec<Vec<u8>> = zips.iter().map(|z| std::fs::read(e.blobs.join(z)).unwrap()).collect();
+    assert!(after == bytes, "the archive is left as it was");
 }
 
 /// A replica killed (SIGKILL) while it trains: once its lease runs out another replica claims
