@@ -289,13 +289,8 @@ async fn a_damaged_adapter_is_named_across_replicas_and_a_repost_absorbs_it_agai
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_over_another_base_names_the_mismatch_and_keeps_the_adapter() {
     let e = env();
-    let plain = lift_serve::model::Model::load(&e.model, &candle_core::Device::Cpu).unwrap();
-    let shape = lift_serve::base::BaseShape {
-        rank: 2,
-        filter: lift_serve::lift::answer::layout::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
-    };
     let base_dir = e.tmp.path().join("base");
-    lift_serve::base::PreparedBase::new(&plain, &shape, 5).unwrap().save(&base_dir).unwrap();
+    common::save_a_prepared_base(&e.model, &base_dir);
     let a = Replica::start(&e, "a", "all", &["--prepared-base", base_dir.to_str().unwrap()]).await;
     let (s, d) = post(&a.url("/documents"), json!({"text": DOC}), "key-one").await;
     assert_eq!(s, 202, "{d}");

@@ -1030,14 +1030,8 @@ async fn a_server_over_a_prepared_base_answers_through_its_filter_and_reports_ch
 
 /// A tiny prepared base with a filter, saved beside the test's store: its directory and hash.
 fn a_prepared_base(e: &Env) -> (std::path::PathBuf, String) {
-    let plain = lift_serve::model::Model::load(&e.model, &candle_core::Device::Cpu).unwrap();
-    let shape = lift_serve::base::BaseShape {
-        rank: 2,
-        filter: lift_serve::lift::answer::layout::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
-    };
-    let mut prepared = lift_serve::base::PreparedBase::new(&plain, &shape, 5).unwrap();
     let base_dir = e.adapters.with_file_name("base");
-    let hash = prepared.save(&base_dir).unwrap().sha256.clone();
+    let hash = common::save_a_prepared_base(&e.model, &base_dir);
     (base_dir, hash)
 }
 

@@ -32,3 +32,15 @@ pub async fn post_json(c: &Client, url: &str, body: Value, key: Option<&str>) ->
 pub fn metric(text: &str, name: &str) -> f64 {
     text.lines().find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok())).unwrap_or(0.0)
 }
+
+/// A tiny prepared base with a filter for the tiny model at `model`, saved in `dir`; its hash.
+#[allow(dead_code)]
+pub fn save_a_prepared_base(model: &std::path::Path, dir: &std::path::Path) -> String {
+    let plain = lift_serve::model::Model::load(model, &candle_core::Device::Cpu).unwrap();
+    let shape = lift_serve::base::BaseShape {
+        rank: 2,
+        filter: lift_serve::lift::answer::layout::FilterOptions { enabled: true, layer: Some(0), ..Default::default() },
+    };
+    let mut prepared = lift_serve::base::PreparedBase::new(&plain, &shape, 5).unwrap();
+    prepared.save(dir).unwrap().sha256.clone()
+}
