@@ -176,7 +176,7 @@ impl Service {
         let (mut requeue, mut rebase) = (Vec::new(), Vec::new());
         for r in store.recover(&model.info.fingerprint)? {
             match r.requeue_text {
-                Some(text) if r.rebase => rebase.push((r.rec.clone(), text)),
+                Some(text) if r.rec.reabsorbing_from.is_some() => rebase.push((r.rec.clone(), text)),
                 Some(text) => requeue.push((r.rec.id.clone(), text)),
                 None => {}
             }

@@ -131,11 +131,11 @@ pub fn next_seq() -> u64 {
 }
 
 /// A record read back at start; `requeue_text` is the kept text of an interrupted job, or of a
-/// document whose adapter was made over another base (`rebase`: it is absorbed again).
+/// document whose adapter was made over another base (`rec.reabsorbing_from` set: it is absorbed
+/// again).
 pub struct Recovered {
     pub rec: JobRecord,
     pub requeue_text: Option<String>,
-    pub rebase: bool,
 }
 
 /// Everything an answer needs about one absorbed document: its adapter, manifest and document
@@ -386,7 +386,8 @@ impl Store {
     /// the adapter was saved; `queued` with `requeue_text` when the text was kept (the caller
     /// re-queues it or fails it with a reason); else `failed` with the reason. A ready document
     /// whose adapter was made over another base than `base` (the fingerprint of the model served)
-    /// becomes `queued` with its text (`rebase`): its adapter stays until the new one replaces it.
+    /// becomes `queued` with its text and `reabsorbing_from`: its adapter stays until the new one
+    /// replaces it.
     /// Settled records are rewritten; kept texts of ended jobs are removed.
     pub fn recover(&self, base: &str) -> Result<Vec<Recovered>> {
         let mut out = Vec::new();
@@ -418,6 +419,8 @@ impl Store {
                 let was = rec.status.name();
                 if let Ok(m) = Manifest::read(&self.adapter_dir(id)) {
                     rec.status = Status::Ready;
+                    // Set again below while the adapter is still over another base.
+                    rec.reabsorbing_from = None;
                     rec.ready_at = Some(m.created_at);
                     rec.adapter = Some(AdapterInfo { kind: m.kind.to_string(), parameters: m.parameters, bytes: m.bytes });
                 } else {
@@ -453,7 +456,6 @@ impl Store {
                     }
                 }
             }
-            let mut rebase = false;
             if rec.status == Status::Ready {
                 if let Some(from) = self.made_over_another_base(id, base) {
                     // Kept as a pending text: a restart before the new adapter is saved trains it
@@ -466,14 +468,13 @@ impl Store {
                             rec.status = Status::Queued;
                             rec.reabsorbing_from = Some(from);
                             requeue_text = Some(text);
-                            rebase = true;
                             self.write_record(&rec)?;
                         }
                         Err(e) => tracing::warn!(id, error = %format!("{e:#}"), "an adapter over another base whose text cannot be read: not absorbed again"),
                     }
                 }
             }
-            out.push(Recovered { rec, requeue_text, rebase });
+            out.push(Recovered { rec, requeue_text });
         }
         for id in checkpoints {
             // Only a job that trains again resumes its checkpoint.
