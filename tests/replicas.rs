@@ -283,34 +283,88 @@ async fn a_damaged_adapter_is_named_across_replicas_and_a_repost_absorbs_it_agai
     }
 }
 
-/// Replicas do not absorb again over a new base yet (docs/API.md, "A new base"): a document
-/// absorbed over a prepared base, asked of a replica that runs without it, is a 409
-/// `adapter_base_mismatch` in the API's shape, and its archive is left as it was.
+/// Reads one value of one row of the shared database.
+async fn db_value<T: for<'a> tokio_postgres::types::FromSql<'a>>(url: &str, sql: &str, id: &str) -> T {
+    let (c, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    c.query_one(sql, &[&id]).await.unwrap().get(0)
+}
+
+/// A new base under the shared store. Documents absorbed over a prepared base, one of them asked;
+/// then replicas over the plain model: an answering one sees both `queued` with `reabsorbing` and
+/// answers from their passages (no 409, the old archives kept) while no trainer over the new base
+/// runs; a trainer then absorbs them again, the asked one first (the other's base read from its
+/// archive, as in a row written before bases were recorded), under the ids they were posted
+/// under, and their old archives give way to the new ones.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_replica_over_another_base_names_the_mismatch_and_keeps_the_adapter() {
+async fn a_replica_over_a_new_base_absorbs_the_documents_again_most_recently_asked_first() {
     let e = env();
     let base_dir = e.tmp.path().join("base");
     common::save_a_prepared_base(&e.model, &base_dir);
     let a = Replica::start(&e, "a", "all", &["--prepared-base", base_dir.to_str().unwrap()]).await;
-    let (s, d) = post(&a.url("/documents"), json!({"text": DOC}), "key-one").await;
-    assert_eq!(s, 202, "{d}");
-    let id = d["id"].as_str().unwrap().to_string();
-    wait_status(&a, &id, "key-one", "ready", 120).await;
-    let (s, r) = ask(&a, &id, "key-one").await;
-    assert_eq!(s, 200, "{r}");
+    let mut ids = Vec::new();
+    for text in [DOC.to_string(), format!("{DOC} The ferry to Osk leaves at noon.")] {
+        let (s, d) = post(&a.url("/documents"), json!({"text": text}), "key-one").await;
+        assert_eq!(s, 202, "{d}");
+        ids.push(d["id"].as_str().unwrap().to_string());
+    }
+    let (p, q) = (ids[0].clone(), ids[1].clone());
+    for id in &ids {
+        wait_status(&a, id, "key-one", "ready", 120).await;
+    }
+    let (s, r) = ask(&a, &q, "key-one").await;
+    assert_eq!((s, r["mode"].as_str()), (StatusCode::OK, Some("lift")), "{r}");
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while db_value::<Option<i64>>(&e.pg.url, "SELECT last_asked_at FROM documents WHERE id = $1", &q).await.is_none() {
+        assert!(Instant::now() < deadline, "the question was never recorded: {}", a.log_text());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     drop(a);
-    let zips = archives(&e.blobs);
-    let bytes: Vec<Vec<u8>> = zips.iter().map(|z| std::fs::read(e.blobs.join(z)).unwrap()).collect();
+    let old = archives(&e.blobs);
+    assert_eq!(old.len(), 2);
 
-    let b = Replica::start(&e, "b", "all", &[]).await;
-    let (s, r) = ask(&b, &id, "key-one").await;
-    assert_eq!((s, r["error"]["code"].as_str()), (StatusCode::CONFLICT, Some("adapter_base_mismatch")), "{r}\n{}", b.log_text());
-    assert_eq!(r["error"]["param"], "document_id", "{r}");
-    let (s, d) = get(&b.url(&format!("/documents/{id}")), "key-one").await;
-    assert_eq!((s, d["status"].as_str()), (StatusCode::OK, Some("ready")), "the record is kept: {d}");
-    assert_eq!(archives(&e.blobs), zips);
-    let after: Vec<Vec<u8>> = zips.iter().map(|z| std::fs::read(e.blobs.join(z)).unwrap()).collect();
-    assert!(after == bytes, "the archive is left as it was");
+    // Answering only: nothing over the new base trains yet.
+    let b = Replica::start(&e, "b", "server", &[]).await;
+    for id in &ids {
+        let (s, d) = get(&b.url(&format!("/documents/{id}")), "key-one").await;
+        assert_eq!((s, d["status"].as_str()), (StatusCode::OK, Some("queued")), "{d}");
+        assert!(d["reabsorbing"]["previous_base"].as_str().is_some_and(|b| b.contains("with prepared base")), "{d}");
+    }
+    // (Asked here too: the last question, on any replica, orders the re-absorbs.)
+    let (s, r) = ask(&b, &q, "key-one").await;
+    assert_eq!(s, StatusCode::OK, "{r}\n{}", b.log_text());
+    assert_eq!((r["mode"].as_str(), &r["adapter"]), (Some("rag"), &Value::Null), "{r}");
+    assert!(r["notice"].as_str().is_some_and(|n| n.contains("absorbed again")), "{r}");
+    assert_eq!(archives(&e.blobs), old, "the old archives are kept meanwhile");
+
+    // P's row as a replica before bases were recorded wrote it: the trainer reads its base
+    // from the archive's manifest.
+    let (pg, conn) = tokio_postgres::connect(&e.pg.url, tokio_postgres::NoTls).await.unwrap();
+    tokio::spawn(conn);
+    assert_eq!(pg.execute("UPDATE documents SET base = NULL, base_name = NULL WHERE id = $1", &[&p]).await.unwrap(), 1);
+    let c = Replica::start(&e, "c", "trainer", &[]).await;
+    // (B shows P ready until C has read its base: its status alone cannot be waited on.)
+    let published = "SELECT coalesce(status = 'ready' AND base_name LIKE '%without a prepared base', false) FROM documents WHERE id = $1";
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for id in &ids {
+        while !db_value::<bool>(&e.pg.url, published, id).await {
+            assert!(Instant::now() < deadline, "{id} was never absorbed again: {}", c.log_text());
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+    let log = c.log_text();
+    let at = |id: &str| log.lines().position(|l| l.contains("absorbing again over this replica's base") && l.contains(id));
+    let (first, second) = (at(&q).expect(&log), at(&p).expect(&log));
+    assert!(first < second, "the asked document is absorbed again first: {log}");
+    for id in &ids {
+        let (s, r) = ask(&b, id, "key-one").await;
+        assert_eq!((s, r["mode"].as_str()), (StatusCode::OK, Some("lift")), "{r}");
+        assert!(r["adapter"].is_object() && r["notice"].is_null(), "{r}");
+    }
+    let new = archives(&e.blobs);
+    assert_eq!(new.len(), 2, "{new:?}");
+    assert!(new.iter().all(|z| !old.contains(z)), "the old archives went once replaced: {old:?} {new:?}");
+    assert_eq!(jobs_left(&e.pg.url).await, 0);
 }
 
 /// A replica killed (SIGKILL) while it trains: once its lease runs out another replica claims

@@ -219,7 +219,7 @@ impl Service {
         let store = Arc::new(
             Store::open(&cfg.adapters_dir, cfg.cache_bytes)?.with_blobs(blobs).with_checkpoint_interval(cfg.checkpoint_interval),
         );
-        let shared = Arc::new(postgres::Shared::new(shared_cfg.clone(), store.clone(), metrics)?);
+        let shared = Arc::new(postgres::Shared::new(shared_cfg.clone(), store.clone(), metrics, &model)?);
         let engine = Arc::new(Engine::start(model.clone(), store.clone(), shared.clone(), cfg.train_queue, cfg.generate_limits(&model))?);
         tokio::spawn(shared.clone().run(engine.clone()));
         tracing::info!(

@@ -94,6 +94,6 @@ pub(crate) trait Registry: Send + Sync {
     fn stats(&self) -> BoxFuture<'_, RegistryStats>;
 
     /// A question named the document (after a base upgrade, documents are absorbed again in
-    /// the order they were last asked). The shared registry does not keep it yet.
+    /// the order they were last asked).
     fn asked(&self, _id: &str) {}
 }

@@ -251,6 +251,14 @@ pub fn now() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
 }
 
+/// A base as people read it: the model and its prepared base.
+pub fn base_name(b: &manifest::BaseModelRef) -> String {
+    match &b.prepared_base {
+        Some(p) => format!("model '{}' with prepared base '{p}'", b.id),
+        None => format!("model '{}' without a prepared base", b.id),
+    }
+}
+
 /// `doc_<hex>`: SHA-256 of the base model's fingerprint, the owner, the text and the canonical
 /// JSON of the options as asked (serde_json maps are sorted, so `to_string` is canonical). Records
 /// written before then hashed the options fitted to a time budget (the same without one).
@@ -497,12 +505,31 @@ impl Store {
     /// The base (model and prepared base) that `id`'s saved adapter was made over, when it is
     /// not the one with fingerprint `base`.
     fn made_over_another_base(&self, id: &str, base: &str) -> Option<String> {
-        let m = Manifest::read(&self.adapter_dir(id)).ok()?;
-        let b = m.base_model;
-        (b.fingerprint != base).then(|| match b.prepared_base {
-            Some(p) => format!("model '{}' with prepared base '{p}'", b.id),
-            None => format!("model '{}' without a prepared base", b.id),
-        })
+        let b = Manifest::read(&self.adapter_dir(id)).ok()?.base_model;
+        (b.fingerprint != base).then(|| base_name(&b))
+    }
+
+    /// The base an archived adapter was made over, as (fingerprint, name for people), read from
+    /// its manifest (fetched into the local directory of `id` first when it is not there).
+    pub fn archived_base(&self, id: &str, blob: &BlobRef) -> Result<(String, String)> {
+        self.ensure_local_copy(id, blob)?;
+        let b = Manifest::read(&self.adapter_dir(id))?.base_model;
+        Ok((b.fingerprint.clone(), base_name(&b)))
+    }
+
+    /// The text an archived adapter was absorbed from (fetched as `archived_base`): what a
+    /// replica absorbs again over a new base, and answers from meanwhile.
+    pub fn archived_text(&self, id: &str, blob: &BlobRef) -> Result<String> {
+        self.ensure_local_copy(id, blob)?;
+        let path = self.adapter_dir(id).join(manifest::DOCUMENT_FILE);
+        std::fs::read_to_string(&path).with_context(|| format!("{}: cannot read the document", path.display()))
+    }
+
+    fn ensure_local_copy(&self, id: &str, blob: &BlobRef) -> Result<()> {
+        match &self.blobs {
+            Some(blobs) if !self.local_copy_is(id, blob) => self.fetch(id, blob, blobs),
+            _ => Ok(()),
+        }
     }
 
     /// Adapter directories in the store that no record names (made by `lift-serve absorb --out`
@@ -617,10 +644,8 @@ impl Store {
         if let Some(l) = self.cache.get(&key) {
             return Ok(l.document.clone());
         }
-        if let (Some(blob), Some(blobs)) = (blob, &self.blobs) {
-            if !self.local_copy_is(id, blob) {
-                self.fetch(id, blob, blobs)?;
-            }
+        if let Some(blob) = blob {
+            self.ensure_local_copy(id, blob)?;
         }
         let dir = self.adapter_dir(id);
         let text = std::fs::read_to_string(dir.join(manifest::DOCUMENT_FILE))

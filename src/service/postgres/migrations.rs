@@ -62,6 +62,17 @@ const MIGRATIONS: &[(i32, &str)] = &[
     );
     CREATE INDEX collection_documents_by_document ON collection_documents (document_id);",
     ),
+    // A new base under stored documents (`rebase.rs`): the base each published adapter was made
+    // over (NULL in rows published before: read from the archive's manifest once), the base a
+    // document is being absorbed again from, when it was last asked, and the base a job must be
+    // trained over (NULL: any; a document's id is made with its base, so a trainer over another
+    // one must leave the job).
+    (
+        4,
+        "ALTER TABLE documents ADD COLUMN base text, ADD COLUMN base_name text, ADD COLUMN reabsorbing_from text,
+        ADD COLUMN last_asked_at bigint;
+    ALTER TABLE jobs ADD COLUMN base text;",
+    ),
 ];
 
 impl Shared {

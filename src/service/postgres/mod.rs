@@ -24,10 +24,11 @@
 //! Here: the replica's settings, the connection pool and the database helpers; the schema's
 //! migrations (`migrations.rs`); the documents' rows and the [`Registry`](super::registry::Registry)
 //! over them (`registry.rs`); the job queue — claims, leases, the trainer loop, publishing
-//! adapters (`queue.rs`).
+//! adapters (`queue.rs`); absorbing again the documents over another base (`rebase.rs`).
 
 mod migrations;
 mod queue;
+mod rebase;
 mod registry;
 
 use super::ServiceError;
@@ -36,7 +37,7 @@ use crate::metrics::Metrics;
 use crate::store::blobs::Blobs;
 use crate::store::Store;
 use anyhow::Context;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -88,9 +89,23 @@ struct Running {
     lost: AtomicBool,
 }
 
+/// The base a replica serves: its model's fingerprint (with its prepared base) and its name for
+/// people.
+pub(super) struct Base {
+    pub(super) fingerprint: String,
+    pub(super) name: String,
+}
+
 pub struct Shared {
     pool: deadpool_postgres::Pool,
     cfg: SharedConfig,
+    base: Base,
+    /// When this replica started (seconds): it absorbs again only adapters published before.
+    started_at: u64,
+    /// When this replica last wrote a document's `last_asked_at`.
+    asked: Mutex<HashMap<String, u64>>,
+    /// Documents over another base whose archive this replica could not read (not tried again).
+    unreadable: Mutex<HashSet<String>>,
     store: Arc<Store>,
     blobs: Arc<Blobs>,
     metrics: Arc<Metrics>,
@@ -129,7 +144,7 @@ fn json<T: serde::Serialize>(v: &T) -> Result<serde_json::Value, ServiceError> {
 }
 impl Shared {
     /// Connects lazily: nothing is asked of the database until [`Shared::run`] starts.
-    pub fn new(cfg: SharedConfig, store: Arc<Store>, metrics: Arc<Metrics>) -> anyhow::Result<Self> {
+    pub fn new(cfg: SharedConfig, store: Arc<Store>, metrics: Arc<Metrics>, model: &crate::model::Model) -> anyhow::Result<Self> {
         let runtime = tokio::runtime::Handle::try_current().context("replicas need a tokio runtime")?;
         let blobs = store.blobs().cloned().context("replicas need a shared adapter store (--adapter-store)")?;
         let mut pg: tokio_postgres::Config =
@@ -149,9 +164,17 @@ impl Shared {
             .recycle_timeout(Some(Duration::from_secs(3)))
             .build()
             .context("cannot build the database pool")?;
+        let base = Base {
+            fingerprint: model.info.fingerprint.clone(),
+            name: crate::store::base_name(&crate::adapters::BaseModelRef::of(model)),
+        };
         Ok(Self {
             pool,
             cfg,
+            base,
+            started_at: crate::store::now(),
+            asked: Mutex::new(HashMap::new()),
+            unreadable: Mutex::new(HashSet::new()),
             store,
             blobs,
             metrics,

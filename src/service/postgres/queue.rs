@@ -52,7 +52,15 @@ impl Shared {
                         self.start(job, &engine).await;
                         continue;
                     }
-                    Ok(None) => self.cfg.poll,
+                    // Nothing posted waits: the next document over another base, if any.
+                    Ok(None) => match self.queue_next_reabsorb().await {
+                        Ok(true) => continue,
+                        Ok(false) => self.cfg.poll,
+                        Err(e) => {
+                            tracing::warn!(error = %e, "cannot look for documents over another base");
+                            self.cfg.poll.max(Duration::from_secs(1))
+                        }
+                    },
                     Err(e) => {
                         tracing::warn!(error = %e, "cannot claim a job");
                         self.cfg.poll.max(Duration::from_secs(1))
@@ -66,7 +74,8 @@ impl Shared {
         }
     }
 
-    /// Claims the oldest job whose lease is free or has run out.
+    /// Claims the oldest job whose lease is free or has run out, among those this replica's base
+    /// may train.
     async fn claim(&self) -> Result<Option<Claimed>, ServiceError> {
         let c = self.client().await?;
         let lease = self.cfg.lease.as_secs_f64();
@@ -74,7 +83,7 @@ impl Shared {
             c.query_opt(
                 "WITH next AS (
                      SELECT id, replica AS previous FROM jobs
-                     WHERE lease_until IS NULL OR lease_until < now()
+                     WHERE (lease_until IS NULL OR lease_until < now()) AND (base IS NULL OR base = $3)
                      ORDER BY seq, id
                      LIMIT 1
                      FOR UPDATE SKIP LOCKED
@@ -83,7 +92,7 @@ impl Shared {
                      attempts = j.attempts + 1, claimed_at = now()
                  FROM next WHERE j.id = next.id
                  RETURNING j.id, j.text, j.attempts, next.previous",
-                &[&self.cfg.replica, &lease],
+                &[&self.cfg.replica, &lease, &self.base.fingerprint],
             )
             .await
             .map_err(db_error)
@@ -138,9 +147,12 @@ impl Shared {
         let c = self.client().await.map_err(|e| e.to_string())?;
         let sql = format!("SELECT {DOC_COLUMNS} FROM documents WHERE id = $1");
         let row = timed(async { c.query_opt(&sql, &[&id]).await.map_err(db_error) }).await.map_err(|e| e.to_string())?;
-        let rec = Row::read(&row.ok_or("the document was deleted")?).map_err(|e| e.to_string())?.rec;
+        let rec = Row::read(&row.ok_or("the document was deleted")?, &self.base.fingerprint).map_err(|e| e.to_string())?.rec;
         let options = serde_json::from_value::<AbsorbOptions>(rec.options.clone()).map_err(|e| format!("its options no longer parse ({e})"))?;
-        if store::document_id(&model.info.fingerprint, rec.owner.as_deref(), &text, rec.id_options()) != rec.id {
+        // A document absorbed again over a new base keeps the id it was posted under.
+        let same_id = rec.reabsorbing_from.is_some()
+            || store::document_id(&model.info.fingerprint, rec.owner.as_deref(), &text, rec.id_options()) == rec.id;
+        if !same_id {
             return Err("its text, options or base model do not match its id (a replica with another base model?)".into());
         }
         let document = tokio::task::spawn_blocking(move || crate::service::encode_answerable(&model, text))
@@ -225,8 +237,9 @@ impl Shared {
                 Ending::Ready { blob, adapter, training } => {
                     tx.execute(
                         "UPDATE documents SET status = 'ready', ready_at = $2, adapter = $3, training = $4, blob_sha256 = $5,
-                             progress = NULL, error = NULL, updated_at = now() WHERE id = $1",
-                        &[&id, &to_i64(store::now()), &json(adapter)?, training, &blob.sha256],
+                             progress = NULL, error = NULL, base = $6, base_name = $7, reabsorbing_from = NULL,
+                             updated_at = now() WHERE id = $1",
+                        &[&id, &to_i64(store::now()), &json(adapter)?, training, &blob.sha256, &self.base.fingerprint, &self.base.name],
                     )
                     .await
                     .map_err(db_error)?;
@@ -314,13 +327,18 @@ impl Shared {
         }
     }
 
-    /// Packs the saved adapter, writes its archive and publishes it in the database.
+    /// Packs the saved adapter, writes its archive and publishes it in the database. The archive
+    /// it replaces (one made over another base) goes from the store once nothing names it.
     fn publish(&self, id: &str, running: &Running, adapter: AdapterInfo, training: serde_json::Value) -> anyhow::Result<bool> {
         let archive = blobs::pack(&self.store.adapter_dir(id))?;
         let blob = self.runtime.block_on(self.blobs.put(archive.into()))?;
+        let replaced = self.runtime.block_on(self.archive_of(id)).unwrap_or_default().filter(|old| *old != blob.sha256);
         let done = self.runtime.block_on(self.end_with_retries(id, running, Ending::Ready { blob: blob.clone(), adapter, training }));
         if done {
             self.store.note_blob(id, &blob)?;
+            if let Some(old) = replaced {
+                self.runtime.block_on(self.forget_archive(id, old))?;
+            }
         }
         Ok(done)
     }

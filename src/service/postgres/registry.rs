@@ -20,7 +20,8 @@ use std::sync::Arc;
 const WAITING_JOBS: &str = "SELECT count(*) FROM jobs WHERE lease_until IS NULL OR lease_until < now()";
 
 pub(super) const DOC_COLUMNS: &str =
-    "id, owner, title, status, tokens, created_at, seq, ready_at, error, adapter, options, source, training, progress, blob_sha256, requested";
+    "id, owner, title, status, tokens, created_at, seq, ready_at, error, adapter, options, source, training, progress, blob_sha256, requested, \
+     base, base_name, reabsorbing_from, last_asked_at";
 
 /// A `documents` row as the record the rest of the service knows, with its live progress and
 /// the archive of its adapter.
@@ -31,7 +32,10 @@ pub(super) struct Row {
 }
 
 impl Row {
-    pub(super) fn read(r: &tokio_postgres::Row) -> Result<Self, ServiceError> {
+    /// The row as a replica over the base with fingerprint `base` sees it: a ready document whose
+    /// adapter was made over another base is `queued` with `reabsorbing_from` (it answers from
+    /// its passages until a trainer over this base absorbs it again: `rebase.rs`).
+    pub(super) fn read(r: &tokio_postgres::Row, base: &str) -> Result<Self, ServiceError> {
         let get_json = |i: usize| -> Option<serde_json::Value> { r.get::<_, Option<serde_json::Value>>(i) };
         let status: String = r.get(3);
         let status: Status = serde_json::from_value(serde_json::Value::String(status)).map_err(ServiceError::internal)?;
@@ -50,9 +54,15 @@ impl Row {
             requested: get_json(15),
             source: get_json(11).and_then(|v| serde_json::from_value(v).ok()),
             training: get_json(12),
-            last_asked_at: None,
-            reabsorbing_from: None,
+            last_asked_at: r.get::<_, Option<i64>>(19).map(|t| t.max(0) as u64),
+            reabsorbing_from: r.get(18),
         };
+        let mut rec = rec;
+        let made_over: Option<String> = r.get(16);
+        if rec.status == Status::Ready && made_over.as_deref().is_some_and(|b| b != base) {
+            rec.status = Status::Queued;
+            rec.reabsorbing_from = r.get::<_, Option<String>>(17).or(made_over);
+        }
         let progress = get_json(13).and_then(|v| serde_json::from_value(v).ok());
         let blob = r.get::<_, Option<String>>(14).map(|sha256| BlobRef { sha256 });
         Ok(Self { rec, progress, blob })
@@ -77,7 +87,7 @@ impl Shared {
             let tx = c.transaction().await.map_err(db_error)?;
             let existing = tx.query_opt(&format!("SELECT {DOC_COLUMNS} FROM documents WHERE id = $1 AND status IN ('queued', 'training', 'ready')"), &[id]).await.map_err(db_error)?;
             if let Some(row) = existing {
-                return Ok(Some(Row::read(&row)?.view()));
+                return Ok(Some(Row::read(&row, &self.base.fingerprint)?.view()));
             }
             let waiting: i64 = tx
                 .query_one(WAITING_JOBS, &[])
@@ -104,9 +114,11 @@ impl Shared {
             if row.is_none() {
                 // Another replica inserted it meanwhile (this insert waited for its commit).
                 let row = tx.query_one(&format!("SELECT {DOC_COLUMNS} FROM documents WHERE id = $1"), &[id]).await.map_err(db_error)?;
-                return Ok(Some(Row::read(&row)?.view()));
+                return Ok(Some(Row::read(&row, &self.base.fingerprint)?.view()));
             }
-            tx.execute("INSERT INTO jobs (id, text, seq) VALUES ($1, $2, $3)", &[id, &text, &seq]).await.map_err(db_error)?;
+            tx.execute("INSERT INTO jobs (id, text, seq, base) VALUES ($1, $2, $3, $4)", &[id, &text, &seq, &self.base.fingerprint])
+                .await
+                .map_err(db_error)?;
             tx.commit().await.map_err(db_error)?;
             Ok(None)
         })
@@ -124,28 +136,51 @@ impl Shared {
         let c = self.client().await?;
         let sql = format!("SELECT {DOC_COLUMNS} FROM documents WHERE id = $1 AND owner IS NOT DISTINCT FROM $2");
         let row = timed(async { c.query_opt(&sql, &[&id, &owner]).await.map_err(db_error) }).await?;
-        row.as_ref().map(Row::read).transpose()
+        row.as_ref().map(|r| Row::read(r, &self.base.fingerprint)).transpose()
     }
 
     /// The document and the archive of its adapter (when ready).
     pub async fn document(&self, owner: Option<&str>, id: &str) -> Result<(DocumentView, Option<BlobRef>), ServiceError> {
         let row = self.row(owner, id).await?.ok_or_else(|| ServiceError::UnknownDocument(id.to_string()))?;
-        Ok((row.view(), row.blob))
+        // Only a ready adapter is loaded; the archive of one over another base (being absorbed
+        // again, or whose re-absorb failed) is read for its text alone (`kept_text`).
+        let loads = matches!(row.rec.status, Status::Ready | Status::Damaged);
+        Ok((row.view(), row.blob.filter(|_| loads)))
     }
 
-    /// The text of a document whose job has not ended (its row in the queue), for answering
-    /// from its passages before its adapter is published; None once the job has ended.
+    /// The text of a document without a ready adapter over this base, for answering from its
+    /// passages: its job's (queued or training), else its published archive's (an adapter over
+    /// another base, waiting to be absorbed again or whose re-absorb failed); None when neither
+    /// exists (a failed first absorb).
     pub async fn job_text(&self, id: &str) -> Result<Option<String>, ServiceError> {
         let c = self.client().await?;
-        let row = timed(async { c.query_opt("SELECT text FROM jobs WHERE id = $1", &[&id]).await.map_err(db_error) }).await?;
-        Ok(row.map(|r| r.get(0)))
+        let row = timed(async {
+            c.query_opt(
+                "SELECT j.text, d.blob_sha256 FROM documents d LEFT JOIN jobs j ON j.id = d.id WHERE d.id = $1",
+                &[&id],
+            )
+            .await
+            .map_err(db_error)
+        })
+        .await?;
+        let Some(row) = row else { return Ok(None) };
+        if let Some(text) = row.get::<_, Option<String>>(0) {
+            return Ok(Some(text));
+        }
+        let Some(sha256) = row.get::<_, Option<String>>(1) else { return Ok(None) };
+        let (store, id) = (self.store.clone(), id.to_string());
+        let text = tokio::task::spawn_blocking(move || store.archived_text(&id, &BlobRef { sha256 }))
+            .await
+            .map_err(ServiceError::internal)?
+            .map_err(|e| ServiceError::internal(format!("cannot read the document from its adapter's archive: {e:#}")))?;
+        Ok(Some(text))
     }
 
     pub async fn documents(&self, owner: Option<&str>) -> Result<Vec<DocumentView>, ServiceError> {
         let c = self.client().await?;
         let sql = format!("SELECT {DOC_COLUMNS} FROM documents WHERE owner IS NOT DISTINCT FROM $1 ORDER BY seq, id");
         let rows = timed(async { c.query(&sql, &[&owner]).await.map_err(db_error) }).await?;
-        rows.iter().map(|r| Row::read(r).map(|r| r.view())).collect()
+        rows.iter().map(|r| Row::read(r, &self.base.fingerprint).map(|r| r.view())).collect()
     }
 
     pub async fn documents_among(&self, owner: Option<&str>, ids: &[String]) -> Result<Vec<DocumentView>, ServiceError> {
@@ -155,7 +190,7 @@ impl Shared {
         let c = self.client().await?;
         let sql = format!("SELECT {DOC_COLUMNS} FROM documents WHERE owner IS NOT DISTINCT FROM $1 AND id = ANY($2)");
         let rows = timed(async { c.query(&sql, &[&owner, &ids]).await.map_err(db_error) }).await?;
-        rows.iter().map(|r| Row::read(r).map(|r| r.view())).collect()
+        rows.iter().map(|r| Row::read(r, &self.base.fingerprint).map(|r| r.view())).collect()
     }
 
     /// Updates of the document's view for event streams, read from its row every `poll` (the
@@ -208,16 +243,7 @@ impl Shared {
             r.cancel.store(true, Ordering::SeqCst);
         }
         if let Some(sha256) = row.get::<_, Option<String>>(0) {
-            let still_used = timed(async {
-                c.query_opt("SELECT 1 FROM documents WHERE blob_sha256 = $1 LIMIT 1", &[&sha256]).await.map_err(db_error)
-            })
-            .await?
-            .is_some();
-            if !still_used {
-                if let Err(e) = self.blobs.delete(&BlobRef { sha256 }).await {
-                    tracing::warn!(id, error = %e, "cannot delete the adapter archive; it stays in the store");
-                }
-            }
+            self.forget_archive(id, sha256).await?;
         }
         if let Err(e) = self.blobs.delete_checkpoint(id).await {
             tracing::warn!(id, error = %e, "cannot delete the absorb's checkpoint; it stays in the store");
@@ -227,6 +253,23 @@ impl Shared {
             .await
             .map_err(ServiceError::internal)?
             .map_err(|e| ServiceError::internal(format!("cannot delete the local copy: {e:#}")))?;
+        Ok(())
+    }
+
+    /// Deletes the archive `sha256` (once `id`'s) from the blob store unless another document
+    /// still names it.
+    pub(super) async fn forget_archive(&self, id: &str, sha256: String) -> Result<(), ServiceError> {
+        let c = self.client().await?;
+        let still_used = timed(async {
+            c.query_opt("SELECT 1 FROM documents WHERE blob_sha256 = $1 LIMIT 1", &[&sha256]).await.map_err(db_error)
+        })
+        .await?
+        .is_some();
+        if !still_used {
+            if let Err(e) = self.blobs.delete(&BlobRef { sha256 }).await {
+                tracing::warn!(id, error = %e, "cannot delete the adapter archive; it stays in the store");
+            }
+        }
         Ok(())
     }
 
@@ -354,6 +397,28 @@ impl Registry for Shared {
             Ok(())
         }
         .boxed()
+    }
+
+    /// Written at most once a minute for a document by each replica (the order of re-absorbs
+    /// after a base upgrade needs minutes, not every question).
+    fn asked(&self, id: &str) {
+        let now = store::now();
+        if let Ok(mut asked) = self.asked.lock() {
+            if asked.get(id).is_some_and(|&t| now < t + 60) {
+                return;
+            }
+            asked.insert(id.to_string(), now);
+        }
+        let (pool, id) = (self.pool.clone(), id.to_string());
+        self.runtime.spawn(async move {
+            let written = async {
+                let c = pool.get().await.map_err(|e| e.to_string())?;
+                c.execute("UPDATE documents SET last_asked_at = $2 WHERE id = $1", &[&id, &to_i64(now)]).await.map_err(|e| e.to_string())
+            };
+            if let Ok(Err(e)) | Err(e) = tokio::time::timeout(std::time::Duration::from_secs(5), written).await.map_err(|e| e.to_string()) {
+                tracing::debug!(id, error = %e, "cannot record when the document was asked");
+            }
+        });
     }
 
     /// Every replica's documents; the shared queue's waiting jobs (unknown while the database
