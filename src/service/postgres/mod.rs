@@ -106,6 +106,9 @@ pub struct Shared {
     asked: Mutex<HashMap<String, u64>>,
     /// Documents over another base whose archive this replica could not read (not tried again).
     unreadable: Mutex<HashSet<String>>,
+    /// No document over another base is left for this replica to absorb again: the set it takes
+    /// (published before it started) only shrinks, so it stops looking.
+    rebased: AtomicBool,
     store: Arc<Store>,
     blobs: Arc<Blobs>,
     metrics: Arc<Metrics>,
@@ -175,6 +178,7 @@ impl Shared {
             started_at: crate::store::now(),
             asked: Mutex::new(HashMap::new()),
             unreadable: Mutex::new(HashSet::new()),
+            rebased: AtomicBool::new(false),
             store,
             blobs,
             metrics,

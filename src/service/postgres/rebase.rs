@@ -18,12 +18,16 @@ use super::{db_error, timed, Shared};
 use crate::service::ServiceError;
 use crate::store::blobs::BlobRef;
 use crate::store::{self};
+use std::sync::atomic::Ordering;
 
 impl Shared {
     /// Queues the next document whose adapter was made over another base than this replica's
     /// (its row `queued` with `reabsorbing_from`, its job holding the archive's text and this
     /// base). Returns whether one was queued.
     pub(super) async fn queue_next_reabsorb(&self) -> Result<bool, ServiceError> {
+        if self.rebased.load(Ordering::SeqCst) {
+            return Ok(false);
+        }
         let c = self.client().await?;
         let started = super::to_i64(self.started_at);
         let rows = timed(async {
@@ -39,11 +43,13 @@ impl Shared {
             .map_err(db_error)
         })
         .await?;
+        let (found, mut tried) = (rows.len(), 0);
         for r in rows {
             let (id, sha256): (String, String) = (r.get(0), r.get(1));
             if self.unreadable.lock().map_err(ServiceError::poisoned)?.contains(&id) {
                 continue;
             }
+            tried += 1;
             let blob = BlobRef { sha256 };
             let from = match (r.get::<_, Option<String>>(2), r.get::<_, Option<String>>(3)) {
                 (Some(base), name) => name.unwrap_or(base),
@@ -65,6 +71,11 @@ impl Shared {
                 tracing::info!(id, previous_base = %from, base = %self.base.name, "absorbing again over this replica's base");
                 return Ok(true);
             }
+        }
+        // Nothing left but archives it cannot read: done until this replica restarts.
+        if tried == 0 && found < 16 {
+            tracing::info!("no document over another base is left to absorb again");
+            self.rebased.store(true, Ordering::SeqCst);
         }
         Ok(false)
     }
