@@ -86,6 +86,32 @@ fn retrieval_shows_the_planted_fact_in_a_small_context() {
     }
 }
 
+/// `NAME:each` (`answer_each_passage`): each passage the budget would show is read on its own
+/// and one answer is kept, whose prompt shows exactly one of those passages.
+#[test]
+fn reading_each_passage_keeps_an_answer_over_one_of_the_passages_the_budget_shows() {
+    let model = real_model();
+    let spec = needles::NeedleSpec { docs_per_length: 1, ..spec(vec![1024], vec![0.3, 0.7], 1, 5) };
+    let docs = needles::build_set(model, essays(), &spec).unwrap();
+    let params = lift_serve::model::generate::SamplingParams { max_tokens: 8, temperature: 0.0, ..Default::default() };
+    let mut read = 0;
+    for doc in &docs {
+        let ids = Document::encode(model, doc.text.clone()).unwrap();
+        for q in &doc.questions {
+            let ask = Ask { history: &[], question: &q.question, mode: Mode::Rag, context: None, context_tokens: Some(128) };
+            let together = build_prompt(model, &ids, &ask, 8).unwrap();
+            let a = lift_serve::lift::answer::answer_each_passage(model, &ids, None, &ask, &params).unwrap();
+            assert_eq!(a.prompt.shown.len(), 1, "one passage: {:?}", a.prompt.shown);
+            let (s, e) = a.prompt.shown[0];
+            assert!(e - s <= 32 && a.prompt.context_tokens == e - s, "{:?}", a.prompt.shown);
+            assert!(together.shows((s, e)), "{:?} is not among {:?}", (s, e), together.shown);
+            assert!(!a.generation.logprobs.is_empty(), "{}", q.question);
+            read += 1;
+        }
+    }
+    assert!(read >= 2);
+}
+
 /// The shipped prepared base's FltLM mask, calibrated against the best chunk (`relative:2`), on
 /// the passages answers read (BM25's, the default 128 tokens), on validation-split documents: the
 /// chunk that holds a planted fact is left open and the chunks around it (distractors) are
@@ -329,8 +355,8 @@ fn local_backend_absorbs_and_answers_through_the_prepared_bases_filter() {
     for m in [&plain, &model] {
         let mut local = Local::new(m, 4);
         let (_, handle) = local.absorb(&doc, &tokens, &o, &mut |_, _, _| {}).unwrap();
-        let lift_len = local.ask(&doc, &tokens, Some(handle), &head_tail(q, Mode::Lift)).unwrap().prompt_tokens;
-        let icl_len = local.ask(&doc, &tokens, None, &head_tail(q, Mode::Icl)).unwrap().prompt_tokens;
+        let lift_len = local.ask(&doc, &tokens, Some(handle), &head_tail(q, Mode::Lift), false).unwrap().prompt_tokens;
+        let icl_len = local.ask(&doc, &tokens, None, &head_tail(q, Mode::Icl), false).unwrap().prompt_tokens;
         lens.push((lift_len, icl_len));
     }
     // Without a base, `lift` has exactly the `icl` prompt; the base's filter layout repeats the

@@ -3,7 +3,7 @@
 
 use super::{AbsorbRecord, EvalDocument};
 use crate::document::Document;
-use crate::lift::answer::{answer, Ask};
+use crate::lift::answer::{answer, answer_each_passage, Ask};
 use crate::lift::{self, AbsorbEvent, AbsorbOptions};
 use crate::model::filter::ChunkScore;
 use crate::model::generate::SamplingParams;
@@ -30,8 +30,9 @@ pub trait Backend {
         opts: &AbsorbOptions,
         on_step: &mut dyn FnMut(usize, usize, f64),
     ) -> Result<(AbsorbRecord, usize)>;
-    /// Answers `ask` greedily (with adapter `handle`, if any).
-    fn ask(&mut self, doc: &EvalDocument, document: &Document, handle: Option<usize>, ask: &Ask) -> Result<Asked>;
+    /// Answers `ask` greedily (with adapter `handle`, if any); `each_passage`: each passage read
+    /// on its own, the likeliest answer kept.
+    fn ask(&mut self, doc: &EvalDocument, document: &Document, handle: Option<usize>, ask: &Ask, each_passage: bool) -> Result<Asked>;
     /// Forgets the adapters of the current document.
     fn release(&mut self) {}
 }
@@ -107,11 +108,15 @@ impl Backend for Local<'_> {
         Ok((rec, self.adapters.len() - 1))
     }
 
-    fn ask(&mut self, _doc: &EvalDocument, document: &Document, handle: Option<usize>, ask: &Ask) -> Result<Asked> {
+    fn ask(&mut self, _doc: &EvalDocument, document: &Document, handle: Option<usize>, ask: &Ask, each_passage: bool) -> Result<Asked> {
         let bundle = handle.map(|h| &self.adapters[h].bundle);
         let adapter = bundle.map(|b| &b.adapter as &dyn crate::model::Adapter);
         let params = SamplingParams { max_tokens: self.max_tokens, temperature: 0.0, ..Default::default() };
-        let a = answer(self.model, document, adapter, ask, &params, &mut |_| true)?;
+        let a = if each_passage {
+            answer_each_passage(self.model, document, adapter, ask, &params)?
+        } else {
+            answer(self.model, document, adapter, ask, &params, &mut |_| true)?
+        };
         Ok(Asked { text: a.generation.text, prompt_tokens: a.prompt.tokens.len(), chunks: a.chunks, logprobs: a.generation.logprobs })
     }
 

@@ -205,7 +205,15 @@ impl Backend for Server {
         Ok((rec, self.ids.len() - 1))
     }
 
-    fn ask(&mut self, doc: &EvalDocument, _document: &crate::document::Document, handle: Option<usize>, ask: &Ask) -> Result<Asked> {
+    fn ask(
+        &mut self,
+        doc: &EvalDocument,
+        _document: &crate::document::Document,
+        handle: Option<usize>,
+        ask: &Ask,
+        each_passage: bool,
+    ) -> Result<Asked> {
+        anyhow::ensure!(!each_passage, "reading each passage on its own is measured in-process only (not through --server)");
         // `icl` and `rag` need no adapter, but the API asks about a document by id: any of its adapters.
         let id = match handle.or(self.ids.len().checked_sub(1)) {
             Some(h) => self.ids[h].clone(),

@@ -15,6 +15,9 @@ pub struct Method {
     pub context: Option<ContextPolicy>,
     /// Its in-context budget in tokens (`None`: the run's `--context-tokens`).
     pub context_tokens: Option<usize>,
+    /// `:each`: each passage of the budget read on its own, the likeliest answer kept
+    /// ([`answer_each_passage`](crate::lift::answer::answer_each_passage)).
+    pub each_passage: bool,
     pub absorb: Option<AbsorbOptions>,
 }
 
@@ -35,13 +38,16 @@ pub const METHODS: &[(&str, &str)] = &[
 /// The method preset `name` on top of the base absorb options (for a model of `num_layers`).
 /// `name:policy` answers with that context policy (`lift:head_tail`, `icl:full`, …) and
 /// `name:N` with an in-context budget of N tokens (`rag:256`, `lift:head_tail:256`), so one
-/// absorb answers at several budgets.
+/// absorb answers at several budgets; `name:each` reads each passage of the budget on its own.
 pub fn method(name: &str, base: &AbsorbOptions, num_layers: usize) -> Result<Method> {
     let mut parts = name.split(':');
     let preset = parts.next().unwrap_or_default();
-    let (mut context, mut context_tokens) = (None, None);
+    let (mut context, mut context_tokens, mut each_passage) = (None, None, false);
     for p in parts {
-        if let Ok(n) = p.parse::<usize>() {
+        if p == "each" {
+            anyhow::ensure!(!each_passage, "method '{name}': `each` once");
+            each_passage = true;
+        } else if let Ok(n) = p.parse::<usize>() {
             anyhow::ensure!(n > 0 && context_tokens.is_none(), "method '{name}': one budget of at least 1 token");
             context_tokens = Some(n);
         } else {
@@ -87,7 +93,12 @@ pub fn method(name: &str, base: &AbsorbOptions, num_layers: usize) -> Result<Met
         context != Some(ContextPolicy::Full) || context_tokens.is_none(),
         "method '{name}': `full` shows what fits the window, not a budget"
     );
-    Ok(Method { name: name.to_string(), mode, context, context_tokens, absorb })
+    anyhow::ensure!(
+        !each_passage
+            || (mode.uses_context() && matches!(context.unwrap_or(mode.default_context()), ContextPolicy::Bm25 | ContextPolicy::Retrieved)),
+        "method '{name}': `each` reads retrieved passages (rag or lift, bm25 or retrieved)"
+    );
+    Ok(Method { name: name.to_string(), mode, context, context_tokens, each_passage, absorb })
 }
 
 #[cfg(test)]
@@ -110,6 +121,8 @@ mod tests {
         assert_eq!((b.context, b.context_tokens), (Some(ContextPolicy::HeadTail), Some(256)));
         assert_eq!(method("rag:64", &base, 30).unwrap().context_tokens, Some(64));
         assert_eq!(method("lift", &base, 30).unwrap().context_tokens, None);
+        assert!(method("rag:each:128", &base, 30).unwrap().each_passage && !method("rag", &base, 30).unwrap().each_passage);
+        assert!(method("icl:each", &base, 30).is_err() && method("lift:head_tail:each", &base, 30).is_err());
         for bad in ["memory:64", "icl:full:64", "lift:0", "rag:64:128", "lift:full:head_tail"] {
             assert!(method(bad, &base, 30).is_err(), "{bad}");
         }

@@ -171,9 +171,11 @@ impl Runner<'_> {
             let t = Instant::now();
             let asked = ask(&q.question, m, cfg);
             let Asked { text: prediction, prompt_tokens, chunks, logprobs } =
-                self.backend.ask(doc, document, handles.get(&m.name).copied(), &asked)?;
+                self.backend.ask(doc, document, handles.get(&m.name).copied(), &asked, m.each_passage)?;
+            // (Reading each passage alone, the prompt is the kept answer's: its evidence is
+            // counted over every passage read.)
             let expected = build_prompt(model, document, &asked, cfg.max_tokens)?;
-            if prompt_tokens != expected.tokens.len() {
+            if prompt_tokens != expected.tokens.len() && !m.each_passage {
                 bail!(
                     "{} {}: the {} prompt has {prompt_tokens} tokens, the labels assume {}: the answering side uses \
                      another context budget",

@@ -300,15 +300,7 @@ pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize)
     let fits = filter.map_or(fits, |f| fits * f.chunk_tokens / (f.chunk_tokens + 1));
     let budget = requested.map_or(fits, |r| r.min(fits));
     if matches!(policy, ContextPolicy::Retrieved | ContextPolicy::Bm25) {
-        let index = doc.passages(model, passage_tokens(model))?;
-        let mut ranked: Vec<usize> = index.search_with_feedback(&retrieval_query(ask)).iter().map(|h| h.passage).collect();
-        // When every passage BM25 found fits the budget, all are shown whatever their order (unless
-        // the window forces the budget down below): the re-rank would change nothing; skipped.
-        let found: usize = ranked.iter().map(|&p| index.passages[p].1 - index.passages[p].0).sum();
-        if let Some(f) = filter.filter(|_| policy == ContextPolicy::Retrieved && found > budget) {
-            // The candidates' layout must fit the window too.
-            ranked = rerank(model, f, ids, &index, question, &ranked, (RERANK_FACTOR * budget).min(fits))?;
-        }
+        let (index, ranked) = ranked_passages(model, doc, ask, budget, fits)?;
         // The chosen passages' markers and elisions are not in the budget: when a prompt over
         // what the window holds comes out, the budget shrinks by the excess and they are chosen
         // again (once or twice at most).
@@ -425,6 +417,28 @@ fn passages_prompt(
     Ok(AnswerPrompt { tokens, shown: merged(shown), context_tokens, chunks: Vec::new(), policy: Some(policy) })
 }
 
+/// The document's passages (its retrieval index) and those `ask` retrieves, best first: BM25
+/// with its feedback step, re-ranked by the prepared base's filter under the `retrieved` policy
+/// when more was found than `budget` holds (its candidates' layout within `fits` tokens).
+fn ranked_passages<'d>(
+    model: &Model,
+    doc: &'d Document,
+    ask: &Ask,
+    budget: usize,
+    fits: usize,
+) -> Result<(std::borrow::Cow<'d, crate::retrieve::PassageIndex>, Vec<usize>)> {
+    let index = doc.passages(model, passage_tokens(model))?;
+    let mut ranked: Vec<usize> = index.search_with_feedback(&retrieval_query(ask)).iter().map(|h| h.passage).collect();
+    // When every passage BM25 found fits the budget, all are shown whatever their order (unless
+    // the window forces the budget down below): the re-rank would change nothing; skipped.
+    let found: usize = ranked.iter().map(|&p| index.passages[p].1 - index.passages[p].0).sum();
+    if let Some(f) = model.base_filter().filter(|_| ask.policy() == ContextPolicy::Retrieved && found > budget) {
+        // The candidates' layout must fit the window too.
+        ranked = rerank(model, f, doc.tokens(), &index, ask.question, &ranked, (RERANK_FACTOR * budget).min(fits))?;
+    }
+    Ok((index, ranked))
+}
+
 /// The shown ranges of a head-and-tail context.
 fn head_and_tail(head_end: usize, tail_start: usize, n: usize) -> Vec<(usize, usize)> {
     merged(&[(0, head_end), (tail_start.max(head_end), n)])
@@ -462,16 +476,59 @@ pub fn prepare<'m>(
     params: &SamplingParams,
 ) -> Result<(AnswerPrompt, Sequence<'m, AnswerHooks<'m>>)> {
     let prompt = build_prompt(model, doc, ask, params.max_tokens)?;
+    let seq = sequence(model, &prompt, params)?;
+    Ok((prompt, seq))
+}
+
+/// The sequence that answers `prompt`, with FltLM hooks when its context is laid out in chunks.
+fn sequence<'m>(model: &'m Model, prompt: &AnswerPrompt, params: &SamplingParams) -> Result<Sequence<'m, AnswerHooks<'m>>> {
     let layers = model.config().num_layers;
     let hooks = model.base_filter().filter(|_| !prompt.chunks.is_empty()).map(|f| FilterHooks::new(f, &prompt.chunks, layers));
     let cache = KvCache::with_capacity(layers, prompt.tokens.len() + params.max_tokens);
-    let seq = Sequence::new(model, prompt.tokens.clone(), cache, params.clone(), hooks)?;
-    Ok((prompt, seq))
+    Ok(Sequence::new(model, prompt.tokens.clone(), cache, params.clone(), hooks)?)
 }
 
 /// Each in-context chunk's FltLM score and mask, once the answer's prompt has run.
 pub fn chunk_scores(hooks: &AnswerHooks) -> Result<Vec<ChunkScore>> {
     hooks.as_ref().map_or(Ok(Vec::new()), |h| h.report())
+}
+
+/// Answers `ask` by reading each passage its budget would show on its own, and keeps the
+/// answer whose tokens are likeliest (the highest mean log-probability): the small reader
+/// answers half of what it is shown in one passage and one in five in four (docs/real-text.md).
+/// One generation per passage. Falls back to [`answer`] when the policy does not retrieve or
+/// nothing was found; the returned prompt is the kept answer's.
+pub fn answer_each_passage(
+    model: &Model,
+    doc: &Document,
+    adapter: Option<&dyn Adapter>,
+    ask: &Ask,
+    params: &SamplingParams,
+) -> Result<Answer> {
+    let policy = ask.policy();
+    if !matches!(policy, ContextPolicy::Retrieved | ContextPolicy::Bm25) {
+        return answer(model, doc, adapter, ask, params, &mut |_| true);
+    }
+    let adapter = if ask.mode.uses_adapter() { adapter } else { None };
+    let budget = ask.requested_budget().unwrap_or(DEFAULT_CONTEXT_TOKENS);
+    let (index, ranked) = ranked_passages(model, doc, ask, budget, budget)?;
+    let filtered = model.base_filter().is_some();
+    let mut best: Option<(f32, Answer)> = None;
+    for p in index.select(&ranked, budget) {
+        let prompt = passages_prompt(model, &[], doc.tokens(), &[index.passages[p]], ask.question, filtered, policy)?;
+        let seq = sequence(model, &prompt, params)?;
+        let (generation, _, hooks) = run_alone(model, seq, adapter, &mut |_| true)?;
+        let chunks = chunk_scores(&hooks)?;
+        let n = generation.logprobs.len();
+        let score = if n == 0 { f32::NEG_INFINITY } else { generation.logprobs.iter().sum::<f32>() / n as f32 };
+        if best.as_ref().is_none_or(|(s, _)| score > *s) {
+            best = Some((score, Answer { prompt, generation, chunks }));
+        }
+    }
+    match best {
+        Some((_, a)) => Ok(a),
+        None => answer(model, doc, adapter, ask, params, &mut |_| true),
+    }
 }
 
 /// Answers `ask` about `doc`; `adapter` (a detached, inference copy) is used in `lift` and
