@@ -178,7 +178,41 @@ impl PassageIndex {
     /// which share no word with the question.
     pub fn search_with_feedback(&self, query: &[(&str, f32)]) -> Vec<Hit> {
         let first = self.search_weighted(query);
-        let Some(top) = first.first() else { return first };
+        let Some(&top) = first.first() else { return first };
+        let linking = self.linking_terms(query, top.passage);
+        if linking.is_empty() {
+            return first;
+        }
+        let widened = linking.join(" ");
+        let mut query = query.to_vec();
+        query.push((&widened, FEEDBACK_WEIGHT));
+        self.search_weighted(&query)
+    }
+
+    /// The passage BM25 ranks first, then only the passages that hold one of the names linking
+    /// it to a few others (the feedback step's, ranked by its widened search): the second hop of
+    /// a fact named through another, and nothing else. Measured on real prose (docs/real-text.md):
+    /// the small reader answers one passage far better than four, and the other passages of a
+    /// fixed budget are where its wrong answers come from.
+    pub fn search_linked(&self, query: &[(&str, f32)]) -> Vec<Hit> {
+        let first = self.search_weighted(query);
+        let Some(&top) = first.first() else { return first };
+        let linking = self.linking_terms(query, top.passage);
+        let linked: std::collections::HashSet<usize> =
+            linking.iter().flat_map(|t| self.postings.get(*t).into_iter().flatten().map(|&(p, _)| p as usize)).collect();
+        let mut out = vec![top];
+        if !linking.is_empty() {
+            let widened = linking.join(" ");
+            let mut query = query.to_vec();
+            query.push((&widened, FEEDBACK_WEIGHT));
+            out.extend(self.search_weighted(&query).into_iter().filter(|h| h.passage != top.passage && linked.contains(&h.passage)));
+        }
+        out
+    }
+
+    /// The names in passage `top` that link it to a few others (found in 2 to 3 passages, not
+    /// asked already), rarest first, at most [`FEEDBACK_TERMS`].
+    fn linking_terms(&self, query: &[(&str, f32)], top: usize) -> Vec<&str> {
         let asked: Vec<String> = query.iter().flat_map(|(t, _)| terms(t)).collect();
         let n = self.passages.len();
         // The names in the top passage found in 2 to 3 passages: the words that link it to a few
@@ -190,19 +224,13 @@ impl PassageIndex {
             .filter(|(term, list)| {
                 (2..=3.max(n / 50)).contains(&list.len())
                     && self.names.contains(*term)
-                    && list.iter().any(|&(p, _)| p as usize == top.passage)
+                    && list.iter().any(|&(p, _)| p as usize == top)
                     && !asked.contains(term)
             })
             .map(|(term, list)| (term.as_str(), list.len()))
             .collect();
-        if linking.is_empty() {
-            return first;
-        }
         linking.sort_by(|a, b| a.1.cmp(&b.1).then(a.0.cmp(b.0)));
-        let widened = linking.iter().take(FEEDBACK_TERMS).map(|(t, _)| *t).collect::<Vec<_>>().join(" ");
-        let mut query = query.to_vec();
-        query.push((&widened, FEEDBACK_WEIGHT));
-        self.search_weighted(&query)
+        linking.into_iter().take(FEEDBACK_TERMS).map(|(t, _)| t).collect()
     }
 
     /// The passages to show for a ranking (`ranked`, best first): as many as fit `budget`
@@ -211,6 +239,20 @@ impl PassageIndex {
     /// first passages fill it (what head-and-tail truncation would have shown first).
     pub fn select(&self, ranked: &[usize], budget: usize) -> Vec<usize> {
         self.select_excluding(ranked, budget, &[])
+    }
+
+    /// [`select`](Self::select) without the fill: only passages of `ranked`.
+    pub fn select_ranked(&self, ranked: &[usize], budget: usize) -> Vec<usize> {
+        let mut chosen = vec![false; self.passages.len()];
+        let mut used = 0;
+        for &p in ranked {
+            let (a, b) = self.passages[p];
+            if !chosen[p] && used + (b - a) <= budget {
+                chosen[p] = true;
+                used += b - a;
+            }
+        }
+        (0..self.passages.len()).filter(|&p| chosen[p]).collect()
     }
 
     /// [`select`](Self::select) never choosing a passage of `excluded` (a training row that
@@ -302,6 +344,26 @@ mod tests {
         // Nor do common words found in a few passages ("tower" and "the old" here).
         let q = [("Which old church was struck by lightning?", 1.0)];
         assert_eq!(idx.search_with_feedback(&q), idx.search_weighted(&q));
+    }
+
+    #[test]
+    fn linked_search_keeps_the_best_passage_and_its_second_hop_only() {
+        let idx = index(&[
+            "The new clock tower was designed by an architect named Ilse Thorne.",
+            "The market square fills with stalls of cheese and wool on Saturdays.",
+            "Ilse Thorne got married on April 8, 1949.",
+            "The tower of the old church was struck by lightning twice.",
+            "Marriage records of the parish were kept in the vestry.",
+        ]);
+        // Two hops: the best passage, then the one its name links to; not "tower" or "marry".
+        let hits: Vec<usize> = idx.search_linked(&[("When did the architect of the clock tower marry?", 1.0)]).iter().map(|h| h.passage).collect();
+        assert_eq!(hits, vec![0, 2]);
+        assert_eq!(idx.select_ranked(&hits, 1000), vec![0, 2], "nothing fills the budget");
+        assert_eq!(idx.select(&hits, 1000).len(), 5, "where `select` fills it");
+        // One fact: the best passage alone, though others share the question's words.
+        let hits: Vec<usize> = idx.search_linked(&[("Which old church tower was struck by lightning?", 1.0)]).iter().map(|h| h.passage).collect();
+        assert_eq!(hits, vec![3]);
+        assert!(idx.search_linked(&[("zebra quantum", 1.0)]).is_empty());
     }
 
     #[test]

@@ -52,7 +52,7 @@ pub fn method(name: &str, base: &AbsorbOptions, num_layers: usize) -> Result<Met
             context_tokens = Some(n);
         } else {
             let policy = ContextPolicy::parse(p).with_context(|| {
-                format!("unknown context policy '{p}' in method '{name}' (bm25, retrieved, head_tail, full, or a budget in tokens)")
+                format!("unknown context policy '{p}' in method '{name}' (bm25, retrieved, linked, head_tail, full, or a budget in tokens)")
             })?;
             anyhow::ensure!(context.is_none(), "method '{name}': one context policy");
             context = Some(policy);
@@ -95,8 +95,8 @@ pub fn method(name: &str, base: &AbsorbOptions, num_layers: usize) -> Result<Met
     );
     anyhow::ensure!(
         !each_passage
-            || (mode.uses_context() && matches!(context.unwrap_or(mode.default_context()), ContextPolicy::Bm25 | ContextPolicy::Retrieved)),
-        "method '{name}': `each` reads retrieved passages (rag or lift, bm25 or retrieved)"
+            || (mode.uses_context() && context.unwrap_or(mode.default_context()).retrieves()),
+        "method '{name}': `each` reads retrieved passages (rag or lift, bm25, retrieved or linked)"
     );
     Ok(Method { name: name.to_string(), mode, context, context_tokens, each_passage, absorb })
 }

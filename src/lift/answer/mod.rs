@@ -71,6 +71,10 @@ pub enum ContextPolicy {
     /// The passages BM25 (with its feedback step) ranks first for the question, in document
     /// order, within the budget: the default.
     Bm25,
+    /// The passage BM25 ranks first, and only the passages that share a linking name with it
+    /// (the second hop of a fact named through another), within the budget, nothing to fill it:
+    /// a small reader answers one passage better than four (docs/real-text.md).
+    Linked,
     /// The document's head and tail within the budget (the LIFT paper's truncation).
     #[value(name = "head_tail")]
     HeadTail,
@@ -83,13 +87,19 @@ impl ContextPolicy {
         match self {
             ContextPolicy::Retrieved => "retrieved",
             ContextPolicy::Bm25 => "bm25",
+            ContextPolicy::Linked => "linked",
             ContextPolicy::HeadTail => "head_tail",
             ContextPolicy::Full => "full",
         }
     }
 
+    /// Whether the context is passages retrieved for the question.
+    pub fn retrieves(self) -> bool {
+        matches!(self, ContextPolicy::Retrieved | ContextPolicy::Bm25 | ContextPolicy::Linked)
+    }
+
     pub fn parse(s: &str) -> Option<Self> {
-        [ContextPolicy::Retrieved, ContextPolicy::Bm25, ContextPolicy::HeadTail, ContextPolicy::Full]
+        [ContextPolicy::Retrieved, ContextPolicy::Bm25, ContextPolicy::Linked, ContextPolicy::HeadTail, ContextPolicy::Full]
             .into_iter()
             .find(|p| p.name() == s)
     }
@@ -299,7 +309,7 @@ pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize)
     let fits = context_budget(model, q_room, max_tokens, None);
     let fits = filter.map_or(fits, |f| fits * f.chunk_tokens / (f.chunk_tokens + 1));
     let budget = requested.map_or(fits, |r| r.min(fits));
-    if matches!(policy, ContextPolicy::Retrieved | ContextPolicy::Bm25) {
+    if policy.retrieves() {
         let (index, ranked) = ranked_passages(model, doc, ask, budget, fits)?;
         // The chosen passages' markers and elisions are not in the budget: when a prompt over
         // what the window holds comes out, the budget shrinks by the excess and they are chosen
@@ -307,7 +317,7 @@ pub fn build_prompt(model: &Model, doc: &Document, ask: &Ask, max_tokens: usize)
         let window = model.config().max_position_embeddings;
         let mut budget = budget;
         loop {
-            let shown: Vec<(usize, usize)> = index.select(&ranked, budget).into_iter().map(|p| index.passages[p]).collect();
+            let shown: Vec<(usize, usize)> = select(&index, &ranked, budget, policy).into_iter().map(|p| index.passages[p]).collect();
             let p = passages_prompt(model, &[], ids, &shown, question, filter.is_some(), policy)?;
             let over = (p.tokens.len() + max_tokens).saturating_sub(window);
             if over == 0 || shown.is_empty() {
@@ -428,7 +438,9 @@ fn ranked_passages<'d>(
     fits: usize,
 ) -> Result<(std::borrow::Cow<'d, crate::retrieve::PassageIndex>, Vec<usize>)> {
     let index = doc.passages(model, passage_tokens(model))?;
-    let mut ranked: Vec<usize> = index.search_with_feedback(&retrieval_query(ask)).iter().map(|h| h.passage).collect();
+    let query = retrieval_query(ask);
+    let hits = if ask.policy() == ContextPolicy::Linked { index.search_linked(&query) } else { index.search_with_feedback(&query) };
+    let mut ranked: Vec<usize> = hits.iter().map(|h| h.passage).collect();
     // When every passage BM25 found fits the budget, all are shown whatever their order (unless
     // the window forces the budget down below): the re-rank would change nothing; skipped.
     let found: usize = ranked.iter().map(|&p| index.passages[p].1 - index.passages[p].0).sum();
@@ -437,6 +449,12 @@ fn ranked_passages<'d>(
         ranked = rerank(model, f, doc.tokens(), &index, ask.question, &ranked, (RERANK_FACTOR * budget).min(fits))?;
     }
     Ok((index, ranked))
+}
+
+/// The passages of `ranked` shown within `budget`, in document order: under `linked` those alone,
+/// else topped up with the document's first passages.
+fn select(index: &crate::retrieve::PassageIndex, ranked: &[usize], budget: usize, policy: ContextPolicy) -> Vec<usize> {
+    if policy == ContextPolicy::Linked { index.select_ranked(ranked, budget) } else { index.select(ranked, budget) }
 }
 
 /// The shown ranges of a head-and-tail context.
@@ -506,7 +524,7 @@ pub fn answer_each_passage(
     params: &SamplingParams,
 ) -> Result<Answer> {
     let policy = ask.policy();
-    if !matches!(policy, ContextPolicy::Retrieved | ContextPolicy::Bm25) {
+    if !policy.retrieves() {
         return answer(model, doc, adapter, ask, params, &mut |_| true);
     }
     let adapter = if ask.mode.uses_adapter() { adapter } else { None };
@@ -514,7 +532,7 @@ pub fn answer_each_passage(
     let (index, ranked) = ranked_passages(model, doc, ask, budget, budget)?;
     let filtered = model.base_filter().is_some();
     let mut best: Option<(f32, Answer)> = None;
-    for p in index.select(&ranked, budget) {
+    for p in select(&index, &ranked, budget, policy) {
         let prompt = passages_prompt(model, &[], doc.tokens(), &[index.passages[p]], ask.question, filtered, policy)?;
         let seq = sequence(model, &prompt, params)?;
         let (generation, _, hooks) = run_alone(model, seq, adapter, &mut |_| true)?;

@@ -26,8 +26,9 @@ pub struct AskRequest {
     pub mode: Option<Mode>,
     /// Which document text is shown: `bm25` (the passages BM25 ranks first for the question;
     /// the default except in `icl`), `retrieved` (BM25's candidates re-ranked by the prepared
-    /// base's FltLM filter), `head_tail` (the LIFT paper's truncation; `icl`'s default), `full`
-    /// (what fits the model's window).
+    /// base's FltLM filter), `linked` (the best passage and only the passages its names link it
+    /// to: reads real prose best), `head_tail` (the LIFT paper's truncation; `icl`'s default),
+    /// `full` (what fits the model's window).
     #[schema(value_type = Option<String>, example = "bm25")]
     pub context: Option<ContextPolicy>,
     /// In-context document budget in tokens (default: the server's `--context-tokens`, 128).
