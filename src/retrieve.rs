@@ -318,15 +318,21 @@ mod tests {
         assert!(idx.search("zebra quantum").is_empty());
     }
 
-    #[test]
-    fn feedback_follows_a_name_from_the_best_passage_to_the_fact_about_it() {
-        let idx = index(&[
+    /// A fact named through another (the architect, then what the text says of her by name),
+    /// beside passages that share the question's other words.
+    fn two_hop_town() -> PassageIndex {
+        index(&[
             "The new clock tower was designed by an architect named Ilse Thorne.",
             "The market square fills with stalls of cheese and wool on Saturdays.",
             "Ilse Thorne got married on April 8, 1949.",
             "The tower of the old church was struck by lightning twice.",
             "Marriage records of the parish were kept in the vestry.",
-        ]);
+        ])
+    }
+
+    #[test]
+    fn feedback_follows_a_name_from_the_best_passage_to_the_fact_about_it() {
+        let idx = two_hop_town();
         let question = [("When did the architect of the clock tower marry?", 1.0)];
         // Word matching alone: the first hop, then passages sharing "tower"; the fact about
         // the architect shares no word with the question.
@@ -348,13 +354,7 @@ mod tests {
 
     #[test]
     fn linked_search_keeps_the_best_passage_and_its_second_hop_only() {
-        let idx = index(&[
-            "The new clock tower was designed by an architect named Ilse Thorne.",
-            "The market square fills with stalls of cheese and wool on Saturdays.",
-            "Ilse Thorne got married on April 8, 1949.",
-            "The tower of the old church was struck by lightning twice.",
-            "Marriage records of the parish were kept in the vestry.",
-        ]);
+        let idx = two_hop_town();
         // Two hops: the best passage, then the one its name links to; not "tower" or "marry".
         let hits: Vec<usize> = idx.search_linked(&[("When did the architect of the clock tower marry?", 1.0)]).iter().map(|h| h.passage).collect();
         assert_eq!(hits, vec![0, 2]);

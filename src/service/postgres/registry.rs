@@ -39,7 +39,7 @@ impl Row {
         let get_json = |i: usize| -> Option<serde_json::Value> { r.get::<_, Option<serde_json::Value>>(i) };
         let status: String = r.get(3);
         let status: Status = serde_json::from_value(serde_json::Value::String(status)).map_err(ServiceError::internal)?;
-        let rec = JobRecord {
+        let mut rec = JobRecord {
             id: r.get(0),
             owner: r.get(1),
             title: r.get(2),
@@ -57,7 +57,6 @@ impl Row {
             last_asked_at: r.get::<_, Option<i64>>(19).map(|t| t.max(0) as u64),
             reabsorbing_from: r.get(18),
         };
-        let mut rec = rec;
         let made_over: Option<String> = r.get(16);
         if rec.status == Status::Ready && made_over.as_deref().is_some_and(|b| b != base) {
             rec.status = Status::Queued;
