@@ -2,6 +2,7 @@
 //! document's id), one overlay of the settings users name ([`OptionOverlay`]: the same flat names
 //! in a request, on the CLI and in an options file), and the bounds every path checks.
 
+use super::absorb::answerable::KeepAnswerable;
 use super::absorb::plan::{PlanOptions, QaLayout};
 use super::absorb::qa::{QaOptions, MAX_AUX_QA};
 use super::absorb::trainer::TrainOptions;
@@ -284,6 +285,11 @@ absorb_options! {
     /// model writes almost no valid ones).
     #[arg(long, num_args = 0..=1, default_missing_value = "true")]
     Operator model_qa: bool;
+    /// Keep only the auxiliary QA pairs the base answers when it reads their evidence: `off`
+    /// (the default), `pairs` (each pair on its own) or `facts` (a fact's every wording when one
+    /// of them is answered).
+    #[arg(long, value_enum)]
+    Operator keep_answerable: KeepAnswerable;
     /// Absorb until learned: hold some QA pairs aside as probes and stop once they stop
     /// improving (`epochs` is then the ceiling); false: the fixed schedule. Default: the
     /// server's options.
@@ -404,6 +410,7 @@ impl OptionOverlay {
         set(&mut o.qa.pairs_per_1k_tokens, self.pairs_per_1k_tokens);
         set(&mut o.qa.cap_floor, self.cap_floor);
         set(&mut o.qa.use_model, self.model_qa);
+        set(&mut o.qa.keep_answerable, self.keep_answerable);
         match self.until_learned {
             Some(true) if o.train.until_learned.is_none() => o.train.until_learned = Some(Default::default()),
             Some(false) => o.train.until_learned = None,

@@ -2,6 +2,7 @@
 //! auxiliary QA ([`qa`]) → plan ([`plan`]: segments with contextualized training, QA examples) →
 //! train ([`trainer`]) → adapter bundle + manifest; resumable from a [`checkpoint`].
 
+pub mod answerable;
 pub mod cancelled;
 pub mod checkpoint;
 pub mod plan;
@@ -119,6 +120,7 @@ pub fn absorb_resumable(
             let qa_start = Instant::now();
             let qa_opts = opts.qa.for_document(doc.len());
             let pairs = qa::generate_qa(model, text, &qa_opts, &mut |p| on_event(AbsorbEvent::Qa(p)), cancel)?;
+            let (pairs, _) = answerable::keep_answerable(model, document, &pairs, qa_opts.keep_answerable, cancel)?;
             (pairs, qa_start.elapsed().as_secs_f64(), None)
         }
     };

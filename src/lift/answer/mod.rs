@@ -549,6 +549,24 @@ pub fn answer_each_passage(
     }
 }
 
+/// Answers `question` reading exactly the document token ranges `shown` (in document order),
+/// with the frozen model and its prepared base, no adapter: how the auxiliary QA is checked
+/// against its own evidence ([`crate::lift::absorb::answerable`]).
+pub fn answer_reading(
+    model: &Model,
+    doc: &Document,
+    shown: &[(usize, usize)],
+    question: &str,
+    params: &SamplingParams,
+) -> Result<Answer> {
+    let filtered = model.base_filter().is_some();
+    let prompt = passages_prompt(model, &[], doc.tokens(), shown, question, filtered, ContextPolicy::Bm25)?;
+    let seq = sequence(model, &prompt, params)?;
+    let (generation, _, hooks) = run_alone(model, seq, None, &mut |_| true)?;
+    let chunks = chunk_scores(&hooks)?;
+    Ok(Answer { prompt, generation, chunks })
+}
+
 /// Answers `ask` about `doc`; `adapter` (a detached, inference copy) is used in `lift` and
 /// `memory` modes. With the prepared base's FltLM filter, in every mode with context, the context
 /// is laid out in chunks with markers, scored and softly masked in the same pass. Streams text

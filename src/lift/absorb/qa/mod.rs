@@ -33,6 +33,7 @@ pub use model::qa_prompt;
 pub use parse::parse_qa;
 pub use words::normalize_question;
 
+use super::answerable::KeepAnswerable;
 use super::text::{normalize_layout, split_sentences, Span};
 use crate::model::Model;
 use anyhow::Result;
@@ -91,6 +92,10 @@ pub struct QaOptions {
     pub max_new_tokens: usize,
     /// Differently-worded extractive questions per fact (short, full-sentence, cloze, typed, ...).
     pub wordings_per_fact: usize,
+    /// Which pairs are kept once the base has read each one's evidence and answered it
+    /// ([`KeepAnswerable`]); left out of the JSON (and so of document ids) when off.
+    #[serde(skip_serializing_if = "KeepAnswerable::is_off")]
+    pub keep_answerable: KeepAnswerable,
     pub seed: u64,
 }
 
@@ -111,6 +116,7 @@ impl Default for QaOptions {
             use_model: false,
             max_new_tokens: 128,
             wordings_per_fact: 4,
+            keep_answerable: KeepAnswerable::Off,
             seed: 0,
         }
     }
