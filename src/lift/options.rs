@@ -840,7 +840,7 @@ mod tests {
             "training_context_tokens": 48, "qa_context_tokens": 0, "epochs": [0, 2], "lr": 0.01, "accumulation": 2,
             "batch_rows": 0.25, "warmup_steps": 4, "qa_pack": 3, "segment_pack": 2, "qa_layout": "passages", "aux_qa": 6,
             "pairs_per_1k_tokens": 32, "cap_floor": 100, "model_qa": true, "until_learned": true, "seed": 9,
-            "budget_seconds": 60.0});
+            "budget_seconds": 60.0, "keep_answerable": "pairs"});
         let example = example.as_object().unwrap();
         let mut before = Default::default();
         leaves(&serde_json::to_value(&d).unwrap(), "", &mut before);
@@ -903,14 +903,14 @@ mod tests {
             "training_context_tokens": 48, "epochs": [0, 2], "lr": 0.01, "accumulation": 2, "qa_pack": 3,
             "segment_pack": 2, "aux_qa": 6, "model_qa": true, "until_learned": true, "seed": 9, "budget_seconds": 60.0,
             "recipe": "lean", "qa_layout": "head_tail", "qa_context_tokens": 0, "batch_rows": 0.25, "warmup_steps": 4,
-            "pairs_per_1k_tokens": 32, "cap_floor": 100});
+            "pairs_per_1k_tokens": 32, "cap_floor": 100, "keep_answerable": "facts"});
         let names: Vec<&String> = all.as_object().unwrap().keys().collect();
         assert_eq!(names.len(), OptionOverlay::names().len(), "a flat name without a case here");
         let o = d.with_json(&all).unwrap();
         assert_eq!((o.plan.qa_context_tokens, o.train.batch_rows, o.train.warmup_steps), (Some(0), Some(0.25), 4));
         // A named count of pairs per 1,000 tokens wins over the fixed cap's zero, and the floor
         // named over the recipe's.
-        assert_eq!((o.qa.pairs_per_1k_tokens, o.qa.cap_floor), (32, 100));
+        assert_eq!((o.qa.pairs_per_1k_tokens, o.qa.cap_floor, o.qa.keep_answerable), (32, 100, KeepAnswerable::Facts));
         let o = d.with_json(&serde_json::json!({"layers": "15-17,3"})).unwrap();
         assert_eq!(o.layers, Some(vec![3, 15, 16, 17]));
         assert_eq!(d.with_json(&serde_json::json!({"layers": "all"})).unwrap().layers, None);
