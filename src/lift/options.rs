@@ -2,9 +2,8 @@
 //! document's id), one overlay of the settings users name ([`OptionOverlay`]: the same flat names
 //! in a request, on the CLI and in an options file), and the bounds every path checks.
 
-use super::absorb::answerable::KeepAnswerable;
 use super::absorb::plan::{PlanOptions, QaLayout};
-use super::absorb::qa::{QaOptions, MAX_AUX_QA};
+use super::absorb::qa::{KeepAnswerable, QaOptions, MAX_AUX_QA};
 use super::absorb::trainer::TrainOptions;
 use crate::adapters::{AdapterKind, LoraConfig};
 use anyhow::Result;

@@ -7,7 +7,7 @@
 //! adapter needs several wordings of a fact to recall it through a new one; docs/recipe-search.md).
 //! Off by default; measured in docs/real-text.md.
 
-use super::qa::QaPair;
+use super::qa::{KeepAnswerable, QaPair};
 use super::qa_examples::evidence_tokens;
 use crate::corpus::scoring;
 use crate::document::Document;
@@ -16,28 +16,9 @@ use crate::lift::absorb::cancelled::Cancelled;
 use crate::model::generate::SamplingParams;
 use crate::model::Model;
 use anyhow::Result;
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Instant;
-
-/// Which auxiliary QA pairs the evidence check keeps (`qa.keep_answerable`).
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "snake_case")]
-pub enum KeepAnswerable {
-    /// Every pair, unchecked (the default).
-    #[default]
-    Off,
-    /// A pair only when the base, reading its evidence, answers it.
-    Pairs,
-    /// A fact's every wording when the base, reading its evidence, answers one of them.
-    Facts,
-}
-
-impl KeepAnswerable {
-    pub fn is_off(&self) -> bool {
-        *self == KeepAnswerable::Off
-    }
-}
 
 /// Tokens the base may write for an auxiliary answer (a few words; a longer reply is cut, and
 /// still counts when the answer is in it).

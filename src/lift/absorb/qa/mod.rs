@@ -33,7 +33,6 @@ pub use model::qa_prompt;
 pub use parse::parse_qa;
 pub use words::normalize_question;
 
-use super::answerable::KeepAnswerable;
 use super::text::{normalize_layout, split_sentences, Span};
 use crate::model::Model;
 use anyhow::Result;
@@ -55,6 +54,26 @@ pub struct QaPair {
     /// Byte offsets in the document.
     pub evidence_span: (usize, usize),
     pub source: QaSource,
+}
+
+/// Which auxiliary QA pairs the evidence check keeps (`qa.keep_answerable`,
+/// [`crate::lift::absorb::answerable`]).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "snake_case")]
+pub enum KeepAnswerable {
+    /// Every pair, unchecked (the default).
+    #[default]
+    Off,
+    /// A pair only when the base, reading its evidence, answers it.
+    Pairs,
+    /// A fact's every wording when the base, reading its evidence, answers one of them.
+    Facts,
+}
+
+impl KeepAnswerable {
+    pub fn is_off(&self) -> bool {
+        *self == KeepAnswerable::Off
+    }
 }
 
 /// The most auxiliary QA pairs a document may ask for (a 64K-token document's prose yields ~3,500;
