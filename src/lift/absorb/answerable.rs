@@ -8,7 +8,7 @@
 //! Off by default; measured in docs/real-text.md.
 
 use super::qa::{KeepAnswerable, QaPair};
-use super::qa_examples::evidence_tokens;
+use super::qa_examples::evidence_spans;
 use crate::corpus::scoring;
 use crate::document::Document;
 use crate::lift::answer::answer_reading;
@@ -17,7 +17,7 @@ use crate::model::generate::SamplingParams;
 use crate::model::Model;
 use anyhow::Result;
 use serde::Serialize;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::time::Instant;
 
 /// Tokens the base may write for an auxiliary answer (a few words; a longer reply is cut, and
@@ -73,17 +73,12 @@ pub fn keep_answerable(
     }
     let t0 = Instant::now();
     let params = SamplingParams { max_tokens: CHECK_ANSWER_TOKENS, ..Default::default() };
-    let text = document.text.as_str();
-    let mut spans: BTreeMap<(usize, usize), (usize, usize)> = BTreeMap::new();
+    let spans = evidence_spans(model, &document.text, pairs)?;
     let mut answered = Vec::with_capacity(pairs.len());
-    for pair in pairs {
+    for (pair, span) in pairs.iter().zip(spans) {
         if cancel() {
             return Err(Cancelled("QA evidence check").into());
         }
-        let span = match spans.get(&pair.evidence_span) {
-            Some(&s) => s,
-            None => *spans.entry(pair.evidence_span).or_insert(evidence_tokens(model, text, pair)?),
-        };
         let ok = span.1 > span.0 && {
             let a = answer_reading(model, document, &[span], &pair.question, &params)?;
             let ok = answers(&a.generation.text, &pair.answer);

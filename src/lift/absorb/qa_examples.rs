@@ -16,6 +16,19 @@ pub fn evidence_tokens(model: &Model, text: &str, pair: &QaPair) -> Result<(usiz
     crate::document::token_span(model, text, pair.evidence_span)
 }
 
+/// Each pair's evidence as document tokens. A fact's wordings share their evidence, and finding
+/// a span's tokens tokenizes the text up to it (twice): once per evidence, not per pair.
+pub fn evidence_spans(model: &Model, text: &str, pairs: &[QaPair]) -> Result<Vec<(usize, usize)>> {
+    let mut spans: std::collections::HashMap<(usize, usize), (usize, usize)> = Default::default();
+    pairs
+        .iter()
+        .map(|pair| match spans.get(&pair.evidence_span) {
+            Some(&s) => Ok(s),
+            None => Ok(*spans.entry(pair.evidence_span).or_insert(evidence_tokens(model, text, pair)?)),
+        })
+        .collect()
+}
+
 /// A QA training example in the filter layout with its chunk labels.
 #[derive(Clone, Debug)]
 pub struct FilterExample {
@@ -51,17 +64,12 @@ pub fn qa_examples_laid_out(
 ) -> Result<Vec<FilterExample>> {
     let text = document.text.as_str();
     let eot = end_of_turn(model);
-    // A fact's wordings share its evidence, and finding a span's tokens tokenizes the text up
-    // to it (twice): once per evidence, not per pair.
-    let mut spans: std::collections::HashMap<(usize, usize), (usize, usize)> = Default::default();
+    let spans = evidence_spans(model, text, pairs)?;
     pairs
         .iter()
+        .zip(spans)
         .enumerate()
-        .map(|(i, pair)| {
-            let span = match spans.get(&pair.evidence_span) {
-                Some(&s) => s,
-                None => *spans.entry(pair.evidence_span).or_insert(evidence_tokens(model, text, pair)?),
-            };
+        .map(|(i, (pair, span))| {
             let p = prompt_of(i, pair, span)?;
             let evidence = (span.0..span.1).filter_map(|d| p.position_of(d)).collect();
             let mut answer = model.tokenizer.encode(pair.answer.trim(), false)?;
