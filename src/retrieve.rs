@@ -241,8 +241,13 @@ impl PassageIndex {
         self.select_excluding(ranked, budget, &[])
     }
 
-    /// [`select`](Self::select) without the fill: only passages of `ranked`.
+    /// [`select`](Self::select) without the fill: only passages of `ranked` (the `linked`
+    /// policy). A question BM25 finds nothing for ("What is this about?") still reads the
+    /// document's first passages, as under `select`: an empty context answers nothing.
     pub fn select_ranked(&self, ranked: &[usize], budget: usize) -> Vec<usize> {
+        if ranked.is_empty() {
+            return self.select(ranked, budget);
+        }
         let mut chosen = vec![false; self.passages.len()];
         let mut used = 0;
         for &p in ranked {
@@ -364,6 +369,9 @@ mod tests {
         let hits: Vec<usize> = idx.search_linked(&[("Which old church tower was struck by lightning?", 1.0)]).iter().map(|h| h.passage).collect();
         assert_eq!(hits, vec![3]);
         assert!(idx.search_linked(&[("zebra quantum", 1.0)]).is_empty());
+        // Nothing found: the document's first passages, not an empty context.
+        assert_eq!(idx.select_ranked(&[], 40), idx.select(&[], 40));
+        assert!(!idx.select_ranked(&[], 40).is_empty());
     }
 
     #[test]

@@ -517,14 +517,16 @@ fn eval_through_a_real_server_socket_measures_the_serving_path() {
         assert_eq!(a.prediction, b.prediction, "{} {} {}", a.document, a.question, a.method);
     }
 
-    // The run's budget and each method's own (`lift:64`) travel with the question: the server
-    // answers with them, not with its default, and the prompts are the ones labelled.
-    let other = config(&["icl", "lift", "lift:64"], Some(url.clone()));
+    // The run's budget and each method's own (`lift:bm25:64`) travel with the question: the
+    // server answers with them, not with its default, and the prompts are the ones labelled.
+    // (Under `bm25`, which fills the budget; the default `linked` shows what it links, often
+    // less than either budget.)
+    let other = config(&["icl", "lift:bm25", "lift:bm25:64"], Some(url.clone()));
     let other = RunConfig { context_tokens: Some(180), ..other };
     let mut backend = eval::client::Server::new(&url, None, other.max_tokens).unwrap();
     let r = eval::run(&model, &mut backend, docs, &other, false, &mut |_| Ok(())).unwrap();
     let tokens = |m: &str| r.answers.iter().filter(|a| a.method == m).map(|a| a.prompt_tokens).collect::<Vec<_>>();
-    for (at_180, at_64) in tokens("lift").iter().zip(tokens("lift:64")) {
+    for (at_180, at_64) in tokens("lift:bm25").iter().zip(tokens("lift:bm25:64")) {
         assert!(at_64 < *at_180, "lift:64 prompt {at_64} tokens, lift at 180: {at_180}");
     }
     rt.block_on(running.shutdown());

@@ -1012,6 +1012,25 @@ async fn a_server_over_a_prepared_base_answers_through_its_filter_and_reports_ch
             assert!(ch["text"].as_str().is_some_and(|t| !t.is_empty()));
         }
     }
+    // The default policy of `lift` and `rag` is `linked`: the same passages as asking for it.
+    let spans = |r: &Value| -> Vec<(u64, u64)> {
+        r["context"]["chunks"].as_array().unwrap().iter().map(|c| (c["start"].as_u64().unwrap(), c["end"].as_u64().unwrap())).collect()
+    };
+    for mode in ["lift", "rag"] {
+        let ask = |context: Option<&str>| {
+            let mut q = json!({"document_id": id, "question": "Who built the harbor?", "mode": mode, "include_context": true, "max_tokens": 2});
+            if let Some(c) = context {
+                q["context"] = json!(c);
+            }
+            q
+        };
+        let (_, default) = post_json(&c, &format!("{base}/ask"), ask(None), None).await;
+        let (_, linked) = post_json(&c, &format!("{base}/ask"), ask(Some("linked")), None).await;
+        let (_, bm25) = post_json(&c, &format!("{base}/ask"), ask(Some("bm25")), None).await;
+        assert_eq!(spans(&default), spans(&linked), "{mode}: {default} / {linked}");
+        let shown = |v: &[(u64, u64)]| v.iter().map(|(a, b)| b - a).sum::<u64>();
+        assert!(shown(&spans(&linked)) <= shown(&spans(&bm25)), "{mode}: linked shows no more than bm25: {linked} / {bm25}");
+    }
     let q = json!({"document_id": id, "question": "Who built it?", "mode": "memory", "include_context": true});
     let (s, r) = post_json(&c, &format!("{base}/ask"), q, None).await;
     assert_eq!(s, 200, "{r}");

@@ -57,7 +57,8 @@ pub enum QaLayout {
     #[value(name = "head_tail")]
     HeadTail,
     /// The passages BM25 retrieves for the question within the budget, in document order: the
-    /// layout of an answer under the default context policy (`answer::build_prompt`). Saved
+    /// layout of an answer under the `bm25` context policy (`answer::build_prompt`); adapters
+    /// trained on it answer as well under `linked`, the default (docs/real-text.md). Saved
     /// records of the removed `recall` and `mixed` layouts (docs/recipe-search.md) read as this
     /// one.
     #[serde(alias = "recall", alias = "mixed")]
