@@ -128,22 +128,28 @@ async fn document_lifecycle_and_restart() {
         assert!(r["usage"]["completion_tokens"].as_u64().unwrap() <= 5);
     }
     // The `mode` extension (as in /ask) for a document model: `memory` leaves the document out.
+    // (`lift:bm25` and `rag:bm25`: BM25's passages fill the budget as the head and tail do; the
+    // default `linked` shows what the question links to, often less.)
     let mut prompt_tokens = BTreeMap::new();
-    for mode in ["lift", "rag", "icl", "memory"] {
-        let (s, r) = post_json(
-            &c,
-            &format!("{base}/v1/chat/completions"),
-            json!({"model": id, "messages": [{"role": "user", "content": "Who painted the tower?"}], "max_tokens": 3, "mode": mode}),
-            None,
-        )
-        .await;
+    for mode in ["lift", "rag", "icl", "memory", "lift:bm25", "rag:bm25"] {
+        let mut body = json!({"model": id, "messages": [{"role": "user", "content": "Who painted the tower?"}], "max_tokens": 3});
+        let mut parts = mode.split(':');
+        body["mode"] = json!(parts.next().unwrap());
+        if let Some(context) = parts.next() {
+            body["context"] = json!(context);
+        }
+        let (s, r) = post_json(&c, &format!("{base}/v1/chat/completions"), body, None).await;
         assert_eq!(s, 200, "{mode}: {r}");
         prompt_tokens.insert(mode, r["usage"]["prompt_tokens"].as_u64().unwrap());
     }
-    // lift and rag show the same retrieved passages; icl the head and tail of the same budget.
+    // lift and rag show the same retrieved passages under either policy; icl the head and tail
+    // of the budget BM25's passages fill; memory no document text.
     assert_eq!(prompt_tokens["lift"], prompt_tokens["rag"], "{prompt_tokens:?}");
-    assert!(prompt_tokens["icl"].abs_diff(prompt_tokens["lift"]) < 40, "{prompt_tokens:?}");
-    assert!(prompt_tokens["memory"] + 100 < prompt_tokens["lift"], "{prompt_tokens:?}");
+    assert_eq!(prompt_tokens["lift:bm25"], prompt_tokens["rag:bm25"], "{prompt_tokens:?}");
+    assert!(prompt_tokens["lift"] <= prompt_tokens["lift:bm25"], "{prompt_tokens:?}");
+    assert!(prompt_tokens["icl"].abs_diff(prompt_tokens["lift:bm25"]) < 40, "{prompt_tokens:?}");
+    assert!(prompt_tokens["memory"] + 100 < prompt_tokens["lift:bm25"], "{prompt_tokens:?}");
+    assert!(prompt_tokens["memory"] < prompt_tokens["lift"], "{prompt_tokens:?}");
     let resp = c
         .post(format!("{base}/v1/chat/completions"))
         .json(&json!({"model": id, "messages": [{"role": "user", "content": "Who painted the tower?"}],
@@ -2765,8 +2771,21 @@ async fn a_follow_up_reads_the_passages_of_the_conversation_it_follows() {
     // (The tiny base's chunks are a few words long: the sentence's first one names the keeper.)
     assert!(with.contains("The lighthouse keeper"), "the follow-up reads the keeper's passage: {with}");
     assert!(!without.contains("lighthouse"), "the question alone does not name the keeper: {without}");
+    // The earlier turns are in the prompt: measured under `bm25`, whose passages fill the same
+    // budget either way (the default `linked` shows what the question links to, which differs).
     let prompt = |v: &Value| v["usage"]["prompt_tokens"].as_u64().unwrap();
-    assert!(prompt(&multi) > prompt(&single) + 40, "the earlier turns are in the prompt: {} vs {}", prompt(&multi), prompt(&single));
+    let filled = |messages: Value| {
+        let mut b = chat(messages);
+        b["context"] = json!("bm25");
+        b
+    };
+    let (s, multi_filled) = post_json(&c, &format!("{base}/v1/chat/completions"), filled(json!(turns)), None).await;
+    assert_eq!(s, 200, "{multi_filled}");
+    let (s, single_filled) =
+        post_json(&c, &format!("{base}/v1/chat/completions"), filled(json!([{"role": "user", "content": follow_up}])), None).await;
+    assert_eq!(s, 200, "{single_filled}");
+    let (m, o) = (prompt(&multi_filled), prompt(&single_filled));
+    assert!(m > o + 40, "the earlier turns are in the prompt: {m} vs {o}");
 
     // /ask with `history`: the same passages; without it, the question on its own, as before.
     let ask = |history: Option<&Value>| {
