@@ -1,9 +1,10 @@
 //! Answering questions about a document. The LIFT paper ("LIFT: Improving Long Context
 //! Understanding of Large Language Models through Long Input Fine-Tuning", §4.1) shows the head
 //! and tail of the document that fit the context budget; that truncation is kept as the
-//! `head_tail` policy, for comparison. By default the prompt shows the document's passages most
-//! relevant to the question ([`crate::retrieve`]: BM25 over the FltLM layout's sentence-aligned
-//! chunks), in document order, within a budget of [`DEFAULT_CONTEXT_TOKENS`]. Modes: `lift`
+//! `head_tail` policy, for comparison. By default (`linked`) the prompt shows the passage most
+//! relevant to the question and the passages its names link to ([`crate::retrieve`]: BM25 over
+//! the FltLM layout's sentence-aligned chunks), in document order, within a budget of
+//! [`DEFAULT_CONTEXT_TOKENS`]; `bm25` fills the budget with the best passages. Modes: `lift`
 //! (adapter + context), `rag` (retrieved context, no adapter: the answer before any adapter
 //! exists), `icl` (no adapter, head and tail: the paper's baseline), `memory` (adapter, no
 //! document text). [`answer`] is the one answer function: the server, the CLI, the evaluations
@@ -110,9 +111,10 @@ impl ContextPolicy {
 }
 
 /// The in-context document budget when a request names none (`retrieved`, `bm25`, `linked` and
-/// `head_tail`; `linked` may fill less of it), chosen on the validation split (docs/retrieval.md): on the default model 128
-/// retrieved tokens answered 48 of 60 planted-fact questions, 64 / 192 / 256 / 512 tokens 43 / 44
-/// / 43 / 40, the whole document as far as the window holds 32.
+/// `head_tail`; `linked` may fill less of it), chosen on the validation split
+/// (docs/retrieval.md): on the default model 128 retrieved tokens answered 48 of 60 planted-fact
+/// questions, 64 / 192 / 256 / 512 tokens 43 / 44 / 43 / 40, the whole document as far as the
+/// window holds 32.
 pub const DEFAULT_CONTEXT_TOKENS: usize = 128;
 
 /// Passage size for retrieval when the base has no FltLM filter (the filter's own chunk size
