@@ -1,12 +1,15 @@
 //! Serving benchmark on the default model over real HTTP: the server runs in this process on a
 //! free port of 127.0.0.1 (the same `server::build_state` + `server::start` as `lift-serve serve`),
 //! absorbs `tests/fixtures/harbor_history.txt` with short absorb options, then
-//! a. asks the same question with the cached adapter (mode `lift`) and with the base model (mode
-//!    `icl`), same prompt, same context budget, modes interleaved run by run: time to first token
+//! a. asks the same question with the cached adapter (mode `lift`, context `head_tail`) and with
+//!    the base model (mode `icl`), same prompt, same context budget, modes interleaved run by run: time to first token
 //!    and decode rate from streamed chat completions (`mode` extension field), total latency of
 //!    streamed chat and of `/ask`; medians after a warm-up; the adapter's overhead as a ratio;
 //! b. 16 concurrent clients (tokio tasks, one reqwest client each) asking short questions with
-//!    `max_tokens` 16: requests/s, p50/p99 latency, errors by status, deepest generation queue.
+//!    `max_tokens` 16: requests/s, p50/p99 latency, errors by status, deepest generation queue;
+//! c. self-gating's cost: a second server over a copy of the adapter store with self-gating on
+//!    (a. and b. run without it: the adapter's own cost), the short questions asked of both, one
+//!    after the other, alternating which goes first: median `/ask` latency and the ratio.
 //!
 //!   RAYON_NUM_THREADS=2 LIFT_MODELS_DIR=models cargo bench --bench serve
 //!
@@ -41,6 +44,15 @@ struct Streamed {
     decode_tps: f64,
 }
 
+/// Sets `mode` (`lift`, or with a context policy `lift:head_tail`) in a request body.
+fn with_mode(body: &mut Value, mode: &str) {
+    let mut parts = mode.split(':');
+    body["mode"] = json!(parts.next().unwrap_or(mode));
+    if let Some(context) = parts.next() {
+        body["context"] = json!(context);
+    }
+}
+
 async fn stream_chat(
     c: &reqwest::Client,
     base: &str,
@@ -49,8 +61,9 @@ async fn stream_chat(
     mode: &str,
     max_tokens: usize,
 ) -> Result<Streamed> {
-    let body = json!({"model": doc, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
-                      "stream": true, "stream_options": {"include_usage": true}, "mode": mode});
+    let mut body = json!({"model": doc, "messages": [{"role": "user", "content": question}], "max_tokens": max_tokens,
+                          "stream": true, "stream_options": {"include_usage": true}});
+    with_mode(&mut body, mode);
     let t0 = Instant::now();
     let resp = c.post(format!("{base}/v1/chat/completions")).json(&body).send().await?;
     if resp.status() != 200 {
@@ -95,6 +108,8 @@ struct Asked {
     prompt_ms: f64,
     decode_tps: f64,
     tokens: usize,
+    /// Self-gating kept the passages' answer.
+    passages: bool,
 }
 
 async fn ask(
@@ -108,7 +123,11 @@ async fn ask(
     let t0 = Instant::now();
     let resp = c
         .post(format!("{base}/ask"))
-        .json(&json!({"document_id": doc, "question": question, "mode": mode, "max_tokens": max_tokens}))
+        .json(&{
+            let mut body = json!({"document_id": doc, "question": question, "max_tokens": max_tokens});
+            with_mode(&mut body, mode);
+            body
+        })
         .send()
         .await?;
     let status = resp.status();
@@ -124,6 +143,7 @@ async fn ask(
         prompt_ms: v["timings"]["prompt_ms"].as_f64().unwrap_or(f64::NAN),
         decode_tps: tokens as f64 / (gen_ms / 1000.0),
         tokens,
+        passages: v["answered_by"] == "passages",
     })
 }
 
@@ -172,6 +192,13 @@ async fn run() -> Result<()> {
     cfg.absorb_options = Some(options);
     cfg.context_tokens = Some(context_tokens);
     cfg.generate_queue = gen_queue;
+    cfg.self_gating = false;
+    let gated_cfg = {
+        let mut g = cfg.clone();
+        g.self_gating = true;
+        g.adapters_dir = tmp.path().join("adapters-gated");
+        g
+    };
     let state = tokio::task::block_in_place(|| server::build_state(cfg, &candle_core::Device::Cpu))?;
     let running = server::start(state).await?;
     let base = format!("http://{}", running.addr);
@@ -204,7 +231,9 @@ async fn run() -> Result<()> {
 
     // a. Adapter overhead: lift vs icl, same prompt and context budget, interleaved.
     let question = "Tell the history of the harbor in detail, from its founding to today.";
-    let modes = ["lift", "icl"];
+    // The same prompt: `lift` reads the head and tail as `icl` does (its default `linked`
+    // passages are shorter).
+    let modes = ["lift:head_tail", "icl"];
     for mode in modes {
         stream_chat(&c, &base, &id, question, mode, max_tokens).await?; // warm-up (loads the adapter)
         ask(&c, &base, &id, question, mode, max_tokens).await?;
@@ -335,9 +364,66 @@ async fn run() -> Result<()> {
     println!("| latency p99 | {:.0} ms |", percentile(&ok, 0.99));
     println!("| errors | {} {:?} (status → count; 0 = transport error) |", results.len() - ok.len(), errors);
     println!("| deepest generation queue seen | {max_depth} of {gen_queue} |");
-    running.shutdown().await;
     if !errors.is_empty() {
+        running.shutdown().await;
         bail!("{} requests failed: {errors:?}", results.len() - ok.len());
+    }
+
+    // c. Self-gating's cost.
+    copy_dir(&tmp.path().join("adapters"), &gated_cfg.adapters_dir)?;
+    let state = tokio::task::block_in_place(|| server::build_state(gated_cfg, &candle_core::Device::Cpu))?;
+    let gated = server::start(state).await?;
+    let gated_base = format!("http://{}", gated.addr);
+    wait_ready(&c, &gated_base, &id).await?;
+    let servers = [base.as_str(), gated_base.as_str()];
+    for q in questions {
+        for b in servers {
+            ask(&c, b, &id, q, "lift", 16).await?; // warm-up (loads the adapter)
+        }
+    }
+    let (mut alone, mut both, mut passages) = (Vec::new(), Vec::new(), 0);
+    for run in 0..runs {
+        for (k, q) in questions.iter().enumerate() {
+            let order = if (run + k) % 2 == 0 { [0, 1] } else { [1, 0] };
+            for i in order {
+                let a = ask(&c, servers[i], &id, q, "lift", 16).await?;
+                if i == 0 {
+                    alone.push(a.total * 1e3);
+                } else {
+                    both.push(a.total * 1e3);
+                    passages += usize::from(a.passages);
+                }
+            }
+        }
+    }
+    let paired: Vec<f64> = both.iter().zip(&alone).map(|(g, a)| g / a).collect();
+    println!(
+        "\n## c. self-gating's cost ({} answers a side: /ask mode lift, default `linked` context within {context_tokens} tokens, \
+         max_tokens 16, the questions of b.)",
+        alone.len()
+    );
+    println!("| measure | result |");
+    println!("|---|---|");
+    println!("| latency, adapter alone (median) | {:.0} ms |", median(&alone));
+    println!("| latency, self-gated (median) | {:.0} ms |", median(&both));
+    println!("| self-gated / alone (ratio of medians; median of paired answers) | {:.3}; {:.3} |", median(&both) / median(&alone), median(&paired));
+    println!("| answers kept from the passages | {passages} of {} |", both.len());
+    gated.shutdown().await;
+    running.shutdown().await;
+    Ok(())
+}
+
+/// Copies the directory tree `from` to `to` (a stopped-in-time copy of an adapter store).
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) -> Result<()> {
+    std::fs::create_dir_all(to)?;
+    for entry in std::fs::read_dir(from)? {
+        let entry = entry?;
+        let target = to.join(entry.file_name());
+        if entry.file_type()?.is_dir() {
+            copy_dir(&entry.path(), &target)?;
+        } else {
+            std::fs::copy(entry.path(), &target)?;
+        }
     }
     Ok(())
 }

@@ -101,6 +101,13 @@ async fn document_lifecycle_and_restart() {
         for t in ["queue_ms", "prompt_ms", "generate_ms"] {
             assert!(a["timings"][t].is_number(), "{a}");
         }
+        // Whose answer it is, when an adapter ran (self-gating may keep the passages' in `lift`).
+        let by = a["answered_by"].as_str();
+        match mode {
+            "lift" => assert!(matches!(by, Some("adapter" | "passages")), "{a}"),
+            "memory" => assert_eq!(by, Some("adapter"), "{a}"),
+            _ => assert_eq!(by, None, "{a}"),
+        }
     }
 
     // OpenAI-compatible.
@@ -150,6 +157,35 @@ async fn document_lifecycle_and_restart() {
     assert!(prompt_tokens["icl"].abs_diff(prompt_tokens["lift:bm25"]) < 40, "{prompt_tokens:?}");
     assert!(prompt_tokens["memory"] + 100 < prompt_tokens["lift:bm25"], "{prompt_tokens:?}");
     assert!(prompt_tokens["memory"] < prompt_tokens["lift"], "{prompt_tokens:?}");
+    // Self-gating: a `lift` answer is the adapter's when it is at least as sure as the answer
+    // the same prompt gets without the adapter (`rag`), else exactly that answer. (The gate's
+    // twin ran in a batch of two, `rag` alone: their float rows agree to ~1e-5, not bit for bit.)
+    let mut kept = BTreeMap::new();
+    for q in ["Who painted the tower?", "Who built the harbor?", "Which pier is for ferries?", "What rings at noon?"] {
+        let ask = |mode: &str| json!({"model": id, "messages": [{"role": "user", "content": q}], "max_tokens": 6, "logprobs": true, "mode": mode});
+        let (s, lift) = post_json(&c, &format!("{base}/v1/chat/completions"), ask("lift"), None).await;
+        assert_eq!(s, 200, "{lift}");
+        let (s, rag) = post_json(&c, &format!("{base}/v1/chat/completions"), ask("rag"), None).await;
+        assert_eq!(s, 200, "{rag}");
+        let text = |r: &Value| r["choices"][0]["message"]["content"].as_str().unwrap().to_string();
+        let mean = |r: &Value| {
+            let l: Vec<f64> = r["choices"][0]["logprobs"]["content"].as_array().unwrap().iter().map(|t| t["logprob"].as_f64().unwrap()).collect();
+            (!l.is_empty()).then(|| l.iter().sum::<f64>() / l.len() as f64)
+        };
+        assert!(lift["lift"]["adapter"]["step"].is_u64() && rag["lift"]["adapter"].is_null(), "{lift} {rag}");
+        assert!(rag["lift"].get("answered_by").is_none(), "{rag}");
+        let by = lift["lift"]["answered_by"].as_str().unwrap().to_string();
+        match by.as_str() {
+            "passages" => {
+                assert_eq!(text(&lift), text(&rag), "{q}");
+                assert!(mean(&lift).zip(mean(&rag)).is_none_or(|(l, r)| (l - r).abs() < 1e-3), "{q}: {lift} {rag}");
+            }
+            "adapter" => assert!(mean(&rag).is_none() || mean(&lift) >= mean(&rag).map(|r| r - 1e-3), "{q}: {lift} {rag}"),
+            other => panic!("answered_by {other}"),
+        }
+        *kept.entry(by).or_insert(0) += 1;
+    }
+    eprintln!("self-gating kept: {kept:?}");
     let resp = c
         .post(format!("{base}/v1/chat/completions"))
         .json(&json!({"model": id, "messages": [{"role": "user", "content": "Who painted the tower?"}],

@@ -5,6 +5,7 @@ use super::{print_piece, ModelArgs};
 use anyhow::{Context, Result};
 use candle_core::Device;
 use lift_serve::document::Document;
+use lift_serve::lift::answer::gate::answer_gated;
 use lift_serve::lift::answer::{answer, Ask, ContextPolicy, Mode};
 use lift_serve::model::generate::{generate, SamplingParams};
 use lift_serve::model::{ChatMessage, KvCache, Model, NoHooks};
@@ -37,15 +38,21 @@ pub(crate) struct AskArgs {
     /// Default: lift with --adapter, icl with --document (rag reads its retrieved passages).
     #[arg(long, value_enum)]
     mode: Option<Mode>,
-    /// Which document text the prompt shows: the passages BM25 retrieves for the question
-    /// (bm25, the default; icl: head_tail), the same re-ranked by the prepared base's filter
-    /// (retrieved), the head and tail (the LIFT paper's truncation), or what fits the window.
+    /// Which document text the prompt shows: the best BM25 passage and the passages its names
+    /// link to (linked, the default; icl: head_tail), the passages BM25 ranks best (bm25), the
+    /// same re-ranked by the prepared base's filter (retrieved), the head and tail (the LIFT
+    /// paper's truncation), or what fits the window.
     #[arg(long, value_enum)]
     context: Option<ContextPolicy>,
     /// In-context document budget (default 128; with --context full, what fits the model's
     /// window). Small budgets emulate a short-context model.
     #[arg(long)]
     context_tokens: Option<usize>,
+    /// Answer `lift` with the adapter's answer always, not the surer of it and the passages'
+    /// (self-gating, as the server answers; the two are generated one after the other, and the
+    /// answer is printed once chosen).
+    #[arg(long)]
+    no_self_gating: bool,
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
     #[arg(long, default_value_t = 0.0)]
@@ -85,7 +92,14 @@ impl AskArgs {
         let history = self.history()?;
         let ask = Ask { question: &self.question, history: &history, mode, context: self.context, context_tokens: self.context_tokens };
         let adapter = loaded.as_ref().map(|b| &b.adapter as &dyn lift_serve::model::Adapter);
-        let a = answer(&model, &document, adapter, &ask, &params, &mut print_piece)?;
+        let gated = mode == Mode::Lift && adapter.is_some() && !self.no_self_gating;
+        let (a, answered_by) = if gated {
+            let (a, by) = answer_gated(&model, &document, adapter, &ask, &params)?;
+            print_piece(&a.generation.text);
+            (a, by)
+        } else {
+            (answer(&model, &document, adapter, &ask, &params, &mut print_piece)?, None)
+        };
         println!();
         for c in &a.chunks {
             tracing::info!(
@@ -99,6 +113,7 @@ impl AskArgs {
         }
         tracing::info!(
             mode = ?mode,
+            answered_by = ?answered_by,
             prompt_tokens = a.prompt.tokens.len(),
             document_tokens_in_context = a.prompt.context_tokens,
             document_tokens = document.len(),

@@ -3,6 +3,7 @@
 use crate::lift::pricing::AbsorbRate;
 use crate::document::Document;
 use super::batcher::{Batch, Entry};
+use crate::lift::answer::gate::{self, AnswerSource};
 use crate::lift::answer::{chunk_scores, prepare, Ask, AnswerHooks, ContextPolicy, Mode};
 use crate::lift::answer::layout::ChunkScore;
 use crate::lift::{AbsorbEvent, AbsorbOptions, AbsorbStage};
@@ -13,7 +14,7 @@ use crate::store::{AdapterInfo, Loaded, Store};
 use candle_core::Tensor;
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 /// Train an adapter for a document and save it in the store under `id`.
@@ -213,6 +214,9 @@ pub enum Prompt {
         context: Option<ContextPolicy>,
         context_tokens: Option<usize>,
         blob: Option<crate::store::blobs::BlobRef>,
+        /// Self-gating ([`gate`]): in `lift` with an adapter, the same prompt also runs without
+        /// it, and the likelier answer is kept.
+        gate: bool,
     },
     /// The token ids of a chat prompt for the base model (encoded and checked against the window
     /// before queueing).
@@ -243,13 +247,15 @@ pub struct Generated {
     pub generate_ms: f64,
     /// The mode it was answered in (a document without an adapter yet answers `lift` as `rag`).
     pub mode: Option<Mode>,
-    /// The adapter that answered: (steps trained, steps planned); None without one.
+    /// The adapter it ran with: (steps trained, steps planned); None without one.
     pub adapter: Option<(usize, usize)>,
+    /// Whose answer this is when an adapter ran: the adapter's, or (self-gating) the passages'.
+    pub answered_by: Option<AnswerSource>,
 }
 
 /// A request in the batch: where its text and reply go, and what its report needs.
 pub(super) struct Running {
-    job: GenerateJob,
+    to: Answerer,
     queue_ms: f64,
     /// The document it reads (chunk texts for the report).
     document: Option<Arc<Document>>,
@@ -258,14 +264,70 @@ pub(super) struct Running {
     adapter: Option<(usize, usize)>,
 }
 
+/// Where a finished sequence's answer goes.
+enum Answerer {
+    /// Straight to its request.
+    Alone(GenerateJob),
+    /// To the gate of a self-gated `lift` answer, as the adapter's answer or the passages'.
+    Gated(Arc<Gate>, AnswerSource),
+}
+
+/// A self-gated `lift` answer: the adapter's sequence and its twin without the adapter (the
+/// same prompt) both end here; the last to finish replies with the answer [`gate::choose`]
+/// keeps. Its text is streamed once chosen.
+struct Gate {
+    cancel: Arc<AtomicBool>,
+    /// The request (taken by the reply) and the first answer to finish.
+    state: Mutex<(Option<GenerateJob>, Option<(AnswerSource, Result<Generated, EngineError>)>)>,
+}
+
 impl Running {
-    /// Sends a piece of text to the client; false when it is gone.
+    /// Sends a piece of text to the client; false when it is gone. A gated answer sends nothing
+    /// until it is chosen.
     fn send(&self, piece: &str) -> bool {
-        !self.job.cancel.load(Ordering::SeqCst) && self.job.pieces.as_ref().is_none_or(|p| p.send(piece.to_string()).is_ok())
+        match &self.to {
+            Answerer::Alone(job) => !self.gone() && job.pieces.as_ref().is_none_or(|p| p.send(piece.to_string()).is_ok()),
+            Answerer::Gated(..) => !self.gone(),
+        }
     }
 
     fn gone(&self) -> bool {
-        self.job.cancel.load(Ordering::SeqCst)
+        match &self.to {
+            Answerer::Alone(job) => job.cancel.load(Ordering::SeqCst),
+            Answerer::Gated(gate, _) => gate.cancel.load(Ordering::SeqCst),
+        }
+    }
+
+    /// Replies to the request; a gated answer waits for its twin, and the second replies.
+    fn reply(self, result: Result<Generated, EngineError>) {
+        match self.to {
+            Answerer::Alone(job) => {
+                let _ = job.reply.send(result);
+            }
+            Answerer::Gated(gate, role) => {
+                let Ok(mut state) = gate.state.lock() else { return };
+                let Some((other_role, other)) = state.1.take() else {
+                    state.1 = Some((role, result));
+                    return;
+                };
+                let Some(job) = state.0.take() else { return };
+                let (adapter, passages) = if role == AnswerSource::Adapter { (result, other) } else { (other, result) };
+                debug_assert_ne!(role, other_role);
+                let chosen = match (adapter, passages) {
+                    (Ok(a), Ok(p)) => match gate::choose(a.tokens.mean_logprob(), p.tokens.mean_logprob()) {
+                        AnswerSource::Adapter => Ok(Generated { answered_by: Some(AnswerSource::Adapter), ..a }),
+                        AnswerSource::Passages => Ok(Generated { answered_by: Some(AnswerSource::Passages), ..p }),
+                    },
+                    (Err(e), _) | (_, Err(e)) => Err(e),
+                };
+                if let (Ok(g), Some(pieces)) = (&chosen, &job.pieces) {
+                    if !g.text.is_empty() {
+                        let _ = pieces.send(g.text.clone());
+                    }
+                }
+                let _ = job.reply.send(chosen);
+            }
+        }
     }
 }
 
@@ -329,12 +391,22 @@ pub(super) fn admit<'m>(model: &'m Model, store: &Store, batch: &mut GenerationB
     let queue_ms = job.queued_at.elapsed().as_secs_f64() * 1000.0;
     match start(model, store, &job) {
         Ok(s) => {
-            // The budget held what the request could take; keep what its sequence needs.
+            // The budget held what the request could take; keep what its sequences need.
+            let needed = s.seq.cache_tokens() + s.twin.as_ref().map_or(0, Sequence::cache_tokens);
             if let Some(hold) = job.kv_hold.as_mut() {
-                hold.shrink_to(s.seq.cache_tokens());
+                hold.shrink_to(needed);
             }
-            let data = Running { job, queue_ms, document: s.document, mode: s.mode, adapter: s.steps };
+            let running = |to| Running { to, queue_ms, document: s.document.clone(), mode: s.mode, adapter: s.steps };
+            let Some(twin) = s.twin else {
+                let data = running(Answerer::Alone(job));
+                batch.join(Entry { seq: s.seq, adapter: s.adapter, adapter_key: s.adapter_key, data });
+                return;
+            };
+            let gate = Arc::new(Gate { cancel: job.cancel.clone(), state: Mutex::new((Some(job), None)) });
+            let data = running(Answerer::Gated(gate.clone(), AnswerSource::Adapter));
             batch.join(Entry { seq: s.seq, adapter: s.adapter, adapter_key: s.adapter_key, data });
+            let data = running(Answerer::Gated(gate, AnswerSource::Passages));
+            batch.join(Entry { seq: twin, adapter: None, adapter_key: 0, data });
         }
         Err(e) => {
             let _ = job.reply.send(Err(e));
@@ -346,6 +418,8 @@ pub(super) fn admit<'m>(model: &'m Model, store: &Store, batch: &mut GenerationB
 /// answers (with its training steps) and the mode it runs in.
 struct Started<'m> {
     seq: Sequence<'m, AnswerHooks<'m>>,
+    /// Self-gating: the same prompt without the adapter.
+    twin: Option<Sequence<'m, AnswerHooks<'m>>>,
     document: Option<Arc<Document>>,
     adapter: Option<Arc<dyn Adapter>>,
     /// The batch's key of `adapter` (0: none).
@@ -359,7 +433,7 @@ struct Started<'m> {
 /// training snapshot (`lift`, `memory`) or none (`lift` then answers as `rag`).
 fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Started<'m>, EngineError> {
     match &job.prompt {
-        Prompt::Document { id, question, history, mode, context, context_tokens, blob } => {
+        Prompt::Document { id, question, history, mode, context, context_tokens, blob, gate } => {
             let (document, held) = match store.live(id) {
                 // A saved adapter made over another base is being replaced: not it.
                 Some(live) if blob.is_none() && (live.replaces_saved || !store.adapter_dir(id).exists()) => {
@@ -379,14 +453,18 @@ fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Start
             let steps = held.as_ref().map(HeldAdapter::steps);
             let ask = Ask { question, history, mode, context: *context, context_tokens: *context_tokens };
             let (_, seq) = prepare(model, &document, &ask, &job.params)?;
+            let twin = match (*gate && mode == Mode::Lift && held.is_some()).then(|| Ask { mode: Mode::Rag, ..ask }) {
+                Some(passages) => Some(prepare(model, &document, &passages, &job.params)?.1),
+                None => None,
+            };
             let adapter_key = held.as_ref().map_or(0, HeldAdapter::key);
             let adapter = held.map(|h| Arc::new(h) as Arc<dyn Adapter>);
-            Ok(Started { seq, document: Some(document), adapter, adapter_key, steps, mode: Some(mode) })
+            Ok(Started { seq, twin, document: Some(document), adapter, adapter_key, steps, mode: Some(mode) })
         }
         Prompt::Chat(ids) => {
             let cache = KvCache::with_capacity(model.config().num_layers, ids.len() + job.params.max_tokens);
             let seq = Sequence::new(model, ids.clone(), cache, job.params.clone(), None)?;
-            Ok(Started { seq, document: None, adapter: None, adapter_key: 0, steps: None, mode: None })
+            Ok(Started { seq, twin: None, document: None, adapter: None, adapter_key: 0, steps: None, mode: None })
         }
         Prompt::Collection { tokens, adapter, mode } => {
             // Only the routed document's adapter is loaded (through the cache).
@@ -399,7 +477,7 @@ fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Start
             let seq = Sequence::new(model, tokens.clone(), cache, job.params.clone(), None)?;
             let adapter_key = held.as_ref().map_or(0, HeldAdapter::key);
             let adapter = held.map(|h| Arc::new(h) as Arc<dyn Adapter>);
-            Ok(Started { seq, document: None, adapter, adapter_key, steps, mode: Some(*mode) })
+            Ok(Started { seq, twin: None, document: None, adapter, adapter_key, steps, mode: Some(*mode) })
         }
     }
 }
@@ -430,7 +508,7 @@ pub(super) fn step(model: &Model, events: &dyn JobEvents, batch: &mut Generation
             let msg = format!("{e:#}");
             tracing::error!(error = %msg, sequences = batch.len(), "generation step failed");
             for e in batch.drain() {
-                let _ = e.data.job.reply.send(Err(EngineError::Failed(msg.clone())));
+                e.data.reply(Err(EngineError::Failed(msg.clone())));
             }
         }
     }
@@ -471,6 +549,7 @@ fn finish(model: &Model, events: &dyn JobEvents, e: Entry<'_, AnswerHooks<'_>, R
         text: out.text,
         mode: data.mode,
         adapter: data.adapter,
+        answered_by: data.adapter.map(|_| AnswerSource::Adapter),
     });
-    let _ = data.job.reply.send(result);
+    data.reply(result);
 }

@@ -1,5 +1,6 @@
-//! Self-gating, measured offline: where a `lift` method (the adapter) and `rag` (the passages
-//! alone) answered the same question in one run, which of the two answers a rule on their token
+//! Self-gating, measured offline: where a `lift` method (the adapter) and the `rag` method of the
+//! same context (the passages alone: `lift:bm25` beside `rag:bm25`, so that only the adapter
+//! differs) answered the same question in one run, which of the two answers a rule on their token
 //! log-probabilities would keep, and how often it is right. The rule keeps the passages' answer
 //! when its mean log-probability beats the adapter's by more than a margin; margins from
 //! "always the passages" to "always the adapter" are tabled so that one is chosen on the
@@ -7,6 +8,7 @@
 
 use super::{AnswerRecord, Results};
 use crate::corpus::scoring::mcnemar_exact;
+use crate::lift::answer::gate::keeps_passages;
 use std::fmt::Write;
 
 /// The margins tabled: the passages' answer is kept when its mean log-probability exceeds the
@@ -15,22 +17,24 @@ const MARGINS: [f64; 9] = [f64::NEG_INFINITY, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 
 
 /// The mean log-probability of an answer's tokens (None without them: a backend that gives none).
 fn mean_logprob(a: &AnswerRecord) -> Option<f64> {
-    (!a.logprobs.is_empty()).then(|| a.logprobs.iter().map(|&x| f64::from(x)).sum::<f64>() / a.logprobs.len() as f64)
+    crate::model::generate::mean_logprob(&a.logprobs)
 }
 
-/// Whether the rule at `margin` keeps the passages' answer over the adapter's.
-pub fn keeps_passages(adapter_mean: f64, passages_mean: f64, margin: f64) -> bool {
-    margin == f64::NEG_INFINITY || (margin != f64::INFINITY && passages_mean > adapter_mean + margin)
+
+/// The `rag` method that reads what `lift_method` reads: the same context suffix.
+fn passages_method(lift_method: &str) -> Option<String> {
+    lift_method.strip_prefix("lift").map(|context| format!("rag{context}"))
 }
 
-/// The self-gating table for every `lift…` method beside `rag` (nothing when the run has no
-/// such pair or its answers carry no log-probabilities).
+/// The self-gating table for every `lift…` method beside its `rag…` twin (nothing when the run
+/// has no such pair or its answers carry no log-probabilities).
 pub fn table(s: &mut String, results: &Results) {
-    let rag: Vec<&AnswerRecord> = results.answers.iter().filter(|a| a.method == "rag").collect();
     let mut lifts: Vec<&str> = results.answers.iter().map(|a| a.method.as_str()).filter(|m| m.starts_with("lift")).collect();
     lifts.sort_unstable();
     lifts.dedup();
     for m in lifts {
+        let Some(r_m) = passages_method(m) else { continue };
+        let rag: Vec<&AnswerRecord> = results.answers.iter().filter(|a| a.method == r_m).collect();
         // (adapter right, passages right, adapter mean, passages mean) per question.
         let pairs: Vec<(bool, bool, f64, f64)> = results
             .answers
@@ -47,11 +51,11 @@ pub fn table(s: &mut String, results: &Results) {
         let n = pairs.len();
         let _ = writeln!(
             s,
-            "\nSelf-gating of `{m}` against `rag` ({n} questions both answered): the passages' answer is kept when its \
+            "\nSelf-gating of `{m}` against `{r_m}` ({n} questions both answered): the passages' answer is kept when its \
              mean token log-probability beats the adapter's by more than the margin. Paired counts: right only with \
              the gate / only without it (McNemar p).\n"
         );
-        let _ = writeln!(s, "| margin | passages kept | right | vs `{m}` | vs `rag` |");
+        let _ = writeln!(s, "| margin | passages kept | right | vs `{m}` | vs `{r_m}` |");
         let _ = writeln!(s, "|---|---|---|---|---|");
         for margin in MARGINS {
             let (mut kept, mut right, mut vs_lift, mut vs_rag) = (0, 0, (0, 0), (0, 0));
@@ -90,10 +94,9 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_margin_decides_between_the_answers() {
-        assert!(keeps_passages(-1.0, -0.2, 0.5));
-        assert!(!keeps_passages(-1.0, -0.6, 0.5));
-        assert!(keeps_passages(0.0, -9.0, f64::NEG_INFINITY));
-        assert!(!keeps_passages(-9.0, 0.0, f64::INFINITY));
+    fn the_adapter_is_gated_against_the_passages_it_reads() {
+        assert_eq!(passages_method("lift").as_deref(), Some("rag"));
+        assert_eq!(passages_method("lift:bm25:64").as_deref(), Some("rag:bm25:64"));
+        assert_eq!(passages_method("rag"), None);
     }
 }

@@ -104,8 +104,13 @@ impl Generation {
 
     /// The mean log-probability of the generated tokens (None when nothing was generated).
     pub fn mean_logprob(&self) -> Option<f64> {
-        (!self.logprobs.is_empty()).then(|| self.logprobs.iter().map(|&x| f64::from(x)).sum::<f64>() / self.logprobs.len() as f64)
+        mean_logprob(&self.logprobs)
     }
+}
+
+/// The mean of `logprobs` (None when empty): a generation's one confidence signal.
+pub fn mean_logprob(logprobs: &[f32]) -> Option<f64> {
+    (!logprobs.is_empty()).then(|| logprobs.iter().map(|&x| f64::from(x)).sum::<f64>() / logprobs.len() as f64)
 }
 
 /// A generation's tokens with their log-probabilities and recorded alternatives.
@@ -117,6 +122,11 @@ pub struct TokenScores {
 }
 
 impl TokenScores {
+    /// The mean log-probability of the tokens (None without any).
+    pub fn mean_logprob(&self) -> Option<f64> {
+        mean_logprob(&self.logprobs)
+    }
+
     /// Each token with its log-probability and alternatives, spelled out (OpenAI's
     /// `logprobs.content`).
     pub fn spell(&self, tokenizer: &super::tokenizer::TextTokenizer) -> Vec<GeneratedToken> {

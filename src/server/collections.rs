@@ -223,6 +223,7 @@ pub fn answer(read: &CollectionRead) -> CollectionAnswer {
 fn response(r: Generated, read: CollectionRead, with_context: bool) -> AskResponse {
     AskResponse {
         adapter: answered_by(&r, &read),
+        answered_by: r.answered_by,
         context: if with_context { context(&read) } else { None },
         collection: Some(answer(&read)),
         answer: r.text,

@@ -68,6 +68,12 @@ pub struct ServeConfig {
     /// head and tail; with the `full` context policy, what fits the model's window).
     #[arg(long, env = "LIFT_CONTEXT_TOKENS")]
     pub context_tokens: Option<usize>,
+    /// Self-gating of `lift` answers: the answer the same prompt gets without the adapter is
+    /// generated in the same batch, and the likelier of the two is kept (`answered_by`); with
+    /// `--no-self-gating` (or `LIFT_NO_SELF_GATING=1`), always the adapter's, at half the work.
+    #[arg(long = "no-self-gating", env = "LIFT_NO_SELF_GATING", action = clap::ArgAction::SetTrue,
+          value_parser = clap::builder::TypedValueParser::map(clap::builder::BoolishValueParser::new(), |off: bool| !off))]
+    pub self_gating: bool,
     /// Prepared base (directory) under every document adapter, or `none`; default: `base/` in
     /// the working directory if it holds one.
     #[arg(long, env = "LIFT_PREPARED_BASE")]
@@ -180,6 +186,7 @@ impl ServeConfig {
             kv_cache_bytes: 4 << 30,
             cache_bytes: 1 << 30,
             context_tokens: None,
+            self_gating: true,
             // Explicit: a `base/` in the working directory belongs to the default model.
             prepared_base: Some("none".into()),
             max_training_tokens: 25_000_000,
@@ -273,7 +280,7 @@ impl ServeConfig {
         format!(
             "host={} port={} model={} adapters_dir={} api_keys={} absorb_options={} max_body_bytes={} \
              max_document_tokens={} max_collection_documents={} max_question_chars={} max_tokens_limit={} default_max_tokens={} \
-             train_queue={} generate_queue={} max_batch={} kv_cache_bytes={} cache_bytes={} context_tokens={} max_training_tokens={} metrics_key={} \
+             train_queue={} generate_queue={} max_batch={} kv_cache_bytes={} cache_bytes={} context_tokens={} self_gating={} max_training_tokens={} metrics_key={} \
              header_timeout_secs={} body_timeout_secs={} max_connections={} drain_secs={} database_url={} \
              adapter_store={} role={:?} replica_id={} lease_secs={} extract_workers={} extract_timeout_secs={} \
              extract_memory_bytes={} extract_limits={} extract_worker={} memory_budget_bytes={} checkpoint_secs={} absorb_budget={} \
@@ -296,6 +303,7 @@ impl ServeConfig {
             self.kv_cache_bytes,
             self.cache_bytes,
             self.context_tokens.map_or(format!("(default {})", crate::lift::answer::DEFAULT_CONTEXT_TOKENS), |c| c.to_string()),
+            self.self_gating,
             self.max_training_tokens,
             if self.metrics_key.is_some() { "****" } else { "(none)" },
             self.header_timeout_secs,
@@ -360,5 +368,12 @@ mod tests {
         std::env::set_var(VAR, "0");
         assert!(!parse(&["--no-absorb-calibration"]).absorb_calibration, "the flag over the variable");
         std::env::remove_var(VAR);
+    }
+
+    #[test]
+    fn self_gating_is_on_unless_turned_off() {
+        let parse = |args: &[&str]| Cli::try_parse_from(std::iter::once("serve").chain(args.iter().copied())).unwrap().serve;
+        assert!(parse(&[]).self_gating && ServeConfig::new("m".into(), "a".into()).self_gating);
+        assert!(!parse(&["--no-self-gating"]).self_gating);
     }
 }

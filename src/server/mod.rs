@@ -228,6 +228,7 @@ pub fn build_state(cfg: ServeConfig, device: &candle_core::Device) -> Result<App
         max_collection_documents: cfg.max_collection_documents,
         max_training_tokens: cfg.max_training_tokens,
         context_tokens: cfg.context_tokens,
+        self_gating: cfg.self_gating,
         shared,
         checkpoint_interval,
         calibrated_rate,

@@ -141,6 +141,7 @@ impl Completion {
                 Some(read) => ChatLift {
                     mode,
                     adapter: collections::answered_by(r, read),
+                    answered_by: r.answered_by,
                     context: if with_context { collections::context(read) } else { None },
                     document_id: Some(read.document_id.clone()),
                     collection: Some(collections::answer(read)),
@@ -148,6 +149,7 @@ impl Completion {
                 None => ChatLift {
                     mode,
                     adapter: r.adapter.map(|(step, planned_steps)| AnsweredBy { step, planned_steps, document_id: None }),
+                    answered_by: r.answered_by,
                     context: if with_context { super::routes::context_of(r) } else { None },
                     document_id: None,
                     collection: None,

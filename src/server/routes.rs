@@ -238,6 +238,7 @@ pub(super) fn ask_response(r: Generated, document_id: String, mode: Mode, with_c
         document_id,
         mode: r.mode.unwrap_or(mode),
         adapter: r.adapter.map(|(step, planned_steps)| AnsweredBy { step, planned_steps, document_id: None }),
+        answered_by: r.answered_by,
         usage: AskUsage { prompt_tokens: r.prompt_tokens, completion_tokens: r.completion_tokens },
         finish_reason: r.finish_reason,
         timings: Timings { queue_ms: r.queue_ms, prompt_ms: r.prompt_ms, generate_ms: r.generate_ms },

@@ -75,6 +75,8 @@ pub struct ServiceConfig {
     /// In-context document budget when answering (None: `DEFAULT_CONTEXT_TOKENS`; with the
     /// `full` policy, what fits the window).
     pub context_tokens: Option<usize>,
+    /// Self-gating of `lift` answers ([`crate::lift::answer::gate`]).
+    pub self_gating: bool,
     /// Replicas sharing a database and an adapter store (None: this process's files).
     pub shared: Option<postgres::SharedConfig>,
     /// Time between an absorb's checkpoints.
@@ -441,6 +443,9 @@ impl Service {
             turns += model.tokenizer.encode_plain(&t.content).map_err(ServiceError::internal)?.len() + 4;
         }
         let kv_tokens = (context + markers + needed + turns + params.max_tokens).min(model.config().max_position_embeddings);
+        // A gated `lift` answer runs a second sequence, the same prompt without the adapter.
+        let gate = self.cfg.self_gating && q.mode == Mode::Lift;
+        let kv_tokens = if gate { 2 * kv_tokens } else { kv_tokens };
         let prompt = Prompt::Document {
             id: q.document_id,
             question: q.question,
@@ -449,6 +454,7 @@ impl Service {
             context: q.context,
             context_tokens,
             blob,
+            gate,
         };
         let mut pending = self.generate(prompt, params, kv_tokens, pieces)?;
         self.registry.asked(&view.id);

@@ -13,6 +13,7 @@
 //! The chat prompt and its pieces, shared with training, are in [`prompt`]; FltLM's chunk layout
 //! and the filter's loss in [`layout`].
 
+pub mod gate;
 pub mod layout;
 pub mod prompt;
 

@@ -196,6 +196,11 @@ pub struct AskResponse {
     /// stopped early) or a snapshot part-way through training; null when none did (modes
     /// `rag` and `icl`, or a document whose adapter does not exist yet).
     pub adapter: Option<AnsweredBy>,
+    /// Whose answer this is when an adapter ran: `adapter`, or `passages` when self-gating kept
+    /// the answer the same prompt gets without the adapter (it was the surer of the two).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>)]
+    pub answered_by: Option<crate::lift::answer::gate::AnswerSource>,
     /// The passages the answer read, with what the prepared base's filter did to them (only
     /// with `include_context`; modes with context).
     #[serde(skip_serializing_if = "Option::is_none")]

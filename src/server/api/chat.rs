@@ -288,6 +288,10 @@ pub struct ChatLift {
     #[schema(value_type = String)]
     pub mode: Mode,
     pub adapter: Option<AnsweredBy>,
+    /// As `/ask`'s `answered_by`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(value_type = Option<String>)]
+    pub answered_by: Option<crate::lift::answer::gate::AnswerSource>,
     /// The passages read (with `include_context`), as `/ask`'s `context`.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub context: Option<Context>,

@@ -851,13 +851,15 @@ function adapterKind(v, docId) {
 }
 
 // Who answered, in words: the response's `mode` and `adapter` (`askedMode`: what was asked; a
-// `lift` question answered as `rag` had no adapter to use yet).
+// `lift` question answered as `rag` had no adapter to use yet), and where self-gating kept the
+// answer the passages alone gave (`answered_by`), that it did.
 function answeredBy(v, kind, askedMode) {
   const a = v.adapter;
   const adapter = kind === 'snapshot' ? 'adapter snapshot, step ' + a.step + ' of ' + a.planned_steps
     : kind === 'final' ? 'absorbed adapter (' + a.step + ' steps)'
     : askedMode === 'lift' ? (v.notice ? 'no adapter over this base yet' : 'no adapter yet') : 'base model, no adapter';
-  return MODE_NAME[v.mode] + ' · ' + adapter;
+  const kept = v.answered_by === 'passages' ? ' · the passages’ own answer, the surer one' : '';
+  return MODE_NAME[v.mode] + ' · ' + adapter + kept;
 }
 
 function newTurn(question, modes) {
