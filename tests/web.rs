@@ -273,6 +273,8 @@ async fn real_model_document_chat() {
     )
     .await;
     assert_eq!(a3["lift"], direct["answer"], "{direct}");
+    // Self-gating: the page says so when the passages' own answer was kept.
+    assert_eq!(by.contains("the passages’ own answer"), direct["answered_by"] == "passages", "{by} / {direct}");
     // The passages it read: asked for when opened.
     click_centered(&b, "#answer-lift [data-testid=passages] > summary").await;
     b.wait_js("the passages", Duration::from_secs(60), "return document.querySelector('#answer-lift [data-testid=passages]').dataset.loaded", |v| v == "done")
