@@ -479,6 +479,33 @@ fn ask_a_collection_routes_to_the_document_holding_the_answer() {
     }
     let (ok, err) = ask(ferry, Some("icl"));
     assert!(!ok && err.contains("lift or rag"), "{err}");
+
+    // `ask --adapter` self-gates as the server does: the answer is the adapter's own (as with
+    // `--no-self-gating`) or the passages' (as `--mode rag` answers), and it says which.
+    let single = |extra: &[&str]| {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_lift-serve"))
+            .args(["ask", "--prepared-base", "none", "--max-tokens", "4", "--question", ferry, "--model"])
+            .arg(&path)
+            .arg("--adapter")
+            .arg(col.join("harbor"))
+            .args(extra)
+            .output()
+            .unwrap();
+        // The log's fields, without its colours.
+        let err: String = String::from_utf8_lossy(&out.stderr).split('\x1b').map(|p| p.split_once('m').filter(|_| p.starts_with('[')).map_or(p, |(_, rest)| rest)).collect();
+        assert!(out.status.success(), "{extra:?}: {err}");
+        (String::from_utf8_lossy(&out.stdout).trim().to_string(), err)
+    };
+    let (gated, err) = single(&[]);
+    let (adapter_only, adapter_err) = single(&["--no-self-gating"]);
+    let (passages, _) = single(&["--mode", "rag"]);
+    assert!(adapter_err.contains("answered_by=None"), "{adapter_err}");
+    if err.contains("answered_by=Some(Passages)") {
+        assert_eq!(gated, passages, "{err}");
+    } else {
+        assert!(err.contains("answered_by=Some(Adapter)"), "{err}");
+        assert_eq!(gated, adapter_only, "{err}");
+    }
 }
 
 /// `lift-serve absorb` reads the formats the server takes: a PDF made here is absorbed from its

@@ -240,6 +240,12 @@ async fn a_collection_question_reads_the_right_document_and_routes_to_its_adapte
         assert_eq!(s, 200, "{r}");
         assert_eq!((r["document_id"].as_str(), r["mode"].as_str(), &r["adapter"]), (Some(want.as_str()), Some("rag"), &Value::Null), "{r}");
         assert_eq!(r["collection"]["passages"], a["collection"]["passages"], "{q}");
+        // Self-gated as a document's answer: the adapter's, or exactly the passages' own.
+        match (want == &m, a["answered_by"].as_str()) {
+            (true, by) => assert_eq!(by, None, "{a}"),
+            (false, Some("passages")) => assert_eq!(a["answer"], r["answer"], "{q}: {a} / {r}"),
+            (false, by) => assert_eq!(by, Some("adapter"), "{a}"),
+        }
     }
 
     // The collection as a chat model: the same routing in the extension.

@@ -5,7 +5,7 @@ use super::{print_piece, ModelArgs};
 use anyhow::{Context, Result};
 use candle_core::Device;
 use lift_serve::document::Document;
-use lift_serve::lift::answer::gate::answer_gated;
+use lift_serve::lift::answer::gate::{answer_gated, choose, AnswerSource};
 use lift_serve::lift::answer::{answer, Ask, ContextPolicy, Mode};
 use lift_serve::model::generate::{generate, SamplingParams};
 use lift_serve::model::{ChatMessage, KvCache, Model, NoHooks};
@@ -193,10 +193,25 @@ impl AskArgs {
         );
         let params = SamplingParams { max_tokens: self.max_tokens, temperature: self.temperature, ..Default::default() };
         let adapter = routed.as_ref().map(|b| &b.adapter as &dyn lift_serve::model::Adapter);
-        let mut cache = KvCache::new(model.config().num_layers);
-        generate(model, &tokens, &mut cache, adapter, &mut NoHooks, &params, &mut print_piece)?;
+        let run = |adapter, on_text: &mut dyn FnMut(&str) -> bool| {
+            generate(model, &tokens, &mut KvCache::new(model.config().num_layers), adapter, &mut NoHooks, &params, on_text)
+        };
+        // Self-gated as a document's answer is (`answer_gated`): the adapter's answer, or the
+        // passages' own where it is the surer.
+        let by = match adapter.filter(|_| !self.no_self_gating) {
+            Some(adapter) => {
+                let (with, without) = (run(Some(adapter), &mut |_| true)?, run(None, &mut |_| true)?);
+                let by = choose(with.mean_logprob(), without.mean_logprob());
+                print_piece(if by == AnswerSource::Adapter { &with.text } else { &without.text });
+                format!(" (answered by: {by:?})")
+            }
+            None => {
+                run(adapter, &mut print_piece)?;
+                String::new()
+            }
+        };
         println!();
-        eprintln!("[{} answered: {top}]", if routed.is_some() { "lift" } else { "rag" });
+        eprintln!("[{} answered: {top}]{by}", if routed.is_some() { "lift" } else { "rag" });
         Ok(())
     }
 }

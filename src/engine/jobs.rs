@@ -228,6 +228,8 @@ pub enum Prompt {
         tokens: Vec<u32>,
         adapter: Option<(String, Option<crate::store::blobs::BlobRef>)>,
         mode: Mode,
+        /// Self-gating, as for a document's question.
+        gate: bool,
     },
 }
 
@@ -466,7 +468,7 @@ fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Start
             let seq = Sequence::new(model, ids.clone(), cache, job.params.clone(), None)?;
             Ok(Started { seq, twin: None, document: None, adapter: None, adapter_key: 0, steps: None, mode: None })
         }
-        Prompt::Collection { tokens, adapter, mode } => {
+        Prompt::Collection { tokens, adapter, mode, gate } => {
             // Only the routed document's adapter is loaded (through the cache).
             let held = match adapter {
                 Some((id, blob)) => Some(HeldAdapter::Stored(load_stored(model, store, id, blob.as_ref())?)),
@@ -475,9 +477,15 @@ fn start<'m>(model: &'m Model, store: &Store, job: &GenerateJob) -> Result<Start
             let steps = held.as_ref().map(HeldAdapter::steps);
             let cache = KvCache::with_capacity(model.config().num_layers, tokens.len() + job.params.max_tokens);
             let seq = Sequence::new(model, tokens.clone(), cache, job.params.clone(), None)?;
+            let twin = if *gate && *mode == Mode::Lift && held.is_some() {
+                let cache = KvCache::with_capacity(model.config().num_layers, tokens.len() + job.params.max_tokens);
+                Some(Sequence::new(model, tokens.clone(), cache, job.params.clone(), None)?)
+            } else {
+                None
+            };
             let adapter_key = held.as_ref().map_or(0, HeldAdapter::key);
             let adapter = held.map(|h| Arc::new(h) as Arc<dyn Adapter>);
-            Ok(Started { seq, twin: None, document: None, adapter, adapter_key, steps, mode: Some(*mode) })
+            Ok(Started { seq, twin, document: None, adapter, adapter_key, steps, mode: Some(*mode) })
         }
     }
 }

@@ -177,8 +177,10 @@ impl Service {
             .map_err(ServiceError::internal)?
             .map_err(ServiceError::internal)??;
         let answered_by = routed.as_ref().map(|_| top.clone());
-        let kv_tokens = tokens.len() + params.max_tokens;
-        let prompt = Prompt::Collection { tokens, adapter: routed.map(|blob| (top.clone(), blob)), mode };
+        // Self-gated in `lift` as a document's answer is: a second sequence without the adapter.
+        let gate = self.cfg.self_gating && routed.is_some();
+        let kv_tokens = (tokens.len() + params.max_tokens) * if gate { 2 } else { 1 };
+        let prompt = Prompt::Collection { tokens, adapter: routed.map(|blob| (top.clone(), blob)), mode, gate };
         let mut pending = self.generate(prompt, params, kv_tokens, pieces)?;
         if let Some(id) = &answered_by {
             pending.document = Some((id.clone(), self.registry.clone()));
